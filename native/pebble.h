@@ -1,0 +1,160 @@
+// pebble.h: the C ABI of the pebble store.
+//
+// The store holds each transformer layer's state (weights, KV cache) as typed byte entries across two
+// tiers: a device tier bounded by a byte limit, and a pinned host tier. A strategy, fixed at init,
+// decides which layers are checkpoints (kept resident on the device); the rest are streamed by the
+// caller through its own working buffers with pebble_restore.
+//
+// Every call returns an enum pebble_status; none aborts or exits. On error, pebble_last_error()
+// returns a message for the calling thread that names the call, the layer and the sizes involved.
+// A handle may be used from several threads at once; a freed handle is detected, never dereferenced.
+#pragma once
+
+#include <stddef.h>
+#include <stdint.h>
+
+#if defined(_WIN32)
+#    define PEBBLE_API __declspec(dllexport)
+#else
+#    define PEBBLE_API __attribute__((visibility("default")))
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// ---------------------------------------------------------------------------------------------------
+// status codes
+
+enum pebble_status {
+    PEBBLE_OK                   =   0,
+    PEBBLE_ERR_INVALID_ARGUMENT =  -1, // a NULL pointer, zero size, negative id, unknown tier or type
+    PEBBLE_ERR_UNKNOWN_ENTRY    =  -2, // no entry saved under (layer, tensor_id)
+    PEBBLE_ERR_SIZE_MISMATCH    =  -3, // byte count or range does not match the entry
+    PEBBLE_ERR_LAYER_RANGE      =  -4, // layer index outside [0, n_layers)
+    PEBBLE_ERR_TOO_LARGE        =  -5, // entry bound for the device tier is larger than the whole limit
+    PEBBLE_ERR_HOST_OOM         =  -6, // pinned host memory could not be allocated
+    PEBBLE_ERR_DEVICE_OOM       =  -7, // device memory could not be allocated within the limit
+    PEBBLE_ERR_CUDA             =  -8, // a CUDA runtime call failed (message has statement and line)
+    PEBBLE_ERR_CLOSED           =  -9, // the handle was freed or never existed
+    PEBBLE_ERR_STRATEGY         = -10, // unknown strategy or invalid strategy argument
+};
+
+// ---------------------------------------------------------------------------------------------------
+// strategies: which layers are checkpoints (resident on the device)
+//
+// For k resident layers out of L, layer i is resident iff (i * k) mod L < k: exactly k layers, evenly
+// spaced, layer 0 first; when k >= L/2 no two streamed layers are adjacent, so every transfer can
+// overlap a resident layer's compute.
+
+enum pebble_strategy {
+    PEBBLE_STRATEGY_NONE     = 0, // every layer resident (arg ignored)
+    PEBBLE_STRATEGY_SQRT     = 1, // k = ceil(sqrt(L)) (arg ignored)
+    PEBBLE_STRATEGY_ADAPTIVE = 2, // k = arg, 0 <= arg <= L, chosen by the planner to fit a budget
+    PEBBLE_STRATEGY_MINIMAL  = 3, // no layer resident (arg ignored)
+    PEBBLE_STRATEGY_EVERY    = 4, // layer i resident iff i mod arg == 0, arg >= 1
+};
+
+// where pebble_save places an entry
+enum pebble_tier {
+    PEBBLE_TIER_AUTO   = 0, // device if the strategy keeps the layer resident, else host
+    PEBBLE_TIER_DEVICE = 1,
+    PEBBLE_TIER_HOST   = 2,
+};
+
+// GGUF tensor type of an entry's bytes; PEBBLE_TYPE_BYTES for untyped bytes
+#define PEBBLE_TYPE_BYTES (-1)
+#define PEBBLE_MAX_DIMS   4
+
+struct pebble_tensor_desc {
+    int32_t ggml_type;             // GGUF type id (0 F32, 1 F16, 2 Q4_0, 8 Q8_0, 12 Q4_K, 14 Q6_K, 30 BF16)
+    int32_t n_dims;                // 1..PEBBLE_MAX_DIMS
+    int64_t ne[PEBBLE_MAX_DIMS];   // elements per dimension, innermost first (GGUF order)
+};
+
+struct pebble_entry_info {
+    uint64_t                  nbytes;
+    struct pebble_tensor_desc desc;
+    int32_t                   on_device; // a device copy exists
+    int32_t                   on_host;   // a host copy exists
+};
+
+struct pebble_stats {
+    uint64_t device_limit_bytes;
+    uint64_t device_bytes;       // bytes held in the device tier now
+    uint64_t device_peak_bytes;  // most ever held in the device tier
+    uint64_t host_bytes;         // bytes held in the pinned host tier now
+    uint64_t host_peak_bytes;
+    uint64_t entries;
+    uint64_t saves;
+    uint64_t restores;           // pebble_restore and pebble_read calls that succeeded
+    uint64_t hits;               // ... of which served from the device tier
+    uint64_t evictions;          // entries moved from the device tier to the host tier
+    uint64_t prefetches;         // entries copied from the host tier into the device tier
+    uint64_t bytes_h2d;          // bytes copied host to device, by any call
+    uint64_t bytes_d2h;          // bytes copied device to host, by any call
+    uint64_t bytes_restored;     // bytes copied out by pebble_restore and pebble_read
+};
+
+typedef struct pebble_store * pebble_store_t;
+
+// ---------------------------------------------------------------------------------------------------
+// lifetime
+
+// Creates a store on CUDA device `device` whose device tier holds at most `device_limit` bytes.
+PEBBLE_API enum pebble_status pebble_init  (uint64_t device_limit, int32_t n_layers, int32_t strategy,
+                                            int64_t strategy_arg, int32_t device, pebble_store_t * out);
+// Frees every entry and the handle; later calls on it return PEBBLE_ERR_CLOSED. NULL is a no-op.
+PEBBLE_API enum pebble_status pebble_free  (pebble_store_t store);
+
+// ---------------------------------------------------------------------------------------------------
+// entries
+//
+// Copies are enqueued on `stream` (a cudaStream_t; NULL for the default stream) and ordered after
+// every earlier copy of the same entry on any stream; the caller keeps `src`/`dst` valid until
+// `stream` has passed them. Host and device pointers are both accepted.
+
+// Saves `nbytes` from `src` under (layer, tensor_id), replacing any entry there. Saving into the device
+// tier past the limit first moves least-recently-used entries of other keys to the host tier.
+PEBBLE_API enum pebble_status pebble_save   (pebble_store_t store, int32_t layer, int32_t tensor_id,
+                                             const void * src, uint64_t nbytes,
+                                             const struct pebble_tensor_desc * desc, // NULL: bytes
+                                             int32_t tier, void * stream);
+// Copies the whole entry into `dst`; `nbytes` must equal the entry's size.
+PEBBLE_API enum pebble_status pebble_restore(pebble_store_t store, int32_t layer, int32_t tensor_id,
+                                             void * dst, uint64_t nbytes, void * stream);
+// Copies bytes [offset, offset + nbytes) of the entry into `dst`.
+PEBBLE_API enum pebble_status pebble_read   (pebble_store_t store, int32_t layer, int32_t tensor_id,
+                                             uint64_t offset, void * dst, uint64_t nbytes, void * stream);
+// Overwrites bytes [offset, offset + nbytes) of the entry in every tier that holds it.
+PEBBLE_API enum pebble_status pebble_write  (pebble_store_t store, int32_t layer, int32_t tensor_id,
+                                             uint64_t offset, const void * src, uint64_t nbytes,
+                                             void * stream);
+// Removes the entry from both tiers.
+PEBBLE_API enum pebble_status pebble_erase  (pebble_store_t store, int32_t layer, int32_t tensor_id);
+// Copies every host-only entry of `layer` into the device tier, as far as the limit allows without
+// evicting other entries of that layer; entries larger than the limit stay on the host.
+PEBBLE_API enum pebble_status pebble_prefetch(pebble_store_t store, int32_t layer, void * stream);
+PEBBLE_API enum pebble_status pebble_entry_info(pebble_store_t store, int32_t layer, int32_t tensor_id,
+                                                struct pebble_entry_info * out);
+
+// ---------------------------------------------------------------------------------------------------
+// strategy, stats, errors
+
+// *out = 1 if the strategy keeps `layer` resident on the device, else 0.
+PEBBLE_API enum pebble_status pebble_should_checkpoint(pebble_store_t store, int32_t layer, int32_t * out);
+PEBBLE_API enum pebble_status pebble_stats      (pebble_store_t store, struct pebble_stats * out);
+// Resets the peak counters to the current holdings and zeroes the event counters.
+PEBBLE_API enum pebble_status pebble_stats_reset(pebble_store_t store);
+// Waits until every copy the store enqueued has completed.
+PEBBLE_API enum pebble_status pebble_synchronize(pebble_store_t store);
+
+PEBBLE_API const char * pebble_strerror  (int32_t status);
+// The message of the calling thread's last failed call ("" if none); valid until its next call.
+PEBBLE_API const char * pebble_last_error(void);
+// "cuda" or "host": what this library was built as.
+PEBBLE_API const char * pebble_backend   (void);
+
+#ifdef __cplusplus
+}
+#endif

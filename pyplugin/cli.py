@@ -1,0 +1,48 @@
+"""The `pebbling` command. Each subcommand lives in pyplugin/commands/<name>.py and provides
+``add_parser(subparsers)`` (which registers itself and sets ``func``) ."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from .errors import PebblingError
+
+# Order shown in --help; a module that is absent is simply not offered.
+COMMANDS = ("run", "serve", "estimate", "verify", "info")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pebbling",
+        description="Run GGUF models in any GPU memory budget by streaming layer state.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMANDS:
+        try:
+            module = importlib.import_module(f"pyplugin.commands.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name == f"pyplugin.commands.{name}":
+                continue
+            raise
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except PebblingError as exc:
+        print(f"pebbling: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
