@@ -1,0 +1,81 @@
+# pebbling: `make serve` installs everything and serves the demo model; `make test` runs the tests.
+
+PYTHON      ?= python3
+VENV        ?= .venv
+PY          := $(VENV)/bin/python
+NVCC        ?= nvcc
+CXX         ?= g++
+HOST        ?= 127.0.0.1
+PORT        ?= 11435
+
+# Hopper machine code plus PTX, so newer GPUs can JIT it.
+CUDA_ARCH   ?= -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90
+NATIVE_SRC  := native/pebble.cu
+NATIVE_DEPS := $(NATIVE_SRC) native/pebble.h native/cuda_host.h
+HOST_FLAGS  := -x c++ -std=c++17 -DPEBBLE_HOST_BUILD -fPIC -shared -pthread -fvisibility=hidden -Wall -Wextra
+SAN_FLAGS   := -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=undefined
+
+.PHONY: all cuda host host-asan venv test test-native test-sanitized serve native-best clean
+
+all: host
+
+cuda: build/libpebble_cuda.so
+host: build/libpebble_host.so
+host-asan: build/libpebble_host_asan.so
+
+build/libpebble_cuda.so: $(NATIVE_DEPS)
+	@command -v $(NVCC) >/dev/null 2>&1 || { echo "make cuda: nvcc was not found on PATH, so the CUDA library cannot be built here; install the CUDA toolkit or set NVCC=/path/to/nvcc." >&2; exit 1; }
+	@mkdir -p build
+	$(NVCC) -O3 -std=c++17 -shared -Xcompiler -fPIC,-fvisibility=hidden $(CUDA_ARCH) -o $@ $(NATIVE_SRC)
+
+build/libpebble_host.so: $(NATIVE_DEPS)
+	@mkdir -p build
+	$(CXX) -O2 $(HOST_FLAGS) -o $@ $(NATIVE_SRC)
+
+build/libpebble_host_asan.so: $(NATIVE_DEPS)
+	@mkdir -p build
+	$(CXX) $(SAN_FLAGS) $(HOST_FLAGS) -o $@ $(NATIVE_SRC)
+
+# The virtual environment, with the package installed editable and the test extra.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	@touch $@
+
+venv: $(VENV)/.installed
+
+# The CUDA library where nvcc and a GPU are present, else the host build (the stub needs nothing).
+native-best:
+	@if command -v $(NVCC) >/dev/null 2>&1 && command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+		$(MAKE) --no-print-directory cuda; \
+	elif command -v $(CXX) >/dev/null 2>&1; then \
+		$(MAKE) --no-print-directory host; \
+	else echo "no C++ compiler found: pebbling will use its pure-Python stub backend"; fi
+
+test: venv host host-asan
+	$(PY) -m pytest -q
+	$(MAKE) --no-print-directory test-native test-sanitized
+
+# The C ABI driven from C against the sanitized library, with leak checking on.
+build/test_pebble: tests/native/test_pebble.c build/libpebble_host_asan.so
+	$(CC) $(SAN_FLAGS) -Inative -o $@ $< -Lbuild -lpebble_host_asan -Wl,-rpath,'$$ORIGIN'
+
+test-native: build/test_pebble
+	ASAN_OPTIONS=detect_leaks=1:halt_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 build/test_pebble
+
+# The conformance suite on the host library built with AddressSanitizer and UBSan. Python itself is
+# not instrumented, so the sanitizer runtime is preloaded and leak checking (which would report the
+# interpreter's own allocations) is left to the native C test.
+test-sanitized: venv host-asan
+	LD_PRELOAD="$$($(CXX) -print-file-name=libasan.so) $$($(CXX) -print-file-name=libubsan.so)" \
+	ASAN_OPTIONS=detect_leaks=0:abort_on_error=0:halt_on_error=1 \
+	UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+	PEBBLING_LIB=build/libpebble_host_asan.so PEBBLING_TEST_BACKENDS=host \
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_store_conformance.py
+
+serve: venv native-best
+	$(VENV)/bin/pebbling serve --host $(HOST) --port $(PORT)
+
+clean:
+	rm -rf build

@@ -1,0 +1,597 @@
+// pebble.cu: the pebble store, the implementation of pebble.h.
+//
+// Entries live in a device tier bounded by a byte limit and a pinned host tier. An entry may hold a
+// device copy, a host copy, or both (after a prefetch, or an eviction of an entry that already had a
+// host copy); every write updates each copy, so the copies never disagree. Every copy touching an
+// entry waits on, then records, the entry's event, which orders copies of one entry across streams
+// and tells when a buffer may be freed.
+//
+// Built by nvcc for the GPU, or by the host C++ compiler with -DPEBBLE_HOST_BUILD, where cuda_host.h
+// maps the runtime onto host memory.
+
+#include "pebble.h"
+
+#ifdef PEBBLE_HOST_BUILD
+#    include "cuda_host.h"
+#else
+#    include <cuda_runtime.h>
+#endif
+
+#include <algorithm>
+#include <cinttypes>
+#include <cstdarg>
+#include <cstdio>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace {
+
+// ---------------------------------------------------------------------------------------------------
+// errors
+
+// Per thread, so that threads sharing a handle each read the message of their own failed call.
+thread_local std::string t_last_error;
+
+#if defined(__GNUC__)
+__attribute__((format(printf, 2, 3)))
+#endif
+pebble_status fail(pebble_status status, const char * fmt, ...) {
+    char buf[512];
+    va_list args;
+    va_start(args, fmt);
+    vsnprintf(buf, sizeof(buf), fmt, args);
+    va_end(args);
+    t_last_error = buf;
+    return status;
+}
+
+// Records the statement, function, file and line of a failed runtime call and returns a status.
+#define CUDA_CHECK(stmt)                                                                           \
+    do {                                                                                           \
+        cudaError_t err_ = (stmt);                                                                 \
+        if (err_ != cudaSuccess) {                                                                 \
+            return fail(err_ == cudaErrorMemoryAllocation ? PEBBLE_ERR_DEVICE_OOM : PEBBLE_ERR_CUDA, \
+                        "%s: %s failed: %s (%s:%d)", __func__, #stmt, cudaGetErrorString(err_),     \
+                        __FILE__, __LINE__);                                                       \
+        }                                                                                          \
+    } while (0)
+
+#define TRY(expr)                                                                                  \
+    do {                                                                                           \
+        pebble_status st_ = (expr);                                                                \
+        if (st_ != PEBBLE_OK) return st_;                                                          \
+    } while (0)
+
+// ---------------------------------------------------------------------------------------------------
+// strategies (mirrored by pyplugin/strategy.py; a test holds the two together)
+
+int64_t resident_count(int32_t strategy, int64_t arg, int32_t n_layers) {
+    switch (strategy) {
+        case PEBBLE_STRATEGY_NONE:     return n_layers;
+        case PEBBLE_STRATEGY_SQRT: {
+            int64_t k = 0;
+            while (k * k < n_layers) ++k; // ceil(sqrt(L)), exact in integers
+            return k;
+        }
+        case PEBBLE_STRATEGY_ADAPTIVE: return arg;
+        case PEBBLE_STRATEGY_MINIMAL:  return 0;
+        case PEBBLE_STRATEGY_EVERY:    return (n_layers + arg - 1) / arg;
+    }
+    return -1;
+}
+
+bool is_resident(int32_t strategy, int64_t arg, int32_t n_layers, int32_t layer) {
+    if (strategy == PEBBLE_STRATEGY_EVERY) return layer % arg == 0;
+    const int64_t k = resident_count(strategy, arg, n_layers);
+    return (layer * k) % n_layers < k;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// the store
+
+using entry_key = uint64_t;
+
+entry_key make_key(int32_t layer, int32_t tensor_id) {
+    return (static_cast<uint64_t>(static_cast<uint32_t>(layer)) << 32) | static_cast<uint32_t>(tensor_id);
+}
+
+struct entry {
+    uint64_t                    nbytes   = 0;
+    pebble_tensor_desc          desc     = {};
+    void *                      dev      = nullptr; // device copy
+    void *                      host     = nullptr; // pinned host copy
+    cudaEvent_t                 last_use = nullptr; // recorded after every copy that touches the entry
+    std::list<entry_key>::iterator lru;                 // position in the device LRU list, valid iff dev
+};
+
+struct store {
+    std::mutex  mu;
+    uint64_t    limit    = 0;
+    int32_t     n_layers = 0;
+    int32_t     strategy = 0;
+    int64_t     arg      = 0;
+    int32_t     device   = 0;
+    cudaStream_t evict_stream = nullptr;
+
+    std::unordered_map<entry_key, entry> entries;
+    std::list<entry_key>                 lru; // device copies, least recently used first
+    struct pebble_stats               stats = {};
+
+    ~store();
+};
+
+// Waits for the entry's copies, then frees its buffers. Used where failing is not an option.
+void release_all(entry & e) {
+    if (e.last_use) cudaEventSynchronize(e.last_use);
+    if (e.dev)  cudaFree(e.dev);
+    if (e.host) cudaFreeHost(e.host);
+    if (e.last_use) cudaEventDestroy(e.last_use);
+    e.dev = e.host = nullptr;
+    e.last_use = nullptr;
+}
+
+store::~store() {
+    cudaSetDevice(device);
+    for (auto & kv : entries) release_all(kv.second);
+    if (evict_stream) cudaStreamDestroy(evict_stream);
+}
+
+void touch(store & s, entry & e) {
+    if (e.dev) s.lru.splice(s.lru.end(), s.lru, e.lru);
+}
+
+bool is_device_pointer(const void * ptr) {
+    cudaPointerAttributes attr;
+    if (cudaPointerGetAttributes(&attr, ptr) != cudaSuccess) {
+        cudaGetLastError(); // plain host memory on old runtimes: clear the sticky-free error
+        return false;
+    }
+    return attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged;
+}
+
+void count_copy(store & s, bool src_dev, bool dst_dev, uint64_t n) {
+    if (!src_dev && dst_dev) s.stats.bytes_h2d += n;
+    if (src_dev && !dst_dev) s.stats.bytes_d2h += n;
+}
+
+// Enqueues one copy touching entry e on `stream`, after every earlier copy of e.
+pebble_status copy_async(entry & e, void * dst, const void * src, uint64_t n, cudaStream_t stream) {
+    CUDA_CHECK(cudaStreamWaitEvent(stream, e.last_use, 0));
+    CUDA_CHECK(cudaMemcpyAsync(dst, src, n, cudaMemcpyDefault, stream));
+    CUDA_CHECK(cudaEventRecord(e.last_use, stream));
+    return PEBBLE_OK;
+}
+
+void note_device(store & s, int64_t delta) {
+    s.stats.device_bytes += delta;
+    s.stats.device_peak_bytes = std::max(s.stats.device_peak_bytes, s.stats.device_bytes);
+}
+
+void note_host(store & s, int64_t delta) {
+    s.stats.host_bytes += delta;
+    s.stats.host_peak_bytes = std::max(s.stats.host_peak_bytes, s.stats.host_bytes);
+}
+
+pebble_status drop_device_copy(store & s, entry & e) {
+    CUDA_CHECK(cudaEventSynchronize(e.last_use));
+    CUDA_CHECK(cudaFree(e.dev));
+    e.dev = nullptr;
+    s.lru.erase(e.lru);
+    note_device(s, -static_cast<int64_t>(e.nbytes));
+    return PEBBLE_OK;
+}
+
+pebble_status drop_host_copy(store & s, entry & e) {
+    CUDA_CHECK(cudaEventSynchronize(e.last_use));
+    CUDA_CHECK(cudaFreeHost(e.host));
+    e.host = nullptr;
+    note_host(s, -static_cast<int64_t>(e.nbytes));
+    return PEBBLE_OK;
+}
+
+pebble_status alloc_host_copy(store & s, entry & e, int32_t layer, int32_t tensor_id) {
+    if (cudaHostAlloc(&e.host, e.nbytes, cudaHostAllocPortable) != cudaSuccess) {
+        cudaGetLastError();
+        e.host = nullptr;
+        return fail(PEBBLE_ERR_HOST_OOM, "layer %d tensor %d: could not allocate %" PRIu64
+                    " bytes of pinned host memory (host tier holds %" PRIu64 " bytes)",
+                    layer, tensor_id, e.nbytes, s.stats.host_bytes);
+    }
+    note_host(s, static_cast<int64_t>(e.nbytes));
+    return PEBBLE_OK;
+}
+
+// Moves the device copy of `victim` to the host tier; nothing is dropped.
+pebble_status evict(store & s, entry_key victim) {
+    entry & e = s.entries.at(victim);
+    if (!e.host) {
+        TRY(alloc_host_copy(s, e, static_cast<int32_t>(victim >> 32), static_cast<int32_t>(victim)));
+        TRY(copy_async(e, e.host, e.dev, e.nbytes, s.evict_stream));
+        s.stats.bytes_d2h += e.nbytes;
+    }
+    TRY(drop_device_copy(s, e));
+    s.stats.evictions++;
+    return PEBBLE_OK;
+}
+
+// Evicts least-recently-used device copies until `need` more bytes fit the limit. Entries for which
+// `keep(key)` holds are never chosen; *fits tells whether room was made.
+template <typename Keep>
+pebble_status make_room(store & s, uint64_t need, Keep keep, bool * fits) {
+    auto it = s.lru.begin();
+    while (s.stats.device_bytes + need > s.limit && it != s.lru.end()) {
+        const entry_key victim = *it++;
+        if (!keep(victim)) TRY(evict(s, victim));
+    }
+    *fits = s.stats.device_bytes + need <= s.limit;
+    return PEBBLE_OK;
+}
+
+pebble_status alloc_device_copy(store & s, entry & e, entry_key key) {
+    CUDA_CHECK(cudaMalloc(&e.dev, e.nbytes));
+    e.lru = s.lru.insert(s.lru.end(), key);
+    note_device(s, static_cast<int64_t>(e.nbytes));
+    return PEBBLE_OK;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// handles: ids, never reused, so that a freed handle is detected rather than dereferenced
+
+std::mutex                                         g_handles_mu;
+std::unordered_map<uintptr_t, std::shared_ptr<store>> g_handles;
+uintptr_t                                          g_next_handle = 1;
+
+std::shared_ptr<store> find_store(pebble_store_t handle) {
+    std::lock_guard<std::mutex> lock(g_handles_mu);
+    auto it = g_handles.find(reinterpret_cast<uintptr_t>(handle));
+    return it == g_handles.end() ? nullptr : it->second;
+}
+
+#define OPEN_STORE(handle, s)                                                                      \
+    std::shared_ptr<store> s##_ref = find_store(handle);                                           \
+    if (!s##_ref) return fail(PEBBLE_ERR_CLOSED, "%s: the store handle is closed or invalid", __func__); \
+    store & s = *s##_ref;                                                                          \
+    std::lock_guard<std::mutex> s##_lock(s.mu);                                                    \
+    CUDA_CHECK(cudaSetDevice(s.device))
+
+pebble_status check_layer(const store & s, int32_t layer, const char * fn) {
+    if (layer < 0 || layer >= s.n_layers) {
+        return fail(PEBBLE_ERR_LAYER_RANGE, "%s: layer %d is out of range: the store has %d layers (0..%d)",
+                    fn, layer, s.n_layers, s.n_layers - 1);
+    }
+    return PEBBLE_OK;
+}
+
+pebble_status find_entry(store & s, int32_t layer, int32_t tensor_id, const char * fn, entry ** out) {
+    TRY(check_layer(s, layer, fn));
+    auto it = s.entries.find(make_key(layer, tensor_id));
+    if (tensor_id < 0 || it == s.entries.end()) {
+        return fail(PEBBLE_ERR_UNKNOWN_ENTRY, "%s: no entry saved for layer %d tensor %d", fn, layer, tensor_id);
+    }
+    *out = &it->second;
+    return PEBBLE_OK;
+}
+
+pebble_status check_range(const entry & e, int32_t layer, int32_t tensor_id, uint64_t offset, uint64_t nbytes,
+                          const char * fn) {
+    if (nbytes == 0 || offset > e.nbytes || nbytes > e.nbytes - offset) {
+        return fail(PEBBLE_ERR_SIZE_MISMATCH, "%s: layer %d tensor %d holds %" PRIu64 " bytes; bytes [%" PRIu64
+                    ", %" PRIu64 ") are not a non-empty range inside it", fn, layer, tensor_id, e.nbytes,
+                    offset, offset + nbytes);
+    }
+    return PEBBLE_OK;
+}
+
+} // namespace
+
+// ---------------------------------------------------------------------------------------------------
+// lifetime
+
+extern "C" pebble_status pebble_init(uint64_t device_limit, int32_t n_layers, int32_t strategy,
+                                     int64_t strategy_arg, int32_t device, pebble_store_t * out) {
+    if (!out) return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_init: out is NULL");
+    *out = nullptr;
+    if (n_layers < 1) {
+        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_init: n_layers must be at least 1, got %d", n_layers);
+    }
+    if (strategy < PEBBLE_STRATEGY_NONE || strategy > PEBBLE_STRATEGY_EVERY) {
+        return fail(PEBBLE_ERR_STRATEGY, "pebble_init: unknown strategy %d; valid: 0 none, 1 sqrt, "
+                    "2 adaptive, 3 minimal, 4 every", strategy);
+    }
+    if (strategy == PEBBLE_STRATEGY_ADAPTIVE && (strategy_arg < 0 || strategy_arg > n_layers)) {
+        return fail(PEBBLE_ERR_STRATEGY, "pebble_init: adaptive keeps 0..%d layers resident, got %" PRId64,
+                    n_layers, strategy_arg);
+    }
+    if (strategy == PEBBLE_STRATEGY_EVERY && strategy_arg < 1) {
+        return fail(PEBBLE_ERR_STRATEGY, "pebble_init: every:N needs N >= 1, got %" PRId64, strategy_arg);
+    }
+    if (device < 0) return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_init: device %d is negative", device);
+
+    CUDA_CHECK(cudaSetDevice(device));
+    auto s = std::make_shared<store>();
+    s->limit    = device_limit;
+    s->n_layers = n_layers;
+    s->strategy = strategy;
+    s->arg      = strategy_arg;
+    s->device   = device;
+    s->stats.device_limit_bytes = device_limit;
+    CUDA_CHECK(cudaStreamCreateWithFlags(&s->evict_stream, cudaStreamNonBlocking));
+
+    std::lock_guard<std::mutex> lock(g_handles_mu);
+    const uintptr_t id = g_next_handle++;
+    g_handles.emplace(id, std::move(s));
+    *out = reinterpret_cast<pebble_store_t>(id);
+    return PEBBLE_OK;
+}
+
+extern "C" pebble_status pebble_free(pebble_store_t handle) {
+    if (!handle) return PEBBLE_OK;
+    std::shared_ptr<store> s;
+    {
+        std::lock_guard<std::mutex> lock(g_handles_mu);
+        auto it = g_handles.find(reinterpret_cast<uintptr_t>(handle));
+        if (it == g_handles.end()) return fail(PEBBLE_ERR_CLOSED, "pebble_free: the store handle is closed or invalid");
+        s = std::move(it->second);
+        g_handles.erase(it);
+    }
+    // The store is destroyed when the last call still using it returns.
+    return PEBBLE_OK;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// entries
+
+extern "C" pebble_status pebble_save(pebble_store_t handle, int32_t layer, int32_t tensor_id, const void * src,
+                                     uint64_t nbytes, const pebble_tensor_desc * desc, int32_t tier, void * stream) {
+    OPEN_STORE(handle, s);
+    TRY(check_layer(s, layer, __func__));
+    if (tensor_id < 0 || !src || nbytes == 0) {
+        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_save: layer %d tensor %d: needs tensor id >= 0, a source "
+                    "and at least one byte (got %" PRIu64 " bytes%s)", layer, tensor_id, nbytes, src ? "" : ", no source");
+    }
+    if (tier < PEBBLE_TIER_AUTO || tier > PEBBLE_TIER_HOST) {
+        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_save: tier %d is not 0 auto, 1 device or 2 host", tier);
+    }
+    if (desc && (desc->n_dims < 1 || desc->n_dims > PEBBLE_MAX_DIMS)) {
+        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_save: layer %d tensor %d: n_dims %d is not in 1..%d",
+                    layer, tensor_id, desc->n_dims, PEBBLE_MAX_DIMS);
+    }
+    const bool to_device = tier == PEBBLE_TIER_DEVICE ||
+                           (tier == PEBBLE_TIER_AUTO && is_resident(s.strategy, s.arg, s.n_layers, layer));
+    if (to_device && nbytes > s.limit) {
+        return fail(PEBBLE_ERR_TOO_LARGE, "pebble_save: layer %d tensor %d: %" PRIu64 " bytes cannot fit a device "
+                    "tier limited to %" PRIu64 " bytes", layer, tensor_id, nbytes, s.limit);
+    }
+
+    const entry_key key = make_key(layer, tensor_id);
+    auto found = s.entries.find(key);
+    if (found != s.entries.end() && found->second.nbytes != nbytes) {
+        // A different size replaces the entry outright.
+        if (found->second.dev)  TRY(drop_device_copy(s, found->second));
+        if (found->second.host) TRY(drop_host_copy(s, found->second));
+    }
+    const bool created = found == s.entries.end();
+    entry & e = s.entries[key];
+    if (created) {
+        e.nbytes = nbytes;
+        if (cudaEventCreateWithFlags(&e.last_use, cudaEventDisableTiming) != cudaSuccess) {
+            cudaGetLastError();
+            s.entries.erase(key);
+            return fail(PEBBLE_ERR_CUDA, "pebble_save: could not create an event for layer %d tensor %d", layer, tensor_id);
+        }
+    }
+    e.nbytes = nbytes;
+    // From here on a failure leaves the entry without copies; remove it so the store stays consistent.
+    auto abandon = [&](pebble_status st) {
+        if (!e.dev && !e.host) {
+            release_all(e);
+            s.entries.erase(key);
+        }
+        return st;
+    };
+
+    const bool src_dev = is_device_pointer(src);
+    cudaStream_t cs = static_cast<cudaStream_t>(stream);
+    pebble_status st = PEBBLE_OK;
+    if (to_device) {
+        if (!e.dev) {
+            bool fits = false;
+            st = make_room(s, nbytes, [&](entry_key k) { return k == key; }, &fits);
+            if (st == PEBBLE_OK && !fits) st = fail(PEBBLE_ERR_DEVICE_OOM, "pebble_save: no room for layer %d tensor %d", layer, tensor_id);
+            if (st == PEBBLE_OK) st = alloc_device_copy(s, e, key);
+            if (st != PEBBLE_OK) return abandon(st);
+        }
+        TRY(copy_async(e, e.dev, src, nbytes, cs));
+        count_copy(s, src_dev, true, nbytes);
+        if (e.host) TRY(drop_host_copy(s, e));
+        touch(s, e);
+    } else {
+        if (!e.host && (st = alloc_host_copy(s, e, layer, tensor_id)) != PEBBLE_OK) return abandon(st);
+        TRY(copy_async(e, e.host, src, nbytes, cs));
+        count_copy(s, src_dev, false, nbytes);
+        if (e.dev) TRY(drop_device_copy(s, e));
+    }
+    if (desc) {
+        e.desc = *desc;
+    } else {
+        e.desc = pebble_tensor_desc{PEBBLE_TYPE_BYTES, 1, {static_cast<int64_t>(nbytes), 0, 0, 0}};
+    }
+    s.stats.entries = s.entries.size();
+    s.stats.saves++;
+    return PEBBLE_OK;
+}
+
+namespace {
+
+pebble_status read_entry(store & s, int32_t layer, int32_t tensor_id, uint64_t offset, void * dst, uint64_t nbytes,
+                         void * stream, bool whole, const char * fn) {
+    entry * e = nullptr;
+    TRY(find_entry(s, layer, tensor_id, fn, &e));
+    if (!dst) return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: layer %d tensor %d: destination is NULL", fn, layer, tensor_id);
+    if (whole && nbytes != e->nbytes) {
+        return fail(PEBBLE_ERR_SIZE_MISMATCH, "%s: layer %d tensor %d holds %" PRIu64 " bytes, the destination "
+                    "has %" PRIu64, fn, layer, tensor_id, e->nbytes, nbytes);
+    }
+    TRY(check_range(*e, layer, tensor_id, offset, nbytes, fn));
+    const bool from_dev = e->dev != nullptr;
+    const char * src = static_cast<const char *>(from_dev ? e->dev : e->host) + offset;
+    TRY(copy_async(*e, dst, src, nbytes, static_cast<cudaStream_t>(stream)));
+    count_copy(s, from_dev, is_device_pointer(dst), nbytes);
+    s.stats.restores++;
+    s.stats.hits += from_dev;
+    s.stats.bytes_restored += nbytes;
+    touch(s, *e);
+    return PEBBLE_OK;
+}
+
+} // namespace
+
+extern "C" pebble_status pebble_restore(pebble_store_t handle, int32_t layer, int32_t tensor_id, void * dst,
+                                        uint64_t nbytes, void * stream) {
+    OPEN_STORE(handle, s);
+    return read_entry(s, layer, tensor_id, 0, dst, nbytes, stream, true, __func__);
+}
+
+extern "C" pebble_status pebble_read(pebble_store_t handle, int32_t layer, int32_t tensor_id, uint64_t offset,
+                                     void * dst, uint64_t nbytes, void * stream) {
+    OPEN_STORE(handle, s);
+    return read_entry(s, layer, tensor_id, offset, dst, nbytes, stream, false, __func__);
+}
+
+extern "C" pebble_status pebble_write(pebble_store_t handle, int32_t layer, int32_t tensor_id, uint64_t offset,
+                                      const void * src, uint64_t nbytes, void * stream) {
+    OPEN_STORE(handle, s);
+    entry * e = nullptr;
+    TRY(find_entry(s, layer, tensor_id, __func__, &e));
+    if (!src) return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_write: layer %d tensor %d: source is NULL", layer, tensor_id);
+    TRY(check_range(*e, layer, tensor_id, offset, nbytes, __func__));
+    const bool src_dev = is_device_pointer(src);
+    cudaStream_t cs = static_cast<cudaStream_t>(stream);
+    if (e->dev) {
+        TRY(copy_async(*e, static_cast<char *>(e->dev) + offset, src, nbytes, cs));
+        count_copy(s, src_dev, true, nbytes);
+    }
+    if (e->host) {
+        TRY(copy_async(*e, static_cast<char *>(e->host) + offset, src, nbytes, cs));
+        count_copy(s, src_dev, false, nbytes);
+    }
+    touch(s, *e);
+    return PEBBLE_OK;
+}
+
+extern "C" pebble_status pebble_erase(pebble_store_t handle, int32_t layer, int32_t tensor_id) {
+    OPEN_STORE(handle, s);
+    entry * e = nullptr;
+    TRY(find_entry(s, layer, tensor_id, __func__, &e));
+    if (e->dev)  TRY(drop_device_copy(s, *e));
+    if (e->host) TRY(drop_host_copy(s, *e));
+    release_all(*e);
+    s.entries.erase(make_key(layer, tensor_id));
+    s.stats.entries = s.entries.size();
+    return PEBBLE_OK;
+}
+
+extern "C" pebble_status pebble_prefetch(pebble_store_t handle, int32_t layer, void * stream) {
+    OPEN_STORE(handle, s);
+    TRY(check_layer(s, layer, __func__));
+    std::vector<entry_key> keys;
+    for (const auto & kv : s.entries) {
+        if (static_cast<int32_t>(kv.first >> 32) == layer && !kv.second.dev) keys.push_back(kv.first);
+    }
+    std::sort(keys.begin(), keys.end()); // ascending tensor id: the order every backend uses
+    auto same_layer = [layer](entry_key k) { return static_cast<int32_t>(k >> 32) == layer; };
+    for (entry_key key : keys) {
+        entry & e = s.entries.at(key);
+        if (e.nbytes > s.limit) continue;
+        bool fits = false;
+        TRY(make_room(s, e.nbytes, same_layer, &fits));
+        if (!fits) continue;
+        TRY(alloc_device_copy(s, e, key));
+        TRY(copy_async(e, e.dev, e.host, e.nbytes, static_cast<cudaStream_t>(stream)));
+        s.stats.bytes_h2d += e.nbytes;
+        s.stats.prefetches++;
+    }
+    return PEBBLE_OK;
+}
+
+extern "C" pebble_status pebble_entry_info(pebble_store_t handle, int32_t layer, int32_t tensor_id,
+                                           struct pebble_entry_info * out) {
+    OPEN_STORE(handle, s);
+    if (!out) return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_entry_info: out is NULL");
+    entry * e = nullptr;
+    TRY(find_entry(s, layer, tensor_id, __func__, &e));
+    out->nbytes    = e->nbytes;
+    out->desc      = e->desc;
+    out->on_device = e->dev != nullptr;
+    out->on_host   = e->host != nullptr;
+    return PEBBLE_OK;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// strategy, stats, errors
+
+extern "C" pebble_status pebble_should_checkpoint(pebble_store_t handle, int32_t layer, int32_t * out) {
+    OPEN_STORE(handle, s);
+    if (!out) return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_should_checkpoint: out is NULL");
+    TRY(check_layer(s, layer, __func__));
+    *out = is_resident(s.strategy, s.arg, s.n_layers, layer) ? 1 : 0;
+    return PEBBLE_OK;
+}
+
+extern "C" pebble_status pebble_stats(pebble_store_t handle, struct pebble_stats * out) {
+    OPEN_STORE(handle, s);
+    if (!out) return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_stats: out is NULL");
+    *out = s.stats;
+    return PEBBLE_OK;
+}
+
+extern "C" pebble_status pebble_stats_reset(pebble_store_t handle) {
+    OPEN_STORE(handle, s);
+    struct pebble_stats fresh = {};
+    fresh.device_limit_bytes = s.limit;
+    fresh.device_bytes       = fresh.device_peak_bytes = s.stats.device_bytes;
+    fresh.host_bytes         = fresh.host_peak_bytes   = s.stats.host_bytes;
+    fresh.entries            = s.entries.size();
+    s.stats = fresh;
+    return PEBBLE_OK;
+}
+
+extern "C" pebble_status pebble_synchronize(pebble_store_t handle) {
+    OPEN_STORE(handle, s);
+    for (auto & kv : s.entries) CUDA_CHECK(cudaEventSynchronize(kv.second.last_use));
+    CUDA_CHECK(cudaStreamSynchronize(s.evict_stream));
+    return PEBBLE_OK;
+}
+
+extern "C" const char * pebble_strerror(int32_t status) {
+    switch (status) {
+        case PEBBLE_OK:                   return "ok";
+        case PEBBLE_ERR_INVALID_ARGUMENT: return "invalid argument";
+        case PEBBLE_ERR_UNKNOWN_ENTRY:    return "unknown entry";
+        case PEBBLE_ERR_SIZE_MISMATCH:    return "size mismatch";
+        case PEBBLE_ERR_LAYER_RANGE:      return "layer out of range";
+        case PEBBLE_ERR_TOO_LARGE:        return "entry larger than the device limit";
+        case PEBBLE_ERR_HOST_OOM:         return "out of pinned host memory";
+        case PEBBLE_ERR_DEVICE_OOM:       return "out of device memory";
+        case PEBBLE_ERR_CUDA:             return "CUDA error";
+        case PEBBLE_ERR_CLOSED:           return "store is closed";
+        case PEBBLE_ERR_STRATEGY:         return "invalid strategy";
+    }
+    return "unknown status";
+}
+
+extern "C" const char * pebble_last_error(void) {
+    return t_last_error.c_str();
+}
+
+extern "C" const char * pebble_backend(void) {
+#ifdef PEBBLE_HOST_BUILD
+    return "host";
+#else
+    return "cuda";
+#endif
+}

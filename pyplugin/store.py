@@ -1,0 +1,223 @@
+"""The store's interface, shared by every backend (native cuda/host library, pure-Python stub).
+
+Semantics are those of native/pebble.h; this module only gives them Python types. Everything else in
+pyplugin talks to a `Store` obtained from `pyplugin.backend.open_store` and never asks which backend
+it is talking to.
+
+Buffers: `data` (save, write) is a C-contiguous numpy array or any C-contiguous buffer (bytes,
+bytearray, memoryview); `out` (restore, read) is a writable C-contiguous buffer. The native cuda
+backend also takes CuPy (any `__cuda_array_interface__`) arrays. `stream` is None, an integer
+cudaStream_t, or an object with `.ptr` (a CuPy stream). With stream=None a call has finished with the
+caller's buffers when it returns; with a stream, the caller keeps them alive until the stream has passed.
+"""
+
+from __future__ import annotations
+
+import abc
+import operator
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+from .errors import ClosedError, InvalidArgumentError
+from .strategy import Strategy
+
+# Tiers, as enum pebble_tier.
+TIER_AUTO, TIER_DEVICE, TIER_HOST = 0, 1, 2
+_TIER_BY_NAME = {"auto": TIER_AUTO, "device": TIER_DEVICE, "host": TIER_HOST}
+
+TYPE_BYTES = -1  # PEBBLE_TYPE_BYTES: untyped bytes
+MAX_DIMS = 4     # PEBBLE_MAX_DIMS
+
+
+@dataclass(frozen=True)
+class TensorDesc:
+    """GGUF type and shape of an entry's bytes; shape is innermost first (GGUF order, numpy reversed)."""
+
+    ggml_type: int = TYPE_BYTES
+    shape: tuple = ()
+
+
+@dataclass(frozen=True)
+class EntryInfo:
+    nbytes: int
+    ggml_type: int
+    shape: tuple     # GGUF order
+    on_device: bool  # a device copy exists
+    on_host: bool    # a host copy exists
+
+
+@dataclass(frozen=True)
+class Stats:
+    """Fields exactly as struct pebble_stats (see pebble.h for each one's meaning)."""
+
+    device_limit_bytes: int
+    device_bytes: int
+    device_peak_bytes: int
+    host_bytes: int
+    host_peak_bytes: int
+    entries: int
+    saves: int
+    restores: int
+    hits: int
+    evictions: int
+    prefetches: int
+    bytes_h2d: int
+    bytes_d2h: int
+    bytes_restored: int
+
+
+STATS_FIELDS = tuple(f.name for f in fields(Stats))
+
+
+INT32_MAX = 2**31 - 1
+
+
+def as_int(value, what: str) -> int:
+    """An integer argument (numpy integers included); anything else is an InvalidArgumentError."""
+    if isinstance(value, bool):
+        raise InvalidArgumentError(f"{what} must be an integer, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise InvalidArgumentError(f"{what} must be an integer, got {value!r}") from None
+
+
+def tier_code(tier) -> int:
+    """A tier given as a TIER_* constant or "auto"/"device"/"host". Unknown integers pass through so
+    the backend reports them exactly as the native library does."""
+    if isinstance(tier, str):
+        try:
+            return _TIER_BY_NAME[tier.lower()]
+        except KeyError:
+            raise InvalidArgumentError(f"unknown tier {tier!r}; valid: auto, device, host") from None
+    if isinstance(tier, bool) or not isinstance(tier, int):
+        raise InvalidArgumentError(f"tier must be a TIER_* constant or a name, got {tier!r}")
+    return tier
+
+
+def as_strategy(strategy) -> Strategy:
+    return strategy if isinstance(strategy, Strategy) else Strategy.parse(strategy)
+
+
+def default_desc(data, desc: TensorDesc | None) -> TensorDesc | None:
+    """The desc to save with: the caller's, else the shape of a numpy/CuPy array as bytes, else None
+    (plain bytes). Arrays of more than MAX_DIMS dimensions are saved as plain bytes."""
+    if desc is not None:
+        return desc
+    if not (isinstance(data, np.ndarray) or hasattr(data, "__cuda_array_interface__")):
+        return None
+    if not 1 <= data.ndim <= MAX_DIMS:
+        return None
+    return TensorDesc(TYPE_BYTES, tuple(int(n) for n in reversed(data.shape)))
+
+
+def stream_pointer(stream) -> int:
+    """cudaStream_t as an integer: None -> 0 (default stream), an int, or an object's `.ptr`."""
+    if stream is None:
+        return 0
+    ptr = getattr(stream, "ptr", stream)
+    if isinstance(ptr, bool) or not isinstance(ptr, int) or ptr < 0:
+        raise InvalidArgumentError(f"stream must be None, an integer cudaStream_t or have .ptr, "
+                                   f"got {stream!r}")
+    return ptr
+
+
+def host_buffer(obj, *, writable: bool, what: str) -> memoryview:
+    """A flat byte view of a C-contiguous host buffer, without copying."""
+    if hasattr(obj, "__cuda_array_interface__"):
+        raise InvalidArgumentError(f"{what} is device memory ({type(obj).__name__}); this backend "
+                                   f"holds host memory only: pass a numpy array or bytes")
+    try:
+        view = memoryview(obj)
+    except TypeError:
+        raise InvalidArgumentError(f"{what} must be a numpy array or a bytes-like buffer, got "
+                                   f"{type(obj).__name__}") from None
+    if not view.c_contiguous:
+        raise InvalidArgumentError(f"{what} must be C-contiguous (shape {view.shape}, strides "
+                                   f"{view.strides})")
+    if writable and view.readonly:
+        raise InvalidArgumentError(f"{what} must be writable, got a read-only {type(obj).__name__}")
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+class Store(abc.ABC):
+    """A pebble store: entries keyed by (layer, tensor_id) across a bounded device tier and a host tier.
+
+    Attributes: `backend` ("cuda", "host" or "stub"), `n_layers`, `device_limit` (bytes), `strategy`.
+    Every failure raises a `pyplugin.errors.PebbleError` subclass; every call after `close()` raises
+    `ClosedError`. A store is safe to use from several threads.
+    """
+
+    backend: str
+    n_layers: int
+    device_limit: int
+    strategy: Strategy
+
+    @abc.abstractmethod
+    def save(self, layer: int, tensor_id: int, data, *, desc: TensorDesc | None = None,
+             tier=TIER_AUTO, stream=None) -> None:
+        """Saves `data` under (layer, tensor_id), replacing any entry there. TIER_AUTO places it on the
+        device iff should_checkpoint(layer); saving to the device past the limit first moves the least
+        recently used entries of other keys to the host tier."""
+
+    @abc.abstractmethod
+    def restore(self, layer: int, tensor_id: int, out, *, stream=None) -> None:
+        """Copies the whole entry into `out`, whose size must equal the entry's."""
+
+    @abc.abstractmethod
+    def read(self, layer: int, tensor_id: int, offset: int, out, *, stream=None) -> None:
+        """Copies bytes [offset, offset + out.nbytes) of the entry into `out`."""
+
+    @abc.abstractmethod
+    def write(self, layer: int, tensor_id: int, offset: int, data, *, stream=None) -> None:
+        """Overwrites bytes [offset, offset + data.nbytes) of the entry in every tier holding it."""
+
+    @abc.abstractmethod
+    def erase(self, layer: int, tensor_id: int) -> None:
+        """Removes the entry from both tiers."""
+
+    @abc.abstractmethod
+    def prefetch(self, layer: int, *, stream=None) -> None:
+        """Copies the layer's host-only entries into the device tier as far as the limit allows
+        without evicting other entries of that layer."""
+
+    @abc.abstractmethod
+    def entry_info(self, layer: int, tensor_id: int) -> EntryInfo: ...
+
+    @abc.abstractmethod
+    def should_checkpoint(self, layer: int) -> bool:
+        """Whether the strategy keeps `layer` resident on the device."""
+
+    @abc.abstractmethod
+    def stats(self) -> Stats: ...
+
+    @abc.abstractmethod
+    def reset_stats(self) -> None:
+        """Resets the peaks to the current holdings and zeroes the event counters."""
+
+    @abc.abstractmethod
+    def synchronize(self) -> None:
+        """Waits until every copy the store enqueued has completed."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Frees every entry. Idempotent; every other call afterwards raises ClosedError."""
+
+    @property
+    @abc.abstractmethod
+    def closed(self) -> bool: ...
+
+    def _closed_error(self) -> ClosedError:
+        return ClosedError(f"the {self.backend} store is closed")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"{self.device_limit} device bytes"
+        return (f"<{type(self).__name__} backend={self.backend} layers={self.n_layers} "
+                f"strategy={self.strategy} {state}>")
