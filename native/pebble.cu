@@ -531,6 +531,20 @@ extern "C" pebble_status pebble_entry_info(pebble_store_t handle, int32_t layer,
     return PEBBLE_OK;
 }
 
+extern "C" pebble_status pebble_device_pointer(pebble_store_t handle, int32_t layer, int32_t tensor_id, void ** out) {
+    OPEN_STORE(handle, s);
+    if (!out) return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_device_pointer: out is NULL");
+    entry * e = nullptr;
+    TRY(find_entry(s, layer, tensor_id, __func__, &e));
+    if (!e->dev) {
+        return fail(PEBBLE_ERR_UNKNOWN_ENTRY, "pebble_device_pointer: layer %d tensor %d has no device copy "
+                    "(it is in the host tier)", layer, tensor_id);
+    }
+    *out = e->dev;
+    touch(s, *e);
+    return PEBBLE_OK;
+}
+
 // ---------------------------------------------------------------------------------------------------
 // strategy, stats, errors
 

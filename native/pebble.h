@@ -137,6 +137,10 @@ PEBBLE_API enum pebble_status pebble_erase  (pebble_store_t store, int32_t layer
 PEBBLE_API enum pebble_status pebble_prefetch(pebble_store_t store, int32_t layer, void * stream);
 PEBBLE_API enum pebble_status pebble_entry_info(pebble_store_t store, int32_t layer, int32_t tensor_id,
                                                 struct pebble_entry_info * out);
+// *out = the entry's device copy, for computing in place from a resident entry. The pointer stays valid
+// until the entry is evicted, replaced or erased; PEBBLE_ERR_UNKNOWN_ENTRY if it has no device copy.
+PEBBLE_API enum pebble_status pebble_device_pointer(pebble_store_t store, int32_t layer, int32_t tensor_id,
+                                                    void ** out);
 
 // ---------------------------------------------------------------------------------------------------
 // strategy, stats, errors
