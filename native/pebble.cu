@@ -90,6 +90,21 @@ bool is_resident(int32_t strategy, int64_t arg, int32_t n_layers, int32_t layer)
     return (layer * k) % n_layers < k;
 }
 
+pebble_status check_strategy(int32_t strategy, int64_t arg, int32_t n_layers, const char * fn) {
+    if (strategy < PEBBLE_STRATEGY_NONE || strategy > PEBBLE_STRATEGY_EVERY) {
+        return fail(PEBBLE_ERR_STRATEGY, "%s: unknown strategy %d; valid: 0 none, 1 sqrt, 2 adaptive, "
+                    "3 minimal, 4 every", fn, strategy);
+    }
+    if (strategy == PEBBLE_STRATEGY_ADAPTIVE && (arg < 0 || arg > n_layers)) {
+        return fail(PEBBLE_ERR_STRATEGY, "%s: adaptive keeps 0..%d layers resident, got %" PRId64, fn,
+                    n_layers, arg);
+    }
+    if (strategy == PEBBLE_STRATEGY_EVERY && arg < 1) {
+        return fail(PEBBLE_ERR_STRATEGY, "%s: every:N needs N >= 1, got %" PRId64, fn, arg);
+    }
+    return PEBBLE_OK;
+}
+
 // ---------------------------------------------------------------------------------------------------
 // the store
 
@@ -298,17 +313,7 @@ extern "C" pebble_status pebble_init(uint64_t device_limit, int32_t n_layers, in
     if (n_layers < 1) {
         return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_init: n_layers must be at least 1, got %d", n_layers);
     }
-    if (strategy < PEBBLE_STRATEGY_NONE || strategy > PEBBLE_STRATEGY_EVERY) {
-        return fail(PEBBLE_ERR_STRATEGY, "pebble_init: unknown strategy %d; valid: 0 none, 1 sqrt, "
-                    "2 adaptive, 3 minimal, 4 every", strategy);
-    }
-    if (strategy == PEBBLE_STRATEGY_ADAPTIVE && (strategy_arg < 0 || strategy_arg > n_layers)) {
-        return fail(PEBBLE_ERR_STRATEGY, "pebble_init: adaptive keeps 0..%d layers resident, got %" PRId64,
-                    n_layers, strategy_arg);
-    }
-    if (strategy == PEBBLE_STRATEGY_EVERY && strategy_arg < 1) {
-        return fail(PEBBLE_ERR_STRATEGY, "pebble_init: every:N needs N >= 1, got %" PRId64, strategy_arg);
-    }
+    TRY(check_strategy(strategy, strategy_arg, n_layers, __func__));
     if (device < 0) return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_init: device %d is negative", device);
 
     CUDA_CHECK(cudaSetDevice(device));
@@ -325,6 +330,35 @@ extern "C" pebble_status pebble_init(uint64_t device_limit, int32_t n_layers, in
     const uintptr_t id = g_next_handle++;
     g_handles.emplace(id, std::move(s));
     *out = reinterpret_cast<pebble_store_t>(id);
+    return PEBBLE_OK;
+}
+
+extern "C" pebble_status pebble_set_strategy(pebble_store_t handle, uint64_t device_limit, int32_t strategy,
+                                             int64_t strategy_arg) {
+    OPEN_STORE(handle, s);
+    TRY(check_strategy(strategy, strategy_arg, s.n_layers, __func__));
+    s.limit    = s.stats.device_limit_bytes = device_limit;
+    s.strategy = strategy;
+    s.arg      = strategy_arg;
+
+    std::vector<entry_key> keys;
+    for (const auto & kv : s.entries) keys.push_back(kv.first);
+    std::sort(keys.begin(), keys.end()); // ascending layer, then tensor id
+    auto resident = [&](entry_key k) { return is_resident(s.strategy, s.arg, s.n_layers, static_cast<int32_t>(k >> 32)); };
+    for (entry_key key : keys) {
+        if (!resident(key) && s.entries.at(key).dev) TRY(evict(s, key));
+    }
+    bool fits = false;
+    TRY(make_room(s, 0, [](entry_key) { return false; }, &fits));
+    for (entry_key key : keys) {
+        entry & e = s.entries.at(key);
+        if (!resident(key) || e.dev || s.stats.device_bytes + e.nbytes > s.limit) continue;
+        TRY(alloc_device_copy(s, e, key));
+        TRY(copy_async(e, e.dev, e.host, e.nbytes, s.evict_stream));
+        s.stats.bytes_h2d += e.nbytes;
+        s.stats.prefetches++;
+    }
+    CUDA_CHECK(cudaStreamSynchronize(s.evict_stream));
     return PEBBLE_OK;
 }
 

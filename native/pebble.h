@@ -104,6 +104,12 @@ typedef struct pebble_store * pebble_store_t;
 // Creates a store on CUDA device `device` whose device tier holds at most `device_limit` bytes.
 PEBBLE_API enum pebble_status pebble_init  (uint64_t device_limit, int32_t n_layers, int32_t strategy,
                                             int64_t strategy_arg, int32_t device, pebble_store_t * out);
+// Changes the limit and the strategy of a live store, then rebalances: device copies of layers the new
+// strategy streams move to the host tier, least-recently-used entries move there until the new limit
+// holds, and host-only entries of resident layers (ascending layer, then tensor id) move to the device
+// as far as the limit allows. Nothing is dropped; the model's weights need not be saved again.
+PEBBLE_API enum pebble_status pebble_set_strategy(pebble_store_t store, uint64_t device_limit, int32_t strategy,
+                                                  int64_t strategy_arg);
 // Frees every entry and the handle; later calls on it return PEBBLE_ERR_CLOSED. NULL is a no-op.
 PEBBLE_API enum pebble_status pebble_free  (pebble_store_t store);
 

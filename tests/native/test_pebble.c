@@ -48,6 +48,13 @@ int main(void) {
     EXPECT(pebble_save(s, 1, 1, src, 3 * N, NULL, PEBBLE_TIER_DEVICE, NULL) == PEBBLE_ERR_TOO_LARGE);
     EXPECT(pebble_save(s, 1, 0, src, N / 2, NULL, PEBBLE_TIER_HOST, NULL) == PEBBLE_OK); // resize
     EXPECT(pebble_erase(s, 2, 0) == PEBBLE_OK);
+    // every:2 keeps layers 0 and 2 resident; with room for one entry, layer 0 is on the device
+    EXPECT(pebble_set_strategy(s, N, PEBBLE_STRATEGY_EVERY, 2) == PEBBLE_OK);
+    struct pebble_entry_info info;
+    EXPECT(pebble_entry_info(s, 0, 0, &info) == PEBBLE_OK && info.on_device && info.on_host);
+    EXPECT(pebble_entry_info(s, 3, 0, &info) == PEBBLE_OK && !info.on_device && info.on_host);
+    EXPECT(pebble_stats(s, &st) == PEBBLE_OK && st.device_bytes <= N);
+    EXPECT(pebble_set_strategy(s, N, PEBBLE_STRATEGY_EVERY, 0) == PEBBLE_ERR_STRATEGY);
     EXPECT(pebble_synchronize(s) == PEBBLE_OK);
     EXPECT(pebble_free(s) == PEBBLE_OK);
     EXPECT(pebble_restore(s, 0, 0, dst, N, NULL) == PEBBLE_ERR_CLOSED);

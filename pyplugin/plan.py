@@ -1,0 +1,151 @@
+"""The plan: which layers stay resident for a strategy and a budget, and the peak device memory that
+costs (an estimate, computed from the model's shape, labelled as such wherever it is shown).
+
+Peak device memory of a plan =
+    resident layers' weights and KV cache (the store's device tier)
+  + working slots x the largest streamed layer's weights and KV cache
+  + fixed tensors (output norm and output matrix)
+  + the workspace of one prefill chunk of num_batch tokens
+  + the backend's fixed overhead (the CUDA context and allocator on the GPU; 0 on host and stub)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .errors import OptionsError
+from .strategy import ADAPTIVE, NONE, Strategy, resident_count, resident_layers
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """What one model costs in device memory, in bytes, for one num_ctx, num_batch and dtype."""
+
+    layer_weight_bytes: tuple[int, ...]  # per layer, as held on the device
+    layer_kv_bytes: int                  # K and V of one layer at num_ctx
+    kv_bytes_per_token: int              # K and V rows of one layer for one token
+    fixed_bytes: int                     # output norm and output matrix
+    workspace_bytes: int                 # activations of one prefill chunk
+    overhead_bytes: int = 0              # the backend's own fixed cost
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layer_weight_bytes)
+
+    def layer_bytes(self, i: int) -> int:
+        return self.layer_weight_bytes[i] + self.layer_kv_bytes
+
+
+@dataclass(frozen=True)
+class Plan:
+    strategy: Strategy          # adaptive carries the resident count it settled on as its arg
+    resident: tuple[int, ...]   # layer indices kept on the device
+    n_slots: int                # device working slots for streamed layers
+    slot_bytes: int             # size of one slot
+    store_limit: int            # the store's device tier: resident layers' weights and KV
+    estimated_peak_bytes: int
+    budget_bytes: int | None
+    memory: MemoryModel = field(repr=False)
+
+    @property
+    def streamed(self) -> tuple[int, ...]:
+        resident = set(self.resident)
+        return tuple(i for i in range(self.memory.n_layers) if i not in resident)
+
+    def restored_bytes_per_token(self, context_tokens: int) -> int:
+        """Bytes a decode step restores with `context_tokens` already in the cache (an estimate)."""
+        m = self.memory
+        return sum(m.layer_weight_bytes[i] + context_tokens * m.kv_bytes_per_token for i in self.streamed)
+
+
+def peak_for(memory: MemoryModel, resident: list[int] | tuple[int, ...]) -> tuple[int, int, int, int]:
+    """(estimated peak, store limit, slots, slot bytes) when exactly `resident` stay on the device."""
+    keep = set(resident)
+    streamed = [i for i in range(memory.n_layers) if i not in keep]
+    store_limit = sum(memory.layer_bytes(i) for i in keep)
+    n_slots = min(2, len(streamed))  # double buffering: one computes while the next is restored
+    slot_bytes = max((memory.layer_bytes(i) for i in streamed), default=0)
+    peak = (store_limit + n_slots * slot_bytes + memory.fixed_bytes + memory.workspace_bytes
+            + memory.overhead_bytes)
+    return peak, store_limit, n_slots, slot_bytes
+
+
+def smallest_footprint(memory: MemoryModel) -> int:
+    return peak_for(memory, [])[0]
+
+
+def make_plan(memory: MemoryModel, strategy: Strategy | str, budget: int | None = None) -> Plan:
+    """Decides residency. `budget` None means unbounded, except that `adaptive` then needs one."""
+    if isinstance(strategy, str):
+        strategy = Strategy.parse(strategy)
+    n = memory.n_layers
+    floor = smallest_footprint(memory)
+    if budget is not None and budget < floor:
+        raise OptionsError(
+            f"a memory limit of {format_bytes(budget)} is below this model's smallest footprint: "
+            f"{format_bytes(floor)} ({floor} bytes, strategy minimal) is the least that works")
+
+    if strategy.code == ADAPTIVE:
+        k = n if budget is None else _most_resident_within(memory, budget)
+        strategy = Strategy("adaptive", ADAPTIVE, k)
+    resident = resident_layers(strategy.code, strategy.arg, n)
+    peak, store_limit, n_slots, slot_bytes = peak_for(memory, resident)
+    if budget is not None and peak > budget:
+        raise OptionsError(
+            f"strategy {strategy} needs about {format_bytes(peak)} of device memory (estimate), more than "
+            f"the limit of {format_bytes(budget)}; use adaptive, a larger limit, or minimal, whose "
+            f"smallest footprint is {format_bytes(floor)}")
+    return Plan(strategy, tuple(resident), n_slots, slot_bytes, store_limit, peak, budget, memory)
+
+
+def _most_resident_within(memory: MemoryModel, budget: int) -> int:
+    """The largest k whose evenly spaced residency fits `budget` (peak grows with k)."""
+    best = 0
+    for k in range(memory.n_layers + 1):
+        if peak_for(memory, resident_layers(ADAPTIVE, k, memory.n_layers))[0] <= budget:
+            best = k
+    return best
+
+
+def full_residency_peak(memory: MemoryModel) -> int:
+    return peak_for(memory, resident_layers(NONE, 0, memory.n_layers))[0]
+
+
+# ---------------------------------------------------------------------------------------------------
+# sizes
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+SIZE_HELP = "bytes as an integer, or a size such as \"512MiB\", \"6GiB\" or \"8GB\""
+
+
+def parse_size(value, what: str = "pebbling_memory_limit") -> int:
+    """Bytes from an int or a string such as '6GiB'; a clear OptionsError otherwise."""
+    if isinstance(value, bool) or value is None:
+        raise OptionsError(f"{what} must be {SIZE_HELP}, got {value!r}")
+    if isinstance(value, (int, float)):
+        number, unit = float(value), ""
+    elif isinstance(value, str):
+        text = value.strip().lower().replace(" ", "")
+        split = len(text)
+        while split > 0 and text[split - 1].isalpha():
+            split -= 1
+        number_text, unit = text[:split], text[split:]
+        try:
+            number = float(number_text)
+        except ValueError:
+            raise OptionsError(f"{what} must be {SIZE_HELP}, got {value!r}") from None
+        if unit not in _UNITS:
+            raise OptionsError(f"{what}: unknown unit {unit!r} in {value!r}; use B, KB, MB, GB, KiB, MiB, GiB")
+    else:
+        raise OptionsError(f"{what} must be {SIZE_HELP}, got {type(value).__name__}")
+    if number != number or number < 0:
+        raise OptionsError(f"{what} must not be negative, got {value!r}")
+    return int(number * _UNITS[unit])
+
+
+def format_bytes(n: int | float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
