@@ -283,8 +283,9 @@ pebble_status check_layer(const store & s, int32_t layer, const char * fn) {
 
 pebble_status find_entry(store & s, int32_t layer, int32_t tensor_id, const char * fn, entry ** out) {
     TRY(check_layer(s, layer, fn));
+    if (tensor_id < 0) return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: tensor id %d is negative", fn, tensor_id);
     auto it = s.entries.find(make_key(layer, tensor_id));
-    if (tensor_id < 0 || it == s.entries.end()) {
+    if (it == s.entries.end()) {
         return fail(PEBBLE_ERR_UNKNOWN_ENTRY, "%s: no entry saved for layer %d tensor %d", fn, layer, tensor_id);
     }
     *out = &it->second;
@@ -293,7 +294,11 @@ pebble_status find_entry(store & s, int32_t layer, int32_t tensor_id, const char
 
 pebble_status check_range(const entry & e, int32_t layer, int32_t tensor_id, uint64_t offset, uint64_t nbytes,
                           const char * fn) {
-    if (nbytes == 0 || offset > e.nbytes || nbytes > e.nbytes - offset) {
+    if (nbytes == 0) {
+        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: layer %d tensor %d: a copy needs at least one byte", fn, layer,
+                    tensor_id);
+    }
+    if (offset > e.nbytes || nbytes > e.nbytes - offset) {
         return fail(PEBBLE_ERR_SIZE_MISMATCH, "%s: layer %d tensor %d holds %" PRIu64 " bytes; bytes [%" PRIu64
                     ", %" PRIu64 ") are not a non-empty range inside it", fn, layer, tensor_id, e.nbytes,
                     offset, offset + nbytes);
@@ -394,6 +399,10 @@ extern "C" pebble_status pebble_save(pebble_store_t handle, int32_t layer, int32
         return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_save: layer %d tensor %d: n_dims %d is not in 1..%d",
                     layer, tensor_id, desc->n_dims, PEBBLE_MAX_DIMS);
     }
+    if (desc && (desc->ggml_type < PEBBLE_TYPE_BYTES || desc->ggml_type >= PEBBLE_TYPE_COUNT)) {
+        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_save: layer %d tensor %d: GGUF type %d is not -1 (bytes) "
+                    "or a GGUF type id 0..%d", layer, tensor_id, desc->ggml_type, PEBBLE_TYPE_COUNT - 1);
+    }
     const bool to_device = tier == PEBBLE_TIER_DEVICE ||
                            (tier == PEBBLE_TIER_AUTO && is_resident(s.strategy, s.arg, s.n_layers, layer));
     if (to_device && nbytes > s.limit) {
@@ -466,7 +475,7 @@ pebble_status read_entry(store & s, int32_t layer, int32_t tensor_id, uint64_t o
     entry * e = nullptr;
     TRY(find_entry(s, layer, tensor_id, fn, &e));
     if (!dst) return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: layer %d tensor %d: destination is NULL", fn, layer, tensor_id);
-    if (whole && nbytes != e->nbytes) {
+    if (whole && nbytes != e->nbytes && nbytes != 0) { // zero bytes: check_range's invalid argument
         return fail(PEBBLE_ERR_SIZE_MISMATCH, "%s: layer %d tensor %d holds %" PRIu64 " bytes, the destination "
                     "has %" PRIu64, fn, layer, tensor_id, e->nbytes, nbytes);
     }
@@ -538,13 +547,18 @@ extern "C" pebble_status pebble_prefetch(pebble_store_t handle, int32_t layer, v
     }
     std::sort(keys.begin(), keys.end()); // ascending tensor id: the order every backend uses
     auto same_layer = [layer](entry_key k) { return static_cast<int32_t>(k >> 32) == layer; };
+    uint64_t layer_device_bytes = 0; // this layer's device copies, which prefetch never evicts
+    for (const auto & kv : s.entries) {
+        if (same_layer(kv.first) && kv.second.dev) layer_device_bytes += kv.second.nbytes;
+    }
     for (entry_key key : keys) {
         entry & e = s.entries.at(key);
-        if (e.nbytes > s.limit) continue;
+        if (layer_device_bytes + e.nbytes > s.limit) continue; // could not fit even after evicting the rest
         bool fits = false;
         TRY(make_room(s, e.nbytes, same_layer, &fits));
         if (!fits) continue;
         TRY(alloc_device_copy(s, e, key));
+        layer_device_bytes += e.nbytes;
         TRY(copy_async(e, e.dev, e.host, e.nbytes, static_cast<cudaStream_t>(stream)));
         s.stats.bytes_h2d += e.nbytes;
         s.stats.prefetches++;

@@ -64,6 +64,7 @@ enum pebble_tier {
 
 // GGUF tensor type of an entry's bytes; PEBBLE_TYPE_BYTES for untyped bytes
 #define PEBBLE_TYPE_BYTES (-1)
+#define PEBBLE_TYPE_COUNT 42 // GGUF type ids are 0..PEBBLE_TYPE_COUNT-1
 #define PEBBLE_MAX_DIMS   4
 
 struct pebble_tensor_desc {

@@ -28,6 +28,7 @@ _TIER_BY_NAME = {"auto": TIER_AUTO, "device": TIER_DEVICE, "host": TIER_HOST}
 
 TYPE_BYTES = -1  # PEBBLE_TYPE_BYTES: untyped bytes
 MAX_DIMS = 4     # PEBBLE_MAX_DIMS
+GGML_TYPE_COUNT = 42  # GGUF type ids are 0..41 (Q1_0 = 41); any other than TYPE_BYTES is unknown
 
 
 @dataclass(frozen=True)
@@ -129,10 +130,14 @@ def host_buffer(obj, *, writable: bool, what: str) -> memoryview:
         raise InvalidArgumentError(f"{what} is device memory ({type(obj).__name__}); this backend "
                                    f"holds host memory only: pass a numpy array or bytes")
     try:
-        view = memoryview(obj)
-    except TypeError:
+        if isinstance(obj, np.ndarray):  # any dtype, including those memoryview cannot describe
+            flat = obj.reshape(-1).view(np.uint8) if obj.flags.c_contiguous else obj
+            view = memoryview(flat)
+        else:
+            view = memoryview(obj)
+    except (TypeError, ValueError) as exc:
         raise InvalidArgumentError(f"{what} must be a numpy array or a bytes-like buffer, got "
-                                   f"{type(obj).__name__}") from None
+                                   f"{type(obj).__name__} ({exc})") from None
     if not view.c_contiguous:
         raise InvalidArgumentError(f"{what} must be C-contiguous (shape {view.shape}, strides "
                                    f"{view.strides})")
@@ -184,6 +189,13 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def entry_info(self, layer: int, tensor_id: int) -> EntryInfo: ...
+
+    @abc.abstractmethod
+    def set_strategy(self, strategy, *, device_limit: int | None = None) -> None:
+        """Changes the strategy (and the limit, when given) of the live store, then rebalances: device
+        copies of layers now streamed move to the host tier, least-recently-used entries move there
+        until the limit holds, and host-only entries of resident layers (ascending layer, then tensor
+        id) move to the device as far as the limit allows. Nothing is saved again or dropped."""
 
     @abc.abstractmethod
     def should_checkpoint(self, layer: int) -> bool:

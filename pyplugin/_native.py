@@ -1,0 +1,375 @@
+"""Bindings to the native store (native/pebble.h) through cffi in ABI mode: no compiler needed at install.
+
+The only module that touches cffi. `NativeStore` wraps one pebble_store_t handle; `_check` turns every
+status code into a PebbleError subclass carrying the library's own message.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+from cffi import FFI
+
+from .errors import InvalidArgumentError, LayerRangeError, PebblingError, StrategyError, error_for
+from .store import (
+    INT32_MAX, MAX_DIMS, TIER_AUTO, EntryInfo, Stats, STATS_FIELDS, Store, as_int, as_strategy,
+    default_desc, host_buffer, stream_pointer, tier_code,
+)
+
+ffi = FFI()
+ffi.cdef("""
+enum pebble_status {
+    PEBBLE_OK                   =   0,
+    PEBBLE_ERR_INVALID_ARGUMENT =  -1,
+    PEBBLE_ERR_UNKNOWN_ENTRY    =  -2,
+    PEBBLE_ERR_SIZE_MISMATCH    =  -3,
+    PEBBLE_ERR_LAYER_RANGE      =  -4,
+    PEBBLE_ERR_TOO_LARGE        =  -5,
+    PEBBLE_ERR_HOST_OOM         =  -6,
+    PEBBLE_ERR_DEVICE_OOM       =  -7,
+    PEBBLE_ERR_CUDA             =  -8,
+    PEBBLE_ERR_CLOSED           =  -9,
+    PEBBLE_ERR_STRATEGY         = -10,
+};
+enum pebble_strategy {
+    PEBBLE_STRATEGY_NONE     = 0,
+    PEBBLE_STRATEGY_SQRT     = 1,
+    PEBBLE_STRATEGY_ADAPTIVE = 2,
+    PEBBLE_STRATEGY_MINIMAL  = 3,
+    PEBBLE_STRATEGY_EVERY    = 4,
+};
+enum pebble_tier {
+    PEBBLE_TIER_AUTO   = 0,
+    PEBBLE_TIER_DEVICE = 1,
+    PEBBLE_TIER_HOST   = 2,
+};
+
+struct pebble_tensor_desc {
+    int32_t ggml_type;
+    int32_t n_dims;
+    int64_t ne[4];
+};
+struct pebble_entry_info {
+    uint64_t                  nbytes;
+    struct pebble_tensor_desc desc;
+    int32_t                   on_device;
+    int32_t                   on_host;
+};
+struct pebble_stats {
+    uint64_t device_limit_bytes;
+    uint64_t device_bytes;
+    uint64_t device_peak_bytes;
+    uint64_t host_bytes;
+    uint64_t host_peak_bytes;
+    uint64_t entries;
+    uint64_t saves;
+    uint64_t restores;
+    uint64_t hits;
+    uint64_t evictions;
+    uint64_t prefetches;
+    uint64_t bytes_h2d;
+    uint64_t bytes_d2h;
+    uint64_t bytes_restored;
+};
+typedef struct pebble_store * pebble_store_t;
+
+enum pebble_status pebble_init  (uint64_t device_limit, int32_t n_layers, int32_t strategy,
+                                 int64_t strategy_arg, int32_t device, pebble_store_t * out);
+enum pebble_status pebble_set_strategy(pebble_store_t store, uint64_t device_limit, int32_t strategy,
+                                       int64_t strategy_arg);
+enum pebble_status pebble_free  (pebble_store_t store);
+
+enum pebble_status pebble_save   (pebble_store_t store, int32_t layer, int32_t tensor_id,
+                                  const void * src, uint64_t nbytes,
+                                  const struct pebble_tensor_desc * desc, int32_t tier, void * stream);
+enum pebble_status pebble_restore(pebble_store_t store, int32_t layer, int32_t tensor_id,
+                                  void * dst, uint64_t nbytes, void * stream);
+enum pebble_status pebble_read   (pebble_store_t store, int32_t layer, int32_t tensor_id,
+                                  uint64_t offset, void * dst, uint64_t nbytes, void * stream);
+enum pebble_status pebble_write  (pebble_store_t store, int32_t layer, int32_t tensor_id,
+                                  uint64_t offset, const void * src, uint64_t nbytes, void * stream);
+enum pebble_status pebble_erase  (pebble_store_t store, int32_t layer, int32_t tensor_id);
+enum pebble_status pebble_prefetch(pebble_store_t store, int32_t layer, void * stream);
+enum pebble_status pebble_entry_info(pebble_store_t store, int32_t layer, int32_t tensor_id,
+                                     struct pebble_entry_info * out);
+enum pebble_status pebble_device_pointer(pebble_store_t store, int32_t layer, int32_t tensor_id, void ** out);
+
+enum pebble_status pebble_should_checkpoint(pebble_store_t store, int32_t layer, int32_t * out);
+enum pebble_status pebble_stats      (pebble_store_t store, struct pebble_stats * out);
+enum pebble_status pebble_stats_reset(pebble_store_t store);
+enum pebble_status pebble_synchronize(pebble_store_t store);
+
+const char * pebble_strerror  (int32_t status);
+const char * pebble_last_error(void);
+const char * pebble_backend   (void);
+""")
+
+KINDS = ("cuda", "host")
+_PACKAGE_DIR = Path(__file__).resolve().parent
+_BUILD_DIR = _PACKAGE_DIR.parent / "build"
+_loaded: dict[tuple[str, str | None], tuple[object, str]] = {}
+_load_lock = threading.Lock()
+_UINT64_MAX, _INT64_MAX = 2**64 - 1, 2**63 - 1
+
+
+def library_candidates(kind: str) -> list[Path]:
+    """Where the `kind` library is looked for, in order."""
+    # 1. $PEBBLING_LIB names one library explicitly (a sanitizer build, say); when set it is the only
+    #    candidate, so a test run never silently falls back to another build.
+    override = os.environ.get("PEBBLING_LIB")
+    if override:
+        return [Path(override)]
+    name = f"libpebble_{kind}.so"
+    return [
+        _PACKAGE_DIR / name,  # 2. the package's own directory, where an installed wheel carries it
+        _BUILD_DIR / name,    # 3. the repository's build/ directory, where `make cuda|host` puts it
+    ]
+
+
+def load_library(kind: str):
+    """Loads the `kind` ("cuda" or "host") library: returns (lib, path), or raises OSError saying
+    what was tried and why each failed."""
+    if kind not in KINDS:
+        raise PebblingError(f"unknown native library kind {kind!r}; valid: {', '.join(KINDS)}")
+    cache_key = (kind, os.environ.get("PEBBLING_LIB"))
+    with _load_lock:
+        if cache_key in _loaded:
+            return _loaded[cache_key]
+        failures = []
+        for path in library_candidates(kind):
+            if not path.is_file():
+                failures.append(f"{path}: no such file")
+                continue
+            try:
+                lib = ffi.dlopen(str(path))
+                built_as = ffi.string(lib.pebble_backend()).decode()
+            except (OSError, AttributeError) as exc:  # AttributeError: a symbol is missing
+                failures.append(f"{path}: {exc}")
+                continue
+            if built_as != kind:
+                failures.append(f"{path}: built as {built_as!r}, not {kind!r}")
+                continue
+            _loaded[cache_key] = (lib, str(path))
+            return _loaded[cache_key]
+        raise OSError(f"no usable {kind} pebble library: " + "; ".join(failures))
+
+
+_INT32_MIN = -INT32_MAX - 1
+
+
+def _c_int(value, what: str, lo: int, hi: int, error, problem: str) -> int:
+    """`value` as an integer within [lo, hi] (its C parameter's range), else error(what value problem)."""
+    value = as_int(value, what)
+    if not lo <= value <= hi:
+        raise error(f"{what} {value} {problem}")
+    return value
+
+
+class NativeStore(Store):
+    """A store in the native library `kind`; see pyplugin.store.Store for the semantics."""
+
+    def __init__(self, device_limit: int, n_layers: int, strategy, *, device: int = 0,
+                 kind: str = "host"):
+        self._lib, self.library_path = load_library(kind)
+        self.backend = kind
+        self.strategy = as_strategy(strategy)
+        self.device_limit = _c_int(device_limit, "device limit", 0, _UINT64_MAX, InvalidArgumentError,
+                                   "bytes is outside [0, 2**64)")
+        self.n_layers = _c_int(n_layers, "n_layers", _INT32_MIN, INT32_MAX, InvalidArgumentError,
+                               "does not fit in int32")
+        device = _c_int(device, "device index", 0, INT32_MAX, InvalidArgumentError, "is not >= 0")
+        self._close_lock = threading.Lock()
+        self._handle = None
+        out = ffi.new("pebble_store_t *")
+        self._check(self._lib.pebble_init(self.device_limit, self.n_layers, *_c_strategy(self.strategy),
+                                          device, out))
+        self._handle = out[0]
+
+    def _check(self, status: int) -> None:
+        """The one place a status code becomes an exception, with the calling thread's native message."""
+        if status != 0:
+            raise error_for(status, ffi.string(self._lib.pebble_last_error()).decode("utf-8", "replace"))
+
+    # -- conversions from Python arguments to C ones
+
+    def _live(self):
+        handle = self._handle
+        if handle is None:
+            raise self._closed_error()
+        return handle
+
+    def _layer(self, layer) -> int:
+        return _c_int(layer, "layer", _INT32_MIN, INT32_MAX, LayerRangeError,
+                      f"out of range [0, {self.n_layers})")
+
+    @staticmethod
+    def _tensor_id(tensor_id) -> int:
+        return _c_int(tensor_id, "tensor id", _INT32_MIN, INT32_MAX, InvalidArgumentError,
+                      "does not fit in int32")
+
+    @staticmethod
+    def _offset(offset) -> int:
+        return _c_int(offset, "offset", 0, _UINT64_MAX, InvalidArgumentError, "is outside [0, 2**64)")
+
+    @staticmethod
+    def _stream(stream):
+        return ffi.cast("void *", stream_pointer(stream))
+
+    def _buffer(self, obj, *, writable: bool, what: str):
+        """(pointer, nbytes) of a host buffer or, on the cuda backend, of a CUDA array."""
+        cai = getattr(obj, "__cuda_array_interface__", None)
+        if cai is None:
+            view = host_buffer(obj, writable=writable, what=what)
+            return ffi.from_buffer("char[]", view, require_writable=writable), view.nbytes
+        if self.backend != "cuda":
+            raise InvalidArgumentError(f"{what} is device memory ({type(obj).__name__}); the "
+                                       f"{self.backend} backend holds host memory only")
+        itemsize = np.dtype(cai["typestr"]).itemsize
+        shape = tuple(cai["shape"])
+        nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
+        strides = cai.get("strides")
+        if strides is not None and nbytes and tuple(strides) != _c_strides(shape, itemsize):
+            raise InvalidArgumentError(f"{what} must be C-contiguous (shape {shape}, strides {strides})")
+        ptr, readonly = cai["data"]
+        if writable and readonly:
+            raise InvalidArgumentError(f"{what} must be writable, got a read-only CUDA array")
+        return ffi.cast("void *", ptr), nbytes
+
+    def _finish(self, stream) -> None:
+        """A call without a stream is done with the caller's buffers when it returns."""
+        if stream is None:
+            self._check(self._lib.pebble_synchronize(self._live()))
+
+    # -- the calls
+
+    def save(self, layer, tensor_id, data, *, desc=None, tier=TIER_AUTO, stream=None):
+        handle = self._live()
+        layer, tensor_id, tier = self._layer(layer), self._tensor_id(tensor_id), tier_code(tier)
+        src, nbytes = self._buffer(data, writable=False, what="save data")
+        desc = default_desc(data, desc)
+        c_desc = ffi.NULL
+        if desc is not None:
+            shape = tuple(desc.shape)
+            if len(shape) > MAX_DIMS:
+                raise InvalidArgumentError(f"save: layer {layer} tensor {tensor_id}: shape {shape} has "
+                                           f"more than {MAX_DIMS} dimensions")
+            c_desc = ffi.new("struct pebble_tensor_desc *")
+            c_desc.ggml_type = _c_int(desc.ggml_type, "ggml type", _INT32_MIN, INT32_MAX,
+                                      InvalidArgumentError, "does not fit in int32")
+            c_desc.n_dims = len(shape)
+            c_desc.ne[0:len(shape)] = [_c_int(n, "dimension", -_INT64_MAX - 1, _INT64_MAX,
+                                              InvalidArgumentError, "does not fit in int64") for n in shape]
+        tier = _c_int(tier, "tier", _INT32_MIN, INT32_MAX, InvalidArgumentError, "is not a tier")
+        self._check(self._lib.pebble_save(handle, layer, tensor_id, src, nbytes, c_desc, tier,
+                                          self._stream(stream)))
+        self._finish(stream)
+
+    def restore(self, layer, tensor_id, out, *, stream=None):
+        handle = self._live()
+        layer, tensor_id = self._layer(layer), self._tensor_id(tensor_id)
+        dst, nbytes = self._buffer(out, writable=True, what="restore out")
+        self._check(self._lib.pebble_restore(handle, layer, tensor_id, dst, nbytes, self._stream(stream)))
+        self._finish(stream)
+
+    def read(self, layer, tensor_id, offset, out, *, stream=None):
+        handle = self._live()
+        layer, tensor_id, offset = self._layer(layer), self._tensor_id(tensor_id), self._offset(offset)
+        dst, nbytes = self._buffer(out, writable=True, what="read out")
+        self._check(self._lib.pebble_read(handle, layer, tensor_id, offset, dst, nbytes,
+                                          self._stream(stream)))
+        self._finish(stream)
+
+    def write(self, layer, tensor_id, offset, data, *, stream=None):
+        handle = self._live()
+        layer, tensor_id, offset = self._layer(layer), self._tensor_id(tensor_id), self._offset(offset)
+        src, nbytes = self._buffer(data, writable=False, what="write data")
+        self._check(self._lib.pebble_write(handle, layer, tensor_id, offset, src, nbytes,
+                                           self._stream(stream)))
+        self._finish(stream)
+
+    def erase(self, layer, tensor_id):
+        handle = self._live()
+        self._check(self._lib.pebble_erase(handle, self._layer(layer), self._tensor_id(tensor_id)))
+
+    def prefetch(self, layer, *, stream=None):
+        handle = self._live()
+        self._check(self._lib.pebble_prefetch(handle, self._layer(layer), self._stream(stream)))
+        self._finish(stream)
+
+    def entry_info(self, layer, tensor_id) -> EntryInfo:
+        handle = self._live()
+        out = ffi.new("struct pebble_entry_info *")
+        self._check(self._lib.pebble_entry_info(handle, self._layer(layer), self._tensor_id(tensor_id), out))
+        n_dims = max(0, min(out.desc.n_dims, MAX_DIMS))
+        return EntryInfo(int(out.nbytes), int(out.desc.ggml_type), tuple(out.desc.ne[0:n_dims]),
+                         bool(out.on_device), bool(out.on_host))
+
+    def device_pointer(self, layer, tensor_id) -> int:
+        """Address of the entry's device copy, to compute from it in place (cuda backend); valid until
+        the entry is evicted, replaced or erased. UnknownEntryError when it has no device copy."""
+        handle = self._live()
+        out = ffi.new("void **")
+        self._check(self._lib.pebble_device_pointer(handle, self._layer(layer), self._tensor_id(tensor_id),
+                                                    out))
+        return int(ffi.cast("uintptr_t", out[0]))
+
+    def set_strategy(self, strategy, *, device_limit=None) -> None:
+        handle = self._live()
+        strategy = as_strategy(strategy)
+        limit = self.device_limit if device_limit is None else _c_int(
+            device_limit, "device limit", 0, _UINT64_MAX, InvalidArgumentError, "bytes is outside [0, 2**64)")
+        self._check(self._lib.pebble_set_strategy(handle, limit, *_c_strategy(strategy)))
+        self.strategy, self.device_limit = strategy, limit
+
+    def should_checkpoint(self, layer) -> bool:
+        handle = self._live()
+        out = ffi.new("int32_t *")
+        self._check(self._lib.pebble_should_checkpoint(handle, self._layer(layer), out))
+        return bool(out[0])
+
+    def stats(self) -> Stats:
+        handle = self._live()
+        out = ffi.new("struct pebble_stats *")
+        self._check(self._lib.pebble_stats(handle, out))
+        return Stats(**{name: int(getattr(out, name)) for name in STATS_FIELDS})
+
+    def reset_stats(self) -> None:
+        self._check(self._lib.pebble_stats_reset(self._live()))
+
+    def synchronize(self) -> None:
+        self._check(self._lib.pebble_synchronize(self._live()))
+
+    def close(self) -> None:
+        with self._close_lock:
+            handle, self._handle = self._handle, None
+        if handle is not None:
+            self._check(self._lib.pebble_free(handle))
+
+    @property
+    def closed(self) -> bool:
+        return self._handle is None
+
+    def __del__(self):
+        # A store dropped without close() still gives its memory back; never raise from a finalizer.
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def _c_strategy(strategy) -> tuple[int, int]:
+    """(code, arg) as pebble_init takes them; their validity is the library's to judge."""
+    return (_c_int(strategy.code, "strategy code", _INT32_MIN, INT32_MAX, StrategyError, "is not a strategy"),
+            _c_int(strategy.arg, "strategy argument", -_INT64_MAX - 1, _INT64_MAX, StrategyError,
+                   "does not fit in int64"))
+
+
+def _c_strides(shape: tuple, itemsize: int) -> tuple:
+    strides, step = [], itemsize
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))

@@ -1,0 +1,33 @@
+"""`pebbling info`: which store backend would be used and why, what else is available, which GPUs."""
+
+from __future__ import annotations
+
+from .. import backend, gpu
+
+_GIB = 1 << 30
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser("info", help="show the store backend, its library and the GPUs seen",
+                                   description=__doc__)
+    parser.set_defaults(func=run)
+
+
+def run(args) -> int:
+    choice = backend.select_backend()
+    print(f"backend: {choice.name}")
+    print(f"  why: {choice.reason}")
+    print(f"  library: {choice.library_path or 'none (pure Python)'}")
+    print("backends available:")
+    for found in backend.available_backends():
+        print(f"  {found.name}: {'yes' if found.usable else 'no'} ({found.reason})")
+    gpus = gpu.list_gpus()
+    problem = gpu.nvml_problem()
+    if problem:
+        print(f"no NVIDIA driver found ({problem})")
+    elif not gpus:
+        print("no NVIDIA GPU found (the driver lists none)")
+    for g in gpus:
+        print(f"GPU {g.index}: {g.name}, {g.total_bytes / _GIB:.1f} GiB total, "
+              f"{g.free_bytes / _GIB:.1f} GiB free")
+    return 0
