@@ -16,7 +16,7 @@ from cffi import FFI
 from .errors import InvalidArgumentError, LayerRangeError, PebblingError, StrategyError, error_for
 from .store import (
     INT32_MAX, MAX_DIMS, TIER_AUTO, EntryInfo, Stats, STATS_FIELDS, Store, as_int, as_strategy,
-    default_desc, host_buffer, stream_pointer, tier_code,
+    check_view, default_desc, host_buffer, stream_pointer, tier_code,
 )
 
 ffi = FFI()
@@ -315,6 +315,17 @@ class NativeStore(Store):
         self._check(self._lib.pebble_device_pointer(handle, self._layer(layer), self._tensor_id(tensor_id),
                                                     out))
         return int(ffi.cast("uintptr_t", out[0]))
+
+    def device_array(self, layer, tensor_id, dtype, shape):
+        ptr = self.device_pointer(layer, tensor_id)
+        nbytes = self.entry_info(layer, tensor_id).nbytes
+        dtype, shape = check_view("device_array", layer, tensor_id, nbytes, dtype, shape)
+        if self.backend != "cuda":  # the host build's device tier is host memory
+            return np.frombuffer(ffi.buffer(ffi.cast("char *", ptr), nbytes), dtype).reshape(shape)
+        import cupy
+
+        memory = cupy.cuda.UnownedMemory(ptr, nbytes, owner=self)
+        return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(memory, 0))
 
     def set_strategy(self, strategy, *, device_limit=None) -> None:
         handle = self._live()

@@ -43,7 +43,7 @@ from .errors import (
 )
 from .store import (
     GGML_TYPE_COUNT, INT32_MAX, MAX_DIMS, TIER_AUTO, TIER_DEVICE, TIER_HOST, TYPE_BYTES, EntryInfo, Stats,
-    Store, TensorDesc, as_int, as_strategy, default_desc, host_buffer, stream_pointer, tier_code,
+    Store, TensorDesc, as_int, as_strategy, check_view, default_desc, host_buffer, stream_pointer, tier_code,
 )
 from .strategy import is_resident, resident_count
 
@@ -311,6 +311,17 @@ class StubStore(Store):
             self._make_room(entry.nbytes, spare=lambda k: k[0] == layer)
             self._copy_to_device(key, entry)
             resident += entry.nbytes
+
+    @_locked
+    def device_array(self, layer, tensor_id, dtype, shape):
+        key = self._key("device_array", layer, tensor_id)
+        entry = self._entry("device_array", key)
+        if entry.device is None:
+            raise UnknownEntryError(f"device_array: layer {key[0]} tensor {key[1]} has no device copy "
+                                    f"(it is in the host tier)")
+        dtype, shape = check_view("device_array", *key, entry.nbytes, dtype, shape)
+        self._touch(key)
+        return entry.device.view(dtype).reshape(shape)
 
     @_locked
     def entry_info(self, layer, tensor_id) -> EntryInfo:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from .errors import ClosedError, InvalidArgumentError
+from .errors import ClosedError, InvalidArgumentError, SizeMismatchError
 from .strategy import Strategy
 
 # Tiers, as enum pebble_tier.
@@ -113,6 +113,16 @@ def default_desc(data, desc: TensorDesc | None) -> TensorDesc | None:
     return TensorDesc(TYPE_BYTES, tuple(int(n) for n in reversed(data.shape)))
 
 
+def check_view(call: str, layer: int, tensor_id: int, nbytes: int, dtype, shape) -> tuple[np.dtype, tuple]:
+    """dtype and shape of a view over an entry of `nbytes`, which they must cover exactly."""
+    dtype, shape = np.dtype(dtype), tuple(int(n) for n in shape)
+    want = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if want != nbytes:
+        raise SizeMismatchError(f"{call}: layer {layer} tensor {tensor_id} holds {nbytes} bytes; "
+                                f"{dtype} {shape} needs {want}")
+    return dtype, shape
+
+
 def stream_pointer(stream) -> int:
     """cudaStream_t as an integer: None -> 0 (default stream), an int, or an object's `.ptr`."""
     if stream is None:
@@ -189,6 +199,13 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def entry_info(self, layer: int, tensor_id: int) -> EntryInfo: ...
+
+    @abc.abstractmethod
+    def device_array(self, layer: int, tensor_id: int, dtype, shape: tuple[int, ...]):
+        """The entry's device copy as an array of `dtype` and `shape`, without copying, to compute
+        from (and write into) in place: a CuPy array on the cuda backend, numpy elsewhere. Valid
+        until the entry is evicted, replaced or erased; UnknownEntryError when it has no device copy,
+        SizeMismatchError when dtype and shape do not cover the entry exactly."""
 
     @abc.abstractmethod
     def set_strategy(self, strategy, *, device_limit: int | None = None) -> None:

@@ -708,3 +708,30 @@ def test_an_explicit_backend_that_cannot_load_says_why(monkeypatch, tmp_path):
     monkeypatch.setenv("PEBBLING_LIB", str(tmp_path / "libpebble_missing.so"))
     with pytest.raises(PebblingError, match="libpebble_missing.so"):
         select_backend("host")
+
+
+def to_host(array) -> np.ndarray:
+    return array.get() if hasattr(array, "get") else np.asarray(array)
+
+
+def test_device_array_views_a_resident_entry_in_place(make_store):
+    store = make_store(device_limit=4096, n_layers=2)
+    weights = np.arange(64, dtype=np.float32).reshape(8, 8)
+    store.save(0, 3, weights, tier=TIER_DEVICE)
+    view = store.device_array(0, 3, np.float32, (8, 8))
+    assert np.array_equal(to_host(view), weights)
+    view[2, 5] = -1.0  # writes land in the entry itself
+    out = np.empty_like(weights)
+    store.restore(0, 3, out)
+    assert out[2, 5] == -1.0
+
+
+def test_device_array_refuses_host_entries_and_wrong_shapes(make_store):
+    store = make_store(device_limit=4096, n_layers=2)
+    store.save(0, 0, np.zeros(16, np.float32), tier=TIER_DEVICE)
+    store.save(1, 0, np.zeros(16, np.float32), tier=TIER_HOST)
+    with pytest.raises(UnknownEntryError, match="layer 1 tensor 0"):
+        store.device_array(1, 0, np.float32, (16,))
+    with pytest.raises(SizeMismatchError, match="64 bytes"):
+        store.device_array(0, 0, np.float32, (17,))
+    assert store.device_array(0, 0, np.float16, (32,)).shape == (32,)
