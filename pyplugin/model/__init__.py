@@ -1,0 +1,18 @@
+"""The model runtime: GGUF loading, tokenizer, chat template and the transformer forward pass.
+
+It knows nothing of strategies or the store: the forward pass is a set of pure functions and the
+layer loop belongs to pyplugin.loop.
+"""
+
+from .chat import ChatTemplate, ChatTemplateError
+from .gguf_file import SUPPORTED_TYPES, GGUFFile
+from .load import SUPPORTED_ARCHS, Model, ModelBytes, load_model, read_config
+from .tokenizer import StreamDecoder, Tokenizer
+from .transformer import (KVCache, LayerWeights, ModelConfig, OuterWeights, embed, layer_forward,
+                          output_logits)
+
+__all__ = [
+    "ChatTemplate", "ChatTemplateError", "GGUFFile", "KVCache", "LayerWeights", "Model", "ModelBytes",
+    "ModelConfig", "OuterWeights", "StreamDecoder", "SUPPORTED_ARCHS", "SUPPORTED_TYPES", "Tokenizer",
+    "embed", "layer_forward", "load_model", "output_logits", "read_config",
+]

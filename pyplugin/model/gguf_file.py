@@ -1,0 +1,139 @@
+"""Reading a GGUF file: its metadata, and its tensors dequantized one at a time.
+
+gguf's reader parses the header; tensor data is read through a memory map of our own so that, once
+a tensor is dequantized, its file pages can be dropped from this process (madvise) and host memory
+while loading stays near the size of the dequantized weights. Every failure, gguf's own exceptions
+included, becomes one ModelError that names the file and the problem.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize as gguf_dequantize
+
+from ..errors import ModelError
+
+T = GGMLQuantizationType
+SUPPORTED_TYPES = frozenset({T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_K, T.Q6_K})
+GGUF_MAGIC = b"GGUF"
+
+
+class TensorInfo:
+    """Where a tensor lies in the file and what it holds; ``shape`` is numpy order (GGUF ne reversed)."""
+
+    __slots__ = ("name", "qtype", "shape", "offset", "nbytes")
+
+    def __init__(self, name: str, qtype: GGMLQuantizationType, shape: tuple[int, ...], offset: int,
+                 nbytes: int):
+        self.name, self.qtype, self.shape, self.offset, self.nbytes = name, qtype, shape, offset, nbytes
+
+    def __repr__(self) -> str:
+        return f"TensorInfo({self.name!r}, {self.qtype.name}, {self.shape})"
+
+
+class GGUFFile:
+    """An open GGUF file. Use as a context manager, or call ``close()``."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        _check_magic(self.path)
+        try:
+            reader = GGUFReader(self.path)
+        except Exception as exc:  # gguf raises ValueError, IndexError, struct errors... on damaged files
+            raise ModelError(f"{self.path}: damaged or truncated GGUF file "
+                             f"({type(exc).__name__}: {exc})") from None
+        self.metadata: dict[str, Any] = {}
+        for name, field in reader.fields.items():
+            if not name.startswith("GGUF."):
+                self.metadata[name] = field.contents()
+        self.tensors: dict[str, TensorInfo] = {
+            t.name: TensorInfo(t.name, t.tensor_type, tuple(int(d) for d in reversed(t.shape.tolist())),
+                               int(t.data_offset), int(t.n_bytes))
+            for t in reader.tensors
+        }
+        del reader  # drops gguf's own map; what we keep is plain Python
+        self._check_sizes()
+        with open(self.path, "rb") as f:
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+
+    def __enter__(self) -> "GGUFFile":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        try:
+            self._map.close()
+        except BufferError:  # an array still views the map (an exception's frames); GC will unmap it
+            pass
+
+    def _check_sizes(self) -> None:
+        size = self.path.stat().st_size
+        for t in self.tensors.values():
+            if t.offset + t.nbytes > size:
+                raise ModelError(f"{self.path}: truncated: tensor {t.name} ends at byte "
+                                 f"{t.offset + t.nbytes}, the file has {size} bytes")
+
+    def require(self, key: str) -> Any:
+        """A metadata value that must be present."""
+        if key not in self.metadata:
+            raise ModelError(f"{self.path}: missing metadata key {key!r}")
+        return self.metadata[key]
+
+    def check_types(self) -> None:
+        """Refuse the whole file up front, naming the first tensor whose type we cannot dequantize."""
+        for t in self.tensors.values():
+            if t.qtype not in SUPPORTED_TYPES:
+                supported = ", ".join(sorted(q.name for q in SUPPORTED_TYPES))
+                raise ModelError(f"{self.path}: tensor {t.name} has type {t.qtype.name}, "
+                                 f"which is not supported; supported types: {supported}")
+
+    def dequantize(self, name: str) -> np.ndarray:
+        """The tensor as a new float32 array of its numpy shape; its file pages are dropped after."""
+        t = self.tensors.get(name)
+        if t is None:
+            raise ModelError(f"{self.path}: missing tensor {name!r}")
+        try:
+            return dequantize_bytes(np.frombuffer(self._map, np.uint8, t.nbytes, t.offset), t.qtype, t.shape)
+        finally:
+            self._drop_pages(t.offset, t.nbytes)
+
+    def _drop_pages(self, offset: int, nbytes: int) -> None:
+        # The data was copied out; without this its pages stay counted in our resident memory.
+        if not hasattr(self._map, "madvise"):
+            return
+        start = offset - offset % mmap.PAGESIZE
+        self._map.madvise(mmap.MADV_DONTNEED, start, offset + nbytes - start)
+
+
+def dequantize_bytes(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> np.ndarray:
+    """Raw tensor bytes -> a float32 array of ``shape`` that owns its memory."""
+    if qtype == T.F32:
+        return raw.view(np.float32).reshape(shape).copy()
+    if qtype == T.F16:
+        return raw.view(np.float16).reshape(shape).astype(np.float32)
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    rows = raw.reshape(*shape[:-1], shape[-1] // block * type_size)
+    return gguf_dequantize(rows, qtype)
+
+
+def _check_magic(path: Path) -> None:
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except FileNotFoundError:
+        raise ModelError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise ModelError(f"{path}: is a directory, not a GGUF file") from None
+    except OSError as exc:
+        raise ModelError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    if head != GGUF_MAGIC:
+        what = "the file is empty" if not head else f"it starts with {head!r}, not {GGUF_MAGIC!r}"
+        raise ModelError(f"{path}: not a GGUF file ({what})")

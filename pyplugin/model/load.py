@@ -1,0 +1,264 @@
+"""A GGUF file -> a loaded ``Model``: config, tokenizer, chat template and float32 host weights.
+
+Tensors are dequantized one at a time from the memory-mapped file, so host memory while loading
+stays near the size of the dequantized model. phi3's fused tensors (attn_qkv, gate+up in ffn_up)
+are split into row views here, so the forward pass sees the same ``LayerWeights`` for every
+architecture.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable
+
+import numpy as np
+from tqdm import tqdm
+
+from ..errors import ModelError
+from ..xp import compute_dtype, to_xp
+from .chat import ChatTemplate
+from .gguf_file import GGUFFile
+from .tokenizer import Tokenizer
+from .transformer import ROPE_NEOX, ROPE_NORMAL, LayerWeights, ModelConfig, OuterWeights
+
+ROPE_MODES = {"llama": ROPE_NORMAL, "qwen2": ROPE_NEOX, "phi3": ROPE_NEOX}
+SUPPORTED_ARCHS = tuple(ROPE_MODES)
+RANDOM_WEIGHTS_KEY = "pebbling.random_weights"  # set by pyplugin.synth
+_REQUIRED = object()
+
+
+@dataclass(frozen=True)
+class ModelBytes:
+    """Sizes a memory plan needs."""
+
+    layer_file: tuple[int, ...]     # each layer's tensors as stored in the file (maybe quantized)
+    layer_host: tuple[int, ...]     # each layer's arrays as loaded here (float32)
+    outer_file: int                 # token_embd, output_norm, output as stored
+    outer_host: int                 # ... as loaded (the tied output counted once)
+    kv_per_token: int               # K and V of one token in one layer, float32
+
+    def layer_device(self, i: int, itemsize: int = 2) -> int:
+        """Layer i's weights once converted to a compute type of ``itemsize`` bytes."""
+        return self.layer_host[i] // 4 * itemsize
+
+
+@dataclass
+class Model:
+    """A loaded model. The layer loop belongs to the caller (see pyplugin.loop)."""
+
+    path: Path
+    name: str
+    config: ModelConfig
+    tokenizer: Tokenizer
+    chat_template: ChatTemplate
+    layers: list[LayerWeights]          # float32 numpy, one per layer
+    outer: OuterWeights                 # float32 numpy
+    nbytes: ModelBytes
+    metadata: dict[str, Any]            # scalar metadata (the vocabulary and merges left out)
+    random_weights: bool = False
+    _converted: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def resident_layers(self, xp: ModuleType = np) -> list[LayerWeights]:
+        """Every layer in xp's compute type, converted once and kept (all layers resident)."""
+        if xp is np:
+            return self.layers
+        key = f"layers:{xp.__name__}"
+        if key not in self._converted:
+            dtype = compute_dtype(xp)
+            self._converted[key] = [lw.map(lambda a: to_xp(a, xp, dtype)) for lw in self.layers]
+        return self._converted[key]
+
+    def outer_weights(self, xp: ModuleType = np) -> OuterWeights:
+        """The outer weights for xp; token_embd stays on the host, where embed gathers its rows."""
+        if xp is np:
+            return self.outer
+        key = f"outer:{xp.__name__}"
+        if key not in self._converted:
+            dtype = compute_dtype(xp)
+            self._converted[key] = OuterWeights(self.outer.token_embd,
+                                                to_xp(self.outer.output_norm, xp, dtype),
+                                                to_xp(self.outer.output, xp, dtype))
+        return self._converted[key]
+
+    def chat_prompt(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> str:
+        return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
+
+
+def load_model(path: str | os.PathLike, *, progress: bool | None = None) -> Model:
+    """Load a GGUF file. ``progress``: None shows a bar on a terminal when loading takes a while."""
+    path = Path(path)
+    with GGUFFile(path) as f:
+        cfg = read_config(f)
+        f.check_types()
+        tokenizer = Tokenizer.from_metadata(f.metadata, str(path))
+        if tokenizer.n_vocab != cfg.n_vocab:
+            raise ModelError(f"{path}: the tokenizer has {tokenizer.n_vocab} tokens but token_embd "
+                             f"has {cfg.n_vocab} rows")
+        template = ChatTemplate(f.metadata.get("tokenizer.chat_template"),
+                                bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token,
+                                origin=str(path))
+        with _progress_bar(f, path, progress) as bar:
+            def load(name: str) -> np.ndarray:
+                bar.update(f.tensors[name].nbytes)
+                return f.dequantize(name)
+            layers = [_load_layer(f, cfg, i, load) for i in range(cfg.n_layer)]
+            outer = _load_outer(f, cfg, load)
+        nbytes = _sizes(f, cfg, layers, outer)
+        metadata = {k: v for k, v in f.metadata.items() if not isinstance(v, list)}
+    name = metadata.get("general.name") or path.stem
+    random = bool(metadata.get(RANDOM_WEIGHTS_KEY)) or "random weights" in str(name).lower()
+    return Model(path, name, cfg, tokenizer, template, layers, outer, nbytes, metadata, random)
+
+
+# ---------------------------------------------------------------------------------------------------
+# config
+
+
+def read_config(f: GGUFFile) -> ModelConfig:
+    arch = f.require("general.architecture")
+    if arch not in SUPPORTED_ARCHS:
+        raise ModelError(f"{f.path}: architecture {arch!r} is not supported; "
+                         f"supported: {', '.join(SUPPORTED_ARCHS)}")
+
+    def value(key: str, default: Any = _REQUIRED) -> Any:
+        v = f.metadata.get(f"{arch}.{key}", default)
+        if v is _REQUIRED:
+            raise ModelError(f"{f.path}: missing metadata key '{arch}.{key}'")
+        if isinstance(v, list):
+            raise ModelError(f"{f.path}: per-layer values for '{arch}.{key}' are not supported")
+        return v
+
+    n_embd, n_head = int(value("embedding_length")), int(value("attention.head_count"))
+    n_head_kv = int(value("attention.head_count_kv", n_head))
+    head_dim = int(value("attention.key_length", n_embd // n_head))
+    if int(value("attention.value_length", head_dim)) != head_dim:
+        raise ModelError(f"{f.path}: key and value head sizes differ, which is not supported")
+    if n_head_kv < 1 or n_head % n_head_kv:
+        raise ModelError(f"{f.path}: {n_head} query heads cannot share {n_head_kv} KV heads evenly")
+    if "token_embd.weight" not in f.tensors:
+        raise ModelError(f"{f.path}: missing tensor 'token_embd.weight'")
+    if "rope_factors_long.weight" in f.tensors:
+        raise ModelError(f"{f.path}: LongRoPE (rope_factors_long/short, e.g. phi3 128k) is not "
+                         "supported; the 4k variants are")
+    rope_dims = int(value("rope.dimension_count", head_dim))
+    return ModelConfig(
+        arch=arch, n_layer=int(value("block_count")), n_embd=n_embd, n_head=n_head,
+        n_head_kv=n_head_kv, head_dim=head_dim, n_ff=int(value("feed_forward_length")),
+        n_vocab=f.tensors["token_embd.weight"].shape[0], n_ctx_train=int(value("context_length")),
+        rms_eps=float(value("attention.layer_norm_rms_epsilon", 1e-5)), rope_mode=ROPE_MODES[arch],
+        rope_dims=rope_dims, rope_theta=float(value("rope.freq_base", 10000.0)),
+        rope_freq_scale=_rope_freq_scale(f, arch), rope_freq_factors=_rope_freq_factors(f, rope_dims))
+
+
+def _rope_freq_scale(f: GGUFFile, arch: str) -> float:
+    kind = f.metadata.get(f"{arch}.rope.scaling.type", "none")
+    factor = float(f.metadata.get(f"{arch}.rope.scaling.factor", 0.0))
+    legacy = float(f.metadata.get(f"{arch}.rope.scale_linear", 0.0))  # older converters
+    if kind == "linear" and factor > 0:
+        return 1.0 / factor
+    if kind in ("none", "linear"):
+        return 1.0 / legacy if legacy > 0 else 1.0
+    raise ModelError(f"{f.path}: rope scaling {kind!r} is not supported; supported: none, linear")
+
+
+def _rope_freq_factors(f: GGUFFile, rope_dims: int) -> tuple[float, ...] | None:
+    if "rope_freqs.weight" not in f.tensors:
+        return None
+    factors = f.dequantize("rope_freqs.weight").ravel()
+    if factors.size != rope_dims // 2:
+        raise ModelError(f"{f.path}: rope_freqs has {factors.size} values, expected {rope_dims // 2}")
+    return tuple(float(x) for x in factors)
+
+
+# ---------------------------------------------------------------------------------------------------
+# weights
+
+
+def _load_layer(f: GGUFFile, cfg: ModelConfig, i: int, load: Callable[[str], np.ndarray]) -> LayerWeights:
+    def get(tensor: str) -> np.ndarray:
+        name = f"blk.{i}.{tensor}"
+        if name not in f.tensors:
+            raise ModelError(f"{f.path}: missing tensor {name!r} ({cfg.arch})")
+        return load(name)
+
+    def optional(tensor: str) -> np.ndarray | None:
+        return get(tensor) if f"blk.{i}.{tensor}" in f.tensors else None
+
+    def split(tensor: str, sizes: tuple[int, ...]) -> list[np.ndarray]:
+        return _split_rows(get(tensor), sizes, f"{f.path}: blk.{i}.{tensor}")
+
+    qkv = (cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim, cfg.n_head_kv * cfg.head_dim)
+    if f"blk.{i}.attn_qkv.weight" in f.tensors:       # phi3: one fused projection, Q then K then V
+        wq, wk, wv = split("attn_qkv.weight", qkv)
+        has_bias = f"blk.{i}.attn_qkv.bias" in f.tensors
+        bq, bk, bv = split("attn_qkv.bias", qkv) if has_bias else (None, None, None)
+    else:
+        wq, wk, wv = get("attn_q.weight"), get("attn_k.weight"), get("attn_v.weight")
+        bq, bk, bv = optional("attn_q.bias"), optional("attn_k.bias"), optional("attn_v.bias")
+    if f"blk.{i}.ffn_gate.weight" in f.tensors:
+        w_gate, w_up = get("ffn_gate.weight"), get("ffn_up.weight")
+    else:                                              # phi3: ffn_up holds gate, then up
+        w_gate, w_up = split("ffn_up.weight", (cfg.n_ff, cfg.n_ff))
+    lw = LayerWeights(attn_norm=get("attn_norm.weight"), wq=wq, wk=wk, wv=wv,
+                      wo=get("attn_output.weight"), ffn_norm=get("ffn_norm.weight"),
+                      w_gate=w_gate, w_up=w_up, w_down=get("ffn_down.weight"), bq=bq, bk=bk, bv=bv)
+    _check_shapes(f, cfg, i, lw)
+    return lw
+
+
+def _split_rows(a: np.ndarray, sizes: tuple[int, ...], what: str) -> list[np.ndarray]:
+    # Views of the fused array: no copy, and rows stay contiguous.
+    if a.shape[0] != sum(sizes):
+        raise ModelError(f"{what}: fused tensor has {a.shape[0]} rows, expected "
+                         f"{' + '.join(map(str, sizes))}")
+    return np.split(a, np.cumsum(sizes)[:-1])
+
+
+def _check_shapes(f: GGUFFile, cfg: ModelConfig, i: int, lw: LayerWeights) -> None:
+    q, kv, e, ff = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim, cfg.n_embd, cfg.n_ff
+    expected = {"attn_norm": (e,), "wq": (q, e), "wk": (kv, e), "wv": (kv, e), "wo": (e, q),
+                "ffn_norm": (e,), "w_gate": (ff, e), "w_up": (ff, e), "w_down": (e, ff),
+                "bq": (q,), "bk": (kv,), "bv": (kv,)}
+    for name, a in lw.arrays():
+        if a.shape != expected[name]:
+            raise ModelError(f"{f.path}: layer {i} {name} has shape {a.shape}, expected "
+                             f"{expected[name]} from the metadata")
+
+
+def _load_outer(f: GGUFFile, cfg: ModelConfig, load: Callable[[str], np.ndarray]) -> OuterWeights:
+    if "output_norm.weight" not in f.tensors:
+        raise ModelError(f"{f.path}: missing tensor 'output_norm.weight'")
+    token_embd = load("token_embd.weight")
+    # Without output.weight the model ties its output projection to the token embedding.
+    output = load("output.weight") if "output.weight" in f.tensors else token_embd
+    outer = OuterWeights(token_embd, load("output_norm.weight"), output)
+    for name, a, shape in (("token_embd", token_embd, (cfg.n_vocab, cfg.n_embd)),
+                           ("output", output, (cfg.n_vocab, cfg.n_embd)),
+                           ("output_norm", outer.output_norm, (cfg.n_embd,))):
+        if a.shape != shape:
+            raise ModelError(f"{f.path}: {name} has shape {a.shape}, expected {shape}")
+    return outer
+
+
+def _sizes(f: GGUFFile, cfg: ModelConfig, layers: list[LayerWeights], outer: OuterWeights) -> ModelBytes:
+    layer_file = [0] * cfg.n_layer
+    outer_file = 0
+    for t in f.tensors.values():
+        layer = t.name.split(".")[1] if t.name.startswith("blk.") else ""
+        if layer.isdigit() and int(layer) < cfg.n_layer:
+            layer_file[int(layer)] += t.nbytes
+        else:
+            outer_file += t.nbytes
+    outer_host = sum(a.nbytes for a in {id(a): a for a in vars(outer).values()}.values())
+    return ModelBytes(tuple(layer_file), tuple(lw.nbytes for lw in layers), outer_file, outer_host,
+                      cfg.kv_bytes_per_token(4))
+
+
+def _progress_bar(f: GGUFFile, path: Path, progress: bool | None) -> tqdm:
+    total = sum(t.nbytes for t in f.tensors.values())
+    # disable=None: tqdm decides (off when stderr is not a terminal); delay: quick loads show nothing.
+    return tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {path.name}", leave=False,
+                disable=None if progress is None else not progress, delay=0.5)

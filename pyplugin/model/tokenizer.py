@@ -1,0 +1,274 @@
+"""The tokenizer a GGUF file carries, rebuilt with the ``tokenizers`` library as llama.cpp runs it.
+
+Two kinds, chosen by ``tokenizer.ggml.model``:
+- ``gpt2``: byte-level BPE. Tokens are stored in GPT-2's byte-to-unicode alphabet with a merge
+  list; the pre-tokenizer regexes are chosen by ``tokenizer.ggml.pre`` (llama.cpp's table).
+- ``llama``: SentencePiece BPE. Spaces are '▁', a piece's score is its merge priority, and a
+  character missing from the vocabulary falls back to byte tokens <0xNN>.
+Control and user-defined tokens are matched in the text as whole tokens. Decoding goes through raw
+bytes, so a character split across tokens comes out whole (see ``StreamDecoder``).
+"""
+
+from __future__ import annotations
+
+import codecs
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Iterable, Sequence
+
+from tokenizers import AddedToken, Regex, normalizers, pre_tokenizers
+from tokenizers import Tokenizer as _HFTokenizer
+from tokenizers import models as _models
+
+from ..errors import ModelError
+
+# tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+SPACE = "\u2581"  # '▁', SentencePiece's visible space
+
+# Pre-tokenizer regexes, as llama.cpp's llm_tokenizer_bpe spells them (llama-vocab.cpp). Each regex
+# splits the pieces the previous one produced, keeping matches and gaps alike.
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+_LLAMA3 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+           r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+          r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+@dataclass(frozen=True)
+class PreTokenizer:
+    regexes: tuple[str, ...]
+    ignore_merges: bool = False   # a whole pre-token found in the vocabulary is used as is
+    add_bos: bool = False         # llama.cpp's default when the file does not say
+
+
+_LLAMA3_PRE = PreTokenizer((_LLAMA3,), ignore_merges=True, add_bos=True)
+_QWEN2_PRE = PreTokenizer((_QWEN2,))
+_GPT2_PRE = PreTokenizer((_GPT2,))
+_STARCODER_PRE = PreTokenizer((r"\p{N}", _GPT2))
+_DEFAULT_PRE = PreTokenizer((r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"))
+
+PRE_TOKENIZERS: dict[str, PreTokenizer] = {
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral"), _LLAMA3_PRE),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "stablelm2", "megrez"), _QWEN2_PRE),
+    **dict.fromkeys(("gpt2", "gpt-2", "phi-2", "mpt", "olmo", "jais"), _GPT2_PRE),
+    **dict.fromkeys(("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone"),
+                    _STARCODER_PRE),
+    "default": _DEFAULT_PRE,
+}
+
+# Tokens that end a turn in common chat formats; llama.cpp treats these as end-of-generation too.
+_EOG_TEXTS = frozenset({"<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>",
+                        "<|endoftext|>", "<|end_of_text|>", "<EOT>", "<|return|>"})
+
+
+@lru_cache(maxsize=1)
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map from each byte to a printable character."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    chars = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+@lru_cache(maxsize=1)
+def _unicode_to_byte() -> dict[str, int]:
+    return {c: b for b, c in bytes_to_unicode().items()}
+
+
+class Tokenizer:
+    """Text <-> token ids for one model. ``kind`` is 'bpe' (byte-level) or 'spm' (SentencePiece)."""
+
+    def __init__(self, tokens: Sequence[str], token_types: Sequence[int] | None = None, *, kind: str,
+                 merges: Sequence[str] = (), scores: Sequence[float] | None = None,
+                 pre: str = "default", bos_id: int | None = None, eos_id: int | None = None,
+                 eot_id: int | None = None, eom_id: int | None = None, unk_id: int | None = None,
+                 add_bos: bool | None = None, add_space_prefix: bool = True):
+        if kind not in ("bpe", "spm"):
+            raise ValueError(f"tokenizer kind must be 'bpe' or 'spm', got {kind!r}")
+        self.kind = kind
+        self.tokens = list(tokens)
+        self.types = list(token_types) if token_types is not None else [NORMAL] * len(self.tokens)
+        self.bos_id, self.eos_id, self.unk_id = bos_id, eos_id, unk_id
+        self.add_space_prefix = kind == "spm" and add_space_prefix
+        if kind == "bpe":
+            if pre not in PRE_TOKENIZERS:
+                raise ValueError(f"pre-tokenizer {pre!r} is not supported; supported: "
+                                 f"{', '.join(sorted(PRE_TOKENIZERS))}")
+            self.pre = PRE_TOKENIZERS[pre]
+            self._hf = self._build_bpe(merges)
+            default_add_bos = self.pre.add_bos
+        else:
+            self._hf = self._build_spm(scores)
+            default_add_bos = True
+        self.add_bos = default_add_bos if add_bos is None else bool(add_bos)
+        self._add_special_tokens()
+        self._bytes = [self._piece_bytes(i) for i in range(len(self.tokens))]
+        self.eog_ids = frozenset(i for i in (eos_id, eot_id, eom_id) if i is not None) | frozenset(
+            i for i, (t, ty) in enumerate(zip(self.tokens, self.types))
+            if ty in (CONTROL, USER_DEFINED) and t in _EOG_TEXTS)
+
+    # -- construction ------------------------------------------------------------------------------
+
+    def _vocab(self) -> dict[str, int]:
+        vocab: dict[str, int] = {}
+        for i, t in enumerate(self.tokens):
+            vocab.setdefault(t, i)  # a duplicated string keeps its first id, as llama.cpp does
+        return vocab
+
+    def _build_bpe(self, merges: Sequence[str]) -> _HFTokenizer:
+        pairs = [tuple(m.split(" ", 1)) for m in merges]
+        hf = _HFTokenizer(_models.BPE(self._vocab(), pairs, ignore_merges=self.pre.ignore_merges))
+        hf.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in self.pre.regexes]
+            + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        return hf
+
+    def _build_spm(self, scores: Sequence[float] | None) -> _HFTokenizer:
+        if scores is None:
+            scores = [-float(i) for i in range(len(self.tokens))]
+        unk = self.tokens[self.unk_id] if self.unk_id is not None else None
+        model = _models.BPE(self._vocab(), spm_merges(self.tokens, scores, self.types),
+                            unk_token=unk, byte_fallback=True, fuse_unk=True)
+        hf = _HFTokenizer(model)
+        # Applied to each stretch of text between special tokens: llama.cpp prefixes a space at the
+        # start and after every special token, then makes spaces visible.
+        steps = [normalizers.Prepend(SPACE)] if self.add_space_prefix else []
+        hf.normalizer = normalizers.Sequence(steps + [normalizers.Replace(" ", SPACE)])
+        return hf
+
+    def _add_special_tokens(self) -> None:
+        added = [AddedToken(t, special=ty == CONTROL, normalized=False)
+                 for t, ty in zip(self.tokens, self.types) if ty in (CONTROL, USER_DEFINED) and t]
+        self._hf.add_tokens(added)
+
+    def _piece_bytes(self, i: int) -> bytes:
+        text, ty = self.tokens[i], self.types[i]
+        if ty == BYTE and self.kind == "spm":
+            return bytes([int(text[3:-1], 16)])       # '<0x0A>'
+        if ty == USER_DEFINED or ty in (CONTROL, UNKNOWN, UNUSED):
+            return text.encode("utf-8")               # shown only when specials are asked for
+        if self.kind == "spm":
+            return text.replace(SPACE, " ").encode("utf-8")
+        table = _unicode_to_byte()
+        if all(c in table for c in text):
+            return bytes(table[c] for c in text)
+        return text.encode("utf-8")
+
+    # -- use ---------------------------------------------------------------------------------------
+
+    @property
+    def n_vocab(self) -> int:
+        return len(self.tokens)
+
+    def token_text(self, token_id: int | None) -> str:
+        return self.tokens[token_id] if token_id is not None and 0 <= token_id < self.n_vocab else ""
+
+    @property
+    def bos_token(self) -> str:
+        return self.token_text(self.bos_id)
+
+    @property
+    def eos_token(self) -> str:
+        return self.token_text(self.eos_id)
+
+    def is_special(self, token_id: int) -> bool:
+        return self.types[token_id] in (CONTROL, UNKNOWN, UNUSED)
+
+    def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
+        """Token ids of ``text``; special tokens written in the text become their ids. A BOS is
+        added when the model asks for one (or ``add_bos``), unless the text already starts with it."""
+        ids = self._hf.encode(text, add_special_tokens=False).ids
+        add_bos = self.add_bos if add_bos is None else add_bos
+        if add_bos and self.bos_id is not None and ids[:1] != [self.bos_id]:
+            ids.insert(0, self.bos_id)
+        return ids
+
+    def token_bytes(self, token_id: int, *, special: bool = False) -> bytes:
+        """The bytes a token stands for; control tokens are empty unless ``special``."""
+        if self.is_special(token_id) and not special:
+            return b""
+        return self._bytes[token_id]
+
+    def decode(self, ids: Iterable[int], *, special: bool = False) -> str:
+        """Text of whole sequence of ids: the inverse of ``encode`` (the space SentencePiece put
+        in front of the text is taken off again)."""
+        text = b"".join(self.token_bytes(i, special=special) for i in ids).decode("utf-8", "replace")
+        if self.add_space_prefix and text.startswith(" "):
+            text = text[1:]
+        return text
+
+    def stream_decoder(self, *, special: bool = False) -> "StreamDecoder":
+        return StreamDecoder(self, special=special)
+
+    # -- from a GGUF file --------------------------------------------------------------------------
+
+    @classmethod
+    def from_metadata(cls, md: dict[str, Any], source: str) -> "Tokenizer":
+        """Build from GGUF metadata; ``source`` (the file) names the culprit in errors."""
+        kind = {"gpt2": "bpe", "llama": "spm"}.get(md.get("tokenizer.ggml.model"))
+        if kind is None:
+            raise ModelError(f"{source}: tokenizer model {md.get('tokenizer.ggml.model')!r} is not "
+                             "supported; supported: 'gpt2' (byte-level BPE), 'llama' (SentencePiece)")
+        tokens = md.get("tokenizer.ggml.tokens")
+        if not tokens:
+            raise ModelError(f"{source}: missing metadata key 'tokenizer.ggml.tokens'")
+        if kind == "bpe" and "tokenizer.ggml.merges" not in md:
+            raise ModelError(f"{source}: byte-level BPE tokenizer without 'tokenizer.ggml.merges'")
+        ids = {name: md.get(f"tokenizer.ggml.{name}_token_id")
+               for name in ("bos", "eos", "eot", "eom", "unknown")}
+        try:
+            return cls(tokens, md.get("tokenizer.ggml.token_type"), kind=kind,
+                       merges=md.get("tokenizer.ggml.merges", ()),
+                       scores=md.get("tokenizer.ggml.scores"),
+                       pre=md.get("tokenizer.ggml.pre") or "default",
+                       bos_id=ids["bos"], eos_id=ids["eos"], eot_id=ids["eot"], eom_id=ids["eom"],
+                       unk_id=ids["unknown"], add_bos=md.get("tokenizer.ggml.add_bos_token"),
+                       add_space_prefix=md.get("tokenizer.ggml.add_space_prefix", True))
+        except Exception as exc:  # tokenizers' own errors: bad merges, bad regex...
+            raise ModelError(f"{source}: cannot build the tokenizer: {exc}") from None
+
+
+def spm_merges(tokens: Sequence[str], scores: Sequence[float],
+               types: Sequence[int]) -> list[tuple[str, str]]:
+    """SentencePiece BPE as a merge list: every split of a piece into two pieces, best score first.
+
+    llama.cpp merges the adjacent pair whose concatenation has the highest score; a BPE merge list
+    ordered by that score makes the same choices.
+    """
+    ids = {}
+    for i, t in enumerate(tokens):
+        if types[i] in (NORMAL, USER_DEFINED):
+            ids.setdefault(t, i)
+    ranked = []
+    for piece, i in ids.items():
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in ids and right in ids:
+                ranked.append((-scores[i], i, cut, left, right))
+    ranked.sort()
+    return [(left, right) for *_, left, right in ranked]
+
+
+class StreamDecoder:
+    """Turns generated token ids into text as they come, emitting only complete UTF-8 characters:
+    a character split across tokens comes out with the token that completes it."""
+
+    def __init__(self, tokenizer: Tokenizer, *, special: bool = False):
+        self._tokenizer = tokenizer
+        self._special = special
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token_id: int) -> str:
+        return self._utf8.decode(self._tokenizer.token_bytes(token_id, special=self._special))
+
+    def flush(self) -> str:
+        """What is left at the end (an unfinished character becomes U+FFFD)."""
+        return self._utf8.decode(b"", final=True)

@@ -1,0 +1,118 @@
+"""Model names -> GGUF files.
+
+A name resolves, in order, to:
+1. an existing file path;
+2. ``pebbling-demo``: a random-weight Llama that pyplugin.synth writes into the models directory
+   the first time it is asked for;
+3. ``NAME`` or ``NAME:TAG`` in the models directory ($PEBBLING_MODELS, else
+   ~/.cache/pebbling/models; callers may pass another), stored as NAME.gguf or NAME:TAG.gguf;
+4. Ollama's local store (``find_in_ollama_store``).
+A name that is not an existing path and could be read as one (a separator, '..') never reaches the
+file system as a models-directory lookup.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from .errors import ModelError
+
+MODELS_ENV = "PEBBLING_MODELS"
+DEMO_NAME = "pebbling-demo"
+
+# The demo: small enough to write in a couple of seconds, deep enough (16 layers) to stream.
+DEMO_SPEC = dict(arch="llama", n_layer=16, n_embd=256, n_head=8, n_head_kv=4, n_ff=768, n_ctx=4096,
+                 vocab="llama3", n_merges=500, weight_type="Q8_0",
+                 tensor_types={"token_embd": "F16", "output": "F16"}, seed=20240517,
+                 name="pebbling-demo (random weights)",
+                 description="pebbling's demo model: a 16-layer Llama with RANDOM WEIGHTS. It "
+                             "exercises loading, planning and streaming; its text is noise.")
+
+# What a models-directory name may contain: no separators, no leading dot (so never '.' or '..').
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*(:[A-Za-z0-9_][A-Za-z0-9_.\-]*)?")
+
+
+def default_models_dir() -> Path:
+    """$PEBBLING_MODELS, else ~/.cache/pebbling/models (it need not exist)."""
+    env = os.environ.get(MODELS_ENV)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "pebbling" / "models"
+
+
+def resolve(name: str | os.PathLike, models_dir: str | os.PathLike | None = None, *,
+            allow_paths: bool = True) -> Path:
+    """The GGUF file ``name`` stands for; ModelError when there is none.
+
+    ``allow_paths=False`` (for names that arrive over the network) skips step 1: only names.
+    """
+    if allow_paths and (isinstance(name, os.PathLike) or Path(str(name)).is_file()):
+        return Path(name)
+    name = str(name)
+    root = Path(models_dir) if models_dir is not None else default_models_dir()
+    if name in (DEMO_NAME, f"{DEMO_NAME}:latest"):
+        return ensure_demo(root)
+    if _NAME.fullmatch(name) and ".." not in name:
+        found = _in_models_dir(name, root)
+        if found is not None:
+            return found
+        found = find_in_ollama_store(name)
+        if found is not None:
+            return found
+    if "/" in name or os.sep in name or name.endswith(".gguf"):
+        raise ModelError(f"model {name!r} not found: no such file")
+    raise ModelError(f"model {name!r} not found: not a file, not {DEMO_NAME!r}, not in {root} "
+                     f"(as NAME.gguf or NAME:TAG.gguf; set ${MODELS_ENV} to look elsewhere), "
+                     "and not in Ollama's local store")
+
+
+def _in_models_dir(name: str, root: Path) -> Path | None:
+    model, _, tag = name.partition(":")
+    candidates = [f"{name}.gguf"]
+    if tag in ("", "latest"):  # 'x' and 'x:latest' name the same model, as in Ollama
+        candidates += [f"{model}.gguf", f"{model}:latest.gguf"]
+    for candidate in dict.fromkeys(candidates):
+        path = root / candidate
+        if path.is_file():
+            return path
+    return None
+
+
+def find_in_ollama_store(name: str) -> Path | None:
+    """Hook for Ollama's local store (manifests -> blobs): the GGUF blob ``name`` names, or None.
+
+    Not wired yet: the server's store lookup plugs in here. ``name`` has already been checked to
+    hold no path separator or '..'.
+    """
+    return None
+
+
+def ensure_demo(models_dir: str | os.PathLike | None = None) -> Path:
+    """The demo model's file, written on first use (atomically: a concurrent reader never sees a
+    half-written file)."""
+    from .synth import write_gguf  # only needed the first time
+
+    root = Path(models_dir) if models_dir is not None else default_models_dir()
+    path = root / f"{DEMO_NAME}.gguf"
+    if path.is_file():
+        return path
+    partial = root / f".{DEMO_NAME}.{os.getpid()}.partial"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        write_gguf(partial, **DEMO_SPEC)
+        os.replace(partial, path)
+    except OSError as exc:
+        raise ModelError(f"cannot write the demo model into {root}: {exc.strerror or exc}; "
+                         f"set ${MODELS_ENV} to a writable directory") from None
+    finally:
+        partial.unlink(missing_ok=True)
+    return path
+
+
+def available(models_dir: str | os.PathLike | None = None) -> list[str]:
+    """Names resolvable from the models directory, plus the demo."""
+    root = Path(models_dir) if models_dir is not None else default_models_dir()
+    names = {DEMO_NAME}
+    if root.is_dir():
+        names.update(p.stem for p in root.glob("*.gguf") if _NAME.fullmatch(p.stem))
+    return sorted(names)

@@ -1,0 +1,78 @@
+"""Choosing the next token from logits, in llama.cpp's order:
+repeat penalty -> (greedy at temperature 0) -> top_k -> temperature -> softmax -> top_p -> min_p -> draw.
+
+Each request owns a numpy Generator, so a seed makes a run reproducible whatever else runs beside it.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from .options import Options
+
+
+def apply_repeat_penalty(logits: np.ndarray, recent: Sequence[int], penalty: float) -> np.ndarray:
+    """Make recently seen tokens less likely: positive logits are divided by the penalty, negative
+    ones multiplied (llama.cpp's rule, so a penalty never raises a token). Returns a copy."""
+    logits = np.array(logits, dtype=np.float32)
+    if penalty == 1.0 or not len(recent):
+        return logits
+    seen = np.unique(np.asarray(recent, dtype=np.int64))
+    values = logits[seen]
+    logits[seen] = np.where(values > 0, values / penalty, values * penalty)
+    return logits
+
+
+def top_k_candidates(logits: np.ndarray, k: int) -> np.ndarray:
+    """Ids of the k largest logits, largest first (all ids when k is 0 or beyond the vocabulary)."""
+    if 0 < k < logits.size:
+        ids = np.argpartition(-logits, k - 1)[:k]
+    else:
+        ids = np.arange(logits.size)
+    return ids[np.argsort(-logits[ids], kind="stable")]
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(np.asarray(x, dtype=np.float64) - np.max(x))
+    return e / e.sum()
+
+
+def top_p_count(probs: np.ndarray, p: float) -> int:
+    """How many of the (descending) probs make the smallest set whose mass reaches p (at least 1)."""
+    if p >= 1.0:
+        return probs.size
+    return int(min(np.searchsorted(np.cumsum(probs), p) + 1, probs.size))
+
+
+def min_p_count(probs: np.ndarray, min_p: float) -> int:
+    """How many of the (descending) probs are at least min_p times the largest (at least 1)."""
+    if min_p <= 0.0:
+        return probs.size
+    return max(1, int(np.count_nonzero(probs >= min_p * probs[0])))
+
+
+class Sampler:
+    """Picks tokens for one request."""
+
+    def __init__(self, options: Options):
+        self.options = options
+        self.rng = np.random.default_rng(options.seed)
+
+    def recent(self, history: Sequence[int]) -> Sequence[int]:
+        n = self.options.repeat_last_n
+        n = self.options.num_ctx if n == -1 else n
+        return history[-n:] if n > 0 else ()
+
+    def __call__(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
+        o = self.options
+        logits = apply_repeat_penalty(logits, self.recent(history), o.repeat_penalty)
+        if o.temperature <= 0.0:
+            return int(np.argmax(logits))
+        ids = top_k_candidates(logits, o.top_k)
+        probs = softmax(logits[ids] / o.temperature)
+        keep = min(top_p_count(probs, o.top_p), min_p_count(probs, o.min_p))
+        probs = probs[:keep] / probs[:keep].sum()
+        choice = int(np.searchsorted(np.cumsum(probs), self.rng.random(), side="right"))
+        return int(ids[min(choice, keep - 1)])

@@ -1,0 +1,57 @@
+"""Tiny synthetic GGUF models shared by the tests/test_model_*.py files.
+
+A plain module, not a conftest: pytest puts tests/ on sys.path (rootdir insertion), so the test files
+import it as ``from model_fixtures import ...``. Files and loaded models are cached for the session.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from pyplugin.model import Model, load_model
+from pyplugin.synth import SynthSpec, write_gguf
+
+ARCHS = ("llama", "qwen2", "phi3")
+TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q6_K")
+K_QUANTS = ("Q4_K", "Q6_K")
+VOCAB_OF_ARCH = {"llama": "llama3", "qwen2": "chatml", "phi3": "spm"}
+
+TINY = dict(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, n_ctx=256, n_merges=200)
+# K-quants pack 256 values per block, so every row (n_embd, n_ff) must be a multiple of 256.
+TINY_256 = dict(TINY, n_layer=1, n_embd=256, n_ff=256)
+
+_DIR = tempfile.TemporaryDirectory(prefix="pebbling-model-tests-")
+
+
+def tiny_spec(arch: str = "llama", **overrides) -> SynthSpec:
+    base = TINY_256 if overrides.get("weight_type") in K_QUANTS else TINY
+    return SynthSpec(**{"arch": arch, "vocab": VOCAB_OF_ARCH[arch], **base, **overrides})
+
+
+def tiny_path(arch: str = "llama", **overrides) -> Path:
+    """A GGUF file for the spec, written once per session."""
+    return _write(tiny_spec(arch, **overrides))
+
+
+def tiny_model(arch: str = "llama", **overrides) -> Model:
+    """The loaded model for the spec, loaded once per session (treat it as read-only)."""
+    return _load(tiny_spec(arch, **overrides))
+
+
+_paths: dict[str, Path] = {}     # keyed by repr(spec): a spec holds a dict, so it is not hashable
+_models: dict[str, Model] = {}
+
+
+def _write(spec: SynthSpec) -> Path:
+    key = repr(spec)
+    if key not in _paths:
+        _paths[key] = write_gguf(Path(_DIR.name) / f"model-{len(_paths)}.gguf", spec)
+    return _paths[key]
+
+
+def _load(spec: SynthSpec) -> Model:
+    key = repr(spec)
+    if key not in _models:
+        _models[key] = load_model(_write(spec), progress=False)
+    return _models[key]

@@ -1,0 +1,229 @@
+"""Loading GGUF files: dequantized tensors, config, sizes, and one clear ModelError per bad file."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+from gguf.quants import dequantize
+
+from model_fixtures import ARCHS, TYPES, tiny_model, tiny_path
+from pyplugin.cli import main as cli_main
+from pyplugin.errors import ModelError
+from pyplugin.model import load_model
+from pyplugin.synth import quantize
+
+
+def _ours(model, name):
+    """Our array for a GGUF tensor name, re-fusing what the loader split."""
+    if not name.startswith("blk."):
+        field = {"token_embd.weight": "token_embd", "output.weight": "output",
+                 "output_norm.weight": "output_norm"}[name]
+        return getattr(model.outer, field)
+    _, i, tensor = name.split(".", 2)
+    lw = model.layers[int(i)]
+    fused = {"attn_qkv.weight": (lw.wq, lw.wk, lw.wv),
+             "ffn_up.weight": (lw.w_gate, lw.w_up) if model.config.arch == "phi3" else (lw.w_up,)}
+    if tensor in fused:
+        return np.concatenate(fused[tensor])
+    field = {"attn_norm.weight": "attn_norm", "attn_q.weight": "wq", "attn_k.weight": "wk",
+             "attn_v.weight": "wv", "attn_output.weight": "wo", "ffn_norm.weight": "ffn_norm",
+             "ffn_gate.weight": "w_gate", "ffn_down.weight": "w_down", "attn_q.bias": "bq",
+             "attn_k.bias": "bk", "attn_v.bias": "bv"}[tensor]
+    return getattr(lw, field)
+
+
+@pytest.mark.parametrize("wtype", TYPES)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_dequantized_tensors_equal_gguf_dequantize(arch, wtype):
+    path = tiny_path(arch, weight_type=wtype)
+    model = tiny_model(arch, weight_type=wtype)
+    reader = GGUFReader(path)
+    assert {t.tensor_type.name for t in reader.tensors if len(t.shape) == 2} == {wtype}
+    for t in reader.tensors:
+        ours = _ours(model, t.name)
+        assert ours.dtype == np.float32
+        np.testing.assert_array_equal(ours, dequantize(t.data, t.tensor_type), err_msg=t.name)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_synth_k_quantizers_write_blocks_gguf_reads_back(qtype):
+    x = np.random.default_rng(1).standard_normal((4, 512)).astype(np.float32)
+    back = dequantize(quantize(x, GGMLQuantizationType[qtype]), GGMLQuantizationType[qtype])
+    assert np.corrcoef(x.ravel(), back.ravel())[0, 1] > 0.99
+
+
+def test_config_comes_from_the_metadata():
+    cfg = tiny_model("llama", rope_theta=500000.0, rope_linear_factor=8.0).config
+    assert (cfg.arch, cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.n_head_kv, cfg.head_dim) == \
+        ("llama", 2, 64, 4, 2, 16)
+    assert (cfg.n_ff, cfg.n_ctx_train, cfg.rope_mode, cfg.rope_dims) == (128, 256, "normal", 16)
+    assert cfg.rope_theta == 500000.0 and cfg.rope_freq_scale == pytest.approx(1 / 8)
+    assert tiny_model("qwen2").config.rope_mode == tiny_model("phi3").config.rope_mode == "neox"
+
+
+def test_phi3_fused_tensors_are_split_into_views():
+    lw = tiny_model("phi3").layers[0]
+    assert lw.wq.base is not None and lw.wq.base is lw.wk.base is lw.wv.base
+    assert lw.w_gate.base is lw.w_up.base
+    assert lw.wq.flags.c_contiguous and lw.w_up.flags.c_contiguous
+
+
+def test_sizes_per_layer():
+    model = tiny_model("llama", weight_type="Q8_0")
+    reader = GGUFReader(tiny_path("llama", weight_type="Q8_0"))
+    layer0 = sum(int(t.n_bytes) for t in reader.tensors if t.name.startswith("blk.0."))
+    assert model.nbytes.layer_file[0] == layer0
+    assert model.nbytes.layer_host[0] == model.layers[0].nbytes
+    assert model.nbytes.layer_file[0] < model.nbytes.layer_host[0]      # Q8_0 is ~1/4 of float32
+    assert model.nbytes.kv_per_token == 2 * 2 * 16 * 4                 # K+V, 2 KV heads of 16, f32
+    assert model.nbytes.layer_device(0, 2) == model.nbytes.layer_host[0] // 2
+
+
+def test_tied_output_reuses_the_embedding():
+    model = tiny_model("llama", tied_output=True)
+    assert model.outer.output is model.outer.token_embd
+
+
+def test_metadata_labels_random_weights():
+    model = tiny_model("llama")
+    assert model.random_weights and "random weights" in model.name
+    assert "tokenizer.ggml.tokens" not in model.metadata  # big arrays are not kept twice
+
+
+# ---------------------------------------------------------------------------------------------------
+# bad files: one ModelError naming the file
+
+
+def _raises_naming(path, match):
+    with pytest.raises(ModelError, match=match) as info:
+        load_model(path)
+    assert str(path) in str(info.value)
+    return info.value
+
+
+def test_missing_file(tmp_path):
+    _raises_naming(tmp_path / "absent.gguf", "no such file")
+
+
+def test_directory(tmp_path):
+    _raises_naming(tmp_path, "directory")
+
+
+def test_not_a_gguf_file(tmp_path):
+    path = tmp_path / "notes.gguf"
+    path.write_text("just some text")
+    _raises_naming(path, "not a GGUF file")
+
+
+def test_empty_file(tmp_path):
+    path = tmp_path / "empty.gguf"
+    path.write_bytes(b"")
+    _raises_naming(path, "empty")
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.02])
+def test_truncated_file(tmp_path, keep):
+    data = tiny_path("llama").read_bytes()
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(data[:int(len(data) * keep)])
+    _raises_naming(path, "truncated")
+
+
+def test_unsupported_architecture(tmp_path):
+    path = tmp_path / "mamba.gguf"
+    writer = GGUFWriter(path, "mamba")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    _raises_naming(path, "architecture 'mamba' is not supported; supported: llama, qwen2, phi3")
+
+
+def test_unsupported_tensor_type(tmp_path):
+    path = tiny_path("llama", weight_type="Q5_0")
+    err = _raises_naming(path, "type Q5_0, which is not supported")
+    assert "Q4_K" in str(err)  # lists what is
+
+
+def _rewrite(src, dst, *, drop=(), strings=None):
+    """A copy of the GGUF file src without the keys and tensors in drop, with extra string keys."""
+    reader = GGUFReader(src)
+    writer = GGUFWriter(dst, reader.fields["general.architecture"].contents())
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture" or name in drop:
+            continue
+        sub = field.types[-1] if len(field.types) > 1 else None
+        writer.add_key_value(name, field.contents(), field.types[0], sub_type=sub)
+    for key, value in (strings or {}).items():
+        writer.add_string(key, value)
+    for t in reader.tensors:
+        if t.name not in drop:
+            raw = None if t.tensor_type.name in ("F32", "F16") else t.tensor_type
+            writer.add_tensor(t.name, np.array(t.data), raw_dtype=raw)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
+def test_unsupported_rope_scaling(tmp_path):
+    path = _rewrite(tiny_path("llama"), tmp_path / "yarn.gguf", strings={"llama.rope.scaling.type": "yarn"})
+    _raises_naming(path, "rope scaling 'yarn' is not supported; supported: none, linear")
+
+
+def test_missing_metadata_key(tmp_path):
+    path = _rewrite(tiny_path("llama"), tmp_path / "nokey.gguf", drop={"llama.block_count"})
+    _raises_naming(path, "missing metadata key 'llama.block_count'")
+
+
+def test_missing_tensor(tmp_path):
+    path = _rewrite(tiny_path("qwen2"), tmp_path / "notensor.gguf", drop={"blk.1.ffn_down.weight"})
+    _raises_naming(path, "missing tensor 'blk.1.ffn_down.weight'")
+
+
+def test_cli_reports_a_bad_file_in_one_line(tmp_path, capsys):
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(b"GGUF\x03\x00\x00\x00garbage")
+    assert cli_main(["run", str(path), "hi"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("pebbling: error: ") and str(path) in err and "Traceback" not in err
+
+
+# ---------------------------------------------------------------------------------------------------
+# host memory while loading
+
+# VmHWM, the peak resident set of this process's memory map (ru_maxrss would carry the parent's
+# peak over fork and exec).
+_MEASURE = """
+import json, sys
+from pyplugin.model import load_model
+
+def peak():
+    line = next(l for l in open("/proc/self/status") if l.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
+
+before = peak()
+model = load_model(sys.argv[1], progress=False)
+weights = sum(lw.nbytes for lw in model.layers) + model.nbytes.outer_host
+print(json.dumps({"peak_growth": peak() - before, "weights": weights}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+@pytest.mark.parametrize("wtype", ["F32", "F16", "Q4_K"])
+def test_loading_peak_memory_stays_under_1_3x_the_dequantized_model(wtype):
+    # ~60 MB of float32 weights; a fresh process so ru_maxrss sees only this load.
+    path = tiny_path("llama", weight_type=wtype, n_layer=4, n_embd=512, n_ff=1536, n_head=8,
+                     n_head_kv=8)
+    out = subprocess.run([sys.executable, "-c", _MEASURE, str(path)], capture_output=True,
+                         text=True, check=True)
+    figures = json.loads(out.stdout)
+    assert figures["weights"] > 50e6
+    assert figures["peak_growth"] < 1.3 * figures["weights"], figures

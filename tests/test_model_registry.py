@@ -1,0 +1,100 @@
+"""Model names -> files, the demo model, and `pebbling run`."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from gguf import GGUFReader
+
+from model_fixtures import tiny_path
+from pyplugin import registry
+from pyplugin.cli import main as cli_main
+from pyplugin.errors import ModelError
+from pyplugin.registry import DEMO_NAME, resolve
+
+
+@pytest.fixture
+def models(tmp_path):
+    root = tmp_path / "models"
+    root.mkdir()
+    return root
+
+
+def test_an_existing_path_resolves_to_itself():
+    path = tiny_path("llama")
+    assert resolve(str(path)) == path and resolve(path) == path
+
+
+def test_paths_can_be_refused_for_names_from_the_network(models):
+    with pytest.raises(ModelError, match="not found"):
+        resolve(str(tiny_path("llama")), models, allow_paths=False)
+
+
+def test_names_in_the_models_directory(models):
+    shutil.copy(tiny_path("llama"), models / "tiny.gguf")
+    shutil.copy(tiny_path("qwen2"), models / "tiny:q8.gguf")
+    assert resolve("tiny", models) == models / "tiny.gguf"
+    assert resolve("tiny:latest", models) == models / "tiny.gguf"
+    assert resolve("tiny:q8", models) == models / "tiny:q8.gguf"
+    assert registry.available(models) == [DEMO_NAME, "tiny", "tiny:q8"]
+
+
+def test_models_directory_from_the_environment(models, monkeypatch):
+    shutil.copy(tiny_path("llama"), models / "envmodel.gguf")
+    monkeypatch.setenv(registry.MODELS_ENV, str(models))
+    assert resolve("envmodel") == models / "envmodel.gguf"
+
+
+def test_unknown_name(models):
+    with pytest.raises(ModelError, match="model 'nope' not found"):
+        resolve("nope", models)
+
+
+@pytest.mark.parametrize("name", ["../outside", "sub/inside", "..", "x/../outside", "/abs/outside"])
+def test_names_that_could_be_paths_never_reach_the_models_directory(models, name, monkeypatch):
+    shutil.copy(tiny_path("llama"), models.parent / "outside.gguf")
+    (models / "sub").mkdir()
+    shutil.copy(tiny_path("llama"), models / "sub" / "inside.gguf")
+    looked = []
+    monkeypatch.setattr(registry, "_in_models_dir", lambda *a: looked.append(a))
+    monkeypatch.setattr(registry, "find_in_ollama_store", lambda *a: looked.append(a))
+    with pytest.raises(ModelError, match="not found"):
+        resolve(name, models)
+    assert looked == []
+
+
+def test_demo_is_written_once_deterministically_and_labelled(tmp_path):
+    a = resolve(DEMO_NAME, tmp_path / "a")
+    b = registry.ensure_demo(tmp_path / "b")
+    assert a.read_bytes() == b.read_bytes()
+    mtime = a.stat().st_mtime_ns
+    assert resolve(DEMO_NAME, tmp_path / "a") == a and a.stat().st_mtime_ns == mtime
+    fields = GGUFReader(a).fields
+    assert "random weights" in fields["general.name"].contents()
+    assert "RANDOM WEIGHTS" in fields["general.description"].contents()
+    assert fields["llama.block_count"].contents() == 16
+    assert not list(a.parent.glob(".*partial"))
+
+
+def test_run_streams_text_and_flags_random_weights(capsys):
+    path = tiny_path("llama")
+    assert cli_main(["run", str(path), "hello", "--temperature", "0", "--num-predict", "5",
+                     "--num-ctx", "128", "--num-batch", "4", "--seed", "1"]) == 0
+    out, err = capsys.readouterr()
+    assert "(random weights)" in err
+    assert out.endswith("\n")
+
+
+def test_run_raw_and_chat_differ(capsys):
+    path = str(tiny_path("llama"))
+    cli_main(["run", path, "hello", "--temperature", "0", "--num-predict", "6"])
+    chat = capsys.readouterr().out
+    cli_main(["run", path, "hello", "--temperature", "0", "--num-predict", "6", "--raw"])
+    raw = capsys.readouterr().out
+    assert chat != raw
+
+
+def test_run_reports_bad_options(capsys):
+    assert cli_main(["run", str(tiny_path("llama")), "hi", "--num-ctx", "100000"]) == 1
+    assert "num_ctx" in capsys.readouterr().err
