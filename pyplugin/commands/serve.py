@@ -1,0 +1,57 @@
+"""`pebbling serve`: the Ollama- and OpenAI-compatible HTTP API, on loopback by default."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import sys
+from pathlib import Path
+
+from ..errors import PebblingError
+from ..registry import MODELS_ENV
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 11435  # beside Ollama's 11434, so both can run
+# pyplugin never imports the server (server_patch uses pyplugin, not the other way round); uvicorn
+# imports the app factory by name. The factory reads the models directory from $PEBBLING_MODELS.
+APP_FACTORY = "server_patch.app:create_app"
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("serve", help="serve models over Ollama's (and OpenAI's) HTTP API",
+                              description=__doc__)
+    p.add_argument("--host", default=DEFAULT_HOST,
+                   help=f"address to listen on (default {DEFAULT_HOST}; the API has no authentication, "
+                        "so think twice before listening beyond loopback)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
+    p.add_argument("--models", metavar="DIR", type=Path,
+                   help=f"serve every NAME.gguf in DIR as NAME (default ${MODELS_ENV}, else "
+                        "~/.cache/pebbling/models)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    if args.models is not None:
+        if not args.models.is_dir():
+            raise PebblingError(f"--models {args.models}: not a directory; give the directory that "
+                                "holds your .gguf files")
+        os.environ[MODELS_ENV] = str(args.models.resolve())
+    if not 0 < args.port < 65536:
+        raise PebblingError(f"--port {args.port}: choose a port from 1 to 65535")
+    if not _is_loopback(args.host):
+        print(f"pebbling: warning: listening on {args.host}, beyond loopback; the API has no "
+              "authentication", file=sys.stderr)
+    uvicorn.run(APP_FACTORY, factory=True, host=args.host, port=args.port, log_level="info")
+    return 0
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -1,0 +1,146 @@
+"""Models pulled with Ollama, found in its local store by name.
+
+Layout ($OLLAMA_MODELS, else ~/.ollama/models):
+    manifests/<host>/<namespace>/<model>/<tag>   JSON; its layer with mediaType
+                                                 application/vnd.ollama.image.model is the GGUF
+    blobs/sha256-<hex>                           the layer's bytes
+
+A name reads ``[[host/]namespace/]model[:tag]`` as in Ollama (host registry.ollama.ai, namespace
+library, tag latest by default). Every part is checked against a strict pattern before any path is
+built, so a name such as ``../x`` or ``/etc/passwd`` is refused without touching the file system.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import ModelError
+
+DEFAULT_HOST = "registry.ollama.ai"
+DEFAULT_NAMESPACE = "library"
+DEFAULT_TAG = "latest"
+MODEL_MEDIA_TYPE = "application/vnd.ollama.image.model"
+
+# Ollama's own name rules: letters, digits, '_', '-', '.', starting with a letter or digit; a host
+# may carry a port. A part that starts with '.' is refused, so '.' and '..' can never occur.
+_PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,79}")
+_HOST = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,252}(:[0-9]{1,5})?")
+_TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
+_DIGEST = re.compile(r"sha256[:-]([0-9a-f]{64})")
+NAME_HELP = "a name such as 'llama3.2', 'llama3.2:1b' or 'namespace/model:tag'"
+
+
+class InvalidModelName(ModelError, ValueError):
+    """A model name that could not name a model (and might name a path): refused before any file access."""
+
+
+@dataclass(frozen=True)
+class OllamaName:
+    host: str
+    namespace: str
+    model: str
+    tag: str
+
+    @property
+    def display(self) -> str:
+        """The short form Ollama shows: defaults left out, except the tag."""
+        prefix = ""
+        if self.host != DEFAULT_HOST:
+            prefix = f"{self.host}/{self.namespace}/"
+        elif self.namespace != DEFAULT_NAMESPACE:
+            prefix = f"{self.namespace}/"
+        return f"{prefix}{self.model}:{self.tag}"
+
+
+@dataclass(frozen=True)
+class OllamaModel:
+    name: str       # display form, e.g. "llama3.2:latest"
+    path: Path      # the GGUF blob
+    digest: str     # "sha256:<hex>" of the model layer
+    size: int       # bytes of the model layer
+    modified: float  # the manifest's mtime, seconds since the epoch
+
+
+def parse_name(name: str) -> OllamaName:
+    """Splits and validates a name; raises InvalidModelName naming what was wrong."""
+    if not isinstance(name, str) or not name:
+        raise InvalidModelName(f"invalid model name {name!r}: expected {NAME_HELP}")
+    if "\\" in name or "\x00" in name or ".." in name or name.startswith("/") or "//" in name:
+        raise InvalidModelName(f"invalid model name {name!r}: path separators and '..' are not allowed; "
+                               f"expected {NAME_HELP}")
+    rest, tag = name, DEFAULT_TAG
+    last = name.rsplit("/", 1)[-1]
+    if ":" in last:
+        rest, tag = name.rsplit(":", 1)
+    parts = rest.split("/")
+    if len(parts) > 3:
+        raise InvalidModelName(f"invalid model name {name!r}: at most host/namespace/model; "
+                               f"expected {NAME_HELP}")
+    host = parts[0] if len(parts) == 3 else DEFAULT_HOST
+    namespace = parts[-2] if len(parts) >= 2 else DEFAULT_NAMESPACE
+    model = parts[-1]
+    if not (_HOST.fullmatch(host) and _PART.fullmatch(namespace) and _PART.fullmatch(model)
+            and _TAG.fullmatch(tag)):
+        raise InvalidModelName(f"invalid model name {name!r}: expected {NAME_HELP} (letters, digits, "
+                               f"'_', '-', '.')")
+    return OllamaName(host, namespace, model, tag)
+
+
+def models_dir() -> Path:
+    """Ollama's store: $OLLAMA_MODELS, else ~/.ollama/models (the directory need not exist)."""
+    env = os.environ.get("OLLAMA_MODELS")
+    return Path(env).expanduser() if env else Path.home() / ".ollama" / "models"
+
+
+def resolve(name: str, root: Path | None = None) -> OllamaModel | None:
+    """The model `name` names in the store, or None when the store does not hold it."""
+    parsed = parse_name(name)  # before any file-system access
+    root = models_dir() if root is None else Path(root)
+    manifest = root / "manifests" / parsed.host / parsed.namespace / parsed.model / parsed.tag
+    if not manifest.is_file():
+        return None
+    return _read_manifest(manifest, root, parsed.display)
+
+
+def list_models(root: Path | None = None) -> list[OllamaModel]:
+    """Every model in the store whose manifest names a GGUF layer that is present, sorted by name."""
+    root = models_dir() if root is None else Path(root)
+    base = root / "manifests"
+    found = []
+    if not base.is_dir():
+        return found
+    for manifest in base.glob("*/*/*/*"):
+        if not manifest.is_file():
+            continue
+        host, namespace, model, tag = manifest.relative_to(base).parts
+        try:
+            display = parse_name(f"{host}/{namespace}/{model}:{tag}").display
+            entry = _read_manifest(manifest, root, display)
+        except ModelError:
+            continue  # a pull in progress, or no model layer (an adapter): not a model to list
+        found.append(entry)
+    return sorted(found, key=lambda m: m.name)
+
+
+def _read_manifest(manifest: Path, root: Path, display: str) -> OllamaModel:
+    try:
+        data = json.loads(manifest.read_text())
+        layer = next(layer for layer in data.get("layers", [])
+                     if isinstance(layer, dict) and layer.get("mediaType") == MODEL_MEDIA_TYPE)
+    except (OSError, ValueError, StopIteration, AttributeError) as exc:
+        raise ModelError(f"Ollama manifest {manifest} names no model layer "
+                         f"({MODEL_MEDIA_TYPE}): {exc or 'none found'}") from None
+    digest = str(layer.get("digest", ""))
+    match = _DIGEST.fullmatch(digest)
+    if not match:
+        raise ModelError(f"Ollama manifest {manifest}: model layer digest {digest!r} is not sha256:<64 hex>")
+    blob = root / "blobs" / f"sha256-{match.group(1)}"
+    if not blob.is_file():
+        raise ModelError(f"Ollama manifest {manifest} names blob {blob.name}, which is missing; "
+                         f"run `ollama pull {display}` again")
+    size = int(layer.get("size") or blob.stat().st_size)
+    return OllamaModel(display, blob, f"sha256:{match.group(1)}", size, manifest.stat().st_mtime)

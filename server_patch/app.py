@@ -1,0 +1,309 @@
+"""The Ollama-compatible HTTP API, with the OpenAI-compatible endpoints beside it.
+
+Ollama's routes answer errors as 400/404/413/500 with {"error": "..."}; the /v1 routes answer them
+in OpenAI's shape, {"error": {"message", "type", ...}}, which OpenAI clients know how to read.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from contextlib import asynccontextmanager
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pyplugin.engine import Engine, Final, ModelListing, ModelNotFoundError
+from pyplugin.engine import Request as EngineRequest
+from pyplugin.errors import OptionsError, PebblingError, StrategyError
+from pyplugin.model import ChatTemplateError
+from pyplugin.ollama_store import InvalidModelName
+
+from . import openai_compat
+from .jobs import BadRequest, collect, dumps, engine_of, events, iso, now_iso, submit
+from .schemas import ChatRequest, GenerateRequest, ShowRequest
+
+MAX_BODY_BYTES = 8 << 20  # 8 MiB: far beyond any prompt num_ctx allows, small enough to buffer
+NDJSON = "application/x-ndjson"
+logger = logging.getLogger("pebbling.server")
+
+try:
+    VERSION = version("pebbling")
+except PackageNotFoundError:  # running from a source tree that was never installed
+    VERSION = "0.0.0"
+
+
+def create_app(engine: Engine | None = None, *, models_dir: str | Path | None = None,
+               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """The app. Without `engine`, one is made for `models_dir` and closed at shutdown."""
+    owned = engine is None
+    engine = engine or Engine(models_dir)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        if owned:
+            engine.close()
+
+    app = FastAPI(title="pebbling", version=VERSION, lifespan=lifespan,
+                  description="Ollama- and OpenAI-compatible API of pebbling, which runs GGUF models "
+                              "in any GPU memory budget by streaming layer state.")
+    app.state.engine = engine
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    _add_error_handlers(app)
+    app.include_router(_ollama_routes())
+    app.include_router(openai_compat.router)
+    return app
+
+
+# ---------------------------------------------------------------------------------------------------
+# errors
+
+
+def status_for(exc: Exception) -> int:
+    if isinstance(exc, ModelNotFoundError):
+        return 404
+    if isinstance(exc, (InvalidModelName, OptionsError, StrategyError, ChatTemplateError, BadRequest)):
+        return 400
+    return 500      # a model file that cannot be read, a store failure: the message says which
+
+
+def error_response(path: str, status: int, message: str) -> JSONResponse:
+    if path.startswith("/v1/"):
+        kind = "invalid_request_error" if status < 500 else "server_error"
+        body: dict[str, Any] = {"error": {"message": message, "type": kind, "param": None,
+                                          "code": "model_not_found" if status == 404 else None}}
+    else:
+        body = {"error": message}
+    return JSONResponse(body, status_code=status)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(request.url.path, 400, describe_validation_errors(exc.errors()))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+        if exc.status_code == 404:
+            message = f"{request.method} {request.url.path}: no such endpoint"
+        elif exc.status_code == 405:
+            message = f"{request.url.path} does not take {request.method}"
+        return error_response(request.url.path, exc.status_code, message)
+
+    async def known_error(request: Request, exc: Exception) -> JSONResponse:
+        status = status_for(exc)
+        if status >= 500:
+            logger.error("%s %s: %s", request.method, request.url.path, exc)
+        return error_response(request.url.path, status, str(exc))
+
+    for cls in (PebblingError, BadRequest):
+        app.add_exception_handler(cls, known_error)
+
+
+def describe_validation_errors(errors: list[dict[str, Any]]) -> str:
+    """One line a person can act on, from pydantic's error list (the first problem of each field)."""
+    seen, parts = set(), []
+    for err in errors:
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        kind = err.get("type", "")
+        if kind == "json_invalid":
+            where = f" at character {loc[0]}" if loc else ""
+            problem = err.get("ctx", {}).get("error", err.get("msg"))
+            return f"invalid JSON in the request body{where}: {problem}"
+        if not loc:
+            if kind == "missing":
+                return 'the request body is empty: send a JSON object such as {"model": "pebbling-demo"}'
+            return f"the request body must be a JSON object, got {_json_type(err.get('input'))}"
+        field = ".".join(loc)
+        if field in seen:
+            continue
+        seen.add(field)
+        if kind == "missing":
+            parts.append(f"'{field}' is required")
+        else:
+            parts.append(f"'{field}': {err.get('msg')}, got {json.dumps(err.get('input'), default=str)[:80]}")
+    return "invalid request: " + "; ".join(parts)
+
+
+def _json_type(value: Any) -> str:
+    for t, name in ((bool, "a boolean"), (str, "a string"), (list, "an array"), ((int, float), "a number")):
+        if isinstance(value, t):
+            return name
+    return "null" if value is None else type(value).__name__
+
+
+# ---------------------------------------------------------------------------------------------------
+# request bodies: a size limit, and JSON whatever the Content-Type
+
+
+class BodyLimit:
+    """Buffers each request body up to `max_bytes` (413 beyond it) and marks POST bodies as JSON.
+
+    Ollama reads every body as JSON, and `curl -d` sends application/x-www-form-urlencoded, which
+    FastAPI would not parse; so POST bodies are declared JSON here.
+    """
+
+    _DRAIN_LIMIT = 64 << 20  # read (and drop) at most this much of an oversized body before answering
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        declared = headers.get(b"content-length", b"0")
+        too_large = not declared.isdigit() or int(declared) > self.max_bytes
+        body, received, more = bytearray(), 0, True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            received += len(chunk)
+            more = message.get("more_body", False)
+            if received > self.max_bytes:
+                too_large = True
+            if too_large:
+                # Reading the rest lets the client see the 413 instead of a reset connection.
+                if received > self._DRAIN_LIMIT:
+                    break
+                continue
+            body += chunk
+        if too_large:
+            limit = f"{self.max_bytes} bytes ({self.max_bytes / 2**20:g} MiB)"
+            response = error_response(scope["path"], 413, f"the request body is larger than the limit "
+                                                          f"of {limit}; send a shorter prompt")
+            return await response(scope, receive, send)
+
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()  # after the body: the disconnect, for handlers that watch it
+
+        if scope["method"] == "POST":
+            scope = dict(scope, headers=[(k, v) for k, v in scope["headers"] if k != b"content-type"]
+                         + [(b"content-type", b"application/json")])
+        await self.app(scope, replay, send)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Ollama's routes
+
+
+def _ollama_routes() -> APIRouter:
+    router = APIRouter()
+
+    @router.head("/", response_class=PlainTextResponse, include_in_schema=False)
+    @router.get("/", response_class=PlainTextResponse, tags=["ollama"])
+    async def root() -> str:
+        return "pebbling is running"
+
+    @router.get("/api/version", tags=["ollama"])
+    async def api_version() -> dict:
+        return {"version": VERSION}
+
+    @router.post("/api/generate", tags=["ollama"])
+    async def generate(body: GenerateRequest, request: Request) -> Response:
+        if body.format not in (None, ""):
+            raise BadRequest("'format' (JSON or schema-constrained output) is not supported by pebbling; "
+                             "leave it out and ask for JSON in the prompt")
+        if body.images:
+            raise BadRequest("'images' is not supported: pebbling serves text-only models")
+        if body.suffix:
+            raise BadRequest("'suffix' (fill-in-the-middle) is not supported by pebbling")
+        job = await submit(request, EngineRequest(
+            model=body.model, prompt=body.prompt, system=body.system, template=body.template,
+            raw=body.raw, context=body.context, options=body.options or {}, keep_alive=body.keep_alive))
+
+        def chunk(text: str) -> dict:
+            return {"model": body.model, "created_at": now_iso(), "response": text, "done": False}
+
+        def final(text: str, f: Final) -> dict:
+            return {**chunk(text), "done": True, "done_reason": f.done_reason, "context": f.context,
+                    **f.stats(), "pebbling": f.report}
+
+        if body.stream:
+            return _ndjson(job, chunk, final)
+        text, f = await collect(job, request)
+        return JSONResponse(final(text, f)) if f else Response(status_code=499)
+
+    @router.post("/api/chat", tags=["ollama"])
+    async def chat(body: ChatRequest, request: Request) -> Response:
+        if body.format not in (None, ""):
+            raise BadRequest("'format' (JSON or schema-constrained output) is not supported by pebbling")
+        if body.tools:
+            raise BadRequest("'tools' is not supported by pebbling")
+        if any(m.images for m in body.messages):
+            raise BadRequest("'images' is not supported: pebbling serves text-only models")
+        job = await submit(request, EngineRequest(
+            model=body.model, messages=[{"role": m.role, "content": m.content} for m in body.messages],
+            options=body.options or {}, keep_alive=body.keep_alive))
+
+        def chunk(text: str) -> dict:
+            return {"model": body.model, "created_at": now_iso(),
+                    "message": {"role": "assistant", "content": text}, "done": False}
+
+        def final(text: str, f: Final) -> dict:
+            return {**chunk(text), "done": True, "done_reason": f.done_reason, **f.stats(),
+                    "pebbling": f.report}
+
+        if body.stream:
+            return _ndjson(job, chunk, final)
+        text, f = await collect(job, request)
+        return JSONResponse(final(text, f)) if f else Response(status_code=499)
+
+    @router.get("/api/tags", tags=["ollama"])
+    async def tags(request: Request) -> dict:
+        listings = await run_in_threadpool(engine_of(request).list_models)
+        return {"models": [_tag(m) for m in listings]}
+
+    @router.post("/api/show", tags=["ollama"])
+    async def show(body: ShowRequest, request: Request) -> dict:
+        name = body.model or body.name
+        if not name:
+            raise BadRequest("'model' is required")
+        listing, extra = await run_in_threadpool(engine_of(request).show, name)
+        return {**extra, "details": listing.details, "modified_at": iso(listing.modified)}
+
+    @router.get("/api/ps", tags=["ollama"])
+    async def ps(request: Request) -> dict:
+        return {"models": [{
+            "name": m.name, "model": m.name, "size": m.size, "digest": m.digest, "details": m.details,
+            # Ollama shows a model kept forever as expiring in the far future.
+            "expires_at": iso(min(m.expires_at, 253402300799.0)), "size_vram": m.size_vram,
+        } for m in engine_of(request).running()]}
+
+    return router
+
+
+def _tag(m: ModelListing) -> dict:
+    return {"name": m.name, "model": m.name, "modified_at": iso(m.modified), "size": m.size,
+            "digest": m.digest, "details": m.details}
+
+
+def _ndjson(job, chunk, final) -> StreamingResponse:
+    async def lines():
+        try:
+            async for item in events(job):
+                if isinstance(item, Final):
+                    yield dumps(final("", item)) + "\n"
+                else:
+                    yield dumps(chunk(item)) + "\n"
+        except Exception as exc:  # the status line is sent: Ollama reports the error as a last line
+            logger.error("generation failed: %s", exc)
+            yield dumps({"error": str(exc)}) + "\n"
+
+    return StreamingResponse(lines(), media_type=NDJSON)

@@ -1,0 +1,107 @@
+"""Between the async HTTP handlers and the engine's worker threads.
+
+A generation runs on its model's worker thread; the handler waits for its events on the event loop
+(woken by the worker, no thread held per waiting client). Whenever the handler stops listening (the
+response ended, the client disconnected, or the handler was cancelled), the job is cancelled, so the
+worker stops at the next token and frees what it held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from datetime import datetime, timezone
+from typing import AsyncIterator
+
+from fastapi import Request
+from starlette.concurrency import run_in_threadpool
+
+from pyplugin.engine import Engine, Final, Job
+from pyplugin.engine import Request as EngineRequest
+
+
+class BadRequest(Exception):
+    """The request asks for something pebbling does not do (HTTP 400); the message says what."""
+
+
+def engine_of(request: Request) -> Engine:
+    return request.app.state.engine
+
+
+async def submit(request: Request, engine_request: EngineRequest) -> Job:
+    # Validation may load the model from disk: off the event loop.
+    return await run_in_threadpool(engine_of(request).submit, engine_request)
+
+
+async def events(job: Job, request: Request | None = None) -> AsyncIterator[str | Final]:
+    """The job's text pieces, then its Final. With `request`, a client that disconnects ends the
+    iteration (for non-streaming responses; streaming ones are cancelled by Starlette instead)."""
+    loop = asyncio.get_running_loop()
+    wake = asyncio.Event()
+
+    def notify() -> None:
+        try:
+            loop.call_soon_threadsafe(wake.set)
+        except RuntimeError:  # the loop has shut down; the job was cancelled with it
+            pass
+
+    job.on_event(notify)
+    left = asyncio.ensure_future(_disconnected(request)) if request is not None else None
+    try:
+        while True:
+            wake.clear()  # before drain: an event queued after it sets the flag again
+            items = job.drain()
+            for item in items:
+                yield item
+            if job.finished:
+                return
+            if items:
+                continue  # drain again before sleeping: an error may be held back for the next call
+            waiter = asyncio.ensure_future(wake.wait())
+            try:
+                done, _ = await asyncio.wait({waiter, left} if left else {waiter},
+                                             return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                waiter.cancel()
+            if left is not None and left in done:
+                return
+    finally:
+        job.cancel()  # a no-op once the job has finished
+        if left is not None:
+            left.cancel()
+
+
+async def collect(job: Job, request: Request) -> tuple[str, Final | None]:
+    """The whole response: (text, final); final is None if the client left first."""
+    pieces, final = [], None
+    async for item in events(job, request):
+        if isinstance(item, Final):
+            final = item
+        else:
+            pieces.append(item)
+    return "".join(pieces), final
+
+
+async def _disconnected(request: Request) -> None:
+    # The body has been read, so the next message the server sends is the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def now_iso() -> str:
+    """Ollama's created_at: RFC 3339 in UTC with microseconds."""
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def iso(seconds: float) -> str:
+    return datetime.fromtimestamp(seconds, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def now_unix() -> int:
+    return int(time.time())
+
+
+def dumps(obj) -> str:
+    """Compact JSON, as Ollama writes its stream lines."""
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)

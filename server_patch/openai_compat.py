@@ -1,0 +1,144 @@
+"""OpenAI-compatible endpoints: /v1/chat/completions, /v1/completions (streaming as server-sent
+events, ending with ``data: [DONE]``) and /v1/models, mapped onto the same engine as Ollama's API.
+
+pebbling's options may ride along as top-level fields (pebbling_strategy, pebbling_enabled,
+pebbling_memory_limit) or in an Ollama-style ``options`` object (OpenAI clients' ``extra_body``); the
+final response carries the ``pebbling`` report beside ``usage``.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any, Callable
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from pyplugin.engine import Final
+from pyplugin.engine import Request as EngineRequest
+
+from .jobs import BadRequest, collect, dumps, engine_of, events, now_unix, submit
+from .schemas import ChatCompletionRequest, CompletionRequest
+
+router = APIRouter(prefix="/v1", tags=["openai"])
+_FINISH = {"stop": "stop", "length": "length"}
+
+
+def _options(body, max_tokens: int | None) -> dict[str, Any]:
+    if body.n != 1:
+        raise BadRequest(f"'n' must be 1 (pebbling returns one choice), got {body.n}")
+    # OpenAI's defaults where the client sets nothing, as Ollama's compatibility layer does.
+    options: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, **(body.options or {})}
+    given = {"temperature": body.temperature, "top_p": body.top_p, "seed": body.seed, "stop": body.stop,
+             "num_predict": max_tokens, "pebbling_strategy": body.pebbling_strategy,
+             "pebbling_enabled": body.pebbling_enabled, "pebbling_memory_limit": body.pebbling_memory_limit}
+    options.update({k: v for k, v in given.items() if v is not None})
+    return options
+
+
+def _text_content(content: Any, index: int) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
+        if any(p.get("type") != "text" or not isinstance(p.get("text"), str) for p in content):
+            raise BadRequest(f"messages[{index}].content: only text parts are supported "
+                             "({\"type\": \"text\", \"text\": ...}); pebbling serves text-only models")
+        return "".join(p["text"] for p in content)
+    raise BadRequest(f"messages[{index}].content must be a string or a list of text parts")
+
+
+def _usage(f: Final) -> dict[str, int]:
+    return {"prompt_tokens": f.prompt_eval_count, "completion_tokens": f.eval_count,
+            "total_tokens": f.prompt_eval_count + f.eval_count}
+
+
+@router.post("/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    if body.tools:
+        raise BadRequest("'tools' is not supported by pebbling")
+    if body.response_format and body.response_format.get("type", "text") != "text":
+        raise BadRequest("'response_format' other than {\"type\": \"text\"} is not supported by pebbling")
+    messages = [{"role": m.role, "content": _text_content(m.content, i)} for i, m in enumerate(body.messages)]
+    if not messages:
+        raise BadRequest("'messages' must hold at least one message")
+    job = await submit(request, EngineRequest(
+        model=body.model, messages=messages,
+        options=_options(body, body.max_completion_tokens or body.max_tokens), keep_alive=body.keep_alive))
+    base = {"id": f"chatcmpl-{secrets.token_hex(12)}", "created": now_unix(), "model": body.model,
+            "system_fingerprint": "fp_pebbling"}
+
+    if body.stream:
+        def chunk(text: str | None, f: Final | None) -> dict:
+            delta = {"role": "assistant", "content": text} if text is not None else {}
+            return {**base, "object": "chat.completion.chunk", "choices": [{
+                "index": 0, "delta": delta, "logprobs": None,
+                "finish_reason": _FINISH.get(f.done_reason, "stop") if f else None}]}
+        return _sse(job, chunk, body.stream_options and body.stream_options.include_usage, base,
+                    "chat.completion.chunk")
+    text, f = await collect(job, request)
+    if f is None:
+        return Response(status_code=499)  # the client is gone; nobody reads this
+    return JSONResponse({**base, "object": "chat.completion", "choices": [{
+        "index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+        "finish_reason": _FINISH.get(f.done_reason, "stop")}], "usage": _usage(f), "pebbling": f.report})
+
+
+@router.post("/completions")
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    if body.suffix:
+        raise BadRequest("'suffix' (fill-in-the-middle) is not supported by pebbling")
+    if body.echo:
+        raise BadRequest("'echo' is not supported by pebbling")
+    # A completion continues the prompt as written: no chat template.
+    job = await submit(request, EngineRequest(model=body.model, prompt=body.prompt, raw=True,
+                                              options=_options(body, body.max_tokens),
+                                              keep_alive=body.keep_alive))
+    base = {"id": f"cmpl-{secrets.token_hex(12)}", "created": now_unix(), "model": body.model,
+            "system_fingerprint": "fp_pebbling"}
+
+    def choice(text: str, f: Final | None) -> dict:
+        return {"text": text, "index": 0, "logprobs": None,
+                "finish_reason": _FINISH.get(f.done_reason, "stop") if f else None}
+
+    if body.stream:
+        def chunk(text: str | None, f: Final | None) -> dict:
+            return {**base, "object": "text_completion", "choices": [choice(text or "", f)]}
+        return _sse(job, chunk, body.stream_options and body.stream_options.include_usage, base,
+                    "text_completion")
+    text, f = await collect(job, request)
+    if f is None:
+        return Response(status_code=499)
+    return JSONResponse({**base, "object": "text_completion", "choices": [choice(text, f)],
+                         "usage": _usage(f), "pebbling": f.report})
+
+
+@router.get("/models")
+async def models(request: Request) -> dict:
+    listings = await run_in_threadpool(engine_of(request).list_models)
+    return {"object": "list", "data": [{"id": m.name, "object": "model", "created": int(m.modified),
+                                        "owned_by": "pebbling"} for m in listings]}
+
+
+def _sse(job, chunk: Callable[[str | None, Final | None], dict], include_usage: bool | None,
+         base: dict, obj: str) -> StreamingResponse:
+    def event(data: Any) -> str:
+        return f"data: {dumps(data)}\n\n"
+
+    async def stream():
+        try:
+            async for item in events(job):
+                if isinstance(item, Final):
+                    last = chunk(None, item)
+                    last["pebbling"] = item.report
+                    yield event(last)
+                    if include_usage:  # OpenAI: one more chunk, no choices, with the usage
+                        yield event({**base, "object": obj, "choices": [], "usage": _usage(item)})
+                else:
+                    yield event(chunk(item, None))
+        except Exception as exc:  # headers are sent: the error becomes an event, as OpenAI does
+            yield event({"error": {"message": str(exc), "type": "server_error", "param": None, "code": None}})
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(stream(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})

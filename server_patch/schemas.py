@@ -1,0 +1,105 @@
+"""Request bodies, as pydantic models: FastAPI validates them and publishes them in the OpenAPI schema.
+
+Types are strict (a string is not a boolean, 1.0 is not a token id), as Ollama's Go decoder is; fields
+whose accepted forms are several (options, keep_alive, stop) are typed ``Any`` here and checked by
+pyplugin, whose messages name the value and what would be accepted. Unknown fields are ignored, as
+Ollama ignores them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+_OPTIONS_DOC = ("Ollama's options (temperature, top_k, top_p, min_p, seed, num_predict, num_ctx, "
+                "num_batch, stop, repeat_penalty, repeat_last_n) plus pebbling_strategy (none, sqrt, "
+                "adaptive, minimal, every:N), pebbling_enabled (bool) and pebbling_memory_limit (bytes, "
+                "or a size such as \"6GiB\")")
+_KEEP_ALIVE_DOC = ('How long the model stays loaded after this request: seconds, or a duration such as '
+                   '"10m"; 0 unloads it at once, a negative value keeps it loaded. Default 5m.')
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class GenerateRequest(_Body):
+    model: str = Field(description="pebbling-demo, NAME from --models DIR, or name:tag from Ollama's store")
+    prompt: str = ""
+    system: str | None = None
+    template: str | None = Field(None, description="an Ollama prompt template: {{ .System }}, {{ .Prompt }}")
+    context: list[int] | None = Field(None, description="the `context` a previous response returned")
+    raw: bool = Field(False, description="send the prompt as is, without a template")
+    stream: bool = True
+    options: dict[str, Any] | None = Field(None, description=_OPTIONS_DOC)
+    keep_alive: Any = Field(None, description=_KEEP_ALIVE_DOC)
+    format: Any = Field(None, description="not supported: constrained output needs a grammar sampler")
+    images: list[str] | None = Field(None, description="not supported: text-only models")
+    suffix: str | None = Field(None, description="not supported: fill-in-the-middle")
+
+
+class Message(_Body):
+    role: str = Field(description="system, user, assistant or tool")
+    content: str = ""
+    images: list[str] | None = None
+
+
+class ChatRequest(_Body):
+    model: str
+    messages: list[Message] = Field(default_factory=list)
+    stream: bool = True
+    options: dict[str, Any] | None = Field(None, description=_OPTIONS_DOC)
+    keep_alive: Any = Field(None, description=_KEEP_ALIVE_DOC)
+    format: Any = None
+    tools: list[Any] | None = Field(None, description="not supported")
+
+
+class ShowRequest(_Body):
+    model: str | None = None
+    name: str | None = Field(None, description="older clients' spelling of `model`")
+    verbose: bool = False
+
+
+# ---------------------------------------------------------------------------------------------------
+# OpenAI-compatible bodies
+
+
+class _OpenAIBody(_Body):
+    model: str
+    stream: bool = False
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: Any = Field(None, description="a string or a list of strings")
+    n: int = 1
+    options: dict[str, Any] | None = Field(None, description="pebbling extension: " + _OPTIONS_DOC)
+    pebbling_strategy: str | None = Field(None, description="pebbling extension, as in options")
+    pebbling_enabled: bool | None = None
+    pebbling_memory_limit: Any = None
+    keep_alive: Any = Field(None, description=_KEEP_ALIVE_DOC)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class ChatMessage(_Body):
+    role: str
+    content: Any = Field(None, description="a string, or a list of {type: text, text} parts")
+
+
+class ChatCompletionRequest(_OpenAIBody):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = Field(None, ge=1)
+    stream_options: StreamOptions | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+
+
+class CompletionRequest(_OpenAIBody):
+    prompt: str
+    stream_options: StreamOptions | None = None
+    suffix: str | None = None
+    echo: bool = False
