@@ -25,12 +25,11 @@ from typing import Any, Callable, Iterator, Mapping
 
 from . import ollama_store, registry
 from .errors import ModelError, OptionsError, PebblingError
-from .loop import Generation
+from .loop import Generation, PebbledModel
 from .model import Model, load_model
 from .model.gguf_file import GGUFFile
 from .options import Options
-from .plan import parse_size
-from .strategy import Strategy
+from .plan import PebblingOptions
 
 DEFAULT_KEEP_ALIVE = 300.0  # seconds; Ollama's default
 logger = logging.getLogger("pebbling")
@@ -43,27 +42,6 @@ class ModelNotFoundError(ModelError, LookupError):
 
 # ---------------------------------------------------------------------------------------------------
 # request values
-
-
-@dataclass(frozen=True)
-class PebblingOptions:
-    """The options pebbling adds to Ollama's; None means "not given" (the loop's default)."""
-
-    strategy: Strategy | None = None
-    enabled: bool | None = None
-    memory_limit: int | None = None  # bytes
-
-    @classmethod
-    def from_options(cls, options: Mapping[str, Any] | None) -> "PebblingOptions":
-        options = options or {}
-        strategy = options.get("pebbling_strategy")
-        enabled = options.get("pebbling_enabled")
-        limit = options.get("pebbling_memory_limit")
-        if enabled is not None and not isinstance(enabled, bool):
-            raise OptionsError(f"option 'pebbling_enabled': got {enabled!r} ({type(enabled).__name__}); "
-                               "accepted: true or false")
-        return cls(None if strategy is None else Strategy.parse(strategy), enabled,
-                   None if limit is None else parse_size(limit))
 
 
 _GO_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
@@ -224,22 +202,6 @@ class Job:
         return item is self._END
 
 
-class _RecordingGeneration(Generation):
-    """A Generation that keeps its ids (for `context`) and stops when its job is cancelled."""
-
-    def __init__(self, *args, stop_requested: Callable[[], bool], **kwargs):
-        super().__init__(*args, **kwargs)
-        self.generated: list[int] = []
-        self.stop_requested = stop_requested
-
-    def tokens(self, prompt):
-        for token in super().tokens(prompt):
-            if self.stop_requested():  # checked per token, before the token is used
-                return
-            self.generated.append(token)
-            yield token
-
-
 # ---------------------------------------------------------------------------------------------------
 # loaded models
 
@@ -249,6 +211,7 @@ class _Loaded:
     key: Path                         # the resolved file: two names for one file share one model
     name: str                         # the name it was first asked for by
     model: Model | None = None
+    pebbled: PebbledModel | None = None  # the model's layers in a pebble store
     loaded_at: float = 0.0
     expires_at: float = FOREVER       # time.monotonic() deadline once idle
     active: int = 0                   # requests queued or running
@@ -288,9 +251,10 @@ class Engine:
     """Loads models on demand and serves generations; thread-safe. Call ``close()`` when done."""
 
     def __init__(self, models_dir: str | Path | None = None, *,
-                 default_keep_alive: float = DEFAULT_KEEP_ALIVE):
+                 default_keep_alive: float = DEFAULT_KEEP_ALIVE, backend: str | None = None):
         self.models_dir = Path(models_dir) if models_dir is not None else registry.default_models_dir()
         self.default_keep_alive = default_keep_alive
+        self.backend = backend  # the store backend; None: PEBBLING_BACKEND, else the first that works
         self._lock = threading.Condition()
         self._loaded: dict[Path, _Loaded] = {}
         self._closed = False
@@ -335,6 +299,7 @@ class Engine:
             model = entry.model
             options = Options.from_dict(request.options, n_ctx_train=model.config.n_ctx_train)
             tokens = self._prompt_tokens(model, request)
+            entry.pebbled.plan(options, pebbling)  # a budget the model cannot fit is refused here
             if tokens and len(tokens) > options.num_ctx:
                 raise OptionsError(f"the prompt is {len(tokens)} tokens, more than num_ctx "
                                    f"({options.num_ctx}); raise num_ctx (this model allows up to "
@@ -383,7 +348,8 @@ class Engine:
         """Generate for one job, streaming its text; its Final, or None if it was cancelled first."""
         if job.cancelled:  # the client left while the request waited
             return None
-        gen = _RecordingGeneration(entry.model, job.options, stop_requested=lambda: job.cancelled)
+        gen = Generation(entry.model, job.options, layers=entry.pebbled.layers(job.options, job.pebbling),
+                         xp=entry.pebbled.xp, should_stop=lambda: job.cancelled)
         for piece in gen.text(job.tokens):
             if job.cancelled:
                 break
@@ -432,6 +398,7 @@ class Engine:
             start = time.perf_counter_ns()
             try:
                 entry.model = load_model(path, progress=False)
+                entry.pebbled = PebbledModel(entry.model, backend=self.backend)
             except BaseException:
                 with self._lock:  # a request still waiting on load_lock tries again, and says why
                     entry.active -= 1
@@ -459,6 +426,9 @@ class Engine:
         if self._loaded.get(entry.key) is entry:
             del self._loaded[entry.key]
         entry.model = None
+        if entry.pebbled is not None:
+            entry.pebbled.close()
+            entry.pebbled = None
         entry.jobs.put(None)
 
     def _reap(self) -> None:

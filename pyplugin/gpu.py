@@ -71,3 +71,24 @@ def free_device_memory(index: int = 0) -> int | None:
         return int(nvml.nvmlDeviceGetMemoryInfo(nvml.nvmlDeviceGetHandleByIndex(index)).free)
     except nvml.NVMLError:
         return None
+
+
+def used_device_memory(index: int = 0) -> tuple[int, str] | None:
+    """Device memory this process holds on GPU `index` as NVML counts it (CUDA context, allocator
+    pools and the store together), with how it was read; None when NVML cannot say.
+
+    NVML's per-process figure is used where it lists this process; otherwise the device's whole
+    used memory, which also counts other processes, and says so."""
+    import os
+
+    nvml = _nvml()
+    if nvml is None:
+        return None
+    try:
+        handle = nvml.nvmlDeviceGetHandleByIndex(index)
+        for proc in nvml.nvmlDeviceGetComputeRunningProcesses(handle):
+            if proc.pid == os.getpid() and proc.usedGpuMemory is not None:
+                return int(proc.usedGpuMemory), "NVML, this process"
+        return int(nvml.nvmlDeviceGetMemoryInfo(handle).used), "NVML, whole device"
+    except nvml.NVMLError:
+        return None

@@ -1,26 +1,66 @@
-"""The inference loop: prefill in chunks, then decode one token at a time, sampling each.
+"""The inference loop: prefill in chunks, then decode one token at a time, sampling each; and the one
+place where the plan, the store and the model meet.
 
-A layer's weights are fetched through one callable, ``layer_weights(i) -> LayerWeights``, called
-just before layer i computes. By default every layer is resident (``Model.resident_layers``); a
-store-backed source that restores layers into device slots plugs in here without the loop changing.
+The loop reaches a layer's state (weights and KV cache) only through a `LayerSource`, asked for
+layer i just before it computes and told when it is done. `ResidentLayers` keeps every layer in
+memory; `StoreLayers` runs a `Plan` through a pebble store: resident layers are computed in place
+from the store's device tier, streamed layers are restored into two device working slots (the next
+one while the current one computes) and their new KV rows saved back.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from types import ModuleType
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import numpy as np
 
+from .backend import open_store
 from .errors import OptionsError
-from .model import KVCache, LayerWeights, Model, embed, layer_forward, output_logits
+from .gpu import used_device_memory
+from .model import KVCache, LayerWeights, Model, ModelConfig, embed, layer_forward, output_logits
 from .options import Options
+from .plan import MemoryModel, PebblingOptions, Plan, make_plan
 from .sampling import Sampler
-from .xp import to_numpy
+from .strategy import Strategy
+from .xp import compute_dtype, to_numpy
 
-LayerSource = Callable[[int], LayerWeights]
+Array = Any
+
+
+class LayerSource(Protocol):
+    """Where the loop finds each layer's weights and KV cache."""
+
+    n_ctx: int
+
+    def begin(self, pos: int, n_tokens: int) -> None:
+        """A forward pass over positions pos..pos+n_tokens is about to run through every layer."""
+
+    def layer(self, i: int) -> tuple[LayerWeights, Array, Array]:
+        """Layer i's weights, K cache and V cache [n_ctx, n_head_kv, head_dim], ready to compute."""
+
+    def done(self, i: int) -> None:
+        """Layer i has computed (its new KV rows are written in the arrays `layer` gave)."""
+
+
+class ResidentLayers:
+    """Every layer's weights and KV cache held in memory for the whole request (no store)."""
+
+    def __init__(self, model: Model, n_ctx: int, xp: ModuleType = np):
+        self.weights = model.resident_layers(xp)
+        self.kv = KVCache.allocate(model.config, n_ctx, xp)
+        self.n_ctx = n_ctx
+
+    def begin(self, pos: int, n_tokens: int) -> None:
+        pass
+
+    def layer(self, i: int) -> tuple[LayerWeights, Array, Array]:
+        return self.weights[i], self.kv.k[i], self.kv.v[i]
+
+    def done(self, i: int) -> None:
+        pass
 
 
 @dataclass
@@ -35,26 +75,35 @@ class Stats:
 
 
 class Generation:
-    """One request: its KV cache, position, sampler and stats."""
+    """One request: its layer source (and so its KV cache), position, sampler and stats."""
 
-    def __init__(self, model: Model, options: Options, *, layer_weights: LayerSource | None = None,
-                 kv: KVCache | None = None, xp: ModuleType = np):
+    def __init__(self, model: Model, options: Options, *, layers: LayerSource | None = None,
+                 xp: ModuleType = np, should_stop: Callable[[], bool] | None = None):
         self.model, self.options, self.xp = model, options, xp
         self.cfg = model.config
-        self.layer_weights = layer_weights or model.resident_layers(xp).__getitem__
+        self.layers = layers if layers is not None else ResidentLayers(model, options.num_ctx, xp)
         self.outer = model.outer_weights(xp)
-        self.kv = kv if kv is not None else KVCache.allocate(self.cfg, options.num_ctx, xp)
         self.sampler = Sampler(options)
+        self.should_stop = should_stop or (lambda: False)
+        self.generated: list[int] = []
         self.pos = 0
         self.stats = Stats()
 
     def forward(self, tokens: Sequence[int]) -> np.ndarray:
         """Run tokens through every layer at the current position; float32 logits of the last one."""
         x = embed(self.outer, tokens, self.xp)                                     # [T, n_embd]
+        self.layers.begin(self.pos, len(tokens))
         for i in range(self.cfg.n_layer):
-            x = layer_forward(self.cfg, x, self.layer_weights(i), self.kv.k[i], self.kv.v[i], self.pos)
+            weights, k_cache, v_cache = self.layers.layer(i)
+            x = layer_forward(self.cfg, x, weights, k_cache, v_cache, self.pos)
+            self.layers.done(i)
         self.pos += len(tokens)
         return to_numpy(output_logits(self.cfg, self.outer, x[-1]))               # [n_vocab]
+
+    def report(self) -> dict[str, Any] | None:
+        """The pebbling report when the layers come from a store, else None."""
+        report = getattr(self.layers, "report", None)
+        return report(self.stats) if report else None
 
     def prefill(self, tokens: Sequence[int]) -> np.ndarray:
         """The prompt in chunks of num_batch tokens, so the workspace stays bounded."""
@@ -85,10 +134,14 @@ class Generation:
             if token in self.model.tokenizer.eog_ids:
                 self.stats.done_reason = "stop"
                 return
+            if self.should_stop():  # checked per token, before the token is used
+                self.stats.done_reason = "cancelled"
+                return
             self.stats.generated_tokens += 1
+            self.generated.append(token)
             history.append(token)
             yield token
-            if self.pos >= self.kv.n_ctx:
+            if self.pos >= self.layers.n_ctx:
                 break
             start = time.perf_counter_ns()
             logits = self.decode_one(token)
@@ -125,9 +178,9 @@ class Generation:
     def _check_prompt(self, prompt: list[int]) -> None:
         if not prompt:
             raise OptionsError("the prompt is empty: there is nothing to continue from")
-        if len(prompt) + self.pos > self.kv.n_ctx:
+        if len(prompt) + self.pos > self.layers.n_ctx:
             raise OptionsError(f"the prompt is {len(prompt)} tokens, more than num_ctx "
-                               f"({self.kv.n_ctx}); raise num_ctx (this model was trained on "
+                               f"({self.layers.n_ctx}); raise num_ctx (this model was trained on "
                                f"{self.cfg.n_ctx_train}) or shorten the prompt")
         bad = [t for t in prompt if not 0 <= t < self.cfg.n_vocab]
         if bad:
@@ -135,10 +188,9 @@ class Generation:
 
 
 def generate(model: Model, prompt_tokens: Sequence[int], options: Options | None = None, *,
-             layer_weights: LayerSource | None = None, kv: KVCache | None = None,
-             xp: ModuleType = np) -> Iterator[int]:
+             layers: LayerSource | None = None, xp: ModuleType = np) -> Iterator[int]:
     """Generated token ids for a tokenized prompt (see ``Generation`` for text and stats)."""
-    gen = Generation(model, options or Options(), layer_weights=layer_weights, kv=kv, xp=xp)
+    gen = Generation(model, options or Options(), layers=layers, xp=xp)
     return gen.tokens(prompt_tokens)
 
 
@@ -156,3 +208,297 @@ def _held_back(text: str, stops: Sequence[str]) -> int:
                 longest = n
                 break
     return longest
+
+
+# ---------------------------------------------------------------------------------------------------
+# layers held in a pebble store
+
+WEIGHT_IDS = {f.name: i for i, f in enumerate(fields(LayerWeights))}  # tensor id of each weight
+K_ID, V_ID = 16, 17                                                       # ... of the KV cache
+_GGML_TYPE = {np.dtype(np.float32): 0, np.dtype(np.float16): 1}
+_ALIGN = 256  # byte alignment of each tensor inside a working slot
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+@dataclass(frozen=True)
+class _Tensor:
+    tensor_id: int
+    name: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+def workspace_bytes(cfg: ModelConfig, n_tokens: int, n_ctx: int, itemsize: int) -> int:
+    """Activations of one chunk of n_tokens attending over up to n_ctx positions (an estimate of the
+    forward pass's live temporaries: the attention scores, or the MLP, whichever is larger, on top of
+    the residual stream and the float32 logits)."""
+    T, E, F = n_tokens, cfg.n_embd, cfg.n_ff
+    q, kv = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
+    stream = 4 * T * E * 4                                       # x, normed x and float32 norm temporaries
+    attention = 2 * T * (q + 2 * kv) * itemsize + cfg.n_head * T * n_ctx * (8 + itemsize)
+    mlp = 5 * T * F * itemsize                                   # gate, up, silu temporaries, product
+    return stream + max(attention, mlp) + 2 * cfg.n_vocab * 4
+
+
+class PebbledModel:
+    """A model whose layers live in a pebble store: saved once, in the compute type, to the host tier;
+    each request's plan only changes which of them are resident, so a new strategy never reads the
+    model file again. The store's backend decides the array module: CuPy on cuda, numpy elsewhere."""
+
+    def __init__(self, model: Model, *, backend: str | None = None):
+        cfg = model.config
+        self.model = model
+        self.store = open_store(0, cfg.n_layer, "minimal", backend=backend)
+        self.backend = self.store.backend
+        if self.backend == "cuda":
+            import cupy
+
+            self.xp = cupy
+        else:
+            self.xp = np
+        self.dtype = compute_dtype(self.xp)
+        self.layouts: list[list[_Tensor]] = []
+        for i, lw in enumerate(model.layers):
+            layout = []
+            for name, array in lw.arrays():
+                data = np.ascontiguousarray(array, dtype=self.dtype)
+                tensor = _Tensor(WEIGHT_IDS[name], name, data.shape, data.nbytes)
+                self.store.save(i, tensor.tensor_id, data, tier="host",
+                                desc=_desc(self.dtype, data.shape))
+                layout.append(tensor)
+            self.layouts.append(layout)
+        self.outer = model.outer_weights(self.xp)
+        self._kv_ctx: int | None = None
+
+    def close(self) -> None:
+        self.store.close()
+
+    def kv_shape(self, n_ctx: int) -> tuple[int, int, int]:
+        return (n_ctx, self.model.config.n_head_kv, self.model.config.head_dim)
+
+    def memory_model(self, options: Options) -> MemoryModel:
+        cfg, isz = self.model.config, self.dtype.itemsize
+        kv_token = cfg.kv_bytes_per_token(isz)
+        outer = self.model.outer
+        fixed = (outer.output.size + outer.output_norm.size + 2 * options.num_ctx * cfg.head_dim) * isz
+        chunk = min(options.num_batch, options.num_ctx)
+        return MemoryModel(
+            layer_weight_bytes=tuple(sum(_aligned(t.nbytes) for t in layout) for layout in self.layouts),
+            layer_kv_bytes=_aligned(options.num_ctx * kv_token // 2) * 2,
+            kv_bytes_per_token=kv_token,
+            fixed_bytes=fixed,
+            workspace_bytes=workspace_bytes(cfg, chunk, options.num_ctx, isz),
+            overhead_bytes=self._overhead_bytes())
+
+    def _overhead_bytes(self) -> int:
+        """The backend's own fixed cost: on the GPU, what NVML counts beyond the store's device tier
+        and CuPy's pool (the CUDA context, cuBLAS); 0 on host and stub, which account bytes."""
+        if self.backend != "cuda":
+            return 0
+        pool = self.xp.get_default_memory_pool()
+        pool.free_all_blocks()
+        used = used_device_memory()
+        if used is None:
+            return 0
+        return max(0, used[0] - pool.total_bytes() - self.store.stats().device_bytes)
+
+    def budget(self, pebbling: PebblingOptions) -> int | None:
+        """The request's limit, else (adaptive on a GPU) the device memory free to this process."""
+        if pebbling.memory_limit is not None or self.backend != "cuda":
+            return pebbling.memory_limit
+        from .gpu import free_device_memory
+
+        free, used = free_device_memory(), used_device_memory()
+        if free is None or used is None:
+            return None
+        mine = used[0] if used[1] == "NVML, this process" else 0
+        return int((free + mine) * 0.95)  # a reserve for fragmentation and other users
+
+    def plan(self, options: Options, pebbling: PebblingOptions) -> Plan:
+        strategy = pebbling.effective_strategy
+        budget = self.budget(pebbling) if strategy.name == "adaptive" else pebbling.memory_limit
+        return make_plan(self.memory_model(options), strategy, budget)
+
+    def layers(self, options: Options, pebbling: PebblingOptions) -> "StoreLayers":
+        return StoreLayers(self, self.plan(options, pebbling), options, pebbling)
+
+    def prepare(self, plan: Plan, n_ctx: int) -> None:
+        """Makes the store hold the plan: resident layers on the device, KV entries for n_ctx."""
+        store, n_layers = self.store, self.model.config.n_layer
+        if self._kv_ctx not in (None, n_ctx):
+            for i in range(n_layers):
+                store.erase(i, K_ID)
+                store.erase(i, V_ID)
+            self._kv_ctx = None
+        store.set_strategy(plan.strategy, device_limit=plan.store_limit)
+        if self._kv_ctx is None:
+            zeros = np.zeros(self.kv_shape(n_ctx), self.dtype)  # contents past `pos` are never read
+            for i in range(n_layers):
+                store.save(i, K_ID, zeros, desc=_desc(self.dtype, zeros.shape))
+                store.save(i, V_ID, zeros, desc=_desc(self.dtype, zeros.shape))
+            self._kv_ctx = n_ctx
+        store.reset_stats()
+
+
+def _desc(dtype: np.dtype, shape: tuple[int, ...]):
+    from .store import TensorDesc
+
+    return TensorDesc(_GGML_TYPE[np.dtype(dtype)], tuple(reversed(shape)))
+
+
+class StoreLayers:
+    """A Plan run through the store for one request.
+
+    Resident layers are computed in place from the store's device tier. Streamed layers go through
+    working slots: slot n % 2 receives the n-th streamed layer's weights and its KV rows 0..pos while
+    the layer before it computes; after it computes, its new KV rows are saved back. On the GPU the
+    copies run on a stream of their own and events order them against compute, so no step waits for
+    the whole device."""
+
+    def __init__(self, pebbled: PebbledModel, plan: Plan, options: Options, pebbling: PebblingOptions):
+        self.pebbled, self.plan, self.pebbling = pebbled, plan, pebbling
+        self.store, self.xp, self.dtype = pebbled.store, pebbled.xp, pebbled.dtype
+        self.n_ctx = options.num_ctx
+        self.kv_shape = pebbled.kv_shape(self.n_ctx)
+        self.kv_row_bytes = int(np.prod(self.kv_shape[1:])) * self.dtype.itemsize
+        if self.xp is not np:
+            self.xp.get_default_memory_pool().free_all_blocks()  # measure this request, not the last
+        pebbled.prepare(plan, self.n_ctx)
+
+        self.resident = {i: self._resident_views(i) for i in plan.resident}
+        self.streamed = list(plan.streamed)
+        self.order = {layer: n for n, layer in enumerate(self.streamed)}
+        slot_bytes = max((self._slot_size(i) for i in self.streamed), default=0)
+        self.slots = [self.xp.empty(slot_bytes, np.uint8) for _ in range(plan.n_slots)]
+        self.slot_bytes = slot_bytes
+        self.in_slot: list[tuple] = [None] * plan.n_slots  # (weights, k, v) of the layer each holds
+        if self.xp is not np:
+            cuda = self.xp.cuda
+            self.copy_stream = cuda.Stream(non_blocking=True)
+            self.ready = [cuda.Event(disable_timing=True) for _ in self.slots]
+            self.computed = [cuda.Event(disable_timing=True) for _ in self.slots]
+        else:
+            self.copy_stream = None
+        self.peak_sample = 0
+        self.forwards: list[tuple[int, int]] = []  # (position, bytes restored before) per forward pass
+        self._sample_memory()
+
+    # -- views
+
+    def _resident_views(self, i: int) -> tuple[LayerWeights, Array, Array]:
+        view = self.store.device_array
+        weights = {t.name: view(i, t.tensor_id, self.dtype, t.shape) for t in self.pebbled.layouts[i]}
+        return (LayerWeights(**weights), view(i, K_ID, self.dtype, self.kv_shape),
+                view(i, V_ID, self.dtype, self.kv_shape))
+
+    def _slot_size(self, i: int) -> int:
+        kv = _aligned(int(np.prod(self.kv_shape)) * self.dtype.itemsize)
+        return sum(_aligned(t.nbytes) for t in self.pebbled.layouts[i]) + 2 * kv
+
+    def _slot_views(self, slot: int, i: int) -> tuple[LayerWeights, Array, Array]:
+        buffer, offset, arrays = self.slots[slot], 0, {}
+
+        def carve(nbytes: int, shape: tuple[int, ...]) -> Array:
+            nonlocal offset
+            array = buffer[offset:offset + nbytes].view(self.dtype).reshape(shape)
+            offset += _aligned(nbytes)
+            return array
+
+        for t in self.pebbled.layouts[i]:
+            arrays[t.name] = carve(t.nbytes, t.shape)
+        kv_bytes = int(np.prod(self.kv_shape)) * self.dtype.itemsize
+        k, v = carve(kv_bytes, self.kv_shape), carve(kv_bytes, self.kv_shape)
+        return LayerWeights(**arrays), k, v
+
+    # -- the LayerSource protocol
+
+    def begin(self, pos: int, n_tokens: int) -> None:
+        self.pos, self.n_tokens = pos, n_tokens
+        self.forwards.append((pos, self.store.stats().bytes_restored))
+        for n in range(min(len(self.slots), len(self.streamed))):
+            self._restore(n)
+
+    def layer(self, i: int) -> tuple[LayerWeights, Array, Array]:
+        if i in self.resident:
+            return self.resident[i]
+        slot = self.order[i] % len(self.slots)
+        if self.copy_stream is not None:
+            self.xp.cuda.get_current_stream().wait_event(self.ready[slot])
+        return self.in_slot[slot]
+
+    def done(self, i: int) -> None:
+        if i not in self.order:
+            return
+        n = self.order[i]
+        slot = n % len(self.slots)
+        _, k, v = self.in_slot[slot]
+        if self.copy_stream is not None:
+            self.computed[slot].record(self.xp.cuda.get_current_stream())
+            self.copy_stream.wait_event(self.computed[slot])
+        rows = slice(self.pos, self.pos + self.n_tokens)
+        offset = self.pos * self.kv_row_bytes
+        self.store.write(i, K_ID, offset, k[rows], stream=self.copy_stream)
+        self.store.write(i, V_ID, offset, v[rows], stream=self.copy_stream)
+        if n + len(self.slots) < len(self.streamed):
+            self._restore(n + len(self.slots))
+        if i == self.streamed[-1]:
+            self._sample_memory()
+
+    def _restore(self, n: int) -> None:
+        """Restores the n-th streamed layer into slot n % slots (queued on the copy stream)."""
+        i, slot = self.streamed[n], n % len(self.slots)
+        weights, k, v = views = self._slot_views(slot, i)
+        for t in self.pebbled.layouts[i]:
+            self.store.restore(i, t.tensor_id, getattr(weights, t.name), stream=self.copy_stream)
+        if self.pos:
+            self.store.read(i, K_ID, 0, k[:self.pos], stream=self.copy_stream)
+            self.store.read(i, V_ID, 0, v[:self.pos], stream=self.copy_stream)
+        if self.copy_stream is not None:
+            self.ready[slot].record(self.copy_stream)
+        self.in_slot[slot] = views
+
+    # -- what it cost
+
+    def _sample_memory(self) -> None:
+        if self.xp is not np:
+            used = used_device_memory()
+            if used is not None:
+                self.peak_sample = max(self.peak_sample, used[0])
+                self.measured_by = used[1]
+
+    def report(self, stats) -> dict[str, Any]:
+        """The `pebbling` object of a final response (DESIGN.md), from this request's store stats."""
+        self._sample_memory()
+        store = self.store.stats()
+        plan, memory = self.plan, self.plan.memory
+        if self.xp is not np and self.peak_sample:
+            measured, how = self.peak_sample, f"measured ({self.measured_by})"
+        else:
+            measured = (store.device_peak_bytes + len(self.slots) * self.slot_bytes + memory.fixed_bytes
+                        + memory.workspace_bytes + memory.overhead_bytes)
+            how = ("byte-accounted (store device tier peak + working slots + output weights + "
+                   "workspace reservation; no GPU measured)")
+        # Decode steps are the forward passes that start past the prompt.
+        starts = [b for pos, b in self.forwards if pos >= stats.prompt_tokens] + [store.bytes_restored]
+        decoded = len(starts) - 1
+        return {
+            "strategy": _strategy_name(plan.strategy),
+            "enabled": self.pebbling.enabled is not False,
+            "backend": self.pebbled.backend,
+            "resident_layers": len(plan.resident),
+            "n_layers": memory.n_layers,
+            "budget_bytes": plan.budget_bytes,
+            "estimated_peak_bytes": plan.estimated_peak_bytes,
+            "measured_peak_bytes": int(measured),
+            "measured_peak_how": how,
+            "bytes_restored": int(store.bytes_restored),
+            "restores": int(store.restores),
+            "bytes_restored_per_token": (starts[-1] - starts[0]) // decoded if decoded else None,
+        }
+
+
+def _strategy_name(strategy: Strategy) -> str:
+    return f"adaptive:{strategy.arg}" if strategy.name == "adaptive" else strategy.name

@@ -149,3 +149,35 @@ def format_bytes(n: int | float) -> str:
         if abs(n) >= size:
             return f"{n / size:.2f} {unit}"
     return f"{int(n)} B"
+
+
+# ---------------------------------------------------------------------------------------------------
+# the options a request adds to Ollama's
+
+
+@dataclass(frozen=True)
+class PebblingOptions:
+    """pebbling_strategy, pebbling_enabled, pebbling_memory_limit; None means "not given"."""
+
+    strategy: Strategy | None = None
+    enabled: bool | None = None
+    memory_limit: int | None = None  # bytes
+
+    @classmethod
+    def from_options(cls, options) -> "PebblingOptions":
+        options = options or {}
+        strategy = options.get("pebbling_strategy")
+        enabled = options.get("pebbling_enabled")
+        limit = options.get("pebbling_memory_limit")
+        if enabled is not None and not isinstance(enabled, bool):
+            raise OptionsError(f"option 'pebbling_enabled': got {enabled!r} ({type(enabled).__name__}); "
+                               "accepted: true or false")
+        return cls(None if strategy is None else Strategy.parse(strategy), enabled,
+                   None if limit is None else parse_size(limit))
+
+    @property
+    def effective_strategy(self) -> Strategy:
+        """What runs: the strategy asked for, `none` when pebbling is disabled, else `adaptive`."""
+        if self.enabled is False:
+            return Strategy.parse("none")
+        return self.strategy or Strategy.parse("adaptive")

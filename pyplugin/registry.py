@@ -79,12 +79,11 @@ def _in_models_dir(name: str, root: Path) -> Path | None:
 
 
 def find_in_ollama_store(name: str) -> Path | None:
-    """Hook for Ollama's local store (manifests -> blobs): the GGUF blob ``name`` names, or None.
+    """The GGUF blob ``name`` names in Ollama's local store (manifests -> blobs), or None."""
+    from .ollama_store import resolve as resolve_in_store
 
-    Not wired yet: the server's store lookup plugs in here. ``name`` has already been checked to
-    hold no path separator or '..'.
-    """
-    return None
+    found = resolve_in_store(name)
+    return found.path if found else None
 
 
 def ensure_demo(models_dir: str | os.PathLike | None = None) -> Path:

@@ -16,7 +16,7 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 
 from model_fixtures import tiny_model, tiny_path
-from pyplugin.loop import Generation
+from pyplugin.loop import Generation, ResidentLayers
 from pyplugin.model import KVCache, embed, layer_forward, output_logits
 from pyplugin.options import Options
 
@@ -173,7 +173,7 @@ def test_chunked_prefill_equals_unchunked(arch):
     whole = Generation(model, Options(num_ctx=64, num_batch=512))
     chunked = Generation(model, Options(num_ctx=64, num_batch=2))
     assert_close(chunked.prefill(PROMPT), whole.prefill(PROMPT), rel=1e-5)
-    for a, b in zip(chunked.kv.k + chunked.kv.v, whole.kv.k + whole.kv.v):
+    for a, b in zip(chunked.layers.kv.k + chunked.layers.kv.v, whole.layers.kv.k + whole.layers.kv.v):
         assert_close(a, b, rel=1e-5)
 
 
@@ -194,13 +194,17 @@ def test_layer_forward_refuses_positions_past_the_cache():
         layer_forward(model.config, embed(model.outer, PROMPT[:3]), model.layers[0], kv.k[0], kv.v[0], 2)
 
 
-def test_layer_source_callable_is_what_the_loop_reads():
+def test_layer_source_is_what_the_loop_reads():
     model = tiny_model("llama")
     seen = []
 
-    def source(i):
-        seen.append(i)
-        return model.layers[i]
+    class Recording(ResidentLayers):
+        def layer(self, i):
+            seen.append(("layer", i))
+            return super().layer(i)
 
-    Generation(model, Options(num_ctx=32), layer_weights=source).prefill(PROMPT[:4])
-    assert seen == list(range(model.config.n_layer))
+        def done(self, i):
+            seen.append(("done", i))
+
+    Generation(model, Options(num_ctx=32), layers=Recording(model, 32)).prefill(PROMPT[:4])
+    assert seen == [(step, i) for i in range(model.config.n_layer) for step in ("layer", "done")]

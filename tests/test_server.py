@@ -332,7 +332,7 @@ def test_show_of_unknown_model_is_404_and_unknown_route_is_404(url):
 def endless_slow_generation(monkeypatch):
     """Generations that never reach end-of-generation and take 20 ms a token, so one is surely still
     running when its client leaves."""
-    generation = engine_module._RecordingGeneration
+    generation = engine_module.Generation
     real_sample, real_decode = generation.sample, generation.decode_one
 
     def sample(self, logits, history):
