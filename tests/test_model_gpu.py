@@ -36,7 +36,7 @@ def test_cupy_weights_and_cache_live_on_the_device():
     cupy = array_module("cupy")
     model = tiny_model("llama")
     gen = Generation(model, Options(num_ctx=32), xp=cupy)
-    lw = gen.layer_weights(0)
+    lw = gen.layers.layer(0)[0]
     assert isinstance(lw.wq, cupy.ndarray) and lw.wq.dtype == np.float16
     assert isinstance(gen.layers.kv.k[0], cupy.ndarray) and gen.layers.kv.k[0].dtype == np.float16
     assert isinstance(gen.outer.token_embd, np.ndarray)   # rows are gathered on the host

@@ -68,8 +68,17 @@ def test_peak_is_close_to_the_estimate(model, pebbled, strategy):
 
 
 def test_minimal_below_sqrt_below_none(model, pebbled):
-    peaks = {s: run(model, pebbled, s)[1]["measured_peak_bytes"] for s in ("none", "sqrt", "minimal")}
-    assert peaks["minimal"] < peaks["sqrt"] < peaks["none"]
+    reports = {s: run(model, pebbled, s)[1] for s in ("none", "sqrt", "minimal")}
+    peaks = {s: r["measured_peak_bytes"] for s, r in reports.items()}
+    if pebbled.backend == "cuda":
+        # NVML counts in pages of MiBs, coarser than this tiny model's layers: the order must hold
+        # in the estimate and must not be reversed in the measurement (benchmarks/bench_streaming.py
+        # shows it strictly on a model of a size NVML resolves).
+        estimates = {s: r["estimated_peak_bytes"] for s, r in reports.items()}
+        assert estimates["minimal"] < estimates["sqrt"] < estimates["none"]
+        assert peaks["minimal"] <= peaks["sqrt"] <= peaks["none"]
+    else:
+        assert peaks["minimal"] < peaks["sqrt"] < peaks["none"]
 
 
 def test_streaming_strategies_restore_and_full_residency_does_not(model, pebbled):
@@ -96,8 +105,8 @@ def test_adaptive_fits_any_budget_above_the_smallest_footprint(model, pebbled, r
 
 def test_adaptive_interleaves_streamed_layers_between_resident_ones(model, pebbled):
     memory = pebbled.memory_model(OPTIONS)
-    full = make_plan(memory, "none").estimated_peak_bytes
-    plan = make_plan(memory, "adaptive", int(full * 0.8))
+    floor, full = smallest_footprint(memory), make_plan(memory, "none").estimated_peak_bytes
+    plan = make_plan(memory, "adaptive", int(floor + 0.8 * (full - floor)))
     streamed = plan.streamed
     assert streamed and len(plan.resident) >= N_LAYER // 2
     assert all(b - a > 1 for a, b in zip(streamed, streamed[1:])), streamed
