@@ -107,15 +107,12 @@ def test_concurrent_clients_get_what_they_get_alone(tmp_path):
 
         watcher = threading.Thread(target=watch_queues)
         watcher.start()
-        start = time.monotonic()
         try:
             with ThreadPoolExecutor(CLIENTS) as pool:
                 together = list(pool.map(client, plan))
         finally:
-            elapsed = time.monotonic() - start
             done.set()
             watcher.join()
     assert together == alone
     assert deepest >= 2
     assert app.state.engine.counts["failed"] == 0
-    assert elapsed < 60, f"{CLIENTS * REQUESTS_PER_CLIENT} requests took {elapsed:.1f} s"
