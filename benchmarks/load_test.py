@@ -11,9 +11,7 @@ the number of clients while throughput stays near one client's; the figures show
 from __future__ import annotations
 
 import argparse
-import socket
 import statistics
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -21,24 +19,11 @@ from contextlib import contextmanager
 import requests
 
 
-@contextmanager
 def local_server():
-    import uvicorn
-
     from server_patch import create_app
+    from server_patch.local import serving
 
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # TCP_NODELAY follows
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
+    return serving(create_app())
 
 
 def main() -> None:

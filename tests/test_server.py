@@ -12,45 +12,20 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import pytest
 import requests
-import uvicorn
 
 from pyplugin import engine as engine_module
 from pyplugin.synth import write_gguf
 from server_patch import create_app
+from server_patch.local import serving
 
 TINY = dict(arch="llama", n_layer=4, n_embd=32, n_head=2, n_head_kv=1, n_ff=64, n_ctx=4096)
 GREEDY = {"temperature": 0, "num_predict": 4}
-
-
-@contextmanager
-def serving(app):
-    """Runs `app` with uvicorn on 127.0.0.1 and a free port, in a thread; yields its base URL."""
-    # IPPROTO_TCP spelled out: asyncio sets TCP_NODELAY only on sockets that say so, and without
-    # it every keep-alive request waits out a delayed ACK (~40 ms).
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("the test server did not start")
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
 
 
 @pytest.fixture(scope="module")

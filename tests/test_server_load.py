@@ -6,43 +6,20 @@ the one the same request gets when requests run one at a time: queued requests n
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 
 import pytest
 import requests
-import uvicorn
 
 from pyplugin.synth import write_gguf
 from server_patch import create_app
+from server_patch.local import serving
 
 CLIENTS, REQUESTS_PER_CLIENT = 8, 50
 STRATEGIES = ("none", "sqrt", "minimal", "every:2", "adaptive", None)
 PROMPTS = ("Hello", "Why is the sky blue?", "The quick brown fox", "Numbers such as 12 and 345", "Café")
-
-
-@contextmanager
-def serving(app):
-    # IPPROTO_TCP spelled out: asyncio sets TCP_NODELAY only on sockets that say so, and without
-    # it every keep-alive request waits out a delayed ACK (~40 ms).
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the test server did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
 
 
 def request_for(client: int, i: int) -> tuple[str, dict]:
