@@ -48,7 +48,7 @@ venv: $(VENV)/.installed
 # The CUDA library where nvcc and a GPU are present, else the host build (the stub needs nothing).
 native-best:
 	@if command -v $(NVCC) >/dev/null 2>&1 && command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
-		$(MAKE) --no-print-directory cuda; \
+		$(MAKE) --no-print-directory cuda && $(PY) -m pip install --quiet -e '.[gpu]'; \
 	elif command -v $(CXX) >/dev/null 2>&1; then \
 		$(MAKE) --no-print-directory host; \
 	else echo "no C++ compiler found: pebbling will use its pure-Python stub backend"; fi

@@ -59,6 +59,11 @@ def _probe_native(kind: str) -> BackendProbe:
         hint = f" (NVML: {driver})" if driver else ""
         return BackendProbe(kind, False, f"library {path} loaded but no CUDA device is usable: {exc}{hint}",
                             path)
+    try:  # the model computes on the GPU through CuPy: without it the cuda store is of no use
+        import cupy  # noqa: F401
+    except ImportError:
+        return BackendProbe(kind, False, f"library {path} works but CuPy is not installed "
+                            f"(pip install 'pebbling[gpu]')", path)
     return BackendProbe(kind, True, f"library {path} loaded and CUDA device 0 took a test store", path)
 
 
