@@ -29,7 +29,7 @@ from pyplugin.synth import write_gguf
 
 
 def run(pebbled: PebbledModel, options: Options, prompt: list[int], pebbling: PebblingOptions) -> dict:
-    layers = pebbled.layers(options, pebbling)
+    layers = pebbled.layers(options, pebbling, len(prompt))
     gen = Generation(pebbled.model, options, layers=layers, xp=pebbled.xp)
     tokens = list(gen.tokens(prompt))
     report = gen.report()

@@ -299,7 +299,7 @@ class Engine:
             model = entry.model
             options = Options.from_dict(request.options, n_ctx_train=model.config.n_ctx_train)
             tokens = self._prompt_tokens(model, request)
-            entry.pebbled.plan(options, pebbling)  # a budget the model cannot fit is refused here
+            entry.pebbled.plan(options, pebbling, len(tokens))  # a budget that cannot fit is refused here
             if tokens and len(tokens) > options.num_ctx:
                 raise OptionsError(f"the prompt is {len(tokens)} tokens, more than num_ctx "
                                    f"({options.num_ctx}); raise num_ctx (this model allows up to "
@@ -348,7 +348,7 @@ class Engine:
         """Generate for one job, streaming its text; its Final, or None if it was cancelled first."""
         if job.cancelled:  # the client left while the request waited
             return None
-        gen = Generation(entry.model, job.options, layers=entry.pebbled.layers(job.options, job.pebbling),
+        gen = Generation(entry.model, job.options, layers=entry.pebbled.layers(job.options, job.pebbling, len(job.tokens)),
                          xp=entry.pebbled.xp, should_stop=lambda: job.cancelled)
         for piece in gen.text(job.tokens):
             if job.cancelled:

@@ -272,6 +272,7 @@ class PebbledModel:
             self.layouts.append(layout)
         self.outer = model.outer_weights(self.xp)
         self._kv_ctx: int | None = None
+        self._overhead: int | None = None
 
     def close(self) -> None:
         self.store.close()
@@ -279,31 +280,55 @@ class PebbledModel:
     def kv_shape(self, n_ctx: int) -> tuple[int, int, int]:
         return (n_ctx, self.model.config.n_head_kv, self.model.config.head_dim)
 
-    def memory_model(self, options: Options) -> MemoryModel:
+    def memory_model(self, options: Options, prompt_tokens: int | None = None) -> MemoryModel:
+        """Device memory for these options; knowing the prompt's length sizes the workspace for the
+        chunks and context this request can reach instead of a full num_batch chunk at num_ctx."""
         cfg, isz = self.model.config, self.dtype.itemsize
         kv_token = cfg.kv_bytes_per_token(isz)
         outer = self.model.outer
         fixed = (outer.output.size + outer.output_norm.size + 2 * options.num_ctx * cfg.head_dim) * isz
-        chunk = min(options.num_batch, options.num_ctx)
+        if prompt_tokens is None:
+            workspace = workspace_bytes(cfg, min(options.num_batch, options.num_ctx), options.num_ctx, isz)
+        else:
+            reach = options.num_ctx if options.num_predict < 0 else prompt_tokens + options.num_predict
+            workspace = max(
+                workspace_bytes(cfg, min(options.num_batch, prompt_tokens), prompt_tokens, isz),  # prefill
+                workspace_bytes(cfg, 1, min(options.num_ctx, reach), isz))                         # decode
         return MemoryModel(
             layer_weight_bytes=tuple(sum(_aligned(t.nbytes) for t in layout) for layout in self.layouts),
             layer_kv_bytes=_aligned(options.num_ctx * kv_token // 2) * 2,
             kv_bytes_per_token=kv_token,
             fixed_bytes=fixed,
-            workspace_bytes=workspace_bytes(cfg, chunk, options.num_ctx, isz),
+            workspace_bytes=workspace,
             overhead_bytes=self._overhead_bytes())
 
     def _overhead_bytes(self) -> int:
         """The backend's own fixed cost: on the GPU, what NVML counts beyond the store's device tier
-        and CuPy's pool (the CUDA context, cuBLAS); 0 on host and stub, which account bytes."""
+        and CuPy's pool (the CUDA context, cuBLAS, loaded kernels); 0 on host and stub, which account
+        bytes. Measured after a warm-up forward, and never lowered: it only grows as kernels load."""
         if self.backend != "cuda":
             return 0
+        if self._overhead is None:
+            self._warm_up()
+            self._overhead = 0
         pool = self.xp.get_default_memory_pool()
         pool.free_all_blocks()
         used = used_device_memory()
-        if used is None:
-            return 0
-        return max(0, used[0] - pool.total_bytes() - self.store.stats().device_bytes)
+        if used is not None:
+            now = used[0] - pool.total_bytes() - self.store.stats().device_bytes
+            self._overhead = max(self._overhead, now)
+        return self._overhead
+
+    def _warm_up(self) -> None:
+        """A prefill and a decode step of one layer and the output, so that the kernels and library
+        handles every request loads are in device memory before the overhead is measured."""
+        cfg, xp = self.model.config, self.xp
+        weights = self.model.layers[0].map(lambda a: xp.asarray(a, dtype=self.dtype))
+        k, v = (xp.zeros((4, cfg.n_head_kv, cfg.head_dim), self.dtype) for _ in range(2))
+        x = layer_forward(cfg, embed(self.outer, [0, 1], xp), weights, k, v, 0)
+        x = layer_forward(cfg, x[-1:], weights, k, v, 2)
+        output_logits(cfg, self.outer, x[-1]).get()
+        del weights, k, v, x
 
     def budget(self, pebbling: PebblingOptions) -> int | None:
         """The request's limit, else (adaptive on a GPU) the device memory free to this process."""
@@ -317,13 +342,15 @@ class PebbledModel:
         mine = used[0] if used[1] == "NVML, this process" else 0
         return int((free + mine) * 0.95)  # a reserve for fragmentation and other users
 
-    def plan(self, options: Options, pebbling: PebblingOptions) -> Plan:
+    def plan(self, options: Options, pebbling: PebblingOptions, prompt_tokens: int | None = None) -> Plan:
         strategy = pebbling.effective_strategy
         budget = self.budget(pebbling) if strategy.name == "adaptive" else pebbling.memory_limit
-        return make_plan(self.memory_model(options), strategy, budget)
+        return make_plan(self.memory_model(options, prompt_tokens), strategy, budget)
 
-    def layers(self, options: Options, pebbling: PebblingOptions) -> "StoreLayers":
-        return StoreLayers(self, self.plan(options, pebbling), options, pebbling)
+    def layers(self, options: Options, pebbling: PebblingOptions,
+               prompt_tokens: int | None = None) -> "StoreLayers":
+        """The store-backed layer source for one request (`prompt_tokens`: its prompt's length)."""
+        return StoreLayers(self, self.plan(options, pebbling, prompt_tokens), options, pebbling)
 
     def prepare(self, plan: Plan, n_ctx: int) -> None:
         """Makes the store hold the plan: resident layers on the device, KV entries for n_ctx."""

@@ -36,7 +36,7 @@ def pebbled(request, model):
 
 def run(model, pebbled, strategy: str, limit: int | None = None, options: Options = OPTIONS):
     pebbling = PebblingOptions.from_options({"pebbling_strategy": strategy, "pebbling_memory_limit": limit})
-    layers = pebbled.layers(options, pebbling)
+    layers = pebbled.layers(options, pebbling, len(PROMPT))
     gen = Generation(model, options, layers=layers, xp=pebbled.xp)
     tokens = list(gen.tokens(PROMPT))
     return tokens, gen.report(), layers.plan
@@ -91,7 +91,7 @@ def test_streaming_strategies_restore_and_full_residency_does_not(model, pebbled
 
 @pytest.mark.parametrize("fraction", [0.35, 0.6, 0.85])
 def test_adaptive_fits_any_budget_above_the_smallest_footprint(model, pebbled, reference_tokens, fraction):
-    memory = pebbled.memory_model(OPTIONS)
+    memory = pebbled.memory_model(OPTIONS, len(PROMPT))
     floor, full = smallest_footprint(memory), make_plan(memory, "none").estimated_peak_bytes
     budget = int(floor + fraction * (full - floor))
     tokens, report, plan = run(model, pebbled, "adaptive", budget)
@@ -104,7 +104,7 @@ def test_adaptive_fits_any_budget_above_the_smallest_footprint(model, pebbled, r
 
 
 def test_adaptive_interleaves_streamed_layers_between_resident_ones(model, pebbled):
-    memory = pebbled.memory_model(OPTIONS)
+    memory = pebbled.memory_model(OPTIONS, len(PROMPT))
     floor, full = smallest_footprint(memory), make_plan(memory, "none").estimated_peak_bytes
     plan = make_plan(memory, "adaptive", int(floor + 0.8 * (full - floor)))
     streamed = plan.streamed
@@ -135,13 +135,13 @@ def test_a_new_context_size_rebuilds_only_the_kv_entries(model, pebbled):
 
 
 def test_budget_below_the_smallest_footprint_names_that_footprint(model, pebbled):
-    floor = smallest_footprint(pebbled.memory_model(OPTIONS))
+    floor = smallest_footprint(pebbled.memory_model(OPTIONS, len(PROMPT)))
     with pytest.raises(OptionsError, match=f"{floor} bytes"):
         run(model, pebbled, "adaptive", floor - 1)
 
 
 def test_a_fixed_strategy_over_budget_says_what_would_fit(model, pebbled):
-    floor = smallest_footprint(pebbled.memory_model(OPTIONS))
+    floor = smallest_footprint(pebbled.memory_model(OPTIONS, len(PROMPT)))
     with pytest.raises(OptionsError, match="needs about .* more than the limit"):
         run(model, pebbled, "none", floor + 1)
 

@@ -1,15 +1,17 @@
-"""`pebbling run MODEL PROMPT`: generate text and stream it to the terminal."""
+"""`pebbling run MODEL PROMPT`: generate text through the pebble store and stream it to the terminal."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 
+from ..backend import BACKENDS
 from ..loop import Generation
-from ..model import load_model
+from ..measure import load_pebbled
 from ..options import Options
-from ..registry import resolve
-from ..xp import NAMES, array_module
+from ..plan import PebblingOptions, format_bytes, parse_size
+from ..strategy import VALID_STRATEGIES, Strategy
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -24,13 +26,40 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--num-predict", type=int, help="most tokens to generate (-1 = no limit)")
     p.add_argument("--num-ctx", type=int, help="context length in tokens (default 2048)")
     p.add_argument("--num-batch", type=int, help="prompt tokens per prefill chunk (default 512)")
-    p.add_argument("--xp", choices=NAMES, default="numpy", help="array module to compute with")
+    add_pebbling_arguments(p)
+    p.add_argument("--verbose", action="store_true",
+                   help="after the text, print timings and the pebbling report to stderr")
     p.set_defaults(func=run)
 
 
+def add_pebbling_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pebbling-strategy", metavar="S",
+                   help=f"{VALID_STRATEGIES} (default adaptive)")
+    p.add_argument("--pebbling-memory-limit", metavar="SIZE",
+                   help="device memory budget, e.g. 512MiB or 6GiB (default: none on host and stub, "
+                        "the free GPU memory on cuda)")
+    add_backend_argument(p)
+
+
+def add_backend_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", choices=BACKENDS,
+                   help="store backend (default $PEBBLING_BACKEND, else the first of cuda, host, stub "
+                        "that works); computation is CuPy on cuda, numpy elsewhere")
+
+
+def pebbling_options(strategy: str | None, limit: str | None,
+                     limit_flag: str = "--pebbling-memory-limit") -> PebblingOptions:
+    """The flags' values, checked; errors name the flag."""
+    return PebblingOptions(None if strategy is None else Strategy.parse(strategy), None,
+                           None if limit is None else parse_size(limit, limit_flag))
+
+
 def run(args: argparse.Namespace) -> int:
-    xp = array_module(args.xp)
-    model = load_model(resolve(args.model))
+    started = time.perf_counter_ns()
+    # Options first: a bad flag is reported before the model is read.
+    pebbling = pebbling_options(args.pebbling_strategy, args.pebbling_memory_limit)
+    loaded = load_pebbled(args.model, args.backend)
+    model = loaded.model
     if model.random_weights:
         print(f"(random weights) {model.path.stem}: the text below is noise", file=sys.stderr)
     given = {"temperature": args.temperature, "seed": args.seed, "num_predict": args.num_predict,
@@ -38,9 +67,56 @@ def run(args: argparse.Namespace) -> int:
     options = Options.from_dict({k: v for k, v in given.items() if v is not None},
                                 n_ctx_train=model.config.n_ctx_train)
     text = args.prompt if args.raw else model.chat_prompt([{"role": "user", "content": args.prompt}])
-    generation = Generation(model, options, xp=xp)
-    for piece in generation.text(model.tokenizer.encode(text)):
-        sys.stdout.write(piece)
-        sys.stdout.flush()
-    sys.stdout.write("\n")
+    tokens = model.tokenizer.encode(text)
+    try:
+        layers = loaded.pebbled.layers(options, pebbling, len(tokens))
+        generation = Generation(model, options, layers=layers, xp=loaded.pebbled.xp)
+        for piece in generation.text(tokens):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        sys.stdout.flush()  # the text, then the timings: stdout and stderr may share a terminal
+        if args.verbose:
+            _print_verbose(generation, time.perf_counter_ns() - started, loaded.load_ns)
+    finally:
+        loaded.pebbled.close()
     return 0
+
+
+def _print_verbose(gen: Generation, total_ns: int, load_ns: int) -> None:
+    """Ollama's `run --verbose` timings, then the pebbling report, to stderr."""
+    s, report = gen.stats, gen.report()
+    lines = [
+        ("total duration", format_duration(total_ns)),
+        ("load duration", format_duration(load_ns)),
+        ("prompt eval count", f"{s.prompt_tokens} token(s)"),
+        ("prompt eval duration", format_duration(s.prompt_ns)),
+        ("prompt eval rate", _rate(s.prompt_tokens, s.prompt_ns)),
+        ("eval count", f"{s.generated_tokens} token(s)"),
+        ("eval duration", format_duration(s.generate_ns)),
+        ("eval rate", _rate(s.generated_tokens, s.generate_ns)),
+        ("pebbling strategy", report["strategy"]),
+        ("backend", report["backend"]),
+        ("resident layers", f"{report['resident_layers']}/{report['n_layers']}"),
+        ("budget", "no limit" if report["budget_bytes"] is None else format_bytes(report["budget_bytes"])),
+        ("estimated peak", f"{format_bytes(report['estimated_peak_bytes'])} (estimate)"),
+        ("measured peak", f"{format_bytes(report['measured_peak_bytes'])} ({report['measured_peak_how']})"),
+        ("bytes restored", f"{format_bytes(report['bytes_restored'])} ({report['bytes_restored']} bytes)"),
+        ("restores", str(report["restores"])),
+        ("bytes restored/token", "n/a (no token decoded)" if report["bytes_restored_per_token"] is None
+         else format_bytes(report["bytes_restored_per_token"])),
+    ]
+    for name, value in lines:
+        print(f"{name + ':':22}{value}", file=sys.stderr)
+
+
+def format_duration(ns: int) -> str:
+    """Like Go's time.Duration, as Ollama prints it: 1.234s, 56.78ms, 910µs."""
+    for unit, size in (("s", 10**9), ("ms", 10**6), ("µs", 10**3)):
+        if ns >= size:
+            return f"{ns / size:.6g}{unit}"
+    return f"{ns}ns"
+
+
+def _rate(tokens: int, ns: int) -> str:
+    return f"{tokens / (ns / 1e9):.2f} tokens/s" if ns else "n/a"

@@ -1,0 +1,163 @@
+"""`pebbling estimate MODEL`: what each strategy would cost before running it.
+
+Peak device memory and bytes restored per token are estimates from the model's shape (the plan);
+the slowdown is a prediction built from a restore bandwidth, the cost of one store call and a
+per-layer compute time, which this command measures through the store on this machine, in this run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from ..errors import OptionsError
+from ..measure import (Loaded, format_table, layer_decode_seconds, load_pebbled, measure_restores,
+                       predict, store_calls_per_token)
+from ..options import Options
+from ..plan import PebblingOptions, format_bytes, make_plan, parse_size, smallest_footprint
+from .run import add_backend_argument
+
+STRATEGIES = ("none", "sqrt", "adaptive", "minimal", "every:2", "every:4")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("estimate", help="estimate each strategy's memory and predict its speed",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", help="GGUF file, 'pebbling-demo', NAME or NAME:TAG")
+    p.add_argument("--num-ctx", type=int, help="context length in tokens (default 2048)")
+    p.add_argument("--num-batch", type=int, help="prompt tokens per prefill chunk (default 512)")
+    p.add_argument("--memory-limit", metavar="SIZE",
+                   help="device memory budget, e.g. 512MiB or 6GiB: each strategy is checked against "
+                        "it, and adaptive fills it")
+    p.add_argument("--context-pos", type=int, metavar="N",
+                   help="context position at which per-token figures are computed (default num_ctx/2: "
+                        "the mean step of a generation that fills the context)")
+    add_backend_argument(p)
+    p.add_argument("--json", action="store_true", help="print the same figures as one JSON object")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    limit = None if args.memory_limit is None else parse_size(args.memory_limit, "--memory-limit")
+    loaded = load_pebbled(args.model, args.backend)
+    try:
+        given = {"num_ctx": args.num_ctx, "num_batch": args.num_batch}
+        options = Options.from_dict({k: v for k, v in given.items() if v is not None},
+                                    n_ctx_train=loaded.model.config.n_ctx_train)
+        result = estimate(loaded, options, limit, args.context_pos)
+    finally:
+        loaded.pebbled.close()
+    print(json.dumps(result, indent=2) if args.json else render(result))
+    return 0
+
+
+def estimate(loaded: Loaded, options: Options, limit: int | None, context_pos: int | None) -> dict[str, Any]:
+    """Every strategy's plan against `limit`, with a predicted slowdown from figures measured here."""
+    pebbled = loaded.pebbled
+    pos = options.num_ctx // 2 if context_pos is None else context_pos
+    if not 0 <= pos < options.num_ctx:
+        raise OptionsError(f"--context-pos {pos}: must be from 0 to num_ctx - 1 = {options.num_ctx - 1}")
+    memory = pebbled.memory_model(options)
+    make_plan(memory, "minimal", limit)  # a limit below the smallest footprint: one error naming it
+    # The entry a streamed layer's restore fills: one working slot.
+    transfer = measure_restores(pebbled, make_plan(memory, "minimal").slot_bytes)
+    t_layer = layer_decode_seconds(pebbled, options.num_ctx, pos)
+    # On the GPU the backend's overhead grows as the measurements load kernels and libraries, as a
+    # request's first steps would: one memory model taken after them serves every strategy, so the
+    # rows compare like with like.
+    memory = pebbled.memory_model(options)
+    none_peak = make_plan(memory, "none").estimated_peak_bytes
+    adaptive_budget = pebbled.budget(PebblingOptions(memory_limit=limit))  # the limit, else free GPU memory
+
+    rows = {}
+    for name in STRATEGIES:
+        budget = adaptive_budget if name == "adaptive" else limit
+        try:
+            plan = make_plan(memory, name, budget)
+            fits = None if budget is None else True
+        except OptionsError:  # over the limit: still say what it would cost (adaptive: at the least)
+            plan, fits = make_plan(memory, "minimal" if name == "adaptive" else name), False
+        calls = store_calls_per_token(pebbled, plan)
+        prediction = predict(plan, pos, transfer, calls, t_layer, overlapped=pebbled.backend == "cuda")
+        rows[name] = {
+            "plan": (f"adaptive:{plan.strategy.arg}" if plan.strategy.name == "adaptive"
+                     else str(plan.strategy)),
+            "resident_layers": len(plan.resident),
+            "n_layers": memory.n_layers,
+            "estimated_peak_bytes": plan.estimated_peak_bytes,
+            "reduction_pct": round(100 * (1 - plan.estimated_peak_bytes / none_peak), 1),
+            "restored_bytes_per_token_estimate": plan.restored_bytes_per_token(pos),
+            "store_calls_per_token": calls,
+            "budget_bytes": plan.budget_bytes,
+            "fits": fits,  # None: no budget to fit
+            "predicted_seconds_per_token": prediction.seconds_per_token,
+            "predicted_slowdown": round(prediction.slowdown, 3),
+        }
+    return {
+        "model": loaded.path.stem,
+        "path": str(loaded.path),
+        "random_weights": loaded.model.random_weights,
+        "backend": pebbled.backend,
+        "n_layers": memory.n_layers,
+        "num_ctx": options.num_ctx,
+        "num_batch": options.num_batch,
+        "context_pos": pos,
+        "memory_limit_bytes": limit,
+        "smallest_footprint_bytes": smallest_footprint(memory),
+        "measured": {
+            "restore_bytes_per_s": transfer.bytes_per_s,
+            "restore_entry_bytes": transfer.entry_bytes,
+            "restore_path": transfer.path,
+            "store_call_seconds": transfer.call_seconds,
+            "layer_decode_seconds": t_layer,
+            "repeats": transfer.repeats,
+        },
+        "strategies": rows,
+    }
+
+
+def render(r: dict[str, Any]) -> str:
+    m, limit, pos = r["measured"], r["memory_limit_bytes"], r["context_pos"]
+    table = []
+    for name, s in r["strategies"].items():
+        if s["fits"] is None:
+            fits = "no limit"
+        elif s["fits"]:
+            fits = "yes"
+        else:
+            fits = f"does not fit: needs {format_bytes(s['estimated_peak_bytes'])}"
+        table.append([name, f"{s['resident_layers']}/{s['n_layers']}",
+                      format_bytes(s["estimated_peak_bytes"]), f"{s['reduction_pct']:.1f}%",
+                      format_bytes(s["restored_bytes_per_token_estimate"]),
+                      f"{s['predicted_seconds_per_token'] * 1e3:.2f}", f"{s['predicted_slowdown']:.2f}x",
+                      fits])
+    adaptive = r["strategies"]["adaptive"]
+    adaptive_budget = ("no budget: every layer resident" if adaptive["budget_bytes"] is None else
+                       f"budget {format_bytes(adaptive['budget_bytes'])}"
+                       + ("" if limit is not None else " (free GPU memory less a reserve)"))
+    random = " (random weights)" if r["random_weights"] else ""
+    return "\n".join([
+        f"{r['model']}{random}: {r['n_layers']} layers, backend {r['backend']}, "
+        f"num_ctx {r['num_ctx']}, num_batch {r['num_batch']}",
+        f"memory limit: {'none' if limit is None else format_bytes(limit)}; smallest footprint "
+        f"(minimal): {format_bytes(r['smallest_footprint_bytes'])} (estimate)",
+        f"measured in this run (median of {m['repeats']}):",
+        f"  restore bandwidth   {m['restore_bytes_per_s'] / 1e9:.2f} GB/s  "
+        f"({format_bytes(m['restore_entry_bytes'])} entry, {m['restore_path']})",
+        f"  one store call      {m['store_call_seconds'] * 1e6:.1f} µs  (a 256-byte restore)",
+        f"  one layer, decode   {m['layer_decode_seconds'] * 1e3:.3f} ms  (context position {pos})",
+        "",
+        format_table(["strategy", "resident", "peak (estimate)", "vs none", "restored/token (estimate)",
+                      "ms/token (predicted)", "slowdown (predicted)", "fits the limit"], table),
+        "",
+        f"restored/token: weights of the streamed layers + their KV rows 0..{pos - 1}, for a decode "
+        f"step at context position {pos}.",
+        "ms/token: the layer stack only (embedding, output and sampling left out); calls = store calls "
+        "per token (a restore per streamed weight tensor, K and V read and written per streamed layer); "
+        + ("copies overlap compute: max(L x layer + calls x call, restored/bandwidth + layer)."
+           if r["backend"] == "cuda" else
+           "on this backend copies do not overlap compute: L x layer + calls x call + restored/bandwidth."),
+        f"adaptive: {adaptive_budget}; keeps {adaptive['resident_layers']} of {r['n_layers']} layers "
+        "resident.",
+    ])
