@@ -84,10 +84,10 @@ def verify(loaded: Loaded, options: Options, prompt: str, limit: int | None) -> 
 
     # Untimed warm-up: the first pass pays one-time costs (caches, kernel compilation) that would
     # otherwise be charged to `none` and flatter every other strategy's slowdown.
-    generate("none", pebbled.memory_model(options), replace(options, num_predict=2))
+    generate("none", pebbled.memory_model(options, len(tokens)), replace(options, num_predict=2))
     # On the GPU the backend's overhead has now grown by the kernels and libraries a request loads;
     # one memory model taken after that serves every strategy, so their estimates compare like with like.
-    memory = pebbled.memory_model(options)
+    memory = pebbled.memory_model(options, len(tokens))
 
     rows: dict[str, dict[str, Any]] = {}
     for name in STRATEGIES:
@@ -145,9 +145,8 @@ def render(r: dict[str, Any]) -> str:
                       "decode tok/s", "slowdown", "tokens equal none"], table),
         "",
         f"peak: {how}.",
-        "peak (estimate): the plan's figure, from the model's shape, before the run; it reserves "
-        "workspace for a full prefill chunk (num_batch tokens at num_ctx), which a short prompt does "
-        "not use.",
+        "peak (estimate): the plan's figure, from the model's shape and this prompt's length, before "
+        "the run.",
         "decode tok/s: tokens generated / decode time in this run (Ollama's eval rate); "
         "slowdown: none's rate / this rate.",
         f"adaptive: budget {format_bytes(r['adaptive_budget_bytes'])}, keeps "
