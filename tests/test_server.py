@@ -149,12 +149,19 @@ def test_tags_show_and_ps_describe_the_models(url, models_dir):
     assert loaded["size"] > 0 and loaded["size_vram"] >= 0 and loaded["expires_at"].endswith("Z")
 
 
-def test_a_strategy_change_keeps_the_loaded_model(url):
-    generate(url)
-    for strategy in ("none", "sqrt", "minimal", "every:2", "adaptive"):
+def test_a_strategy_change_keeps_the_loaded_model_and_its_tokens(url):
+    reference = generate(url, options={**GREEDY, "pebbling_strategy": "none"}).json()
+    assert reference["pebbling"]["resident_layers"] == reference["pebbling"]["n_layers"]
+    for strategy in ("sqrt", "minimal", "every:2", "adaptive"):
         r = generate(url, options={**GREEDY, "pebbling_strategy": strategy})
         assert r.status_code == 200, r.text
-        assert r.json()["load_duration"] == 0, strategy  # no reload for a residency change
+        body = r.json()
+        assert body["load_duration"] == 0, strategy  # no reload for a residency change
+        assert body["response"] == reference["response"], strategy
+        assert body["pebbling"]["strategy"].split(":")[0] == strategy.split(":")[0]
+    minimal = generate(url, options={**GREEDY, "pebbling_strategy": "minimal"}).json()["pebbling"]
+    assert minimal["resident_layers"] == 0 and minimal["bytes_restored"] > 0
+    assert minimal["estimated_peak_bytes"] < reference["pebbling"]["estimated_peak_bytes"]
 
 
 def test_keep_alive_zero_unloads_and_negative_keeps_forever(url):
@@ -229,6 +236,8 @@ BAD_GENERATE = [
                  "pebbling_memory_limit", id="negative-limit"),
     pytest.param({"model": "tiny", "prompt": "x", "options": {"pebbling_enabled": "yes"}}, 400,
                  "pebbling_enabled", id="enabled-type"),
+    pytest.param({"model": "tiny", "prompt": "x", "options": {"pebbling_memory_limit": "1KiB"}}, 400,
+                 "smallest footprint", id="limit-below-footprint"),
     pytest.param({"model": "tiny", "prompt": "x", "options": "hot"}, 400, "'options'", id="options-type"),
     pytest.param({"model": "tiny", "prompt": "x", "stream": "yes"}, 400, "'stream'", id="stream-type"),
     pytest.param({"model": "tiny", "prompt": 5}, 400, "'prompt'", id="prompt-type"),
