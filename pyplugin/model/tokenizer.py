@@ -5,8 +5,8 @@ Two kinds, chosen by ``tokenizer.ggml.model``:
   list; the pre-tokenizer regexes are chosen by ``tokenizer.ggml.pre`` (llama.cpp's table).
 - ``llama``: SentencePiece BPE. Spaces are '▁', a piece's score is its merge priority, and a
   character missing from the vocabulary falls back to byte tokens <0xNN>.
-Control and user-defined tokens are matched in the text as whole tokens. Decoding goes through raw
-bytes, so a character split across tokens comes out whole (see ``StreamDecoder``).
+Control, user-defined and unknown (<unk>) tokens are matched in the text as whole tokens. Decoding
+goes through raw bytes, so a character split across tokens comes out whole (see ``StreamDecoder``).
 """
 
 from __future__ import annotations
@@ -145,8 +145,10 @@ class Tokenizer:
         return hf
 
     def _add_special_tokens(self) -> None:
-        added = [AddedToken(t, special=ty == CONTROL, normalized=False)
-                 for t, ty in zip(self.tokens, self.types) if ty in (CONTROL, USER_DEFINED) and t]
+        # llama.cpp matches control, user-defined and unknown tokens (<unk>) in the text as wholes.
+        added = [AddedToken(t, special=ty != USER_DEFINED, normalized=False)
+                 for t, ty in zip(self.tokens, self.types)
+                 if ty in (CONTROL, USER_DEFINED, UNKNOWN) and t]
         self._hf.add_tokens(added)
 
     def _piece_bytes(self, i: int) -> bytes:
