@@ -25,9 +25,7 @@ of a few strings (ASCII, whitespace, multi-byte, special tokens) from llama.cpp'
 (special=True) and from pebbling's. llama.cpp adds a second BOS to a text that starts with one, and
 pebbling by design does not: that is shown, not counted.
 
-phi3 files get synth's spm vocabulary plus <|endoftext|>, as real Phi-3 vocabularies have: without it
-llama.cpp refuses a file whose name contains "phi3" ("unordered_map::at" while setting Phi-3 token
-attributes). qwen2 with partial RoPE is left out: llama.cpp aborts on it (GGML_ASSERT n_rot).
+qwen2 with partial RoPE is left out: llama.cpp aborts on it (GGML_ASSERT n_rot).
 llama.cpp runs in a forked child per file, so such an abort is reported rather than fatal.
 
 Exit status: 0 when every case agrees, 1 when one does not (or llama.cpp refuses a file), 2 when
@@ -53,7 +51,7 @@ import zlib
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +62,6 @@ from pyplugin import synth
 from pyplugin.loop import Generation
 from pyplugin.model import load_model
 from pyplugin.model.gguf_file import dequantize_bytes
-from pyplugin.model.tokenizer import CONTROL
 from pyplugin.options import Options
 from pyplugin.synth import write_gguf
 
@@ -220,8 +217,7 @@ def compare_case(case: Case, workdir: Path) -> dict[str, Any]:
     spec = dict(SHAPE, arch=case.arch, vocab=VOCAB_OF[case.arch], weight_type=case.weight_type, seed=7)
     spec.update(case.overrides)
     path = workdir / (case.name.replace(" ", "_").replace("/", "-") + ".gguf")
-    with phi3_like_vocab(case.arch == "phi3"):
-        write_gguf(path, **spec)
+    write_gguf(path, **spec)
     row: dict[str, Any] = {"case": case.name, "tolerance": case.tolerance}
     model = load_model(path, progress=False)
     n_normal = sum(1 for t in model.tokenizer.types if t == 1)
@@ -238,7 +234,7 @@ def compare_case(case: Case, workdir: Path) -> dict[str, Any]:
         # llama.cpp on the quantized file it measures llama.cpp's own activation rounding (and would
         # expose a dequantization that differs from ggml's); against pebbling, the forward pass alone.
         f32_path = path.with_name(path.stem + ".dequantized.gguf")
-        with phi3_like_vocab(case.arch == "phi3"), weights_as_dequantized_f32():
+        with weights_as_dequantized_f32():
             write_gguf(f32_path, **spec)
         try:
             _, d_logits = in_llama_process(_greedy_job, f32_path, prompt)
@@ -297,28 +293,6 @@ def weights_as_dequantized_f32():
         synth._tensors = original
 
 
-@contextmanager
-def phi3_like_vocab(active: bool = True):
-    """synth's SentencePiece vocabulary plus a control token <|endoftext|>, as real Phi-3 vocabularies
-    have. llama.cpp sets Phi-3 token attributes when general.name contains "phi3" or "phi-3", looks
-    <|endoftext|> up while doing so, and refuses the file without it (unordered_map::at)."""
-    original = synth.build_vocab
-
-    def build(flavour: str, *args, **kwargs):
-        vocab = original(flavour, *args, **kwargs)
-        if flavour != "spm":
-            return vocab
-        return replace(vocab, tokens=vocab.tokens + ["<|endoftext|>"], types=vocab.types + [CONTROL],
-                       scores=vocab.scores + [0.0])
-
-    if active:
-        synth.build_vocab = build
-    try:
-        yield
-    finally:
-        synth.build_vocab = original
-
-
 def rel_err(got: np.ndarray, ref: np.ndarray) -> float:
     return float(np.linalg.norm(got.astype(np.float64) - ref) / max(np.linalg.norm(ref), 1e-30))
 
@@ -353,13 +327,16 @@ def compare_tokenizers(workdir: Path) -> list[dict[str, Any]]:
     rows = []
     for flavour, (arch, vocab) in TOKENIZER_FLAVOURS.items():
         path = workdir / f"vocab_{flavour.replace(' ', '_')}.gguf"
-        with phi3_like_vocab(arch == "phi3"):
-            write_gguf(path, arch=arch, vocab=vocab, n_layer=1, n_embd=64, n_head=2, n_head_kv=2, n_ff=64)
+        write_gguf(path, arch=arch, vocab=vocab, n_layer=1, n_embd=64, n_head=2, n_head_kv=2, n_ff=64)
         tok = load_model(path, progress=False).tokenizer
         texts = dict(TEXTS, special=SPECIAL_TEXTS[vocab])
         texts["bos-prefixed"] = tok.bos_token + "Hi there"   # a rendered chat template often starts so
         if vocab == "spm":
             texts["spm specials"] = "<s> a <unk> b </s> c"
+            # Phi-3's whitespace stripping after special tokens: C whitespace only (not U+00A0 or
+            # U+3000), however much; none after <s>, <unk>, <|endoftext|>; whitespace-only gaps.
+            texts["strip edges"] = ("<|user|> \t\n\v\f\r Hi<|end|>\u00a0x<|assistant|>\u3000y</s>  z"
+                                    "<s>\n w<|endoftext|>\n v<unk> \n u<|end|>\n\n<|end|> <|system|>\n")
         requests = [(text, add_bos) for text in texts.values() for add_bos in (False, True)]
         try:
             refs = in_llama_process(_tokenize_job, path, requests)

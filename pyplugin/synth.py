@@ -383,9 +383,14 @@ def _spm_vocab(n_merges: int) -> Vocab:
     merges = learn_merges(words, n_merges)
     chars = sorted({c for w in words for c in w})
     pieces = _unique([a + b for a, b in merges] + chars)  # best merges first: highest scores
-    tokens = specials + [f"<0x{b:02X}>" for b in range(256)] + chat + pieces
-    types = [UNKNOWN, CONTROL, CONTROL] + [BYTE] * 256 + [CONTROL] * len(chat) + [NORMAL] * len(pieces)
-    scores = [0.0] * (len(tokens) - len(pieces)) + [-float(i) for i in range(len(pieces))]
+    # <|endoftext|> last, after the pieces (so no id moves), as Phi-3's vocabulary has it: llama.cpp
+    # looks it up in a file whose name says phi3 and refuses the file without it.
+    tail = ["<|endoftext|>"]
+    tokens = specials + [f"<0x{b:02X}>" for b in range(256)] + chat + pieces + tail
+    types = ([UNKNOWN, CONTROL, CONTROL] + [BYTE] * 256 + [CONTROL] * len(chat) + [NORMAL] * len(pieces)
+             + [CONTROL] * len(tail))
+    scores = ([0.0] * (len(tokens) - len(pieces) - len(tail)) + [-float(i) for i in range(len(pieces))]
+              + [0.0] * len(tail))
     return Vocab("llama", tokens, types, scores=scores, bos_id=1, eos_id=2,
                  eot_id=len(specials) + 256 + chat.index("<|end|>"), unk_id=0, add_bos=True,
                  chat_template=PHI3_TEMPLATE)

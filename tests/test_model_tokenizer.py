@@ -110,12 +110,66 @@ def test_spm_encoding_matches_llama_cpp_algorithm():
 
 
 def test_spm_prefixes_a_space_after_each_special_token_like_llama_cpp():
+    # A Phi-3 model (general.name says phi3): llama.cpp also drops the newline after each special token.
     tok = tiny_model("phi3").tokenizer
     scores = GGUFReader(tiny_path("phi3")).fields["tokenizer.ggml.scores"].contents()
+    user, end = tok.tokens.index("<|user|>"), tok.tokens.index("<|end|>")
+    expected = [tok.bos_id, user] + spm_reference(tok, scores, "hello world") + [end]
+    assert tok.encode("<|user|>\nhello world<|end|>\n") == expected
+
+
+def test_spm_keeps_whitespace_after_special_tokens_unless_the_model_is_phi3():
+    tok = tiny_model("llama", vocab="spm").tokenizer    # same vocabulary, general.name without phi3
+    scores = GGUFReader(tiny_path("llama", vocab="spm")).fields["tokenizer.ggml.scores"].contents()
+    assert not tok.rstrip_ids
     user, end = tok.tokens.index("<|user|>"), tok.tokens.index("<|end|>")
     expected = ([tok.bos_id, user] + spm_reference(tok, scores, "\nhello world") + [end]
                 + spm_reference(tok, scores, "\n"))
     assert tok.encode("<|user|>\nhello world<|end|>\n") == expected
+
+
+def test_phi3_strips_whitespace_after_special_tokens_like_llama_cpp():
+    """llama.cpp gives Phi-3's special tokens the RSTRIP attribute, except <unk>, <s> and
+    <|endoftext|>: the text after one loses its leading ' \\t\\n\\v\\f\\r' (isspace), all of it,
+    and no other whitespace."""
+    tok = tiny_model("phi3").tokenizer
+    scores = GGUFReader(tiny_path("phi3")).fields["tokenizer.ggml.scores"].contents()
+    ids = {t: tok.tokens.index(t) for t in ("<unk>", "<s>", "</s>", "<|user|>", "<|assistant|>",
+                                           "<|end|>", "<|system|>", "<|endoftext|>")}
+    assert tok.rstrip_ids == {ids[t] for t in ("</s>", "<|user|>", "<|assistant|>", "<|end|>",
+                                               "<|system|>")}
+
+    def ref(text):
+        return spm_reference(tok, scores, text)
+
+    # the whole Phi-3 chat template: no newline survives a special token; whitespace-only gaps vanish
+    prompt = "<|system|>\nBe brief.<|end|>\n<|user|>\nHi there<|end|>\n<|assistant|>\n"
+    assert tok.encode(prompt) == ([tok.bos_id, ids["<|system|>"]] + ref("Be brief.") + [ids["<|end|>"]]
+                                  + [ids["<|user|>"]] + ref("Hi there") + [ids["<|end|>"]]
+                                  + [ids["<|assistant|>"]])
+    assert tok.encode("<|user|> \t\n\v\f\r hi", add_bos=False) == [ids["<|user|>"]] + ref("hi")
+    assert tok.encode("</s>  x", add_bos=False) == [ids["</s>"]] + ref("x")
+    # only C whitespace goes: U+00A0 and U+3000 stay (the tokenizers library's rstrip would take them)
+    assert tok.encode("<|end|>\u00a0x", add_bos=False) == [ids["<|end|>"]] + ref("\u00a0x")
+    assert tok.encode("<|end|>\n\u3000x", add_bos=False) == [ids["<|end|>"]] + ref("\u3000x")
+    # whitespace before a special token stays
+    assert tok.encode("a \n<|end|>", add_bos=False) == ref("a \n") + [ids["<|end|>"]]
+    # <unk>, <s> and <|endoftext|> keep what follows them
+    for name in ("<unk>", "<s>", "<|endoftext|>"):
+        assert tok.encode(name + "\n x", add_bos=False) == [ids[name]] + ref("\n x"), name
+
+
+@pytest.mark.parametrize("name,strips", [
+    ("Phi-3-mini-4k-instruct", True), ("PHI3.5 mini", True), ("my-phi3-finetune", True),
+    ("Phi 3", False), ("Phi-2", False), ("Llama 3", False), ("", False)])
+def test_phi3_rule_follows_llama_cpps_name_match(name, strips):
+    # llama.cpp lowercases general.name and looks for "phi-3" or "phi3" in it.
+    spm = tiny_model("phi3").tokenizer
+    tok = Tokenizer(spm.tokens, spm.types, kind="spm", bos_id=spm.bos_id, name=name)
+    assert bool(tok.rstrip_ids) == strips
+    md = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": spm.tokens,
+          "tokenizer.ggml.token_type": spm.types, "general.name": name}
+    assert bool(Tokenizer.from_metadata(md, "x.gguf").rstrip_ids) == strips
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -158,9 +212,16 @@ def test_bos_is_added_once():
 def test_end_of_generation_tokens():
     for arch, texts in (("llama", {"<|end_of_text|>", "<|eot_id|>"}),
                         ("qwen2", {"<|endoftext|>", "<|im_end|>"}),
-                        ("phi3", {"</s>", "<|end|>"})):
+                        ("phi3", {"</s>", "<|end|>", "<|endoftext|>"})):
         tok = tiny_model(arch).tokenizer
         assert {tok.tokens[i] for i in tok.eog_ids} == texts
+
+
+def test_synth_spm_vocab_ends_with_endoftext():
+    # Added last, so no other id moved; llama.cpp refuses a phi3-named file without it.
+    tok = tiny_model("phi3").tokenizer
+    assert tok.tokens[-1] == "<|endoftext|>" and tok.types[-1] == CONTROL
+    assert tok.tokens.count("<|endoftext|>") == 1
 
 
 @pytest.mark.parametrize("arch", ["llama", "phi3"])

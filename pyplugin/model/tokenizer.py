@@ -7,6 +7,9 @@ Two kinds, chosen by ``tokenizer.ggml.model``:
   character missing from the vocabulary falls back to byte tokens <0xNN>.
 Control, user-defined and unknown (<unk>) tokens are matched in the text as whole tokens. Decoding
 goes through raw bytes, so a character split across tokens comes out whole (see ``StreamDecoder``).
+
+One quirk is keyed on the model's name, as llama.cpp keys it: when ``general.name`` contains "phi3"
+or "phi-3" (any case), whitespace right after a special token is dropped (see ``rstrip_ids``).
 """
 
 from __future__ import annotations
@@ -59,6 +62,9 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     "default": _DEFAULT_PRE,
 }
 
+# What C's isspace() takes for whitespace (llama.cpp strips these bytes only, never U+00A0 & co).
+_C_WHITESPACE = " \t\n\v\f\r"
+
 # Tokens that end a turn in common chat formats; llama.cpp treats these as end-of-generation too.
 _EOG_TEXTS = frozenset({"<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>",
                         "<|endoftext|>", "<|end_of_text|>", "<EOT>", "<|return|>"})
@@ -90,7 +96,7 @@ class Tokenizer:
                  merges: Sequence[str] = (), scores: Sequence[float] | None = None,
                  pre: str = "default", bos_id: int | None = None, eos_id: int | None = None,
                  eot_id: int | None = None, eom_id: int | None = None, unk_id: int | None = None,
-                 add_bos: bool | None = None, add_space_prefix: bool = True):
+                 add_bos: bool | None = None, add_space_prefix: bool = True, name: str = ""):
         if kind not in ("bpe", "spm"):
             raise ValueError(f"tokenizer kind must be 'bpe' or 'spm', got {kind!r}")
         self.kind = kind
@@ -110,6 +116,7 @@ class Tokenizer:
             default_add_bos = True
         self.add_bos = default_add_bos if add_bos is None else bool(add_bos)
         self._add_special_tokens()
+        self.rstrip_ids = self._phi3_rstrip_ids(name)
         self._bytes = [self._piece_bytes(i) for i in range(len(self.tokens))]
         self.eog_ids = frozenset(i for i in (eos_id, eot_id, eom_id) if i is not None) | frozenset(
             i for i, (t, ty) in enumerate(zip(self.tokens, self.types))
@@ -146,10 +153,27 @@ class Tokenizer:
 
     def _add_special_tokens(self) -> None:
         # llama.cpp matches control, user-defined and unknown tokens (<unk>) in the text as wholes.
-        added = [AddedToken(t, special=ty != USER_DEFINED, normalized=False)
-                 for t, ty in zip(self.tokens, self.types)
-                 if ty in (CONTROL, USER_DEFINED, UNKNOWN) and t]
-        self._hf.add_tokens(added)
+        # No rstrip=True for Phi-3 here: tokenizers would strip Unicode whitespace (U+00A0, U+3000...)
+        # where llama.cpp strips only isspace() bytes; ``_strip_after_specials`` does it instead.
+        special = [(i, t, ty) for i, (t, ty) in enumerate(zip(self.tokens, self.types))
+                   if ty in (CONTROL, USER_DEFINED, UNKNOWN) and t]
+        self._added_ids = frozenset(i for i, _, _ in special)
+        self._hf.add_tokens([AddedToken(t, special=ty != USER_DEFINED, normalized=False)
+                             for _, t, ty in special])
+
+    def _phi3_rstrip_ids(self, name: str) -> frozenset[int]:
+        """The special tokens after which whitespace is dropped. llama.cpp (llama_vocab::impl::load,
+        "per token attributes") gives every special token the RSTRIP attribute when the lowercased
+        general.name contains "phi-3" or "phi3", and takes it back from <unk>, <s> and
+        <|endoftext|>: so Phi-3's template loses the newline after <|user|>, <|end|>, <|assistant|>.
+        (llama.cpp refuses such a file if one of those three or </s> is missing; here a missing one is
+        simply skipped.)"""
+        lowered = name.encode("utf-8", "replace").lower()  # ASCII only, like C's tolower()
+        if b"phi-3" not in lowered and b"phi3" not in lowered:
+            return frozenset()
+        last_id = {t: i for i, t in enumerate(self.tokens)}  # llama.cpp's token_to_id: last one wins
+        keep = {last_id.get(t) for t in ("<unk>", "<s>", "<|endoftext|>")}
+        return frozenset(self._added_ids - keep)
 
     def _piece_bytes(self, i: int) -> bytes:
         text, ty = self.tokens[i], self.types[i]
@@ -187,11 +211,46 @@ class Tokenizer:
     def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
         """Token ids of ``text``; special tokens written in the text become their ids. A BOS is
         added when the model asks for one (or ``add_bos``), unless the text already starts with it."""
-        ids = self._hf.encode(text, add_special_tokens=False).ids
+        encoding = self._hf.encode(text, add_special_tokens=False)
+        ids = encoding.ids
+        if self.rstrip_ids:
+            ids = self._strip_after_specials(text, ids, encoding.offsets)
         add_bos = self.add_bos if add_bos is None else add_bos
         if add_bos and self.bos_id is not None and ids[:1] != [self.bos_id]:
             ids.insert(0, self.bos_id)
         return ids
+
+    def _strip_after_specials(self, text: str, ids: list[int],
+                              offsets: list[tuple[int, int]]) -> list[int]:
+        """llama.cpp's RSTRIP (tokenizer_st_partition): the text between a special token in
+        ``rstrip_ids`` and the next special token loses its leading C whitespace (' \\t\\n\\v\\f\\r',
+        however many) and is tokenized again on its own; nothing is left of it if it was all
+        whitespace. ``offsets`` (characters of ``text``) tell the matched special tokens apart."""
+
+        def matched(k: int) -> bool:  # a special token found in the text, not a piece of plain text
+            start, end = offsets[k]
+            return ids[k] in self._added_ids and text[start:end] == self.tokens[ids[k]]
+
+        out: list[int] = []
+        k, n = 0, len(ids)
+        while k < n:
+            out.append(ids[k])
+            strip = ids[k] in self.rstrip_ids and matched(k)
+            after = offsets[k][1]
+            k += 1
+            if not strip:
+                continue
+            nxt = k
+            while nxt < n and not matched(nxt):
+                nxt += 1
+            fragment = text[after:offsets[nxt][0] if nxt < n else len(text)]
+            stripped = fragment.lstrip(_C_WHITESPACE)
+            if stripped == fragment:
+                out += ids[k:nxt]
+            elif stripped:
+                out += self._hf.encode(stripped, add_special_tokens=False).ids
+            k = nxt
+        return out
 
     def token_bytes(self, token_id: int, *, special: bool = False) -> bytes:
         """The bytes a token stands for; control tokens are empty unless ``special``."""
@@ -233,7 +292,8 @@ class Tokenizer:
                        pre=md.get("tokenizer.ggml.pre") or "default",
                        bos_id=ids["bos"], eos_id=ids["eos"], eot_id=ids["eot"], eom_id=ids["eom"],
                        unk_id=ids["unknown"], add_bos=md.get("tokenizer.ggml.add_bos_token"),
-                       add_space_prefix=md.get("tokenizer.ggml.add_space_prefix", True))
+                       add_space_prefix=md.get("tokenizer.ggml.add_space_prefix", True),
+                       name=md.get("general.name") or "")
         except Exception as exc:  # tokenizers' own errors: bad merges, bad regex...
             raise ModelError(f"{source}: cannot build the tokenizer: {exc}") from None
 
