@@ -9,13 +9,7 @@
 // Built by nvcc for the GPU, or by the host C++ compiler with -DPEBBLE_HOST_BUILD, where cuda_host.h
 // maps the runtime onto host memory.
 
-#include "pebble.h"
-
-#ifdef PEBBLE_HOST_BUILD
-#    include "cuda_host.h"
-#else
-#    include <cuda_runtime.h>
-#endif
+#include "pebble_internal.h"
 
 #include <algorithm>
 #include <cinttypes>
@@ -28,17 +22,14 @@
 #include <unordered_map>
 #include <vector>
 
-namespace {
-
 // ---------------------------------------------------------------------------------------------------
-// errors
+// errors (declared in pebble_internal.h, with CUDA_CHECK and TRY, for the library's other sources)
+
+namespace pebble_internal {
 
 // Per thread, so that threads sharing a handle each read the message of their own failed call.
 thread_local std::string t_last_error;
 
-#if defined(__GNUC__)
-__attribute__((format(printf, 2, 3)))
-#endif
 pebble_status fail(pebble_status status, const char * fmt, ...) {
     char buf[512];
     va_list args;
@@ -49,22 +40,11 @@ pebble_status fail(pebble_status status, const char * fmt, ...) {
     return status;
 }
 
-// Records the statement, function, file and line of a failed runtime call and returns a status.
-#define CUDA_CHECK(stmt)                                                                           \
-    do {                                                                                           \
-        cudaError_t err_ = (stmt);                                                                 \
-        if (err_ != cudaSuccess) {                                                                 \
-            return fail(err_ == cudaErrorMemoryAllocation ? PEBBLE_ERR_DEVICE_OOM : PEBBLE_ERR_CUDA, \
-                        "%s: %s failed: %s (%s:%d)", __func__, #stmt, cudaGetErrorString(err_),     \
-                        __FILE__, __LINE__);                                                       \
-        }                                                                                          \
-    } while (0)
+} // namespace pebble_internal
 
-#define TRY(expr)                                                                                  \
-    do {                                                                                           \
-        pebble_status st_ = (expr);                                                                \
-        if (st_ != PEBBLE_OK) return st_;                                                          \
-    } while (0)
+using pebble_internal::fail;
+
+namespace {
 
 // ---------------------------------------------------------------------------------------------------
 // strategies (mirrored by pyplugin/strategy.py; a test holds the two together)
@@ -647,7 +627,7 @@ extern "C" const char * pebble_strerror(int32_t status) {
 }
 
 extern "C" const char * pebble_last_error(void) {
-    return t_last_error.c_str();
+    return pebble_internal::t_last_error.c_str();
 }
 
 extern "C" const char * pebble_backend(void) {

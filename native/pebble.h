@@ -150,6 +150,38 @@ PEBBLE_API enum pebble_status pebble_device_pointer(pebble_store_t store, int32_
                                                     void ** out);
 
 // ---------------------------------------------------------------------------------------------------
+// quantized tensors
+//
+// Kernels that compute from a tensor's GGUF bytes as stored (native/pebble_quant.cu), so that weights
+// stay quantized in the store and on the bus. Types, with GGML's block layouts: 0 F32, 1 F16, 2 Q4_0,
+// 8 Q8_0, 12 Q4_K, 14 Q6_K, 30 BF16. The cuda library enqueues the work on `stream` (a cudaStream_t;
+// NULL for the default stream) and reads and writes device memory (device, managed or pinned host
+// memory; pageable host memory is refused); the host library computes on host memory and returns when
+// done. Elements are decoded in float32 exactly as gguf-py's dequantize does.
+//
+// Errors: PEBBLE_ERR_INVALID_ARGUMENT for a NULL pointer, a type without kernels, a count below 1 or
+// n_vec outside 1..PEBBLE_MATVEC_MAX_VEC; PEBBLE_ERR_SIZE_MISMATCH for an element count that is not a
+// whole number of the type's blocks, or a byte count other than those blocks' size; PEBBLE_ERR_CUDA
+// when a kernel cannot be launched.
+
+#define PEBBLE_MATVEC_MAX_VEC 8
+
+// *block_elements, *block_bytes = the elements in one block of `ggml_type` and the bytes it takes.
+PEBBLE_API enum pebble_status pebble_type_block(int32_t ggml_type, int64_t * block_elements,
+                                                int64_t * block_bytes);
+// dst_f16[i] = element i of the tensor in `src` as IEEE half bits (float32 rounded to nearest even,
+// out of range to +-inf), for i < n_elements; src_bytes must be the size of those elements' blocks.
+PEBBLE_API enum pebble_status pebble_dequantize(int32_t ggml_type, const void * src, uint64_t src_bytes,
+                                                uint16_t * dst_f16, int64_t n_elements, void * stream);
+// y[v * n_rows + r] = sum over c of W[r][c] * x_f16[v * n_cols + c], for r < n_rows, v < n_vec: W is
+// n_rows rows of n_cols elements each (a row contiguous, as GGUF stores a weight), x_f16 holds n_vec
+// fp16 vectors one after another. Each weight block is read once per call and decoded in registers;
+// products and sums are float32. w_bytes must be the size of the n_rows * n_cols elements' blocks.
+PEBBLE_API enum pebble_status pebble_matvec    (int32_t ggml_type, const void * w, uint64_t w_bytes,
+                                                int64_t n_rows, int64_t n_cols, const uint16_t * x_f16,
+                                                int32_t n_vec, float * y, void * stream);
+
+// ---------------------------------------------------------------------------------------------------
 // strategy, stats, errors
 
 // *out = 1 if the strategy keeps `layer` resident on the device, else 0.

@@ -1,7 +1,8 @@
-"""Bindings to the native store (native/pebble.h) through cffi in ABI mode: no compiler needed at install.
+"""Bindings to the native library (native/pebble.h) through cffi in ABI mode: no compiler needed at install.
 
-The only module that touches cffi. `NativeStore` wraps one pebble_store_t handle; `_check` turns every
-status code into a PebbleError subclass carrying the library's own message.
+The only module that touches cffi. `NativeStore` wraps one pebble_store_t handle; `NativeKernels` the
+library's quantized-tensor kernels. `_check` turns every status code into a PebbleError subclass
+carrying the library's own message.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from pathlib import Path
 import numpy as np
 from cffi import FFI
 
-from .errors import InvalidArgumentError, LayerRangeError, PebblingError, StrategyError, error_for
+from .errors import (
+    InvalidArgumentError, LayerRangeError, PebblingError, SizeMismatchError, StrategyError, error_for,
+)
 from .store import (
     INT32_MAX, MAX_DIMS, TIER_AUTO, EntryInfo, Stats, STATS_FIELDS, Store, as_int, as_strategy,
     check_view, default_desc, host_buffer, stream_pointer, tier_code,
@@ -102,6 +105,14 @@ enum pebble_status pebble_stats      (pebble_store_t store, struct pebble_stats 
 enum pebble_status pebble_stats_reset(pebble_store_t store);
 enum pebble_status pebble_synchronize(pebble_store_t store);
 
+#define PEBBLE_MATVEC_MAX_VEC 8
+enum pebble_status pebble_type_block(int32_t ggml_type, int64_t * block_elements, int64_t * block_bytes);
+enum pebble_status pebble_dequantize(int32_t ggml_type, const void * src, uint64_t src_bytes,
+                                     uint16_t * dst_f16, int64_t n_elements, void * stream);
+enum pebble_status pebble_matvec    (int32_t ggml_type, const void * w, uint64_t w_bytes,
+                                     int64_t n_rows, int64_t n_cols, const uint16_t * x_f16,
+                                     int32_t n_vec, float * y, void * stream);
+
 const char * pebble_strerror  (int32_t status);
 const char * pebble_last_error(void);
 const char * pebble_backend   (void);
@@ -160,6 +171,33 @@ def load_library(kind: str):
 _INT32_MIN = -INT32_MAX - 1
 
 
+def _check(lib, status: int) -> None:
+    """The one place a status code becomes an exception, with the calling thread's native message."""
+    if status != 0:
+        raise error_for(status, ffi.string(lib.pebble_last_error()).decode("utf-8", "replace"))
+
+
+def _buffer(obj, backend: str, *, writable: bool, what: str):
+    """(pointer, nbytes) of a host buffer or, on the cuda backend, of a CUDA array."""
+    cai = getattr(obj, "__cuda_array_interface__", None)
+    if cai is None:
+        view = host_buffer(obj, writable=writable, what=what)
+        return ffi.from_buffer("char[]", view, require_writable=writable), view.nbytes
+    if backend != "cuda":
+        raise InvalidArgumentError(f"{what} is device memory ({type(obj).__name__}); the "
+                                   f"{backend} backend holds host memory only")
+    itemsize = np.dtype(cai["typestr"]).itemsize
+    shape = tuple(cai["shape"])
+    nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
+    strides = cai.get("strides")
+    if strides is not None and nbytes and tuple(strides) != _c_strides(shape, itemsize):
+        raise InvalidArgumentError(f"{what} must be C-contiguous (shape {shape}, strides {strides})")
+    ptr, readonly = cai["data"]
+    if writable and readonly:
+        raise InvalidArgumentError(f"{what} must be writable, got a read-only CUDA array")
+    return ffi.cast("void *", ptr), nbytes
+
+
 def _c_int(value, what: str, lo: int, hi: int, error, problem: str) -> int:
     """`value` as an integer within [lo, hi] (its C parameter's range), else error(what value problem)."""
     value = as_int(value, what)
@@ -189,9 +227,7 @@ class NativeStore(Store):
         self._handle = out[0]
 
     def _check(self, status: int) -> None:
-        """The one place a status code becomes an exception, with the calling thread's native message."""
-        if status != 0:
-            raise error_for(status, ffi.string(self._lib.pebble_last_error()).decode("utf-8", "replace"))
+        _check(self._lib, status)
 
     # -- conversions from Python arguments to C ones
 
@@ -219,24 +255,7 @@ class NativeStore(Store):
         return ffi.cast("void *", stream_pointer(stream))
 
     def _buffer(self, obj, *, writable: bool, what: str):
-        """(pointer, nbytes) of a host buffer or, on the cuda backend, of a CUDA array."""
-        cai = getattr(obj, "__cuda_array_interface__", None)
-        if cai is None:
-            view = host_buffer(obj, writable=writable, what=what)
-            return ffi.from_buffer("char[]", view, require_writable=writable), view.nbytes
-        if self.backend != "cuda":
-            raise InvalidArgumentError(f"{what} is device memory ({type(obj).__name__}); the "
-                                       f"{self.backend} backend holds host memory only")
-        itemsize = np.dtype(cai["typestr"]).itemsize
-        shape = tuple(cai["shape"])
-        nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
-        strides = cai.get("strides")
-        if strides is not None and nbytes and tuple(strides) != _c_strides(shape, itemsize):
-            raise InvalidArgumentError(f"{what} must be C-contiguous (shape {shape}, strides {strides})")
-        ptr, readonly = cai["data"]
-        if writable and readonly:
-            raise InvalidArgumentError(f"{what} must be writable, got a read-only CUDA array")
-        return ffi.cast("void *", ptr), nbytes
+        return _buffer(obj, self.backend, writable=writable, what=what)
 
     def _finish(self, stream) -> None:
         """A call without a stream is done with the caller's buffers when it returns."""
@@ -369,6 +388,69 @@ class NativeStore(Store):
             self.close()
         except Exception:
             pass
+
+
+class NativeKernels:
+    """The quantized-tensor kernels of the native library `kind` (see "quantized tensors" in pebble.h).
+
+    Buffers are host buffers (numpy arrays, bytes-like) on the host library and CUDA arrays on the cuda
+    one, where the calls are enqueued on `stream` (see pyplugin.store.stream_pointer). The library
+    judges types and counts; the sizes of `out` and `x`, which it cannot see, are checked here.
+    """
+
+    MAX_VEC = 8  # PEBBLE_MATVEC_MAX_VEC
+
+    def __init__(self, kind: str = "host"):
+        self._lib, self.library_path = load_library(kind)
+        self.backend = kind
+
+    def type_block(self, ggml_type) -> tuple[int, int]:
+        """(elements, bytes) of one block of `ggml_type`."""
+        elements, nbytes = ffi.new("int64_t *"), ffi.new("int64_t *")
+        _check(self._lib, self._lib.pebble_type_block(_c_type(ggml_type), elements, nbytes))
+        return int(elements[0]), int(nbytes[0])
+
+    def dequantize(self, ggml_type, src, n_elements, out, *, stream=None) -> None:
+        """out (n_elements fp16) = the tensor whose GGUF bytes are `src`."""
+        ggml_type = _c_type(ggml_type)
+        n_elements = _c_int(n_elements, "n_elements", -_INT64_MAX - 1, _INT64_MAX, InvalidArgumentError,
+                            "does not fit in int64")
+        src_ptr, src_bytes = _buffer(src, self.backend, writable=False, what="dequantize src")
+        dst_ptr, dst_bytes = _buffer(out, self.backend, writable=True, what="dequantize out")
+        if n_elements > 0 and dst_bytes != 2 * n_elements:
+            raise SizeMismatchError(f"dequantize: out holds {dst_bytes} bytes; {n_elements} fp16 elements "
+                                    f"need {2 * n_elements}")
+        _check(self._lib, self._lib.pebble_dequantize(ggml_type, src_ptr, src_bytes,
+                                                      ffi.cast("uint16_t *", dst_ptr), n_elements,
+                                                      ffi.cast("void *", stream_pointer(stream))))
+
+    def matvec(self, ggml_type, w, n_rows, n_cols, x, n_vec, out, *, stream=None) -> None:
+        """out[v, r] = sum over c of W[r, c] * x[v, c]: W's GGUF bytes in `w`, x n_vec x n_cols fp16,
+        out n_vec x n_rows float32."""
+        ggml_type = _c_type(ggml_type)
+        n_rows, n_cols = (_c_int(n, what, -_INT64_MAX - 1, _INT64_MAX, InvalidArgumentError,
+                                 "does not fit in int64") for n, what in ((n_rows, "n_rows"), (n_cols, "n_cols")))
+        n_vec = _c_int(n_vec, "n_vec", _INT32_MIN, INT32_MAX, InvalidArgumentError, "does not fit in int32")
+        w_ptr, w_bytes = _buffer(w, self.backend, writable=False, what="matvec w")
+        x_ptr, x_bytes = _buffer(x, self.backend, writable=False, what="matvec x")
+        y_ptr, y_bytes = _buffer(out, self.backend, writable=True, what="matvec out")
+        if 1 <= n_vec <= self.MAX_VEC and n_rows > 0 and n_cols > 0:  # else the library refuses the call
+            if x_bytes != 2 * n_vec * n_cols:
+                raise SizeMismatchError(f"matvec: x holds {x_bytes} bytes; {n_vec} fp16 vectors of {n_cols} "
+                                        f"need {2 * n_vec * n_cols}")
+            if y_bytes != 4 * n_vec * n_rows:
+                raise SizeMismatchError(f"matvec: out holds {y_bytes} bytes; {n_vec} float32 vectors of "
+                                        f"{n_rows} need {4 * n_vec * n_rows}")
+        _check(self._lib, self._lib.pebble_matvec(ggml_type, w_ptr, w_bytes, n_rows, n_cols,
+                                                  ffi.cast("uint16_t *", x_ptr), n_vec,
+                                                  ffi.cast("float *", y_ptr),
+                                                  ffi.cast("void *", stream_pointer(stream))))
+
+
+def _c_type(ggml_type) -> int:
+    """A GGUF type id (an int or gguf's GGMLQuantizationType); whether it has kernels is the library's
+    to judge."""
+    return _c_int(ggml_type, "ggml type", _INT32_MIN, INT32_MAX, InvalidArgumentError, "does not fit in int32")
 
 
 def _c_strategy(strategy) -> tuple[int, int]:

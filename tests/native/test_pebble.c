@@ -61,6 +61,38 @@ int main(void) {
     EXPECT(pebble_free(s) == PEBBLE_ERR_CLOSED);
     EXPECT(pebble_init(N, 4, PEBBLE_STRATEGY_EVERY, 0, 0, &s) == PEBBLE_ERR_STRATEGY && s == NULL);
 
+    // quantized kernels: a Q8_0 tensor of two blocks (d = 0.5, then d = -2), dequantized and multiplied
+    unsigned char q8[2 * 34];
+    memset(q8, 0, sizeof q8);
+    q8[0] = 0x00; q8[1] = 0x38;  // fp16 0.5
+    q8[34] = 0x00; q8[35] = 0xc0; // fp16 -2
+    for (int i = 0; i < 32; i++) {
+        q8[2 + i]  = (unsigned char)(i - 16);
+        q8[36 + i] = (unsigned char)(i == 0 ? 0x80 : 1); // -128, then 1s
+    }
+    uint16_t half[64];
+    EXPECT(pebble_dequantize(8, q8, sizeof q8, half, 64, NULL) == PEBBLE_OK);
+    EXPECT(half[0] == 0xc800 && half[17] == 0x3800 && half[32] == 0x5c00 && half[33] == 0xc000); // -8, .5, 256, -2
+    int64_t block_elements = 0, block_bytes = 0;
+    EXPECT(pebble_type_block(12, &block_elements, &block_bytes) == PEBBLE_OK && block_elements == 256 &&
+           block_bytes == 144);
+    uint16_t ones[2 * 32];
+    for (int i = 0; i < 64; i++) ones[i] = 0x3c00; // fp16 1
+    float y[4] = {0, 0, 0, 0};
+    // one row of 64 elements: 0.5 * sum(i - 16) + (-2) * (-128 + 31) = -8 + 194
+    EXPECT(pebble_matvec(8, q8, sizeof q8, 1, 64, ones, 1, y, NULL) == PEBBLE_OK && y[0] == 186.0f);
+    // two rows of 32, two vectors: y[v * 2 + r]
+    EXPECT(pebble_matvec(8, q8, sizeof q8, 2, 32, ones, 2, y, NULL) == PEBBLE_OK && y[0] == -8.0f && y[1] == 194.0f &&
+           y[2] == -8.0f && y[3] == 194.0f);
+    EXPECT(pebble_dequantize(99, q8, sizeof q8, half, 64, NULL) == PEBBLE_ERR_INVALID_ARGUMENT);
+    EXPECT(pebble_dequantize(13, q8, sizeof q8, half, 64, NULL) == PEBBLE_ERR_INVALID_ARGUMENT &&
+           strstr(pebble_last_error(), "Q5_K") != NULL);
+    EXPECT(pebble_dequantize(8, q8, sizeof q8 - 1, half, 64, NULL) == PEBBLE_ERR_SIZE_MISMATCH);
+    EXPECT(pebble_dequantize(8, NULL, sizeof q8, half, 64, NULL) == PEBBLE_ERR_INVALID_ARGUMENT);
+    EXPECT(pebble_matvec(8, q8, sizeof q8, 1, 48, ones, 1, y, NULL) == PEBBLE_ERR_SIZE_MISMATCH);
+    EXPECT(pebble_matvec(8, q8, sizeof q8, 1, 64, ones, 9, y, NULL) == PEBBLE_ERR_INVALID_ARGUMENT);
+    EXPECT(pebble_matvec(8, q8, sizeof q8, 1, 64, NULL, 1, y, NULL) == PEBBLE_ERR_INVALID_ARGUMENT);
+
     if (failures) {
         fprintf(stderr, "test_pebble: %d failed\n", failures);
         return 1;

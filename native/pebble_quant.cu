@@ -1,0 +1,557 @@
+// pebble_quant.cu: kernels that compute from GGUF-quantized tensors (the "quantized tensors" part of
+// pebble.h), so that weights stay in their stored form on the device and on the bus.
+//
+// pebble_dequantize expands a tensor to fp16: prefill expands one layer at a time into a reused
+// workspace that cuBLAS multiplies. pebble_matvec multiplies quantized weights by 1..8 fp16 vectors:
+// in decode, reading the weights is the whole cost, so each block is read once and decoded in registers.
+//
+// Each type's block decoding is written once, as __host__ __device__ functions that hand every element
+// to a callback, and each kernel is written once. In the host build (-DPEBBLE_HOST_BUILD) a kernel is a
+// plain function run as one thread looping over all the work, a warp has one lane, and the CUDA
+// qualifiers are empty: CI and the sanitizers run the GPU's arithmetic and indexing, and only the
+// thread-index helpers and the warp reduction differ.
+
+#include "pebble_internal.h"
+
+#include <algorithm>
+#include <cinttypes>
+#include <cstdint>
+#include <cstring>
+
+#ifdef PEBBLE_HOST_BUILD
+#    define __host__
+#    define __device__
+#    define __global__
+#    define PEBBLE_UNROLL
+#else
+#    include <cuda_fp16.h>
+#    define PEBBLE_UNROLL _Pragma("unroll")
+#endif
+
+using pebble_internal::fail;
+
+namespace {
+
+// ---------------------------------------------------------------------------------------------------
+// scalars: float32, fp16 and bf16 from their bits
+
+__host__ __device__ inline float float_from_bits(uint32_t bits) {
+#ifdef __CUDA_ARCH__
+    return __uint_as_float(bits);
+#else
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+#endif
+}
+
+__host__ __device__ inline float half_to_float(uint16_t h) {
+#ifdef __CUDA_ARCH__
+    return __half2float(__ushort_as_half(h));
+#else
+    const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+    const uint32_t exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
+    if (exp == 0x1f) return float_from_bits(sign | 0x7f800000 | (mant << 13)); // inf, NaN
+    if (exp == 0) {                                                           // zero, subnormal
+        const float v = static_cast<float>(mant) * 0x1p-24f;                  // exact in float32
+        return sign ? -v : v;
+    }
+    return float_from_bits(sign | ((exp + 112) << 23) | (mant << 13));        // rebias 15 -> 127
+#endif
+}
+
+// float32 -> fp16 bits, rounding to nearest even as __float2half_rn and numpy's astype(float16) do
+// (the reference the tests hold the host build to, bit for bit).
+__host__ __device__ inline uint16_t half_from_float(float f) {
+#ifdef __CUDA_ARCH__
+    return __half_as_ushort(__float2half_rn(f));
+#else
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    const uint32_t sign = (x >> 16) & 0x8000, a = x & 0x7fffffff;
+    if (a > 0x7f800000) return static_cast<uint16_t>(sign | 0x7e00); // NaN stays NaN
+    if (a >= 0x477ff000) return static_cast<uint16_t>(sign | 0x7c00); // >= 65520 rounds past 65504: inf
+    uint32_t h, rest, halfway;
+    if (a >= 0x38800000) { // a normal half: rebias the exponent, keep 10 of the 23 mantissa bits
+        h = (a >> 13) - (112u << 10);
+        rest = a & 0x1fff;
+        halfway = 0x1000;
+    } else {               // a subnormal half or zero: the value in units of 2^-24
+        const uint32_t shift = 126 - (a >> 23); // at least 14 here
+        if (shift > 24) return static_cast<uint16_t>(sign); // below 2^-25: rounds to zero
+        const uint32_t m = (a & 0x7fffff) | 0x800000;
+        h = m >> shift;
+        rest = m & ((1u << shift) - 1);
+        halfway = 1u << (shift - 1);
+    }
+    h += rest > halfway || (rest == halfway && (h & 1)); // a carry moves into the exponent, as it should
+    return static_cast<uint16_t>(sign | h);
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------------
+// loads (GGUF and every target here are little-endian)
+
+// Block fields sit at any even or odd offset (blocks are 18, 34, 144, 210 bytes): read them bytewise.
+__host__ __device__ inline uint16_t load_u16(const uint8_t * p) {
+    return static_cast<uint16_t>(p[0] | (p[1] << 8));
+}
+
+__host__ __device__ inline int int8_from(uint32_t byte) { return static_cast<int>(byte ^ 0x80) - 128; }
+
+// N bytes at p into 32-bit words, on the GPU with the widest load p's alignment allows: Q4_K's nibbles
+// are always 16-byte aligned in a 16-byte aligned tensor; fields of the odd-sized blocks fall at 2- or
+// 4-byte alignment depending on the block's index.
+template <int N>
+__host__ __device__ inline void load_words(uint32_t (&out)[N / 4], const uint8_t * p) {
+    static_assert(N % 16 == 0, "loads are whole 16-byte vectors");
+#ifdef __CUDA_ARCH__
+    const uintptr_t addr = reinterpret_cast<uintptr_t>(p);
+    if ((addr & 15) == 0) {
+        PEBBLE_UNROLL
+        for (int i = 0; i < N / 16; i++) {
+            const uint4 v = reinterpret_cast<const uint4 *>(p)[i];
+            out[4 * i + 0] = v.x;
+            out[4 * i + 1] = v.y;
+            out[4 * i + 2] = v.z;
+            out[4 * i + 3] = v.w;
+        }
+    } else if ((addr & 3) == 0) {
+        PEBBLE_UNROLL
+        for (int i = 0; i < N / 4; i++) out[i] = reinterpret_cast<const uint32_t *>(p)[i];
+    } else if ((addr & 1) == 0) {
+        const uint16_t * p16 = reinterpret_cast<const uint16_t *>(p);
+        PEBBLE_UNROLL
+        for (int i = 0; i < N / 4; i++) out[i] = p16[2 * i] | static_cast<uint32_t>(p16[2 * i + 1]) << 16;
+    } else {
+        PEBBLE_UNROLL
+        for (int i = 0; i < N / 4; i++) {
+            out[i] = p[4 * i] | p[4 * i + 1] << 8 | p[4 * i + 2] << 16 | static_cast<uint32_t>(p[4 * i + 3]) << 24;
+        }
+    }
+#else
+    memcpy(out, p, N);
+#endif
+}
+
+__host__ __device__ inline uint32_t byte_of(const uint32_t * words, int i) {
+    return (words[i >> 2] >> (8 * (i & 3))) & 0xff;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// blocks: one struct per type, with GGML's block size and a decoder
+//
+// decode(block, part, emit) calls emit(i, value) for the elements of one part of a block, i being an
+// element's index in the block. A part is one thread's unit of work: a whole block for the small types,
+// a quarter of a 256-element super-block, so that a lane holds 32 bytes of payload in registers and
+// neighbouring lanes read neighbouring bytes. The float32 operations, and their order, are gguf-py's
+// dequantize's, so that the results equal it bit for bit.
+
+struct type_f32 {
+    static constexpr int32_t id = 0;
+    static constexpr int block_elements = 1, block_bytes = 4, parts = 1;
+    template <typename Emit> __host__ __device__ static void decode(const uint8_t * b, int, Emit & emit) {
+        emit(0, float_from_bits(load_u16(b) | static_cast<uint32_t>(load_u16(b + 2)) << 16));
+    }
+};
+
+struct type_f16 {
+    static constexpr int32_t id = 1;
+    static constexpr int block_elements = 1, block_bytes = 2, parts = 1;
+    template <typename Emit> __host__ __device__ static void decode(const uint8_t * b, int, Emit & emit) {
+        emit(0, half_to_float(load_u16(b)));
+    }
+};
+
+struct type_bf16 { // the top half of a float32
+    static constexpr int32_t id = 30;
+    static constexpr int block_elements = 1, block_bytes = 2, parts = 1;
+    template <typename Emit> __host__ __device__ static void decode(const uint8_t * b, int, Emit & emit) {
+        emit(0, float_from_bits(static_cast<uint32_t>(load_u16(b)) << 16));
+    }
+};
+
+// fp16 d, then 16 bytes of nibbles: element i < 16 is the low nibble of byte i, element 16 + i its high
+// nibble; value (q - 8) * d.
+struct type_q4_0 {
+    static constexpr int32_t id = 2;
+    static constexpr int block_elements = 32, block_bytes = 18, parts = 1;
+    template <typename Emit> __host__ __device__ static void decode(const uint8_t * b, int, Emit & emit) {
+        const float d = half_to_float(load_u16(b));
+        uint32_t qs[4];
+        load_words<16>(qs, b + 2);
+        PEBBLE_UNROLL
+        for (int i = 0; i < 16; i++) {
+            const uint32_t q = byte_of(qs, i);
+            emit(i,      d * static_cast<float>(static_cast<int>(q & 0xf) - 8));
+            emit(i + 16, d * static_cast<float>(static_cast<int>(q >> 4) - 8));
+        }
+    }
+};
+
+// fp16 d, then 32 int8: value q * d.
+struct type_q8_0 {
+    static constexpr int32_t id = 8;
+    static constexpr int block_elements = 32, block_bytes = 34, parts = 1;
+    template <typename Emit> __host__ __device__ static void decode(const uint8_t * b, int, Emit & emit) {
+        const float d = half_to_float(load_u16(b));
+        uint32_t qs[8];
+        load_words<32>(qs, b + 2);
+        PEBBLE_UNROLL
+        for (int i = 0; i < 32; i++) emit(i, d * static_cast<float>(int8_from(byte_of(qs, i))));
+    }
+};
+
+// fp16 d, fp16 dmin, 12 bytes of eight 6-bit (scale, min) pairs, 128 bytes of nibbles. Sub-block j
+// (32 elements) is nibble j % 2 of bytes 32 * (j / 2) .. + 31; value d * scale_j * q - dmin * min_j.
+// Part p is sub-blocks 2p and 2p + 1, which share their bytes.
+struct type_q4_k {
+    static constexpr int32_t id = 12;
+    static constexpr int block_elements = 256, block_bytes = 144, parts = 4;
+
+    // Scales and mins 0..3 are the low 6 bits of bytes 0..3 and 4..7; 4..7 are a nibble of bytes 8..11
+    // with the top two bits of bytes 0..3 (scales) or 4..7 (mins) above it.
+    __host__ __device__ static void scale_min(const uint8_t * s, int j, int & scale, int & min) {
+        if (j < 4) {
+            scale = s[j] & 63;
+            min   = s[j + 4] & 63;
+        } else {
+            scale = (s[j + 4] & 0xf) | ((s[j - 4] >> 6) << 4);
+            min   = (s[j + 4] >> 4)  | ((s[j] >> 6) << 4);
+        }
+    }
+
+    template <typename Emit> __host__ __device__ static void decode(const uint8_t * b, int part, Emit & emit) {
+        const float d = half_to_float(load_u16(b)), dmin = half_to_float(load_u16(b + 2));
+        int sc0, m0, sc1, m1;
+        scale_min(b + 4, 2 * part, sc0, m0);
+        scale_min(b + 4, 2 * part + 1, sc1, m1);
+        // Each product is exact in float32 (11 + 6 + 4 bits), so only the difference rounds, whether or
+        // not the compiler fuses it into an FMA.
+        const float d0 = d * static_cast<float>(sc0), min0 = dmin * static_cast<float>(m0);
+        const float d1 = d * static_cast<float>(sc1), min1 = dmin * static_cast<float>(m1);
+        uint32_t qs[8];
+        load_words<32>(qs, b + 16 + 32 * part);
+        PEBBLE_UNROLL
+        for (int i = 0; i < 32; i++) {
+            const uint32_t q = byte_of(qs, i);
+            emit(64 * part + i,      d0 * static_cast<float>(q & 0xf) - min0);
+            emit(64 * part + 32 + i, d1 * static_cast<float>(q >> 4) - min1);
+        }
+    }
+};
+
+// 128 bytes ql, 64 bytes qh, 16 int8 scales, fp16 d; two halves of 128 elements. Element 128h + 32j + l
+// (quarter j < 4, l < 32) has 6 bits: nibble j / 2 of ql[64h + 32 (j % 2) + l] below bits 2j, 2j + 1 of
+// qh[32h + l]; value (d * scales[8h + 2j + l / 16]) * (q - 32), as gguf computes it (the first product
+// is exact in float32, so the value is rounded once). Part p is half p / 2, quarters p % 2 and
+// p % 2 + 2, which share their ql bytes.
+struct type_q6_k {
+    static constexpr int32_t id = 14;
+    static constexpr int block_elements = 256, block_bytes = 210, parts = 4;
+    template <typename Emit> __host__ __device__ static void decode(const uint8_t * b, int part, Emit & emit) {
+        const int h = part >> 1, j = part & 1;
+        const float d = half_to_float(load_u16(b + 208));
+        const uint8_t * scales = b + 192 + 8 * h;
+        const float d_lo[2] = {d * static_cast<float>(int8_from(scales[2 * j])),
+                               d * static_cast<float>(int8_from(scales[2 * j + 1]))};
+        const float d_hi[2] = {d * static_cast<float>(int8_from(scales[2 * j + 4])),
+                               d * static_cast<float>(int8_from(scales[2 * j + 5]))};
+        uint32_t ql[8], qh[8];
+        load_words<32>(ql, b + 64 * h + 32 * j);
+        load_words<32>(qh, b + 128 + 32 * h);
+        PEBBLE_UNROLL
+        for (int l = 0; l < 32; l++) {
+            const uint32_t lo = byte_of(ql, l), hi = byte_of(qh, l);
+            const int q_lo = static_cast<int>((lo & 0xf) | (((hi >> (2 * j)) & 3) << 4)) - 32;
+            const int q_hi = static_cast<int>((lo >> 4) | (((hi >> (2 * j + 4)) & 3) << 4)) - 32;
+            emit(128 * h + 32 * j + l,       d_lo[l >> 4] * static_cast<float>(q_lo));
+            emit(128 * h + 32 * (j + 2) + l, d_hi[l >> 4] * static_cast<float>(q_hi));
+        }
+    }
+};
+
+// ---------------------------------------------------------------------------------------------------
+// where a thread is: in the GPU's grid, or the one thread of the host build
+
+#ifdef PEBBLE_HOST_BUILD
+constexpr int warp_lanes = 1;
+inline int64_t grid_thread()   { return 0; }
+inline int64_t grid_threads()  { return 1; }
+inline int64_t grid_warp()     { return 0; }
+inline int64_t grid_warps()    { return 1; }
+inline int     warp_lane()     { return 0; }
+inline float   warp_sum(float v) { return v; }
+#else
+constexpr int warp_lanes = 32;
+__device__ inline int64_t grid_thread()  { return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; }
+__device__ inline int64_t grid_threads() { return static_cast<int64_t>(gridDim.x) * blockDim.x; }
+__device__ inline int64_t grid_warp()    { return static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y; }
+__device__ inline int64_t grid_warps()   { return static_cast<int64_t>(gridDim.x) * blockDim.y; }
+__device__ inline int     warp_lane()    { return static_cast<int>(threadIdx.x); }
+__device__ inline float warp_sum(float v) {
+    PEBBLE_UNROLL
+    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+    return v;
+}
+#endif
+
+// ---------------------------------------------------------------------------------------------------
+// kernels
+
+// One thread per part of a block, grid-strided.
+template <typename T>
+__global__ void dequantize_kernel(const uint8_t * __restrict__ src, uint16_t * __restrict__ dst, int64_t n_parts) {
+    for (int64_t p = grid_thread(); p < n_parts; p += grid_threads()) {
+        const int64_t block = p / T::parts;
+        uint16_t * out = dst + block * T::block_elements;
+        auto emit = [out](int i, float value) { out[i] = half_from_float(value); };
+        T::decode(src + block * T::block_bytes, static_cast<int>(p % T::parts), emit);
+    }
+}
+
+// One warp per row (blockDim = 32 x rows per block, rows grid-strided). The lanes take the row's block
+// parts in turn, so at each step the warp reads one contiguous stretch of the row, every byte of it
+// once; each lane keeps NV float32 sums, reduced across the warp by shuffles at the end of the row.
+template <typename T, int NV>
+__global__ void matvec_kernel(const uint8_t * __restrict__ w, int64_t n_rows, int64_t n_cols,
+                              const uint16_t * __restrict__ x, float * __restrict__ y) {
+    const int64_t blocks_per_row = n_cols / T::block_elements;
+    const int64_t parts_per_row  = blocks_per_row * T::parts;
+    for (int64_t row = grid_warp(); row < n_rows; row += grid_warps()) {
+        const uint8_t * w_row = w + row * blocks_per_row * T::block_bytes;
+        float acc[NV] = {};
+        for (int64_t p = warp_lane(); p < parts_per_row; p += warp_lanes) {
+            const int64_t block = p / T::parts;
+            const uint16_t * x_block = x + block * T::block_elements; // element 0 of vector 0
+            auto emit = [&](int i, float weight) {
+                PEBBLE_UNROLL
+                for (int v = 0; v < NV; v++) acc[v] += weight * half_to_float(x_block[v * n_cols + i]);
+            };
+            T::decode(w_row + block * T::block_bytes, static_cast<int>(p % T::parts), emit);
+        }
+        PEBBLE_UNROLL
+        for (int v = 0; v < NV; v++) {
+            const float sum = warp_sum(acc[v]); // every lane takes part in the shuffles
+            if (warp_lane() == 0) y[v * n_rows + row] = sum;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// launchers
+
+constexpr int     dequantize_threads = 256;
+constexpr int     matvec_rows_per_block = 4;  // warps per thread block
+constexpr int64_t max_grid = int64_t(1) << 20; // fills any GPU; the grid-stride loops do the rest
+
+// GGUF type names, for messages (ids without a type are left empty).
+const char * type_name(int32_t ggml_type) {
+    static const char * const names[PEBBLE_TYPE_COUNT] = {
+        "F32", "F16", "Q4_0", "Q4_1", nullptr, nullptr, "Q5_0", "Q5_1", "Q8_0", "Q8_1", "Q2_K", "Q3_K",
+        "Q4_K", "Q5_K", "Q6_K", "Q8_K", "IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ1_S", "IQ4_NL", "IQ3_S",
+        "IQ2_S", "IQ4_XS", "I8", "I16", "I32", "I64", "F64", "IQ1_M", "BF16", nullptr, nullptr, nullptr,
+        "TQ1_0", "TQ2_0", nullptr, nullptr, nullptr, "MXFP4", "NVFP4", "Q1_0",
+    };
+    const char * name = ggml_type >= 0 && ggml_type < PEBBLE_TYPE_COUNT ? names[ggml_type] : nullptr;
+    return name ? name : "?";
+}
+
+#define SUPPORTED_TYPES "0 F32, 1 F16, 2 Q4_0, 8 Q8_0, 12 Q4_K, 14 Q6_K, 30 BF16"
+
+// Calls f(T{}) with the block type of `ggml_type`; the one list of the types with kernels.
+template <typename F>
+pebble_status with_type(int32_t ggml_type, const char * fn, F && f) {
+    switch (ggml_type) {
+        case type_f32::id:  return f(type_f32{});
+        case type_f16::id:  return f(type_f16{});
+        case type_bf16::id: return f(type_bf16{});
+        case type_q4_0::id: return f(type_q4_0{});
+        case type_q8_0::id: return f(type_q8_0{});
+        case type_q4_k::id: return f(type_q4_k{});
+        case type_q6_k::id: return f(type_q6_k{});
+    }
+    if (ggml_type >= 0 && ggml_type < PEBBLE_TYPE_COUNT && type_name(ggml_type)[0] != '?') {
+        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: GGUF type %d (%s) has no kernels; supported: " SUPPORTED_TYPES,
+                    fn, ggml_type, type_name(ggml_type));
+    }
+    return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: %d is not a GGUF type id; supported: " SUPPORTED_TYPES, fn,
+                ggml_type);
+}
+
+#ifndef PEBBLE_HOST_BUILD
+// A kernel reading pageable host memory would fault, and a fault ends the whole CUDA context.
+pebble_status check_reachable(const void * ptr, const char * what, const char * fn, int32_t ggml_type) {
+    cudaPointerAttributes attr = {};
+    if (cudaPointerGetAttributes(&attr, ptr) != cudaSuccess) {
+        cudaGetLastError(); // clear the error the runtime keeps for the next call
+        attr.type = cudaMemoryTypeUnregistered;
+    }
+    if (attr.type == cudaMemoryTypeUnregistered) {
+        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: %s: %s (%p) is pageable host memory; the cuda library's "
+                    "kernels need device, managed or pinned host memory", fn, type_name(ggml_type), what, ptr);
+    }
+    return PEBBLE_OK;
+}
+
+pebble_status check_launch(const char * fn, int32_t ggml_type) {
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) {
+        return fail(PEBBLE_ERR_CUDA, "%s: %s: the kernel could not be launched: %s", fn, type_name(ggml_type),
+                    cudaGetErrorString(err));
+    }
+    return PEBBLE_OK;
+}
+#endif
+
+template <typename T>
+pebble_status launch_dequantize(const uint8_t * src, uint16_t * dst, int64_t n_blocks, cudaStream_t stream) {
+    if constexpr (T::id == type_f16::id) { // already fp16: a copy keeps every bit, NaN payloads included
+        CUDA_CHECK(cudaMemcpyAsync(dst, src, static_cast<size_t>(n_blocks) * T::block_bytes, cudaMemcpyDefault,
+                                   stream));
+        return PEBBLE_OK;
+    }
+    const int64_t n_parts = n_blocks * T::parts;
+#ifdef PEBBLE_HOST_BUILD
+    dequantize_kernel<T>(src, dst, n_parts);
+    return PEBBLE_OK;
+#else
+    const int64_t grid = std::min(max_grid, (n_parts + dequantize_threads - 1) / dequantize_threads);
+    dequantize_kernel<T><<<static_cast<unsigned>(grid), dequantize_threads, 0, stream>>>(src, dst, n_parts);
+    return check_launch("pebble_dequantize", T::id);
+#endif
+}
+
+template <typename T, int NV>
+pebble_status launch_matvec_n(const uint8_t * w, int64_t n_rows, int64_t n_cols, const uint16_t * x, float * y,
+                              cudaStream_t stream) {
+#ifdef PEBBLE_HOST_BUILD
+    (void)stream;
+    matvec_kernel<T, NV>(w, n_rows, n_cols, x, y);
+    return PEBBLE_OK;
+#else
+    const int64_t grid = std::min(max_grid, (n_rows + matvec_rows_per_block - 1) / matvec_rows_per_block);
+    const dim3 block(warp_lanes, matvec_rows_per_block);
+    matvec_kernel<T, NV><<<static_cast<unsigned>(grid), block, 0, stream>>>(w, n_rows, n_cols, x, y);
+    return check_launch("pebble_matvec", T::id);
+#endif
+}
+
+// The number of vectors is a template argument, so that each lane's sums stay in registers.
+template <typename T>
+pebble_status launch_matvec(const uint8_t * w, int64_t n_rows, int64_t n_cols, const uint16_t * x, int32_t n_vec,
+                            float * y, cudaStream_t stream) {
+    static_assert(PEBBLE_MATVEC_MAX_VEC == 8, "one case per vector count");
+    switch (n_vec) {
+        case 1: return launch_matvec_n<T, 1>(w, n_rows, n_cols, x, y, stream);
+        case 2: return launch_matvec_n<T, 2>(w, n_rows, n_cols, x, y, stream);
+        case 3: return launch_matvec_n<T, 3>(w, n_rows, n_cols, x, y, stream);
+        case 4: return launch_matvec_n<T, 4>(w, n_rows, n_cols, x, y, stream);
+        case 5: return launch_matvec_n<T, 5>(w, n_rows, n_cols, x, y, stream);
+        case 6: return launch_matvec_n<T, 6>(w, n_rows, n_cols, x, y, stream);
+        case 7: return launch_matvec_n<T, 7>(w, n_rows, n_cols, x, y, stream);
+        case 8: return launch_matvec_n<T, 8>(w, n_rows, n_cols, x, y, stream);
+    }
+    return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_matvec: n_vec %d is outside 1..%d", n_vec, PEBBLE_MATVEC_MAX_VEC);
+}
+
+} // namespace
+
+// ---------------------------------------------------------------------------------------------------
+// quantized tensors
+
+extern "C" pebble_status pebble_type_block(int32_t ggml_type, int64_t * block_elements, int64_t * block_bytes) {
+    return with_type(ggml_type, __func__, [&](auto t) {
+        using T = decltype(t);
+        if (!block_elements || !block_bytes) {
+            return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_type_block: %s: block_elements and block_bytes must "
+                        "not be NULL", type_name(T::id));
+        }
+        *block_elements = T::block_elements;
+        *block_bytes    = T::block_bytes;
+        return PEBBLE_OK;
+    });
+}
+
+extern "C" pebble_status pebble_dequantize(int32_t ggml_type, const void * src, uint64_t src_bytes,
+                                           uint16_t * dst_f16, int64_t n_elements, void * stream) {
+    return with_type(ggml_type, __func__, [&](auto t) {
+        using T = decltype(t);
+        const char * name = type_name(T::id);
+        if (!src || !dst_f16) {
+            return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_dequantize: %s: src and dst_f16 must not be NULL "
+                        "(src %p, dst_f16 %p)", name, src, static_cast<void *>(dst_f16));
+        }
+        if (n_elements < 1) {
+            return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_dequantize: %s: n_elements must be at least 1, got %"
+                        PRId64, name, n_elements);
+        }
+        if (n_elements % T::block_elements != 0) {
+            return fail(PEBBLE_ERR_SIZE_MISMATCH, "pebble_dequantize: %s: n_elements %" PRId64 " is not a multiple "
+                        "of the %d-element block", name, n_elements, T::block_elements);
+        }
+        const int64_t n_blocks = n_elements / T::block_elements;
+        if (n_blocks > INT64_MAX / T::block_bytes) {
+            return fail(PEBBLE_ERR_SIZE_MISMATCH, "pebble_dequantize: %s: %" PRId64 " elements take more than "
+                        "2^63 bytes", name, n_elements);
+        }
+        const uint64_t want = static_cast<uint64_t>(n_blocks) * T::block_bytes;
+        if (src_bytes != want) {
+            return fail(PEBBLE_ERR_SIZE_MISMATCH, "pebble_dequantize: %s: %" PRId64 " elements are %" PRId64
+                        " blocks of %d bytes = %" PRIu64 " bytes, but src_bytes is %" PRIu64, name, n_elements,
+                        n_blocks, T::block_bytes, want, src_bytes);
+        }
+#ifndef PEBBLE_HOST_BUILD
+        TRY(check_reachable(src, "src", "pebble_dequantize", T::id));
+        TRY(check_reachable(dst_f16, "dst_f16", "pebble_dequantize", T::id));
+#endif
+        return launch_dequantize<T>(static_cast<const uint8_t *>(src), dst_f16, n_blocks,
+                                    static_cast<cudaStream_t>(stream));
+    });
+}
+
+extern "C" pebble_status pebble_matvec(int32_t ggml_type, const void * w, uint64_t w_bytes, int64_t n_rows,
+                                       int64_t n_cols, const uint16_t * x_f16, int32_t n_vec, float * y,
+                                       void * stream) {
+    return with_type(ggml_type, __func__, [&](auto t) {
+        using T = decltype(t);
+        const char * name = type_name(T::id);
+        if (!w || !x_f16 || !y) {
+            return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_matvec: %s: w, x_f16 and y must not be NULL (w %p, "
+                        "x_f16 %p, y %p)", name, w, static_cast<const void *>(x_f16), static_cast<void *>(y));
+        }
+        if (n_vec < 1 || n_vec > PEBBLE_MATVEC_MAX_VEC) {
+            return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_matvec: %s: n_vec %d is outside 1..%d", name, n_vec,
+                        PEBBLE_MATVEC_MAX_VEC);
+        }
+        if (n_rows < 1 || n_cols < 1) {
+            return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_matvec: %s: n_rows and n_cols must be at least 1, "
+                        "got %" PRId64 " x %" PRId64, name, n_rows, n_cols);
+        }
+        if (n_cols % T::block_elements != 0) {
+            return fail(PEBBLE_ERR_SIZE_MISMATCH, "pebble_matvec: %s: n_cols %" PRId64 " is not a multiple of the "
+                        "%d-element block", name, n_cols, T::block_elements);
+        }
+        // Every index the kernel forms (row bytes, x and y offsets) must fit in int64.
+        const int64_t blocks_per_row = n_cols / T::block_elements;
+        if (blocks_per_row > INT64_MAX / T::block_bytes || n_rows > INT64_MAX / (blocks_per_row * T::block_bytes) ||
+            n_cols > INT64_MAX / PEBBLE_MATVEC_MAX_VEC || n_rows > INT64_MAX / PEBBLE_MATVEC_MAX_VEC) {
+            return fail(PEBBLE_ERR_SIZE_MISMATCH, "pebble_matvec: %s: %" PRId64 " x %" PRId64 " weights take more "
+                        "than 2^63 bytes", name, n_rows, n_cols);
+        }
+        const int64_t row_bytes = blocks_per_row * T::block_bytes;
+        const uint64_t want = static_cast<uint64_t>(n_rows) * static_cast<uint64_t>(row_bytes);
+        if (w_bytes != want) {
+            return fail(PEBBLE_ERR_SIZE_MISMATCH, "pebble_matvec: %s: %" PRId64 " rows of %" PRId64 " elements are %"
+                        PRId64 " x %" PRId64 " = %" PRIu64 " bytes, but w_bytes is %" PRIu64, name, n_rows, n_cols,
+                        n_rows, row_bytes, want, w_bytes);
+        }
+#ifndef PEBBLE_HOST_BUILD
+        TRY(check_reachable(w, "w", "pebble_matvec", T::id));
+        TRY(check_reachable(x_f16, "x_f16", "pebble_matvec", T::id));
+        TRY(check_reachable(y, "y", "pebble_matvec", T::id));
+#endif
+        return launch_matvec<T>(static_cast<const uint8_t *>(w), n_rows, n_cols, x_f16, n_vec, y,
+                                static_cast<cudaStream_t>(stream));
+    });
+}

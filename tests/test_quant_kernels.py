@@ -1,0 +1,313 @@
+"""The quantized-tensor kernels (native/pebble_quant.cu) against gguf-py's own dequantize.
+
+For every supported type, on random blocks, blocks with extreme scales (fp16 max, smallest normal and
+subnormals, negative) and all-zero blocks: pebble_dequantize equals gguf's dequantize rounded to fp16,
+and pebble_matvec a float64 product of gguf's dequantized weights with the same fp16 vectors. Runs on
+the host library in `make test` (and under ASan/UBSan in `make test-sanitized`), on the cuda library
+where a GPU is present.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+from gguf import quants as gguf_quants
+from gguf.constants import GGML_QUANT_SIZES
+
+from conftest import store_backend_params
+from pyplugin import _native, quant
+from pyplugin.errors import InvalidArgumentError, PebblingError, SizeMismatchError
+
+TYPES = [Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q6_K, Q.F16, Q.BF16, Q.F32]
+QUANTIZED = {Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q6_K}
+
+# Where each quantized block keeps its fp16 scales (d; Q4_K also dmin).
+SCALE_OFFSETS = {Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q4_K: (0, 2), Q.Q6_K: (208,)}
+# fp16 max, smallest normal, largest and smallest subnormal, each signed; one; minus zero.
+EXTREME_HALVES = np.array([0x7BFF, 0xFBFF, 0x0400, 0x8400, 0x03FF, 0x83FF, 0x0001, 0x8001, 0x3C00, 0x8000],
+                          dtype=np.uint16)
+# float32 values at fp16's edges: the largest half, the rounding boundary to inf, the subnormal range
+# and its rounding ties, float32 subnormals, infinities.
+EDGE_FLOATS = np.array([65504, 65519.996, 65520, -65520, 3.4e38, 2**-14, 2**-14 * (1 - 2**-12), 2**-24,
+                        2**-25, -(2**-25), 2**-25 * (1 + 2**-20), 3 * 2**-26, 5 * 2**-26, 1e-45, 0.0, -0.0,
+                        np.inf, -np.inf], dtype=np.float32)
+
+# matvec: |y - reference| <= MATVEC_RTOL * ||W[r]|| * ||x[v]|| for every output: float32 products and
+# sums over a few thousand columns are far inside it; a wrong element, scale or row is far outside.
+MATVEC_RTOL = 1e-5
+
+
+def kernel_backend_params() -> list:
+    """host and cuda, each skipped with the reason where absent (or left out by PEBBLING_TEST_BACKENDS)."""
+    return [p for p in store_backend_params() if p.values[0] != "stub"]
+
+
+@pytest.fixture(params=kernel_backend_params())
+def backend(request) -> str:
+    return request.param
+
+
+def to_numpy(a) -> np.ndarray:
+    return a.get() if type(a).__module__.partition(".")[0] == "cupy" else np.asarray(a)
+
+
+# ---------------------------------------------------------------------------------------------------
+# test tensors
+
+
+def finite_halves(rng: np.random.Generator, n: int) -> np.ndarray:
+    """Random fp16 bit patterns, never inf or NaN (an all-ones exponent loses its top bit)."""
+    bits = rng.integers(0, 1 << 16, n, dtype=np.uint16)
+    return np.where((bits & 0x7C00) == 0x7C00, bits & 0xBFFF, bits).astype(np.uint16)
+
+
+def quantized_blocks(qtype: Q, n_blocks: int, rng: np.random.Generator, kind: str) -> np.ndarray:
+    """n_blocks blocks of `qtype` as bytes. Any payload is a valid block; only the fp16 scales are
+    chosen, finite: "random" small ones, "random_bits" any finite half, "extreme" EXTREME_HALVES (with
+    every other block's payload or sub-block scales at their extremes too), "quantized" gguf's own
+    quantizer on random values, "zero" all zero bytes."""
+    elements, nbytes = GGML_QUANT_SIZES[qtype]
+    if kind == "zero":
+        return np.zeros(n_blocks * nbytes, dtype=np.uint8)
+    if kind == "quantized":
+        magnitude = np.repeat(10.0 ** rng.uniform(-3, 3, n_blocks), elements)
+        values = (rng.standard_normal(n_blocks * elements) * magnitude).astype(np.float32)
+        return gguf_quants.quantize(values, qtype).reshape(-1)
+    blocks = rng.integers(0, 256, (n_blocks, nbytes), dtype=np.uint8)
+    for i, offset in enumerate(SCALE_OFFSETS[qtype]):
+        if kind == "random":
+            halves = (rng.standard_normal(n_blocks) * 0.05).astype(np.float16).view(np.uint16)
+        elif kind == "random_bits":
+            halves = finite_halves(rng, n_blocks)
+        else:  # extreme: d and dmin walk the list out of step, so blocks pair different extremes
+            halves = np.resize(np.roll(EXTREME_HALVES, 3 * i), n_blocks)
+        blocks[:, offset:offset + 2] = halves.astype("<u2").view(np.uint8).reshape(n_blocks, 2)
+    if kind == "extreme":
+        odd = blocks[1::2]
+        if qtype == Q.Q8_0:
+            odd[:, 2:] = np.resize(np.array([0x80, 0x7F], np.uint8), 32)  # -128, 127
+        elif qtype == Q.Q4_0:
+            odd[:, 2:] = 0x0F                                              # 15 and 0: 7d and -8d
+        elif qtype == Q.Q4_K:
+            odd[:, 4:16] = 0xFF                                            # every scale and min 63
+        else:
+            odd[:, 192:208] = np.resize(np.array([0x80, 0x7F], np.uint8), 16)  # scales -128, 127
+    return blocks.reshape(-1)
+
+
+def float_elements(qtype: Q, n: int, rng: np.random.Generator, kind: str) -> np.ndarray:
+    """n elements of F32, F16 or BF16 as bytes: "random" normal values over many decades (within fp16's
+    range for F16), "extreme" values at fp16's edges and random bit patterns (infinities included),
+    "zero" zeros."""
+    if kind == "zero":
+        return np.zeros(n * GGML_QUANT_SIZES[qtype][1], dtype=np.uint8)
+    if kind == "random":
+        decades = rng.uniform(-6, 4 if qtype == Q.F16 else 6, n)
+        values = (rng.standard_normal(n) * 10.0 ** decades).astype(np.float32)
+    else:
+        bits = rng.integers(0, 1 << 32, n, dtype=np.uint32)
+        bits = np.where((bits & 0x7F800000) == 0x7F800000, bits & 0xBFFFFFFF, bits)  # no NaN
+        values = bits.astype(np.uint32).view(np.float32)
+        values[:len(EDGE_FLOATS)] = EDGE_FLOATS
+    if qtype == Q.F32:
+        return values.view(np.uint8)
+    if qtype == Q.BF16:  # the top half of each float32 (EDGE_FLOATS keep their meaning or neighbours)
+        return (values.view(np.uint32) >> 16).astype("<u2").view(np.uint8)
+    if kind == "random":
+        return values.astype(np.float16).view(np.uint8)
+    halves = finite_halves(rng, n)
+    halves[:len(EXTREME_HALVES) + 2] = np.concatenate([EXTREME_HALVES, [0x7C00, 0xFC00]])  # and +-inf
+    return halves.view(np.uint8)
+
+
+def make_raw(qtype: Q, n_blocks: int, rng: np.random.Generator, kind: str) -> np.ndarray:
+    if qtype in QUANTIZED:
+        return quantized_blocks(qtype, n_blocks, rng, kind)
+    return float_elements(qtype, n_blocks, rng, kind)
+
+
+def kinds_for(qtype: Q) -> list[str]:
+    if qtype in QUANTIZED:
+        extra = ["quantized"] if qtype in (Q.Q8_0, Q.Q4_0) else []
+        return ["random", "random_bits", "extreme", "zero", *extra]
+    return ["random", "extreme", "zero"]
+
+
+def reference(qtype: Q, raw: np.ndarray, n_rows: int = 1) -> np.ndarray:
+    """gguf's float32 dequantization, [n_rows, n_cols]."""
+    return gguf_quants.dequantize(raw.reshape(n_rows, -1), qtype)
+
+
+def fp16_ulps(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Distance between fp16 arrays in units in the last place (+0 and -0 are one point)."""
+    def ordered(h):
+        bits = h.view(np.uint16).astype(np.int64)
+        return np.where(bits & 0x8000, -(bits & 0x7FFF), bits)
+    return np.abs(ordered(a) - ordered(b))
+
+
+# ---------------------------------------------------------------------------------------------------
+# blocks
+
+
+@pytest.mark.parametrize("qtype", list(Q), ids=lambda t: t.name)
+def test_type_block_is_gguf_block_for_supported_types_and_an_error_otherwise(backend, qtype):
+    if qtype.value in quant.SUPPORTED_TYPES:
+        assert quant.block_size(qtype, backend=backend) == GGML_QUANT_SIZES[qtype]
+        assert quant.SUPPORTED_TYPES[qtype.value] == qtype.name
+    else:
+        with pytest.raises(InvalidArgumentError, match=rf"type {qtype.value} \({qtype.name}\) has no kernels"):
+            quant.block_size(qtype, backend=backend)
+
+
+# ---------------------------------------------------------------------------------------------------
+# dequantize
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_dequantize_equals_gguf_rounded_to_fp16(backend, qtype):
+    elements = GGML_QUANT_SIZES[qtype][0]
+    n_blocks = 24 if qtype in QUANTIZED else 4096
+    for seed, kind in enumerate(kinds_for(qtype)):
+        raw = make_raw(qtype, n_blocks, np.random.default_rng(seed), kind)
+        with np.errstate(over="ignore"):  # extreme scales overflow fp16, as they should: to inf
+            want = reference(qtype, raw).reshape(-1).astype(np.float16)
+        got = to_numpy(quant.dequantize(qtype, raw, n_blocks * elements, backend=backend))
+        assert got.dtype == np.float16 and got.shape == want.shape
+        # Both decode in float32 and round that to fp16: on the host the very same operations, so every
+        # bit equals gguf's; on a GPU fp16 rounding may differ by one unit in the last place at most.
+        ulps = fp16_ulps(got, want)
+        bad = np.flatnonzero(ulps > (0 if backend == "host" else 1))
+        assert bad.size == 0, (f"{kind}: {bad.size} elements differ, first {bad[0]}: "
+                               f"{got[bad[0]]!r} vs {want[bad[0]]!r}")
+        if backend == "host":
+            np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16), err_msg=kind)
+        if kind == "zero":  # +-0: Q4_0's zero block is (0 - 8) * 0.0 = -0.0, in gguf too
+            assert (got == 0).all()
+
+
+def test_dequantize_f16_keeps_every_bit(backend):
+    halves = np.arange(1 << 16, dtype=np.uint16)  # every pattern, NaNs included
+    got = to_numpy(quant.dequantize(Q.F16, halves.view(np.uint8), halves.size, backend=backend))
+    np.testing.assert_array_equal(got.view(np.uint16), halves)
+
+
+def test_dequantize_writes_into_out(backend):
+    raw = make_raw(Q.Q4_K, 2, np.random.default_rng(7), "random")
+    xp = np if backend == "host" else pytest.importorskip("cupy")
+    out = xp.full(512, np.nan, dtype=np.float16)
+    assert quant.dequantize(Q.Q4_K, raw, 512, out=out, backend=backend) is out
+    np.testing.assert_array_equal(to_numpy(out), reference(Q.Q4_K, raw).reshape(-1).astype(np.float16))
+
+
+# ---------------------------------------------------------------------------------------------------
+# matvec
+
+
+def matvec_case(qtype: Q, n_rows: int, blocks_per_row: int, seed: int) -> tuple[np.ndarray, int]:
+    """(raw, n_cols): row r of a kind taken in turn from those that keep float32 products finite."""
+    kinds = kinds_for(qtype) if qtype in QUANTIZED else ["random", "zero"]
+    rng = np.random.default_rng(seed)
+    rows = [make_raw(qtype, blocks_per_row, rng, kinds[r % len(kinds)]) for r in range(n_rows)]
+    return np.concatenate(rows), blocks_per_row * GGML_QUANT_SIZES[qtype][0]
+
+
+@pytest.mark.parametrize("n_vec", [1, 3, 8])
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_matvec_matches_float64_product_of_gguf_weights(backend, qtype, n_vec):
+    # 7 rows: not a whole number of the GPU's 4-row thread blocks; enough blocks per row that each lane
+    # of a warp takes several parts.
+    n_rows = 7
+    raw, n_cols = matvec_case(qtype, n_rows, 101 if qtype not in QUANTIZED else 12 if qtype in (Q.Q4_K, Q.Q6_K)
+                              else 70, seed=n_vec)
+    x = np.random.default_rng(100 + n_vec).standard_normal((n_vec, n_cols)).astype(np.float16)
+    weights = reference(qtype, raw, n_rows).astype(np.float64)  # [n_rows, n_cols]
+    want = x.astype(np.float64) @ weights.T                      # [n_vec, n_rows]
+
+    xp = np if backend == "host" else pytest.importorskip("cupy")
+    out = xp.full((n_vec, n_rows), np.nan, dtype=np.float32)     # every output must be written
+    got = to_numpy(quant.matvec(qtype, raw, n_rows, n_cols, x, out=out, backend=backend))
+    assert not np.isnan(got).any(), f"outputs left unwritten at {np.argwhere(np.isnan(got)).tolist()}"
+    tolerance = MATVEC_RTOL * np.outer(np.linalg.norm(x.astype(np.float64), axis=1),
+                                       np.linalg.norm(weights, axis=1))
+    excess = np.abs(got - want) - tolerance
+    worst = np.unravel_index(np.argmax(excess), excess.shape)
+    assert (excess <= 0).all(), (f"[vector, row] {worst}: got {got[worst]}, want {want[worst]}, "
+                                 f"tolerance {tolerance[worst]:.3g}")
+
+
+def test_matvec_of_one_vector_returns_one_row_of_outputs(backend):
+    raw, n_cols = matvec_case(Q.Q8_0, 5, 3, seed=11)
+    x = np.random.default_rng(12).standard_normal(n_cols).astype(np.float16)
+    got = to_numpy(quant.matvec(Q.Q8_0, raw, 5, n_cols, x, backend=backend))
+    want = reference(Q.Q8_0, raw, 5).astype(np.float64) @ x.astype(np.float64)
+    assert got.shape == (5,) and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+# ---------------------------------------------------------------------------------------------------
+# malformed calls
+
+
+def names(message: str, *values) -> bool:
+    """Whether the message names every value as a whole word (so "68" does not match "680")."""
+    return all(re.search(rf"(?<![\w.]){re.escape(str(v))}(?![\w])", message) for v in values)
+
+
+def test_malformed_calls_raise_naming_type_and_sizes_and_the_library_stays_usable(backend):
+    raw = make_raw(Q.Q8_0, 2, np.random.default_rng(3), "random")  # 64 elements, 68 bytes
+    x = np.ones((1, 64), dtype=np.float16)
+
+    def check_still_usable():
+        got = to_numpy(quant.dequantize(Q.Q8_0, raw, 64, backend=backend))
+        np.testing.assert_array_equal(got, reference(Q.Q8_0, raw).reshape(-1).astype(np.float16))
+
+    cases = [
+        (lambda: quant.dequantize(99, raw, 64, backend=backend), InvalidArgumentError, ("99",)),
+        (lambda: quant.matvec(99, raw, 1, 64, x, backend=backend), InvalidArgumentError, ("99",)),
+        (lambda: quant.dequantize(13, raw, 64, backend=backend), InvalidArgumentError, ("13", "Q5_K")),
+        (lambda: quant.matvec(13, raw, 1, 64, x, backend=backend), InvalidArgumentError, ("13", "Q5_K")),
+        (lambda: quant.dequantize(Q.Q8_0, raw, 48, backend=backend), SizeMismatchError, ("Q8_0", 48, 32)),
+        (lambda: quant.matvec(Q.Q8_0, raw[:51], 1, 48, x[:, :48], backend=backend), SizeMismatchError,
+         ("Q8_0", "n_cols 48", 32)),
+        (lambda: quant.dequantize(Q.Q8_0, raw[:-1], 64, backend=backend), SizeMismatchError, ("Q8_0", 68, 67)),
+        (lambda: quant.dequantize(Q.Q8_0, np.append(raw, np.uint8(0)), 64, backend=backend), SizeMismatchError,
+         ("Q8_0", 68, 69)),
+        (lambda: quant.matvec(Q.Q8_0, raw[:-1], 1, 64, x, backend=backend), SizeMismatchError,
+         ("Q8_0", 68, 67)),
+        (lambda: quant.matvec(Q.Q8_0, raw, 1, 64, np.ones((0, 64), np.float16), backend=backend),
+         InvalidArgumentError, ("Q8_0", "n_vec 0", "1..8")),
+        (lambda: quant.matvec(Q.Q8_0, raw, 1, 64, np.ones((9, 64), np.float16), backend=backend),
+         InvalidArgumentError, ("Q8_0", "n_vec 9", "1..8")),
+        (lambda: quant.dequantize(Q.Q8_0, raw, 0, backend=backend), InvalidArgumentError, ("Q8_0", 0)),
+    ]
+    for call, error, named in cases:
+        with pytest.raises(error) as caught:
+            call()
+        assert names(str(caught.value), *named), str(caught.value)
+        check_still_usable()
+
+
+def test_null_pointers_are_refused(backend):
+    kernels = _native.NativeKernels(backend)
+    lib, null = kernels._lib, _native.ffi.NULL
+    raw = make_raw(Q.Q4_0, 1, np.random.default_rng(5), "random")
+    out = np.empty(32, np.float16)
+    calls = [
+        lambda: lib.pebble_dequantize(Q.Q4_0, null, 18, _native.ffi.from_buffer("uint16_t[]", out), 32, null),
+        lambda: lib.pebble_dequantize(Q.Q4_0, _native.ffi.from_buffer(raw), 18, null, 32, null),
+        lambda: lib.pebble_matvec(Q.Q4_0, null, 18, 1, 32, null, 1, null, null),
+        lambda: lib.pebble_type_block(Q.Q4_0, null, null),
+    ]
+    for call in calls:
+        with pytest.raises(InvalidArgumentError, match="Q4_0.*NULL"):
+            _native._check(lib, call())
+    assert kernels.type_block(Q.Q4_0) == (32, 18)
+
+
+def test_the_stub_backend_says_it_has_no_kernels():
+    with pytest.raises(PebblingError, match=r"stub.*make host"):
+        quant.dequantize(Q.Q8_0, bytes(34), 32, backend="stub")
