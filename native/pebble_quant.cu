@@ -516,13 +516,14 @@ extern "C" pebble_status pebble_matvec(int32_t ggml_type, const void * w, uint64
     return with_type(ggml_type, __func__, [&](auto t) {
         using T = decltype(t);
         const char * name = type_name(T::id);
-        if (!w || !x_f16 || !y) {
-            return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_matvec: %s: w, x_f16 and y must not be NULL (w %p, "
-                        "x_f16 %p, y %p)", name, w, static_cast<const void *>(x_f16), static_cast<void *>(y));
-        }
+        // The count first: with no vectors, a caller's empty buffers may well be NULL.
         if (n_vec < 1 || n_vec > PEBBLE_MATVEC_MAX_VEC) {
             return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_matvec: %s: n_vec %d is outside 1..%d", name, n_vec,
                         PEBBLE_MATVEC_MAX_VEC);
+        }
+        if (!w || !x_f16 || !y) {
+            return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_matvec: %s: w, x_f16 and y must not be NULL (w %p, "
+                        "x_f16 %p, y %p)", name, w, static_cast<const void *>(x_f16), static_cast<void *>(y));
         }
         if (n_rows < 1 || n_cols < 1) {
             return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_matvec: %s: n_rows and n_cols must be at least 1, "
