@@ -478,13 +478,14 @@ extern "C" pebble_status pebble_dequantize(int32_t ggml_type, const void * src, 
     return with_type(ggml_type, __func__, [&](auto t) {
         using T = decltype(t);
         const char * name = type_name(T::id);
-        if (!src || !dst_f16) {
-            return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_dequantize: %s: src and dst_f16 must not be NULL "
-                        "(src %p, dst_f16 %p)", name, src, static_cast<void *>(dst_f16));
-        }
+        // The count first: with no elements, a caller's empty buffer may well be NULL.
         if (n_elements < 1) {
             return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_dequantize: %s: n_elements must be at least 1, got %"
                         PRId64, name, n_elements);
+        }
+        if (!src || !dst_f16) {
+            return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_dequantize: %s: src and dst_f16 must not be NULL "
+                        "(src %p, dst_f16 %p)", name, src, static_cast<void *>(dst_f16));
         }
         if (n_elements % T::block_elements != 0) {
             return fail(PEBBLE_ERR_SIZE_MISMATCH, "pebble_dequantize: %s: n_elements %" PRId64 " is not a multiple "
@@ -516,18 +517,18 @@ extern "C" pebble_status pebble_matvec(int32_t ggml_type, const void * w, uint64
     return with_type(ggml_type, __func__, [&](auto t) {
         using T = decltype(t);
         const char * name = type_name(T::id);
-        // The count first: with no vectors, a caller's empty buffers may well be NULL.
+        // The counts first: with nothing to compute, a caller's empty buffers may well be NULL.
         if (n_vec < 1 || n_vec > PEBBLE_MATVEC_MAX_VEC) {
             return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_matvec: %s: n_vec %d is outside 1..%d", name, n_vec,
                         PEBBLE_MATVEC_MAX_VEC);
         }
-        if (!w || !x_f16 || !y) {
-            return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_matvec: %s: w, x_f16 and y must not be NULL (w %p, "
-                        "x_f16 %p, y %p)", name, w, static_cast<const void *>(x_f16), static_cast<void *>(y));
-        }
         if (n_rows < 1 || n_cols < 1) {
             return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_matvec: %s: n_rows and n_cols must be at least 1, "
                         "got %" PRId64 " x %" PRId64, name, n_rows, n_cols);
+        }
+        if (!w || !x_f16 || !y) {
+            return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_matvec: %s: w, x_f16 and y must not be NULL (w %p, "
+                        "x_f16 %p, y %p)", name, w, static_cast<const void *>(x_f16), static_cast<void *>(y));
         }
         if (n_cols % T::block_elements != 0) {
             return fail(PEBBLE_ERR_SIZE_MISMATCH, "pebble_matvec: %s: n_cols %" PRId64 " is not a multiple of the "
