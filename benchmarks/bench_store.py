@@ -12,24 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import numpy as np
 
 from pyplugin.backend import open_store
-
-
-def _time(fn, sync, repeats: int) -> list[float]:
-    fn()  # warm-up: first-touch, page mapping
-    sync()
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        out.append(time.perf_counter() - t0)
-    return out
+from pyplugin.measure import median_seconds
 
 
 def measure(backend: str | None, mib: int, repeats: int) -> dict:
@@ -51,11 +38,11 @@ def measure(backend: str | None, mib: int, repeats: int) -> dict:
 
         store.save(0, 0, device_buf, tier="host", stream=stream)
         store.synchronize()
-        save_s = _time(lambda: store.save(0, 0, device_buf, tier="host", stream=stream), sync, repeats)
-        restore_s = _time(lambda: store.restore(0, 0, device_buf, stream=stream), sync, repeats)
+        save_s = median_seconds(lambda: store.save(0, 0, device_buf, tier="host", stream=stream), sync, repeats)
+        restore_s = median_seconds(lambda: store.restore(0, 0, device_buf, stream=stream), sync, repeats)
         stats = store.stats()
-    d2h = nbytes / statistics.median(save_s) / 1e9
-    h2d = nbytes / statistics.median(restore_s) / 1e9
+    d2h = nbytes / save_s / 1e9
+    h2d = nbytes / restore_s / 1e9
     return {"backend": store.backend, "entry_bytes": nbytes, "repeats": repeats, "path": where,
             "h2d_restore_GBps": round(h2d, 2), "d2h_save_GBps": round(d2h, 2),
             "bytes_h2d_counted": stats.bytes_h2d, "bytes_d2h_counted": stats.bytes_d2h}

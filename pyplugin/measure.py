@@ -43,7 +43,7 @@ def _sync(xp) -> None:
         xp.cuda.get_current_stream().synchronize()
 
 
-def _median_seconds(step, sync, repeats: int) -> float:
+def median_seconds(step, sync, repeats: int) -> float:
     step()  # warm-up: first touch of the pages, CuPy's kernel compilation
     sync()
     times = []
@@ -86,13 +86,13 @@ def measure_restores(pebbled: PebbledModel, nbytes: int, repeats: int = REPEATS,
         else:
             stream, sync = None, store.synchronize
             path = "host tier -> host buffer (no GPU: a memcpy rate, not PCIe)"
-        seconds = _median_seconds(lambda: store.restore(0, 0, out, stream=stream), sync, repeats)
+        seconds = median_seconds(lambda: store.restore(0, 0, out, stream=stream), sync, repeats)
 
         def issue() -> None:
             for _ in range(calls):
                 store.restore(1, 0, small, stream=stream)
 
-        per_call = _median_seconds(issue, sync, repeats) / calls
+        per_call = median_seconds(issue, sync, repeats) / calls
     return Transfer(nbytes / seconds, per_call, nbytes, repeats, path)
 
 
@@ -111,7 +111,7 @@ def layer_decode_seconds(pebbled: PebbledModel, n_ctx: int, context_pos: int,
     k, v = xp.zeros(pebbled.kv_shape(n_ctx), dtype), xp.zeros(pebbled.kv_shape(n_ctx), dtype)
     pos = min(context_pos, n_ctx - 1)  # the step writes row pos: it must lie inside the cache
     x = xp.asarray(np.random.default_rng(0).standard_normal((1, cfg.n_embd)), dtype=dtype)  # [1, n_embd]
-    return _median_seconds(lambda: layer_forward(cfg, x, weights, k, v, pos), lambda: _sync(xp), repeats)
+    return median_seconds(lambda: layer_forward(cfg, x, weights, k, v, pos), lambda: _sync(xp), repeats)
 
 
 @dataclass(frozen=True)
