@@ -398,7 +398,7 @@ class Engine:
             start = time.perf_counter_ns()
             try:
                 entry.model = load_model(path, progress=False)
-                entry.pebbled = PebbledModel(entry.model, backend=self.backend)
+                entry.pebbled = PebbledModel(entry.model, backend=self.backend, keep_host_weights=False)
             except BaseException:
                 with self._lock:  # a request still waiting on load_lock tries again, and says why
                     entry.active -= 1

@@ -248,7 +248,9 @@ class PebbledModel:
     each request's plan only changes which of them are resident, so a new strategy never reads the
     model file again. The store's backend decides the array module: CuPy on cuda, numpy elsewhere."""
 
-    def __init__(self, model: Model, *, backend: str | None = None):
+    def __init__(self, model: Model, *, backend: str | None = None, keep_host_weights: bool = True):
+        """`keep_host_weights=False` hands the model's float32 layers over to the store: they are
+        released as they are saved, so a server holds each layer once, not twice."""
         cfg = model.config
         self.model = model
         self.store = open_store(0, cfg.n_layer, "minimal", backend=backend)
@@ -261,8 +263,8 @@ class PebbledModel:
             self.xp = np
         self.dtype = compute_dtype(self.xp)
         self.layouts: list[list[_Tensor]] = []
-        for i, lw in enumerate(model.layers):
-            layout = []
+        for i in range(cfg.n_layer):
+            lw, layout = model.layers[i], []
             for name, array in lw.arrays():
                 data = np.ascontiguousarray(array, dtype=self.dtype)
                 tensor = _Tensor(WEIGHT_IDS[name], name, data.shape, data.nbytes)
@@ -270,12 +272,24 @@ class PebbledModel:
                                 desc=_desc(self.dtype, data.shape))
                 layout.append(tensor)
             self.layouts.append(layout)
+            if not keep_host_weights:
+                model.layers[i] = None  # the store's copy is the one that counts from here on
+        if not keep_host_weights:
+            model.release_layers()
         self.outer = model.outer_weights(self.xp)
         self._kv_ctx: int | None = None
         self._overhead: int | None = None
 
     def close(self) -> None:
         self.store.close()
+
+    def layer_weights(self, i: int) -> LayerWeights:
+        """A copy of layer i's weights from the store, in new arrays of the compute module."""
+        arrays = {}
+        for t in self.layouts[i]:
+            arrays[t.name] = self.xp.empty(t.shape, self.dtype)
+            self.store.restore(i, t.tensor_id, arrays[t.name])
+        return LayerWeights(**arrays)
 
     def kv_shape(self, n_ctx: int) -> tuple[int, int, int]:
         return (n_ctx, self.model.config.n_head_kv, self.model.config.head_dim)
@@ -323,7 +337,7 @@ class PebbledModel:
         """A prefill and a decode step of one layer and the output, so that the kernels and library
         handles every request loads are in device memory before the overhead is measured."""
         cfg, xp = self.model.config, self.xp
-        weights = self.model.layers[0].map(lambda a: xp.asarray(a, dtype=self.dtype))
+        weights = self.layer_weights(0)
         k, v = (xp.zeros((4, cfg.n_head_kv, cfg.head_dim), self.dtype) for _ in range(2))
         x = layer_forward(cfg, embed(self.outer, [0, 1], xp), weights, k, v, 0)
         x = layer_forward(cfg, x[-1:], weights, k, v, 2)

@@ -107,7 +107,7 @@ def layer_decode_seconds(pebbled: PebbledModel, n_ctx: int, context_pos: int,
     """Median time of one decode step's `layer_forward` through layer 0, held on the device in the
     compute type as a resident layer is, with `context_pos` tokens already in its KV cache."""
     xp, dtype, cfg = pebbled.xp, pebbled.dtype, pebbled.model.config
-    weights = pebbled.model.layers[0].map(lambda a: xp.asarray(a, dtype=dtype))
+    weights = pebbled.layer_weights(0)
     k, v = xp.zeros(pebbled.kv_shape(n_ctx), dtype), xp.zeros(pebbled.kv_shape(n_ctx), dtype)
     pos = min(context_pos, n_ctx - 1)  # the step writes row pos: it must lie inside the cache
     x = xp.asarray(np.random.default_rng(0).standard_normal((1, cfg.n_embd)), dtype=dtype)  # [1, n_embd]

@@ -167,3 +167,19 @@ def test_disabled_pebbling_keeps_every_layer_resident(model, pebbled, reference_
     assert list(gen.tokens(PROMPT)) == reference_tokens
     report = gen.report()
     assert report["enabled"] is False and report["resident_layers"] == N_LAYER
+
+
+def test_a_store_can_take_over_the_host_weights(reference_tokens):
+    from model_fixtures import tiny_path
+    from pyplugin.errors import ModelError
+    from pyplugin.model import load_model
+
+    model = load_model(tiny_path("llama", n_layer=N_LAYER), progress=False)  # a copy of its own
+    pebbled = PebbledModel(model, backend="stub", keep_host_weights=False)
+    try:
+        assert model.layers == []  # held once, by the store
+        with pytest.raises(ModelError, match="handed over to a pebble store"):
+            model.resident_layers()
+        assert run(model, pebbled, "sqrt")[0] == reference_tokens
+    finally:
+        pebbled.close()

@@ -61,8 +61,16 @@ class Model:
     random_weights: bool = False
     _converted: dict[str, Any] = field(default_factory=dict, repr=False)
 
+    def release_layers(self) -> None:
+        """Drops the host copy of the layers, once something else (a pebble store) holds them."""
+        self.layers = []
+        self._converted = {k: v for k, v in self._converted.items() if not k.startswith("layers:")}
+
     def resident_layers(self, xp: ModuleType = np) -> list[LayerWeights]:
         """Every layer in xp's compute type, converted once and kept (all layers resident)."""
+        if len(self.layers) != self.config.n_layer:
+            raise ModelError(f"{self.path}: the layers were handed over to a pebble store; run them "
+                             f"through it (pyplugin.loop.PebbledModel) rather than resident here")
         if xp is np:
             return self.layers
         key = f"layers:{xp.__name__}"
