@@ -232,7 +232,9 @@ def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
 def _random(seed: int, name: str, shape: tuple[int, ...], scale: float) -> np.ndarray:
     # Seeded per tensor name, so one tensor's values do not depend on which others are written.
     rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
-    return (rng.standard_normal(shape, dtype=np.float32) * scale).astype(np.float32)
+    values = rng.standard_normal(shape, dtype=np.float32)
+    values *= np.float32(scale)  # in place: large models are written too
+    return values
 
 
 def quantize(x: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
