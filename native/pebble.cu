@@ -100,6 +100,7 @@ struct entry {
     void *                      dev      = nullptr; // device copy
     void *                      host     = nullptr; // pinned host copy
     cudaEvent_t                 last_use = nullptr; // recorded after every copy that touches the entry
+    bool                        pending  = false;   // a copy enqueued since the last pebble_synchronize
     std::list<entry_key>::iterator lru;                 // position in the device LRU list, valid iff dev
 };
 
@@ -158,6 +159,7 @@ pebble_status copy_async(entry & e, void * dst, const void * src, uint64_t n, cu
     CUDA_CHECK(cudaStreamWaitEvent(stream, e.last_use, 0));
     CUDA_CHECK(cudaMemcpyAsync(dst, src, n, cudaMemcpyDefault, stream));
     CUDA_CHECK(cudaEventRecord(e.last_use, stream));
+    e.pending = true;
     return PEBBLE_OK;
 }
 
@@ -604,7 +606,14 @@ extern "C" pebble_status pebble_stats_reset(pebble_store_t handle) {
 
 extern "C" pebble_status pebble_synchronize(pebble_store_t handle) {
     OPEN_STORE(handle, s);
-    for (auto & kv : s.entries) CUDA_CHECK(cudaEventSynchronize(kv.second.last_use));
+    // Only entries with copies since the last call: a caller that synchronizes after each of many
+    // calls (the Python binding does, when no stream is given) then waits on one event, not all.
+    for (auto & kv : s.entries) {
+        entry & e = kv.second;
+        if (!e.pending) continue;
+        CUDA_CHECK(cudaEventSynchronize(e.last_use));
+        e.pending = false;
+    }
     CUDA_CHECK(cudaStreamSynchronize(s.evict_stream));
     return PEBBLE_OK;
 }

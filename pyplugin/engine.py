@@ -212,7 +212,6 @@ class _Loaded:
     name: str                         # the name it was first asked for by
     model: Model | None = None
     pebbled: PebbledModel | None = None  # the model's layers in a pebble store
-    loaded_at: float = 0.0
     expires_at: float = FOREVER       # time.monotonic() deadline once idle
     active: int = 0                   # requests queued or running
     last_report: dict[str, Any] | None = None
@@ -405,7 +404,6 @@ class Engine:
                     if entry.active == 0 and self._loaded.get(key) is entry:
                         del self._loaded[key]
                 raise
-            entry.loaded_at = time.time()
             entry.worker = threading.Thread(target=self._work, args=(entry,), daemon=True,
                                             name=f"pebbling-model-{name}")
             entry.worker.start()

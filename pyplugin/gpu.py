@@ -73,9 +73,18 @@ def free_device_memory(index: int = 0) -> int | None:
         return None
 
 
-def used_device_memory(index: int = 0) -> tuple[int, str] | None:
+class DeviceUse(NamedTuple):
+    bytes: int
+    this_process: bool  # NVML's per-process figure; False: the whole device, other processes too
+
+    @property
+    def how(self) -> str:
+        return "NVML, this process" if self.this_process else "NVML, whole device"
+
+
+def used_device_memory(index: int = 0) -> DeviceUse | None:
     """Device memory this process holds on GPU `index` as NVML counts it (CUDA context, allocator
-    pools and the store together), with how it was read; None when NVML cannot say.
+    pools and the store together); None when NVML cannot say.
 
     NVML's per-process figure is used where it lists this process; otherwise the device's whole
     used memory, which also counts other processes, and says so."""
@@ -88,7 +97,7 @@ def used_device_memory(index: int = 0) -> tuple[int, str] | None:
         handle = nvml.nvmlDeviceGetHandleByIndex(index)
         for proc in nvml.nvmlDeviceGetComputeRunningProcesses(handle):
             if proc.pid == os.getpid() and proc.usedGpuMemory is not None:
-                return int(proc.usedGpuMemory), "NVML, this process"
-        return int(nvml.nvmlDeviceGetMemoryInfo(handle).used), "NVML, whole device"
+                return DeviceUse(int(proc.usedGpuMemory), True)
+        return DeviceUse(int(nvml.nvmlDeviceGetMemoryInfo(handle).used), False)
     except nvml.NVMLError:
         return None

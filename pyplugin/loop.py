@@ -329,7 +329,7 @@ class PebbledModel:
         pool.free_all_blocks()
         used = used_device_memory()
         if used is not None:
-            now = used[0] - pool.total_bytes() - self.store.stats().device_bytes
+            now = used.bytes - pool.total_bytes() - self.store.stats().device_bytes
             self._overhead = max(self._overhead, now)
         return self._overhead
 
@@ -353,7 +353,7 @@ class PebbledModel:
         free, used = free_device_memory(), used_device_memory()
         if free is None or used is None:
             return None
-        mine = used[0] if used[1] == "NVML, this process" else 0
+        mine = used.bytes if used.this_process else 0
         return int((free + mine) * 0.95)  # a reserve for fragmentation and other users
 
     def plan(self, options: Options, pebbling: PebblingOptions, prompt_tokens: int | None = None) -> Plan:
@@ -507,8 +507,8 @@ class StoreLayers:
         if self.xp is not np:
             used = used_device_memory()
             if used is not None:
-                self.peak_sample = max(self.peak_sample, used[0])
-                self.measured_by = used[1]
+                self.peak_sample = max(self.peak_sample, used.bytes)
+                self.measured_by = used.how
 
     def report(self, stats) -> dict[str, Any]:
         """The `pebbling` object of a final response (DESIGN.md), from this request's store stats."""
