@@ -379,3 +379,105 @@ class StubStore(Store):
     @property
     def closed(self) -> bool:
         return self._entries is None
+
+
+# ---------------------------------------------------------------------------------------------------
+# quantized tensors: the reference semantics of pebble_type_block, pebble_dequantize and pebble_matvec
+
+
+_KERNEL_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 8: "Q8_0", 12: "Q4_K", 14: "Q6_K", 30: "BF16"}
+_KERNEL_TYPES_TEXT = ", ".join(f"{k} {v}" for k, v in sorted(_KERNEL_TYPES.items()))
+MATVEC_MAX_VEC = 8  # PEBBLE_MATVEC_MAX_VEC
+
+
+class StubKernels:
+    """The quantized-tensor kernels in numpy: elements decoded by gguf-py's own dequantize (float32),
+    products and sums in float32; the same arguments accepted and refused as native/pebble_quant.cu,
+    with the same messages. Host buffers only; a call is done when it returns."""
+
+    backend = "stub"
+    MAX_VEC = MATVEC_MAX_VEC
+
+    def _type(self, fn: str, ggml_type) -> tuple[int, str, int, int]:
+        """(id, name, block elements, block bytes) of a type with kernels."""
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        ggml_type = as_int(ggml_type, "ggml type")
+        if ggml_type in _KERNEL_TYPES:
+            elements, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+            return ggml_type, _KERNEL_TYPES[ggml_type], elements, nbytes
+        try:
+            name = GGMLQuantizationType(ggml_type).name
+        except ValueError:
+            raise InvalidArgumentError(f"{fn}: {ggml_type} is not a GGUF type id; supported: "
+                                       f"{_KERNEL_TYPES_TEXT}") from None
+        raise InvalidArgumentError(f"{fn}: GGUF type {ggml_type} ({name}) has no kernels; supported: "
+                                   f"{_KERNEL_TYPES_TEXT}")
+
+    def type_block(self, ggml_type) -> tuple[int, int]:
+        _, _, elements, nbytes = self._type("pebble_type_block", ggml_type)
+        return elements, nbytes
+
+    @staticmethod
+    def _decode(ggml_type: int, raw: np.ndarray, n_rows: int) -> np.ndarray:
+        """[n_rows, n_cols] float32, as gguf decodes it."""
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        rows = raw.reshape(n_rows, -1)
+        if ggml_type == 0:
+            return rows.view(np.float32)
+        return dequantize(rows, GGMLQuantizationType(ggml_type)).astype(np.float32, copy=False)
+
+    def dequantize(self, ggml_type, src, n_elements, out, *, stream=None) -> None:
+        ggml_type, name, elements, block_bytes = self._type("pebble_dequantize", ggml_type)
+        n_elements = as_int(n_elements, "n_elements")
+        if n_elements < 1:
+            raise InvalidArgumentError(f"pebble_dequantize: {name}: n_elements must be at least 1, got {n_elements}")
+        src = np.frombuffer(host_buffer(src, writable=False, what="dequantize src"), np.uint8)
+        dst = host_buffer(out, writable=True, what="dequantize out")
+        if n_elements % elements:
+            raise SizeMismatchError(f"pebble_dequantize: {name}: n_elements {n_elements} is not a multiple of "
+                                    f"the {elements}-element block")
+        n_blocks = n_elements // elements
+        want = n_blocks * block_bytes
+        if src.nbytes != want:
+            raise SizeMismatchError(f"pebble_dequantize: {name}: {n_elements} elements are {n_blocks} blocks of "
+                                    f"{block_bytes} bytes = {want} bytes, but src_bytes is {src.nbytes}")
+        if dst.nbytes != 2 * n_elements:
+            raise SizeMismatchError(f"dequantize: out holds {dst.nbytes} bytes; {n_elements} fp16 elements "
+                                    f"need {2 * n_elements}")
+        halves = np.frombuffer(dst, np.float16)
+        if ggml_type == 1:  # already fp16: every bit kept, NaN payloads included
+            halves.view(np.uint8)[:] = src
+            return
+        with np.errstate(over="ignore"):  # beyond fp16's range: +-inf, as the kernels round
+            halves[:] = self._decode(ggml_type, src, 1).reshape(-1)
+
+    def matvec(self, ggml_type, w, n_rows, n_cols, x, n_vec, out, *, stream=None) -> None:
+        ggml_type, name, elements, block_bytes = self._type("pebble_matvec", ggml_type)
+        n_rows, n_cols, n_vec = as_int(n_rows, "n_rows"), as_int(n_cols, "n_cols"), as_int(n_vec, "n_vec")
+        if not 1 <= n_vec <= MATVEC_MAX_VEC:
+            raise InvalidArgumentError(f"pebble_matvec: {name}: n_vec {n_vec} is outside 1..{MATVEC_MAX_VEC}")
+        if n_rows < 1 or n_cols < 1:
+            raise InvalidArgumentError(f"pebble_matvec: {name}: n_rows and n_cols must be at least 1, got "
+                                       f"{n_rows} x {n_cols}")
+        w = np.frombuffer(host_buffer(w, writable=False, what="matvec w"), np.uint8)
+        x = np.frombuffer(host_buffer(x, writable=False, what="matvec x"), np.float16)
+        y = host_buffer(out, writable=True, what="matvec out")
+        if n_cols % elements:
+            raise SizeMismatchError(f"pebble_matvec: {name}: n_cols {n_cols} is not a multiple of the "
+                                    f"{elements}-element block")
+        row_bytes = n_cols // elements * block_bytes
+        if w.nbytes != n_rows * row_bytes:
+            raise SizeMismatchError(f"pebble_matvec: {name}: {n_rows} rows of {n_cols} elements are {n_rows} x "
+                                    f"{row_bytes} = {n_rows * row_bytes} bytes, but w_bytes is {w.nbytes}")
+        if x.size != n_vec * n_cols:
+            raise SizeMismatchError(f"matvec: x holds {x.nbytes} bytes; {n_vec} fp16 vectors of {n_cols} "
+                                    f"need {2 * n_vec * n_cols}")
+        if y.nbytes != 4 * n_vec * n_rows:
+            raise SizeMismatchError(f"matvec: out holds {y.nbytes} bytes; {n_vec} float32 vectors of "
+                                    f"{n_rows} need {4 * n_vec * n_rows}")
+        weights = self._decode(ggml_type, w, n_rows)
+        np.matmul(x.reshape(n_vec, n_cols).astype(np.float32), weights.T,
+                  out=np.frombuffer(y, np.float32).reshape(n_vec, n_rows))

@@ -1,56 +1,137 @@
-"""Computing from quantized GGUF tensors with the native library's kernels (native/pebble_quant.cu):
-dequantize to fp16 (prefill), and fused dequantize-and-multiply matrix-vector products (decode).
+"""Computing from quantized GGUF tensors: dequantize to fp16 (prefill), and fused
+dequantize-and-multiply matrix-vector products (decode).
 
-The kernels run in the selected backend's library (pyplugin.backend): on `host`, numpy arrays in and
-out and the call is done when it returns; on `cuda`, CuPy arrays (host arrays are copied to the device
-first) and the work is enqueued on CuPy's current stream. The pure-Python `stub` backend has no
-kernels, so there every call raises PebblingError.
+Each backend has its kernels: the native library's (native/pebble_quant.cu) on `cuda` and `host`,
+numpy with gguf-py's decoders on the pure-Python `stub` (pyplugin._stub.StubKernels, the same
+arguments accepted and refused). On `host` and `stub`, numpy arrays go in and out and a call is done
+when it returns; on `cuda`, CuPy arrays (host arrays are copied to the device first) and the work is
+enqueued on CuPy's current stream.
 """
 
 from __future__ import annotations
 
 import threading
+from types import ModuleType
 
 import numpy as np
 
-from .backend import select_backend
-from .errors import InvalidArgumentError, PebblingError, SizeMismatchError
+from .backend import probe, select_backend
+from .errors import InvalidArgumentError, SizeMismatchError
 from .store import as_int
 from .xp import array_module
 
 # GGUF type id -> name, for the types with kernels.
 SUPPORTED_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 8: "Q8_0", 12: "Q4_K", 14: "Q6_K", 30: "BF16"}
+MAX_VEC = 8  # PEBBLE_MATVEC_MAX_VEC: the most vectors one matvec call takes
 
 _kernels_lock = threading.Lock()
-_kernels: dict = {}
+_kernels: dict[str, "Kernels"] = {}
 
 
-def _open(backend: str | None):
-    """(NativeKernels, xp) of the backend `backend` (None: the selected one)."""
-    choice = select_backend(backend)
-    if choice.name == "stub":
-        raise PebblingError(
-            "quantized kernels need the native library, but the backend is the pure-Python stub "
-            f"({choice.reason}); build it with `make host` (or `make cuda` on a GPU machine)")
-    with _kernels_lock:
-        if choice.name not in _kernels:
+class Kernels:
+    """One backend's kernels, and the array module (`xp`) their buffers live in."""
+
+    def __init__(self, name: str):
+        self.name = name
+        if name == "stub":
+            from ._stub import StubKernels
+
+            self.lib = StubKernels()
+        else:
             from ._native import NativeKernels
 
-            _kernels[choice.name] = NativeKernels(choice.name)
-        kernels = _kernels[choice.name]
-    return kernels, array_module("cupy" if choice.name == "cuda" else "numpy")
+            self.lib = NativeKernels(name)
+        self.xp: ModuleType = array_module("cupy" if name == "cuda" else "numpy")
+        self._local = threading.local()  # each thread's fp16 workspace
+
+    def __repr__(self) -> str:
+        return f"Kernels({self.name!r})"
+
+    def _stream(self):
+        return self.xp.cuda.get_current_stream() if self.xp is not np else None
+
+    def _bytes(self, raw):
+        """`raw` as an array in xp's memory: CUDA arrays and numpy arrays as they are (copied to the
+        device for cuda), any other buffer (bytes, memoryview, mmap) as uint8."""
+        if not (isinstance(raw, np.ndarray) or hasattr(raw, "__cuda_array_interface__")):
+            raw = np.frombuffer(raw, dtype=np.uint8)
+        return raw if self.xp is np else self.xp.asarray(raw)
+
+    def type_block(self, ggml_type) -> tuple[int, int]:
+        """(elements, bytes) of one block of `ggml_type` (an id or gguf's GGMLQuantizationType)."""
+        return self.lib.type_block(ggml_type)
+
+    def dequantize(self, ggml_type, raw, n_elements: int, *, out=None):
+        """The `n_elements` elements of the tensor whose GGUF bytes are `raw`, as a flat float16 array
+        (written into `out` when given). Values are decoded in float32 as gguf's dequantize does, then
+        rounded to nearest even (out of fp16 range: +-inf)."""
+        n_elements = as_int(n_elements, "n_elements")
+        if out is None:
+            out = self.xp.empty(max(n_elements, 0), dtype=np.float16)
+        else:
+            _check_out("dequantize", out, np.float16, (n_elements,))
+        self.lib.dequantize(ggml_type, self._bytes(raw), n_elements, out, stream=self._stream())
+        return out
+
+    def matvec(self, ggml_type, w, n_rows: int, n_cols: int, x, *, out=None):
+        """W @ x for the n_rows x n_cols weight whose GGUF bytes are `w` (rows contiguous, as GGUF
+        stores them): x is [n_cols] or [n_vec, n_cols] with n_vec in 1..8, cast to float16; returns
+        float32 [n_rows] or [n_vec, n_rows] (written into `out` when given). Products and sums are
+        float32."""
+        xp = self.xp
+        n_rows, n_cols = as_int(n_rows, "n_rows"), as_int(n_cols, "n_cols")
+        x = xp.ascontiguousarray(xp.asarray(x), dtype=np.float16)
+        if x.ndim not in (1, 2) or x.shape[-1] != n_cols:
+            raise SizeMismatchError(f"matvec: x must be [n_cols] or [n_vec, n_cols] with n_cols {n_cols}, "
+                                    f"got shape {tuple(x.shape)}")
+        n_vec = 1 if x.ndim == 1 else x.shape[0]
+        shape = (max(n_rows, 0),) if x.ndim == 1 else (n_vec, max(n_rows, 0))
+        if out is None:
+            out = xp.empty(shape, dtype=np.float32)
+        else:
+            _check_out("matvec", out, np.float32, shape)
+        self.lib.matvec(ggml_type, self._bytes(w), n_rows, n_cols, x, n_vec, out, stream=self._stream())
+        return out
+
+    def workspace(self, n_elements: int):
+        """A flat float16 array of n_elements, a view of this thread's reused workspace: it grows to the
+        largest size asked for and is kept until `release_workspace`."""
+        buffer = getattr(self._local, "buffer", None)
+        if buffer is None or buffer.size < n_elements:
+            self._local.buffer = None  # the old one goes before the larger one comes
+            buffer = self._local.buffer = self.xp.empty(n_elements, dtype=np.float16)
+        return buffer[:n_elements]
+
+    def workspace_bytes(self) -> int:
+        buffer = getattr(self._local, "buffer", None)
+        return 0 if buffer is None else buffer.nbytes
+
+    def release_workspace(self) -> None:
+        """Drops this thread's workspace (a request that needs one allocates it again)."""
+        self._local.buffer = None
 
 
-def _stream(xp):
-    return xp.cuda.get_current_stream() if xp is not np else None
+def kernels(backend: str | None = None) -> Kernels:
+    """The kernels of `backend` (None: the selected one, see pyplugin.backend.select_backend)."""
+    name = select_backend(backend).name
+    with _kernels_lock:
+        if name not in _kernels:
+            _kernels[name] = Kernels(name)
+        return _kernels[name]
 
 
-def _raw_bytes(raw, xp):
-    """`raw` as an array in xp's memory: CUDA arrays and numpy arrays as they are (copied to the device
-    for cuda), any other buffer (bytes, memoryview, mmap) as uint8."""
-    if not (isinstance(raw, np.ndarray) or hasattr(raw, "__cuda_array_interface__")):
-        raw = np.frombuffer(raw, dtype=np.uint8)
-    return raw if xp is np else xp.asarray(raw)
+def host_kernels(backend: str | None = None) -> Kernels:
+    """Kernels that compute on numpy arrays: the stub's when `backend` (or the selection) is the stub,
+    else the host library's where it is built, else the stub's."""
+    name = select_backend(backend).name
+    if name == "cuda":
+        name = "host" if probe("host").usable else "stub"
+    return kernels(name)
+
+
+def kernels_for(xp: ModuleType, backend: str | None = None) -> Kernels:
+    """Kernels whose buffers live in the array module `xp`."""
+    return kernels("cuda") if xp is not np else host_kernels(backend)
 
 
 def _check_out(call: str, out, dtype, shape: tuple) -> None:
@@ -62,39 +143,14 @@ def _check_out(call: str, out, dtype, shape: tuple) -> None:
 
 def block_size(ggml_type, *, backend: str | None = None) -> tuple[int, int]:
     """(elements, bytes) of one block of `ggml_type` (an id or gguf's GGMLQuantizationType)."""
-    kernels, _ = _open(backend)
-    return kernels.type_block(ggml_type)
+    return kernels(backend).type_block(ggml_type)
 
 
 def dequantize(ggml_type, raw, n_elements: int, *, out=None, backend: str | None = None):
-    """The `n_elements` elements of the tensor whose GGUF bytes are `raw`, as a flat float16 array
-    (written into `out` when given). Values are decoded in float32 as gguf's dequantize does, then
-    rounded to nearest even (out of fp16 range: +-inf)."""
-    kernels, xp = _open(backend)
-    n_elements = as_int(n_elements, "n_elements")
-    if out is None:
-        out = xp.empty(max(n_elements, 0), dtype=np.float16)
-    else:
-        _check_out("dequantize", out, np.float16, (n_elements,))
-    kernels.dequantize(ggml_type, _raw_bytes(raw, xp), n_elements, out, stream=_stream(xp))
-    return out
+    """`Kernels.dequantize` on the kernels of `backend` (None: the selected one)."""
+    return kernels(backend).dequantize(ggml_type, raw, n_elements, out=out)
 
 
 def matvec(ggml_type, w, n_rows: int, n_cols: int, x, *, out=None, backend: str | None = None):
-    """W @ x for the n_rows x n_cols weight whose GGUF bytes are `w` (rows contiguous, as GGUF stores
-    them): x is [n_cols] or [n_vec, n_cols] with n_vec in 1..8, cast to float16; returns float32
-    [n_rows] or [n_vec, n_rows] (written into `out` when given). Products and sums are float32."""
-    kernels, xp = _open(backend)
-    n_rows, n_cols = as_int(n_rows, "n_rows"), as_int(n_cols, "n_cols")
-    x = xp.ascontiguousarray(xp.asarray(x), dtype=np.float16)
-    if x.ndim not in (1, 2) or x.shape[-1] != n_cols:
-        raise SizeMismatchError(f"matvec: x must be [n_cols] or [n_vec, n_cols] with n_cols {n_cols}, "
-                                f"got shape {tuple(x.shape)}")
-    n_vec = 1 if x.ndim == 1 else x.shape[0]
-    shape = (max(n_rows, 0),) if x.ndim == 1 else (n_vec, max(n_rows, 0))
-    if out is None:
-        out = xp.empty(shape, dtype=np.float32)
-    else:
-        _check_out("matvec", out, np.float32, shape)
-    kernels.matvec(ggml_type, _raw_bytes(w, xp), n_rows, n_cols, x, n_vec, out, stream=_stream(xp))
-    return out
+    """`Kernels.matvec` on the kernels of `backend` (None: the selected one)."""
+    return kernels(backend).matvec(ggml_type, w, n_rows, n_cols, x, out=out)

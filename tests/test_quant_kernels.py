@@ -3,8 +3,8 @@
 For every supported type, on random blocks, blocks with extreme scales (fp16 max, smallest normal and
 subnormals, negative) and all-zero blocks: pebble_dequantize equals gguf's dequantize rounded to fp16,
 and pebble_matvec a float64 product of gguf's dequantized weights with the same fp16 vectors. Runs on
-the host library in `make test` (and under ASan/UBSan in `make test-sanitized`), on the cuda library
-where a GPU is present.
+the stub's numpy kernels and the host library in `make test` (the host library under ASan/UBSan too,
+in `make test-sanitized`), and on the cuda library where a GPU is present.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from gguf.constants import GGML_QUANT_SIZES
 
 from conftest import store_backend_params
 from pyplugin import _native, quant
-from pyplugin.errors import InvalidArgumentError, PebblingError, SizeMismatchError
+from pyplugin.backend import probe
+from pyplugin.errors import InvalidArgumentError, SizeMismatchError
 
 TYPES = [Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q6_K, Q.F16, Q.BF16, Q.F32]
 QUANTIZED = {Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q6_K}
@@ -40,12 +41,7 @@ EDGE_FLOATS = np.array([65504, 65519.996, 65520, -65520, 3.4e38, 2**-14, 2**-14 
 MATVEC_RTOL = 1e-5
 
 
-def kernel_backend_params() -> list:
-    """host and cuda, each skipped with the reason where absent (or left out by PEBBLING_TEST_BACKENDS)."""
-    return [p for p in store_backend_params() if p.values[0] != "stub"]
-
-
-@pytest.fixture(params=kernel_backend_params())
+@pytest.fixture(params=store_backend_params())
 def backend(request) -> str:
     return request.param
 
@@ -180,10 +176,10 @@ def test_dequantize_equals_gguf_rounded_to_fp16(backend, qtype):
         # Both decode in float32 and round that to fp16: on the host the very same operations, so every
         # bit equals gguf's; on a GPU fp16 rounding may differ by one unit in the last place at most.
         ulps = fp16_ulps(got, want)
-        bad = np.flatnonzero(ulps > (0 if backend == "host" else 1))
+        bad = np.flatnonzero(ulps > (0 if backend != "cuda" else 1))
         assert bad.size == 0, (f"{kind}: {bad.size} elements differ, first {bad[0]}: "
                                f"{got[bad[0]]!r} vs {want[bad[0]]!r}")
-        if backend == "host":
+        if backend != "cuda":
             np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16), err_msg=kind)
         if kind == "zero":  # +-0: Q4_0's zero block is (0 - 8) * 0.0 = -0.0, in gguf too
             assert (got == 0).all()
@@ -197,7 +193,7 @@ def test_dequantize_f16_keeps_every_bit(backend):
 
 def test_dequantize_writes_into_out(backend):
     raw = make_raw(Q.Q4_K, 2, np.random.default_rng(7), "random")
-    xp = np if backend == "host" else pytest.importorskip("cupy")
+    xp = np if backend != "cuda" else pytest.importorskip("cupy")
     out = xp.full(512, np.nan, dtype=np.float16)
     assert quant.dequantize(Q.Q4_K, raw, 512, out=out, backend=backend) is out
     np.testing.assert_array_equal(to_numpy(out), reference(Q.Q4_K, raw).reshape(-1).astype(np.float16))
@@ -227,7 +223,7 @@ def test_matvec_matches_float64_product_of_gguf_weights(backend, qtype, n_vec):
     weights = reference(qtype, raw, n_rows).astype(np.float64)  # [n_rows, n_cols]
     want = x.astype(np.float64) @ weights.T                      # [n_vec, n_rows]
 
-    xp = np if backend == "host" else pytest.importorskip("cupy")
+    xp = np if backend != "cuda" else pytest.importorskip("cupy")
     out = xp.full((n_vec, n_rows), np.nan, dtype=np.float32)     # every output must be written
     got = to_numpy(quant.matvec(qtype, raw, n_rows, n_cols, x, out=out, backend=backend))
     assert not np.isnan(got).any(), f"outputs left unwritten at {np.argwhere(np.isnan(got)).tolist()}"
@@ -292,6 +288,8 @@ def test_malformed_calls_raise_naming_type_and_sizes_and_the_library_stays_usabl
 
 
 def test_null_pointers_are_refused(backend):
+    if backend == "stub":
+        pytest.skip("the stub has no pointers to pass: its buffers are numpy arrays")
     kernels = _native.NativeKernels(backend)
     lib, null = kernels._lib, _native.ffi.NULL
     raw = make_raw(Q.Q4_0, 1, np.random.default_rng(5), "random")
@@ -308,6 +306,17 @@ def test_null_pointers_are_refused(backend):
     assert kernels.type_block(Q.Q4_0) == (32, 18)
 
 
-def test_the_stub_backend_says_it_has_no_kernels():
-    with pytest.raises(PebblingError, match=r"stub.*make host"):
-        quant.dequantize(Q.Q8_0, bytes(34), 32, backend="stub")
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_stub_and_native_kernels_agree(qtype):
+    """The stub is the reference semantics: on the same blocks, its results and the host library's are
+    the same bits (dequantize) and the same float32 sums up to their order (matvec)."""
+    if not probe("host").usable:
+        pytest.skip("the host library is not built here (make host)")
+    raw, n_cols = matvec_case(qtype, 5, 4 if qtype not in QUANTIZED else 2, seed=21)
+    n = 5 * n_cols
+    with np.errstate(over="ignore"):
+        stub, host = (quant.dequantize(qtype, raw, n, backend=b) for b in ("stub", "host"))
+    np.testing.assert_array_equal(stub.view(np.uint16), host.view(np.uint16))
+    x = np.random.default_rng(22).standard_normal((3, n_cols)).astype(np.float16)
+    stub, host = (quant.matvec(qtype, raw, 5, n_cols, x, backend=b) for b in ("stub", "host"))
+    np.testing.assert_allclose(stub, host, rtol=1e-5, atol=1e-6 * max(np.abs(host).max(), 1e-30))
