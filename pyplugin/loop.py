@@ -20,9 +20,11 @@ import numpy as np
 from .backend import open_store
 from .errors import OptionsError
 from .gpu import used_device_memory
-from .model import KVCache, LayerWeights, Model, ModelConfig, embed, layer_forward, output_logits
+from .model import (KVCache, LayerWeights, Model, ModelConfig, OuterWeights, QuantWeight, embed, layer_forward,
+                    output_logits)
 from .options import Options
 from .plan import MemoryModel, PebblingOptions, Plan, make_plan
+from .quant import MAX_VEC, kernels_for
 from .sampling import Sampler
 from .strategy import Strategy
 from .xp import compute_dtype, to_numpy
@@ -227,8 +229,20 @@ def _aligned(n: int) -> int:
 class _Tensor:
     tensor_id: int
     name: str
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]              # numpy order
     nbytes: int
+    qtype: int | None = None            # GGUF type of a matrix kept in its file form; None: dense
+
+    def view(self, raw: Array, dtype: np.dtype, kernels) -> Array | QuantWeight:
+        """The tensor over `raw`, a flat uint8 array of exactly its bytes."""
+        if self.qtype is None:
+            return raw.view(dtype).reshape(self.shape)
+        return QuantWeight(self.qtype, self.shape, raw.reshape(self.shape[0], -1), kernels)
+
+
+def _bytes_of(tensor: Array | QuantWeight) -> Array:
+    """What the store copies for a tensor: a QuantWeight's bytes, an array itself."""
+    return tensor.data if isinstance(tensor, QuantWeight) else tensor
 
 
 def workspace_bytes(cfg: ModelConfig, n_tokens: int, n_ctx: int, itemsize: int) -> int:
@@ -244,12 +258,14 @@ def workspace_bytes(cfg: ModelConfig, n_tokens: int, n_ctx: int, itemsize: int) 
 
 
 class PebbledModel:
-    """A model whose layers live in a pebble store: saved once, in the compute type, to the host tier;
-    each request's plan only changes which of them are resident, so a new strategy never reads the
-    model file again. The store's backend decides the array module: CuPy on cuda, numpy elsewhere."""
+    """A model whose layers live in a pebble store: saved once to the host tier, in the form the model
+    was loaded in (typed pebbles: a matrix in its GGUF type and shape when quantized, the compute type
+    when expanded); each request's plan only changes which of them are resident, so a new strategy
+    never reads the model file again. The store's backend decides the array module (CuPy on cuda,
+    numpy elsewhere) and the kernels that compute from quantized pebbles."""
 
     def __init__(self, model: Model, *, backend: str | None = None, keep_host_weights: bool = True):
-        """`keep_host_weights=False` hands the model's float32 layers over to the store: they are
+        """`keep_host_weights=False` hands the model's host layers over to the store: they are
         released as they are saved, so a server holds each layer once, not twice."""
         cfg = model.config
         self.model = model
@@ -262,21 +278,32 @@ class PebbledModel:
         else:
             self.xp = np
         self.dtype = compute_dtype(self.xp)
+        self.weights = model.weights
+        self.kernels = kernels_for(self.xp, self.backend)
         self.layouts: list[list[_Tensor]] = []
         for i in range(cfg.n_layer):
             lw, layout = model.layers[i], []
             for name, array in lw.arrays():
-                data = np.ascontiguousarray(array, dtype=self.dtype)
-                tensor = _Tensor(WEIGHT_IDS[name], name, data.shape, data.nbytes)
-                self.store.save(i, tensor.tensor_id, data, tier="host",
-                                desc=_desc(self.dtype, data.shape))
+                if isinstance(array, QuantWeight):
+                    data = np.ascontiguousarray(array.data)
+                    tensor = _Tensor(WEIGHT_IDS[name], name, array.shape, data.nbytes, array.qtype)
+                    desc = _desc(array.qtype, array.shape)
+                else:
+                    data = np.ascontiguousarray(array, dtype=self.dtype)
+                    tensor = _Tensor(WEIGHT_IDS[name], name, data.shape, data.nbytes)
+                    desc = _desc(self.dtype, data.shape)
+                self.store.save(i, tensor.tensor_id, data, tier="host", desc=desc)
                 layout.append(tensor)
             self.layouts.append(layout)
             if not keep_host_weights:
                 model.layers[i] = None  # the store's copy is the one that counts from here on
         if not keep_host_weights:
             model.release_layers()
-        self.outer = model.outer_weights(self.xp)
+        outer = model.outer_weights(self.xp)
+        output = outer.output
+        if isinstance(output, QuantWeight):  # computed by this backend's kernels
+            output = output.placed(output.data, self.kernels)
+        self.outer = OuterWeights(outer.token_embd, outer.output_norm, output)
         self._kv_ctx: int | None = None
         self._overhead: int | None = None
 
@@ -287,9 +314,22 @@ class PebbledModel:
         """A copy of layer i's weights from the store, in new arrays of the compute module."""
         arrays = {}
         for t in self.layouts[i]:
-            arrays[t.name] = self.xp.empty(t.shape, self.dtype)
-            self.store.restore(i, t.tensor_id, arrays[t.name])
+            arrays[t.name] = t.view(self.xp.empty(t.nbytes, np.uint8), self.dtype, self.kernels)
+            self.store.restore(i, t.tensor_id, _bytes_of(arrays[t.name]))
         return LayerWeights(**arrays)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Every layer's weights as the store holds them."""
+        return sum(t.nbytes for layout in self.layouts for t in layout)
+
+    def _expansion_elements(self, n_tokens: int) -> int:
+        """fp16 elements of the workspace that a chunk of n_tokens expands quantized matrices into:
+        the largest such matrix when the chunk is past what the fused kernels take, else none."""
+        if n_tokens <= MAX_VEC:
+            return 0
+        quantized = [t.shape[0] * t.shape[1] for layout in self.layouts for t in layout if t.qtype is not None]
+        return max(quantized, default=0)
 
     def kv_shape(self, n_ctx: int) -> tuple[int, int, int]:
         return (n_ctx, self.model.config.n_head_kv, self.model.config.head_dim)
@@ -299,15 +339,20 @@ class PebbledModel:
         chunks and context this request can reach instead of a full num_batch chunk at num_ctx."""
         cfg, isz = self.model.config, self.dtype.itemsize
         kv_token = cfg.kv_bytes_per_token(isz)
-        outer = self.model.outer
-        fixed = (outer.output.size + outer.output_norm.size + 2 * options.num_ctx * cfg.head_dim) * isz
+        output = self.outer.output
+        output_bytes = output.nbytes if isinstance(output, QuantWeight) else output.size * isz
+        fixed = output_bytes + (self.outer.output_norm.size + 2 * options.num_ctx * cfg.head_dim) * isz
         if prompt_tokens is None:
-            workspace = workspace_bytes(cfg, min(options.num_batch, options.num_ctx), options.num_ctx, isz)
+            chunk = min(options.num_batch, options.num_ctx)
+            workspace = workspace_bytes(cfg, chunk, options.num_ctx, isz)
         else:
+            chunk = min(options.num_batch, prompt_tokens)
             reach = options.num_ctx if options.num_predict < 0 else prompt_tokens + options.num_predict
             workspace = max(
-                workspace_bytes(cfg, min(options.num_batch, prompt_tokens), prompt_tokens, isz),  # prefill
-                workspace_bytes(cfg, 1, min(options.num_ctx, reach), isz))                         # decode
+                workspace_bytes(cfg, chunk, prompt_tokens, isz),                   # prefill
+                workspace_bytes(cfg, 1, min(options.num_ctx, reach), isz))          # decode
+        # The fp16 expansion of quantized matrices, kept from the first long chunk to the request's end.
+        workspace += 2 * self._expansion_elements(chunk)
         return MemoryModel(
             layer_weight_bytes=tuple(sum(_aligned(t.nbytes) for t in layout) for layout in self.layouts),
             layer_kv_bytes=_aligned(options.num_ctx * kv_token // 2) * 2,
@@ -338,11 +383,13 @@ class PebbledModel:
         handles every request loads are in device memory before the overhead is measured."""
         cfg, xp = self.model.config, self.xp
         weights = self.layer_weights(0)
-        k, v = (xp.zeros((4, cfg.n_head_kv, cfg.head_dim), self.dtype) for _ in range(2))
-        x = layer_forward(cfg, embed(self.outer, [0, 1], xp), weights, k, v, 0)
-        x = layer_forward(cfg, x[-1:], weights, k, v, 2)
+        n = MAX_VEC + 1  # a chunk past the fused kernels: expansion and GEMM load too
+        k, v = (xp.zeros((n + 1, cfg.n_head_kv, cfg.head_dim), self.dtype) for _ in range(2))
+        x = layer_forward(cfg, embed(self.outer, list(range(n)), xp), weights, k, v, 0)
+        x = layer_forward(cfg, x[-1:], weights, k, v, n)
         output_logits(cfg, self.outer, x[-1]).get()
         del weights, k, v, x
+        self.kernels.release_workspace()
 
     def budget(self, pebbling: PebblingOptions) -> int | None:
         """The request's limit, else (adaptive on a GPU) the device memory free to this process."""
@@ -384,10 +431,12 @@ class PebbledModel:
         store.reset_stats()
 
 
-def _desc(dtype: np.dtype, shape: tuple[int, ...]):
+def _desc(kind: np.dtype | int, shape: tuple[int, ...]):
+    """The store's desc of a tensor of numpy `shape`: `kind` a numpy dtype or a GGUF type id."""
     from .store import TensorDesc
 
-    return TensorDesc(_GGML_TYPE[np.dtype(dtype)], tuple(reversed(shape)))
+    ggml_type = kind if isinstance(kind, int) else _GGML_TYPE[np.dtype(kind)]
+    return TensorDesc(ggml_type, tuple(reversed(shape)))
 
 
 class StoreLayers:
@@ -405,6 +454,7 @@ class StoreLayers:
         self.n_ctx = options.num_ctx
         self.kv_shape = pebbled.kv_shape(self.n_ctx)
         self.kv_row_bytes = int(np.prod(self.kv_shape[1:])) * self.dtype.itemsize
+        pebbled.kernels.release_workspace()
         if self.xp is not np:
             self.xp.get_default_memory_pool().free_all_blocks()  # measure this request, not the last
         pebbled.prepare(plan, self.n_ctx)
@@ -430,8 +480,9 @@ class StoreLayers:
     # -- views
 
     def _resident_views(self, i: int) -> tuple[LayerWeights, Array, Array]:
-        view = self.store.device_array
-        weights = {t.name: view(i, t.tensor_id, self.dtype, t.shape) for t in self.pebbled.layouts[i]}
+        view, kernels = self.store.device_array, self.pebbled.kernels
+        weights = {t.name: t.view(view(i, t.tensor_id, np.uint8, (t.nbytes,)), self.dtype, kernels)
+                   for t in self.pebbled.layouts[i]}
         return (LayerWeights(**weights), view(i, K_ID, self.dtype, self.kv_shape),
                 view(i, V_ID, self.dtype, self.kv_shape))
 
@@ -442,16 +493,16 @@ class StoreLayers:
     def _slot_views(self, slot: int, i: int) -> tuple[LayerWeights, Array, Array]:
         buffer, offset, arrays = self.slots[slot], 0, {}
 
-        def carve(nbytes: int, shape: tuple[int, ...]) -> Array:
+        def carve(nbytes: int) -> Array:
             nonlocal offset
-            array = buffer[offset:offset + nbytes].view(self.dtype).reshape(shape)
+            raw = buffer[offset:offset + nbytes]
             offset += _aligned(nbytes)
-            return array
+            return raw
 
         for t in self.pebbled.layouts[i]:
-            arrays[t.name] = carve(t.nbytes, t.shape)
+            arrays[t.name] = t.view(carve(t.nbytes), self.dtype, self.pebbled.kernels)
         kv_bytes = int(np.prod(self.kv_shape)) * self.dtype.itemsize
-        k, v = carve(kv_bytes, self.kv_shape), carve(kv_bytes, self.kv_shape)
+        k, v = (carve(kv_bytes).view(self.dtype).reshape(self.kv_shape) for _ in range(2))
         return LayerWeights(**arrays), k, v
 
     # -- the LayerSource protocol
@@ -493,7 +544,7 @@ class StoreLayers:
         i, slot = self.streamed[n], n % len(self.slots)
         weights, k, v = views = self._slot_views(slot, i)
         for t in self.pebbled.layouts[i]:
-            self.store.restore(i, t.tensor_id, getattr(weights, t.name), stream=self.copy_stream)
+            self.store.restore(i, t.tensor_id, _bytes_of(getattr(weights, t.name)), stream=self.copy_stream)
         if self.pos:
             self.store.read(i, K_ID, 0, k[:self.pos], stream=self.copy_stream)
             self.store.read(i, V_ID, 0, v[:self.pos], stream=self.copy_stream)
@@ -528,6 +579,7 @@ class StoreLayers:
         return {
             "strategy": _strategy_name(plan.strategy),
             "enabled": self.pebbling.enabled is not False,
+            "weights": self.pebbled.weights,
             "backend": self.pebbled.backend,
             "resident_layers": len(plan.resident),
             "n_layers": memory.n_layers,

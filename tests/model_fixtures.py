@@ -34,9 +34,11 @@ def tiny_path(arch: str = "llama", **overrides) -> Path:
     return _write(tiny_spec(arch, **overrides))
 
 
-def tiny_model(arch: str = "llama", **overrides) -> Model:
-    """The loaded model for the spec, loaded once per session (treat it as read-only)."""
-    return _load(tiny_spec(arch, **overrides))
+def tiny_model(arch: str = "llama", *, weights: str = "f16", **overrides) -> Model:
+    """The loaded model for the spec, loaded once per session and weight form (treat it as read-only).
+    The default form here is `f16` (float32 arrays on the host), which the reference tests compare
+    element by element; pass weights="quantized" for matrices kept in their GGUF form."""
+    return _load(tiny_spec(arch, **overrides), weights)
 
 
 _paths: dict[str, Path] = {}     # keyed by repr(spec): a spec holds a dict, so it is not hashable
@@ -50,8 +52,8 @@ def _write(spec: SynthSpec) -> Path:
     return _paths[key]
 
 
-def _load(spec: SynthSpec) -> Model:
-    key = repr(spec)
+def _load(spec: SynthSpec, weights: str) -> Model:
+    key = f"{weights} {spec!r}"
     if key not in _models:
-        _models[key] = load_model(_write(spec), progress=False)
+        _models[key] = load_model(_write(spec), weights=weights, progress=False)
     return _models[key]

@@ -1,4 +1,4 @@
-"""Reading a GGUF file: its metadata, and its tensors dequantized one at a time.
+"""Reading a GGUF file: its metadata, and its tensors one at a time, as bytes or dequantized.
 
 gguf's reader parses the header; tensor data is read through a memory map of our own so that, once
 a tensor is dequantized, its file pages can be dropped from this process (madvise) and host memory
@@ -102,6 +102,21 @@ class GGUFFile:
             raise ModelError(f"{self.path}: missing tensor {name!r}")
         try:
             return dequantize_bytes(np.frombuffer(self._map, np.uint8, t.nbytes, t.offset), t.qtype, t.shape)
+        finally:
+            self._drop_pages(t.offset, t.nbytes)
+
+    def raw(self, name: str) -> np.ndarray:
+        """A 2-D tensor's bytes as the file stores them, in a new uint8 array [rows, row bytes]; its
+        file pages are dropped after."""
+        t = self.tensors.get(name)
+        if t is None:
+            raise ModelError(f"{self.path}: missing tensor {name!r}")
+        if len(t.shape) != 2:
+            raise ModelError(f"{self.path}: tensor {name} has shape {t.shape}; only matrices are kept "
+                             "in their GGUF form")
+        try:
+            raw = np.frombuffer(self._map, np.uint8, t.nbytes, t.offset)
+            return raw.reshape(t.shape[0], t.nbytes // t.shape[0]).copy()
         finally:
             self._drop_pages(t.offset, t.nbytes)
 

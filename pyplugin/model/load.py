@@ -1,9 +1,13 @@
-"""A GGUF file -> a loaded ``Model``: config, tokenizer, chat template and float32 host weights.
+"""A GGUF file -> a loaded ``Model``: config, tokenizer, chat template and host weights.
 
-Tensors are dequantized one at a time from the memory-mapped file, so host memory while loading
-stays near the size of the dequantized model. phi3's fused tensors (attn_qkv, gate+up in ffn_up)
-are split into row views here, so the forward pass sees the same ``LayerWeights`` for every
-architecture.
+Weights come in one of two forms (``WEIGHT_FORMS``). ``quantized``, the default: every weight matrix
+stays as the file's bytes (a ``QuantWeight``), so host memory is the file's size and the forward pass
+computes from the quantized bytes. ``f16``: every tensor is expanded once, at load, to float32 on the
+host (and to fp16 where it moves to the GPU), for comparison; more memory, the same tokens. Vectors
+(norms, biases) are float32 in both. Tensors are read one at a time from the memory-mapped file, so
+host memory while loading stays near the size of the loaded weights. phi3's fused tensors (attn_qkv,
+gate+up in ffn_up) are split into row views here, so the forward pass sees the same ``LayerWeights``
+for every architecture.
 """
 
 from __future__ import annotations
@@ -17,10 +21,11 @@ from typing import Any, Callable
 import numpy as np
 from tqdm import tqdm
 
-from ..errors import ModelError
+from ..errors import ModelError, OptionsError
 from ..xp import compute_dtype, to_xp
 from .chat import ChatTemplate
 from .gguf_file import GGUFFile
+from .qweight import QuantWeight
 from .tokenizer import Tokenizer
 from .transformer import ROPE_NEOX, ROPE_NORMAL, LayerWeights, ModelConfig, OuterWeights
 
@@ -28,6 +33,14 @@ ROPE_MODES = {"llama": ROPE_NORMAL, "qwen2": ROPE_NEOX, "phi3": ROPE_NEOX}
 SUPPORTED_ARCHS = tuple(ROPE_MODES)
 RANDOM_WEIGHTS_KEY = "pebbling.random_weights"  # set by pyplugin.synth
 _REQUIRED = object()
+WEIGHT_FORMS = ("quantized", "f16")  # as the file stores them, or expanded once at load
+
+
+def check_weight_form(form: str, what: str = "weights") -> str:
+    if form not in WEIGHT_FORMS:
+        raise OptionsError(f"{what}: got {form!r}; accepted: {', '.join(map(repr, WEIGHT_FORMS))} "
+                           "(quantized: weights stay in their GGUF type; f16: expanded once at load)")
+    return form
 
 
 @dataclass(frozen=True)
@@ -35,14 +48,11 @@ class ModelBytes:
     """Sizes a memory plan needs."""
 
     layer_file: tuple[int, ...]     # each layer's tensors as stored in the file (maybe quantized)
-    layer_host: tuple[int, ...]     # each layer's arrays as loaded here (float32)
+    layer_host: tuple[int, ...]     # each layer's tensors as loaded here (file bytes, or float32)
     outer_file: int                 # token_embd, output_norm, output as stored
     outer_host: int                 # ... as loaded (the tied output counted once)
     kv_per_token: int               # K and V of one token in one layer, float32
 
-    def layer_device(self, i: int, itemsize: int = 2) -> int:
-        """Layer i's weights once converted to a compute type of ``itemsize`` bytes."""
-        return self.layer_host[i] // 4 * itemsize
 
 
 @dataclass
@@ -54,11 +64,12 @@ class Model:
     config: ModelConfig
     tokenizer: Tokenizer
     chat_template: ChatTemplate
-    layers: list[LayerWeights]          # float32 numpy, one per layer
-    outer: OuterWeights                 # float32 numpy
+    layers: list[LayerWeights]          # host weights, one per layer: QuantWeight or float32 numpy
+    outer: OuterWeights                 # host weights
     nbytes: ModelBytes
     metadata: dict[str, Any]            # scalar metadata (the vocabulary and merges left out)
     random_weights: bool = False
+    weights: str = "quantized"          # the form of the weights, one of WEIGHT_FORMS
     _converted: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def release_layers(self) -> None:
@@ -67,7 +78,8 @@ class Model:
         self._converted = {k: v for k, v in self._converted.items() if not k.startswith("layers:")}
 
     def resident_layers(self, xp: ModuleType = np) -> list[LayerWeights]:
-        """Every layer in xp's compute type, converted once and kept (all layers resident)."""
+        """Every layer on xp's side, converted once and kept (all layers resident): matrices in
+        their GGUF form stay so, arrays go to xp's compute type."""
         if len(self.layers) != self.config.n_layer:
             raise ModelError(f"{self.path}: the layers were handed over to a pebble store; run them "
                              f"through it (pyplugin.loop.PebbledModel) rather than resident here")
@@ -76,7 +88,7 @@ class Model:
         key = f"layers:{xp.__name__}"
         if key not in self._converted:
             dtype = compute_dtype(xp)
-            self._converted[key] = [lw.map(lambda a: to_xp(a, xp, dtype)) for lw in self.layers]
+            self._converted[key] = [lw.map(lambda a: _to_xp(a, xp, dtype)) for lw in self.layers]
         return self._converted[key]
 
     def outer_weights(self, xp: ModuleType = np) -> OuterWeights:
@@ -87,16 +99,22 @@ class Model:
         if key not in self._converted:
             dtype = compute_dtype(xp)
             self._converted[key] = OuterWeights(self.outer.token_embd,
-                                                to_xp(self.outer.output_norm, xp, dtype),
-                                                to_xp(self.outer.output, xp, dtype))
+                                                _to_xp(self.outer.output_norm, xp, dtype),
+                                                _to_xp(self.outer.output, xp, dtype))
         return self._converted[key]
 
     def chat_prompt(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> str:
         return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
 
 
-def load_model(path: str | os.PathLike, *, progress: bool | None = None) -> Model:
-    """Load a GGUF file. ``progress``: None shows a bar on a terminal when loading takes a while."""
+def _to_xp(a: Any, xp: ModuleType, dtype: Any) -> Any:
+    return a.to(xp) if isinstance(a, QuantWeight) else to_xp(a, xp, dtype)
+
+
+def load_model(path: str | os.PathLike, *, weights: str = "quantized", progress: bool | None = None) -> Model:
+    """Load a GGUF file with its weights in the form `weights` (see WEIGHT_FORMS). ``progress``: None
+    shows a bar on a terminal when loading takes a while."""
+    check_weight_form(weights, "weights")
     path = Path(path)
     with GGUFFile(path) as f:
         cfg = read_config(f)
@@ -109,8 +127,11 @@ def load_model(path: str | os.PathLike, *, progress: bool | None = None) -> Mode
                                 bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token,
                                 origin=str(path))
         with _progress_bar(f, path, progress) as bar:
-            def load(name: str) -> np.ndarray:
-                bar.update(f.tensors[name].nbytes)
+            def load(name: str) -> np.ndarray | QuantWeight:
+                t = f.tensors[name]
+                bar.update(t.nbytes)
+                if weights == "quantized" and len(t.shape) == 2:
+                    return QuantWeight(int(t.qtype), t.shape, f.raw(name))
                 return f.dequantize(name)
             layers = [_load_layer(f, cfg, i, load) for i in range(cfg.n_layer)]
             outer = _load_outer(f, cfg, load)
@@ -118,7 +139,7 @@ def load_model(path: str | os.PathLike, *, progress: bool | None = None) -> Mode
         metadata = {k: v for k, v in f.metadata.items() if not isinstance(v, list)}
     name = metadata.get("general.name") or path.stem
     random = bool(metadata.get(RANDOM_WEIGHTS_KEY)) or "random weights" in str(name).lower()
-    return Model(path, name, cfg, tokenizer, template, layers, outer, nbytes, metadata, random)
+    return Model(path, name, cfg, tokenizer, template, layers, outer, nbytes, metadata, random, weights)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -185,7 +206,7 @@ def _rope_freq_factors(f: GGUFFile, rope_dims: int) -> tuple[float, ...] | None:
 # weights
 
 
-def _load_layer(f: GGUFFile, cfg: ModelConfig, i: int, load: Callable[[str], np.ndarray]) -> LayerWeights:
+def _load_layer(f: GGUFFile, cfg: ModelConfig, i: int, load: Callable[[str], Any]) -> LayerWeights:
     def get(tensor: str) -> np.ndarray:
         name = f"blk.{i}.{tensor}"
         if name not in f.tensors:
@@ -217,11 +238,13 @@ def _load_layer(f: GGUFFile, cfg: ModelConfig, i: int, load: Callable[[str], np.
     return lw
 
 
-def _split_rows(a: np.ndarray, sizes: tuple[int, ...], what: str) -> list[np.ndarray]:
-    # Views of the fused array: no copy, and rows stay contiguous.
+def _split_rows(a: np.ndarray | QuantWeight, sizes: tuple[int, ...], what: str) -> list:
+    # Views of the fused tensor: no copy, and rows stay contiguous.
     if a.shape[0] != sum(sizes):
         raise ModelError(f"{what}: fused tensor has {a.shape[0]} rows, expected "
                          f"{' + '.join(map(str, sizes))}")
+    if isinstance(a, QuantWeight):
+        return a.split_rows(sizes)
     return np.split(a, np.cumsum(sizes)[:-1])
 
 
@@ -231,12 +254,12 @@ def _check_shapes(f: GGUFFile, cfg: ModelConfig, i: int, lw: LayerWeights) -> No
                 "ffn_norm": (e,), "w_gate": (ff, e), "w_up": (ff, e), "w_down": (e, ff),
                 "bq": (q,), "bk": (kv,), "bv": (kv,)}
     for name, a in lw.arrays():
-        if a.shape != expected[name]:
+        if tuple(a.shape) != expected[name]:
             raise ModelError(f"{f.path}: layer {i} {name} has shape {a.shape}, expected "
                              f"{expected[name]} from the metadata")
 
 
-def _load_outer(f: GGUFFile, cfg: ModelConfig, load: Callable[[str], np.ndarray]) -> OuterWeights:
+def _load_outer(f: GGUFFile, cfg: ModelConfig, load: Callable[[str], Any]) -> OuterWeights:
     if "output_norm.weight" not in f.tensors:
         raise ModelError(f"{f.path}: missing tensor 'output_norm.weight'")
     token_embd = load("token_embd.weight")
@@ -246,7 +269,7 @@ def _load_outer(f: GGUFFile, cfg: ModelConfig, load: Callable[[str], np.ndarray]
     for name, a, shape in (("token_embd", token_embd, (cfg.n_vocab, cfg.n_embd)),
                            ("output", output, (cfg.n_vocab, cfg.n_embd)),
                            ("output_norm", outer.output_norm, (cfg.n_embd,))):
-        if a.shape != shape:
+        if tuple(a.shape) != shape:
             raise ModelError(f"{f.path}: {name} has shape {a.shape}, expected {shape}")
     return outer
 

@@ -5,7 +5,7 @@ layer loop, so a caller may hand ``layer_forward`` each layer's weights from whe
 (all resident, or streamed through device memory one layer at a time).
 
 Layouts follow llama.cpp: a weight matrix is [out_features, in_features] (GGUF's ne reversed) and
-y = x @ W.T. For ``llama`` the converter permuted the Q/K rows of each head so that GGML's "normal"
+y = x @ W.T, whether W is a dense array or a ``QuantWeight`` still in its GGUF type. For ``llama`` the converter permuted the Q/K rows of each head so that GGML's "normal"
 RoPE mode, which rotates adjacent pairs (2i, 2i+1), matches the original model; qwen2 and phi3 keep
 the Hugging Face order and use NeoX mode, which rotates (i, i + n_rot/2).
 """
@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from ..xp import compute_dtype, get_array_module
+from .qweight import QuantWeight
 
 Array = Any  # numpy.ndarray or cupy.ndarray
 
@@ -125,8 +126,9 @@ class KVCache:
 # building blocks
 
 
-def linear(x: Array, w: Array, b: Array | None = None) -> Array:
-    y = x @ w.T
+def linear(x: Array, w: Array | QuantWeight, b: Array | None = None) -> Array:
+    """x @ w.T (+ b); w a dense array, or a matrix in its GGUF form (computed by its kernels)."""
+    y = w.matmul(x) if isinstance(w, QuantWeight) else x @ w.T
     return y if b is None else y + b
 
 
@@ -226,6 +228,8 @@ def embed(outer: OuterWeights, tokens: Any, xp: Any = np) -> Array:
     """Token ids -> x [T, n_embd] in xp's compute type. Rows are gathered where token_embd lives, so
     a host-side table sends only T rows to the device."""
     table = outer.token_embd
+    if isinstance(table, QuantWeight):  # only the rows asked for are decoded
+        return xp.asarray(table.take_rows(tokens), dtype=compute_dtype(xp))
     ids = get_array_module(table).asarray(tokens, dtype=np.int64)
     return xp.asarray(table[ids], dtype=compute_dtype(xp))
 

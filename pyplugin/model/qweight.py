@@ -1,0 +1,112 @@
+"""A weight matrix kept in its GGUF form: the file's bytes, its type and its shape.
+
+The forward pass multiplies by it without expanding it for good: a few rows at a time (decode) go
+through the fused dequantize-and-multiply kernel, which reads each quantized byte once; a longer
+chunk (prefill) expands the matrix into a reused fp16 workspace and multiplies that. The kernels are
+those of the side the bytes live on (pyplugin.quant): CuPy arrays use the cuda library's, numpy
+arrays the host library's or the stub's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Sequence
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from ..xp import get_array_module
+
+Array = Any
+
+
+@dataclass(eq=False)
+class QuantWeight:
+    """rows x cols elements of GGUF type `qtype`, each row a whole number of blocks, rows one after
+    another as the file stores them. `shape` is numpy order, as for the dense weights: (out, in)."""
+
+    qtype: int                      # GGUF type id (gguf's GGMLQuantizationType)
+    shape: tuple[int, int]          # (rows, cols)
+    data: Array                     # uint8 [rows, row_bytes], numpy or CuPy
+    kernels: Any = None             # pyplugin.quant.Kernels for data's side; None: chosen from it
+
+    def __post_init__(self) -> None:
+        rows, cols = self.shape
+        if tuple(self.data.shape) != (rows, row_bytes(self.qtype, cols)):
+            raise ValueError(f"{self.type_name} {rows} x {cols} weight needs bytes shaped "
+                             f"{(rows, row_bytes(self.qtype, cols))}, got {tuple(self.data.shape)}")
+
+    ndim = 2
+
+    @property
+    def type_name(self) -> str:
+        return GGMLQuantizationType(self.qtype).name
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+    @property
+    def size(self) -> int:
+        """Elements, as for an array."""
+        return self.shape[0] * self.shape[1]
+
+    def __repr__(self) -> str:
+        side = type(self.data).__module__.partition(".")[0]
+        return f"QuantWeight({self.type_name}, {self.shape}, {self.nbytes} bytes on {side})"
+
+    # -- where it lives
+
+    def placed(self, data: Array, kernels: Any = None) -> "QuantWeight":
+        """The same tensor over other bytes (a device copy, a store's view), computed by `kernels`."""
+        return replace(self, data=data, kernels=kernels)
+
+    def to(self, xp: Any, kernels: Any = None) -> "QuantWeight":
+        """A copy whose bytes live in array module xp (the same object when they already do)."""
+        if get_array_module(self.data) is xp and kernels in (None, self.kernels):
+            return self
+        return self.placed(xp.asarray(self.data), kernels)
+
+    def split_rows(self, sizes: Sequence[int]) -> list["QuantWeight"]:
+        """Consecutive row ranges of these sizes, as weights over views of the same bytes."""
+        parts, start = [], 0
+        for n in sizes:
+            parts.append(replace(self, shape=(n, self.shape[1]), data=self.data[start:start + n]))
+            start += n
+        return parts
+
+    def _kernels(self):
+        if self.kernels is None:
+            from ..quant import kernels_for
+
+            self.kernels = kernels_for(get_array_module(self.data))
+        return self.kernels
+
+    # -- computing from it
+
+    def take_rows(self, ids: Any) -> np.ndarray:
+        """Rows `ids` as float32 on the host, as gguf decodes them (the embedding's gather)."""
+        from .gguf_file import dequantize_bytes
+
+        rows = self.data[np.asarray(ids, dtype=np.int64)]
+        if get_array_module(rows) is not np:
+            rows = rows.get()
+        return dequantize_bytes(np.ascontiguousarray(rows), GGMLQuantizationType(self.qtype),
+                                (rows.shape[0], self.shape[1]))
+
+    def matmul(self, x: Array) -> Array:
+        """x @ W.T for x [T, cols] or [cols], in x's dtype: the fused kernel for T up to its vector
+        limit, else W expanded into the fp16 workspace and multiplied (cuBLAS on the GPU)."""
+        kernels = self._kernels()
+        rows, cols = self.shape
+        n_vec = 1 if x.ndim == 1 else x.shape[0]
+        if n_vec <= kernels.lib.MAX_VEC:
+            return kernels.matvec(self.qtype, self.data, rows, cols, x).astype(x.dtype, copy=False)
+        w = kernels.dequantize(self.qtype, self.data, rows * cols, out=kernels.workspace(rows * cols))
+        return x @ w.reshape(rows, cols).T
+
+
+def row_bytes(qtype: int, cols: int) -> int:
+    """Bytes of one row of `cols` elements of GGUF type `qtype`."""
+    elements, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+    return cols // elements * nbytes
