@@ -210,6 +210,7 @@ class Job:
 class _Loaded:
     key: Path                         # the resolved file: two names for one file share one model
     name: str                         # the name it was first asked for by
+    weights: str                      # the form its weights are held in (pebbling_weights)
     model: Model | None = None
     pebbled: PebbledModel | None = None  # the model's layers in a pebble store
     expires_at: float = FOREVER       # time.monotonic() deadline once idle
@@ -255,7 +256,7 @@ class Engine:
         self.default_keep_alive = default_keep_alive
         self.backend = backend  # the store backend; None: PEBBLING_BACKEND, else the first that works
         self._lock = threading.Condition()
-        self._loaded: dict[Path, _Loaded] = {}
+        self._loaded: dict[tuple[Path, str], _Loaded] = {}  # by file and weight form
         self._closed = False
         self._info_cache: dict[tuple, dict[str, Any]] = {}
         # Jobs "completed", "cancelled" (stopped mid-way), "dropped" (cancelled while queued), "failed".
@@ -293,7 +294,7 @@ class Engine:
             raise RuntimeError("the engine is closed")
         pebbling = PebblingOptions.from_options(request.options)
         keep_alive = parse_keep_alive(request.keep_alive, self.default_keep_alive)
-        entry, load_ns = self._acquire(request.model)
+        entry, load_ns = self._acquire(request.model, pebbling.effective_weights)
         try:
             model = entry.model
             options = Options.from_dict(request.options, n_ctx_train=model.config.n_ctx_train)
@@ -384,19 +385,21 @@ class Engine:
 
     # -- loading and keep_alive ---------------------------------------------------------------------
 
-    def _acquire(self, name: str) -> tuple[_Loaded, int]:
-        """The loaded entry for `name`, counted as active; (entry, ns spent loading it here)."""
+    def _acquire(self, name: str, weights: str) -> tuple[_Loaded, int]:
+        """The loaded entry for `name` with its weights in form `weights`, counted as active; (entry, ns
+        spent loading it here). Another form of the same file is another entry, as a load-time option
+        is in Ollama: loaded beside the first, each unloading on its own keep_alive."""
         path = self.resolve(name)
-        key = path.resolve()
+        key = (path.resolve(), weights)
         with self._lock:
-            entry = self._loaded.setdefault(key, _Loaded(key, name))
+            entry = self._loaded.setdefault(key, _Loaded(key[0], name, weights))
             entry.active += 1
         with entry.load_lock:
             if entry.model is not None:
                 return entry, 0
             start = time.perf_counter_ns()
             try:
-                entry.model = load_model(path, progress=False)
+                entry.model = load_model(path, weights=weights, progress=False)
                 entry.pebbled = PebbledModel(entry.model, backend=self.backend, keep_host_weights=False)
             except BaseException:
                 with self._lock:  # a request still waiting on load_lock tries again, and says why
@@ -421,8 +424,8 @@ class Engine:
 
     def _unload(self, entry: _Loaded) -> None:
         # Called with self._lock held and entry idle. The worker thread ends on the sentinel.
-        if self._loaded.get(entry.key) is entry:
-            del self._loaded[entry.key]
+        if self._loaded.get((entry.key, entry.weights)) is entry:
+            del self._loaded[(entry.key, entry.weights)]
         entry.model = None
         if entry.pebbled is not None:
             entry.pebbled.close()
@@ -442,10 +445,9 @@ class Engine:
 
     def unload(self, name: str) -> None:
         """Unload `name` as soon as no request uses it."""
-        key = self.resolve(name).resolve()
+        path = self.resolve(name).resolve()
         with self._lock:
-            entry = self._loaded.get(key)
-            if entry is not None:
+            for entry in [e for e in self._loaded.values() if e.key == path]:
                 entry.expires_at = 0.0
                 if entry.active == 0:
                     self._unload(entry)
@@ -500,9 +502,9 @@ class Engine:
             if e.active:  # in use: it will be kept at least until its keep_alive after this request
                 expires = max(expires, now)
             info = self._info(e.key)
+            details = {**info["details"], "pebbling_weights": e.weights}
             out.append(RunningModel(e.name, e.key, sum(nb.layer_host) + nb.outer_host,
-                                    _device_bytes(e.last_report), expires, info["details"],
-                                    info["digest"], e.active))
+                                    _device_bytes(e.last_report), expires, details, info["digest"], e.active))
         return out
 
     def _listing(self, name: str, path: Path) -> ModelListing:

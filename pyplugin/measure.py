@@ -30,10 +30,11 @@ class Loaded:
     load_ns: int  # reading the file and saving its layers into the store
 
 
-def load_pebbled(name: str, backend: str | None = None) -> Loaded:
+def load_pebbled(name: str, backend: str | None = None, weights: str = "quantized") -> Loaded:
+    """The model `name` read with its weights in form `weights` and saved into a store of `backend`."""
     start = time.perf_counter_ns()
     path = resolve(name)
-    model = load_model(path)
+    model = load_model(path, weights=weights)
     pebbled = PebbledModel(model, backend=backend)
     return Loaded(model, pebbled, path, time.perf_counter_ns() - start)
 

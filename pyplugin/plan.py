@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .errors import OptionsError
+from .model.load import WEIGHT_FORMS, check_weight_form
 from .strategy import ADAPTIVE, NONE, Strategy, resident_count, resident_layers
 
 
@@ -157,11 +158,13 @@ def format_bytes(n: int | float) -> str:
 
 @dataclass(frozen=True)
 class PebblingOptions:
-    """pebbling_strategy, pebbling_enabled, pebbling_memory_limit; None means "not given"."""
+    """pebbling_strategy, pebbling_enabled, pebbling_memory_limit, pebbling_weights; None means "not
+    given"."""
 
     strategy: Strategy | None = None
     enabled: bool | None = None
     memory_limit: int | None = None  # bytes
+    weights: str | None = None       # one of WEIGHT_FORMS
 
     @classmethod
     def from_options(cls, options) -> "PebblingOptions":
@@ -169,11 +172,14 @@ class PebblingOptions:
         strategy = options.get("pebbling_strategy")
         enabled = options.get("pebbling_enabled")
         limit = options.get("pebbling_memory_limit")
+        weights = options.get("pebbling_weights")
         if enabled is not None and not isinstance(enabled, bool):
             raise OptionsError(f"option 'pebbling_enabled': got {enabled!r} ({type(enabled).__name__}); "
                                "accepted: true or false")
+        if weights is not None:
+            check_weight_form(weights, "option 'pebbling_weights'")
         return cls(None if strategy is None else Strategy.parse(strategy), enabled,
-                   None if limit is None else parse_size(limit))
+                   None if limit is None else parse_size(limit), weights)
 
     @property
     def effective_strategy(self) -> Strategy:
@@ -181,3 +187,8 @@ class PebblingOptions:
         if self.enabled is False:
             return Strategy.parse("none")
         return self.strategy or Strategy.parse("adaptive")
+
+    @property
+    def effective_weights(self) -> str:
+        """The form the weights are held in: the one asked for, else quantized (the file's own)."""
+        return self.weights or WEIGHT_FORMS[0]

@@ -2,8 +2,8 @@
 events, ending with ``data: [DONE]``) and /v1/models, mapped onto the same engine as Ollama's API.
 
 pebbling's options may ride along as top-level fields (pebbling_strategy, pebbling_enabled,
-pebbling_memory_limit) or in an Ollama-style ``options`` object (OpenAI clients' ``extra_body``); the
-final response carries the ``pebbling`` report beside ``usage``.
+pebbling_memory_limit, pebbling_weights) or in an Ollama-style ``options`` object (OpenAI clients'
+``extra_body``); the final response carries the ``pebbling`` report beside ``usage``.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ def _options(body, max_tokens: int | None) -> dict[str, Any]:
     options: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, **(body.options or {})}
     given = {"temperature": body.temperature, "top_p": body.top_p, "seed": body.seed, "stop": body.stop,
              "num_predict": max_tokens, "pebbling_strategy": body.pebbling_strategy,
-             "pebbling_enabled": body.pebbling_enabled, "pebbling_memory_limit": body.pebbling_memory_limit}
+             "pebbling_enabled": body.pebbling_enabled, "pebbling_memory_limit": body.pebbling_memory_limit,
+             "pebbling_weights": body.pebbling_weights}
     options.update({k: v for k, v in given.items() if v is not None})
     return options
 

@@ -14,8 +14,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 _OPTIONS_DOC = ("Ollama's options (temperature, top_k, top_p, min_p, seed, num_predict, num_ctx, "
                 "num_batch, stop, repeat_penalty, repeat_last_n) plus pebbling_strategy (none, sqrt, "
-                "adaptive, minimal, every:N), pebbling_enabled (bool) and pebbling_memory_limit (bytes, "
-                "or a size such as \"6GiB\")")
+                "adaptive, minimal, every:N), pebbling_enabled (bool), pebbling_memory_limit (bytes, "
+                "or a size such as \"6GiB\") and pebbling_weights (quantized, the default: weights stay in "
+                "their GGUF type; f16: expanded once at load)")
 _KEEP_ALIVE_DOC = ('How long the model stays loaded after this request: seconds, or a duration such as '
                    '"10m"; 0 unloads it at once, a negative value keeps it loaded. Default 5m.')
 
@@ -78,6 +79,7 @@ class _OpenAIBody(_Body):
     pebbling_strategy: str | None = Field(None, description="pebbling extension, as in options")
     pebbling_enabled: bool | None = None
     pebbling_memory_limit: Any = None
+    pebbling_weights: Any = None
     keep_alive: Any = Field(None, description=_KEEP_ALIVE_DOC)
 
 

@@ -16,7 +16,7 @@ from ..measure import (Loaded, format_table, layer_decode_seconds, load_pebbled,
                        predict, store_calls_per_token)
 from ..options import Options
 from ..plan import PebblingOptions, format_bytes, make_plan, parse_size, smallest_footprint
-from .run import add_backend_argument
+from .run import add_backend_argument, add_weights_argument
 
 STRATEGIES = ("none", "sqrt", "adaptive", "minimal", "every:2", "every:4")
 
@@ -33,6 +33,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--context-pos", type=int, metavar="N",
                    help="context position at which per-token figures are computed (default num_ctx/2: "
                         "the mean step of a generation that fills the context)")
+    add_weights_argument(p)
     add_backend_argument(p)
     p.add_argument("--json", action="store_true", help="print the same figures as one JSON object")
     p.set_defaults(func=run)
@@ -40,7 +41,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     limit = None if args.memory_limit is None else parse_size(args.memory_limit, "--memory-limit")
-    loaded = load_pebbled(args.model, args.backend)
+    loaded = load_pebbled(args.model, args.backend, args.pebbling_weights)
     try:
         given = {"num_ctx": args.num_ctx, "num_batch": args.num_batch}
         options = Options.from_dict({k: v for k, v in given.items() if v is not None},
@@ -99,6 +100,8 @@ def estimate(loaded: Loaded, options: Options, limit: int | None, context_pos: i
         "path": str(loaded.path),
         "random_weights": loaded.model.random_weights,
         "backend": pebbled.backend,
+        "weights": pebbled.weights,
+        "layer_weight_bytes": pebbled.weight_bytes,
         "n_layers": memory.n_layers,
         "num_ctx": options.num_ctx,
         "num_batch": options.num_batch,
@@ -140,6 +143,8 @@ def render(r: dict[str, Any]) -> str:
     return "\n".join([
         f"{r['model']}{random}: {r['n_layers']} layers, backend {r['backend']}, "
         f"num_ctx {r['num_ctx']}, num_batch {r['num_batch']}",
+        f"weights: {r['weights']}, {format_bytes(r['layer_weight_bytes'])} in the layers as held"
+        + (" (their GGUF types)" if r["weights"] == "quantized" else " (expanded at load)"),
         f"memory limit: {'none' if limit is None else format_bytes(limit)}; smallest footprint "
         f"(minimal): {format_bytes(r['smallest_footprint_bytes'])} (estimate)",
         f"measured in this run (median of {m['repeats']}):",

@@ -9,6 +9,7 @@ import time
 from ..backend import BACKENDS
 from ..loop import Generation
 from ..measure import load_pebbled
+from ..model import WEIGHT_FORMS
 from ..options import Options
 from ..plan import PebblingOptions, format_bytes, parse_size
 from ..strategy import VALID_STRATEGIES, Strategy
@@ -38,7 +39,14 @@ def add_pebbling_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pebbling-memory-limit", metavar="SIZE",
                    help="device memory budget, e.g. 512MiB or 6GiB (default: none on host and stub, "
                         "the free GPU memory on cuda)")
+    add_weights_argument(p)
     add_backend_argument(p)
+
+
+def add_weights_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pebbling-weights", choices=WEIGHT_FORMS, default=WEIGHT_FORMS[0],
+                   help="quantized (default): weight matrices stay in their GGUF type, in memory, on the "
+                        "bus and in the kernels; f16: expanded once at load (more memory, for comparison)")
 
 
 def add_backend_argument(p: argparse.ArgumentParser) -> None:
@@ -47,18 +55,18 @@ def add_backend_argument(p: argparse.ArgumentParser) -> None:
                         "that works); computation is CuPy on cuda, numpy elsewhere")
 
 
-def pebbling_options(strategy: str | None, limit: str | None,
+def pebbling_options(strategy: str | None, limit: str | None, weights: str | None = None,
                      limit_flag: str = "--pebbling-memory-limit") -> PebblingOptions:
     """The flags' values, checked; errors name the flag."""
     return PebblingOptions(None if strategy is None else Strategy.parse(strategy), None,
-                           None if limit is None else parse_size(limit, limit_flag))
+                           None if limit is None else parse_size(limit, limit_flag), weights)
 
 
 def run(args: argparse.Namespace) -> int:
     started = time.perf_counter_ns()
     # Options first: a bad flag is reported before the model is read.
-    pebbling = pebbling_options(args.pebbling_strategy, args.pebbling_memory_limit)
-    loaded = load_pebbled(args.model, args.backend)
+    pebbling = pebbling_options(args.pebbling_strategy, args.pebbling_memory_limit, args.pebbling_weights)
+    loaded = load_pebbled(args.model, args.backend, pebbling.effective_weights)
     model = loaded.model
     if model.random_weights:
         print(f"(random weights) {model.path.stem}: the text below is noise", file=sys.stderr)
@@ -97,6 +105,7 @@ def _print_verbose(gen: Generation, total_ns: int, load_ns: int) -> None:
         ("eval rate", _rate(s.generated_tokens, s.generate_ns)),
         ("pebbling strategy", report["strategy"]),
         ("backend", report["backend"]),
+        ("weights", report["weights"]),
         ("resident layers", f"{report['resident_layers']}/{report['n_layers']}"),
         ("budget", "no limit" if report["budget_bytes"] is None else format_bytes(report["budget_bytes"])),
         ("estimated peak", f"{format_bytes(report['estimated_peak_bytes'])} (estimate)"),

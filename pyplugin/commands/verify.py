@@ -17,7 +17,7 @@ from ..measure import Loaded, format_table, load_pebbled
 from ..options import Options
 from ..plan import MemoryModel, PebblingOptions, format_bytes, make_plan, parse_size, smallest_footprint
 from ..strategy import Strategy
-from .run import add_backend_argument
+from .run import add_backend_argument, add_weights_argument
 
 STRATEGIES = ("none", "sqrt", "adaptive", "minimal", "every:2")
 DEFAULT_PROMPT = "Why is the sky blue?"
@@ -36,6 +36,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--memory-limit", metavar="SIZE",
                    help="adaptive's budget (default halfway between minimal's and none's estimated peak, "
                         "so that adaptive has to choose)")
+    add_weights_argument(p)
     add_backend_argument(p)
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
     p.add_argument("--plot", metavar="FILE.png", help="draw peak memory and decode speed per strategy")
@@ -45,7 +46,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     limit = None if args.memory_limit is None else parse_size(args.memory_limit, "--memory-limit")
     pyplot = _pyplot() if args.plot else None  # before the run: a missing matplotlib fails fast
-    loaded = load_pebbled(args.model, args.backend)
+    loaded = load_pebbled(args.model, args.backend, args.pebbling_weights)
     try:
         given = {"temperature": 0, "num_predict": args.num_predict, "num_ctx": args.num_ctx}
         options = Options.from_dict({k: v for k, v in given.items() if v is not None},
@@ -108,6 +109,7 @@ def verify(loaded: Loaded, options: Options, prompt: str, limit: int | None) -> 
         "path": str(loaded.path),
         "random_weights": model.random_weights,
         "backend": pebbled.backend,
+        "weights": pebbled.weights,
         "n_layers": model.config.n_layer,
         "prompt": prompt,
         "prompt_tokens": len(tokens),
@@ -132,7 +134,7 @@ def render(r: dict[str, Any]) -> str:
                       format_bytes(s["measured_peak_bytes"]), format_bytes(s["estimated_peak_bytes"]),
                       f"{s['reduction_pct']:.1f}%", rate, slowdown, equal])
     n = rows["none"]["generated_tokens"]
-    lines = [f"{r['model']}: {r['n_layers']} layers, store backend {r['backend']}"]
+    lines = [f"{r['model']}: {r['n_layers']} layers, store backend {r['backend']}, weights {r['weights']}"]
     if r["random_weights"]:
         lines.append("This demo model has RANDOM WEIGHTS: its text is noise, but the check below means "
                      "the same as on a real model.")
