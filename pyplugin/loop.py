@@ -143,8 +143,8 @@ class Generation:
             self.generated.append(token)
             history.append(token)
             yield token
-            if self.pos >= self.layers.n_ctx:
-                break
+            if self.pos >= self.layers.n_ctx or self.stats.generated_tokens == limit:
+                break  # no forward pass for a token that will not be sampled
             start = time.perf_counter_ns()
             logits = self.decode_one(token)
             self.stats.generate_ns += time.perf_counter_ns() - start

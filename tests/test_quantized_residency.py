@@ -1,0 +1,138 @@
+"""Quantized residency: weight matrices stay in their GGUF type in the model, in both tiers of the store
+and on the bus, and the kernels compute from them; every strategy gives the greedy tokens of the
+weights expanded at load (`f16`), on every backend present.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGUFReader
+
+from conftest import store_backend_params
+from model_fixtures import tiny_model, tiny_path
+from pyplugin.loop import K_ID, V_ID, WEIGHT_IDS, Generation, PebbledModel
+from pyplugin.model import QuantWeight
+from pyplugin.options import Options
+from pyplugin.plan import PebblingOptions
+
+PROMPT = [5, 17, 42, 8, 99, 3, 61, 7, 250, 12, 33, 21, 9, 140]
+OPTIONS = Options(temperature=0, num_predict=10, num_ctx=64, num_batch=12)  # chunks past the fused kernels
+STRATEGIES = ["none", "sqrt", "minimal", "every:3", "adaptive"]
+
+# A Q4_K_M-like mix (Q4_K, with Q6_K for attn_v, ffn_down and the output), and single types.
+Q4_K_M = dict(weight_type="Q4_K", tensor_types={"attn_v": "Q6_K", "ffn_down": "Q6_K", "output": "Q6_K"},
+              n_embd=256, n_ff=512, n_head=4, n_head_kv=2)
+MODELS = {
+    "llama-Q4_K_M": ("llama", dict(Q4_K_M, n_layer=6)),
+    "qwen2-Q8_0": ("qwen2", dict(weight_type="Q8_0", n_layer=6)),
+    "phi3-Q4_0": ("phi3", dict(weight_type="Q4_0", n_layer=6)),
+    "llama-Q6_K-tied": ("llama", dict(weight_type="Q6_K", tied_output=True, n_embd=256, n_ff=256, n_layer=4)),
+    "llama-BF16": ("llama", dict(weight_type="BF16", n_layer=4)),
+}
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def spec(request):
+    return MODELS[request.param]
+
+
+@pytest.fixture(scope="module")
+def reference(spec):
+    """Greedy tokens of the f16 form, every layer resident, no store."""
+    arch, overrides = spec
+    tokens = list(Generation(tiny_model(arch, weights="f16", **overrides), OPTIONS).tokens(PROMPT))
+    assert len(tokens) == OPTIONS.num_predict  # the comparison below means something
+    return tokens
+
+
+@pytest.fixture(scope="module", params=store_backend_params())
+def pebbled(request, spec):
+    arch, overrides = spec
+    pm = PebbledModel(tiny_model(arch, weights="quantized", **overrides), backend=request.param)
+    yield pm
+    pm.close()
+
+
+def run(pebbled, strategy: str, limit: int | None = None):
+    pebbling = PebblingOptions.from_options({"pebbling_strategy": strategy, "pebbling_memory_limit": limit})
+    layers = pebbled.layers(OPTIONS, pebbling, len(PROMPT))
+    gen = Generation(pebbled.model, OPTIONS, layers=layers, xp=pebbled.xp)
+    return list(gen.tokens(PROMPT)), gen.report(), layers
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_quantized_tokens_equal_the_f16_tokens_for_every_strategy(pebbled, reference, strategy):
+    tokens, report, _ = run(pebbled, strategy)
+    assert report["weights"] == "quantized"
+    assert tokens == reference
+
+
+def test_the_resident_quantized_model_gives_the_f16_tokens(spec, reference):
+    arch, overrides = spec
+    model = tiny_model(arch, weights="quantized", **overrides)
+    assert list(Generation(model, OPTIONS).tokens(PROMPT)) == reference
+
+
+def test_pebbles_are_the_files_bytes_with_their_type_and_shape(spec, pebbled):
+    """Each weight matrix's entry holds exactly the file's bytes, typed with its GGUF type and shape."""
+    arch, overrides = spec
+    reader = GGUFReader(tiny_path(arch, **overrides))
+    matrices = {t.name: t for t in reader.tensors if t.name.startswith("blk.") and len(t.shape) == 2}
+    stored = 0
+    for i in range(pebbled.model.config.n_layer):
+        for t in pebbled.layouts[i]:
+            info = pebbled.store.entry_info(i, t.tensor_id)
+            if t.qtype is None:  # a vector (norm, bias), in the compute type
+                assert len(info.shape) == 1
+                continue
+            assert info.ggml_type == t.qtype and info.shape == (t.shape[1], t.shape[0])  # GGUF order
+            assert info.nbytes == t.nbytes
+            stored += info.nbytes
+            weights = pebbled.layer_weights(i)
+            assert isinstance(getattr(weights, t.name), QuantWeight)
+    assert stored == sum(int(t.n_bytes) for t in matrices.values())  # phi3's fused tensors: split, same bytes
+    # the same bytes, not a copy converted on the way
+    w = pebbled.layer_weights(0)
+    name = "attn_qkv.weight" if arch == "phi3" else "attn_q.weight"
+    raw = np.asarray(matrices[f"blk.0.{name}"].data).reshape(-1).view(np.uint8)
+    got = w.wq.data if pebbled.xp is np else w.wq.data.get()
+    np.testing.assert_array_equal(got.reshape(-1), raw[:got.size])
+
+
+def test_the_plan_counts_weights_in_their_stored_type(spec, pebbled):
+    arch, overrides = spec
+    memory = pebbled.memory_model(OPTIONS, len(PROMPT))
+    for i, layout in enumerate(pebbled.layouts):
+        assert memory.layer_weight_bytes[i] == sum(-(-t.nbytes // 256) * 256 for t in layout)
+    expanded = PebbledModel(tiny_model(arch, weights="f16", **overrides), backend=pebbled.backend)
+    try:
+        f16 = expanded.memory_model(OPTIONS, len(PROMPT))
+        if arch == "llama" and "BF16" not in overrides["weight_type"]:
+            assert sum(memory.layer_weight_bytes) < sum(f16.layer_weight_bytes) / 2
+        assert sum(memory.layer_weight_bytes) < sum(f16.layer_weight_bytes)
+    finally:
+        expanded.close()
+
+
+def test_streaming_restores_the_stored_bytes_of_the_streamed_layers(pebbled):
+    """bytes restored per decoded token = the streamed layers' weights as stored + the K and V rows
+    each decode step reads back, exactly."""
+    tokens, report, layers = run(pebbled, "minimal")
+    plan = layers.plan
+    assert plan.streamed == tuple(range(pebbled.model.config.n_layer))
+    weights = sum(t.nbytes for i in plan.streamed for t in pebbled.layouts[i])
+    kv_rows = 0
+    steps = len(tokens) - 1  # the last token is sampled, not fed back
+    for n in range(steps):
+        pos = len(PROMPT) + n
+        kv_rows += 2 * pos * layers.kv_row_bytes * len(plan.streamed)
+    assert report["bytes_restored_per_token"] == (steps * weights + kv_rows) // steps
+
+
+def test_kv_entries_stay_in_the_compute_type(pebbled):
+    run(pebbled, "minimal")
+    info = pebbled.store.entry_info(0, K_ID)
+    assert info.ggml_type == (1 if pebbled.backend == "cuda" else 0)  # F16 on the GPU, F32 on the host
+    assert pebbled.store.entry_info(0, V_ID).nbytes == info.nbytes
+    assert max(WEIGHT_IDS.values()) < K_ID
