@@ -164,6 +164,24 @@ def test_a_strategy_change_keeps_the_loaded_model_and_its_tokens(url):
     assert minimal["estimated_peak_bytes"] < reference["pebbling"]["estimated_peak_bytes"]
 
 
+def test_pebbling_weights_picks_the_form_and_both_forms_give_the_same_tokens(url, models_dir):
+    write_gguf(models_dir / "tiny-q8.gguf", **{**TINY, "weight_type": "Q8_0"})
+    options = {**GREEDY, "num_predict": 12, "pebbling_strategy": "minimal"}
+    quantized = generate(url, model="tiny-q8", options=options).json()
+    f16 = generate(url, model="tiny-q8", options={**options, "pebbling_weights": "f16"}).json()
+    assert quantized["pebbling"]["weights"] == "quantized" and f16["pebbling"]["weights"] == "f16"
+    assert quantized["response"] == f16["response"] and quantized["eval_count"] == 12
+    assert f16["load_duration"] > 0  # another form is another load, as a load-time option in Ollama
+    # Q8_0 is 34 bytes per 32 weights: each decoded token restores far fewer bytes than float32's
+    assert quantized["pebbling"]["bytes_restored_per_token"] < f16["pebbling"]["bytes_restored_per_token"] / 2
+    assert quantized["pebbling"]["estimated_peak_bytes"] < f16["pebbling"]["estimated_peak_bytes"]
+    again = generate(url, model="tiny-q8", options=options).json()
+    assert again["load_duration"] == 0 and again["response"] == quantized["response"]
+    ps = requests.get(f"{url}/api/ps", timeout=10).json()["models"]
+    forms = sorted(m["details"]["pebbling_weights"] for m in ps if m["name"] == "tiny-q8")
+    assert forms == ["f16", "quantized"]
+
+
 def test_keep_alive_zero_unloads_and_negative_keeps_forever(url):
     generate(url, keep_alive=0)
     assert "tiny" not in [m["name"] for m in requests.get(f"{url}/api/ps", timeout=10).json()["models"]]
@@ -236,6 +254,8 @@ BAD_GENERATE = [
                  "pebbling_memory_limit", id="negative-limit"),
     pytest.param({"model": "tiny", "prompt": "x", "options": {"pebbling_enabled": "yes"}}, 400,
                  "pebbling_enabled", id="enabled-type"),
+    pytest.param({"model": "tiny", "prompt": "x", "options": {"pebbling_weights": "q4"}}, 400,
+                 "option 'pebbling_weights': got 'q4'; accepted: 'quantized', 'f16'", id="weights-form"),
     pytest.param({"model": "tiny", "prompt": "x", "options": {"pebbling_memory_limit": "1KiB"}}, 400,
                  "smallest footprint", id="limit-below-footprint"),
     pytest.param({"model": "tiny", "prompt": "x", "options": "hot"}, 400, "'options'", id="options-type"),
