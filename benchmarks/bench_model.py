@@ -1,11 +1,14 @@
 """Prefill and decode speed of the forward pass on a ~100M-parameter random-weight Llama.
 
     python benchmarks/bench_model.py [--xp numpy|cupy|all] [--prompt-tokens 256]
-                                     [--decode-tokens 32] [--type F16] [--json FILE]
+                                     [--decode-tokens 32] [--type F16] [--weights f16|quantized]
+                                     [--json FILE]
 
 Writes the model with pyplugin.synth into a temporary directory, loads it, and times prefill (one
 chunk of --prompt-tokens) and greedy decode (--decode-tokens steps) with all layers resident. numpy
-computes in float32, CuPy in float16; `all` runs CuPy too when it is usable here. Figures are
+computes in float32, CuPy in float16; `all` runs CuPy too when it is usable here. --weights picks the
+form the matrices are held in: f16 (expanded at load, the default here) or quantized (their GGUF
+type, computed by the quantized kernels). Figures are
 measurements of this run (the median of --repeats); nothing is assumed.
 """
 
@@ -66,6 +69,8 @@ def main() -> None:
     p.add_argument("--decode-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--type", default="F16", help="GGUF type of the weight matrices (default F16)")
+    p.add_argument("--weights", choices=("f16", "quantized"), default="f16",
+                   help="f16: expanded at load (default); quantized: matrices kept in --type")
     p.add_argument("--json", help="also write the figures to this file")
     args = p.parse_args()
 
@@ -76,13 +81,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = write_gguf(Path(tmp) / "bench.gguf", weight_type=args.type, **SPEC)
         t0 = time.perf_counter()
-        model = load_model(path)
+        model = load_model(path, weights=args.weights, progress=False)
         load_s = time.perf_counter() - t0
         file_mb = path.stat().st_size / 1e6
     cfg = model.config
     print(f"model: random-weight llama, {parameters(model) / 1e6:.1f}M parameters, {cfg.n_layer} "
           f"layers x {cfg.n_embd}, {cfg.n_head}/{cfg.n_head_kv} heads, ffn {cfg.n_ff}, {args.type} "
-          f"file {file_mb:.0f} MB, loaded in {load_s:.2f} s; {os.cpu_count()} CPUs")
+          f"file {file_mb:.0f} MB, weights {args.weights}, loaded in {load_s:.2f} s; {os.cpu_count()} CPUs")
     results = []
     for name in names:
         r = measure(model, name, args.prompt_tokens, args.decode_tokens, args.repeats)
@@ -91,7 +96,8 @@ def main() -> None:
               f"{r['prefill_tokens_per_s']:>8.1f} tokens/s   decode: {r['decode_tokens_per_s']:>7.2f} "
               f"tokens/s  (median of {r['repeats']})")
     if args.json:
-        Path(args.json).write_text(json.dumps({"model_parameters": parameters(model),
+        Path(args.json).write_text(json.dumps({"model_parameters": parameters(model), "type": args.type,
+                                               "weights": args.weights,
                                                "results": results}, indent=2))
 
 

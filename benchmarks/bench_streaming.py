@@ -53,7 +53,7 @@ def main() -> None:
         path = write_gguf(Path(tmp) / "bench.gguf", arch="llama", n_layer=args.n_layer, n_embd=args.n_embd,
                           n_head=args.n_embd // 128, n_head_kv=max(1, args.n_embd // 256), n_ff=args.n_ff,
                           n_ctx=1024, weight_type="F16", seed=3)
-        model = load_model(path, progress=False)
+        model = load_model(path, weights="f16", progress=False)
     pebbled = PebbledModel(model, backend=args.backend)
     options = Options(temperature=0, num_predict=args.decode_tokens, num_ctx=args.prompt_tokens + args.decode_tokens + 8,
                       num_batch=args.prompt_tokens)

@@ -111,7 +111,7 @@ def build_model(args: argparse.Namespace):
         path = write_gguf(Path(tmp) / "bench.gguf", arch="llama", n_layer=args.n_layer, n_embd=e,
                           n_head=args.n_head, n_head_kv=args.n_head_kv, n_ff=f, n_ctx=args.num_ctx,
                           weight_type="F16", seed=args.seed)
-        model = load_model(path, progress=False)
+        model = load_model(path, weights="f16", progress=False)
     # A fixed-length decode, as llama-bench does: a random model may hit an end-of-generation id.
     model.tokenizer.eog_ids = frozenset()
     return model

@@ -219,7 +219,7 @@ def compare_case(case: Case, workdir: Path) -> dict[str, Any]:
     path = workdir / (case.name.replace(" ", "_").replace("/", "-") + ".gguf")
     write_gguf(path, **spec)
     row: dict[str, Any] = {"case": case.name, "tolerance": case.tolerance}
-    model = load_model(path, progress=False)
+    model = load_model(path, weights="f16", progress=False)
     n_normal = sum(1 for t in model.tokenizer.types if t == 1)
     rng = np.random.default_rng(zlib.crc32(case.name.encode()))
     prompt = [int(t) for t in rng.integers(0, n_normal, N_PROMPT)]
