@@ -342,17 +342,17 @@ class PebbledModel:
         output = self.outer.output
         output_bytes = output.nbytes if isinstance(output, QuantWeight) else output.size * isz
         fixed = output_bytes + (self.outer.output_norm.size + 2 * options.num_ctx * cfg.head_dim) * isz
+        # Prefill chunks past the fused kernels also hold the fp16 expansion of a quantized matrix;
+        # decode, which multiplies by the quantized bytes, does not (StoreLayers drops it then).
         if prompt_tokens is None:
             chunk = min(options.num_batch, options.num_ctx)
-            workspace = workspace_bytes(cfg, chunk, options.num_ctx, isz)
+            workspace = workspace_bytes(cfg, chunk, options.num_ctx, isz) + 2 * self._expansion_elements(chunk)
         else:
             chunk = min(options.num_batch, prompt_tokens)
             reach = options.num_ctx if options.num_predict < 0 else prompt_tokens + options.num_predict
             workspace = max(
-                workspace_bytes(cfg, chunk, prompt_tokens, isz),                   # prefill
+                workspace_bytes(cfg, chunk, prompt_tokens, isz) + 2 * self._expansion_elements(chunk),
                 workspace_bytes(cfg, 1, min(options.num_ctx, reach), isz))          # decode
-        # The fp16 expansion of quantized matrices, kept from the first long chunk to the request's end.
-        workspace += 2 * self._expansion_elements(chunk)
         return MemoryModel(
             layer_weight_bytes=tuple(sum(_aligned(t.nbytes) for t in layout) for layout in self.layouts),
             layer_kv_bytes=_aligned(options.num_ctx * kv_token // 2) * 2,
@@ -509,6 +509,8 @@ class StoreLayers:
 
     def begin(self, pos: int, n_tokens: int) -> None:
         self.pos, self.n_tokens = pos, n_tokens
+        if n_tokens <= MAX_VEC:  # the fused kernels take it all: no expanded matrix from here on
+            self.pebbled.kernels.release_workspace()
         self.forwards.append((pos, self.store.stats().bytes_restored))
         for n in range(min(len(self.slots), len(self.streamed))):
             self._restore(n)
@@ -564,6 +566,7 @@ class StoreLayers:
     def report(self, stats) -> dict[str, Any]:
         """The `pebbling` object of a final response (DESIGN.md), from this request's store stats."""
         self._sample_memory()
+        self.pebbled.kernels.release_workspace()  # the request is over: an idle model holds none
         store = self.store.stats()
         plan, memory = self.plan, self.plan.memory
         if self.xp is not np and self.peak_sample:
