@@ -10,8 +10,8 @@ PORT        ?= 11435
 
 # Hopper machine code plus PTX, so newer GPUs can JIT it.
 CUDA_ARCH   ?= -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90
-NATIVE_SRC  := native/pebble.cu native/pebble_quant.cu
-NATIVE_DEPS := $(NATIVE_SRC) native/pebble.h native/pebble_internal.h native/cuda_host.h
+NATIVE_SRC  := native/pebble.cu native/pebble_quant.cu native/pebble_decode.cu
+NATIVE_DEPS := $(NATIVE_SRC) native/pebble.h native/pebble_internal.h native/pebble_device.h native/cuda_host.h
 HOST_FLAGS  := -x c++ -std=c++17 -DPEBBLE_HOST_BUILD -fPIC -shared -pthread -fvisibility=hidden -Wall -Wextra
 SAN_FLAGS   := -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=undefined
 
@@ -73,7 +73,7 @@ test-sanitized: venv host-asan
 	UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
 	PEBBLING_LIB=build/libpebble_host_asan.so PEBBLING_TEST_BACKENDS=host \
 	$(PY) -m pytest -q -p no:cacheprovider tests/test_store_conformance.py tests/test_quant_kernels.py \
-		tests/test_quantized_residency.py
+		tests/test_quantized_residency.py tests/test_decode_layer.py
 
 serve: venv native-best
 	$(VENV)/bin/pebbling serve --host $(HOST) --port $(PORT)

@@ -182,6 +182,54 @@ PEBBLE_API enum pebble_status pebble_matvec    (int32_t ggml_type, const void * 
                                                 int32_t n_vec, float * y, void * stream);
 
 // ---------------------------------------------------------------------------------------------------
+// the decode step: one transformer layer for one token, in one call
+//
+// At batch 1 a layer is a dozen small operations; launched one by one from Python each costs more
+// than the GPU's work. pebble_decode_layer runs them all from C on `stream` (native/pebble_decode.cu):
+// RMS norm, the Q/K/V projections (+ biases), RoPE, the new K/V row into the caches, attention over
+// rows 0..pos, the output projection, the residual, RMS norm, SwiGLU feed-forward and its residual.
+// Weight matrices may be of any type with kernels (the quantized bytes as stored, or F16/F32/BF16);
+// vectors (norms, biases) and the caches are F32 or F16. The residual stream `x` is float32, the
+// vectors handed to the matrix kernels fp16, sums float32. Layouts are llama.cpp's, as in
+// pyplugin.model: a matrix is [out][in] rows, a cache is [n_ctx][n_head_kv][head_dim].
+//
+// Errors: PEBBLE_ERR_INVALID_ARGUMENT for a NULL pointer (only the biases may be NULL), a count below
+// 1, heads that do not divide, an odd or too large rope_dims, a type without kernels or a vector/cache
+// type other than F32 and F16, pageable host memory on the cuda library; PEBBLE_ERR_SIZE_MISMATCH for
+// rows that are not whole blocks, pos outside [0, n_ctx) or scratch smaller than
+// pebble_decode_scratch_bytes says; PEBBLE_ERR_CUDA when a kernel cannot be launched.
+
+struct pebble_layer_shape {
+    int32_t n_embd, n_head, n_head_kv, head_dim, n_ff;
+    int32_t rope_dims;   // leading dims of each head that are rotated (even, <= head_dim)
+    int32_t rope_neox;   // 0: GGML's normal mode, pairs (2i, 2i+1); 1: NeoX, pairs (i, i + rope_dims/2)
+    float   rms_eps;
+};
+
+struct pebble_tensor_ref {
+    int32_t      ggml_type;
+    const void * data;   // NULL: absent (biases only)
+};
+
+struct pebble_layer_weights {
+    struct pebble_tensor_ref attn_norm, wq, wk, wv, wo, ffn_norm, w_gate, w_up, w_down, bq, bk, bv;
+};
+
+// *out = the bytes of scratch pebble_decode_layer needs for this shape and n_ctx.
+PEBBLE_API enum pebble_status pebble_decode_scratch_bytes(const struct pebble_layer_shape * shape, int64_t n_ctx,
+                                                          uint64_t * out);
+// x (n_embd float32, in and out) through one layer at position pos: writes K/V row pos of the caches
+// (kv_type F32 or F16) and attends over rows 0..pos. rope_cos and rope_sin are head_dim float32 each,
+// for this position, in the form x' = x * cos + partner(x) * sin (sin signed; dims past rope_dims with
+// cos 1, sin 0); attn_scale multiplies q before the dot products (1/sqrt(head_dim)).
+PEBBLE_API enum pebble_status pebble_decode_layer(const struct pebble_layer_shape * shape,
+                                                  const struct pebble_layer_weights * weights,
+                                                  int32_t kv_type, void * k_cache, void * v_cache, int64_t n_ctx,
+                                                  int64_t pos, const float * rope_cos, const float * rope_sin,
+                                                  float attn_scale, float * x, void * scratch,
+                                                  uint64_t scratch_bytes, void * stream);
+
+// ---------------------------------------------------------------------------------------------------
 // strategy, stats, errors
 
 // *out = 1 if the strategy keeps `layer` resident on the device, else 0.

@@ -20,6 +20,20 @@ __attribute__((format(printf, 2, 3)))
 #endif
 pebble_status fail(pebble_status status, const char * fmt, ...);
 
+// From pebble_quant.cu, for the decode step (pebble_decode.cu):
+// the GGUF name of a type id ("?" for ids without a type);
+const char * ggml_type_name(int32_t ggml_type);
+// PEBBLE_OK when `ggml_type` has kernels and n_rows x n_cols are whole rows of its blocks, else a failure
+// naming `fn` and `what`;
+pebble_status check_matrix(const char * fn, const char * what, int32_t ggml_type, int64_t n_rows, int64_t n_cols);
+// y = W x for one fp16 vector, arguments already checked, enqueued on `stream`;
+pebble_status matvec_one(int32_t ggml_type, const void * w, int64_t n_rows, int64_t n_cols, const uint16_t * x,
+                         float * y, cudaStream_t stream);
+#ifndef PEBBLE_HOST_BUILD
+// PEBBLE_OK unless `ptr` is pageable host memory, which a kernel cannot read.
+pebble_status check_device_pointer(const void * ptr, const char * what, const char * fn);
+#endif
+
 } // namespace pebble_internal
 
 // Records the statement, function, file and line of a failed runtime call and returns a status.

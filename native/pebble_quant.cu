@@ -11,6 +11,7 @@
 // qualifiers are empty: CI and the sanitizers run the GPU's arithmetic and indexing, and only the
 // thread-index helpers and the warp reduction differ.
 
+#include "pebble_device.h"
 #include "pebble_internal.h"
 
 #include <algorithm>
@@ -18,76 +19,10 @@
 #include <cstdint>
 #include <cstring>
 
-#ifdef PEBBLE_HOST_BUILD
-#    define __host__
-#    define __device__
-#    define __global__
-#    define PEBBLE_UNROLL
-#else
-#    include <cuda_fp16.h>
-#    define PEBBLE_UNROLL _Pragma("unroll")
-#endif
 
-using pebble_internal::fail;
+using namespace pebble_internal;
 
 namespace {
-
-// ---------------------------------------------------------------------------------------------------
-// scalars: float32, fp16 and bf16 from their bits
-
-__host__ __device__ inline float float_from_bits(uint32_t bits) {
-#ifdef __CUDA_ARCH__
-    return __uint_as_float(bits);
-#else
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-#endif
-}
-
-__host__ __device__ inline float half_to_float(uint16_t h) {
-#ifdef __CUDA_ARCH__
-    return __half2float(__ushort_as_half(h));
-#else
-    const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
-    const uint32_t exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
-    if (exp == 0x1f) return float_from_bits(sign | 0x7f800000 | (mant << 13)); // inf, NaN
-    if (exp == 0) {                                                           // zero, subnormal
-        const float v = static_cast<float>(mant) * 0x1p-24f;                  // exact in float32
-        return sign ? -v : v;
-    }
-    return float_from_bits(sign | ((exp + 112) << 23) | (mant << 13));        // rebias 15 -> 127
-#endif
-}
-
-// float32 -> fp16 bits, rounding to nearest even as __float2half_rn and numpy's astype(float16) do
-// (the reference the tests hold the host build to, bit for bit).
-__host__ __device__ inline uint16_t half_from_float(float f) {
-#ifdef __CUDA_ARCH__
-    return __half_as_ushort(__float2half_rn(f));
-#else
-    uint32_t x;
-    memcpy(&x, &f, sizeof x);
-    const uint32_t sign = (x >> 16) & 0x8000, a = x & 0x7fffffff;
-    if (a > 0x7f800000) return static_cast<uint16_t>(sign | 0x7e00); // NaN stays NaN
-    if (a >= 0x477ff000) return static_cast<uint16_t>(sign | 0x7c00); // >= 65520 rounds past 65504: inf
-    uint32_t h, rest, halfway;
-    if (a >= 0x38800000) { // a normal half: rebias the exponent, keep 10 of the 23 mantissa bits
-        h = (a >> 13) - (112u << 10);
-        rest = a & 0x1fff;
-        halfway = 0x1000;
-    } else {               // a subnormal half or zero: the value in units of 2^-24
-        const uint32_t shift = 126 - (a >> 23); // at least 14 here
-        if (shift > 24) return static_cast<uint16_t>(sign); // below 2^-25: rounds to zero
-        const uint32_t m = (a & 0x7fffff) | 0x800000;
-        h = m >> shift;
-        rest = m & ((1u << shift) - 1);
-        halfway = 1u << (shift - 1);
-    }
-    h += rest > halfway || (rest == halfway && (h & 1)); // a carry moves into the exponent, as it should
-    return static_cast<uint16_t>(sign | h);
-#endif
-}
 
 // ---------------------------------------------------------------------------------------------------
 // loads (GGUF and every target here are little-endian)
@@ -272,31 +207,6 @@ struct type_q6_k {
 };
 
 // ---------------------------------------------------------------------------------------------------
-// where a thread is: in the GPU's grid, or the one thread of the host build
-
-#ifdef PEBBLE_HOST_BUILD
-constexpr int warp_lanes = 1;
-inline int64_t grid_thread()   { return 0; }
-inline int64_t grid_threads()  { return 1; }
-inline int64_t grid_warp()     { return 0; }
-inline int64_t grid_warps()    { return 1; }
-inline int     warp_lane()     { return 0; }
-inline float   warp_sum(float v) { return v; }
-#else
-constexpr int warp_lanes = 32;
-__device__ inline int64_t grid_thread()  { return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; }
-__device__ inline int64_t grid_threads() { return static_cast<int64_t>(gridDim.x) * blockDim.x; }
-__device__ inline int64_t grid_warp()    { return static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y; }
-__device__ inline int64_t grid_warps()   { return static_cast<int64_t>(gridDim.x) * blockDim.y; }
-__device__ inline int     warp_lane()    { return static_cast<int>(threadIdx.x); }
-__device__ inline float warp_sum(float v) {
-    PEBBLE_UNROLL
-    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
-    return v;
-}
-#endif
-
-// ---------------------------------------------------------------------------------------------------
 // kernels
 
 // One thread per part of a block, grid-strided.
@@ -456,6 +366,49 @@ pebble_status launch_matvec(const uint8_t * w, int64_t n_rows, int64_t n_cols, c
 }
 
 } // namespace
+
+// ---------------------------------------------------------------------------------------------------
+// for the library's other sources (pebble_internal.h)
+
+namespace pebble_internal {
+
+const char * ggml_type_name(int32_t ggml_type) { return type_name(ggml_type); }
+
+pebble_status check_matrix(const char * fn, const char * what, int32_t ggml_type, int64_t n_rows, int64_t n_cols) {
+    return with_type(ggml_type, fn, [&](auto t) {
+        using T = decltype(t);
+        if (n_rows < 1 || n_cols < 1 || n_cols % T::block_elements != 0) {
+            return fail(PEBBLE_ERR_SIZE_MISMATCH, "%s: %s: %s %" PRId64 " x %" PRId64 ": rows of whole %d-element "
+                        "blocks are needed", fn, what, type_name(T::id), n_rows, n_cols, T::block_elements);
+        }
+        return PEBBLE_OK;
+    });
+}
+
+pebble_status matvec_one(int32_t ggml_type, const void * w, int64_t n_rows, int64_t n_cols, const uint16_t * x,
+                         float * y, cudaStream_t stream) {
+    return with_type(ggml_type, "pebble_matvec", [&](auto t) {
+        using T = decltype(t);
+        return launch_matvec_n<T, 1>(static_cast<const uint8_t *>(w), n_rows, n_cols, x, y, stream);
+    });
+}
+
+#ifndef PEBBLE_HOST_BUILD
+pebble_status check_device_pointer(const void * ptr, const char * what, const char * fn) {
+    cudaPointerAttributes attr = {};
+    if (cudaPointerGetAttributes(&attr, ptr) != cudaSuccess) {
+        cudaGetLastError();
+        attr.type = cudaMemoryTypeUnregistered;
+    }
+    if (attr.type == cudaMemoryTypeUnregistered) {
+        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: %s (%p) is pageable host memory; kernels need device, "
+                    "managed or pinned host memory", fn, what, ptr);
+    }
+    return PEBBLE_OK;
+}
+#endif
+
+} // namespace pebble_internal
 
 // ---------------------------------------------------------------------------------------------------
 // quantized tensors

@@ -113,6 +113,28 @@ enum pebble_status pebble_matvec    (int32_t ggml_type, const void * w, uint64_t
                                      int64_t n_rows, int64_t n_cols, const uint16_t * x_f16,
                                      int32_t n_vec, float * y, void * stream);
 
+struct pebble_layer_shape {
+    int32_t n_embd, n_head, n_head_kv, head_dim, n_ff;
+    int32_t rope_dims;
+    int32_t rope_neox;
+    float   rms_eps;
+};
+struct pebble_tensor_ref {
+    int32_t      ggml_type;
+    const void * data;
+};
+struct pebble_layer_weights {
+    struct pebble_tensor_ref attn_norm, wq, wk, wv, wo, ffn_norm, w_gate, w_up, w_down, bq, bk, bv;
+};
+enum pebble_status pebble_decode_scratch_bytes(const struct pebble_layer_shape * shape, int64_t n_ctx,
+                                               uint64_t * out);
+enum pebble_status pebble_decode_layer(const struct pebble_layer_shape * shape,
+                                       const struct pebble_layer_weights * weights,
+                                       int32_t kv_type, void * k_cache, void * v_cache, int64_t n_ctx,
+                                       int64_t pos, const float * rope_cos, const float * rope_sin,
+                                       float attn_scale, float * x, void * scratch,
+                                       uint64_t scratch_bytes, void * stream);
+
 const char * pebble_strerror  (int32_t status);
 const char * pebble_last_error(void);
 const char * pebble_backend   (void);
@@ -445,6 +467,82 @@ class NativeKernels:
                                                   ffi.cast("uint16_t *", x_ptr), n_vec,
                                                   ffi.cast("float *", y_ptr),
                                                   ffi.cast("void *", stream_pointer(stream))))
+
+
+    # -- the decode step
+
+    def decode_scratch_bytes(self, shape, n_ctx: int) -> int:
+        """Bytes of scratch `decode_layer` needs (shape: a pyplugin.quant.LayerShape)."""
+        out = ffi.new("uint64_t *")
+        _check(self._lib, self._lib.pebble_decode_scratch_bytes(self._shape(shape), n_ctx, out))
+        return int(out[0])
+
+    def _shape(self, shape):
+        c = ffi.new("struct pebble_layer_shape *")
+        for name in ("n_embd", "n_head", "n_head_kv", "head_dim", "n_ff", "rope_dims", "rope_neox", "rms_eps"):
+            setattr(c, name, getattr(shape, name))
+        return c
+
+    def decode_layer(self, shape, weights: dict, kv_type: int, k_cache, v_cache, n_ctx: int, pos: int,
+                     rope_cos, rope_sin, attn_scale: float, x, scratch, *, stream=None) -> None:
+        """One layer for one token (pebble_decode_layer). `weights` maps each pebble_layer_weights field to
+        (ggml_type, buffer) or None; every buffer's size is checked here against the shape, since the
+        library cannot see it."""
+        c_weights = ffi.new("struct pebble_layer_weights *")
+        keep = []
+        for name, expected in decode_buffer_sizes(shape, self.type_block).items():
+            ref = weights.get(name)
+            if ref is None:
+                continue
+            ggml_type, buffer = ref
+            ptr, nbytes = _buffer(buffer, self.backend, writable=False, what=f"decode_layer {name}")
+            want = expected(_c_type(ggml_type))  # None: a type the library refuses, with its own message
+            if want is not None and nbytes != want:
+                raise SizeMismatchError(f"decode_layer: {name} holds {nbytes} bytes; GGUF type {ggml_type} "
+                                        f"needs {want} for this shape")
+            field = getattr(c_weights, name)
+            field.ggml_type, field.data = ggml_type, ptr
+            keep.append(ptr)
+        kv_item = {0: 4, 1: 2}.get(kv_type)
+        cache_bytes = None if kv_item is None else n_ctx * shape.n_head_kv * shape.head_dim * kv_item
+        pointers = []
+        for what, buffer, want, writable in (("k_cache", k_cache, cache_bytes, True),
+                                             ("v_cache", v_cache, cache_bytes, True),
+                                             ("rope_cos", rope_cos, 4 * shape.head_dim, False),
+                                             ("rope_sin", rope_sin, 4 * shape.head_dim, False),
+                                             ("x", x, 4 * shape.n_embd, True)):
+            ptr, nbytes = _buffer(buffer, self.backend, writable=writable, what=f"decode_layer {what}")
+            if want is not None and nbytes != want:
+                raise SizeMismatchError(f"decode_layer: {what} holds {nbytes} bytes; {want} are needed")
+            pointers.append(ptr)
+        k_ptr, v_ptr, cos_ptr, sin_ptr, x_ptr = pointers
+        scratch_ptr, scratch_bytes = _buffer(scratch, self.backend, writable=True, what="decode_layer scratch")
+        _check(self._lib, self._lib.pebble_decode_layer(
+            self._shape(shape), c_weights, kv_type, k_ptr, v_ptr, n_ctx, pos, ffi.cast("const float *", cos_ptr),
+            ffi.cast("const float *", sin_ptr), attn_scale, ffi.cast("float *", x_ptr), scratch_ptr, scratch_bytes,
+            ffi.cast("void *", stream_pointer(stream))))
+
+
+def decode_buffer_sizes(shape, type_block) -> dict:
+    """For each weight of a layer, a function of its GGUF type giving the bytes its buffer must hold."""
+    q, kv = shape.n_head * shape.head_dim, shape.n_head_kv * shape.head_dim
+    e, ff = shape.n_embd, shape.n_ff
+
+    def matrix(rows, cols):
+        def size(ggml_type):
+            try:
+                elements, nbytes = type_block(ggml_type)
+            except PebblingError:
+                return None
+            return rows * (cols // elements) * nbytes if cols % elements == 0 else None
+        return size
+
+    def vector(n):
+        return lambda ggml_type: n * {0: 4, 1: 2}[ggml_type] if ggml_type in (0, 1) else None
+
+    return {"attn_norm": vector(e), "wq": matrix(q, e), "wk": matrix(kv, e), "wv": matrix(kv, e),
+            "wo": matrix(e, q), "ffn_norm": vector(e), "w_gate": matrix(ff, e), "w_up": matrix(ff, e),
+            "w_down": matrix(e, ff), "bq": vector(q), "bk": vector(kv), "bv": vector(kv)}
 
 
 def _c_type(ggml_type) -> int:

@@ -481,3 +481,118 @@ class StubKernels:
         weights = self._decode(ggml_type, w, n_rows)
         np.matmul(x.reshape(n_vec, n_cols).astype(np.float32), weights.T,
                   out=np.frombuffer(y, np.float32).reshape(n_vec, n_rows))
+
+    # -- the decode step: pebble_decode_layer's semantics, step by step in numpy
+
+    def decode_scratch_bytes(self, shape, n_ctx: int) -> int:
+        self._check_shape(shape, n_ctx)
+        return 0  # numpy allocates its own temporaries
+
+    @staticmethod
+    def _check_shape(shape, n_ctx: int) -> None:
+        s = shape
+        if min(s.n_embd, s.n_head, s.n_head_kv, s.head_dim, s.n_ff, n_ctx) < 1:
+            raise InvalidArgumentError(f"pebble_decode_layer: n_embd {s.n_embd}, n_head {s.n_head}, n_head_kv "
+                                       f"{s.n_head_kv}, head_dim {s.head_dim}, n_ff {s.n_ff} and n_ctx {n_ctx} "
+                                       "must each be at least 1")
+        if s.n_head % s.n_head_kv:
+            raise InvalidArgumentError(f"pebble_decode_layer: {s.n_head} query heads cannot share {s.n_head_kv} KV "
+                                       "heads evenly")
+        if not 0 <= s.rope_dims <= s.head_dim or s.rope_dims % 2:
+            raise InvalidArgumentError(f"pebble_decode_layer: rope_dims {s.rope_dims} must be even and within "
+                                       f"0..head_dim ({s.head_dim})")
+
+    def decode_layer(self, shape, weights: dict, kv_type: int, k_cache, v_cache, n_ctx: int, pos: int,
+                     rope_cos, rope_sin, attn_scale: float, x, scratch, *, stream=None) -> None:
+        s = shape
+        self._check_shape(s, n_ctx)
+        e, q_rows, kv_rows = s.n_embd, s.n_head * s.head_dim, s.n_head_kv * s.head_dim
+
+        def vector(name: str, n: int, optional: bool = False):
+            ref = weights.get(name)
+            if ref is None:
+                if optional:
+                    return None
+                raise InvalidArgumentError(f"pebble_decode_layer: {name} must not be NULL")
+            ggml_type, data = ref
+            if ggml_type not in (0, 1):
+                raise InvalidArgumentError(f"pebble_decode_layer: {name} has GGUF type {ggml_type}; vectors must be "
+                                           "0 F32 or 1 F16")
+            values = np.frombuffer(host_buffer(data, writable=False, what=f"decode_layer {name}"),
+                                   np.float32 if ggml_type == 0 else np.float16)
+            if values.size != n:
+                raise SizeMismatchError(f"decode_layer: {name} holds {values.nbytes} bytes; GGUF type {ggml_type} "
+                                        f"needs {n * values.itemsize} for this shape")
+            return values.astype(np.float32)
+
+        def matrix(name: str, rows: int, cols: int):
+            ref = weights.get(name)
+            if ref is None:
+                raise InvalidArgumentError(f"pebble_decode_layer: {name} must not be NULL")
+            ggml_type, data = ref
+            _, type_name, elements, block_bytes = self._type("pebble_decode_layer", ggml_type)
+            if cols % elements:
+                raise SizeMismatchError(f"pebble_decode_layer: {name}: {type_name} {rows} x {cols}: rows of whole "
+                                        f"{elements}-element blocks are needed")
+            raw = np.frombuffer(host_buffer(data, writable=False, what=f"decode_layer {name}"), np.uint8)
+            if raw.nbytes != rows * (cols // elements) * block_bytes:
+                raise SizeMismatchError(f"decode_layer: {name} holds {raw.nbytes} bytes; GGUF type {ggml_type} "
+                                        f"needs {rows * (cols // elements) * block_bytes} for this shape")
+            return lambda v16: self._matvec_f32(ggml_type, raw, rows, cols, v16)
+
+        norms = vector("attn_norm", e), vector("ffn_norm", e)
+        biases = vector("bq", q_rows, True), vector("bk", kv_rows, True), vector("bv", kv_rows, True)
+        wq, wk, wv = matrix("wq", q_rows, e), matrix("wk", kv_rows, e), matrix("wv", kv_rows, e)
+        wo, gate, up = matrix("wo", e, q_rows), matrix("w_gate", s.n_ff, e), matrix("w_up", s.n_ff, e)
+        down = matrix("w_down", e, s.n_ff)
+        if kv_type not in (0, 1):
+            raise InvalidArgumentError(f"pebble_decode_layer: kv_type {kv_type}; the caches must be 0 F32 or 1 F16")
+        if not 0 <= pos < n_ctx:
+            raise SizeMismatchError(f"pebble_decode_layer: position {pos} is outside the cache's 0..{n_ctx - 1}")
+        kv_dtype = np.float32 if kv_type == 0 else np.float16
+        k_all, v_all = (np.frombuffer(host_buffer(c, writable=True, what="decode_layer cache"), kv_dtype)
+                        .reshape(n_ctx, s.n_head_kv, s.head_dim) for c in (k_cache, v_cache))
+        cos, sin = (np.frombuffer(host_buffer(t, writable=False, what="decode_layer rope"), np.float32)
+                    for t in (rope_cos, rope_sin))
+        xs = np.frombuffer(host_buffer(x, writable=True, what="decode_layer x"), np.float32)
+        if xs.size != e or cos.size != s.head_dim or sin.size != s.head_dim:
+            raise SizeMismatchError(f"decode_layer: x holds {xs.size} floats (n_embd {e}); rope rows "
+                                    f"{cos.size} and {sin.size} (head_dim {s.head_dim})")
+        one = np.float32(1)
+
+        def rms_norm16(w):
+            scale = one / np.sqrt(np.float32(np.sum(xs * xs, dtype=np.float32)) / np.float32(e) + np.float32(s.rms_eps))
+            return (xs * scale * w).astype(np.float16)
+
+        def rope(y):  # [heads, head_dim]
+            d = np.arange(s.head_dim)
+            half = s.rope_dims // 2
+            partner = np.where(d >= s.rope_dims, d, (d ^ 1) if not s.rope_neox else np.where(d < half, d + half, d - half))
+            return y * cos + y[:, partner] * sin
+
+        h = rms_norm16(norms[0])
+        q, k, v = wq(h), wk(h), wv(h)
+        q, k, v = (y if b is None else y + b for y, b in zip((q, k, v), biases))
+        q = rope(q.reshape(s.n_head, s.head_dim))
+        k_all[pos] = rope(k.reshape(s.n_head_kv, s.head_dim))
+        v_all[pos] = v.reshape(s.n_head_kv, s.head_dim)
+        keys = k_all[:pos + 1].astype(np.float32)     # [S, n_kv, hd]
+        values = v_all[:pos + 1].astype(np.float32)
+        group = s.n_head // s.n_head_kv
+        out = np.empty((s.n_head, s.head_dim), np.float32)
+        for head in range(s.n_head):
+            kv = head // group
+            scores = keys[:, kv, :] @ (q[head] * np.float32(attn_scale))
+            probs = np.exp(scores - scores.max())
+            probs = probs / probs.sum(dtype=np.float32)
+            out[head] = probs @ values[:, kv, :]
+        xs += wo(out.reshape(-1).astype(np.float16))
+        h = rms_norm16(norms[1])
+        g, u = gate(h), up(h)
+        xs += down((g / (one + np.exp(-g)) * u).astype(np.float16))
+
+    def _matvec_f32(self, ggml_type: int, data, rows: int, cols: int, v16: np.ndarray) -> np.ndarray:
+        raw = np.frombuffer(host_buffer(data, writable=False, what="decode_layer weight"), np.uint8)
+        y = np.empty(rows, np.float32)
+        self.matvec(ggml_type, raw, rows, cols, v16, 1, y)
+        return y

@@ -10,6 +10,7 @@ one while the current one computes) and their new KV rows saved back.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, fields
 from types import ModuleType
@@ -22,9 +23,10 @@ from .errors import OptionsError
 from .gpu import used_device_memory
 from .model import (KVCache, LayerWeights, Model, ModelConfig, OuterWeights, QuantWeight, embed, layer_forward,
                     output_logits)
+from .model.transformer import rope_table
 from .options import Options
 from .plan import MemoryModel, PebblingOptions, Plan, make_plan
-from .quant import MAX_VEC, kernels_for
+from .quant import MAX_VEC, LayerShape, kernels_for
 from .sampling import Sampler
 from .strategy import Strategy
 from .xp import compute_dtype, to_numpy
@@ -90,9 +92,14 @@ class Generation:
         self.generated: list[int] = []
         self.pos = 0
         self.stats = Stats()
+        # Kernels that run a whole layer per call at decode (pebble_decode_layer), where the source has them.
+        self.decode_kernels = getattr(self.layers, "decode_kernels", None)
+        self.layer_shape = LayerShape.of(self.cfg) if self.decode_kernels is not None else None
 
     def forward(self, tokens: Sequence[int]) -> np.ndarray:
         """Run tokens through every layer at the current position; float32 logits of the last one."""
+        if len(tokens) == 1 and self.decode_kernels is not None:
+            return self._decode_step(tokens[0])
         x = embed(self.outer, tokens, self.xp)                                     # [T, n_embd]
         self.layers.begin(self.pos, len(tokens))
         for i in range(self.cfg.n_layer):
@@ -101,6 +108,20 @@ class Generation:
             self.layers.done(i)
         self.pos += len(tokens)
         return to_numpy(output_logits(self.cfg, self.outer, x[-1]))               # [n_vocab]
+
+    def _decode_step(self, token: int) -> np.ndarray:
+        """One token through every layer, each layer one native call; the residual stream stays float32."""
+        xp, cfg = self.xp, self.cfg
+        x = xp.ascontiguousarray(embed(self.outer, [token], xp)[0], dtype=np.float32)     # [n_embd]
+        cos, sin = rope_table(cfg, self.layers.n_ctx, xp, np.float32)
+        cos, sin = cos[self.pos, 0], sin[self.pos, 0]
+        self.layers.begin(self.pos, 1)
+        for i in range(cfg.n_layer):
+            weights, k_cache, v_cache = self.layers.layer(i)
+            self.decode_kernels.decode_layer(self.layer_shape, weights, k_cache, v_cache, self.pos, x, cos, sin)
+            self.layers.done(i)
+        self.pos += 1
+        return to_numpy(output_logits(cfg, self.outer, x.astype(compute_dtype(xp), copy=False)))
 
     def report(self) -> dict[str, Any] | None:
         """The pebbling report when the layers come from a store, else None."""
@@ -264,9 +285,12 @@ class PebbledModel:
     never reads the model file again. The store's backend decides the array module (CuPy on cuda,
     numpy elsewhere) and the kernels that compute from quantized pebbles."""
 
-    def __init__(self, model: Model, *, backend: str | None = None, keep_host_weights: bool = True):
+    def __init__(self, model: Model, *, backend: str | None = None, keep_host_weights: bool = True,
+                 fused_decode: bool | None = None):
         """`keep_host_weights=False` hands the model's host layers over to the store: they are
-        released as they are saved, so a server holds each layer once, not twice."""
+        released as they are saved, so a server holds each layer once, not twice. `fused_decode`: decode
+        steps run each layer as one native call (pebble_decode_layer) instead of one array operation at
+        a time; None reads $PEBBLING_FUSED_DECODE (1 on, else off)."""
         cfg = model.config
         self.model = model
         self.store = open_store(0, cfg.n_layer, "minimal", backend=backend)
@@ -280,6 +304,9 @@ class PebbledModel:
         self.dtype = compute_dtype(self.xp)
         self.weights = model.weights
         self.kernels = kernels_for(self.xp, self.backend)
+        if fused_decode is None:
+            fused_decode = os.environ.get("PEBBLING_FUSED_DECODE", "").strip() == "1"
+        self.fused_decode = fused_decode
         self.layouts: list[list[_Tensor]] = []
         for i in range(cfg.n_layer):
             lw, layout = model.layers[i], []
@@ -451,6 +478,7 @@ class StoreLayers:
     def __init__(self, pebbled: PebbledModel, plan: Plan, options: Options, pebbling: PebblingOptions):
         self.pebbled, self.plan, self.pebbling = pebbled, plan, pebbling
         self.store, self.xp, self.dtype = pebbled.store, pebbled.xp, pebbled.dtype
+        self.decode_kernels = pebbled.kernels if pebbled.fused_decode else None
         self.n_ctx = options.num_ctx
         self.kv_shape = pebbled.kv_shape(self.n_ctx)
         self.kv_row_bytes = int(np.prod(self.kv_shape[1:])) * self.dtype.itemsize

@@ -10,7 +10,9 @@ enqueued on CuPy's current stream.
 
 from __future__ import annotations
 
+import math
 import threading
+from dataclasses import dataclass
 from types import ModuleType
 
 import numpy as np
@@ -24,7 +26,31 @@ from .xp import array_module
 SUPPORTED_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 8: "Q8_0", 12: "Q4_K", 14: "Q6_K", 30: "BF16"}
 MAX_VEC = 8  # PEBBLE_MATVEC_MAX_VEC: the most vectors one matvec call takes
 
+DECODE_WEIGHTS = ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down", "bq", "bk", "bv")
+_DENSE_TYPES = {np.dtype(np.float32): 0, np.dtype(np.float16): 1}  # GGUF F32, F16
+
 _kernels_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """struct pebble_layer_shape: what the decode step needs of a model's config."""
+
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_ff: int
+    rope_dims: int
+    rope_neox: int
+    rms_eps: float
+
+    @classmethod
+    def of(cls, cfg) -> "LayerShape":
+        """From a pyplugin.model.ModelConfig."""
+        return cls(cfg.n_embd, cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.n_ff, cfg.rope_dims,
+                   int(cfg.rope_mode == "neox"), cfg.rms_eps)
+
 _kernels: dict[str, "Kernels"] = {}
 
 
@@ -109,6 +135,41 @@ class Kernels:
     def release_workspace(self) -> None:
         """Drops this thread's workspace (a request that needs one allocates it again)."""
         self._local.buffer = None
+
+    def decode_layer(self, shape: LayerShape, weights, k_cache, v_cache, pos: int, x, rope_cos, rope_sin) -> None:
+        """One transformer layer for one token, in place (pebble_decode_layer): x, float32 [n_embd], goes
+        in and comes out; K/V row `pos` of the caches [n_ctx, n_head_kv, head_dim] is written and rows
+        0..pos attended. `weights` is a LayerWeights of QuantWeight matrices or dense float32/float16
+        arrays; rope_cos and rope_sin are float32 [head_dim] for this position (model.rope_table)."""
+        refs = {}
+        for name in DECODE_WEIGHTS:
+            t = getattr(weights, name)
+            if t is None:
+                continue
+            if hasattr(t, "qtype"):  # a QuantWeight
+                refs[name] = (t.qtype, t.data)
+            elif t.dtype in _DENSE_TYPES:
+                refs[name] = (_DENSE_TYPES[t.dtype], t)
+            else:
+                raise InvalidArgumentError(f"decode_layer: {name} is {t.dtype}; dense weights must be float32 "
+                                           "or float16")
+        kv_type = _DENSE_TYPES.get(k_cache.dtype)
+        if kv_type is None or v_cache.dtype != k_cache.dtype:
+            raise InvalidArgumentError(f"decode_layer: caches of {k_cache.dtype} and {v_cache.dtype}; both must "
+                                       "be float32 or both float16")
+        n_ctx = k_cache.shape[0]
+        scratch = getattr(self._local, "scratch", None)
+        need = self.lib.decode_scratch_bytes(shape, n_ctx)
+        if scratch is None or scratch.nbytes < need:
+            self._local.scratch = None
+            scratch = self._local.scratch = self.xp.empty(need, dtype=np.uint8)
+        self.lib.decode_layer(shape, refs, kv_type, k_cache, v_cache, n_ctx, pos, rope_cos, rope_sin,
+                              float(np.float32(1.0 / math.sqrt(shape.head_dim))), x, scratch[:need],
+                              stream=self._stream())
+
+    def release_scratch(self) -> None:
+        """Drops this thread's decode scratch."""
+        self._local.scratch = None
 
 
 def kernels(backend: str | None = None) -> Kernels:

@@ -155,11 +155,13 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
 
 
 @lru_cache(maxsize=16)
-def rope_table(cfg: ModelConfig, n_ctx: int, xp: Any) -> tuple[Array, Array]:
+def rope_table(cfg: ModelConfig, n_ctx: int, xp: Any, dtype: Any = None) -> tuple[Array, Array]:
     """cos and signed sin for every position and every dim of a head, each [n_ctx, 1, head_dim]
     (broadcast over heads), laid out for ``apply_rope``; dims past rope_dims get cos 1 and sin 0.
+    Angles are float64, the table xp's compute type unless `dtype` says otherwise.
 
-    Made once per config, context size and array module, so a decode step on the GPU uploads nothing.
+    Made once per config, context size, array module and dtype, so a decode step on the GPU uploads
+    nothing.
     """
     positions = np.arange(n_ctx, dtype=np.float64)
     angles = positions[:, None] * rope_inv_freq(cfg)[None, :]              # [n_ctx, rope_dims/2]
@@ -167,7 +169,7 @@ def rope_table(cfg: ModelConfig, n_ctx: int, xp: Any) -> tuple[Array, Array]:
     first, second = _rope_pairs(cfg)
     cos[:, first], cos[:, second] = np.cos(angles), np.cos(angles)
     sin[:, first], sin[:, second] = -np.sin(angles), np.sin(angles)
-    dtype = compute_dtype(xp)
+    dtype = dtype or compute_dtype(xp)
     return xp.asarray(cos[:, None, :], dtype=dtype), xp.asarray(sin[:, None, :], dtype=dtype)
 
 

@@ -1,0 +1,174 @@
+"""The decode step (pebble_decode_layer, native/pebble_decode.cu): one layer for one token in one call,
+against the model's own forward pass, on every backend present; its refusals; and generation with it
+against generation without it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import store_backend_params
+from model_fixtures import tiny_model
+from pyplugin import quant
+from pyplugin.errors import InvalidArgumentError, SizeMismatchError
+from pyplugin.loop import Generation, PebbledModel
+from pyplugin.model import QuantWeight, layer_forward
+from pyplugin.model.transformer import rope_table
+from pyplugin.options import Options
+from pyplugin.plan import PebblingOptions
+from pyplugin.quant import LayerShape
+
+N_CTX = 24
+CASES = {  # name: (arch, overrides); partial RoPE, NeoX, biases, GQA, every type
+    "llama-Q4_K_M": ("llama", dict(weight_type="Q4_K", n_embd=256, n_ff=512, n_head=4, n_head_kv=2,
+                                   tensor_types={"attn_v": "Q6_K", "ffn_down": "Q6_K"})),
+    "qwen2-Q8_0-bias": ("qwen2", dict(weight_type="Q8_0")),
+    "phi3-Q4_0-neox": ("phi3", dict(weight_type="Q4_0")),
+    "llama-F16-partial-rope": ("llama", dict(weight_type="F16", rope_dims=8)),
+    "llama-BF16-mha": ("llama", dict(weight_type="BF16", n_head_kv=4)),
+}
+
+
+@pytest.fixture(params=store_backend_params())
+def kernels(request):
+    return quant.kernels(request.param)
+
+
+def host(a):
+    return a.get() if type(a).__module__.partition(".")[0] == "cupy" else a
+
+
+def setup(kernels, arch, overrides, form, pos, seed=0):
+    """(cfg, weights on the kernels' side, caches with rows 0..pos-1 filled, x float32)."""
+    model = tiny_model(arch, weights=form, n_layer=1, **overrides)
+    cfg, xp = model.config, kernels.xp
+    dtype = np.float32 if xp is np else np.float16
+    lw = model.layers[0].map(lambda a: a.to(xp, kernels) if isinstance(a, QuantWeight) else xp.asarray(a, dtype))
+    rng = np.random.default_rng(seed)
+    shape = (N_CTX, cfg.n_head_kv, cfg.head_dim)
+    k, v = (xp.asarray(rng.standard_normal(shape).astype(dtype)) for _ in range(2))
+    x = rng.standard_normal(cfg.n_embd).astype(np.float32)
+    return cfg, lw, k, v, x
+
+
+def reference(cfg, lw, k, v, x, pos):
+    """The model's forward pass on numpy, float32, weights as the decode step sees them: quantized or
+    dense matrices through the same fp16-vector matvec (dense ones wrapped as F32/F16 QuantWeights)."""
+    stub = quant.kernels("stub")
+
+    def as_numpy(a):
+        if isinstance(a, QuantWeight):
+            return QuantWeight(a.qtype, a.shape, host(a.data), stub)
+        a = host(a).astype(np.float32)
+        if a.ndim == 2:  # a dense matrix: its float32 bytes, so the matvec rounds x to fp16 as the step does
+            return QuantWeight(0, a.shape, a.view(np.uint8).reshape(a.shape[0], -1), stub)
+        return a
+
+    lw = lw.map(as_numpy)
+    k, v = host(k).astype(np.float32), host(v).astype(np.float32)
+    out = layer_forward(cfg, x[None, :], lw, k, v, pos)[0]
+    return out, k, v
+
+
+@pytest.mark.parametrize("pos", [0, 5, N_CTX - 1])
+@pytest.mark.parametrize("case", list(CASES))
+def test_one_layer_equals_the_forward_pass(kernels, case, pos):
+    arch, overrides = CASES[case]
+    cfg, lw, k, v, x = setup(kernels, arch, overrides, "quantized" if "F16" not in case else "f16", pos)
+    want, want_k, want_v = reference(cfg, lw, k, v, x, pos)
+    before_k, before_v = host(k).astype(np.float32), host(v).astype(np.float32)
+    xp = kernels.xp
+    got = xp.asarray(x)
+    cos, sin = rope_table(cfg, N_CTX, xp, np.float32)
+    kernels.decode_layer(LayerShape.of(cfg), lw, k, v, pos, got, cos[pos, 0], sin[pos, 0])
+    got, k, v = host(got), host(k).astype(np.float32), host(v).astype(np.float32)
+    # The vectors entering the matrix kernels are rounded to fp16 on both sides; where the float32 sums
+    # before them differ in the last bit a rounding can fall the other way: one fp16 unit (1e-3) of one
+    # element, carried through a matrix. A wrong rotation, head or row is off by the values themselves.
+    tol = 1e-3 if xp is np else 5e-3  # the GPU also keeps its caches and norm vectors in fp16
+    scale = np.abs(want).max()
+    assert np.abs(got - want).max() <= tol * scale, (np.abs(got - want).max(), scale)
+    np.testing.assert_allclose(k[pos], want_k[pos], rtol=tol, atol=tol * np.abs(want_k[pos]).max())
+    np.testing.assert_allclose(v[pos], want_v[pos], rtol=tol, atol=tol * np.abs(want_v[pos]).max())
+    # every other row of the caches is untouched
+    rest = [r for r in range(N_CTX) if r != pos]
+    np.testing.assert_array_equal(k[rest], before_k[rest])
+    np.testing.assert_array_equal(v[rest], before_v[rest])
+
+
+def test_refusals_name_what_was_wrong_and_the_kernels_stay_usable(kernels):
+    arch, overrides = CASES["qwen2-Q8_0-bias"]
+    cfg, lw, k, v, x = setup(kernels, arch, overrides, "quantized", 3)
+    xp, shape = kernels.xp, LayerShape.of(cfg)
+    cos, sin = rope_table(cfg, N_CTX, xp, np.float32)
+    good = (shape, lw, k, v, 3, xp.asarray(x), cos[3, 0], sin[3, 0])
+
+    def call(**change):
+        args = dict(zip(("shape", "weights", "k_cache", "v_cache", "pos", "x", "rope_cos", "rope_sin"), good))
+        args.update(change)
+        kernels.decode_layer(*args.values())
+
+    from dataclasses import replace
+
+    half_rows = xp.ascontiguousarray(lw.wq.data[:, :lw.wq.data.shape[1] // 2])  # a matrix of half the columns
+    wrong_q = QuantWeight(lw.wq.qtype, (cfg.n_embd, cfg.n_embd // 2), half_rows)
+    cases = [
+        (dict(pos=N_CTX), SizeMismatchError, f"position {N_CTX} is outside the cache's 0..{N_CTX - 1}"),
+        (dict(pos=-1), SizeMismatchError, "position -1"),
+        (dict(shape=replace(shape, n_head_kv=3)), InvalidArgumentError, "4 query heads cannot share 3 KV heads"),
+        (dict(shape=replace(shape, rope_dims=7)), InvalidArgumentError, "rope_dims 7 must be even"),
+        (dict(shape=replace(shape, n_ff=0)), InvalidArgumentError, "must each be at least 1"),
+        (dict(weights=replace(lw, wq=wrong_q)), SizeMismatchError, "wq"),
+        (dict(weights=replace(lw, attn_norm=xp.asarray(host(lw.attn_norm)[:10]))), SizeMismatchError, "attn_norm"),
+        (dict(weights=replace(lw, attn_norm=xp.asarray(host(lw.attn_norm).astype(np.float64)))),
+         InvalidArgumentError, "float64"),
+        (dict(k_cache=k.astype(np.float64), v_cache=v.astype(np.float64)), InvalidArgumentError, "float32"),
+    ]
+    for change, error, message in cases:
+        with pytest.raises(error, match=message):
+            call(**change)
+    before = host(good[5]).copy()
+    call()  # still works, and the refused calls changed nothing
+    assert not np.array_equal(host(good[5]), before)
+
+
+def test_the_native_library_refuses_malformed_calls_by_status(kernels):
+    if kernels.name == "stub":
+        pytest.skip("the stub takes arrays, not pointers")
+    from pyplugin import _native
+
+    lib, ffi = kernels.lib._lib, _native.ffi
+    shape = ffi.new("struct pebble_layer_shape *", dict(n_embd=32, n_head=2, n_head_kv=1, head_dim=16, n_ff=32,
+                                                       rope_dims=16, rope_neox=0, rms_eps=1e-5))
+    weights = ffi.new("struct pebble_layer_weights *")  # every pointer NULL
+    out = ffi.new("uint64_t *")
+    assert lib.pebble_decode_scratch_bytes(shape, 8, out) == 0 and out[0] > 0
+    status = lib.pebble_decode_layer(shape, weights, 0, ffi.NULL, ffi.NULL, 8, 0, ffi.NULL, ffi.NULL, 0.25,
+                                     ffi.NULL, ffi.NULL, 0, ffi.NULL)
+    assert status == -1 and "attn_norm must not be NULL" in ffi.string(lib.pebble_last_error()).decode()
+    assert lib.pebble_decode_layer(ffi.NULL, weights, 0, ffi.NULL, ffi.NULL, 8, 0, ffi.NULL, ffi.NULL, 0.25,
+                                   ffi.NULL, ffi.NULL, 0, ffi.NULL) == -1
+    assert lib.pebble_decode_scratch_bytes(shape, 0, out) == -1
+
+
+@pytest.mark.parametrize("case", ["llama-Q4_K_M", "qwen2-Q8_0-bias", "phi3-Q4_0-neox"])
+@pytest.mark.parametrize("backend", store_backend_params())
+def test_generation_with_the_decode_step_gives_the_same_tokens(backend, case):
+    arch, overrides = CASES[case]
+    model = tiny_model(arch, weights="quantized", n_layer=4, **overrides)
+    options = Options(temperature=0, num_predict=12, num_ctx=48, num_batch=16)
+    prompt = [5, 17, 42, 8, 99, 3, 61]
+    tokens = {}
+    for fused in (False, True):
+        pebbled = PebbledModel(model, backend=backend, fused_decode=fused)
+        try:
+            for strategy in ("none", "minimal", "every:3"):
+                layers = pebbled.layers(options, PebblingOptions.from_options({"pebbling_strategy": strategy}),
+                                        len(prompt))
+                assert (layers.decode_kernels is not None) == fused
+                gen = Generation(model, options, layers=layers, xp=pebbled.xp)
+                tokens[fused, strategy] = list(gen.tokens(prompt))
+        finally:
+            pebbled.close()
+    assert len(set(map(tuple, tokens.values()))) == 1, tokens
+    assert len(tokens[True, "none"]) == 12
