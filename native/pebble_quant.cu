@@ -7,9 +7,10 @@
 //
 // Each type's block decoding is written once, as __host__ __device__ functions that hand every element
 // to a callback, and each kernel is written once. In the host build (-DPEBBLE_HOST_BUILD) a kernel is a
-// plain function run as one thread looping over all the work, a warp has one lane, and the CUDA
-// qualifiers are empty: CI and the sanitizers run the GPU's arithmetic and indexing, and only the
-// thread-index helpers and the warp reduction differ.
+// plain function that loops over its share of the work (the launcher splits rows or blocks among the
+// host's threads when there are enough of them), a warp has one lane, and the CUDA qualifiers are
+// empty: CI and the sanitizers run the GPU's arithmetic and indexing, and only the thread-index
+// helpers, the warp reduction and where x is converted from fp16 differ.
 
 #include "pebble_device.h"
 #include "pebble_internal.h"
@@ -17,7 +18,12 @@
 #include <algorithm>
 #include <cinttypes>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#ifdef PEBBLE_HOST_BUILD
+#    include <thread>
+#    include <vector>
+#endif
 
 
 using namespace pebble_internal;
@@ -223,20 +229,36 @@ __global__ void dequantize_kernel(const uint8_t * __restrict__ src, uint16_t * _
 // One warp per row (blockDim = 32 x rows per block, rows grid-strided). The lanes take the row's block
 // parts in turn, so at each step the warp reads one contiguous stretch of the row, every byte of it
 // once; each lane keeps NV float32 sums, reduced across the warp by shuffles at the end of the row.
-template <typename T, int NV>
-__global__ void matvec_kernel(const uint8_t * __restrict__ w, int64_t n_rows, int64_t n_cols,
-                              const uint16_t * __restrict__ x, float * __restrict__ y) {
+// x's elements as float32: read from fp16 where they are used (the GPU), or from a float32 copy made
+// once per call (the host build, where converting in the inner loop would cost more than the sums).
+#ifdef PEBBLE_HOST_BUILD
+struct float_vectors {
+    const float * p;
+    float operator[](int64_t i) const { return p[i]; }
+};
+#else
+struct half_vectors {
+    const uint16_t * p;
+    __device__ float operator[](int64_t i) const { return half_to_float(p[i]); }
+};
+#endif
+
+// Rows row_begin..row_end - 1 of the n_rows (the GPU takes them all; the host build splits them among
+// its threads).
+template <typename T, int NV, typename X>
+__global__ void matvec_kernel(const uint8_t * __restrict__ w, int64_t n_rows, int64_t n_cols, X x,
+                              float * __restrict__ y, int64_t row_begin, int64_t row_end) {
     const int64_t blocks_per_row = n_cols / T::block_elements;
     const int64_t parts_per_row  = blocks_per_row * T::parts;
-    for (int64_t row = grid_warp(); row < n_rows; row += grid_warps()) {
+    for (int64_t row = row_begin + grid_warp(); row < row_end; row += grid_warps()) {
         const uint8_t * w_row = w + row * blocks_per_row * T::block_bytes;
         float acc[NV] = {};
         for (int64_t p = warp_lane(); p < parts_per_row; p += warp_lanes) {
             const int64_t block = p / T::parts;
-            const uint16_t * x_block = x + block * T::block_elements; // element 0 of vector 0
+            const int64_t x_block = block * T::block_elements; // element 0 of vector 0
             auto emit = [&](int i, float weight) {
                 PEBBLE_UNROLL
-                for (int v = 0; v < NV; v++) acc[v] += weight * half_to_float(x_block[v * n_cols + i]);
+                for (int v = 0; v < NV; v++) acc[v] += weight * x[x_block + v * n_cols + i];
             };
             T::decode(w_row + block * T::block_bytes, static_cast<int>(p % T::parts), emit);
         }
@@ -250,6 +272,34 @@ __global__ void matvec_kernel(const uint8_t * __restrict__ w, int64_t n_rows, in
 
 // ---------------------------------------------------------------------------------------------------
 // launchers
+
+#ifdef PEBBLE_HOST_BUILD
+// f(begin, end) over [0, n): split among the host's threads when there is enough work (`work`
+// elements) to pay for them, else on the calling thread. A thread that cannot be started leaves its
+// share to the calling thread. The shares are disjoint, so the results are those of one thread.
+template <typename F>
+void host_parallel(int64_t n, int64_t work, F && f) {
+    const int64_t hardware = std::max(1u, std::thread::hardware_concurrency());
+    const int64_t threads = std::min<int64_t>({hardware, 16, n, std::max<int64_t>(1, work >> 20)});
+    if (threads <= 1) {
+        f(int64_t(0), n);
+        return;
+    }
+    std::vector<std::thread> pool;
+    int64_t begin = 0;
+    for (int64_t t = 0; t < threads - 1; t++) {
+        const int64_t end = begin + n / threads + (t < n % threads);
+        try {
+            pool.emplace_back(f, begin, end);
+        } catch (...) { // std::system_error: no thread; this one does the share
+            f(begin, end);
+        }
+        begin = end;
+    }
+    f(begin, n);
+    for (std::thread & t : pool) t.join();
+}
+#endif
 
 constexpr int     dequantize_threads = 256;
 constexpr int     matvec_rows_per_block = 4;  // warps per thread block
@@ -323,7 +373,10 @@ pebble_status launch_dequantize(const uint8_t * src, uint16_t * dst, int64_t n_b
     }
     const int64_t n_parts = n_blocks * T::parts;
 #ifdef PEBBLE_HOST_BUILD
-    dequantize_kernel<T>(src, dst, n_parts);
+    (void)n_parts;
+    host_parallel(n_blocks, n_blocks * T::block_elements, [=](int64_t begin, int64_t end) {
+        dequantize_kernel<T>(src + begin * T::block_bytes, dst + begin * T::block_elements, (end - begin) * T::parts);
+    });
     return PEBBLE_OK;
 #else
     const int64_t grid = std::min(max_grid, (n_parts + dequantize_threads - 1) / dequantize_threads);
@@ -337,12 +390,22 @@ pebble_status launch_matvec_n(const uint8_t * w, int64_t n_rows, int64_t n_cols,
                               cudaStream_t stream) {
 #ifdef PEBBLE_HOST_BUILD
     (void)stream;
-    matvec_kernel<T, NV>(w, n_rows, n_cols, x, y);
+    float * xf = static_cast<float *>(std::malloc(static_cast<size_t>(NV * n_cols) * sizeof(float)));
+    if (!xf) {
+        return fail(PEBBLE_ERR_HOST_OOM, "pebble_matvec: %s: no memory for %d float32 vectors of %" PRId64,
+                    type_name(T::id), NV, n_cols);
+    }
+    for (int64_t i = 0; i < NV * n_cols; i++) xf[i] = half_to_float(x[i]);
+    host_parallel(n_rows, n_rows * n_cols, [=](int64_t begin, int64_t end) {
+        matvec_kernel<T, NV>(w, n_rows, n_cols, float_vectors{xf}, y, begin, end);
+    });
+    std::free(xf);
     return PEBBLE_OK;
 #else
     const int64_t grid = std::min(max_grid, (n_rows + matvec_rows_per_block - 1) / matvec_rows_per_block);
     const dim3 block(warp_lanes, matvec_rows_per_block);
-    matvec_kernel<T, NV><<<static_cast<unsigned>(grid), block, 0, stream>>>(w, n_rows, n_cols, x, y);
+    matvec_kernel<T, NV><<<static_cast<unsigned>(grid), block, 0, stream>>>(w, n_rows, n_cols, half_vectors{x}, y,
+                                                                          0, n_rows);
     return check_launch("pebble_matvec", T::id);
 #endif
 }
