@@ -16,7 +16,9 @@ expanded at load), and the file deleted. For each form, with every layer residen
                           the store's byte accounting on host and stub (labelled so); beside the
                           stored bytes of those tensors
   decode                  greedy tokens/s at batch 1 after a --prompt-tokens prefill (a fixed count
-                          of --decode-tokens), and the tokens themselves, which must agree
+                          of --decode-tokens), and the tokens themselves, which must agree; once
+                          with each layer's operations launched one by one from Python ("ops"), once
+                          with each layer one native call (pebble_decode_layer, "fused")
 
 Then, on the quantized model's first layer, each distinct matrix (type and shape) through the fused
 kernel (pebble_matvec, one vector), timed with CUDA events over --repeats calls: bytes read (weights,
@@ -54,6 +56,7 @@ from pyplugin.strategy import Strategy
 from pyplugin.synth import write_gguf
 
 Q4_K_M = {"attn_v": "Q6_K", "ffn_down": "Q6_K", "output": "Q6_K"}  # the rest Q4_K
+DECODE_MODES = ("ops", "fused")  # one array operation at a time, or each layer one native call
 GOAL_WEIGHTS_VS_STORED = 0.02   # device memory for weights within 2% of their stored bytes
 GOAL_DECODE_RATIO = 2.5         # quantized decode tokens/s over f16's
 GOAL_KERNEL_BANDWIDTH = 0.70    # fused kernels' bytes / time over the device bandwidth
@@ -105,9 +108,11 @@ def device_weight_bytes(pebbled: PebbledModel) -> tuple[int, str]:
     return after.bytes - before.bytes, f"measured (NVML, {'this process' if after.this_process else 'whole device'})"
 
 
-def decode_run(pebbled: PebbledModel, prompt: list[int], args) -> dict:
+def decode_run(pebbled: PebbledModel, prompt: list[int], args, fused: bool) -> dict:
+    """Prefill, then a timed greedy decode, all layers resident; `fused`: each layer one native call."""
     options = Options(temperature=0, num_ctx=args.num_ctx, num_batch=len(prompt), num_predict=args.decode_tokens)
     pebbling = PebblingOptions(strategy=Strategy.parse("none"))
+    pebbled.fused_decode = fused
     best = None
     for _ in range(2):  # the first run warms up: kernels load, the allocator grows
         gen = Generation(pebbled.model, options, layers=pebbled.layers(options, pebbling, len(prompt)),
@@ -127,11 +132,11 @@ def form_row(form: str, model, backend: str, prompt: list[int], args) -> dict:
     try:
         device, how = device_weight_bytes(pebbled)
         stored = pebbled.weight_bytes
-        run = decode_run(pebbled, prompt, args)
+        runs = {mode: decode_run(pebbled, prompt, args, mode == "fused") for mode in DECODE_MODES}
     finally:
         pebbled.close()
     return {"weights": form, "stored_weight_bytes": stored, "device_weight_bytes": device,
-            "device_weight_how": how, "device_over_stored": device / stored, **run}
+            "device_weight_how": how, "device_over_stored": device / stored, "decode": runs}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -199,17 +204,21 @@ def acceptance(forms: dict, kernels: list[dict], bandwidth: float) -> list[dict]
         "figure": f"{q['device_weight_bytes']} vs {q['stored_weight_bytes']} bytes ({q['device_weight_how']})",
         "passed": abs(q["device_over_stored"] - 1) <= GOAL_WEIGHTS_VS_STORED,
     }]
-    ratio = q["decode_tokens_per_s"] / f["decode_tokens_per_s"]
-    checks.append({"check": f"quantized decode >= {GOAL_DECODE_RATIO}x f16",
-                   "figure": f"{q['decode_tokens_per_s']:.1f} vs {f['decode_tokens_per_s']:.1f} tokens/s: "
-                             f"{ratio:.2f}x", "passed": ratio >= GOAL_DECODE_RATIO})
+    ratios = {m: q["decode"][m]["decode_tokens_per_s"] / f["decode"][m]["decode_tokens_per_s"] for m in DECODE_MODES}
+    best = max(ratios, key=ratios.get)
+    checks.append({"check": f"quantized decode >= {GOAL_DECODE_RATIO}x f16 (the same decode path for both)",
+                   "figure": "; ".join(f"{m}: {q['decode'][m]['decode_tokens_per_s']:.1f} vs "
+                                       f"{f['decode'][m]['decode_tokens_per_s']:.1f} tokens/s, {ratios[m]:.2f}x"
+                                       for m in DECODE_MODES) + f" (best: {best})",
+                   "passed": ratios[best] >= GOAL_DECODE_RATIO})
     worst = min(kernels, key=lambda k: k["bytes_per_s"])
     share = worst["bytes_per_s"] / bandwidth
     checks.append({"check": f"fused kernels >= {GOAL_KERNEL_BANDWIDTH:.0%} of the device bandwidth (slowest)",
                    "figure": f"{worst['type']} {worst['shape']}: {worst['bytes_per_s'] / 1e9:.0f} of "
                              f"{bandwidth / 1e9:.0f} GB/s, {share:.0%}", "passed": share >= GOAL_KERNEL_BANDWIDTH})
-    checks.append({"check": "quantized greedy tokens equal f16's", "figure": f"{len(q['tokens'])} tokens",
-                   "passed": q["tokens"] == f["tokens"]})
+    runs = [form["decode"][m]["tokens"] for form in (q, f) for m in DECODE_MODES]
+    checks.append({"check": "greedy tokens equal: quantized and f16, each decode path",
+                   "figure": f"{len(runs[0])} tokens x {len(runs)} runs", "passed": all(r == runs[0] for r in runs)})
     return checks
 
 
@@ -217,12 +226,13 @@ def print_result(r: dict) -> None:
     gib = 2**30
     print(f"\n{r['model']}; backend {r['backend']}; device bandwidth {r['device_bandwidth_bytes_per_s'] / 1e9:.1f} "
           f"GB/s (device-to-device copy, this run)")
-    print(f"{'weights':10} {'stored':>10} {'on device':>10} {'ratio':>6} {'decode tok/s':>13} "
+    print(f"{'weights':10} {'stored':>10} {'on device':>10} {'ratio':>6} {'decode tok/s':>13} {'fused':>8} "
           f"{'prefill tok/s':>14}  how")
     for f in r["forms"].values():
+        ops, fused = f["decode"]["ops"], f["decode"]["fused"]
         print(f"{f['weights']:10} {f['stored_weight_bytes'] / gib:9.3f}G {f['device_weight_bytes'] / gib:9.3f}G "
-              f"{f['device_over_stored']:6.3f} {f['decode_tokens_per_s']:13.1f} {f['prefill_tokens_per_s']:14.1f}"
-              f"  {f['device_weight_how']}")
+              f"{f['device_over_stored']:6.3f} {ops['decode_tokens_per_s']:13.1f} {fused['decode_tokens_per_s']:8.1f} "
+              f"{ops['prefill_tokens_per_s']:14.1f}  {f['device_weight_how']}")
     print(f"\n{'fused matvec':12} {'type':5} {'shape':>14} {'us':>9} {'GB/s':>8} {'of device':>9}")
     for k in r["kernels"]:
         print(f"{k['tensor']:12} {k['type']:5} {str(tuple(k['shape'])):>14} {k['seconds'] * 1e6:9.1f} "

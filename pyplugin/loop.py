@@ -611,6 +611,7 @@ class StoreLayers:
             "strategy": _strategy_name(plan.strategy),
             "enabled": self.pebbling.enabled is not False,
             "weights": self.pebbled.weights,
+            "fused_decode": self.decode_kernels is not None,
             "backend": self.pebbled.backend,
             "resident_layers": len(plan.resident),
             "n_layers": memory.n_layers,

@@ -22,7 +22,8 @@ def test_a_tiny_run_measures_both_forms_and_every_distinct_matrix(backend, tmp_p
     result = bench.main(TINY + ["--backend", backend, "--dir", str(tmp_path), "--json", str(tmp_path / "q.json")])
     assert (tmp_path / "q.json").exists() and not list(tmp_path.glob("*.gguf"))  # the file is deleted
     q, f = result["forms"]["quantized"], result["forms"]["f16"]
-    assert q["tokens"] == f["tokens"] and len(q["tokens"]) == 3
+    runs = [form["decode"][mode]["tokens"] for form in (q, f) for mode in ("ops", "fused")]
+    assert all(r == runs[0] for r in runs) and len(runs[0]) == 3
     assert q["stored_weight_bytes"] < f["stored_weight_bytes"] / 2  # Q4_K/Q6_K against float32 (fp16 on GPU)
     if backend != "cuda":
         assert q["device_weight_bytes"] == q["stored_weight_bytes"]  # the store's own accounting
@@ -30,13 +31,15 @@ def test_a_tiny_run_measures_both_forms_and_every_distinct_matrix(backend, tmp_p
         ("Q4_K", (256, 256)), ("Q4_K", (128, 256)), ("Q6_K", (128, 256)), ("Q4_K", (512, 256)), ("Q6_K", (256, 512))}
     assert all(k["bytes_per_s"] > 0 for k in result["kernels"])
     checks = result["acceptance"]
-    assert len(checks) == 4 and checks[-1]["check"].startswith("quantized greedy tokens") and checks[-1]["passed"]
+    assert len(checks) == 4 and checks[-1]["check"].startswith("greedy tokens equal") and checks[-1]["passed"]
     assert "issue 7 checks:" in capsys.readouterr().out
 
 
-def _form(tok_s, device, stored, tokens=(1, 2)):
-    return {"decode_tokens_per_s": tok_s, "device_weight_bytes": device, "stored_weight_bytes": stored,
-            "device_over_stored": device / stored, "device_weight_how": "measured", "tokens": list(tokens)}
+def _form(tok_s, device, stored, tokens=(1, 2), fused_tok_s=None):
+    decode = {"ops": {"decode_tokens_per_s": tok_s, "tokens": list(tokens)},
+              "fused": {"decode_tokens_per_s": fused_tok_s or tok_s, "tokens": list(tokens)}}
+    return {"decode": decode, "device_weight_bytes": device, "stored_weight_bytes": stored,
+            "device_over_stored": device / stored, "device_weight_how": "measured"}
 
 
 def test_acceptance_verdicts_follow_the_goals():
@@ -47,3 +50,8 @@ def test_acceptance_verdicts_follow_the_goals():
     bad = bench.acceptance({"quantized": _form(90, 1030, 1000, (1, 3)), "f16": _form(40, 3000, 3000)},
                            kernels, 3.0e12)
     assert [c["passed"] for c in bad] == [False, False, False, False]  # 3% over, 2.25x, 67%, tokens differ
+    # the decode check passes on either path that reaches the goal, and names it
+    fused = bench.acceptance({"quantized": _form(50, 1000, 1000, fused_tok_s=300), "f16": _form(40, 3000, 3000,
+                                                                                               fused_tok_s=100)},
+                             kernels, 2.8e12)[1]
+    assert fused["passed"] and "best: fused" in fused["figure"]
