@@ -279,7 +279,7 @@ __global__ void matvec_kernel(const uint8_t * __restrict__ w, int64_t n_rows, in
 // share to the calling thread. The shares are disjoint, so the results are those of one thread.
 template <typename F>
 void host_parallel(int64_t n, int64_t work, F && f) {
-    const int64_t hardware = std::max(1u, std::thread::hardware_concurrency());
+    static const int64_t hardware = std::max(1u, std::thread::hardware_concurrency()); // reads /sys: once
     const int64_t threads = std::min<int64_t>({hardware, 16, n, std::max<int64_t>(1, work >> 20)});
     if (threads <= 1) {
         f(int64_t(0), n);

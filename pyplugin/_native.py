@@ -474,53 +474,67 @@ class NativeKernels:
     def decode_scratch_bytes(self, shape, n_ctx: int) -> int:
         """Bytes of scratch `decode_layer` needs (shape: a pyplugin.quant.LayerShape)."""
         out = ffi.new("uint64_t *")
-        _check(self._lib, self._lib.pebble_decode_scratch_bytes(self._shape(shape), n_ctx, out))
+        _check(self._lib, self._lib.pebble_decode_scratch_bytes(self._decode_plan(shape)[0], n_ctx, out))
         return int(out[0])
 
-    def _shape(self, shape):
-        c = ffi.new("struct pebble_layer_shape *")
-        for name in ("n_embd", "n_head", "n_head_kv", "head_dim", "n_ff", "rope_dims", "rope_neox", "rms_eps"):
-            setattr(c, name, getattr(shape, name))
-        return c
+    def _decode_plan(self, shape):
+        """(struct pebble_layer_shape, {(field, ggml_type): bytes its buffer must hold or None}), made once
+        per shape: a decode step runs every layer of every token through here."""
+        plans = self.__dict__.setdefault("_decode_plans", {})
+        plan = plans.get(shape)
+        if plan is None:
+            c = ffi.new("struct pebble_layer_shape *")
+            for name in ("n_embd", "n_head", "n_head_kv", "head_dim", "n_ff", "rope_dims", "rope_neox", "rms_eps"):
+                setattr(c, name, getattr(shape, name))
+            plan = plans[shape] = (c, decode_buffer_sizes(shape, self.type_block), {})
+        return plan
 
     def decode_layer(self, shape, weights: dict, kv_type: int, k_cache, v_cache, n_ctx: int, pos: int,
                      rope_cos, rope_sin, attn_scale: float, x, scratch, *, stream=None) -> None:
-        """One layer for one token (pebble_decode_layer). `weights` maps each pebble_layer_weights field to
-        (ggml_type, buffer) or None; every buffer's size is checked here against the shape, since the
-        library cannot see it."""
-        c_weights = ffi.new("struct pebble_layer_weights *")
-        keep = []
-        for name, expected in decode_buffer_sizes(shape, self.type_block).items():
-            ref = weights.get(name)
-            if ref is None:
-                continue
-            ggml_type, buffer = ref
-            ptr, nbytes = _buffer(buffer, self.backend, writable=False, what=f"decode_layer {name}")
-            want = expected(_c_type(ggml_type))  # None: a type the library refuses, with its own message
+        """One layer for one token (pebble_decode_layer). `weights` maps pebble_layer_weights fields to
+        (ggml_type, buffer), absent biases left out; every buffer's size is checked here against the
+        shape, since the library cannot see it."""
+        c_shape, sizes, wanted = self._decode_plan(shape)
+        fields = {}
+        backend = self.backend
+        for name, (ggml_type, buffer) in weights.items():
+            ptr, nbytes = _pointer(buffer, backend, False, name)
+            key = (name, ggml_type)
+            if key not in wanted:  # None: a type the library refuses, with its own message
+                wanted[key] = sizes[name](_c_type(ggml_type)) if name in sizes else None
+            want = wanted[key]
             if want is not None and nbytes != want:
                 raise SizeMismatchError(f"decode_layer: {name} holds {nbytes} bytes; GGUF type {ggml_type} "
                                         f"needs {want} for this shape")
-            field = getattr(c_weights, name)
-            field.ggml_type, field.data = ggml_type, ptr
-            keep.append(ptr)
-        kv_item = {0: 4, 1: 2}.get(kv_type)
+            fields[name] = (ggml_type, ptr)
+        c_weights = ffi.new("struct pebble_layer_weights *", fields)
+        kv_item = 4 if kv_type == 0 else 2 if kv_type == 1 else None
         cache_bytes = None if kv_item is None else n_ctx * shape.n_head_kv * shape.head_dim * kv_item
-        pointers = []
-        for what, buffer, want, writable in (("k_cache", k_cache, cache_bytes, True),
-                                             ("v_cache", v_cache, cache_bytes, True),
-                                             ("rope_cos", rope_cos, 4 * shape.head_dim, False),
-                                             ("rope_sin", rope_sin, 4 * shape.head_dim, False),
-                                             ("x", x, 4 * shape.n_embd, True)):
-            ptr, nbytes = _buffer(buffer, self.backend, writable=writable, what=f"decode_layer {what}")
+        k_ptr, k_bytes = _pointer(k_cache, backend, True, "k_cache")
+        v_ptr, v_bytes = _pointer(v_cache, backend, True, "v_cache")
+        cos_ptr, cos_bytes = _pointer(rope_cos, backend, False, "rope_cos")
+        sin_ptr, sin_bytes = _pointer(rope_sin, backend, False, "rope_sin")
+        x_ptr, x_bytes = _pointer(x, backend, True, "x")
+        for what, nbytes, want in (("k_cache", k_bytes, cache_bytes), ("v_cache", v_bytes, cache_bytes),
+                                   ("rope_cos", cos_bytes, 4 * shape.head_dim),
+                                   ("rope_sin", sin_bytes, 4 * shape.head_dim), ("x", x_bytes, 4 * shape.n_embd)):
             if want is not None and nbytes != want:
                 raise SizeMismatchError(f"decode_layer: {what} holds {nbytes} bytes; {want} are needed")
-            pointers.append(ptr)
-        k_ptr, v_ptr, cos_ptr, sin_ptr, x_ptr = pointers
-        scratch_ptr, scratch_bytes = _buffer(scratch, self.backend, writable=True, what="decode_layer scratch")
+        scratch_ptr, scratch_bytes = _pointer(scratch, backend, True, "scratch")
         _check(self._lib, self._lib.pebble_decode_layer(
-            self._shape(shape), c_weights, kv_type, k_ptr, v_ptr, n_ctx, pos, ffi.cast("const float *", cos_ptr),
+            c_shape, c_weights, kv_type, k_ptr, v_ptr, n_ctx, pos, ffi.cast("const float *", cos_ptr),
             ffi.cast("const float *", sin_ptr), attn_scale, ffi.cast("float *", x_ptr), scratch_ptr, scratch_bytes,
             ffi.cast("void *", stream_pointer(stream))))
+
+
+def _pointer(obj, backend: str, writable: bool, name: str):
+    """`_buffer` for the decode step's buffers, with fast paths for C-contiguous numpy arrays (host) and
+    CuPy arrays (cuda)."""
+    if type(obj) is np.ndarray and obj.flags.c_contiguous and (obj.flags.writeable or not writable):
+        return ffi.from_buffer(obj, require_writable=writable), obj.nbytes
+    if backend == "cuda" and type(obj).__module__.startswith("cupy") and obj.flags.c_contiguous:
+        return ffi.cast("void *", obj.data.ptr), obj.nbytes
+    return _buffer(obj, backend, writable=writable, what=f"decode_layer {name}")
 
 
 def decode_buffer_sizes(shape, type_block) -> dict:

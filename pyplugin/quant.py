@@ -68,7 +68,8 @@ class Kernels:
 
             self.lib = NativeKernels(name)
         self.xp: ModuleType = array_module("cupy" if name == "cuda" else "numpy")
-        self._local = threading.local()  # each thread's fp16 workspace
+        self._local = threading.local()  # each thread's fp16 workspace and decode scratch
+        self._scratch_bytes: dict[tuple, int] = {}  # (LayerShape, n_ctx) -> decode scratch bytes
 
     def __repr__(self) -> str:
         return f"Kernels({self.name!r})"
@@ -159,7 +160,9 @@ class Kernels:
                                        "be float32 or both float16")
         n_ctx = k_cache.shape[0]
         scratch = getattr(self._local, "scratch", None)
-        need = self.lib.decode_scratch_bytes(shape, n_ctx)
+        need = self._scratch_bytes.get((shape, n_ctx))
+        if need is None:
+            need = self._scratch_bytes[shape, n_ctx] = self.lib.decode_scratch_bytes(shape, n_ctx)
         if scratch is None or scratch.nbytes < need:
             self._local.scratch = None
             scratch = self._local.scratch = self.xp.empty(need, dtype=np.uint8)
