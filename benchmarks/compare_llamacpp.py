@@ -2,7 +2,8 @@
 
     python benchmarks/compare_llamacpp.py [--only llama,qwen2] [--types F32,Q4_K] [--json FILE]
 
-For each architecture (llama, qwen2, phi3) and tensor type (F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q6_K),
+For each architecture (llama, qwen2, phi3) and tensor type (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
+Q4_K, Q5_K, Q6_K),
 plus a few layout variants (a Q4_K_M-like mix, tied output, llama3 rope_freqs, linear RoPE scaling,
 partial RoPE, MHA), it writes a small random-weight GGUF with pyplugin.synth, loads it in llama.cpp
 (through the llama-cpp-python bindings, KV cache in F32) and in pebbling (pyplugin.model +
@@ -77,7 +78,7 @@ depend on. Install them in a separate virtual environment, with pebbling beside 
 """
 
 ARCHS = ("llama", "qwen2", "phi3")
-TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q6_K")
+TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 VOCAB_OF = {"llama": "llama3", "qwen2": "chatml", "phi3": "spm"}  # each arch's usual tokenizer
 SHAPE = dict(n_layer=4, n_embd=256, n_head=4, n_head_kv=2, n_ff=512, n_ctx=512)
 N_PROMPT, N_GEN, N_CTX = 12, 16, 64
@@ -85,8 +86,8 @@ N_PROMPT, N_GEN, N_CTX = 12, 16, 64
 # Relative error ||pebbling - llama.cpp|| / ||llama.cpp|| of the logits that still counts as the same
 # computation. llama.cpp rounds activations to the weight type's dot-product type (F16, BF16, Q8_0,
 # Q8_K) before its matmuls; pebbling does not. A layout error gives ~0.5 or more.
-TOLERANCE = {"F32": 1e-4, "F16": 1e-2, "BF16": 5e-2, "Q8_0": 5e-2, "Q4_0": 5e-2, "Q4_K": 5e-2,
-             "Q6_K": 5e-2}
+TOLERANCE = {"F32": 1e-4, "F16": 1e-2, "BF16": 5e-2, "Q8_0": 5e-2, "Q4_0": 5e-2, "Q4_1": 5e-2, "Q5_0": 5e-2,
+             "Q5_1": 5e-2, "Q4_K": 5e-2, "Q5_K": 5e-2, "Q6_K": 5e-2}
 
 GGML_TYPE_F32 = 0  # ggml_type: KV cache in float32 on the llama.cpp side, as pebbling keeps it
 

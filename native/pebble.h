@@ -154,7 +154,7 @@ PEBBLE_API enum pebble_status pebble_device_pointer(pebble_store_t store, int32_
 //
 // Kernels that compute from a tensor's GGUF bytes as stored (native/pebble_quant.cu), so that weights
 // stay quantized in the store and on the bus. Types, with GGML's block layouts: 0 F32, 1 F16, 2 Q4_0,
-// 8 Q8_0, 12 Q4_K, 14 Q6_K, 30 BF16. The cuda library enqueues the work on `stream` (a cudaStream_t;
+// 3 Q4_1, 6 Q5_0, 7 Q5_1, 8 Q8_0, 12 Q4_K, 13 Q5_K, 14 Q6_K, 30 BF16. The cuda library enqueues the work on `stream` (a cudaStream_t;
 // NULL for the default stream) and reads and writes device memory (device, managed or pinned host
 // memory; pageable host memory is refused); the host library computes on host memory and returns when
 // done. Elements are decoded in float32 exactly as gguf-py's dequantize does.

@@ -182,6 +182,92 @@ struct type_q4_k {
     }
 };
 
+// fp16 d, fp16 m, then 16 bytes of nibbles laid out as Q4_0's; value d * q + m (the product is exact in
+// float32, so only the sum rounds).
+struct type_q4_1 {
+    static constexpr int32_t id = 3;
+    static constexpr int block_elements = 32, block_bytes = 20, parts = 1;
+    template <typename Emit> __host__ __device__ static void decode(const uint8_t * b, int, Emit & emit) {
+        const float d = half_to_float(load_u16(b)), m = half_to_float(load_u16(b + 2));
+        uint32_t qs[4];
+        load_words<16>(qs, b + 4);
+        PEBBLE_UNROLL
+        for (int i = 0; i < 16; i++) {
+            const uint32_t q = byte_of(qs, i);
+            emit(i,      d * static_cast<float>(q & 0xf) + m);
+            emit(i + 16, d * static_cast<float>(q >> 4) + m);
+        }
+    }
+};
+
+// The fifth bit of each of 32 elements, element j's in bit j of a little-endian uint32 at p.
+__host__ __device__ inline uint32_t load_high_bits(const uint8_t * p) {
+    return load_u16(p) | static_cast<uint32_t>(load_u16(p + 2)) << 16;
+}
+
+// fp16 d, 4 bytes of fifth bits, 16 bytes of low nibbles laid out as Q4_0's; value d * (q - 16).
+struct type_q5_0 {
+    static constexpr int32_t id = 6;
+    static constexpr int block_elements = 32, block_bytes = 22, parts = 1;
+    template <typename Emit> __host__ __device__ static void decode(const uint8_t * b, int, Emit & emit) {
+        const float d = half_to_float(load_u16(b));
+        const uint32_t qh = load_high_bits(b + 2);
+        uint32_t qs[4];
+        load_words<16>(qs, b + 6);
+        PEBBLE_UNROLL
+        for (int i = 0; i < 16; i++) {
+            const uint32_t q = byte_of(qs, i);
+            const int lo = static_cast<int>((q & 0xf) | ((qh >> i) & 1) << 4) - 16;
+            const int hi = static_cast<int>((q >> 4) | ((qh >> (i + 16)) & 1) << 4) - 16;
+            emit(i,      d * static_cast<float>(lo));
+            emit(i + 16, d * static_cast<float>(hi));
+        }
+    }
+};
+
+// fp16 d, fp16 m, 4 bytes of fifth bits, 16 bytes of low nibbles; value d * q + m.
+struct type_q5_1 {
+    static constexpr int32_t id = 7;
+    static constexpr int block_elements = 32, block_bytes = 24, parts = 1;
+    template <typename Emit> __host__ __device__ static void decode(const uint8_t * b, int, Emit & emit) {
+        const float d = half_to_float(load_u16(b)), m = half_to_float(load_u16(b + 2));
+        const uint32_t qh = load_high_bits(b + 4);
+        uint32_t qs[4];
+        load_words<16>(qs, b + 8);
+        PEBBLE_UNROLL
+        for (int i = 0; i < 16; i++) {
+            const uint32_t q = byte_of(qs, i);
+            emit(i,      d * static_cast<float>((q & 0xf) | ((qh >> i) & 1) << 4) + m);
+            emit(i + 16, d * static_cast<float>((q >> 4) | ((qh >> (i + 16)) & 1) << 4) + m);
+        }
+    }
+};
+
+// fp16 d, fp16 dmin, Q4_K's 12 bytes of scales and mins, 32 bytes of fifth bits (sub-block j's in bit
+// j of byte l, for element l), 128 bytes of low nibbles laid out as Q4_K's; value d * scale_j * q -
+// dmin * min_j. Part p is sub-blocks 2p and 2p + 1, as in Q4_K.
+struct type_q5_k {
+    static constexpr int32_t id = 13;
+    static constexpr int block_elements = 256, block_bytes = 176, parts = 4;
+    template <typename Emit> __host__ __device__ static void decode(const uint8_t * b, int part, Emit & emit) {
+        const float d = half_to_float(load_u16(b)), dmin = half_to_float(load_u16(b + 2));
+        int sc0, m0, sc1, m1;
+        type_q4_k::scale_min(b + 4, 2 * part, sc0, m0);
+        type_q4_k::scale_min(b + 4, 2 * part + 1, sc1, m1);
+        const float d0 = d * static_cast<float>(sc0), min0 = dmin * static_cast<float>(m0);
+        const float d1 = d * static_cast<float>(sc1), min1 = dmin * static_cast<float>(m1);
+        uint32_t qh[8], qs[8];
+        load_words<32>(qh, b + 16);
+        load_words<32>(qs, b + 48 + 32 * part);
+        PEBBLE_UNROLL
+        for (int i = 0; i < 32; i++) {
+            const uint32_t q = byte_of(qs, i), h = byte_of(qh, i);
+            emit(64 * part + i,      d0 * static_cast<float>((q & 0xf) | ((h >> (2 * part)) & 1) << 4) - min0);
+            emit(64 * part + 32 + i, d1 * static_cast<float>((q >> 4) | ((h >> (2 * part + 1)) & 1) << 4) - min1);
+        }
+    }
+};
+
 // 128 bytes ql, 64 bytes qh, 16 int8 scales, fp16 d; two halves of 128 elements. Element 128h + 32j + l
 // (quarter j < 4, l < 32) has 6 bits: nibble j / 2 of ql[64h + 32 (j % 2) + l] below bits 2j, 2j + 1 of
 // qh[32h + l]; value (d * scales[8h + 2j + l / 16]) * (q - 32), as gguf computes it (the first product
@@ -317,7 +403,7 @@ const char * type_name(int32_t ggml_type) {
     return name ? name : "?";
 }
 
-#define SUPPORTED_TYPES "0 F32, 1 F16, 2 Q4_0, 8 Q8_0, 12 Q4_K, 14 Q6_K, 30 BF16"
+#define SUPPORTED_TYPES "0 F32, 1 F16, 2 Q4_0, 3 Q4_1, 6 Q5_0, 7 Q5_1, 8 Q8_0, 12 Q4_K, 13 Q5_K, 14 Q6_K, 30 BF16"
 
 // Calls f(T{}) with the block type of `ggml_type`; the one list of the types with kernels.
 template <typename F>
@@ -330,6 +416,10 @@ pebble_status with_type(int32_t ggml_type, const char * fn, F && f) {
         case type_q8_0::id: return f(type_q8_0{});
         case type_q4_k::id: return f(type_q4_k{});
         case type_q6_k::id: return f(type_q6_k{});
+        case type_q4_1::id: return f(type_q4_1{});
+        case type_q5_0::id: return f(type_q5_0{});
+        case type_q5_1::id: return f(type_q5_1{});
+        case type_q5_k::id: return f(type_q5_k{});
     }
     if (ggml_type >= 0 && ggml_type < PEBBLE_TYPE_COUNT && type_name(ggml_type)[0] != '?') {
         return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: GGUF type %d (%s) has no kernels; supported: " SUPPORTED_TYPES,

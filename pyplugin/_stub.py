@@ -385,7 +385,8 @@ class StubStore(Store):
 # quantized tensors: the reference semantics of pebble_type_block, pebble_dequantize and pebble_matvec
 
 
-_KERNEL_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 8: "Q8_0", 12: "Q4_K", 14: "Q6_K", 30: "BF16"}
+_KERNEL_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K",
+                 14: "Q6_K", 30: "BF16"}
 _KERNEL_TYPES_TEXT = ", ".join(f"{k} {v}" for k, v in sorted(_KERNEL_TYPES.items()))
 MATVEC_MAX_VEC = 8  # PEBBLE_MATVEC_MAX_VEC
 

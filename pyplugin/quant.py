@@ -23,7 +23,8 @@ from .store import as_int
 from .xp import array_module
 
 # GGUF type id -> name, for the types with kernels.
-SUPPORTED_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 8: "Q8_0", 12: "Q4_K", 14: "Q6_K", 30: "BF16"}
+SUPPORTED_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K",
+                   13: "Q5_K", 14: "Q6_K", 30: "BF16"}
 MAX_VEC = 8  # PEBBLE_MATVEC_MAX_VEC: the most vectors one matvec call takes
 
 DECODE_WEIGHTS = ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down", "bq", "bk", "bv")

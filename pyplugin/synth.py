@@ -24,7 +24,7 @@ from .model.tokenizer import (BYTE, CONTROL, NORMAL, PRE_TOKENIZERS, SPACE, UNKN
                               bytes_to_unicode)
 
 T = GGMLQuantizationType
-LOADABLE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q6_K")  # what pyplugin.model reads
+LOADABLE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")  # what pyplugin.model reads
 
 CORPUS = """\
 The quick brown fox jumps over the lazy dog. A memory plugin moves the state of each layer between
@@ -249,6 +249,8 @@ def quantize(x: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
         return x.astype(np.float16)
     if qtype == T.Q4_K:
         return quantize_q4_k(x)
+    if qtype == T.Q5_K:
+        return quantize_q5_k(x)
     if qtype == T.Q6_K:
         return quantize_q6_k(x)
     return gguf_quants.quantize(x, qtype)
@@ -262,30 +264,51 @@ def _f16(x: np.ndarray) -> np.ndarray:
     return x.astype(np.float16)
 
 
-def quantize_q4_k(x: np.ndarray) -> np.ndarray:
-    """Q4_K blocks of 256 values: 8 sub-blocks of 32, each value = d*sc*q - dmin*m with 4-bit q and
-    6-bit sc, m. A plain min/max fit (gguf-py can read Q4_K but not write it)."""
-    rows, cols = x.shape
+def _k_fit(x: np.ndarray, top: int):
+    """The min/max fit Q4_K and Q5_K share: 256-value blocks of 8 sub-blocks of 32, each value =
+    d*sc*q - dmin*m with q in 0..top and 6-bit sc, m. Returns (d and dmin as fp16 bytes, the 12 packed
+    scale bytes, q [n, 8, 32])."""
     sub = x.reshape(-1, 8, 32).astype(np.float32)                                # [n, 8, 32]
     lo, hi = np.minimum(sub.min(-1), 0.0), sub.max(-1)                           # [n, 8]
-    step, offset = (hi - lo) / 15.0, -lo
+    step, offset = (hi - lo) / float(top), -lo
     d = _f16(step.max(-1) / 63.0)                                                # [n]
     dmin = _f16(offset.max(-1) / 63.0)
     sc = np.clip(np.rint(_safe_div(step, d.astype(np.float32)[:, None])), 0, 63).astype(np.uint8)
     m = np.clip(np.rint(_safe_div(offset, dmin.astype(np.float32)[:, None])), 0, 63).astype(np.uint8)
     scale = d.astype(np.float32)[:, None] * sc                                   # what gets stored
     shift = dmin.astype(np.float32)[:, None] * m
-    q = np.clip(np.rint(_safe_div(sub + shift[..., None], scale[..., None])), 0, 15).astype(np.uint8)
-    q = q.reshape(-1, 4, 2, 32)
-    qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)      # sub-block 2j low nibbles, 2j+1 high
+    q = np.clip(np.rint(_safe_div(sub + shift[..., None], scale[..., None])), 0, top).astype(np.uint8)
     packed = np.concatenate([
         sc[:, :4] | ((sc[:, 4:] >> 4) << 6),                    # 6-bit sc 0..3, high bits of sc 4..7
         m[:, :4] | ((m[:, 4:] >> 4) << 6),
         (sc[:, 4:] & 0x0F) | ((m[:, 4:] & 0x0F) << 4),
     ], axis=1)
-    blocks = np.concatenate([d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2),
-                             packed, qs], axis=1)
-    return blocks.reshape(rows, cols // 256 * 144)
+    scales = np.concatenate([d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), packed], axis=1)
+    return scales, q
+
+
+def _low_nibbles(q: np.ndarray) -> np.ndarray:
+    """[n, 8, 32] values -> [n, 128] bytes: sub-block 2j in the low nibbles, 2j+1 in the high ones."""
+    q = (q & 0x0F).reshape(-1, 4, 2, 32)
+    return (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)
+
+
+def quantize_q4_k(x: np.ndarray) -> np.ndarray:
+    """Q4_K blocks of 256 values with 4-bit q. A plain min/max fit (gguf-py can read Q4_K but not
+    write it)."""
+    rows, cols = x.shape
+    scales, q = _k_fit(x, 15)
+    return np.concatenate([scales, _low_nibbles(q)], axis=1).reshape(rows, cols // 256 * 144)
+
+
+def quantize_q5_k(x: np.ndarray) -> np.ndarray:
+    """Q5_K blocks of 256 values with 5-bit q: Q4_K's layout plus 32 bytes holding each value's fifth
+    bit (sub-block j's in bit j)."""
+    rows, cols = x.shape
+    scales, q = _k_fit(x, 31)
+    high = (q >> 4).astype(np.uint8)                                             # [n, 8, 32]
+    qh = np.bitwise_or.reduce(high << np.arange(8, dtype=np.uint8)[None, :, None], axis=1)   # [n, 32]
+    return np.concatenate([scales, qh, _low_nibbles(q)], axis=1).reshape(rows, cols // 256 * 176)
 
 
 def quantize_q6_k(x: np.ndarray) -> np.ndarray:

@@ -13,8 +13,8 @@ from pyplugin.model import Model, load_model
 from pyplugin.synth import SynthSpec, write_gguf
 
 ARCHS = ("llama", "qwen2", "phi3")
-TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q6_K")
-K_QUANTS = ("Q4_K", "Q6_K")
+TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
 VOCAB_OF_ARCH = {"llama": "llama3", "qwen2": "chatml", "phi3": "spm"}
 
 TINY = dict(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, n_ctx=256, n_merges=200)

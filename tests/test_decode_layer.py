@@ -26,6 +26,8 @@ CASES = {  # name: (arch, overrides); partial RoPE, NeoX, biases, GQA, every typ
     "phi3-Q4_0-neox": ("phi3", dict(weight_type="Q4_0")),
     "llama-F16-partial-rope": ("llama", dict(weight_type="F16", rope_dims=8)),
     "llama-BF16-mha": ("llama", dict(weight_type="BF16", n_head_kv=4)),
+    "llama-Q5_K-Q5_1": ("llama", dict(weight_type="Q5_K", n_embd=256, n_ff=256, tensor_types={"attn_output": "Q5_1"})),
+    "qwen2-Q5_0-Q4_1": ("qwen2", dict(weight_type="Q5_0", tensor_types={"ffn_down": "Q4_1"})),
 }
 
 

@@ -138,9 +138,13 @@ FORWARD_CASES = [
     pytest.param("llama", dict(rope_freqs=True), id="llama-rope-freqs"),
     pytest.param("llama", dict(tied_output=True), id="llama-tied-output"),
     pytest.param("llama", dict(weight_type="Q4_K"), id="llama-q4k"),
+    pytest.param("llama", dict(weight_type="Q5_K"), id="llama-q5k"),
+    pytest.param("llama", dict(weight_type="Q4_1"), id="llama-q4_1"),
     pytest.param("qwen2", {}, id="qwen2-biases"),
     pytest.param("qwen2", dict(rope_dims=8, weight_type="Q8_0"), id="qwen2-partial-rope-q8"),
     pytest.param("qwen2", dict(tied_output=True, weight_type="BF16"), id="qwen2-tied-bf16"),
+    pytest.param("qwen2", dict(weight_type="Q5_0", tensor_types={"ffn_down": "Q8_0"}), id="qwen2-q5_0"),
+    pytest.param("phi3", dict(weight_type="Q5_1"), id="phi3-q5_1"),
     pytest.param("phi3", {}, id="phi3-fused"),
     pytest.param("phi3", dict(weight_type="Q6_K", n_head=8, n_head_kv=8), id="phi3-q6k"),
 ]

@@ -22,11 +22,14 @@ from pyplugin import _native, quant
 from pyplugin.backend import probe
 from pyplugin.errors import InvalidArgumentError, SizeMismatchError
 
-TYPES = [Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q6_K, Q.F16, Q.BF16, Q.F32]
-QUANTIZED = {Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q6_K}
+TYPES = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.F16, Q.BF16, Q.F32]
+QUANTIZED = {Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K}
+K_QUANTS = {Q.Q4_K, Q.Q5_K, Q.Q6_K}
+GGUF_QUANTIZES = {Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1}  # gguf-py has a quantizer for these
 
-# Where each quantized block keeps its fp16 scales (d; Q4_K also dmin).
-SCALE_OFFSETS = {Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q4_K: (0, 2), Q.Q6_K: (208,)}
+# Where each quantized block keeps its fp16 scales (d; with m or dmin after it where the type has one).
+SCALE_OFFSETS = {Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q4_K: (0, 2),
+                 Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
 # fp16 max, smallest normal, largest and smallest subnormal, each signed; one; minus zero.
 EXTREME_HALVES = np.array([0x7BFF, 0xFBFF, 0x0400, 0x8400, 0x03FF, 0x83FF, 0x0001, 0x8001, 0x3C00, 0x8000],
                           dtype=np.uint16)
@@ -87,8 +90,16 @@ def quantized_blocks(qtype: Q, n_blocks: int, rng: np.random.Generator, kind: st
             odd[:, 2:] = np.resize(np.array([0x80, 0x7F], np.uint8), 32)  # -128, 127
         elif qtype == Q.Q4_0:
             odd[:, 2:] = 0x0F                                              # 15 and 0: 7d and -8d
-        elif qtype == Q.Q4_K:
+        elif qtype == Q.Q4_1:
+            odd[:, 4:] = 0xF0                                              # 0 and 15: m and 15d + m
+        elif qtype in (Q.Q5_0, Q.Q5_1):
+            start = 2 if qtype == Q.Q5_0 else 4
+            odd[:, start:start + 4] = 0xFF                                 # every fifth bit set
+            odd[:, start + 4:] = 0x0F                                      # 31 and 16
+        elif qtype in (Q.Q4_K, Q.Q5_K):
             odd[:, 4:16] = 0xFF                                            # every scale and min 63
+            if qtype == Q.Q5_K:
+                odd[:, 16:48] = 0xAA                                       # fifth bits of odd sub-blocks
         else:
             odd[:, 192:208] = np.resize(np.array([0x80, 0x7F], np.uint8), 16)  # scales -128, 127
     return blocks.reshape(-1)
@@ -127,7 +138,7 @@ def make_raw(qtype: Q, n_blocks: int, rng: np.random.Generator, kind: str) -> np
 
 def kinds_for(qtype: Q) -> list[str]:
     if qtype in QUANTIZED:
-        extra = ["quantized"] if qtype in (Q.Q8_0, Q.Q4_0) else []
+        extra = ["quantized"] if qtype in GGUF_QUANTIZES else []
         return ["random", "random_bits", "extreme", "zero", *extra]
     return ["random", "extreme", "zero"]
 
@@ -217,7 +228,7 @@ def test_matvec_matches_float64_product_of_gguf_weights(backend, qtype, n_vec):
     # 7 rows: not a whole number of the GPU's 4-row thread blocks; enough blocks per row that each lane
     # of a warp takes several parts.
     n_rows = 7
-    raw, n_cols = matvec_case(qtype, n_rows, 101 if qtype not in QUANTIZED else 12 if qtype in (Q.Q4_K, Q.Q6_K)
+    raw, n_cols = matvec_case(qtype, n_rows, 101 if qtype not in QUANTIZED else 12 if qtype in K_QUANTS
                               else 70, seed=n_vec)
     x = np.random.default_rng(100 + n_vec).standard_normal((n_vec, n_cols)).astype(np.float16)
     weights = reference(qtype, raw, n_rows).astype(np.float64)  # [n_rows, n_cols]
@@ -264,8 +275,8 @@ def test_malformed_calls_raise_naming_type_and_sizes_and_the_library_stays_usabl
     cases = [
         (lambda: quant.dequantize(99, raw, 64, backend=backend), InvalidArgumentError, ("99",)),
         (lambda: quant.matvec(99, raw, 1, 64, x, backend=backend), InvalidArgumentError, ("99",)),
-        (lambda: quant.dequantize(13, raw, 64, backend=backend), InvalidArgumentError, ("13", "Q5_K")),
-        (lambda: quant.matvec(13, raw, 1, 64, x, backend=backend), InvalidArgumentError, ("13", "Q5_K")),
+        (lambda: quant.dequantize(10, raw, 64, backend=backend), InvalidArgumentError, ("10", "Q2_K")),
+        (lambda: quant.matvec(10, raw, 1, 64, x, backend=backend), InvalidArgumentError, ("10", "Q2_K")),
         (lambda: quant.dequantize(Q.Q8_0, raw, 48, backend=backend), SizeMismatchError, ("Q8_0", 48, 32)),
         (lambda: quant.matvec(Q.Q8_0, raw[:51], 1, 48, x[:, :48], backend=backend), SizeMismatchError,
          ("Q8_0", "n_cols 48", 32)),

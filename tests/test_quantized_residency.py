@@ -29,6 +29,12 @@ MODELS = {
     "phi3-Q4_0": ("phi3", dict(weight_type="Q4_0", n_layer=6)),
     "llama-Q6_K-tied": ("llama", dict(weight_type="Q6_K", tied_output=True, n_embd=256, n_ff=256, n_layer=4)),
     "llama-BF16": ("llama", dict(weight_type="BF16", n_layer=4)),
+    # Q5_K_M-like; and the fallbacks llama.cpp writes where rows are not whole 256-value blocks
+    "llama-Q5_K_M": ("llama", dict(weight_type="Q5_K", tensor_types={"attn_v": "Q6_K", "ffn_down": "Q6_K"},
+                                   n_embd=256, n_ff=512, n_layer=4)),
+    "qwen2-Q5_0-Q8_0": ("qwen2", dict(weight_type="Q5_0", tensor_types={"ffn_down": "Q8_0", "attn_v": "Q8_0"},
+                                      n_layer=4)),
+    "phi3-Q4_1-Q5_1": ("phi3", dict(weight_type="Q4_1", tensor_types={"ffn_down": "Q5_1"}, n_layer=4, seed=1)),
 }
 
 
