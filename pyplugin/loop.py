@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 from dataclasses import dataclass, fields
 from types import ModuleType
 from typing import Any, Callable, Iterator, Protocol, Sequence
@@ -278,6 +279,20 @@ def workspace_bytes(cfg: ModelConfig, n_tokens: int, n_ctx: int, itemsize: int) 
     return stream + max(attention, mlp) + 2 * cfg.n_vocab * 4
 
 
+def adaptive_budget(free: int | None, used, others: int, reserve: float = 0.05) -> int | None:
+    """Device bytes an adaptive plan may fill: free memory plus this process's own (`used`, a
+    DeviceUse; NVML's whole-device figure when it cannot tell this process's, which then counts for
+    nothing), less `others`, what this process's other loaded models hold, less a reserve for
+    fragmentation and other users. None when NVML cannot say."""
+    if free is None or used is None:
+        return None
+    mine = used.bytes if used.this_process else 0
+    return max(0, int((free + max(0, mine - others)) * (1 - reserve)))
+
+
+_LIVE: "weakref.WeakSet[PebbledModel]" = weakref.WeakSet()  # every open PebbledModel, for budgets
+
+
 class PebbledModel:
     """A model whose layers live in a pebble store: saved once to the host tier, in the form the model
     was loaded in (typed pebbles: a matrix in its GGUF type and shape when quantized, the compute type
@@ -294,6 +309,7 @@ class PebbledModel:
         cfg = model.config
         self.model = model
         self.store = open_store(0, cfg.n_layer, "minimal", backend=backend)
+        _LIVE.add(self)
         self.backend = self.store.backend
         if self.backend == "cuda":
             import cupy
@@ -419,16 +435,24 @@ class PebbledModel:
         self.kernels.release_workspace()
 
     def budget(self, pebbling: PebblingOptions) -> int | None:
-        """The request's limit, else (adaptive on a GPU) the device memory free to this process."""
+        """The request's limit, else (adaptive on a GPU) the device memory this model may use: what is
+        free, plus what this process holds, less what the other models it has loaded hold on the
+        device (their resident layers stay there while they are loaded)."""
         if pebbling.memory_limit is not None or self.backend != "cuda":
             return pebbling.memory_limit
         from .gpu import free_device_memory
 
         free, used = free_device_memory(), used_device_memory()
-        if free is None or used is None:
-            return None
-        mine = used.bytes if used.this_process else 0
-        return int((free + mine) * 0.95)  # a reserve for fragmentation and other users
+        others = sum(p.device_bytes_held() for p in list(_LIVE) if p is not self and p.backend == "cuda")
+        return adaptive_budget(free, used, others)
+
+    def device_bytes_held(self) -> int:
+        """Device memory this model holds between requests: its store's device tier and its output
+        weights (0 once closed)."""
+        if self.store.closed:
+            return 0
+        output = self.outer.output
+        return self.store.stats().device_bytes + (int(output.nbytes) if self.xp is not np else 0)
 
     def plan(self, options: Options, pebbling: PebblingOptions, prompt_tokens: int | None = None) -> Plan:
         strategy = pebbling.effective_strategy

@@ -183,3 +183,29 @@ def test_a_store_can_take_over_the_host_weights(reference_tokens):
         assert run(model, pebbled, "sqrt")[0] == reference_tokens
     finally:
         pebbled.close()
+
+
+def test_adaptive_budget_leaves_out_what_the_other_loaded_models_hold():
+    from pyplugin.gpu import DeviceUse
+    from pyplugin.loop import adaptive_budget
+
+    assert adaptive_budget(None, DeviceUse(5, True), 0) is None          # NVML cannot say
+    assert adaptive_budget(1000, DeviceUse(400, True), 0, reserve=0) == 1400
+    assert adaptive_budget(1000, DeviceUse(400, True), 300, reserve=0) == 1100
+    assert adaptive_budget(1000, DeviceUse(400, True), 900, reserve=0) == 1000  # never less than what is free
+    assert adaptive_budget(1000, DeviceUse(400, False), 0, reserve=0) == 1000   # whole device: not this process's
+    assert adaptive_budget(1000, DeviceUse(0, True), 0) == 950                   # the default 5% reserve
+
+
+def test_a_model_says_what_it_holds_on_the_device_between_requests(model):
+    pm = PebbledModel(model, backend="stub")
+    try:
+        assert pm.device_bytes_held() == 0                    # saved to the host tier only
+        run(model, pm, "none")
+        held = pm.device_bytes_held()
+        assert held == pm.store.stats().device_bytes > 0      # every layer resident, and its KV cache
+        run(model, pm, "minimal")
+        assert pm.device_bytes_held() < held
+    finally:
+        pm.close()
+    assert pm.device_bytes_held() == 0
