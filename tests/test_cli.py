@@ -179,6 +179,37 @@ def test_verify_exits_1_when_a_strategy_changes_the_tokens(model, capsys, monkey
     assert "FAILED: minimal" in out
 
 
+@pytest.fixture(scope="module")
+def q8_model() -> str:
+    return str(tiny_path("llama", n_layer=4, weight_type="Q8_0"))
+
+
+@pytest.mark.parametrize("first", ["quantized", "f16"])
+def test_verify_compare_weights_checks_the_other_form_too(q8_model, capsys, first):
+    assert cli("verify", q8_model, "--num-predict", "4", *SMALL, "--pebbling-weights", first, "--compare-weights",
+               "--json") == 0
+    result = json.loads(capsys.readouterr().out)
+    other = result["other_weights"]
+    assert result["weights"] == first and other["weights"] != first
+    assert other["tokens_equal"] and other["tokens"] == result["strategies"]["none"]["tokens"]
+    quantized, f16 = ((result["layer_weight_bytes"], other["layer_weight_bytes"]) if first == "quantized"
+                      else (other["layer_weight_bytes"], result["layer_weight_bytes"]))
+    assert quantized < f16  # the test model's Q8_0 layers against their float32 expansion
+
+
+def test_verify_compare_weights_fails_when_the_forms_disagree(q8_model, capsys, monkeypatch):
+    real = verify_command.other_form
+
+    def disagreeing(*args):
+        row = real(*args)
+        return {**row, "tokens": row["tokens"][:-1] + [row["tokens"][-1] + 1], "tokens_equal": False}
+
+    monkeypatch.setattr(verify_command, "other_form", disagreeing)
+    assert cli("verify", q8_model, "--num-predict", "3", *SMALL, "--compare-weights") == 1
+    out = capsys.readouterr().out
+    assert "tokens equal weights quantized: NO" in out and "FAILED: none with weights f16" in out
+
+
 def test_verify_plot_writes_a_png(model, tmp_path, capsys):
     pytest.importorskip("matplotlib", reason="--plot needs matplotlib (the 'plot' extra)")
     path = tmp_path / "verify.png"

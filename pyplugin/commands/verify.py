@@ -14,6 +14,7 @@ from typing import Any
 from ..errors import PebblingError
 from ..loop import Generation, StoreLayers
 from ..measure import Loaded, format_table, load_pebbled
+from ..model import WEIGHT_FORMS
 from ..options import Options
 from ..plan import MemoryModel, PebblingOptions, format_bytes, make_plan, parse_size, smallest_footprint
 from ..strategy import Strategy
@@ -37,6 +38,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="adaptive's budget (default halfway between minimal's and none's estimated peak, "
                         "so that adaptive has to choose)")
     add_weights_argument(p)
+    p.add_argument("--compare-weights", action="store_true",
+                   help="also load the model in the other weight form (f16 beside quantized, or the "
+                        "reverse) and check that `none` gives the same tokens from it")
     add_backend_argument(p)
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
     p.add_argument("--plot", metavar="FILE.png", help="draw peak memory and decode speed per strategy")
@@ -54,6 +58,12 @@ def run(args: argparse.Namespace) -> int:
         result = verify(loaded, options, args.prompt, limit)
     finally:
         loaded.pebbled.close()
+    if args.compare_weights:
+        other = next(form for form in WEIGHT_FORMS if form != args.pebbling_weights)
+        del loaded  # the first form's host copy goes before the second is read
+        result["other_weights"] = other_form(args.model, args.backend, other, options, args.prompt,
+                                             result["strategies"]["none"])
+        result["all_tokens_equal"] = result["all_tokens_equal"] and result["other_weights"]["tokens_equal"]
     if args.json:
         if result["random_weights"]:
             print(f"(random weights) {result['model']}: its text is noise", file=sys.stderr)
@@ -110,6 +120,7 @@ def verify(loaded: Loaded, options: Options, prompt: str, limit: int | None) -> 
         "random_weights": model.random_weights,
         "backend": pebbled.backend,
         "weights": pebbled.weights,
+        "layer_weight_bytes": pebbled.weight_bytes,
         "n_layers": model.config.n_layer,
         "prompt": prompt,
         "prompt_tokens": len(tokens),
@@ -120,6 +131,27 @@ def verify(loaded: Loaded, options: Options, prompt: str, limit: int | None) -> 
         "strategies": rows,
         "all_tokens_equal": all(row["tokens_equal"] for row in rows.values()),
     }
+
+
+def other_form(name: str, backend: str | None, weights: str, options: Options, prompt: str,
+               reference: dict[str, Any]) -> dict[str, Any]:
+    """`none` with the model's weights in form `weights`, against the first form's `none` row."""
+    loaded = load_pebbled(name, backend, weights)
+    try:
+        model, pebbled = loaded.model, loaded.pebbled
+        tokens = model.tokenizer.encode(model.chat_prompt([{"role": "user", "content": prompt}]))
+        pebbling = PebblingOptions(Strategy.parse("none"))
+        layers = pebbled.layers(options, pebbling, len(tokens))
+        gen = Generation(model, options, layers=layers, xp=pebbled.xp)
+        out = list(gen.tokens(tokens))
+        report, stats = gen.report(), gen.stats
+    finally:
+        loaded.pebbled.close()
+    return {"weights": weights, "tokens": out, "tokens_equal": out == reference["tokens"],
+            "layer_weight_bytes": pebbled.weight_bytes, "measured_peak_bytes": report["measured_peak_bytes"],
+            "estimated_peak_bytes": report["estimated_peak_bytes"],
+            "decode_tokens_per_s": (stats.generated_tokens / (stats.generate_ns / 1e9) if stats.generate_ns
+                                    else None)}
 
 
 def render(r: dict[str, Any]) -> str:
@@ -155,11 +187,20 @@ def render(r: dict[str, Any]) -> str:
         f"{rows['adaptive']['resident_layers']} of {r['n_layers']} layers resident.",
         "",
     ]
+    other = r.get("other_weights")
+    if other:
+        rate = "n/a" if other["decode_tokens_per_s"] is None else f"{other['decode_tokens_per_s']:.1f} tok/s"
+        lines += [f"weights {other['weights']} (none): layers hold {format_bytes(other['layer_weight_bytes'])}, "
+                  f"peak {format_bytes(other['measured_peak_bytes'])} ({peak_label}), decode {rate}; tokens "
+                  f"equal weights {r['weights']}: {'yes' if other['tokens_equal'] else 'NO'}", ""]
     differ = [name for name, s in rows.items() if not s["tokens_equal"]]
+    if other and not other["tokens_equal"]:
+        differ.append(f"none with weights {other['weights']}")
     if differ:
         lines.append(f"FAILED: {', '.join(differ)} produced tokens different from none's.")
     else:
-        lines.append(f"OK: all {len(rows)} strategies produced the same {n} tokens.")
+        also = f", and so did none with weights {other['weights']}" if other else ""
+        lines.append(f"OK: all {len(rows)} strategies produced the same {n} tokens{also}.")
     return "\n".join(lines)
 
 
