@@ -1,5 +1,6 @@
-// test_pebble.c: drives the store's C ABI from C, built against the sanitized host library, so that
-// LeakSanitizer sees every allocation the store makes (Python's own would drown it out).
+// test_pebble.c: drives the C ABI (the store, the quantized kernels, the decode step) from C, built
+// against the sanitized host library, so that LeakSanitizer sees every allocation the library makes
+// (Python's own would drown it out).
 #include "pebble.h"
 
 #include <stdio.h>
@@ -85,13 +86,54 @@ int main(void) {
     EXPECT(pebble_matvec(8, q8, sizeof q8, 2, 32, ones, 2, y, NULL) == PEBBLE_OK && y[0] == -8.0f && y[1] == 194.0f &&
            y[2] == -8.0f && y[3] == 194.0f);
     EXPECT(pebble_dequantize(99, q8, sizeof q8, half, 64, NULL) == PEBBLE_ERR_INVALID_ARGUMENT);
-    EXPECT(pebble_dequantize(13, q8, sizeof q8, half, 64, NULL) == PEBBLE_ERR_INVALID_ARGUMENT &&
-           strstr(pebble_last_error(), "Q5_K") != NULL);
+    EXPECT(pebble_dequantize(10, q8, sizeof q8, half, 64, NULL) == PEBBLE_ERR_INVALID_ARGUMENT &&
+           strstr(pebble_last_error(), "Q2_K") != NULL);
     EXPECT(pebble_dequantize(8, q8, sizeof q8 - 1, half, 64, NULL) == PEBBLE_ERR_SIZE_MISMATCH);
     EXPECT(pebble_dequantize(8, NULL, sizeof q8, half, 64, NULL) == PEBBLE_ERR_INVALID_ARGUMENT);
     EXPECT(pebble_matvec(8, q8, sizeof q8, 1, 48, ones, 1, y, NULL) == PEBBLE_ERR_SIZE_MISMATCH);
     EXPECT(pebble_matvec(8, q8, sizeof q8, 1, 64, ones, 9, y, NULL) == PEBBLE_ERR_INVALID_ARGUMENT);
     EXPECT(pebble_matvec(8, q8, sizeof q8, 1, 64, NULL, 1, y, NULL) == PEBBLE_ERR_INVALID_ARGUMENT);
+
+    // the decode step: q = k = 0 makes attention a plain mean of the V rows; wv and wo are identities,
+    // the feed-forward's gate is 0. With x = 1 (unit RMS) and row 0 of V at 3: V row 1 becomes x, the
+    // mean of rows 0..1 is 2, and x comes out 1 + 2 = 3.
+    {
+        enum { E = 4 };
+        float zero[E * E] = {0}, eye[E * E] = {0}, ones_f[E], cos_[E], sin_[E] = {0}, x[E];
+        float k_cache[2 * E], v_cache[2 * E];
+        for (int i = 0; i < E; i++) {
+            eye[i * E + i] = 1.0f;
+            ones_f[i] = cos_[i] = x[i] = 1.0f;
+            k_cache[i] = k_cache[E + i] = 5.0f;
+            v_cache[i] = 3.0f;
+            v_cache[E + i] = 5.0f;
+        }
+        struct pebble_layer_shape shape = {E, 1, 1, E, E, 0, 0, 0.0f};
+        struct pebble_tensor_ref f32_zero = {0, zero}, f32_eye = {0, eye}, f32_ones = {0, ones_f};
+        struct pebble_layer_weights w = {f32_ones, f32_zero, f32_zero, f32_eye, f32_eye, f32_ones,
+                                         f32_zero, f32_zero, f32_zero, {0, NULL}, {0, NULL}, {0, NULL}};
+        uint64_t scratch_bytes = 0;
+        EXPECT(pebble_decode_scratch_bytes(&shape, 2, &scratch_bytes) == PEBBLE_OK && scratch_bytes > 0);
+        void * scratch = malloc(scratch_bytes);
+        EXPECT(pebble_decode_layer(&shape, &w, 0, k_cache, v_cache, 2, 1, cos_, sin_, 0.5f, x, scratch,
+                                   scratch_bytes, NULL) == PEBBLE_OK);
+        for (int i = 0; i < E; i++) {
+            EXPECT(x[i] == 3.0f);
+            EXPECT(k_cache[E + i] == 0.0f && v_cache[E + i] == 1.0f); // row 1 written
+            EXPECT(k_cache[i] == 5.0f && v_cache[i] == 3.0f);         // row 0 untouched
+        }
+        EXPECT(pebble_decode_layer(&shape, &w, 0, k_cache, v_cache, 2, 2, cos_, sin_, 0.5f, x, scratch,
+                                   scratch_bytes, NULL) == PEBBLE_ERR_SIZE_MISMATCH);
+        EXPECT(pebble_decode_layer(&shape, &w, 0, k_cache, v_cache, 2, 1, cos_, sin_, 0.5f, x, scratch,
+                                   scratch_bytes - 1, NULL) == PEBBLE_ERR_SIZE_MISMATCH);
+        EXPECT(pebble_decode_layer(&shape, &w, 5, k_cache, v_cache, 2, 1, cos_, sin_, 0.5f, x, scratch,
+                                   scratch_bytes, NULL) == PEBBLE_ERR_INVALID_ARGUMENT);
+        w.wq.data = NULL;
+        EXPECT(pebble_decode_layer(&shape, &w, 0, k_cache, v_cache, 2, 1, cos_, sin_, 0.5f, x, scratch,
+                                   scratch_bytes, NULL) == PEBBLE_ERR_INVALID_ARGUMENT &&
+               strstr(pebble_last_error(), "wq") != NULL);
+        free(scratch);
+    }
 
     if (failures) {
         fprintf(stderr, "test_pebble: %d failed\n", failures);
