@@ -24,6 +24,7 @@ from .errors import OptionsError
 from .gpu import used_device_memory
 from .model import (KVCache, LayerWeights, Model, ModelConfig, OuterWeights, QuantWeight, embed, layer_forward,
                     output_logits)
+from .model.qweight import needs_expansion
 from .model.transformer import rope_table
 from .options import Options
 from .plan import MemoryModel, PebblingOptions, Plan, make_plan
@@ -371,8 +372,9 @@ class PebbledModel:
         the largest such matrix when the chunk is past what the fused kernels take, else none."""
         if n_tokens <= MAX_VEC:
             return 0
-        quantized = [t.shape[0] * t.shape[1] for layout in self.layouts for t in layout if t.qtype is not None]
-        return max(quantized, default=0)
+        expanded = [t.shape[0] * t.shape[1] for layout in self.layouts for t in layout
+                    if t.qtype is not None and needs_expansion(t.qtype, self.xp)]
+        return max(expanded, default=0)
 
     def kv_shape(self, n_ctx: int) -> tuple[int, int, int]:
         return (n_ctx, self.model.config.n_head_kv, self.model.config.head_dim)

@@ -29,6 +29,8 @@ MODELS = {
     "phi3-Q4_0": ("phi3", dict(weight_type="Q4_0", n_layer=6)),
     "llama-Q6_K-tied": ("llama", dict(weight_type="Q6_K", tied_output=True, n_embd=256, n_ff=256, n_layer=4)),
     "llama-BF16": ("llama", dict(weight_type="BF16", n_layer=4)),
+    "qwen2-F16": ("qwen2", dict(weight_type="F16", n_layer=4)),      # no expansion: multiplied as stored
+    "llama-F32": ("llama", dict(weight_type="F32", n_layer=4)),
     # Q5_K_M-like; and the fallbacks llama.cpp writes where rows are not whole 256-value blocks
     "llama-Q5_K_M": ("llama", dict(weight_type="Q5_K", tensor_types={"attn_v": "Q6_K", "ffn_down": "Q6_K"},
                                    n_embd=256, n_ff=512, n_layer=4)),
@@ -114,9 +116,11 @@ def test_the_plan_counts_weights_in_their_stored_type(spec, pebbled):
     expanded = PebbledModel(tiny_model(arch, weights="f16", **overrides), backend=pebbled.backend)
     try:
         f16 = expanded.memory_model(OPTIONS, len(PROMPT))
-        if arch == "llama" and "BF16" not in overrides["weight_type"]:
-            assert sum(memory.layer_weight_bytes) < sum(f16.layer_weight_bytes) / 2
-        assert sum(memory.layer_weight_bytes) < sum(f16.layer_weight_bytes)
+        quantized, expanded_bytes = sum(memory.layer_weight_bytes), sum(f16.layer_weight_bytes)
+        if overrides["weight_type"] in ("F32", "F16", "BF16"):  # float files: at most their expansion
+            assert quantized <= expanded_bytes
+        else:  # 8.5 bits a weight or fewer, against 16 (GPU) or 32 (host)
+            assert quantized < 0.6 * expanded_bytes
     finally:
         expanded.close()
 
@@ -142,3 +146,14 @@ def test_kv_entries_stay_in_the_compute_type(pebbled):
     assert info.ggml_type == (1 if pebbled.backend == "cuda" else 0)  # F16 on the GPU, F32 on the host
     assert pebbled.store.entry_info(0, V_ID).nbytes == info.nbytes
     assert max(WEIGHT_IDS.values()) < K_ID
+
+
+def test_prefill_expands_only_what_the_gemm_cannot_take_as_stored(spec, pebbled):
+    """A chunk past the fused kernels expands quantized matrices into the fp16 workspace, and the
+    estimate counts the largest; F16 (and, on the host, F32) are multiplied as they are stored."""
+    _, overrides = spec
+    as_stored = {"F16"} | ({"F32"} if pebbled.xp is np else set())
+    types = {overrides["weight_type"], *overrides.get("tensor_types", {}).values()}
+    largest = max(t.shape[0] * t.shape[1] for layout in pebbled.layouts for t in layout if t.qtype is not None)
+    assert pebbled._expansion_elements(8) == 0  # the fused kernels take up to 8 rows
+    assert pebbled._expansion_elements(12) == (0 if types <= as_stored else largest)

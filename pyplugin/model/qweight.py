@@ -102,8 +102,24 @@ class QuantWeight:
         n_vec = 1 if x.ndim == 1 else x.shape[0]
         if n_vec <= kernels.lib.MAX_VEC:
             return kernels.matvec(self.qtype, self.data, rows, cols, x).astype(x.dtype, copy=False)
+        dense = self.dense_view()
+        if dense is not None:  # already a float matrix the GEMM takes as it is: no expansion
+            return x @ dense.T
         w = kernels.dequantize(self.qtype, self.data, rows * cols, out=kernels.workspace(rows * cols))
         return x @ w.reshape(rows, cols).T
+
+    def dense_view(self) -> Array | None:
+        """The bytes as a float matrix of the compute side, where they already are one: F16 anywhere,
+        F32 on the host (whose compute type it is); else None, and prefill expands them."""
+        if needs_expansion(self.qtype, get_array_module(self.data)):
+            return None
+        dtype = np.float16 if self.qtype == GGMLQuantizationType.F16 else np.float32
+        return self.data.view(dtype).reshape(self.shape)
+
+
+def needs_expansion(qtype: int, xp: Any) -> bool:
+    """Whether a prefill chunk expands a matrix of this type into the fp16 workspace on xp's side."""
+    return not (qtype == GGMLQuantizationType.F16 or (qtype == GGMLQuantizationType.F32 and xp is np))
 
 
 def row_bytes(qtype: int, cols: int) -> int:
