@@ -280,6 +280,11 @@ def workspace_bytes(cfg: ModelConfig, n_tokens: int, n_ctx: int, itemsize: int) 
     return stream + max(attention, mlp) + 2 * cfg.n_vocab * 4
 
 
+def fused_decode_default() -> bool:
+    """Whether decode steps run each layer as one native call unless told: $PEBBLING_FUSED_DECODE=1."""
+    return os.environ.get("PEBBLING_FUSED_DECODE", "").strip() == "1"
+
+
 def adaptive_budget(free: int | None, used, others: int, reserve: float = 0.05) -> int | None:
     """Device bytes an adaptive plan may fill: free memory plus this process's own (`used`, a
     DeviceUse; NVML's whole-device figure when it cannot tell this process's, which then counts for
@@ -321,9 +326,7 @@ class PebbledModel:
         self.dtype = compute_dtype(self.xp)
         self.weights = model.weights
         self.kernels = kernels_for(self.xp, self.backend)
-        if fused_decode is None:
-            fused_decode = os.environ.get("PEBBLING_FUSED_DECODE", "").strip() == "1"
-        self.fused_decode = fused_decode
+        self.fused_decode = fused_decode_default() if fused_decode is None else fused_decode
         self.layouts: list[list[_Tensor]] = []
         for i in range(cfg.n_layer):
             lw, layout = model.layers[i], []

@@ -239,3 +239,13 @@ def test_bad_flags_give_one_clear_error(model, capsys, args, code, message):
     assert "error:" in last and message in last, err
     if code == 1:
         assert err.count("\n") == 1
+
+
+def test_info_says_which_backend_and_which_decode_step(capsys, monkeypatch):
+    monkeypatch.delenv("PEBBLING_FUSED_DECODE", raising=False)
+    assert cli("info") == 0
+    out = capsys.readouterr().out
+    assert out.startswith("backend: ") and "decode step: array operations" in out and "weights: quantized" in out
+    monkeypatch.setenv("PEBBLING_FUSED_DECODE", "1")
+    assert cli("info") == 0
+    assert "decode step: one native call per layer (PEBBLING_FUSED_DECODE=1)" in capsys.readouterr().out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .. import backend, gpu
+from ..loop import fused_decode_default
 
 _GIB = 1 << 30
 
@@ -18,6 +19,10 @@ def run(args) -> int:
     print(f"backend: {choice.name}")
     print(f"  why: {choice.reason}")
     print(f"  library: {choice.library_path or 'none (pure Python)'}")
+    fused = fused_decode_default()
+    print(f"decode step: {'one native call per layer' if fused else 'array operations'} "
+          f"(PEBBLING_FUSED_DECODE={'1' if fused else 'unset or not 1'})")
+    print("weights: quantized by default (their GGUF types); pebbling_weights: f16 expands them at load")
     print("backends available:")
     for found in backend.available_backends():
         print(f"  {found.name}: {'yes' if found.usable else 'no'} ({found.reason})")
