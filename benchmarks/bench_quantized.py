@@ -46,6 +46,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench_vs_transformers import ram_dir
 from pyplugin.backend import select_backend
 from pyplugin.gpu import used_device_memory
 from pyplugin.loop import Generation, PebbledModel
@@ -62,16 +63,11 @@ GOAL_DECODE_RATIO = 2.5         # quantized decode tokens/s over f16's
 GOAL_KERNEL_BANDWIDTH = 0.70    # fused kernels' bytes / time over the device bandwidth
 
 
-def ram_dir(requested: str | None) -> Path:
-    if requested:
-        return Path(requested)
-    shm = Path("/dev/shm")
-    return shm if shm.is_dir() else Path(tempfile.gettempdir())
-
-
 def build_models(args) -> dict:
     """The quantized and f16 forms of one Q4_K_M-style file (written, read twice, deleted)."""
-    with tempfile.TemporaryDirectory(dir=ram_dir(args.dir), prefix="pebbling-bench-q-") as tmp:
+    e, kv = args.n_embd, args.n_head_kv * (args.n_embd // args.n_head)
+    file_bytes = args.n_layer * (2 * e * e + 2 * e * kv + 3 * e * args.n_ff) * 5 // 8  # Q4_K_M: ~5 bits a weight
+    with tempfile.TemporaryDirectory(dir=ram_dir(args.dir, file_bytes), prefix="pebbling-bench-q-") as tmp:
         print("writing a Q4_K_M-style random-weight GGUF ...", flush=True)
         path = write_gguf(Path(tmp) / "bench-q4_k_m.gguf", arch="llama", n_layer=args.n_layer,
                           n_embd=args.n_embd, n_head=args.n_head, n_head_kv=args.n_head_kv, n_ff=args.n_ff,

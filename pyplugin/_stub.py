@@ -45,7 +45,10 @@ from .store import (
     GGML_TYPE_COUNT, INT32_MAX, MAX_DIMS, TIER_AUTO, TIER_DEVICE, TIER_HOST, TYPE_BYTES, EntryInfo, Stats,
     Store, TensorDesc, as_int, as_strategy, check_view, default_desc, host_buffer, stream_pointer, tier_code,
 )
+from .quant import MAX_VEC, SUPPORTED_TYPES
 from .strategy import is_resident, resident_count
+
+_SUPPORTED_TEXT = ", ".join(f"{k} {v}" for k, v in SUPPORTED_TYPES.items())  # as pebble_quant.cu lists them
 
 _TIER_NAMES = {TIER_AUTO: "auto", TIER_DEVICE: "device", TIER_HOST: "host"}
 _EVENT_COUNTERS = ("saves", "restores", "hits", "evictions", "prefetches", "bytes_h2d", "bytes_d2h",
@@ -385,10 +388,6 @@ class StubStore(Store):
 # quantized tensors: the reference semantics of pebble_type_block, pebble_dequantize and pebble_matvec
 
 
-_KERNEL_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K",
-                 14: "Q6_K", 30: "BF16"}
-_KERNEL_TYPES_TEXT = ", ".join(f"{k} {v}" for k, v in sorted(_KERNEL_TYPES.items()))
-MATVEC_MAX_VEC = 8  # PEBBLE_MATVEC_MAX_VEC
 
 
 class StubKernels:
@@ -397,23 +396,23 @@ class StubKernels:
     with the same messages. Host buffers only; a call is done when it returns."""
 
     backend = "stub"
-    MAX_VEC = MATVEC_MAX_VEC
+    MAX_VEC = MAX_VEC
 
     def _type(self, fn: str, ggml_type) -> tuple[int, str, int, int]:
         """(id, name, block elements, block bytes) of a type with kernels."""
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
         ggml_type = as_int(ggml_type, "ggml type")
-        if ggml_type in _KERNEL_TYPES:
+        if ggml_type in SUPPORTED_TYPES:
             elements, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
-            return ggml_type, _KERNEL_TYPES[ggml_type], elements, nbytes
+            return ggml_type, SUPPORTED_TYPES[ggml_type], elements, nbytes
         try:
             name = GGMLQuantizationType(ggml_type).name
         except ValueError:
             raise InvalidArgumentError(f"{fn}: {ggml_type} is not a GGUF type id; supported: "
-                                       f"{_KERNEL_TYPES_TEXT}") from None
+                                       f"{_SUPPORTED_TEXT}") from None
         raise InvalidArgumentError(f"{fn}: GGUF type {ggml_type} ({name}) has no kernels; supported: "
-                                   f"{_KERNEL_TYPES_TEXT}")
+                                   f"{_SUPPORTED_TEXT}")
 
     def type_block(self, ggml_type) -> tuple[int, int]:
         _, _, elements, nbytes = self._type("pebble_type_block", ggml_type)
@@ -458,8 +457,8 @@ class StubKernels:
     def matvec(self, ggml_type, w, n_rows, n_cols, x, n_vec, out, *, stream=None) -> None:
         ggml_type, name, elements, block_bytes = self._type("pebble_matvec", ggml_type)
         n_rows, n_cols, n_vec = as_int(n_rows, "n_rows"), as_int(n_cols, "n_cols"), as_int(n_vec, "n_vec")
-        if not 1 <= n_vec <= MATVEC_MAX_VEC:
-            raise InvalidArgumentError(f"pebble_matvec: {name}: n_vec {n_vec} is outside 1..{MATVEC_MAX_VEC}")
+        if not 1 <= n_vec <= MAX_VEC:
+            raise InvalidArgumentError(f"pebble_matvec: {name}: n_vec {n_vec} is outside 1..{MAX_VEC}")
         if n_rows < 1 or n_cols < 1:
             raise InvalidArgumentError(f"pebble_matvec: {name}: n_rows and n_cols must be at least 1, got "
                                        f"{n_rows} x {n_cols}")

@@ -16,15 +16,16 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import numpy as np
+from gguf import GGMLQuantizationType as Q
 
 from .backend import probe, select_backend
 from .errors import InvalidArgumentError, SizeMismatchError
 from .store import as_int
 from .xp import array_module
 
-# GGUF type id -> name, for the types with kernels.
-SUPPORTED_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K",
-                   13: "Q5_K", 14: "Q6_K", 30: "BF16"}
+# GGUF type id -> name, for the types with kernels (native/pebble_quant.cu's list); what the loader reads.
+SUPPORTED_TYPES = {int(t): t.name for t in sorted((Q.F32, Q.F16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K,
+                                                   Q.Q5_K, Q.Q6_K, Q.BF16))}
 MAX_VEC = 8  # PEBBLE_MATVEC_MAX_VEC: the most vectors one matvec call takes
 
 DECODE_WEIGHTS = ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down", "bq", "bk", "bv")

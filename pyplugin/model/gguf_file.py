@@ -18,9 +18,10 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize as gguf_dequantize
 
 from ..errors import ModelError
+from ..quant import SUPPORTED_TYPES as KERNEL_TYPES
 
 T = GGMLQuantizationType
-SUPPORTED_TYPES = frozenset({T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K})
+SUPPORTED_TYPES = frozenset(T(i) for i in KERNEL_TYPES)  # every type the kernels compute from
 GGUF_MAGIC = b"GGUF"
 
 
