@@ -4,7 +4,7 @@
                                      [--decode-tokens 32] [--type F16] [--weights f16|quantized]
                                      [--json FILE]
 
-Writes the model with pyplugin.synth into a temporary directory, loads it, and times prefill (one
+Writes the model with pyplugin.model.synth into a temporary directory, loads it, and times prefill (one
 chunk of --prompt-tokens) and greedy decode (--decode-tokens steps) with all layers resident. numpy
 computes in float32, CuPy in float16; `all` runs CuPy too when it is usable here. --weights picks the
 form the matrices are held in: f16 (expanded at load, the default here) or quantized (their GGUF
@@ -24,10 +24,11 @@ from pathlib import Path
 
 import numpy as np
 
-from pyplugin.loop import Generation
+from pyplugin.runtime import Generation, ResidentLayers
+from pyplugin.store import backend_named, select_backend
 from pyplugin.model import load_model
-from pyplugin.options import Options
-from pyplugin.synth import write_gguf
+from pyplugin.runtime.options import Options
+from pyplugin.model.synth import write_gguf
 from pyplugin.xp import array_module, cupy_usable
 
 # 12 layers of 768 with a 3072 feed-forward and 4 KV heads: ~105M parameters.
@@ -42,11 +43,12 @@ def parameters(model) -> int:
 
 def measure(model, xp_name: str, prompt_tokens: int, decode_tokens: int, repeats: int) -> dict:
     xp = array_module(xp_name)
+    kernels = backend_named("cuda").kernels if xp_name == "cupy" else select_backend().host_kernels
     options = Options(temperature=0, num_ctx=prompt_tokens + decode_tokens + 1, num_batch=prompt_tokens)
     prompt = list(np.random.default_rng(0).integers(0, model.config.n_vocab, prompt_tokens))
     prefill_s, decode_s = [], []
     for run in range(repeats + 1):             # run 0 warms up (allocation, device upload, BLAS)
-        gen = Generation(model, options, xp=xp)
+        gen = Generation(model, options, layers=ResidentLayers(model, options.num_ctx, kernels))
         t0 = time.perf_counter()
         logits = gen.prefill(prompt)
         t1 = time.perf_counter()

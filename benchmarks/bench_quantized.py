@@ -7,7 +7,7 @@ matrix-vector kernels' bandwidth against the device's, all measured in one run.
         [--n-layer 18] [--n-embd 2048] [--n-ff 8192] [--n-head 32] [--n-head-kv 8]
 
 The model (default: Llama-3.2-1B's layer shapes with 18 layers, 1.09B layer parameters) is written by
-pyplugin.synth as Q4_K_M does it: Q4_K matrices, with attn_v, ffn_down and the output in Q6_K; then
+pyplugin.model.synth as Q4_K_M does it: Q4_K matrices, with attn_v, ffn_down and the output in Q6_K; then
 loaded twice through pebbling's loader, once per weight form (`quantized`: the file's bytes; `f16`:
 expanded at load), and the file deleted. For each form, with every layer resident (strategy none):
 
@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 import time
@@ -47,14 +46,13 @@ from pathlib import Path
 import numpy as np
 
 from bench_vs_transformers import ram_dir
-from pyplugin.backend import select_backend
-from pyplugin.gpu import used_device_memory
-from pyplugin.loop import Generation, PebbledModel
+from pyplugin.store import Backend, select_backend
+from pyplugin.runtime import PebbledModel
 from pyplugin.model import QuantWeight, load_model
-from pyplugin.options import Options
-from pyplugin.plan import PebblingOptions
-from pyplugin.strategy import Strategy
-from pyplugin.synth import write_gguf
+from pyplugin.runtime.options import Options
+from pyplugin.runtime.plan import PebblingOptions
+from pyplugin.store.strategy import Strategy
+from pyplugin.model.synth import write_gguf
 
 Q4_K_M = {"attn_v": "Q6_K", "ffn_down": "Q6_K", "output": "Q6_K"}  # the rest Q4_K
 DECODE_MODES = ("ops", "fused")  # one array operation at a time, or each layer one native call
@@ -91,14 +89,15 @@ def device_weight_bytes(pebbled: PebbledModel) -> tuple[int, str]:
     """Device memory the store takes for every layer's weights: NVML before and after it moves them
     there (no KV entry exists yet), on the GPU; the store's accounting elsewhere."""
     store = pebbled.store
-    if pebbled.backend != "cuda":
+    backend = pebbled.backend
+    if not backend.measures_memory:
         store.set_strategy(Strategy.parse("none"), device_limit=pebbled.weight_bytes)
         return store.stats().device_bytes, "byte-accounted (store device tier; no GPU measured)"
-    pebbled.xp.get_default_memory_pool().free_all_blocks()
-    before = used_device_memory()
+    backend.free_pool()
+    before = backend.used_memory()
     store.set_strategy(Strategy.parse("none"), device_limit=pebbled.weight_bytes)
     store.synchronize()
-    after = used_device_memory()
+    after = backend.used_memory()
     if before is None or after is None:
         return store.stats().device_bytes, "byte-accounted (NVML cannot say here)"
     return after.bytes - before.bytes, f"measured (NVML, {'this process' if after.this_process else 'whole device'})"
@@ -111,8 +110,7 @@ def decode_run(pebbled: PebbledModel, prompt: list[int], args, fused: bool) -> d
     pebbled.fused_decode = fused
     best = None
     for _ in range(2):  # the first run warms up: kernels load, the allocator grows
-        gen = Generation(pebbled.model, options, layers=pebbled.layers(options, pebbling, len(prompt)),
-                         xp=pebbled.xp)
+        gen = pebbled.generation(options, pebbling, len(prompt))
         tokens = list(gen.tokens(prompt))
         s = gen.stats
         run = {"tokens": tokens, "decode_tokens_per_s": s.generated_tokens / (s.generate_ns / 1e9),
@@ -123,7 +121,7 @@ def decode_run(pebbled: PebbledModel, prompt: list[int], args, fused: bool) -> d
     return best
 
 
-def form_row(form: str, model, backend: str, prompt: list[int], args) -> dict:
+def form_row(form: str, model, backend: Backend, prompt: list[int], args) -> dict:
     pebbled = PebbledModel(model, backend=backend)
     try:
         device, how = device_weight_bytes(pebbled)
@@ -255,7 +253,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--dir", help="where the GGUF is written for loading (default /dev/shm)")
     args = p.parse_args(argv)
 
-    backend = select_backend(args.backend).name
+    backend = select_backend(args.backend)
     built = build_models(args)
     models = built["models"]
     quantized = models["quantized"]
@@ -265,18 +263,14 @@ def main(argv: list[str] | None = None) -> dict:
     for form, model in models.items():
         print(f"{form}: all layers resident, decode {args.decode_tokens} tokens ...", flush=True)
         forms[form] = form_row(form, model, backend, prompt, args)
-    from pyplugin.quant import kernels_for
-    from pyplugin.xp import array_module
-
-    xp = array_module("cupy" if backend == "cuda" else "numpy")
-    kernels = kernels_for(xp, backend)
+    xp, kernels = backend.xp, backend.kernels
     largest = max(w.nbytes for _, w in quantized.layers[0].arrays())
-    bandwidth = device_bandwidth(xp, args.repeats, max(largest, 256 * 2**20 if backend == "cuda" else largest))
+    bandwidth = device_bandwidth(xp, args.repeats, max(largest, 256 * 2**20 if backend.measures_memory else largest))
     kernel_figures = kernel_rows(quantized, kernels, args.repeats)
     result = {
         "model": f"Q4_K_M-style random-weight llama, {args.n_layer} x {args.n_embd}, ffn {args.n_ff}, "
                  f"{layer_parameters(quantized) / 1e9:.2f}B layer parameters, file {built['file_bytes'] / 2**30:.2f} GiB",
-        "backend": backend, "args": vars(args), "file_bytes": built["file_bytes"],
+        "backend": backend.name, "args": vars(args), "file_bytes": built["file_bytes"],
         "layer_parameters": layer_parameters(quantized),
         "device_bandwidth_bytes_per_s": bandwidth, "forms": forms, "kernels": kernel_figures,
     }

@@ -15,26 +15,21 @@ import json
 
 import numpy as np
 
-from pyplugin.backend import open_store
-from pyplugin.measure import median_seconds
+from pyplugin.store import Backend, select_backend
+from pyplugin.runtime.measure import median_seconds
 
 
-def measure(backend: str | None, mib: int, repeats: int) -> dict:
+def measure(backend: str | Backend | None, mib: int, repeats: int) -> dict:
     nbytes = mib << 20
-    store = open_store(2 * nbytes, n_layers=2, strategy="minimal", backend=backend)
+    backend = select_backend(backend)
+    store = backend.open_store(2 * nbytes, n_layers=2, strategy="minimal")
     with store:
-        if store.backend == "cuda":
-            import cupy as cp
-
-            stream = cp.cuda.Stream(non_blocking=True)
-            device_buf = cp.random.randint(0, 255, size=nbytes, dtype=cp.uint8)
-            sync = stream.synchronize
-            where = "CuPy device array <-> pinned host tier"
+        device_buf = backend.xp.asarray(np.random.default_rng(0).integers(0, 255, size=nbytes, dtype=np.uint8))
+        stream = backend.copy_stream()
+        if stream is not None:
+            sync, where = stream.synchronize, "CuPy device array <-> pinned host tier"
         else:
-            stream = None
-            device_buf = np.random.default_rng(0).integers(0, 255, size=nbytes, dtype=np.uint8)
-            sync = store.synchronize
-            where = "host memory <-> host tier (no GPU: a memcpy figure, not PCIe)"
+            sync, where = store.synchronize, "host memory <-> host tier (no GPU: a memcpy figure, not PCIe)"
 
         store.save(0, 0, device_buf, tier="host", stream=stream)
         store.synchronize()

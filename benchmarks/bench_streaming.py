@@ -21,16 +21,15 @@ from pathlib import Path
 import numpy as np
 
 from bench_store import measure as measure_bandwidth
-from pyplugin.loop import Generation, PebbledModel
+from pyplugin.runtime import PebbledModel
 from pyplugin.model import load_model
-from pyplugin.options import Options
-from pyplugin.plan import PebblingOptions, make_plan, smallest_footprint
-from pyplugin.synth import write_gguf
+from pyplugin.runtime.options import Options
+from pyplugin.runtime.plan import PebblingOptions, make_plan, smallest_footprint
+from pyplugin.model.synth import write_gguf
 
 
 def run(pebbled: PebbledModel, options: Options, prompt: list[int], pebbling: PebblingOptions) -> dict:
-    layers = pebbled.layers(options, pebbling, len(prompt))
-    gen = Generation(pebbled.model, options, layers=layers, xp=pebbled.xp)
+    gen = pebbled.generation(options, pebbling, len(prompt))
     tokens = list(gen.tokens(prompt))
     report = gen.report()
     decoded = max(gen.stats.generated_tokens, 1)
@@ -93,7 +92,7 @@ def main() -> None:
 
     params = sum(a.size for lw in model.layers for _, a in lw.arrays())
     print(f"model: random-weight llama, {args.n_layer} layers x {args.n_embd}, {params / 1e6:.0f}M layer "
-          f"parameters, backend {pebbled.backend}; restore bandwidth {bandwidth['h2d_restore_GBps']} GB/s "
+          f"parameters, backend {pebbled.backend.name}; restore bandwidth {bandwidth['h2d_restore_GBps']} GB/s "
           f"(measured, {layer_mib} MiB entries)")
     print(f"{'strategy':<12}{'same':>6}{'peak MiB':>11}{'est MiB':>10}{'ratio':>7}{'ms/tok':>9}"
           f"{'MiB/tok':>9}{'bound ms':>10}{'effic.':>8}")

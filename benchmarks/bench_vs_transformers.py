@@ -7,7 +7,7 @@ peak device memory, decode and prefill speed, and how close streaming comes to t
 
 The model has Llama-3-8B's layer shapes by default (32 layers of 4096, 32 heads, 8 KV heads, a 14336
 feed-forward: 7.0B layer parameters) with random fp16 weights and synth's small vocabulary. It is
-built through pebbling's own loader: pyplugin.synth writes the GGUF into a RAM-backed directory
+built through pebbling's own loader: pyplugin.model.synth writes the GGUF into a RAM-backed directory
 (/dev/shm where it exists and has room), pyplugin.model.load_model reads it, the file is deleted.
 
 pebbling rows (greedy, batch 1, --prompt-tokens of prefill in one chunk, then --decode-tokens):
@@ -56,13 +56,12 @@ from pathlib import Path
 import numpy as np
 
 from bench_store import measure as measure_bandwidth
-from pyplugin.backend import probe
-from pyplugin.gpu import free_device_memory
-from pyplugin.loop import Generation, PebbledModel
+from pyplugin.store.backend import probe
+from pyplugin.runtime import PebbledModel
 from pyplugin.model import load_model
-from pyplugin.options import Options
-from pyplugin.plan import PebblingOptions, full_residency_peak, smallest_footprint
-from pyplugin.synth import write_gguf
+from pyplugin.runtime.options import Options
+from pyplugin.runtime.plan import PebblingOptions, full_residency_peak, smallest_footprint
+from pyplugin.model.synth import write_gguf
 
 BUDGET_DEFINITION = ("budget(F) = F x the layers' weight bytes + every other byte `none` needs (KV cache of "
                      "every layer at num_ctx, output matrix and norm, workspace, backend overhead); "
@@ -150,8 +149,7 @@ def run_pebbling(pebbled: PebbledModel, options: Options, prompt: list[int], str
                  budget: int | None = None) -> dict:
     """One greedy request through the store; the report and the loop's own timings."""
     pebbling = PebblingOptions.from_options({"pebbling_strategy": strategy, "pebbling_memory_limit": budget})
-    gen = Generation(pebbled.model, options, layers=pebbled.layers(options, pebbling, len(prompt)),
-                     xp=pebbled.xp)
+    gen = pebbled.generation(options, pebbling, len(prompt))
     tokens = list(gen.tokens(prompt))
     s = gen.stats
     return {"tokens": tokens, "report": gen.report(),
@@ -162,7 +160,7 @@ def run_pebbling(pebbled: PebbledModel, options: Options, prompt: list[int], str
 def pebbling_cases(pebbled: PebbledModel, memory, fractions: list[float]) -> list[dict]:
     """(label, strategy, budget, note) of each row: none when it fits the device, each fraction, minimal."""
     cases = []
-    free = free_device_memory() if pebbled.backend == "cuda" else None
+    free = pebbled.backend.free_memory()
     none_peak = full_residency_peak(memory)
     if free is None or none_peak <= free:
         cases.append({"label": "none", "strategy": "none", "budget": None, "note": ""})
@@ -539,7 +537,7 @@ def main() -> None:
     result = {
         "config": {**{k: getattr(args, k) for k in ("n_layer", "n_embd", "n_ff", "n_head", "n_head_kv",
                                                     "num_ctx", "prompt_tokens", "decode_tokens", "device", "seed")},
-                   "backend": pebbled.backend, "n_vocab": model.config.n_vocab, "weight_type": "F16",
+                   "backend": pebbled.backend.name, "n_vocab": model.config.n_vocab, "weight_type": "F16",
                    "layer_parameters": layer_params, "outer_parameters": outer_params,
                    "layer_weight_bytes_on_device": sum(memory.layer_weight_bytes), "setup_s": round(setup_s, 1)},
         "versions": f"{transformers.__version__}, accelerate {accelerate.__version__}, torch {torch.__version__}",
@@ -562,8 +560,8 @@ def main() -> None:
     # Give the device back to transformers: pebbling's store, its working slots and CuPy's pools.
     pebbled.close()
     model._converted.clear()
-    if pebbled.xp is not np:
-        pebbled.xp.get_default_memory_pool().free_all_blocks()
+    pebbled.backend.free_pool()
+    if pebbled.backend.measures_memory:  # CuPy's pinned pool too
         pebbled.xp.get_default_pinned_memory_pool().free_all_blocks()
     del pebbled
     gc.collect()

@@ -5,7 +5,7 @@
 For each architecture (llama, qwen2, phi3) and tensor type (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
 Q4_K, Q5_K, Q6_K),
 plus a few layout variants (a Q4_K_M-like mix, tied output, llama3 rope_freqs, linear RoPE scaling,
-partial RoPE, MHA), it writes a small random-weight GGUF with pyplugin.synth, loads it in llama.cpp
+partial RoPE, MHA), it writes a small random-weight GGUF with pyplugin.model.synth, loads it in llama.cpp
 (through the llama-cpp-python bindings, KV cache in F32) and in pebbling (pyplugin.model +
 pyplugin.loop), feeds both the same token ids and compares:
 
@@ -59,12 +59,12 @@ from typing import Any
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from pyplugin import synth
-from pyplugin.loop import Generation
+from pyplugin.model import synth
+from pyplugin.runtime import Generation
 from pyplugin.model import load_model
 from pyplugin.model.gguf_file import dequantize_bytes
-from pyplugin.options import Options
-from pyplugin.synth import write_gguf
+from pyplugin.runtime.options import Options
+from pyplugin.model.synth import write_gguf
 
 INSTALL_HELP = """\
 compare_llamacpp.py needs the llama-cpp-python bindings (llama.cpp itself), which pebbling does not

@@ -1,5 +1,6 @@
 """The `pebbling` command. Each subcommand lives in pyplugin/commands/<name>.py and provides
-``add_parser(subparsers)`` (which registers itself and sets ``func``) ."""
+``add_parser(subparsers)`` (which registers itself and sets ``func``); what they share is in
+pyplugin/commands/common.py."""
 
 from __future__ import annotations
 

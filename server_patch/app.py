@@ -19,11 +19,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pyplugin.engine import Engine, Final, ModelListing, ModelNotFoundError
-from pyplugin.engine import Request as EngineRequest
-from pyplugin.errors import OptionsError, PebblingError, StrategyError
-from pyplugin.model import ChatTemplateError
-from pyplugin.ollama_store import InvalidModelName
+from pyplugin.serving import (ChatTemplateError, Engine, Final, GenerationRequest, InvalidModelName, ModelListing,
+                              ModelNotFoundError, OptionsError, PebblingError, StrategyError)
 
 from . import openai_compat
 from .jobs import BadRequest, collect, dumps, engine_of, events, iso, now_iso, submit
@@ -224,7 +221,7 @@ def _ollama_routes() -> APIRouter:
             raise BadRequest("'images' is not supported: pebbling serves text-only models")
         if body.suffix:
             raise BadRequest("'suffix' (fill-in-the-middle) is not supported by pebbling")
-        job = await submit(request, EngineRequest(
+        job = await submit(request, GenerationRequest(
             model=body.model, prompt=body.prompt, system=body.system, template=body.template,
             raw=body.raw, context=body.context, options=body.options or {}, keep_alive=body.keep_alive))
 
@@ -248,7 +245,7 @@ def _ollama_routes() -> APIRouter:
             raise BadRequest("'tools' is not supported by pebbling")
         if any(m.images for m in body.messages):
             raise BadRequest("'images' is not supported: pebbling serves text-only models")
-        job = await submit(request, EngineRequest(
+        job = await submit(request, GenerationRequest(
             model=body.model, messages=[{"role": m.role, "content": m.content} for m in body.messages],
             options=body.options or {}, keep_alive=body.keep_alive))
 

@@ -17,8 +17,7 @@ from typing import AsyncIterator
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
-from pyplugin.engine import Engine, Final, Job
-from pyplugin.engine import Request as EngineRequest
+from pyplugin.serving import Engine, Final, GenerationRequest, Job
 
 
 class BadRequest(Exception):
@@ -29,7 +28,7 @@ def engine_of(request: Request) -> Engine:
     return request.app.state.engine
 
 
-async def submit(request: Request, engine_request: EngineRequest) -> Job:
+async def submit(request: Request, engine_request: GenerationRequest) -> Job:
     # Validation may load the model from disk: off the event loop.
     return await run_in_threadpool(engine_of(request).submit, engine_request)
 

@@ -15,8 +15,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from pyplugin.engine import Final
-from pyplugin.engine import Request as EngineRequest
+from pyplugin.serving import Final, GenerationRequest
 
 from .jobs import BadRequest, collect, dumps, engine_of, events, now_unix, submit
 from .schemas import ChatCompletionRequest, CompletionRequest
@@ -63,7 +62,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     messages = [{"role": m.role, "content": _text_content(m.content, i)} for i, m in enumerate(body.messages)]
     if not messages:
         raise BadRequest("'messages' must hold at least one message")
-    job = await submit(request, EngineRequest(
+    job = await submit(request, GenerationRequest(
         model=body.model, messages=messages,
         options=_options(body, body.max_completion_tokens or body.max_tokens), keep_alive=body.keep_alive))
     base = {"id": f"chatcmpl-{secrets.token_hex(12)}", "created": now_unix(), "model": body.model,
@@ -92,7 +91,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     if body.echo:
         raise BadRequest("'echo' is not supported by pebbling")
     # A completion continues the prompt as written: no chat template.
-    job = await submit(request, EngineRequest(model=body.model, prompt=body.prompt, raw=True,
+    job = await submit(request, GenerationRequest(model=body.model, prompt=body.prompt, raw=True,
                                               options=_options(body, body.max_tokens),
                                               keep_alive=body.keep_alive))
     base = {"id": f"cmpl-{secrets.token_hex(12)}", "created": now_unix(), "model": body.model,

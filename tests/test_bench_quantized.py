@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import store_backend_params
+from helpers import store_backend_params
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import bench_quantized as bench  # noqa: E402

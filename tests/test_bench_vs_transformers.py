@@ -12,8 +12,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import bench_vs_transformers as bench  # noqa: E402
 
-from pyplugin.plan import MemoryModel, full_residency_peak, make_plan, smallest_footprint  # noqa: E402
-from pyplugin.synth import permute_qk  # noqa: E402
+from pyplugin.runtime.plan import MemoryModel, full_residency_peak, make_plan, smallest_footprint  # noqa: E402
+from pyplugin.model.synth import permute_qk  # noqa: E402
 
 
 def memory(n_layers: int) -> MemoryModel:

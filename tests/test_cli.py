@@ -7,10 +7,11 @@ import json
 
 import pytest
 
-from model_fixtures import tiny_path
+from helpers import tiny_path
 from pyplugin.cli import main
 from pyplugin.commands import verify as verify_command
-from pyplugin.loop import Generation
+from pyplugin.runtime import pebbled as pebbled_module
+from pyplugin.runtime import Generation
 
 ESTIMATE_STRATEGIES = ("none", "sqrt", "adaptive", "minimal", "every:2", "every:4")
 VERIFY_STRATEGIES = ("none", "sqrt", "adaptive", "minimal", "every:2")
@@ -172,7 +173,7 @@ def test_verify_exits_1_when_a_strategy_changes_the_tokens(model, capsys, monkey
             for token in super().tokens(prompt):
                 yield token + (self.layers.plan.strategy.name == "minimal")
 
-    monkeypatch.setattr(verify_command, "Generation", Broken)
+    monkeypatch.setattr(pebbled_module, "Generation", Broken)  # what PebbledModel.generation makes
     assert cli("verify", model, "--num-predict", "3", *SMALL) == 1
     out = capsys.readouterr().out
     assert rows(out, VERIFY_STRATEGIES)["minimal"].endswith("NO")

@@ -7,16 +7,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import store_backend_params
-from model_fixtures import tiny_model
-from pyplugin import quant
+from helpers import store_backend_params, tiny_model
 from pyplugin.errors import InvalidArgumentError, SizeMismatchError
-from pyplugin.loop import Generation, PebbledModel
+from pyplugin.runtime import PebbledModel
 from pyplugin.model import QuantWeight, layer_forward
 from pyplugin.model.transformer import rope_table
-from pyplugin.options import Options
-from pyplugin.plan import PebblingOptions
-from pyplugin.quant import LayerShape
+from pyplugin.runtime.options import Options
+from pyplugin.runtime.plan import PebblingOptions
+from pyplugin.store import LayerShape, backend_named
 
 N_CTX = 24
 CASES = {  # name: (arch, overrides); partial RoPE, NeoX, biases, GQA, every type
@@ -33,7 +31,7 @@ CASES = {  # name: (arch, overrides); partial RoPE, NeoX, biases, GQA, every typ
 
 @pytest.fixture(params=store_backend_params())
 def kernels(request):
-    return quant.kernels(request.param)
+    return backend_named(request.param).kernels
 
 
 def host(a):
@@ -56,7 +54,7 @@ def setup(kernels, arch, overrides, form, pos, seed=0):
 def reference(cfg, lw, k, v, x, pos):
     """The model's forward pass on numpy, float32, weights as the decode step sees them: quantized or
     dense matrices through the same fp16-vector matvec (dense ones wrapped as F32/F16 QuantWeights)."""
-    stub = quant.kernels("stub")
+    stub = backend_named("stub").kernels
 
     def as_numpy(a):
         if isinstance(a, QuantWeight):
@@ -137,9 +135,9 @@ def test_refusals_name_what_was_wrong_and_the_kernels_stay_usable(kernels):
 def test_the_native_library_refuses_malformed_calls_by_status(kernels):
     if kernels.name == "stub":
         pytest.skip("the stub takes arrays, not pointers")
-    from pyplugin import _native
+    from pyplugin.store import native
 
-    lib, ffi = kernels.lib._lib, _native.ffi
+    lib, ffi = kernels.lib._lib, native.ffi
     shape = ffi.new("struct pebble_layer_shape *", dict(n_embd=32, n_head=2, n_head_kv=1, head_dim=16, n_ff=32,
                                                        rope_dims=16, rope_neox=0, rms_eps=1e-5))
     weights = ffi.new("struct pebble_layer_weights *")  # every pointer NULL
@@ -165,10 +163,9 @@ def test_generation_with_the_decode_step_gives_the_same_tokens(backend, case):
         pebbled = PebbledModel(model, backend=backend, fused_decode=fused)
         try:
             for strategy in ("none", "minimal", "every:3"):
-                layers = pebbled.layers(options, PebblingOptions.from_options({"pebbling_strategy": strategy}),
-                                        len(prompt))
-                assert (layers.decode_kernels is not None) == fused
-                gen = Generation(model, options, layers=layers, xp=pebbled.xp)
+                gen = pebbled.generation(options, PebblingOptions.from_options({"pebbling_strategy": strategy}),
+                                         len(prompt))
+                assert (gen.decode_kernels is not None) == fused
                 tokens[fused, strategy] = list(gen.tokens(prompt))
         finally:
             pebbled.close()

@@ -15,10 +15,10 @@ import pytest
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
-from model_fixtures import tiny_model, tiny_path
-from pyplugin.loop import Generation, ResidentLayers
+from helpers import tiny_model, tiny_path
+from pyplugin.runtime import Generation, ResidentLayers
 from pyplugin.model import KVCache, embed, layer_forward, output_logits
-from pyplugin.options import Options
+from pyplugin.runtime.options import Options
 
 PROMPT = [3, 17, 42, 99, 7, 150, 8, 61, 5]
 

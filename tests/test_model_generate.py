@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from model_fixtures import tiny_model
+from helpers import tiny_model
 from pyplugin.errors import OptionsError
-from pyplugin.loop import Generation, generate
-from pyplugin.options import Options
-from pyplugin.sampling import Sampler, apply_repeat_penalty
+from pyplugin.runtime import Generation, generate
+from pyplugin.runtime.options import Options
+from pyplugin.runtime.sampling import Sampler, apply_repeat_penalty
 
 PROMPT_TEXT = "Hello world! The quick brown fox"
 

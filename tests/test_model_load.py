@@ -11,11 +11,11 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.quants import dequantize
 
-from model_fixtures import ARCHS, TYPES, tiny_model, tiny_path
+from helpers import ARCHS, TYPES, tiny_model, tiny_path
 from pyplugin.cli import main as cli_main
 from pyplugin.errors import ModelError
 from pyplugin.model import load_model
-from pyplugin.synth import quantize
+from pyplugin.model.synth import quantize
 
 
 def _ours(model, name):

@@ -7,11 +7,11 @@ import shutil
 import pytest
 from gguf import GGUFReader
 
-from model_fixtures import tiny_path
-from pyplugin import registry
+from helpers import tiny_path
+from pyplugin.serving import registry
 from pyplugin.cli import main as cli_main
 from pyplugin.errors import ModelError
-from pyplugin.registry import DEMO_NAME, resolve
+from pyplugin.serving.registry import DEMO_NAME, resolve
 
 
 @pytest.fixture

@@ -8,11 +8,11 @@ import pytest
 from gguf import GGUFReader
 from tokenizers import Regex, pre_tokenizers
 
-from model_fixtures import tiny_model, tiny_path
+from helpers import tiny_model, tiny_path
 from pyplugin.errors import ModelError
 from pyplugin.model import ChatTemplate, ChatTemplateError, Tokenizer
 from pyplugin.model.tokenizer import CONTROL, NORMAL, PRE_TOKENIZERS, SPACE, bytes_to_unicode
-from pyplugin.synth import CORPUS
+from pyplugin.model.synth import CORPUS
 
 TEXTS = [
     "héllo wörld 日本語 🙂",

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from pyplugin import ollama_store
+from pyplugin.serving import ollama_store
 from pyplugin.errors import ModelError
-from pyplugin.ollama_store import InvalidModelName, list_models, parse_name, resolve
+from pyplugin.serving.ollama_store import InvalidModelName, list_models, parse_name, resolve
 
 
 def add_model(root: Path, host: str, namespace: str, model: str, tag: str, data: bytes = b"GGUF...",

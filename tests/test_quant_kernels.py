@@ -17,13 +17,13 @@ from gguf import GGMLQuantizationType as Q
 from gguf import quants as gguf_quants
 from gguf.constants import GGML_QUANT_SIZES
 
-from conftest import store_backend_params
-from pyplugin import _native, quant
-from pyplugin.backend import probe
+from helpers import store_backend_params
+from pyplugin.ggml_types import SUPPORTED_TYPES
+from pyplugin.store import backend_named, native, probe
 from pyplugin.errors import InvalidArgumentError, SizeMismatchError
 
-TYPES = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.F16, Q.BF16, Q.F32]
-QUANTIZED = {Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K}
+TYPES = [Q(t) for t in SUPPORTED_TYPES]
+QUANTIZED = set(TYPES) - {Q.F32, Q.F16, Q.BF16}
 K_QUANTS = {Q.Q4_K, Q.Q5_K, Q.Q6_K}
 GGUF_QUANTIZES = {Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1}  # gguf-py has a quantizer for these
 
@@ -47,6 +47,10 @@ MATVEC_RTOL = 1e-5
 @pytest.fixture(params=store_backend_params())
 def backend(request) -> str:
     return request.param
+
+
+def kernels_of(backend: str):
+    return backend_named(backend).kernels
 
 
 def to_numpy(a) -> np.ndarray:
@@ -162,12 +166,12 @@ def fp16_ulps(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("qtype", list(Q), ids=lambda t: t.name)
 def test_type_block_is_gguf_block_for_supported_types_and_an_error_otherwise(backend, qtype):
-    if qtype.value in quant.SUPPORTED_TYPES:
-        assert quant.block_size(qtype, backend=backend) == GGML_QUANT_SIZES[qtype]
-        assert quant.SUPPORTED_TYPES[qtype.value] == qtype.name
+    if qtype.value in SUPPORTED_TYPES:
+        assert kernels_of(backend).type_block(qtype) == GGML_QUANT_SIZES[qtype]
+        assert SUPPORTED_TYPES[qtype.value] == qtype.name
     else:
         with pytest.raises(InvalidArgumentError, match=rf"type {qtype.value} \({qtype.name}\) has no kernels"):
-            quant.block_size(qtype, backend=backend)
+            kernels_of(backend).type_block(qtype)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -182,7 +186,7 @@ def test_dequantize_equals_gguf_rounded_to_fp16(backend, qtype):
         raw = make_raw(qtype, n_blocks, np.random.default_rng(seed), kind)
         with np.errstate(over="ignore"):  # extreme scales overflow fp16, as they should: to inf
             want = reference(qtype, raw).reshape(-1).astype(np.float16)
-        got = to_numpy(quant.dequantize(qtype, raw, n_blocks * elements, backend=backend))
+        got = to_numpy(kernels_of(backend).dequantize(qtype, raw, n_blocks * elements))
         assert got.dtype == np.float16 and got.shape == want.shape
         # Both decode in float32 and round that to fp16: on the host the very same operations, so every
         # bit equals gguf's; on a GPU fp16 rounding may differ by one unit in the last place at most.
@@ -198,7 +202,7 @@ def test_dequantize_equals_gguf_rounded_to_fp16(backend, qtype):
 
 def test_dequantize_f16_keeps_every_bit(backend):
     halves = np.arange(1 << 16, dtype=np.uint16)  # every pattern, NaNs included
-    got = to_numpy(quant.dequantize(Q.F16, halves.view(np.uint8), halves.size, backend=backend))
+    got = to_numpy(kernels_of(backend).dequantize(Q.F16, halves.view(np.uint8), halves.size))
     np.testing.assert_array_equal(got.view(np.uint16), halves)
 
 
@@ -206,7 +210,7 @@ def test_dequantize_writes_into_out(backend):
     raw = make_raw(Q.Q4_K, 2, np.random.default_rng(7), "random")
     xp = np if backend != "cuda" else pytest.importorskip("cupy")
     out = xp.full(512, np.nan, dtype=np.float16)
-    assert quant.dequantize(Q.Q4_K, raw, 512, out=out, backend=backend) is out
+    assert kernels_of(backend).dequantize(Q.Q4_K, raw, 512, out=out) is out
     np.testing.assert_array_equal(to_numpy(out), reference(Q.Q4_K, raw).reshape(-1).astype(np.float16))
 
 
@@ -236,7 +240,7 @@ def test_matvec_matches_float64_product_of_gguf_weights(backend, qtype, n_vec):
 
     xp = np if backend != "cuda" else pytest.importorskip("cupy")
     out = xp.full((n_vec, n_rows), np.nan, dtype=np.float32)     # every output must be written
-    got = to_numpy(quant.matvec(qtype, raw, n_rows, n_cols, x, out=out, backend=backend))
+    got = to_numpy(kernels_of(backend).matvec(qtype, raw, n_rows, n_cols, x, out=out))
     assert not np.isnan(got).any(), f"outputs left unwritten at {np.argwhere(np.isnan(got)).tolist()}"
     tolerance = MATVEC_RTOL * np.outer(np.linalg.norm(x.astype(np.float64), axis=1),
                                        np.linalg.norm(weights, axis=1))
@@ -249,7 +253,7 @@ def test_matvec_matches_float64_product_of_gguf_weights(backend, qtype, n_vec):
 def test_matvec_of_one_vector_returns_one_row_of_outputs(backend):
     raw, n_cols = matvec_case(Q.Q8_0, 5, 3, seed=11)
     x = np.random.default_rng(12).standard_normal(n_cols).astype(np.float16)
-    got = to_numpy(quant.matvec(Q.Q8_0, raw, 5, n_cols, x, backend=backend))
+    got = to_numpy(kernels_of(backend).matvec(Q.Q8_0, raw, 5, n_cols, x))
     want = reference(Q.Q8_0, raw, 5).astype(np.float64) @ x.astype(np.float64)
     assert got.shape == (5,) and got.dtype == np.float32
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
@@ -269,27 +273,27 @@ def test_malformed_calls_raise_naming_type_and_sizes_and_the_library_stays_usabl
     x = np.ones((1, 64), dtype=np.float16)
 
     def check_still_usable():
-        got = to_numpy(quant.dequantize(Q.Q8_0, raw, 64, backend=backend))
+        got = to_numpy(kernels_of(backend).dequantize(Q.Q8_0, raw, 64))
         np.testing.assert_array_equal(got, reference(Q.Q8_0, raw).reshape(-1).astype(np.float16))
 
     cases = [
-        (lambda: quant.dequantize(99, raw, 64, backend=backend), InvalidArgumentError, ("99",)),
-        (lambda: quant.matvec(99, raw, 1, 64, x, backend=backend), InvalidArgumentError, ("99",)),
-        (lambda: quant.dequantize(10, raw, 64, backend=backend), InvalidArgumentError, ("10", "Q2_K")),
-        (lambda: quant.matvec(10, raw, 1, 64, x, backend=backend), InvalidArgumentError, ("10", "Q2_K")),
-        (lambda: quant.dequantize(Q.Q8_0, raw, 48, backend=backend), SizeMismatchError, ("Q8_0", 48, 32)),
-        (lambda: quant.matvec(Q.Q8_0, raw[:51], 1, 48, x[:, :48], backend=backend), SizeMismatchError,
+        (lambda: kernels_of(backend).dequantize(99, raw, 64), InvalidArgumentError, ("99",)),
+        (lambda: kernels_of(backend).matvec(99, raw, 1, 64, x), InvalidArgumentError, ("99",)),
+        (lambda: kernels_of(backend).dequantize(10, raw, 64), InvalidArgumentError, ("10", "Q2_K")),
+        (lambda: kernels_of(backend).matvec(10, raw, 1, 64, x), InvalidArgumentError, ("10", "Q2_K")),
+        (lambda: kernels_of(backend).dequantize(Q.Q8_0, raw, 48), SizeMismatchError, ("Q8_0", 48, 32)),
+        (lambda: kernels_of(backend).matvec(Q.Q8_0, raw[:51], 1, 48, x[:, :48]), SizeMismatchError,
          ("Q8_0", "n_cols 48", 32)),
-        (lambda: quant.dequantize(Q.Q8_0, raw[:-1], 64, backend=backend), SizeMismatchError, ("Q8_0", 68, 67)),
-        (lambda: quant.dequantize(Q.Q8_0, np.append(raw, np.uint8(0)), 64, backend=backend), SizeMismatchError,
+        (lambda: kernels_of(backend).dequantize(Q.Q8_0, raw[:-1], 64), SizeMismatchError, ("Q8_0", 68, 67)),
+        (lambda: kernels_of(backend).dequantize(Q.Q8_0, np.append(raw, np.uint8(0)), 64), SizeMismatchError,
          ("Q8_0", 68, 69)),
-        (lambda: quant.matvec(Q.Q8_0, raw[:-1], 1, 64, x, backend=backend), SizeMismatchError,
+        (lambda: kernels_of(backend).matvec(Q.Q8_0, raw[:-1], 1, 64, x), SizeMismatchError,
          ("Q8_0", 68, 67)),
-        (lambda: quant.matvec(Q.Q8_0, raw, 1, 64, np.ones((0, 64), np.float16), backend=backend),
+        (lambda: kernels_of(backend).matvec(Q.Q8_0, raw, 1, 64, np.ones((0, 64), np.float16)),
          InvalidArgumentError, ("Q8_0", "n_vec 0", "1..8")),
-        (lambda: quant.matvec(Q.Q8_0, raw, 1, 64, np.ones((9, 64), np.float16), backend=backend),
+        (lambda: kernels_of(backend).matvec(Q.Q8_0, raw, 1, 64, np.ones((9, 64), np.float16)),
          InvalidArgumentError, ("Q8_0", "n_vec 9", "1..8")),
-        (lambda: quant.dequantize(Q.Q8_0, raw, 0, backend=backend), InvalidArgumentError, ("Q8_0", 0)),
+        (lambda: kernels_of(backend).dequantize(Q.Q8_0, raw, 0), InvalidArgumentError, ("Q8_0", 0)),
     ]
     for call, error, named in cases:
         with pytest.raises(error) as caught:
@@ -301,19 +305,19 @@ def test_malformed_calls_raise_naming_type_and_sizes_and_the_library_stays_usabl
 def test_null_pointers_are_refused(backend):
     if backend == "stub":
         pytest.skip("the stub has no pointers to pass: its buffers are numpy arrays")
-    kernels = _native.NativeKernels(backend)
-    lib, null = kernels._lib, _native.ffi.NULL
+    kernels = native.NativeKernels(backend)
+    lib, null = kernels._lib, native.ffi.NULL
     raw = make_raw(Q.Q4_0, 1, np.random.default_rng(5), "random")
     out = np.empty(32, np.float16)
     calls = [
-        lambda: lib.pebble_dequantize(Q.Q4_0, null, 18, _native.ffi.from_buffer("uint16_t[]", out), 32, null),
-        lambda: lib.pebble_dequantize(Q.Q4_0, _native.ffi.from_buffer(raw), 18, null, 32, null),
+        lambda: lib.pebble_dequantize(Q.Q4_0, null, 18, native.ffi.from_buffer("uint16_t[]", out), 32, null),
+        lambda: lib.pebble_dequantize(Q.Q4_0, native.ffi.from_buffer(raw), 18, null, 32, null),
         lambda: lib.pebble_matvec(Q.Q4_0, null, 18, 1, 32, null, 1, null, null),
         lambda: lib.pebble_type_block(Q.Q4_0, null, null),
     ]
     for call in calls:
         with pytest.raises(InvalidArgumentError, match="Q4_0.*NULL"):
-            _native._check(lib, call())
+            native._check(lib, call())
     assert kernels.type_block(Q.Q4_0) == (32, 18)
 
 
@@ -326,8 +330,8 @@ def test_stub_and_native_kernels_agree(qtype):
     raw, n_cols = matvec_case(qtype, 5, 4 if qtype not in QUANTIZED else 2, seed=21)
     n = 5 * n_cols
     with np.errstate(over="ignore"):
-        stub, host = (quant.dequantize(qtype, raw, n, backend=b) for b in ("stub", "host"))
+        stub, host = (kernels_of(b).dequantize(qtype, raw, n) for b in ("stub", "host"))
     np.testing.assert_array_equal(stub.view(np.uint16), host.view(np.uint16))
     x = np.random.default_rng(22).standard_normal((3, n_cols)).astype(np.float16)
-    stub, host = (quant.matvec(qtype, raw, 5, n_cols, x, backend=b) for b in ("stub", "host"))
+    stub, host = (kernels_of(b).matvec(qtype, raw, 5, n_cols, x) for b in ("stub", "host"))
     np.testing.assert_allclose(stub, host, rtol=1e-5, atol=1e-6 * max(np.abs(host).max(), 1e-30))

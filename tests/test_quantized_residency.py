@@ -9,12 +9,13 @@ import numpy as np
 import pytest
 from gguf import GGUFReader
 
-from conftest import store_backend_params
-from model_fixtures import tiny_model, tiny_path
-from pyplugin.loop import K_ID, V_ID, WEIGHT_IDS, Generation, PebbledModel
+from helpers import store_backend_params
+from helpers import tiny_model, tiny_path
+from pyplugin.runtime import Generation, PebbledModel
+from pyplugin.runtime.pebbled import K_ID, V_ID, WEIGHT_IDS
 from pyplugin.model import QuantWeight
-from pyplugin.options import Options
-from pyplugin.plan import PebblingOptions
+from pyplugin.runtime.options import Options
+from pyplugin.runtime.plan import PebblingOptions
 
 PROMPT = [5, 17, 42, 8, 99, 3, 61, 7, 250, 12, 33, 21, 9, 140]
 OPTIONS = Options(temperature=0, num_predict=10, num_ctx=64, num_batch=12)  # chunks past the fused kernels
@@ -64,9 +65,8 @@ def pebbled(request, spec):
 
 def run(pebbled, strategy: str, limit: int | None = None):
     pebbling = PebblingOptions.from_options({"pebbling_strategy": strategy, "pebbling_memory_limit": limit})
-    layers = pebbled.layers(OPTIONS, pebbling, len(PROMPT))
-    gen = Generation(pebbled.model, OPTIONS, layers=layers, xp=pebbled.xp)
-    return list(gen.tokens(PROMPT)), gen.report(), layers
+    gen = pebbled.generation(OPTIONS, pebbling, len(PROMPT))
+    return list(gen.tokens(PROMPT)), gen.report(), gen.layers
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -143,7 +143,7 @@ def test_streaming_restores_the_stored_bytes_of_the_streamed_layers(pebbled):
 def test_kv_entries_stay_in_the_compute_type(pebbled):
     run(pebbled, "minimal")
     info = pebbled.store.entry_info(0, K_ID)
-    assert info.ggml_type == (1 if pebbled.backend == "cuda" else 0)  # F16 on the GPU, F32 on the host
+    assert info.ggml_type == (1 if pebbled.dtype == np.float16 else 0)  # F16 on the GPU, F32 on the host
     assert pebbled.store.entry_info(0, V_ID).nbytes == info.nbytes
     assert max(WEIGHT_IDS.values()) < K_ID
 

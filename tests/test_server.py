@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 import requests
 
-from pyplugin import engine as engine_module
-from pyplugin.synth import write_gguf
+from pyplugin.runtime import Generation
+from pyplugin.model.synth import write_gguf
 from server_patch import create_app
 from server_patch.local import serving
 
@@ -347,7 +347,7 @@ def test_show_of_unknown_model_is_404_and_unknown_route_is_404(url):
 def endless_slow_generation(monkeypatch):
     """Generations that never reach end-of-generation and take 20 ms a token, so one is surely still
     running when its client leaves."""
-    generation = engine_module.Generation
+    generation = Generation
     real_sample, real_decode = generation.sample, generation.decode_one
 
     def sample(self, logits, history):

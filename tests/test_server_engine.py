@@ -8,12 +8,15 @@ import threading
 
 import pytest
 
-from pyplugin.engine import (FOREVER, Engine, Final, Job, ModelNotFoundError, PebblingOptions, Request,
-                             format_parameters, parse_keep_alive, render_go_template)
+from pyplugin.runtime import PebblingOptions
+from pyplugin.serving import Engine, Final, GenerationRequest, Job, ModelNotFoundError
+from pyplugin.serving.catalogue import format_parameters
+from pyplugin.serving.go_template import render_go_template
+from pyplugin.serving.jobs import FOREVER, parse_keep_alive
 from pyplugin.errors import OptionsError, StrategyError
-from pyplugin.ollama_store import InvalidModelName
-from pyplugin.options import Options
-from pyplugin.synth import write_gguf
+from pyplugin.serving.ollama_store import InvalidModelName
+from pyplugin.runtime.options import Options
+from pyplugin.model.synth import write_gguf
 
 
 @pytest.mark.parametrize("value,seconds", [
@@ -62,7 +65,7 @@ def test_parameter_sizes_read_like_ollamas():
 
 
 def test_a_jobs_error_comes_after_the_text_before_it():
-    job = Job(Request("m"), [1], Options(), PebblingOptions(), 0.0, 0)
+    job = Job(GenerationRequest("m"), [1], Options(), PebblingOptions(), 0.0, 0)
     for item in ("a", "b", ValueError("boom"), Job._END):
         job._put(item)
     assert job.drain() == ["a", "b"]
@@ -82,20 +85,20 @@ def engine(tmp_path_factory):
 
 def test_names_are_checked_then_resolved(engine):
     with pytest.raises(InvalidModelName):
-        engine.submit(Request("../tiny", prompt="x"))
+        engine.submit(GenerationRequest("../tiny", prompt="x"))
     with pytest.raises(ModelNotFoundError, match="model 'absent' not found"):
-        engine.submit(Request("absent", prompt="x"))
+        engine.submit(GenerationRequest("absent", prompt="x"))
     assert engine.resolve("tiny") == engine.resolve("tiny:latest")
 
 
 def test_concurrent_submissions_queue_and_each_gets_its_own_answer(engine):
     greedy = {"temperature": 0, "num_predict": 5}
     prompts = [f"Hello {i}" for i in range(8)]
-    alone = [engine.submit(Request("tiny", prompt=p, options=greedy)).result()[0] for p in prompts]
+    alone = [engine.submit(GenerationRequest("tiny", prompt=p, options=greedy)).result()[0] for p in prompts]
     results: dict[int, str] = {}
 
     def ask(i):
-        results[i] = engine.submit(Request("tiny", prompt=prompts[i], options=greedy)).result()[0]
+        results[i] = engine.submit(GenerationRequest("tiny", prompt=prompts[i], options=greedy)).result()[0]
 
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(8)]
     for t in threads:
@@ -106,7 +109,7 @@ def test_concurrent_submissions_queue_and_each_gets_its_own_answer(engine):
 
 
 def test_final_counts_and_durations(engine):
-    text, final = engine.submit(Request("tiny", prompt="Hello", options={"temperature": 0, "num_predict": 3},
+    text, final = engine.submit(GenerationRequest("tiny", prompt="Hello", options={"temperature": 0, "num_predict": 3},
                                         keep_alive=-1)).result()
     assert isinstance(final, Final) and final.eval_count == 3 and final.done_reason == "length"
     assert final.total_duration >= final.prompt_eval_duration + final.eval_duration > 0

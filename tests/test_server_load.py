@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from pyplugin.synth import write_gguf
+from pyplugin.model.synth import write_gguf
 from server_patch import create_app
 from server_patch.local import serving
 

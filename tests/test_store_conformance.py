@@ -13,14 +13,14 @@ import threading
 import numpy as np
 import pytest
 
-from pyplugin import strategy as strategies
-from pyplugin.backend import open_store, probe, select_backend
+from pyplugin.store import strategy as strategies
+from pyplugin.store.backend import open_store, probe, select_backend
 from pyplugin.errors import (
     ClosedError, InvalidArgumentError, LayerRangeError, PebblingError, SizeMismatchError, StrategyError,
     TooLargeError, UnknownEntryError,
 )
-from pyplugin.store import TIER_AUTO, TIER_DEVICE, TIER_HOST, EntryInfo, Stats, TensorDesc
-from pyplugin.strategy import Strategy
+from pyplugin.store import TIER_AUTO, TIER_DEVICE, TIER_HOST, EntryInfo, StoreStats, TensorDesc
+from pyplugin.store.strategy import Strategy
 
 @pytest.fixture
 def make_store(store_backend):
@@ -601,12 +601,12 @@ def test_stats_count_as_specified(make_store):
     store.prefetch(0)                               # evicts (3, 0): d2h 100; copies (0, 0): h2d 100
     store.save(1, 0, np.zeros(50, np.uint8), tier=TIER_DEVICE)  # replaces the host entry: h2d 50
     store.erase(2, 0)
-    assert store.stats() == Stats(
+    assert store.stats() == StoreStats(
         device_limit_bytes=256, device_bytes=150, device_peak_bytes=250, host_bytes=200, host_peak_bytes=300,
         entries=3, saves=5, restores=3, hits=1, evictions=2, prefetches=1, bytes_h2d=460, bytes_d2h=300,
         bytes_restored=220)
     store.reset_stats()
-    assert store.stats() == Stats(
+    assert store.stats() == StoreStats(
         device_limit_bytes=256, device_bytes=150, device_peak_bytes=150, host_bytes=200, host_peak_bytes=200,
         entries=3, saves=0, restores=0, hits=0, evictions=0, prefetches=0, bytes_h2d=0, bytes_d2h=0,
         bytes_restored=0)

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import store_backend_params
-from model_fixtures import tiny_model
+from helpers import store_backend_params
+from helpers import tiny_model
 from pyplugin.errors import OptionsError, StrategyError
-from pyplugin.loop import Generation, PebbledModel
-from pyplugin.options import Options
-from pyplugin.plan import PebblingOptions, make_plan, smallest_footprint
+from pyplugin.runtime import Generation, PebbledModel
+from pyplugin.runtime.options import Options
+from pyplugin.runtime.plan import PebblingOptions, make_plan, smallest_footprint
 
 N_LAYER = 16
 PROMPT = [5, 17, 42, 8, 99, 3, 61, 7, 250, 12, 33]
@@ -36,10 +36,9 @@ def pebbled(request, model):
 
 def run(model, pebbled, strategy: str, limit: int | None = None, options: Options = OPTIONS):
     pebbling = PebblingOptions.from_options({"pebbling_strategy": strategy, "pebbling_memory_limit": limit})
-    layers = pebbled.layers(options, pebbling, len(PROMPT))
-    gen = Generation(model, options, layers=layers, xp=pebbled.xp)
+    gen = pebbled.generation(options, pebbling, len(PROMPT))
     tokens = list(gen.tokens(PROMPT))
-    return tokens, gen.report(), layers.plan
+    return tokens, gen.report(), gen.layers.plan
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +61,7 @@ def test_peak_is_close_to_the_estimate(model, pebbled, strategy):
     """Byte-accounted on host and stub: within 2%. Measured by NVML on the GPU: within 5%."""
     _, report, _ = run(model, pebbled, strategy)
     estimate, measured = report["estimated_peak_bytes"], report["measured_peak_bytes"]
-    on_gpu = pebbled.backend == "cuda"
+    on_gpu = pebbled.backend.measures_memory
     assert abs(measured - estimate) <= (0.05 if on_gpu else 0.02) * estimate, (measured, estimate)
     assert report["measured_peak_how"].startswith("measured" if on_gpu else "byte-accounted")
 
@@ -70,7 +69,7 @@ def test_peak_is_close_to_the_estimate(model, pebbled, strategy):
 def test_minimal_below_sqrt_below_none(model, pebbled):
     reports = {s: run(model, pebbled, s)[1] for s in ("none", "sqrt", "minimal")}
     peaks = {s: r["measured_peak_bytes"] for s, r in reports.items()}
-    if pebbled.backend == "cuda":
+    if pebbled.backend.measures_memory:
         # NVML counts in pages of MiBs, coarser than this tiny model's layers: the order must hold
         # in the estimate and must not be reversed in the measurement (benchmarks/bench_streaming.py
         # shows it strictly on a model of a size NVML resolves).
@@ -162,15 +161,14 @@ def test_bad_pebbling_options_say_what_is_accepted(options, error, message):
 
 def test_disabled_pebbling_keeps_every_layer_resident(model, pebbled, reference_tokens):
     pebbling = PebblingOptions.from_options({"pebbling_enabled": False, "pebbling_strategy": "minimal"})
-    layers = pebbled.layers(OPTIONS, pebbling)
-    gen = Generation(model, OPTIONS, layers=layers, xp=pebbled.xp)
+    gen = pebbled.generation(OPTIONS, pebbling)
     assert list(gen.tokens(PROMPT)) == reference_tokens
     report = gen.report()
     assert report["enabled"] is False and report["resident_layers"] == N_LAYER
 
 
 def test_a_store_can_take_over_the_host_weights(reference_tokens):
-    from model_fixtures import tiny_path
+    from helpers import tiny_path
     from pyplugin.errors import ModelError
     from pyplugin.model import load_model
 
@@ -179,15 +177,15 @@ def test_a_store_can_take_over_the_host_weights(reference_tokens):
     try:
         assert model.layers == []  # held once, by the store
         with pytest.raises(ModelError, match="handed over to a pebble store"):
-            model.resident_layers()
+            model.resident_layers(pebbled.kernels)
         assert run(model, pebbled, "sqrt")[0] == reference_tokens
     finally:
         pebbled.close()
 
 
 def test_adaptive_budget_leaves_out_what_the_other_loaded_models_hold():
-    from pyplugin.gpu import DeviceUse
-    from pyplugin.loop import adaptive_budget
+    from pyplugin.store.gpu import DeviceUse
+    from pyplugin.runtime.pebbled import adaptive_budget
 
     assert adaptive_budget(None, DeviceUse(5, True), 0) is None          # NVML cannot say
     assert adaptive_budget(1000, DeviceUse(400, True), 0, reserve=0) == 1400

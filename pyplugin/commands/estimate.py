@@ -12,11 +12,11 @@ import json
 from typing import Any
 
 from ..errors import OptionsError
-from ..measure import (Loaded, format_table, layer_decode_seconds, load_pebbled, measure_restores,
-                       predict, store_calls_per_token)
-from ..options import Options
-from ..plan import PebblingOptions, format_bytes, make_plan, parse_size, smallest_footprint
-from .run import add_backend_argument, add_weights_argument
+from ..runtime import Options, PebblingOptions, make_plan
+from ..runtime.measure import layer_decode_seconds, measure_restores, predict, store_calls_per_token
+from ..runtime.plan import format_bytes, parse_size, smallest_footprint
+from .common import (Loaded, add_backend_argument, add_weights_argument, format_table, load_pebbled,
+                     options_from_flags)
 
 STRATEGIES = ("none", "sqrt", "adaptive", "minimal", "every:2", "every:4")
 
@@ -43,9 +43,7 @@ def run(args: argparse.Namespace) -> int:
     limit = None if args.memory_limit is None else parse_size(args.memory_limit, "--memory-limit")
     loaded = load_pebbled(args.model, args.backend, args.pebbling_weights)
     try:
-        given = {"num_ctx": args.num_ctx, "num_batch": args.num_batch}
-        options = Options.from_dict({k: v for k, v in given.items() if v is not None},
-                                    n_ctx_train=loaded.model.config.n_ctx_train)
+        options = options_from_flags(loaded.model, num_ctx=args.num_ctx, num_batch=args.num_batch)
         result = estimate(loaded, options, limit, args.context_pos)
     finally:
         loaded.pebbled.close()
@@ -80,7 +78,7 @@ def estimate(loaded: Loaded, options: Options, limit: int | None, context_pos: i
         except OptionsError:  # over the limit: still say what it would cost (adaptive: at the least)
             plan, fits = make_plan(memory, "minimal" if name == "adaptive" else name), False
         calls = store_calls_per_token(pebbled, plan)
-        prediction = predict(plan, pos, transfer, calls, t_layer, overlapped=pebbled.backend == "cuda")
+        prediction = predict(plan, pos, transfer, calls, t_layer, overlapped=pebbled.backend.copies_overlap)
         rows[name] = {
             "plan": (f"adaptive:{plan.strategy.arg}" if plan.strategy.name == "adaptive"
                      else str(plan.strategy)),
@@ -99,7 +97,8 @@ def estimate(loaded: Loaded, options: Options, limit: int | None, context_pos: i
         "model": loaded.path.stem,
         "path": str(loaded.path),
         "random_weights": loaded.model.random_weights,
-        "backend": pebbled.backend,
+        "backend": pebbled.backend.name,
+        "copies_overlap": pebbled.backend.copies_overlap,
         "weights": pebbled.weights,
         "layer_weight_bytes": pebbled.weight_bytes,
         "n_layers": memory.n_layers,
@@ -161,7 +160,7 @@ def render(r: dict[str, Any]) -> str:
         "ms/token: the layer stack only (embedding, output and sampling left out); calls = store calls "
         "per token (a restore per streamed weight tensor, K and V read and written per streamed layer); "
         + ("copies overlap compute: max(L x layer + calls x call, restored/bandwidth + layer)."
-           if r["backend"] == "cuda" else
+           if r["copies_overlap"] else
            "on this backend copies do not overlap compute: L x layer + calls x call + restored/bandwidth."),
         f"adaptive: {adaptive_budget}; keeps {adaptive['resident_layers']} of {r['n_layers']} layers "
         "resident.",

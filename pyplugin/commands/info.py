@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from .. import backend, gpu
-from ..loop import fused_decode_default
+from ..runtime.pebbled import fused_decode_default
+from ..store import available_backends, choose_backend
+from ..store import gpu
 
 _GIB = 1 << 30
 
@@ -15,16 +16,16 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
-    choice = backend.select_backend()
-    print(f"backend: {choice.name}")
+    choice = choose_backend()
+    print(f"backend: {choice.backend.name}")
     print(f"  why: {choice.reason}")
-    print(f"  library: {choice.library_path or 'none (pure Python)'}")
+    print(f"  library: {choice.backend.library_path or 'none (pure Python)'}")
     fused = fused_decode_default()
     print(f"decode step: {'one native call per layer' if fused else 'array operations'} "
           f"(PEBBLING_FUSED_DECODE={'1' if fused else 'unset or not 1'})")
     print("weights: quantized by default (their GGUF types); pebbling_weights: f16 expands them at load")
     print("backends available:")
-    for found in backend.available_backends():
+    for found in available_backends():
         print(f"  {found.name}: {'yes' if found.usable else 'no'} ({found.reason})")
     gpus = gpu.list_gpus()
     problem = gpu.nvml_problem()

@@ -6,13 +6,10 @@ import argparse
 import sys
 import time
 
-from ..backend import BACKENDS
-from ..loop import Generation
-from ..measure import load_pebbled
-from ..model import WEIGHT_FORMS
-from ..options import Options
-from ..plan import PebblingOptions, format_bytes, parse_size
-from ..strategy import VALID_STRATEGIES, Strategy
+from ..runtime import Generation
+from ..runtime.plan import format_bytes
+from .common import (add_pebbling_arguments, chat_tokens, format_duration, load_pebbled, options_from_flags,
+                     pebbling_options)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -33,35 +30,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def add_pebbling_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--pebbling-strategy", metavar="S",
-                   help=f"{VALID_STRATEGIES} (default adaptive)")
-    p.add_argument("--pebbling-memory-limit", metavar="SIZE",
-                   help="device memory budget, e.g. 512MiB or 6GiB (default: none on host and stub, "
-                        "the free GPU memory on cuda)")
-    add_weights_argument(p)
-    add_backend_argument(p)
-
-
-def add_weights_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--pebbling-weights", choices=WEIGHT_FORMS, default=WEIGHT_FORMS[0],
-                   help="quantized (default): weight matrices stay in their GGUF type, in memory, on the "
-                        "bus and in the kernels; f16: expanded once at load (more memory, for comparison)")
-
-
-def add_backend_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--backend", choices=BACKENDS,
-                   help="store backend (default $PEBBLING_BACKEND, else the first of cuda, host, stub "
-                        "that works); computation is CuPy on cuda, numpy elsewhere")
-
-
-def pebbling_options(strategy: str | None, limit: str | None, weights: str | None = None,
-                     limit_flag: str = "--pebbling-memory-limit") -> PebblingOptions:
-    """The flags' values, checked; errors name the flag."""
-    return PebblingOptions(None if strategy is None else Strategy.parse(strategy), None,
-                           None if limit is None else parse_size(limit, limit_flag), weights)
-
-
 def run(args: argparse.Namespace) -> int:
     started = time.perf_counter_ns()
     # Options first: a bad flag is reported before the model is read.
@@ -70,15 +38,11 @@ def run(args: argparse.Namespace) -> int:
     model = loaded.model
     if model.random_weights:
         print(f"(random weights) {model.path.stem}: the text below is noise", file=sys.stderr)
-    given = {"temperature": args.temperature, "seed": args.seed, "num_predict": args.num_predict,
-             "num_ctx": args.num_ctx, "num_batch": args.num_batch}
-    options = Options.from_dict({k: v for k, v in given.items() if v is not None},
-                                n_ctx_train=model.config.n_ctx_train)
-    text = args.prompt if args.raw else model.chat_prompt([{"role": "user", "content": args.prompt}])
-    tokens = model.tokenizer.encode(text)
+    options = options_from_flags(model, temperature=args.temperature, seed=args.seed, num_predict=args.num_predict,
+                                 num_ctx=args.num_ctx, num_batch=args.num_batch)
+    tokens = chat_tokens(model, args.prompt, raw=args.raw)
     try:
-        layers = loaded.pebbled.layers(options, pebbling, len(tokens))
-        generation = Generation(model, options, layers=layers, xp=loaded.pebbled.xp)
+        generation = loaded.pebbled.generation(options, pebbling, len(tokens))
         for piece in generation.text(tokens):
             sys.stdout.write(piece)
             sys.stdout.flush()
@@ -117,14 +81,6 @@ def _print_verbose(gen: Generation, total_ns: int, load_ns: int) -> None:
     ]
     for name, value in lines:
         print(f"{name + ':':22}{value}", file=sys.stderr)
-
-
-def format_duration(ns: int) -> str:
-    """Like Go's time.Duration, as Ollama prints it: 1.234s, 56.78ms, 910µs."""
-    for unit, size in (("s", 10**9), ("ms", 10**6), ("µs", 10**3)):
-        if ns >= size:
-            return f"{ns / size:.6g}{unit}"
-    return f"{ns}ns"
 
 
 def _rate(tokens: int, ns: int) -> str:

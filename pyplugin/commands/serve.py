@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from ..errors import PebblingError
-from ..registry import MODELS_ENV
+from ..serving.registry import MODELS_ENV
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 11435  # beside Ollama's 11434, so both can run

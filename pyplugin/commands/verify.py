@@ -12,13 +12,12 @@ from dataclasses import replace
 from typing import Any
 
 from ..errors import PebblingError
-from ..loop import Generation, StoreLayers
-from ..measure import Loaded, format_table, load_pebbled
 from ..model import WEIGHT_FORMS
-from ..options import Options
-from ..plan import MemoryModel, PebblingOptions, format_bytes, make_plan, parse_size, smallest_footprint
-from ..strategy import Strategy
-from .run import add_backend_argument, add_weights_argument
+from ..runtime import Generation, MemoryModel, Options, PebblingOptions, make_plan
+from ..runtime.plan import format_bytes, parse_size, smallest_footprint
+from ..store import Strategy
+from .common import (Loaded, add_backend_argument, add_weights_argument, chat_tokens, decode_rate, format_table,
+                     load_pebbled, options_from_flags)
 
 STRATEGIES = ("none", "sqrt", "adaptive", "minimal", "every:2")
 DEFAULT_PROMPT = "Why is the sky blue?"
@@ -52,9 +51,8 @@ def run(args: argparse.Namespace) -> int:
     pyplot = _pyplot() if args.plot else None  # before the run: a missing matplotlib fails fast
     loaded = load_pebbled(args.model, args.backend, args.pebbling_weights)
     try:
-        given = {"temperature": 0, "num_predict": args.num_predict, "num_ctx": args.num_ctx}
-        options = Options.from_dict({k: v for k, v in given.items() if v is not None},
-                                    n_ctx_train=loaded.model.config.n_ctx_train)
+        options = options_from_flags(loaded.model, temperature=0, num_predict=args.num_predict,
+                                     num_ctx=args.num_ctx)
         result = verify(loaded, options, args.prompt, limit)
     finally:
         loaded.pebbled.close()
@@ -80,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
 def verify(loaded: Loaded, options: Options, prompt: str, limit: int | None) -> dict[str, Any]:
     """Each strategy's tokens, peak memory and speed, through one store (no reload in between)."""
     model, pebbled = loaded.model, loaded.pebbled
-    tokens = model.tokenizer.encode(model.chat_prompt([{"role": "user", "content": prompt}]))
+    tokens = chat_tokens(model, prompt)
 
     def generate(strategy: str, memory: MemoryModel,
                  options: Options = options) -> tuple[list[int], Generation]:
@@ -88,9 +86,8 @@ def verify(loaded: Loaded, options: Options, prompt: str, limit: int | None) -> 
         if strategy == "adaptive":
             budget = limit if limit is not None else (
                 smallest_footprint(memory) + make_plan(memory, "none").estimated_peak_bytes) // 2
-        plan = make_plan(memory, strategy, budget)
-        layers = StoreLayers(pebbled, plan, options, PebblingOptions(Strategy.parse(strategy), None, budget))
-        gen = Generation(model, options, layers=layers, xp=pebbled.xp)
+        pebbling = PebblingOptions(Strategy.parse(strategy), None, budget)
+        gen = pebbled.generation(options, pebbling, plan=make_plan(memory, strategy, budget))
         return list(gen.tokens(tokens)), gen
 
     # Untimed warm-up: the first pass pays one-time costs (caches, kernel compilation) that would
@@ -105,8 +102,7 @@ def verify(loaded: Loaded, options: Options, prompt: str, limit: int | None) -> 
         out, gen = generate(name, memory)
         report, stats = gen.report(), gen.stats
         rows[name] = {**report, "tokens": out, "generated_tokens": stats.generated_tokens,
-                      "decode_tokens_per_s": (stats.generated_tokens / (stats.generate_ns / 1e9)
-                                              if stats.generate_ns else None)}
+                      "decode_tokens_per_s": decode_rate(stats)}
     reference = rows["none"]
     for row in rows.values():
         row["tokens_equal"] = row["tokens"] == reference["tokens"]
@@ -118,7 +114,7 @@ def verify(loaded: Loaded, options: Options, prompt: str, limit: int | None) -> 
         "model": loaded.path.stem,
         "path": str(loaded.path),
         "random_weights": model.random_weights,
-        "backend": pebbled.backend,
+        "backend": pebbled.backend.name,
         "weights": pebbled.weights,
         "layer_weight_bytes": pebbled.weight_bytes,
         "n_layers": model.config.n_layer,
@@ -139,10 +135,8 @@ def other_form(name: str, backend: str | None, weights: str, options: Options, p
     loaded = load_pebbled(name, backend, weights)
     try:
         model, pebbled = loaded.model, loaded.pebbled
-        tokens = model.tokenizer.encode(model.chat_prompt([{"role": "user", "content": prompt}]))
-        pebbling = PebblingOptions(Strategy.parse("none"))
-        layers = pebbled.layers(options, pebbling, len(tokens))
-        gen = Generation(model, options, layers=layers, xp=pebbled.xp)
+        tokens = chat_tokens(model, prompt)
+        gen = pebbled.generation(options, PebblingOptions(Strategy.parse("none")), len(tokens))
         out = list(gen.tokens(tokens))
         report, stats = gen.report(), gen.stats
     finally:
@@ -150,8 +144,7 @@ def other_form(name: str, backend: str | None, weights: str, options: Options, p
     return {"weights": weights, "tokens": out, "tokens_equal": out == reference["tokens"],
             "layer_weight_bytes": pebbled.weight_bytes, "measured_peak_bytes": report["measured_peak_bytes"],
             "estimated_peak_bytes": report["estimated_peak_bytes"],
-            "decode_tokens_per_s": (stats.generated_tokens / (stats.generate_ns / 1e9) if stats.generate_ns
-                                    else None)}
+            "decode_tokens_per_s": decode_rate(stats)}
 
 
 def render(r: dict[str, Any]) -> str:

@@ -1,11 +1,12 @@
-"""The model runtime: GGUF loading, tokenizer, chat template and the transformer forward pass.
+"""The model: GGUF loading, tokenizer, chat template and the transformer forward pass.
 
-It knows nothing of strategies or the store: the forward pass is a set of pure functions and the
-layer loop belongs to pyplugin.loop.
+It knows nothing of strategies or the store, and imports nothing of them: the forward pass is a set
+of pure functions, the kernels that compute from quantized weights come in as arguments, and the
+layer loop belongs to pyplugin.runtime.
 """
 
 from .chat import ChatTemplate, ChatTemplateError
-from .gguf_file import SUPPORTED_TYPES, GGUFFile
+from .gguf_file import GGUFFile
 from .load import SUPPORTED_ARCHS, WEIGHT_FORMS, Model, ModelBytes, check_weight_form, load_model, read_config
 from .qweight import QuantWeight
 from .tokenizer import StreamDecoder, Tokenizer
@@ -14,7 +15,7 @@ from .transformer import (KVCache, LayerWeights, ModelConfig, OuterWeights, embe
 
 __all__ = [
     "ChatTemplate", "ChatTemplateError", "GGUFFile", "KVCache", "LayerWeights", "Model", "ModelBytes",
-    "ModelConfig", "OuterWeights", "QuantWeight", "StreamDecoder", "SUPPORTED_ARCHS", "SUPPORTED_TYPES",
+    "ModelConfig", "OuterWeights", "QuantWeight", "StreamDecoder", "SUPPORTED_ARCHS",
     "Tokenizer", "WEIGHT_FORMS", "check_weight_form", "embed", "layer_forward", "load_model", "output_logits",
     "read_config",
 ]

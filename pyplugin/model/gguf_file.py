@@ -18,10 +18,9 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize as gguf_dequantize
 
 from ..errors import ModelError
-from ..quant import SUPPORTED_TYPES as KERNEL_TYPES
+from ..ggml_types import SUPPORTED_NAMES, SUPPORTED_TYPES
 
 T = GGMLQuantizationType
-SUPPORTED_TYPES = frozenset(T(i) for i in KERNEL_TYPES)  # every type the kernels compute from
 GGUF_MAGIC = b"GGUF"
 
 
@@ -91,8 +90,8 @@ class GGUFFile:
     def check_types(self) -> None:
         """Refuse the whole file up front, naming the first tensor whose type we cannot dequantize."""
         for t in self.tensors.values():
-            if t.qtype not in SUPPORTED_TYPES:
-                supported = ", ".join(sorted(q.name for q in SUPPORTED_TYPES))
+            if int(t.qtype) not in SUPPORTED_TYPES:
+                supported = ", ".join(sorted(SUPPORTED_NAMES))
                 raise ModelError(f"{self.path}: tensor {t.name} has type {t.qtype.name}, "
                                  f"which is not supported; supported types: {supported}")
 
@@ -131,6 +130,7 @@ class GGUFFile:
 
 def dequantize_bytes(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> np.ndarray:
     """Raw tensor bytes -> a float32 array of ``shape`` that owns its memory."""
+    qtype = T(int(qtype))
     if qtype == T.F32:
         return raw.view(np.float32).reshape(shape).copy()
     if qtype == T.F16:

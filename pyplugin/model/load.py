@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 from typing import Any, Callable
 
 import numpy as np
@@ -75,40 +74,36 @@ class Model:
     def release_layers(self) -> None:
         """Drops the host copy of the layers, once something else (a pebble store) holds them."""
         self.layers = []
-        self._converted = {k: v for k, v in self._converted.items() if not k.startswith("layers:")}
+        self._converted = {k: v for k, v in self._converted.items() if k[0] != "layers"}
 
-    def resident_layers(self, xp: ModuleType = np) -> list[LayerWeights]:
-        """Every layer on xp's side, converted once and kept (all layers resident): matrices in
-        their GGUF form stay so, arrays go to xp's compute type."""
+    def resident_layers(self, kernels: Any) -> list[LayerWeights]:
+        """Every layer on the side of `kernels` (their array module `xp`), converted once and kept (all
+        layers resident): matrices in their GGUF form stay so and are computed by `kernels`, arrays go
+        to xp's compute type (on the host, the loaded arrays themselves)."""
         if len(self.layers) != self.config.n_layer:
             raise ModelError(f"{self.path}: the layers were handed over to a pebble store; run them "
-                             f"through it (pyplugin.loop.PebbledModel) rather than resident here")
-        if xp is np:
-            return self.layers
-        key = f"layers:{xp.__name__}"
+                             f"through it (pyplugin.runtime.PebbledModel) rather than resident here")
+        key = ("layers", kernels)
         if key not in self._converted:
-            dtype = compute_dtype(xp)
-            self._converted[key] = [lw.map(lambda a: _to_xp(a, xp, dtype)) for lw in self.layers]
+            self._converted[key] = [lw.map(lambda a: _place(a, kernels)) for lw in self.layers]
         return self._converted[key]
 
-    def outer_weights(self, xp: ModuleType = np) -> OuterWeights:
-        """The outer weights for xp; token_embd stays on the host, where embed gathers its rows."""
-        if xp is np:
-            return self.outer
-        key = f"outer:{xp.__name__}"
+    def outer_weights(self, kernels: Any) -> OuterWeights:
+        """The outer weights for `kernels`; token_embd stays on the host, where embed gathers its rows."""
+        key = ("outer", kernels)
         if key not in self._converted:
-            dtype = compute_dtype(xp)
-            self._converted[key] = OuterWeights(self.outer.token_embd,
-                                                _to_xp(self.outer.output_norm, xp, dtype),
-                                                _to_xp(self.outer.output, xp, dtype))
+            self._converted[key] = OuterWeights(self.outer.token_embd, _place(self.outer.output_norm, kernels),
+                                                _place(self.outer.output, kernels))
         return self._converted[key]
 
     def chat_prompt(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> str:
         return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
 
 
-def _to_xp(a: Any, xp: ModuleType, dtype: Any) -> Any:
-    return a.to(xp) if isinstance(a, QuantWeight) else to_xp(a, xp, dtype)
+def _place(a: Any, kernels: Any) -> Any:
+    """`a` on the side of `kernels`: a QuantWeight computed by them, an array in their compute type."""
+    xp = kernels.xp
+    return a.to(xp, kernels) if isinstance(a, QuantWeight) else to_xp(a, xp, compute_dtype(xp))
 
 
 def load_model(path: str | os.PathLike, *, weights: str = "quantized", progress: bool | None = None) -> Model:

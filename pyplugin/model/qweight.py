@@ -2,9 +2,8 @@
 
 The forward pass multiplies by it without expanding it for good: a few rows at a time (decode) go
 through the fused dequantize-and-multiply kernel, which reads each quantized byte once; a longer
-chunk (prefill) expands the matrix into a reused fp16 workspace and multiplies that. The kernels are
-those of the side the bytes live on (pyplugin.quant): CuPy arrays use the cuda library's, numpy
-arrays the host library's or the stub's.
+chunk (prefill) expands the matrix into a reused fp16 workspace and multiplies that. The kernels come
+in from outside (a store backend's, for the side the bytes live on): the model never chooses them.
 """
 
 from __future__ import annotations
@@ -13,9 +12,9 @@ from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from ..xp import get_array_module
+from ..ggml_types import F16, F32, row_bytes, type_name
+from ..xp import compute_dtype, get_array_module
 
 Array = Any
 
@@ -28,7 +27,7 @@ class QuantWeight:
     qtype: int                      # GGUF type id (gguf's GGMLQuantizationType)
     shape: tuple[int, int]          # (rows, cols)
     data: Array                     # uint8 [rows, row_bytes], numpy or CuPy
-    kernels: Any = None             # pyplugin.quant.Kernels for data's side; None: chosen from it
+    kernels: Any = None             # the kernels for data's side (pyplugin.store.Kernels); needed to compute
 
     def __post_init__(self) -> None:
         rows, cols = self.shape
@@ -40,7 +39,7 @@ class QuantWeight:
 
     @property
     def type_name(self) -> str:
-        return GGMLQuantizationType(self.qtype).name
+        return type_name(self.qtype)
 
     @property
     def nbytes(self) -> int:
@@ -77,9 +76,8 @@ class QuantWeight:
 
     def _kernels(self):
         if self.kernels is None:
-            from ..quant import kernels_for
-
-            self.kernels = kernels_for(get_array_module(self.data))
+            raise ValueError(f"{self!r} has no kernels to compute with: place it with kernels "
+                             "(QuantWeight.placed or .to) before multiplying by it")
         return self.kernels
 
     # -- computing from it
@@ -91,8 +89,7 @@ class QuantWeight:
         rows = self.data[np.asarray(ids, dtype=np.int64)]
         if get_array_module(rows) is not np:
             rows = rows.get()
-        return dequantize_bytes(np.ascontiguousarray(rows), GGMLQuantizationType(self.qtype),
-                                (rows.shape[0], self.shape[1]))
+        return dequantize_bytes(np.ascontiguousarray(rows), self.qtype, (rows.shape[0], self.shape[1]))
 
     def matmul(self, x: Array) -> Array:
         """x @ W.T for x [T, cols] or [cols], in x's dtype: the fused kernel for T up to its vector
@@ -100,7 +97,7 @@ class QuantWeight:
         kernels = self._kernels()
         rows, cols = self.shape
         n_vec = 1 if x.ndim == 1 else x.shape[0]
-        if n_vec <= kernels.lib.MAX_VEC:
+        if n_vec <= kernels.max_vec:
             return kernels.matvec(self.qtype, self.data, rows, cols, x).astype(x.dtype, copy=False)
         dense = self.dense_view()
         if dense is not None:  # already a float matrix the GEMM takes as it is: no expansion
@@ -111,18 +108,13 @@ class QuantWeight:
     def dense_view(self) -> Array | None:
         """The bytes as a float matrix of the compute side, where they already are one: F16 anywhere,
         F32 on the host (whose compute type it is); else None, and prefill expands them."""
-        if needs_expansion(self.qtype, get_array_module(self.data)):
+        if needs_expansion(self.qtype, compute_dtype(get_array_module(self.data))):
             return None
-        dtype = np.float16 if self.qtype == GGMLQuantizationType.F16 else np.float32
+        dtype = np.float16 if self.qtype == F16 else np.float32
         return self.data.view(dtype).reshape(self.shape)
 
 
-def needs_expansion(qtype: int, xp: Any) -> bool:
-    """Whether a prefill chunk expands a matrix of this type into the fp16 workspace on xp's side."""
-    return not (qtype == GGMLQuantizationType.F16 or (qtype == GGMLQuantizationType.F32 and xp is np))
-
-
-def row_bytes(qtype: int, cols: int) -> int:
-    """Bytes of one row of `cols` elements of GGUF type `qtype`."""
-    elements, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
-    return cols // elements * nbytes
+def needs_expansion(qtype: int, dtype: Any) -> bool:
+    """Whether a prefill chunk expands a matrix of this type into the fp16 workspace where the compute
+    type is `dtype`: F16 is multiplied as stored anywhere, F32 where the compute type is float32."""
+    return not (qtype == F16 or (qtype == F32 and np.dtype(dtype) == np.float32))

@@ -46,11 +46,16 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_freq_scale: float = 1.0        # 1 / linear scaling factor
     rope_freq_factors: tuple[float, ...] | None = None  # llama3-style per-frequency divisors
+    attn_scale: float | None = None     # multiplies q before the dot products; None: 1/sqrt(head_dim)
 
     @property
     def n_group(self) -> int:
         """Query heads that share one KV head."""
         return self.n_head // self.n_head_kv
+
+    @property
+    def query_scale(self) -> float:
+        return self.attn_scale if self.attn_scale is not None else 1.0 / math.sqrt(self.head_dim)
 
     def kv_bytes_per_token(self, itemsize: int = 4) -> int:
         """K and V of one token in one layer."""
@@ -205,7 +210,7 @@ def attention(cfg: ModelConfig, q: Array, k: Array, v: Array, pos: int) -> Array
     """
     xp = get_array_module(q)
     T, S, G = q.shape[0], k.shape[0], cfg.n_group
-    q = q * (1.0 / math.sqrt(cfg.head_dim))
+    q = q * cfg.query_scale
     qg = q.reshape(T, cfg.n_head_kv, G, cfg.head_dim).transpose(1, 2, 0, 3)    # [n_kv, G, T, hd]
     qg = qg.reshape(cfg.n_head_kv, G * T, cfg.head_dim)                         # [n_kv, G*T, hd]
     scores = qg @ k.transpose(1, 2, 0)                                          # [n_kv, G*T, S]
@@ -237,11 +242,12 @@ def embed(outer: OuterWeights, tokens: Any, xp: Any = np) -> Array:
 
 
 def layer_forward(cfg: ModelConfig, x: Array, lw: LayerWeights, k_cache: Array, v_cache: Array,
-                  pos: int) -> Array:
+                  pos: int, rope: tuple[Array, Array] | None = None) -> Array:
     """One transformer block on x [T, n_embd] at positions pos..pos+T.
 
     Writes the T new K/V rows into k_cache/v_cache [n_ctx, n_head_kv, head_dim] at pos and attends
-    over rows 0..pos+T. Returns the new x [T, n_embd].
+    over rows 0..pos+T. Returns the new x [T, n_embd]. `rope`: the (cos, sin) rows of these positions,
+    each [T, 1, head_dim] as ``rope_table`` lays them out; None takes them from ``rope_table``.
     """
     T = x.shape[0]
     xp = get_array_module(x)
@@ -252,7 +258,9 @@ def layer_forward(cfg: ModelConfig, x: Array, lw: LayerWeights, k_cache: Array, 
     q = linear(h, lw.wq, lw.bq).reshape(T, cfg.n_head, cfg.head_dim)           # [T, n_head, hd]
     k = linear(h, lw.wk, lw.bk).reshape(T, cfg.n_head_kv, cfg.head_dim)        # [T, n_head_kv, hd]
     v = linear(h, lw.wv, lw.bv).reshape(T, cfg.n_head_kv, cfg.head_dim)        # [T, n_head_kv, hd]
-    cos, sin = (table[pos:pos + T] for table in rope_table(cfg, k_cache.shape[0], xp))
+    if rope is None:
+        rope = tuple(table[pos:pos + T] for table in rope_table(cfg, k_cache.shape[0], xp))
+    cos, sin = rope
     k_cache[pos:pos + T] = apply_rope(cfg, k, cos, sin)
     v_cache[pos:pos + T] = v
     attn = attention(cfg, apply_rope(cfg, q, cos, sin), k_cache[:pos + T], v_cache[:pos + T], pos)

@@ -17,7 +17,7 @@ import os
 import re
 from pathlib import Path
 
-from .errors import ModelError
+from ..errors import ModelError
 
 MODELS_ENV = "PEBBLING_MODELS"
 DEMO_NAME = "pebbling-demo"
@@ -89,7 +89,7 @@ def find_in_ollama_store(name: str) -> Path | None:
 def ensure_demo(models_dir: str | os.PathLike | None = None) -> Path:
     """The demo model's file, written on first use (atomically: a concurrent reader never sees a
     half-written file)."""
-    from .synth import write_gguf  # only needed the first time
+    from ..model.synth import write_gguf  # only needed the first time
 
     root = Path(models_dir) if models_dir is not None else default_models_dir()
     path = root / f"{DEMO_NAME}.gguf"

@@ -1,11 +1,13 @@
-"""Computing from quantized GGUF tensors: dequantize to fp16 (prefill), and fused
-dequantize-and-multiply matrix-vector products (decode).
+"""Computing from quantized GGUF tensors: dequantize to fp16 (prefill), fused dequantize-and-multiply
+matrix-vector products (decode), and the whole decode step of one layer.
 
-Each backend has its kernels: the native library's (native/pebble_quant.cu) on `cuda` and `host`,
-numpy with gguf-py's decoders on the pure-Python `stub` (pyplugin._stub.StubKernels, the same
-arguments accepted and refused). On `host` and `stub`, numpy arrays go in and out and a call is done
-when it returns; on `cuda`, CuPy arrays (host arrays are copied to the device first) and the work is
-enqueued on CuPy's current stream.
+`Kernels` puts one library of kernels behind the interface the model computes with: the native
+library's (native/pebble_quant.cu, pebble_decode.cu) on `cuda` and `host`, numpy with gguf-py's
+decoders on the pure-Python `stub` (stub_kernels.StubKernels, the same arguments accepted and
+refused). A backend object makes them (pyplugin.store.backend); nothing here chooses one. Buffers live
+in the kernels' array module `xp`: numpy arrays on `host` and `stub`, where a call is done when it
+returns; CuPy arrays on `cuda` (host arrays are copied to the device first), the work enqueued on the
+current stream.
 """
 
 from __future__ import annotations
@@ -14,24 +16,15 @@ import math
 import threading
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Any, Callable
 
 import numpy as np
-from gguf import GGMLQuantizationType as Q
 
-from .backend import probe, select_backend
-from .errors import InvalidArgumentError, SizeMismatchError
-from .store import as_int
-from .xp import array_module
-
-# GGUF type id -> name, for the types with kernels (native/pebble_quant.cu's list); what the loader reads.
-SUPPORTED_TYPES = {int(t): t.name for t in sorted((Q.F32, Q.F16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K,
-                                                   Q.Q5_K, Q.Q6_K, Q.BF16))}
-MAX_VEC = 8  # PEBBLE_MATVEC_MAX_VEC: the most vectors one matvec call takes
+from ..errors import InvalidArgumentError, SizeMismatchError
+from ..ggml_types import DENSE_TYPES
+from .interface import as_int
 
 DECODE_WEIGHTS = ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down", "bq", "bk", "bv")
-_DENSE_TYPES = {np.dtype(np.float32): 0, np.dtype(np.float16): 1}  # GGUF F32, F16
-
-_kernels_lock = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -53,38 +46,27 @@ class LayerShape:
         return cls(cfg.n_embd, cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.n_ff, cfg.rope_dims,
                    int(cfg.rope_mode == "neox"), cfg.rms_eps)
 
-_kernels: dict[str, "Kernels"] = {}
-
 
 class Kernels:
-    """One backend's kernels, and the array module (`xp`) their buffers live in."""
+    """A library of kernels (NativeKernels or StubKernels: `lib`), and the array module (`xp`) their
+    buffers live in. `current_stream()` gives the stream to enqueue on (None: calls finish on return)."""
 
-    def __init__(self, name: str):
-        self.name = name
-        if name == "stub":
-            from ._stub import StubKernels
-
-            self.lib = StubKernels()
-        else:
-            from ._native import NativeKernels
-
-            self.lib = NativeKernels(name)
-        self.xp: ModuleType = array_module("cupy" if name == "cuda" else "numpy")
+    def __init__(self, lib: Any, xp: ModuleType, current_stream: Callable[[], Any] = lambda: None):
+        self.lib, self.xp, self._stream = lib, xp, current_stream
+        self.name = lib.backend
+        self.max_vec: int = lib.MAX_VEC  # the most vectors one matvec call takes
         self._local = threading.local()  # each thread's fp16 workspace and decode scratch
         self._scratch_bytes: dict[tuple, int] = {}  # (LayerShape, n_ctx) -> decode scratch bytes
 
     def __repr__(self) -> str:
         return f"Kernels({self.name!r})"
 
-    def _stream(self):
-        return self.xp.cuda.get_current_stream() if self.xp is not np else None
-
     def _bytes(self, raw):
         """`raw` as an array in xp's memory: CUDA arrays and numpy arrays as they are (copied to the
         device for cuda), any other buffer (bytes, memoryview, mmap) as uint8."""
         if not (isinstance(raw, np.ndarray) or hasattr(raw, "__cuda_array_interface__")):
             raw = np.frombuffer(raw, dtype=np.uint8)
-        return raw if self.xp is np else self.xp.asarray(raw)
+        return self.xp.asarray(raw)
 
     def type_block(self, ggml_type) -> tuple[int, int]:
         """(elements, bytes) of one block of `ggml_type` (an id or gguf's GGMLQuantizationType)."""
@@ -151,12 +133,12 @@ class Kernels:
                 continue
             if hasattr(t, "qtype"):  # a QuantWeight
                 refs[name] = (t.qtype, t.data)
-            elif t.dtype in _DENSE_TYPES:
-                refs[name] = (_DENSE_TYPES[t.dtype], t)
+            elif t.dtype in DENSE_TYPES:
+                refs[name] = (DENSE_TYPES[t.dtype], t)
             else:
                 raise InvalidArgumentError(f"decode_layer: {name} is {t.dtype}; dense weights must be float32 "
                                            "or float16")
-        kv_type = _DENSE_TYPES.get(k_cache.dtype)
+        kv_type = DENSE_TYPES.get(k_cache.dtype)
         if kv_type is None or v_cache.dtype != k_cache.dtype:
             raise InvalidArgumentError(f"decode_layer: caches of {k_cache.dtype} and {v_cache.dtype}; both must "
                                        "be float32 or both float16")
@@ -177,46 +159,8 @@ class Kernels:
         self._local.scratch = None
 
 
-def kernels(backend: str | None = None) -> Kernels:
-    """The kernels of `backend` (None: the selected one, see pyplugin.backend.select_backend)."""
-    name = select_backend(backend).name
-    with _kernels_lock:
-        if name not in _kernels:
-            _kernels[name] = Kernels(name)
-        return _kernels[name]
-
-
-def host_kernels(backend: str | None = None) -> Kernels:
-    """Kernels that compute on numpy arrays: the stub's when `backend` (or the selection) is the stub,
-    else the host library's where it is built, else the stub's."""
-    name = select_backend(backend).name
-    if name == "cuda":
-        name = "host" if probe("host").usable else "stub"
-    return kernels(name)
-
-
-def kernels_for(xp: ModuleType, backend: str | None = None) -> Kernels:
-    """Kernels whose buffers live in the array module `xp`."""
-    return kernels("cuda") if xp is not np else host_kernels(backend)
-
-
 def _check_out(call: str, out, dtype, shape: tuple) -> None:
     if out.dtype != dtype:
         raise InvalidArgumentError(f"{call}: out must be {np.dtype(dtype)}, got {out.dtype}")
     if tuple(out.shape) != shape:
         raise SizeMismatchError(f"{call}: out must have shape {shape}, got {tuple(out.shape)}")
-
-
-def block_size(ggml_type, *, backend: str | None = None) -> tuple[int, int]:
-    """(elements, bytes) of one block of `ggml_type` (an id or gguf's GGMLQuantizationType)."""
-    return kernels(backend).type_block(ggml_type)
-
-
-def dequantize(ggml_type, raw, n_elements: int, *, out=None, backend: str | None = None):
-    """`Kernels.dequantize` on the kernels of `backend` (None: the selected one)."""
-    return kernels(backend).dequantize(ggml_type, raw, n_elements, out=out)
-
-
-def matvec(ggml_type, w, n_rows: int, n_cols: int, x, *, out=None, backend: str | None = None):
-    """`Kernels.matvec` on the kernels of `backend` (None: the selected one)."""
-    return kernels(backend).matvec(ggml_type, w, n_rows, n_cols, x, out=out)

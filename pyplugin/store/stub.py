@@ -1,4 +1,5 @@
-"""The pure-Python store: host memory, byte-accounted, and the reference semantics of native/pebble.h.
+"""The pure-Python store: host memory, byte-accounted, and the reference semantics of native/pebble.h
+(its kernels are in stub_kernels.py).
 
 It needs no compiler and no GPU. Its "device tier" is numpy memory that is counted against the device
 limit, so everything the native store decides (which entries are evicted, which restores are hits, how
@@ -37,20 +38,16 @@ from functools import wraps
 
 import numpy as np
 
-from .errors import (
+from ..errors import (
     HostOutOfMemoryError, InvalidArgumentError, LayerRangeError, SizeMismatchError, TooLargeError,
     UnknownEntryError,
 )
-from .store import (
-    GGML_TYPE_COUNT, INT32_MAX, MAX_DIMS, TIER_AUTO, TIER_DEVICE, TIER_HOST, TYPE_BYTES, EntryInfo, Stats,
-    Store, TensorDesc, as_int, as_strategy, check_view, default_desc, host_buffer, stream_pointer, tier_code,
+from .abi import INT32_MAX, MAX_DIMS, TIER_AUTO, TIER_DEVICE, TIER_NAMES, TYPE_BYTES, TYPE_COUNT
+from .interface import (
+    EntryInfo, Store, StoreStats, TensorDesc, as_int, as_strategy, check_view, default_desc, host_buffer,
+    stream_pointer, tier_code,
 )
-from .quant import MAX_VEC, SUPPORTED_TYPES
 from .strategy import is_resident, resident_count
-
-_SUPPORTED_TEXT = ", ".join(f"{k} {v}" for k, v in SUPPORTED_TYPES.items())  # as pebble_quant.cu lists them
-
-_TIER_NAMES = {TIER_AUTO: "auto", TIER_DEVICE: "device", TIER_HOST: "host"}
 _EVENT_COUNTERS = ("saves", "restores", "hits", "evictions", "prefetches", "bytes_h2d", "bytes_d2h",
                    "bytes_restored")
 
@@ -144,9 +141,9 @@ class StubStore(Store):
         if desc is None:
             return TensorDesc(TYPE_BYTES, (nbytes,))
         ggml_type, shape = as_int(desc.ggml_type, "ggml_type"), tuple(as_int(n, "shape") for n in desc.shape)
-        if not (ggml_type == TYPE_BYTES or 0 <= ggml_type < GGML_TYPE_COUNT):
+        if not (ggml_type == TYPE_BYTES or 0 <= ggml_type < TYPE_COUNT):
             raise InvalidArgumentError(f"{call}: layer {key[0]} tensor {key[1]}: unknown GGUF type "
-                                       f"{ggml_type}; valid: {TYPE_BYTES} (bytes), 0..{GGML_TYPE_COUNT - 1}")
+                                       f"{ggml_type}; valid: {TYPE_BYTES} (bytes), 0..{TYPE_COUNT - 1}")
         if not 1 <= len(shape) <= MAX_DIMS:
             raise InvalidArgumentError(f"{call}: layer {key[0]} tensor {key[1]}: shape {shape} has "
                                        f"{len(shape)} dimensions; valid: 1..{MAX_DIMS}")
@@ -206,7 +203,7 @@ class StubStore(Store):
     def save(self, layer, tensor_id, data, *, desc=None, tier=TIER_AUTO, stream=None):
         key = self._key("save", layer, tensor_id)
         tier = tier_code(tier)
-        if tier not in _TIER_NAMES:
+        if tier not in TIER_NAMES:
             raise InvalidArgumentError(f"save: layer {key[0]} tensor {key[1]}: unknown tier {tier}; "
                                        f"valid: 0 auto, 1 device, 2 host")
         stream_pointer(stream)
@@ -361,8 +358,8 @@ class StubStore(Store):
         return is_resident(self.strategy.code, self.strategy.arg, self.n_layers, layer)
 
     @_locked
-    def stats(self) -> Stats:
-        return Stats(device_limit_bytes=self.device_limit, device_bytes=self._device_bytes,
+    def stats(self) -> StoreStats:
+        return StoreStats(device_limit_bytes=self.device_limit, device_bytes=self._device_bytes,
                      device_peak_bytes=self._device_peak, host_bytes=self._host_bytes,
                      host_peak_bytes=self._host_peak, entries=len(self._entries), **self._counters)
 
@@ -382,217 +379,3 @@ class StubStore(Store):
     @property
     def closed(self) -> bool:
         return self._entries is None
-
-
-# ---------------------------------------------------------------------------------------------------
-# quantized tensors: the reference semantics of pebble_type_block, pebble_dequantize and pebble_matvec
-
-
-
-
-class StubKernels:
-    """The quantized-tensor kernels in numpy: elements decoded by gguf-py's own dequantize (float32),
-    products and sums in float32; the same arguments accepted and refused as native/pebble_quant.cu,
-    with the same messages. Host buffers only; a call is done when it returns."""
-
-    backend = "stub"
-    MAX_VEC = MAX_VEC
-
-    def _type(self, fn: str, ggml_type) -> tuple[int, str, int, int]:
-        """(id, name, block elements, block bytes) of a type with kernels."""
-        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-        ggml_type = as_int(ggml_type, "ggml type")
-        if ggml_type in SUPPORTED_TYPES:
-            elements, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
-            return ggml_type, SUPPORTED_TYPES[ggml_type], elements, nbytes
-        try:
-            name = GGMLQuantizationType(ggml_type).name
-        except ValueError:
-            raise InvalidArgumentError(f"{fn}: {ggml_type} is not a GGUF type id; supported: "
-                                       f"{_SUPPORTED_TEXT}") from None
-        raise InvalidArgumentError(f"{fn}: GGUF type {ggml_type} ({name}) has no kernels; supported: "
-                                   f"{_SUPPORTED_TEXT}")
-
-    def type_block(self, ggml_type) -> tuple[int, int]:
-        _, _, elements, nbytes = self._type("pebble_type_block", ggml_type)
-        return elements, nbytes
-
-    @staticmethod
-    def _decode(ggml_type: int, raw: np.ndarray, n_rows: int) -> np.ndarray:
-        """[n_rows, n_cols] float32, as gguf decodes it."""
-        from gguf import GGMLQuantizationType
-        from gguf.quants import dequantize
-
-        rows = raw.reshape(n_rows, -1)
-        if ggml_type == 0:
-            return rows.view(np.float32)
-        return dequantize(rows, GGMLQuantizationType(ggml_type)).astype(np.float32, copy=False)
-
-    def dequantize(self, ggml_type, src, n_elements, out, *, stream=None) -> None:
-        ggml_type, name, elements, block_bytes = self._type("pebble_dequantize", ggml_type)
-        n_elements = as_int(n_elements, "n_elements")
-        if n_elements < 1:
-            raise InvalidArgumentError(f"pebble_dequantize: {name}: n_elements must be at least 1, got {n_elements}")
-        src = np.frombuffer(host_buffer(src, writable=False, what="dequantize src"), np.uint8)
-        dst = host_buffer(out, writable=True, what="dequantize out")
-        if n_elements % elements:
-            raise SizeMismatchError(f"pebble_dequantize: {name}: n_elements {n_elements} is not a multiple of "
-                                    f"the {elements}-element block")
-        n_blocks = n_elements // elements
-        want = n_blocks * block_bytes
-        if src.nbytes != want:
-            raise SizeMismatchError(f"pebble_dequantize: {name}: {n_elements} elements are {n_blocks} blocks of "
-                                    f"{block_bytes} bytes = {want} bytes, but src_bytes is {src.nbytes}")
-        if dst.nbytes != 2 * n_elements:
-            raise SizeMismatchError(f"dequantize: out holds {dst.nbytes} bytes; {n_elements} fp16 elements "
-                                    f"need {2 * n_elements}")
-        halves = np.frombuffer(dst, np.float16)
-        if ggml_type == 1:  # already fp16: every bit kept, NaN payloads included
-            halves.view(np.uint8)[:] = src
-            return
-        with np.errstate(over="ignore"):  # beyond fp16's range: +-inf, as the kernels round
-            halves[:] = self._decode(ggml_type, src, 1).reshape(-1)
-
-    def matvec(self, ggml_type, w, n_rows, n_cols, x, n_vec, out, *, stream=None) -> None:
-        ggml_type, name, elements, block_bytes = self._type("pebble_matvec", ggml_type)
-        n_rows, n_cols, n_vec = as_int(n_rows, "n_rows"), as_int(n_cols, "n_cols"), as_int(n_vec, "n_vec")
-        if not 1 <= n_vec <= MAX_VEC:
-            raise InvalidArgumentError(f"pebble_matvec: {name}: n_vec {n_vec} is outside 1..{MAX_VEC}")
-        if n_rows < 1 or n_cols < 1:
-            raise InvalidArgumentError(f"pebble_matvec: {name}: n_rows and n_cols must be at least 1, got "
-                                       f"{n_rows} x {n_cols}")
-        w = np.frombuffer(host_buffer(w, writable=False, what="matvec w"), np.uint8)
-        x = np.frombuffer(host_buffer(x, writable=False, what="matvec x"), np.float16)
-        y = host_buffer(out, writable=True, what="matvec out")
-        if n_cols % elements:
-            raise SizeMismatchError(f"pebble_matvec: {name}: n_cols {n_cols} is not a multiple of the "
-                                    f"{elements}-element block")
-        row_bytes = n_cols // elements * block_bytes
-        if w.nbytes != n_rows * row_bytes:
-            raise SizeMismatchError(f"pebble_matvec: {name}: {n_rows} rows of {n_cols} elements are {n_rows} x "
-                                    f"{row_bytes} = {n_rows * row_bytes} bytes, but w_bytes is {w.nbytes}")
-        if x.size != n_vec * n_cols:
-            raise SizeMismatchError(f"matvec: x holds {x.nbytes} bytes; {n_vec} fp16 vectors of {n_cols} "
-                                    f"need {2 * n_vec * n_cols}")
-        if y.nbytes != 4 * n_vec * n_rows:
-            raise SizeMismatchError(f"matvec: out holds {y.nbytes} bytes; {n_vec} float32 vectors of "
-                                    f"{n_rows} need {4 * n_vec * n_rows}")
-        weights = self._decode(ggml_type, w, n_rows)
-        np.matmul(x.reshape(n_vec, n_cols).astype(np.float32), weights.T,
-                  out=np.frombuffer(y, np.float32).reshape(n_vec, n_rows))
-
-    # -- the decode step: pebble_decode_layer's semantics, step by step in numpy
-
-    def decode_scratch_bytes(self, shape, n_ctx: int) -> int:
-        self._check_shape(shape, n_ctx)
-        return 0  # numpy allocates its own temporaries
-
-    @staticmethod
-    def _check_shape(shape, n_ctx: int) -> None:
-        s = shape
-        if min(s.n_embd, s.n_head, s.n_head_kv, s.head_dim, s.n_ff, n_ctx) < 1:
-            raise InvalidArgumentError(f"pebble_decode_layer: n_embd {s.n_embd}, n_head {s.n_head}, n_head_kv "
-                                       f"{s.n_head_kv}, head_dim {s.head_dim}, n_ff {s.n_ff} and n_ctx {n_ctx} "
-                                       "must each be at least 1")
-        if s.n_head % s.n_head_kv:
-            raise InvalidArgumentError(f"pebble_decode_layer: {s.n_head} query heads cannot share {s.n_head_kv} KV "
-                                       "heads evenly")
-        if not 0 <= s.rope_dims <= s.head_dim or s.rope_dims % 2:
-            raise InvalidArgumentError(f"pebble_decode_layer: rope_dims {s.rope_dims} must be even and within "
-                                       f"0..head_dim ({s.head_dim})")
-
-    def decode_layer(self, shape, weights: dict, kv_type: int, k_cache, v_cache, n_ctx: int, pos: int,
-                     rope_cos, rope_sin, attn_scale: float, x, scratch, *, stream=None) -> None:
-        s = shape
-        self._check_shape(s, n_ctx)
-        e, q_rows, kv_rows = s.n_embd, s.n_head * s.head_dim, s.n_head_kv * s.head_dim
-
-        def vector(name: str, n: int, optional: bool = False):
-            ref = weights.get(name)
-            if ref is None:
-                if optional:
-                    return None
-                raise InvalidArgumentError(f"pebble_decode_layer: {name} must not be NULL")
-            ggml_type, data = ref
-            if ggml_type not in (0, 1):
-                raise InvalidArgumentError(f"pebble_decode_layer: {name} has GGUF type {ggml_type}; vectors must be "
-                                           "0 F32 or 1 F16")
-            values = np.frombuffer(host_buffer(data, writable=False, what=f"decode_layer {name}"),
-                                   np.float32 if ggml_type == 0 else np.float16)
-            if values.size != n:
-                raise SizeMismatchError(f"decode_layer: {name} holds {values.nbytes} bytes; GGUF type {ggml_type} "
-                                        f"needs {n * values.itemsize} for this shape")
-            return values.astype(np.float32)
-
-        def matrix(name: str, rows: int, cols: int):
-            ref = weights.get(name)
-            if ref is None:
-                raise InvalidArgumentError(f"pebble_decode_layer: {name} must not be NULL")
-            ggml_type, data = ref
-            _, type_name, elements, block_bytes = self._type("pebble_decode_layer", ggml_type)
-            if cols % elements:
-                raise SizeMismatchError(f"pebble_decode_layer: {name}: {type_name} {rows} x {cols}: rows of whole "
-                                        f"{elements}-element blocks are needed")
-            raw = np.frombuffer(host_buffer(data, writable=False, what=f"decode_layer {name}"), np.uint8)
-            if raw.nbytes != rows * (cols // elements) * block_bytes:
-                raise SizeMismatchError(f"decode_layer: {name} holds {raw.nbytes} bytes; GGUF type {ggml_type} "
-                                        f"needs {rows * (cols // elements) * block_bytes} for this shape")
-            return lambda v16: self._matvec_f32(ggml_type, raw, rows, cols, v16)
-
-        norms = vector("attn_norm", e), vector("ffn_norm", e)
-        biases = vector("bq", q_rows, True), vector("bk", kv_rows, True), vector("bv", kv_rows, True)
-        wq, wk, wv = matrix("wq", q_rows, e), matrix("wk", kv_rows, e), matrix("wv", kv_rows, e)
-        wo, gate, up = matrix("wo", e, q_rows), matrix("w_gate", s.n_ff, e), matrix("w_up", s.n_ff, e)
-        down = matrix("w_down", e, s.n_ff)
-        if kv_type not in (0, 1):
-            raise InvalidArgumentError(f"pebble_decode_layer: kv_type {kv_type}; the caches must be 0 F32 or 1 F16")
-        if not 0 <= pos < n_ctx:
-            raise SizeMismatchError(f"pebble_decode_layer: position {pos} is outside the cache's 0..{n_ctx - 1}")
-        kv_dtype = np.float32 if kv_type == 0 else np.float16
-        k_all, v_all = (np.frombuffer(host_buffer(c, writable=True, what="decode_layer cache"), kv_dtype)
-                        .reshape(n_ctx, s.n_head_kv, s.head_dim) for c in (k_cache, v_cache))
-        cos, sin = (np.frombuffer(host_buffer(t, writable=False, what="decode_layer rope"), np.float32)
-                    for t in (rope_cos, rope_sin))
-        xs = np.frombuffer(host_buffer(x, writable=True, what="decode_layer x"), np.float32)
-        if xs.size != e or cos.size != s.head_dim or sin.size != s.head_dim:
-            raise SizeMismatchError(f"decode_layer: x holds {xs.size} floats (n_embd {e}); rope rows "
-                                    f"{cos.size} and {sin.size} (head_dim {s.head_dim})")
-        one = np.float32(1)
-
-        def rms_norm16(w):
-            scale = one / np.sqrt(np.float32(np.sum(xs * xs, dtype=np.float32)) / np.float32(e) + np.float32(s.rms_eps))
-            return (xs * scale * w).astype(np.float16)
-
-        def rope(y):  # [heads, head_dim]
-            d = np.arange(s.head_dim)
-            half = s.rope_dims // 2
-            partner = np.where(d >= s.rope_dims, d, (d ^ 1) if not s.rope_neox else np.where(d < half, d + half, d - half))
-            return y * cos + y[:, partner] * sin
-
-        h = rms_norm16(norms[0])
-        q, k, v = wq(h), wk(h), wv(h)
-        q, k, v = (y if b is None else y + b for y, b in zip((q, k, v), biases))
-        q = rope(q.reshape(s.n_head, s.head_dim))
-        k_all[pos] = rope(k.reshape(s.n_head_kv, s.head_dim))
-        v_all[pos] = v.reshape(s.n_head_kv, s.head_dim)
-        keys = k_all[:pos + 1].astype(np.float32)     # [S, n_kv, hd]
-        values = v_all[:pos + 1].astype(np.float32)
-        group = s.n_head // s.n_head_kv
-        out = np.empty((s.n_head, s.head_dim), np.float32)
-        for head in range(s.n_head):
-            kv = head // group
-            scores = keys[:, kv, :] @ (q[head] * np.float32(attn_scale))
-            probs = np.exp(scores - scores.max())
-            probs = probs / probs.sum(dtype=np.float32)
-            out[head] = probs @ values[:, kv, :]
-        xs += wo(out.reshape(-1).astype(np.float16))
-        h = rms_norm16(norms[1])
-        g, u = gate(h), up(h)
-        xs += down((g / (one + np.exp(-g)) * u).astype(np.float16))
-
-    def _matvec_f32(self, ggml_type: int, data, rows: int, cols: int, v16: np.ndarray) -> np.ndarray:
-        raw = np.frombuffer(host_buffer(data, writable=False, what="decode_layer weight"), np.uint8)
-        y = np.empty(rows, np.float32)
-        self.matvec(ggml_type, raw, rows, cols, v16, 1, y)
-        return y

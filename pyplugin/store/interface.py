@@ -1,8 +1,8 @@
 """The store's interface, shared by every backend (native cuda/host library, pure-Python stub).
 
 Semantics are those of native/pebble.h; this module only gives them Python types. Everything else in
-pyplugin talks to a `Store` obtained from `pyplugin.backend.open_store` and never asks which backend
-it is talking to.
+pyplugin talks to a `Store` opened by a backend object (`pyplugin.store.backend`) and never asks which
+backend it is talking to.
 
 Buffers: `data` (save, write) is a C-contiguous numpy array or any C-contiguous buffer (bytes,
 bytearray, memoryview); `out` (restore, read) is a writable C-contiguous buffer. The native cuda
@@ -19,16 +19,11 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from .errors import ClosedError, InvalidArgumentError, SizeMismatchError
+from ..errors import ClosedError, InvalidArgumentError, SizeMismatchError
+from .abi import MAX_DIMS, TIER_AUTO, TIER_NAMES, TYPE_BYTES
 from .strategy import Strategy
 
-# Tiers, as enum pebble_tier.
-TIER_AUTO, TIER_DEVICE, TIER_HOST = 0, 1, 2
-_TIER_BY_NAME = {"auto": TIER_AUTO, "device": TIER_DEVICE, "host": TIER_HOST}
-
-TYPE_BYTES = -1  # PEBBLE_TYPE_BYTES: untyped bytes
-MAX_DIMS = 4     # PEBBLE_MAX_DIMS
-GGML_TYPE_COUNT = 42  # GGUF type ids are 0..41 (Q1_0 = 41); any other than TYPE_BYTES is unknown
+_TIER_BY_NAME = {name: code for code, name in TIER_NAMES.items()}
 
 
 @dataclass(frozen=True)
@@ -49,7 +44,7 @@ class EntryInfo:
 
 
 @dataclass(frozen=True)
-class Stats:
+class StoreStats:
     """Fields exactly as struct pebble_stats (see pebble.h for each one's meaning)."""
 
     device_limit_bytes: int
@@ -68,10 +63,7 @@ class Stats:
     bytes_restored: int
 
 
-STATS_FIELDS = tuple(f.name for f in fields(Stats))
-
-
-INT32_MAX = 2**31 - 1
+STATS_FIELDS = tuple(f.name for f in fields(StoreStats))
 
 
 def as_int(value, what: str) -> int:
@@ -219,7 +211,7 @@ class Store(abc.ABC):
         """Whether the strategy keeps `layer` resident on the device."""
 
     @abc.abstractmethod
-    def stats(self) -> Stats: ...
+    def stats(self) -> StoreStats: ...
 
     @abc.abstractmethod
     def reset_stats(self) -> None:

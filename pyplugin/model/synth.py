@@ -1,7 +1,7 @@
 """Synthetic GGUF models: random weights in the layouts llama.cpp's converter writes, a real
 tokenizer learned from a small built-in text, and a chat template.
 
-Tests build their tiny models with it and the demo model (pyplugin.registry) is one. Every file it
+Tests build their tiny models with it and the demo model (pyplugin.serving.registry) is one. Every file it
 writes says "random weights" in general.name and carries ``pebbling.random_weights = true``.
 """
 
@@ -15,16 +15,15 @@ from pathlib import Path
 from typing import Iterable
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, RopeScalingType
-from gguf import quants as gguf_quants
+from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType
 from tokenizers import Regex, pre_tokenizers
 
-from .model.load import RANDOM_WEIGHTS_KEY, SUPPORTED_ARCHS
-from .model.tokenizer import (BYTE, CONTROL, NORMAL, PRE_TOKENIZERS, SPACE, UNKNOWN,
-                              bytes_to_unicode)
+from ..ggml_types import SUPPORTED_NAMES
+from .load import RANDOM_WEIGHTS_KEY, SUPPORTED_ARCHS
+from .synth_quant import quantize
+from .tokenizer import BYTE, CONTROL, NORMAL, PRE_TOKENIZERS, SPACE, UNKNOWN, bytes_to_unicode
 
 T = GGMLQuantizationType
-LOADABLE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")  # what pyplugin.model reads
 
 CORPUS = """\
 The quick brown fox jumps over the lazy dog. A memory plugin moves the state of each layer between
@@ -112,8 +111,8 @@ def write_gguf(path: str | os.PathLike, spec: SynthSpec | None = None, **overrid
     if spec.arch not in SUPPORTED_ARCHS:
         raise ValueError(f"arch {spec.arch!r}: choose one of {', '.join(SUPPORTED_ARCHS)}")
     for name in {spec.weight_type, *spec.tensor_types.values()}:
-        if name not in T.__members__:
-            raise ValueError(f"tensor type {name!r}: choose one of {', '.join(LOADABLE_TYPES)}")
+        if name not in T.__members__:  # any GGUF type: tests write unsupported ones to see them refused
+            raise ValueError(f"tensor type {name!r}: choose one of {', '.join(SUPPORTED_NAMES)}")
     vocab = build_vocab(spec.vocab, spec.n_merges, spec.pre)
     path = Path(path)
     writer = GGUFWriter(path, spec.arch)
@@ -235,100 +234,6 @@ def _random(seed: int, name: str, shape: tuple[int, ...], scale: float) -> np.nd
     values = rng.standard_normal(shape, dtype=np.float32)
     values *= np.float32(scale)  # in place: large models are written too
     return values
-
-
-def quantize(x: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
-    """x [rows, cols] as GGUFWriter takes it: float32/float16 arrays, or the uint8 blocks."""
-    block = GGML_QUANT_SIZES[qtype][0]
-    if x.shape[-1] % block:
-        raise ValueError(f"{qtype.name} needs rows that are a multiple of {block} values; "
-                         f"this tensor's rows have {x.shape[-1]}")
-    if qtype == T.F32:
-        return x.astype(np.float32)
-    if qtype == T.F16:
-        return x.astype(np.float16)
-    if qtype == T.Q4_K:
-        return quantize_q4_k(x)
-    if qtype == T.Q5_K:
-        return quantize_q5_k(x)
-    if qtype == T.Q6_K:
-        return quantize_q6_k(x)
-    return gguf_quants.quantize(x, qtype)
-
-
-def _safe_div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    return np.divide(a, b, out=np.zeros(np.broadcast(a, b).shape, np.float32), where=b != 0)
-
-
-def _f16(x: np.ndarray) -> np.ndarray:
-    return x.astype(np.float16)
-
-
-def _k_fit(x: np.ndarray, top: int):
-    """The min/max fit Q4_K and Q5_K share: 256-value blocks of 8 sub-blocks of 32, each value =
-    d*sc*q - dmin*m with q in 0..top and 6-bit sc, m. Returns (d and dmin as fp16 bytes, the 12 packed
-    scale bytes, q [n, 8, 32])."""
-    sub = x.reshape(-1, 8, 32).astype(np.float32)                                # [n, 8, 32]
-    lo, hi = np.minimum(sub.min(-1), 0.0), sub.max(-1)                           # [n, 8]
-    step, offset = (hi - lo) / float(top), -lo
-    d = _f16(step.max(-1) / 63.0)                                                # [n]
-    dmin = _f16(offset.max(-1) / 63.0)
-    sc = np.clip(np.rint(_safe_div(step, d.astype(np.float32)[:, None])), 0, 63).astype(np.uint8)
-    m = np.clip(np.rint(_safe_div(offset, dmin.astype(np.float32)[:, None])), 0, 63).astype(np.uint8)
-    scale = d.astype(np.float32)[:, None] * sc                                   # what gets stored
-    shift = dmin.astype(np.float32)[:, None] * m
-    q = np.clip(np.rint(_safe_div(sub + shift[..., None], scale[..., None])), 0, top).astype(np.uint8)
-    packed = np.concatenate([
-        sc[:, :4] | ((sc[:, 4:] >> 4) << 6),                    # 6-bit sc 0..3, high bits of sc 4..7
-        m[:, :4] | ((m[:, 4:] >> 4) << 6),
-        (sc[:, 4:] & 0x0F) | ((m[:, 4:] & 0x0F) << 4),
-    ], axis=1)
-    scales = np.concatenate([d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), packed], axis=1)
-    return scales, q
-
-
-def _low_nibbles(q: np.ndarray) -> np.ndarray:
-    """[n, 8, 32] values -> [n, 128] bytes: sub-block 2j in the low nibbles, 2j+1 in the high ones."""
-    q = (q & 0x0F).reshape(-1, 4, 2, 32)
-    return (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)
-
-
-def quantize_q4_k(x: np.ndarray) -> np.ndarray:
-    """Q4_K blocks of 256 values with 4-bit q. A plain min/max fit (gguf-py can read Q4_K but not
-    write it)."""
-    rows, cols = x.shape
-    scales, q = _k_fit(x, 15)
-    return np.concatenate([scales, _low_nibbles(q)], axis=1).reshape(rows, cols // 256 * 144)
-
-
-def quantize_q5_k(x: np.ndarray) -> np.ndarray:
-    """Q5_K blocks of 256 values with 5-bit q: Q4_K's layout plus 32 bytes holding each value's fifth
-    bit (sub-block j's in bit j)."""
-    rows, cols = x.shape
-    scales, q = _k_fit(x, 31)
-    high = (q >> 4).astype(np.uint8)                                             # [n, 8, 32]
-    qh = np.bitwise_or.reduce(high << np.arange(8, dtype=np.uint8)[None, :, None], axis=1)   # [n, 32]
-    return np.concatenate([scales, qh, _low_nibbles(q)], axis=1).reshape(rows, cols // 256 * 176)
-
-
-def quantize_q6_k(x: np.ndarray) -> np.ndarray:
-    """Q6_K blocks of 256 values: 16 sub-blocks of 16, each value = d*sc*(q-32) with 6-bit q and
-    8-bit sc, q split into 4 low bits (ql) and 2 high bits (qh)."""
-    rows, cols = x.shape
-    sub = x.reshape(-1, 16, 16).astype(np.float32)                               # [n, 16, 16]
-    step = np.abs(sub).max(-1) / 31.0                                            # [n, 16]
-    d = _f16(step.max(-1) / 127.0)
-    sc = np.clip(np.rint(_safe_div(step, d.astype(np.float32)[:, None])), -128, 127).astype(np.int8)
-    scale = d.astype(np.float32)[:, None] * sc
-    q = (np.clip(np.rint(_safe_div(sub, scale[..., None])), -32, 31) + 32).astype(np.uint8)
-    halves = q.reshape(-1, 2, 128)                       # each half of the block packs on its own
-    low = halves & 0x0F
-    ql = low[:, :, :64] | (low[:, :, 64:] << 4)                                  # [n, 2, 64]
-    high = (halves >> 4).reshape(-1, 2, 4, 32)
-    qh = high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6)
-    blocks = np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64), sc.view(np.uint8),
-                             d.view(np.uint8).reshape(-1, 2)], axis=1)
-    return blocks.reshape(rows, cols // 256 * 210)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1,151 +1,63 @@
 """Bindings to the native library (native/pebble.h) through cffi in ABI mode: no compiler needed at install.
 
-The only module that touches cffi. `NativeStore` wraps one pebble_store_t handle; `NativeKernels` the
-library's quantized-tensor kernels. `_check` turns every status code into a PebbleError subclass
-carrying the library's own message.
+The only module that touches cffi. The declarations are read from pebble.h itself (shipped beside
+this module), so the header is the one source of the ABI: no struct layout or constant is typed
+again here. `NativeStore` wraps one pebble_store_t handle; `NativeKernels` the library's
+quantized-tensor kernels. `_check` turns every status code into a PebbleError subclass carrying the
+library's own message.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import threading
 from pathlib import Path
 
 import numpy as np
 from cffi import FFI
 
-from .errors import (
+from ..errors import (
     InvalidArgumentError, LayerRangeError, PebblingError, SizeMismatchError, StrategyError, error_for,
 )
-from .store import (
-    INT32_MAX, MAX_DIMS, TIER_AUTO, EntryInfo, Stats, STATS_FIELDS, Store, as_int, as_strategy,
-    check_view, default_desc, host_buffer, stream_pointer, tier_code,
+from ..ggml_types import DENSE_TYPES
+from .abi import INT32_MAX, INT32_MIN, INT64_MAX, INT64_MIN, MAX_DIMS, TIER_AUTO, UINT64_MAX
+from .interface import (
+    EntryInfo, StoreStats, STATS_FIELDS, Store, as_int, as_strategy, check_view, default_desc, host_buffer,
+    stream_pointer, tier_code,
 )
 
+HEADER = Path(__file__).resolve().with_name("pebble.h")
+
+
+def declarations(header: str) -> str:
+    """pebble.h as cffi's cdef takes it: comments, the include guard, the export macro and the C++
+    guard dropped; integer #defines kept, so that the library's constants are read from there too."""
+    text = re.sub(r"/\*.*?\*/", "", header, flags=re.S)
+    text = re.sub(r"//[^\n]*", "", text)
+    lines = []
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            define = re.fullmatch(r"#\s*define\s+(PEBBLE_\w+)\s+\(?(-?\d+)\)?", stripped)
+            if define:
+                lines.append(f"#define {define.group(1)} {define.group(2)}")
+            continue
+        if stripped in ('extern "C" {', "}"):  # the C++ guard's braces (#ifdef __cplusplus)
+            continue
+        lines.append(line.replace("PEBBLE_API ", ""))
+    return "\n".join(lines)
+
+
 ffi = FFI()
-ffi.cdef("""
-enum pebble_status {
-    PEBBLE_OK                   =   0,
-    PEBBLE_ERR_INVALID_ARGUMENT =  -1,
-    PEBBLE_ERR_UNKNOWN_ENTRY    =  -2,
-    PEBBLE_ERR_SIZE_MISMATCH    =  -3,
-    PEBBLE_ERR_LAYER_RANGE      =  -4,
-    PEBBLE_ERR_TOO_LARGE        =  -5,
-    PEBBLE_ERR_HOST_OOM         =  -6,
-    PEBBLE_ERR_DEVICE_OOM       =  -7,
-    PEBBLE_ERR_CUDA             =  -8,
-    PEBBLE_ERR_CLOSED           =  -9,
-    PEBBLE_ERR_STRATEGY         = -10,
-};
-enum pebble_strategy {
-    PEBBLE_STRATEGY_NONE     = 0,
-    PEBBLE_STRATEGY_SQRT     = 1,
-    PEBBLE_STRATEGY_ADAPTIVE = 2,
-    PEBBLE_STRATEGY_MINIMAL  = 3,
-    PEBBLE_STRATEGY_EVERY    = 4,
-};
-enum pebble_tier {
-    PEBBLE_TIER_AUTO   = 0,
-    PEBBLE_TIER_DEVICE = 1,
-    PEBBLE_TIER_HOST   = 2,
-};
-
-struct pebble_tensor_desc {
-    int32_t ggml_type;
-    int32_t n_dims;
-    int64_t ne[4];
-};
-struct pebble_entry_info {
-    uint64_t                  nbytes;
-    struct pebble_tensor_desc desc;
-    int32_t                   on_device;
-    int32_t                   on_host;
-};
-struct pebble_stats {
-    uint64_t device_limit_bytes;
-    uint64_t device_bytes;
-    uint64_t device_peak_bytes;
-    uint64_t host_bytes;
-    uint64_t host_peak_bytes;
-    uint64_t entries;
-    uint64_t saves;
-    uint64_t restores;
-    uint64_t hits;
-    uint64_t evictions;
-    uint64_t prefetches;
-    uint64_t bytes_h2d;
-    uint64_t bytes_d2h;
-    uint64_t bytes_restored;
-};
-typedef struct pebble_store * pebble_store_t;
-
-enum pebble_status pebble_init  (uint64_t device_limit, int32_t n_layers, int32_t strategy,
-                                 int64_t strategy_arg, int32_t device, pebble_store_t * out);
-enum pebble_status pebble_set_strategy(pebble_store_t store, uint64_t device_limit, int32_t strategy,
-                                       int64_t strategy_arg);
-enum pebble_status pebble_free  (pebble_store_t store);
-
-enum pebble_status pebble_save   (pebble_store_t store, int32_t layer, int32_t tensor_id,
-                                  const void * src, uint64_t nbytes,
-                                  const struct pebble_tensor_desc * desc, int32_t tier, void * stream);
-enum pebble_status pebble_restore(pebble_store_t store, int32_t layer, int32_t tensor_id,
-                                  void * dst, uint64_t nbytes, void * stream);
-enum pebble_status pebble_read   (pebble_store_t store, int32_t layer, int32_t tensor_id,
-                                  uint64_t offset, void * dst, uint64_t nbytes, void * stream);
-enum pebble_status pebble_write  (pebble_store_t store, int32_t layer, int32_t tensor_id,
-                                  uint64_t offset, const void * src, uint64_t nbytes, void * stream);
-enum pebble_status pebble_erase  (pebble_store_t store, int32_t layer, int32_t tensor_id);
-enum pebble_status pebble_prefetch(pebble_store_t store, int32_t layer, void * stream);
-enum pebble_status pebble_entry_info(pebble_store_t store, int32_t layer, int32_t tensor_id,
-                                     struct pebble_entry_info * out);
-enum pebble_status pebble_device_pointer(pebble_store_t store, int32_t layer, int32_t tensor_id, void ** out);
-
-enum pebble_status pebble_should_checkpoint(pebble_store_t store, int32_t layer, int32_t * out);
-enum pebble_status pebble_stats      (pebble_store_t store, struct pebble_stats * out);
-enum pebble_status pebble_stats_reset(pebble_store_t store);
-enum pebble_status pebble_synchronize(pebble_store_t store);
-
-#define PEBBLE_MATVEC_MAX_VEC 8
-enum pebble_status pebble_type_block(int32_t ggml_type, int64_t * block_elements, int64_t * block_bytes);
-enum pebble_status pebble_dequantize(int32_t ggml_type, const void * src, uint64_t src_bytes,
-                                     uint16_t * dst_f16, int64_t n_elements, void * stream);
-enum pebble_status pebble_matvec    (int32_t ggml_type, const void * w, uint64_t w_bytes,
-                                     int64_t n_rows, int64_t n_cols, const uint16_t * x_f16,
-                                     int32_t n_vec, float * y, void * stream);
-
-struct pebble_layer_shape {
-    int32_t n_embd, n_head, n_head_kv, head_dim, n_ff;
-    int32_t rope_dims;
-    int32_t rope_neox;
-    float   rms_eps;
-};
-struct pebble_tensor_ref {
-    int32_t      ggml_type;
-    const void * data;
-};
-struct pebble_layer_weights {
-    struct pebble_tensor_ref attn_norm, wq, wk, wv, wo, ffn_norm, w_gate, w_up, w_down, bq, bk, bv;
-};
-enum pebble_status pebble_decode_scratch_bytes(const struct pebble_layer_shape * shape, int64_t n_ctx,
-                                               uint64_t * out);
-enum pebble_status pebble_decode_layer(const struct pebble_layer_shape * shape,
-                                       const struct pebble_layer_weights * weights,
-                                       int32_t kv_type, void * k_cache, void * v_cache, int64_t n_ctx,
-                                       int64_t pos, const float * rope_cos, const float * rope_sin,
-                                       float attn_scale, float * x, void * scratch,
-                                       uint64_t scratch_bytes, void * stream);
-
-const char * pebble_strerror  (int32_t status);
-const char * pebble_last_error(void);
-const char * pebble_backend   (void);
-""")
+ffi.cdef(declarations(HEADER.read_text()))
 
 KINDS = ("cuda", "host")
-_PACKAGE_DIR = Path(__file__).resolve().parent
+_DEVICE_MEMORY = {"cuda": True, "host": False}  # whether the library's buffers may be CUDA arrays
+_PACKAGE_DIR = Path(__file__).resolve().parent.parent  # pyplugin/
 _BUILD_DIR = _PACKAGE_DIR.parent / "build"
 _loaded: dict[tuple[str, str | None], tuple[object, str]] = {}
 _load_lock = threading.Lock()
-_UINT64_MAX, _INT64_MAX = 2**64 - 1, 2**63 - 1
 
 
 def library_candidates(kind: str) -> list[Path]:
@@ -190,8 +102,6 @@ def load_library(kind: str):
         raise OSError(f"no usable {kind} pebble library: " + "; ".join(failures))
 
 
-_INT32_MIN = -INT32_MAX - 1
-
 
 def _check(lib, status: int) -> None:
     """The one place a status code becomes an exception, with the calling thread's native message."""
@@ -205,7 +115,7 @@ def _buffer(obj, backend: str, *, writable: bool, what: str):
     if cai is None:
         view = host_buffer(obj, writable=writable, what=what)
         return ffi.from_buffer("char[]", view, require_writable=writable), view.nbytes
-    if backend != "cuda":
+    if not _DEVICE_MEMORY[backend]:
         raise InvalidArgumentError(f"{what} is device memory ({type(obj).__name__}); the "
                                    f"{backend} backend holds host memory only")
     itemsize = np.dtype(cai["typestr"]).itemsize
@@ -229,16 +139,16 @@ def _c_int(value, what: str, lo: int, hi: int, error, problem: str) -> int:
 
 
 class NativeStore(Store):
-    """A store in the native library `kind`; see pyplugin.store.Store for the semantics."""
+    """A store in the native library `kind`; see pyplugin.store.interface.Store for the semantics."""
 
     def __init__(self, device_limit: int, n_layers: int, strategy, *, device: int = 0,
                  kind: str = "host"):
         self._lib, self.library_path = load_library(kind)
         self.backend = kind
         self.strategy = as_strategy(strategy)
-        self.device_limit = _c_int(device_limit, "device limit", 0, _UINT64_MAX, InvalidArgumentError,
+        self.device_limit = _c_int(device_limit, "device limit", 0, UINT64_MAX, InvalidArgumentError,
                                    "bytes is outside [0, 2**64)")
-        self.n_layers = _c_int(n_layers, "n_layers", _INT32_MIN, INT32_MAX, InvalidArgumentError,
+        self.n_layers = _c_int(n_layers, "n_layers", INT32_MIN, INT32_MAX, InvalidArgumentError,
                                "does not fit in int32")
         device = _c_int(device, "device index", 0, INT32_MAX, InvalidArgumentError, "is not >= 0")
         self._close_lock = threading.Lock()
@@ -260,17 +170,17 @@ class NativeStore(Store):
         return handle
 
     def _layer(self, layer) -> int:
-        return _c_int(layer, "layer", _INT32_MIN, INT32_MAX, LayerRangeError,
+        return _c_int(layer, "layer", INT32_MIN, INT32_MAX, LayerRangeError,
                       f"out of range [0, {self.n_layers})")
 
     @staticmethod
     def _tensor_id(tensor_id) -> int:
-        return _c_int(tensor_id, "tensor id", _INT32_MIN, INT32_MAX, InvalidArgumentError,
+        return _c_int(tensor_id, "tensor id", INT32_MIN, INT32_MAX, InvalidArgumentError,
                       "does not fit in int32")
 
     @staticmethod
     def _offset(offset) -> int:
-        return _c_int(offset, "offset", 0, _UINT64_MAX, InvalidArgumentError, "is outside [0, 2**64)")
+        return _c_int(offset, "offset", 0, UINT64_MAX, InvalidArgumentError, "is outside [0, 2**64)")
 
     @staticmethod
     def _stream(stream):
@@ -298,12 +208,12 @@ class NativeStore(Store):
                 raise InvalidArgumentError(f"save: layer {layer} tensor {tensor_id}: shape {shape} has "
                                            f"more than {MAX_DIMS} dimensions")
             c_desc = ffi.new("struct pebble_tensor_desc *")
-            c_desc.ggml_type = _c_int(desc.ggml_type, "ggml type", _INT32_MIN, INT32_MAX,
+            c_desc.ggml_type = _c_int(desc.ggml_type, "ggml type", INT32_MIN, INT32_MAX,
                                       InvalidArgumentError, "does not fit in int32")
             c_desc.n_dims = len(shape)
-            c_desc.ne[0:len(shape)] = [_c_int(n, "dimension", -_INT64_MAX - 1, _INT64_MAX,
+            c_desc.ne[0:len(shape)] = [_c_int(n, "dimension", INT64_MIN, INT64_MAX,
                                               InvalidArgumentError, "does not fit in int64") for n in shape]
-        tier = _c_int(tier, "tier", _INT32_MIN, INT32_MAX, InvalidArgumentError, "is not a tier")
+        tier = _c_int(tier, "tier", INT32_MIN, INT32_MAX, InvalidArgumentError, "is not a tier")
         self._check(self._lib.pebble_save(handle, layer, tensor_id, src, nbytes, c_desc, tier,
                                           self._stream(stream)))
         self._finish(stream)
@@ -361,7 +271,7 @@ class NativeStore(Store):
         ptr = self.device_pointer(layer, tensor_id)
         nbytes = self.entry_info(layer, tensor_id).nbytes
         dtype, shape = check_view("device_array", layer, tensor_id, nbytes, dtype, shape)
-        if self.backend != "cuda":  # the host build's device tier is host memory
+        if not _DEVICE_MEMORY[self.backend]:  # the host build's device tier is host memory
             return np.frombuffer(ffi.buffer(ffi.cast("char *", ptr), nbytes), dtype).reshape(shape)
         import cupy
 
@@ -372,7 +282,7 @@ class NativeStore(Store):
         handle = self._live()
         strategy = as_strategy(strategy)
         limit = self.device_limit if device_limit is None else _c_int(
-            device_limit, "device limit", 0, _UINT64_MAX, InvalidArgumentError, "bytes is outside [0, 2**64)")
+            device_limit, "device limit", 0, UINT64_MAX, InvalidArgumentError, "bytes is outside [0, 2**64)")
         self._check(self._lib.pebble_set_strategy(handle, limit, *_c_strategy(strategy)))
         self.strategy, self.device_limit = strategy, limit
 
@@ -382,11 +292,11 @@ class NativeStore(Store):
         self._check(self._lib.pebble_should_checkpoint(handle, self._layer(layer), out))
         return bool(out[0])
 
-    def stats(self) -> Stats:
+    def stats(self) -> StoreStats:
         handle = self._live()
         out = ffi.new("struct pebble_stats *")
         self._check(self._lib.pebble_stats(handle, out))
-        return Stats(**{name: int(getattr(out, name)) for name in STATS_FIELDS})
+        return StoreStats(**{name: int(getattr(out, name)) for name in STATS_FIELDS})
 
     def reset_stats(self) -> None:
         self._check(self._lib.pebble_stats_reset(self._live()))
@@ -416,15 +326,14 @@ class NativeKernels:
     """The quantized-tensor kernels of the native library `kind` (see "quantized tensors" in pebble.h).
 
     Buffers are host buffers (numpy arrays, bytes-like) on the host library and CUDA arrays on the cuda
-    one, where the calls are enqueued on `stream` (see pyplugin.store.stream_pointer). The library
+    one, where the calls are enqueued on `stream` (see pyplugin.store.interface.stream_pointer). The library
     judges types and counts; the sizes of `out` and `x`, which it cannot see, are checked here.
     """
-
-    MAX_VEC = 8  # PEBBLE_MATVEC_MAX_VEC
 
     def __init__(self, kind: str = "host"):
         self._lib, self.library_path = load_library(kind)
         self.backend = kind
+        self.MAX_VEC = self._lib.PEBBLE_MATVEC_MAX_VEC
 
     def type_block(self, ggml_type) -> tuple[int, int]:
         """(elements, bytes) of one block of `ggml_type`."""
@@ -435,7 +344,7 @@ class NativeKernels:
     def dequantize(self, ggml_type, src, n_elements, out, *, stream=None) -> None:
         """out (n_elements fp16) = the tensor whose GGUF bytes are `src`."""
         ggml_type = _c_type(ggml_type)
-        n_elements = _c_int(n_elements, "n_elements", -_INT64_MAX - 1, _INT64_MAX, InvalidArgumentError,
+        n_elements = _c_int(n_elements, "n_elements", INT64_MIN, INT64_MAX, InvalidArgumentError,
                             "does not fit in int64")
         src_ptr, src_bytes = _buffer(src, self.backend, writable=False, what="dequantize src")
         dst_ptr, dst_bytes = _buffer(out, self.backend, writable=True, what="dequantize out")
@@ -450,9 +359,9 @@ class NativeKernels:
         """out[v, r] = sum over c of W[r, c] * x[v, c]: W's GGUF bytes in `w`, x n_vec x n_cols fp16,
         out n_vec x n_rows float32."""
         ggml_type = _c_type(ggml_type)
-        n_rows, n_cols = (_c_int(n, what, -_INT64_MAX - 1, _INT64_MAX, InvalidArgumentError,
+        n_rows, n_cols = (_c_int(n, what, INT64_MIN, INT64_MAX, InvalidArgumentError,
                                  "does not fit in int64") for n, what in ((n_rows, "n_rows"), (n_cols, "n_cols")))
-        n_vec = _c_int(n_vec, "n_vec", _INT32_MIN, INT32_MAX, InvalidArgumentError, "does not fit in int32")
+        n_vec = _c_int(n_vec, "n_vec", INT32_MIN, INT32_MAX, InvalidArgumentError, "does not fit in int32")
         w_ptr, w_bytes = _buffer(w, self.backend, writable=False, what="matvec w")
         x_ptr, x_bytes = _buffer(x, self.backend, writable=False, what="matvec x")
         y_ptr, y_bytes = _buffer(out, self.backend, writable=True, what="matvec out")
@@ -472,7 +381,7 @@ class NativeKernels:
     # -- the decode step
 
     def decode_scratch_bytes(self, shape, n_ctx: int) -> int:
-        """Bytes of scratch `decode_layer` needs (shape: a pyplugin.quant.LayerShape)."""
+        """Bytes of scratch `decode_layer` needs (shape: a pyplugin.store.kernels.LayerShape)."""
         out = ffi.new("uint64_t *")
         _check(self._lib, self._lib.pebble_decode_scratch_bytes(self._decode_plan(shape)[0], n_ctx, out))
         return int(out[0])
@@ -508,7 +417,7 @@ class NativeKernels:
                                         f"needs {want} for this shape")
             fields[name] = (ggml_type, ptr)
         c_weights = ffi.new("struct pebble_layer_weights *", fields)
-        kv_item = 4 if kv_type == 0 else 2 if kv_type == 1 else None
+        kv_item = _ITEMSIZE.get(kv_type)
         cache_bytes = None if kv_item is None else n_ctx * shape.n_head_kv * shape.head_dim * kv_item
         k_ptr, k_bytes = _pointer(k_cache, backend, True, "k_cache")
         v_ptr, v_bytes = _pointer(v_cache, backend, True, "v_cache")
@@ -532,9 +441,12 @@ def _pointer(obj, backend: str, writable: bool, name: str):
     CuPy arrays (cuda)."""
     if type(obj) is np.ndarray and obj.flags.c_contiguous and (obj.flags.writeable or not writable):
         return ffi.from_buffer(obj, require_writable=writable), obj.nbytes
-    if backend == "cuda" and type(obj).__module__.startswith("cupy") and obj.flags.c_contiguous:
+    if _DEVICE_MEMORY[backend] and type(obj).__module__.startswith("cupy") and obj.flags.c_contiguous:
         return ffi.cast("void *", obj.data.ptr), obj.nbytes
     return _buffer(obj, backend, writable=writable, what=f"decode_layer {name}")
+
+
+_ITEMSIZE = {ggml_type: dtype.itemsize for dtype, ggml_type in DENSE_TYPES.items()}  # F32 4, F16 2
 
 
 def decode_buffer_sizes(shape, type_block) -> dict:
@@ -552,7 +464,7 @@ def decode_buffer_sizes(shape, type_block) -> dict:
         return size
 
     def vector(n):
-        return lambda ggml_type: n * {0: 4, 1: 2}[ggml_type] if ggml_type in (0, 1) else None
+        return lambda ggml_type: n * _ITEMSIZE[ggml_type] if ggml_type in _ITEMSIZE else None
 
     return {"attn_norm": vector(e), "wq": matrix(q, e), "wk": matrix(kv, e), "wv": matrix(kv, e),
             "wo": matrix(e, q), "ffn_norm": vector(e), "w_gate": matrix(ff, e), "w_up": matrix(ff, e),
@@ -562,13 +474,13 @@ def decode_buffer_sizes(shape, type_block) -> dict:
 def _c_type(ggml_type) -> int:
     """A GGUF type id (an int or gguf's GGMLQuantizationType); whether it has kernels is the library's
     to judge."""
-    return _c_int(ggml_type, "ggml type", _INT32_MIN, INT32_MAX, InvalidArgumentError, "does not fit in int32")
+    return _c_int(ggml_type, "ggml type", INT32_MIN, INT32_MAX, InvalidArgumentError, "does not fit in int32")
 
 
 def _c_strategy(strategy) -> tuple[int, int]:
     """(code, arg) as pebble_init takes them; their validity is the library's to judge."""
-    return (_c_int(strategy.code, "strategy code", _INT32_MIN, INT32_MAX, StrategyError, "is not a strategy"),
-            _c_int(strategy.arg, "strategy argument", -_INT64_MAX - 1, _INT64_MAX, StrategyError,
+    return (_c_int(strategy.code, "strategy code", INT32_MIN, INT32_MAX, StrategyError, "is not a strategy"),
+            _c_int(strategy.arg, "strategy argument", INT64_MIN, INT64_MAX, StrategyError,
                    "does not fit in int64"))
 
 

@@ -1,6 +1,5 @@
-"""Measurements the commands share: loading a model into a store (timed), the store's restore
-bandwidth and per-call cost, the compute time of one layer at decode, and the prediction of time per
-token built from those. Every figure here is measured in this process or labelled a prediction;
+"""Measurements the commands share: the store's restore bandwidth and per-call cost, the compute time
+of one layer at decode, and the prediction of time per token built from those. Every figure here is measured in this process or labelled a prediction;
 none is assumed.
 """
 
@@ -9,39 +8,14 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
-from .backend import open_store
-from .loop import PebbledModel
-from .model import Model, layer_forward, load_model
+from ..model import layer_forward
+from .pebbled import PebbledModel
 from .plan import Plan
-from .registry import resolve
 
 REPEATS = 5
-
-
-@dataclass
-class Loaded:
-    model: Model
-    pebbled: PebbledModel
-    path: Path
-    load_ns: int  # reading the file and saving its layers into the store
-
-
-def load_pebbled(name: str, backend: str | None = None, weights: str = "quantized") -> Loaded:
-    """The model `name` read with its weights in form `weights` and saved into a store of `backend`."""
-    start = time.perf_counter_ns()
-    path = resolve(name)
-    model = load_model(path, weights=weights)
-    pebbled = PebbledModel(model, backend=backend)
-    return Loaded(model, pebbled, path, time.perf_counter_ns() - start)
-
-
-def _sync(xp) -> None:
-    if xp is not np:
-        xp.cuda.get_current_stream().synchronize()
 
 
 def median_seconds(step, sync, repeats: int) -> float:
@@ -76,17 +50,16 @@ def measure_restores(pebbled: PebbledModel, nbytes: int, repeats: int = REPEATS,
       layer takes a dozen calls per token, and on a small model their fixed cost (Python, cffi, the
       copy's launch) outweighs the bytes."""
     nbytes = max(int(nbytes), 1)
-    xp = pebbled.xp
-    with open_store(0, 2, "minimal", backend=pebbled.backend) as store:
+    xp, backend = pebbled.xp, pebbled.backend
+    with backend.open_store(0, 2, "minimal") as store:
         store.save(0, 0, np.ones(nbytes, np.uint8), tier="host")
         store.save(1, 0, np.ones(256, np.uint8), tier="host")
         out, small = xp.empty(nbytes, np.uint8), xp.empty(256, np.uint8)
-        if xp is not np:
-            stream = xp.cuda.Stream(non_blocking=True)
+        stream = backend.copy_stream()
+        if stream is not None:
             sync, path = stream.synchronize, "pinned host tier -> GPU buffer"
         else:
-            stream, sync = None, store.synchronize
-            path = "host tier -> host buffer (no GPU: a memcpy rate, not PCIe)"
+            sync, path = store.synchronize, "host tier -> host buffer (no GPU: a memcpy rate, not PCIe)"
         seconds = median_seconds(lambda: store.restore(0, 0, out, stream=stream), sync, repeats)
 
         def issue() -> None:
@@ -112,7 +85,7 @@ def layer_decode_seconds(pebbled: PebbledModel, n_ctx: int, context_pos: int,
     k, v = xp.zeros(pebbled.kv_shape(n_ctx), dtype), xp.zeros(pebbled.kv_shape(n_ctx), dtype)
     pos = min(context_pos, n_ctx - 1)  # the step writes row pos: it must lie inside the cache
     x = xp.asarray(np.random.default_rng(0).standard_normal((1, cfg.n_embd)), dtype=dtype)  # [1, n_embd]
-    return median_seconds(lambda: layer_forward(cfg, x, weights, k, v, pos), lambda: _sync(xp), repeats)
+    return median_seconds(lambda: layer_forward(cfg, x, weights, k, v, pos), pebbled.backend.synchronize, repeats)
 
 
 @dataclass(frozen=True)
@@ -140,15 +113,3 @@ def predict(plan: Plan, context_pos: int, transfer: Transfer, calls: int, t_laye
     else:
         seconds = compute + issue + transfer_s
     return Prediction(seconds, seconds / compute)
-
-
-def format_table(header: list[str], rows: list[list[str]]) -> str:
-    """Columns padded to their widest cell: numbers right-aligned, the first and last (text) left."""
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-    last = len(header) - 1
-
-    def line(cells: list[str]) -> str:
-        return "  ".join(cell.ljust(w) if i in (0, last) else cell.rjust(w)
-                         for i, (cell, w) in enumerate(zip(cells, widths))).rstrip()
-
-    return "\n".join([line(header), *map(line, rows)])

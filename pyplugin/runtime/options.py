@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Mapping
 
-from .errors import OptionsError
+from ..errors import OptionsError
 
 DEFAULT_NUM_CTX = 2048
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .errors import OptionsError
-from .model.load import WEIGHT_FORMS, check_weight_form
-from .strategy import ADAPTIVE, NONE, Strategy, resident_count, resident_layers
+from ..errors import OptionsError
+from ..model import WEIGHT_FORMS, ModelConfig, check_weight_form
+from ..store.strategy import ADAPTIVE, NONE, Strategy, resident_layers
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,18 @@ class Plan:
         """Bytes a decode step restores with `context_tokens` already in the cache (an estimate)."""
         m = self.memory
         return sum(m.layer_weight_bytes[i] + context_tokens * m.kv_bytes_per_token for i in self.streamed)
+
+
+def workspace_bytes(cfg: ModelConfig, n_tokens: int, n_ctx: int, itemsize: int) -> int:
+    """Activations of one chunk of n_tokens attending over up to n_ctx positions (an estimate of the
+    forward pass's live temporaries: the attention scores, or the MLP, whichever is larger, on top of
+    the residual stream and the float32 logits)."""
+    T, E, F = n_tokens, cfg.n_embd, cfg.n_ff
+    q, kv = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
+    stream = 4 * T * E * 4                                       # x, normed x and float32 norm temporaries
+    attention = 2 * T * (q + 2 * kv) * itemsize + cfg.n_head * T * n_ctx * (8 + itemsize)
+    mlp = 5 * T * F * itemsize                                   # gate, up, silu temporaries, product
+    return stream + max(attention, mlp) + 2 * cfg.n_vocab * 4
 
 
 def peak_for(memory: MemoryModel, resident: list[int] | tuple[int, ...]) -> tuple[int, int, int, int]:

@@ -9,10 +9,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .errors import StrategyError
+from ..errors import StrategyError
+from .abi import STRATEGY_ADAPTIVE as ADAPTIVE
+from .abi import STRATEGY_EVERY as EVERY
+from .abi import STRATEGY_MINIMAL as MINIMAL
+from .abi import STRATEGY_NONE as NONE
+from .abi import STRATEGY_SQRT as SQRT
 
-# Codes shared with native/pebble.h (enum pebble_strategy).
-NONE, SQRT, ADAPTIVE, MINIMAL, EVERY = 0, 1, 2, 3, 4
 _CODES = {"none": NONE, "sqrt": SQRT, "adaptive": ADAPTIVE, "minimal": MINIMAL}
 VALID_STRATEGIES = "none, sqrt, adaptive, minimal, every:N (N >= 1)"
 

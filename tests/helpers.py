@@ -1,19 +1,50 @@
-"""Tiny synthetic GGUF models shared by the tests/test_model_*.py files.
+"""What the tests share: the store backends to run on, and tiny synthetic GGUF models.
 
 A plain module, not a conftest: pytest puts tests/ on sys.path (rootdir insertion), so the test files
-import it as ``from model_fixtures import ...``. Files and loaded models are cached for the session.
+import it as ``from helpers import ...``. Files and loaded models are cached for the session.
 """
 
 from __future__ import annotations
 
+import os
 import tempfile
 from pathlib import Path
 
+import pytest
+
+from pyplugin.ggml_types import SUPPORTED_NAMES
 from pyplugin.model import Model, load_model
-from pyplugin.synth import SynthSpec, write_gguf
+from pyplugin.model.synth import SynthSpec, write_gguf
+from pyplugin.store import BACKENDS, probe
+
+
+def store_backend_params() -> list:
+    """cuda, host and stub as pytest params; one that is absent here, or left out by
+    PEBBLING_TEST_BACKENDS (a comma list, e.g. "host" for the sanitizer run), is skipped with the reason."""
+    listed = os.environ.get("PEBBLING_TEST_BACKENDS", "")
+    wanted = {name.strip().lower() for name in listed.split(",") if name.strip()} or set(BACKENDS)
+    unknown = wanted - set(BACKENDS)
+    if unknown:
+        raise ValueError(f"PEBBLING_TEST_BACKENDS={listed!r} names {sorted(unknown)}; valid: "
+                         f"{', '.join(BACKENDS)}")
+    params = []
+    for name in BACKENDS:
+        marks = [pytest.mark.gpu] if name == "cuda" else []
+        if name not in wanted:
+            marks.append(pytest.mark.skip(reason=f"left out by PEBBLING_TEST_BACKENDS={listed}"))
+        else:
+            found = probe(name)
+            if not found.usable:
+                marks.append(pytest.mark.skip(reason=f"{name} backend unavailable: {found.reason}"))
+        params.append(pytest.param(name, marks=marks, id=name))
+    return params
+
+
+# ---------------------------------------------------------------------------------------------------
+# tiny models
 
 ARCHS = ("llama", "qwen2", "phi3")
-TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+TYPES = SUPPORTED_NAMES
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
 VOCAB_OF_ARCH = {"llama": "llama3", "qwen2": "chatml", "phi3": "spm"}
 

@@ -1,0 +1,16 @@
+"""Serving: the engine that loads models on demand, queues their requests and keeps them for their
+keep_alive; the jobs that carry a request to a model's worker; the model catalogue (files, the demo and
+Ollama's store). The HTTP server (server_patch) uses the names listed here and nothing else of pyplugin.
+"""
+
+from ..errors import OptionsError, PebblingError, StrategyError
+from ..model import ChatTemplateError
+from .catalogue import ModelListing, ModelNotFoundError
+from .engine import Engine, RunningModel
+from .jobs import Final, GenerationRequest, Job
+from .ollama_store import InvalidModelName
+
+__all__ = [
+    "ChatTemplateError", "Engine", "Final", "GenerationRequest", "InvalidModelName", "Job", "ModelListing",
+    "ModelNotFoundError", "OptionsError", "PebblingError", "RunningModel", "StrategyError",
+]

@@ -1,0 +1,140 @@
+"""The model catalogue: every model that can be served and what is known of it before loading.
+
+Names resolve through the models directory and the demo (registry.py), then Ollama's local store
+(ollama_store.py); listings and /api/show details are read from the file's header and cached while
+the file is unchanged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import threading
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import ModelError
+from ..model import GGUFFile
+from . import ollama_store, registry
+
+
+class ModelNotFoundError(ModelError, LookupError):
+    """No model has that name (HTTP 404)."""
+
+
+@dataclass(frozen=True)
+class ModelListing:
+    """A model that can be served, for /api/tags and /api/show."""
+
+    name: str
+    path: Path
+    size: int
+    modified: float                   # seconds since the epoch
+    digest: str                       # hex
+    details: dict[str, Any]
+
+
+class Catalogue:
+    """The models of one models directory, the demo and Ollama's store; thread-safe."""
+
+    def __init__(self, models_dir: str | Path | None = None):
+        self.models_dir = Path(models_dir) if models_dir is not None else registry.default_models_dir()
+        self._info_cache: dict[tuple, dict[str, Any]] = {}
+        self._lock = threading.Lock()
+
+    def resolve(self, name: str) -> Path:
+        """The GGUF file for a model name. InvalidModelName before any file access for a name that
+        could be a path; ModelNotFoundError when nothing has that name."""
+        ollama_store.parse_name(name)
+        try:
+            return registry.resolve(name, self.models_dir, allow_paths=False)
+        except ModelError as exc:
+            if name in (registry.DEMO_NAME, f"{registry.DEMO_NAME}:latest"):  # could not be written
+                raise
+            registry_error = exc
+        # Namespaced Ollama names (me/model:tag) never reach the registry's own lookup.
+        found = ollama_store.resolve(name)
+        if found is not None:
+            return found.path
+        raise ModelNotFoundError(f"model '{name}' not found") from registry_error
+
+    def list_models(self) -> list[ModelListing]:
+        """Every model that can be served: the demo, the models directory, Ollama's store."""
+        found: dict[str, Path] = {}
+        for name in registry.available(self.models_dir):
+            try:
+                found[name] = registry.resolve(name, self.models_dir, allow_paths=False)
+            except ModelError:
+                continue  # e.g. the demo cannot be written here; /api/tags still answers
+        for m in ollama_store.list_models():
+            found.setdefault(m.name, m.path)
+        listings = []
+        for name, path in sorted(found.items()):
+            try:
+                listings.append(self.listing(name, path))
+            except (ModelError, OSError):
+                continue  # an unreadable file is not offered; asking for it by name says why
+        return listings
+
+    def listing(self, name: str, path: Path) -> ModelListing:
+        info = self.info(path)
+        return ModelListing(name, path, info["size"], info["modified"], info["digest"], info["details"])
+
+    def info(self, path: Path) -> dict[str, Any]:
+        """Details read from the file's header (size, modified, digest, details, show), cached while
+        the file is unchanged."""
+        st = path.stat()
+        key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+        with self._lock:
+            info = self._info_cache.get(key)
+        if info is None:
+            info = _read_info(path, st)
+            with self._lock:
+                self._info_cache[key] = info
+        return info
+
+
+def _read_info(path: Path, st) -> dict[str, Any]:
+    with GGUFFile(path) as f:
+        md = f.metadata
+        arch = str(md.get("general.architecture", "unknown"))
+        n_params = sum(math.prod(t.shape) for t in f.tensors.values())
+        by_type = Counter()
+        for t in f.tensors.values():
+            if len(t.shape) >= 2:
+                by_type[t.qtype.name] += t.nbytes
+        scalars = {k: v for k, v in md.items()
+                   if not isinstance(v, (list, bytes)) and k != "tokenizer.chat_template"}
+    most_bytes = by_type.most_common(1)[0][0] if by_type else "unknown"
+    quant = _file_type(md.get("general.file_type")) or most_bytes
+    details = {"parent_model": "", "format": "gguf", "family": arch, "families": [arch],
+               "parameter_size": format_parameters(n_params), "quantization_level": quant}
+    # Content digests of multi-GB files are too slow for a listing; the blob name is one for
+    # Ollama's store, and elsewhere the path, size and mtime identify this version of the file.
+    digest = path.name[len("sha256-"):] if path.name.startswith("sha256-") else hashlib.sha256(
+        f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()
+    scalars["general.parameter_count"] = n_params
+    show = {"model_info": scalars, "template": md.get("tokenizer.chat_template", ""),
+            "parameters": "", "license": str(md.get("general.license", "")),
+            "modelfile": f"# pebbling serves this GGUF file as is\nFROM {path}\n",
+            "capabilities": ["completion"]}
+    return {"size": st.st_size, "modified": st.st_mtime, "digest": digest, "details": details,
+            "show": show}
+
+
+def _file_type(value: Any) -> str | None:
+    from gguf import LlamaFileType
+    try:
+        return LlamaFileType(int(value)).name.removeprefix("MOSTLY_").removeprefix("ALL_")
+    except (TypeError, ValueError):
+        return None
+
+
+def format_parameters(n: int) -> str:
+    """Ollama's parameter_size: 8.0B, 494.03M, 12.34K."""
+    for unit, size, digits in (("B", 1e9, 1), ("M", 1e6, 2), ("K", 1e3, 2)):
+        if n >= size:
+            return f"{n / size:.{digits}f}{unit}"
+    return str(n)

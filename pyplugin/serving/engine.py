@@ -1,0 +1,313 @@
+"""The model manager behind the HTTP API, free of any web framework.
+
+An ``Engine`` resolves model names, loads each model once and keeps it for its keep_alive (Ollama's
+rules: default 5 minutes, 0 unloads after the request, a negative value keeps it for good), builds
+prompts (raw, a request's template, or the model's chat template with an optional system message),
+and runs generations. Each loaded model has one worker thread that takes its requests in arrival
+order, so two requests never share a KV cache or the model's store; a request that waits is simply
+queued. A job's cancel flag is checked before every token, so a client that goes away stops its
+generation and frees what it held. Counts are tokens, durations nanoseconds, as in Ollama.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import OptionsError, PebblingError
+from ..model import Model, load_model
+from ..runtime import Options, PebbledModel, PebblingOptions
+from .catalogue import Catalogue, ModelListing
+from .go_template import render_go_template
+from .jobs import DEFAULT_KEEP_ALIVE, FOREVER, Final, GenerationRequest, Job, parse_keep_alive
+
+logger = logging.getLogger("pebbling")
+
+
+# ---------------------------------------------------------------------------------------------------
+# loaded models
+
+
+@dataclass
+class _Loaded:
+    key: Path                         # the resolved file: two names for one file share one model
+    name: str                         # the name it was first asked for by
+    weights: str                      # the form its weights are held in (pebbling_weights)
+    model: Model | None = None
+    pebbled: PebbledModel | None = None  # the model's layers in a pebble store
+    expires_at: float = FOREVER       # time.monotonic() deadline once idle
+    active: int = 0                   # requests queued or running
+    size_vram: int = 0                # device memory measured at its last request (0: not measured)
+    load_lock: threading.Lock = field(default_factory=threading.Lock)
+    jobs: queue.Queue = field(default_factory=queue.Queue)
+    worker: threading.Thread | None = None
+
+
+@dataclass(frozen=True)
+class RunningModel:
+    """A loaded model, for /api/ps."""
+
+    name: str
+    path: Path
+    size: int                         # bytes it holds (host weights)
+    size_vram: int                    # bytes it holds in device memory, as last measured
+    expires_at: float                 # seconds since the epoch; inf = never
+    details: dict[str, Any]
+    digest: str
+    active: int                       # requests queued or running on it
+
+
+class Engine:
+    """Loads models on demand and serves generations; thread-safe. Call ``close()`` when done."""
+
+    def __init__(self, models_dir: str | Path | None = None, *,
+                 default_keep_alive: float = DEFAULT_KEEP_ALIVE, backend: str | None = None):
+        self.catalogue = Catalogue(models_dir)
+        self.models_dir = self.catalogue.models_dir
+        self.default_keep_alive = default_keep_alive
+        self.backend = backend  # the store backend; None: PEBBLING_BACKEND, else the first that works
+        self._lock = threading.Condition()
+        self._loaded: dict[tuple[Path, str], _Loaded] = {}  # by file and weight form
+        self._closed = False
+        # Jobs "completed", "cancelled" (stopped mid-way), "dropped" (cancelled while queued), "failed".
+        self.counts: Counter = Counter()
+        self._reaper = threading.Thread(target=self._reap, name="pebbling-keep-alive", daemon=True)
+        self._reaper.start()
+
+    # -- names --------------------------------------------------------------------------------------
+
+    def resolve(self, name: str) -> Path:
+        """The GGUF file for a model name (see Catalogue.resolve)."""
+        return self.catalogue.resolve(name)
+
+    # -- generation ---------------------------------------------------------------------------------
+
+    def submit(self, request: GenerationRequest) -> Job:
+        """Validate, load the model if needed, build the prompt and queue the generation.
+
+        Raises before anything is queued: InvalidModelName / ModelNotFoundError for the name,
+        OptionsError (and StrategyError) for options, ChatTemplateError for a refused conversation.
+        """
+        if self._closed:
+            raise RuntimeError("the engine is closed")
+        pebbling = PebblingOptions.from_options(request.options)
+        keep_alive = parse_keep_alive(request.keep_alive, self.default_keep_alive)
+        entry, load_ns = self._acquire(request.model, pebbling.effective_weights)
+        try:
+            model = entry.model
+            options = Options.from_dict(request.options, n_ctx_train=model.config.n_ctx_train)
+            tokens = self._prompt_tokens(model, request)
+            # A budget that cannot fit is refused here, before anything is queued.
+            entry.pebbled.plan(options, pebbling, len(tokens), self._others(entry))
+            if tokens and len(tokens) > options.num_ctx:
+                raise OptionsError(f"the prompt is {len(tokens)} tokens, more than num_ctx "
+                                   f"({options.num_ctx}); raise num_ctx (this model allows up to "
+                                   f"{model.config.n_ctx_train}) or shorten the prompt")
+            job = Job(request, tokens, options, pebbling, keep_alive, load_ns)
+            if not tokens:  # Ollama: an empty prompt only loads the model, keep_alive 0 unloads it
+                reason = "unload" if keep_alive == 0 else "load"
+                self._release(entry, keep_alive)
+                job._put(Final(request.model, reason, [], total_duration=_since(request.started_ns),
+                               load_duration=load_ns))
+                job._put(Job._END)
+                return job
+        except BaseException:
+            self._release(entry, keep_alive)
+            raise
+        entry.jobs.put(job)  # entry.active counts it, so the worker cannot have been told to stop
+        return job
+
+    def _prompt_tokens(self, model: Model, request: GenerationRequest) -> list[int]:
+        if request.messages is not None:
+            if not request.messages:
+                return []
+            text = model.chat_prompt(list(request.messages))
+        else:
+            prompt = request.prompt or ""
+            if not prompt and not request.context:
+                return []
+            if request.raw:
+                text = prompt
+            elif request.template is not None:
+                text = render_go_template(request.template, {"System": request.system or "",
+                                                             "Prompt": prompt, "Response": ""})
+            else:
+                messages = [{"role": "system", "content": request.system}] if request.system else []
+                text = model.chat_prompt(messages + [{"role": "user", "content": prompt}])
+        context = list(request.context or [])
+        bad = [t for t in context if not 0 <= t < model.config.n_vocab]
+        if bad:
+            raise OptionsError(f"context holds token ids {bad[:5]} outside this model's vocabulary "
+                               f"(0..{model.config.n_vocab - 1}); send the context a response of this "
+                               "model returned")
+        # After a context the text continues a sequence, so no second BOS.
+        return context + model.tokenizer.encode(text, add_bos=False if context else None)
+
+    def _run(self, entry: _Loaded, job: Job) -> Final | None:
+        """Generate for one job, streaming its text; its Final, or None if it was cancelled first."""
+        if job.cancelled:  # the client left while the request waited
+            return None
+        gen = entry.pebbled.generation(job.options, job.pebbling, len(job.tokens), others=self._others(entry),
+                                       should_stop=lambda: job.cancelled)
+        for piece in gen.text(job.tokens):
+            if job.cancelled:
+                break
+            job._put(piece)
+        stats, report = gen.stats, _plain(gen.report())
+        entry.size_vram = report["measured_peak_bytes"] if entry.pebbled.backend.measures_memory else 0
+        return Final(job.request.model, "cancelled" if job.cancelled else stats.done_reason or "stop",
+                     job.tokens + gen.generated, total_duration=_since(job.request.started_ns),
+                     load_duration=job.load_ns, prompt_eval_count=stats.prompt_tokens,
+                     prompt_eval_duration=stats.prompt_ns, eval_count=stats.generated_tokens,
+                     eval_duration=stats.generate_ns, report=report)
+        # `gen`, and the KV cache it holds, is freed on return: before the next job allocates its own.
+
+    def _work(self, entry: _Loaded) -> None:
+        while True:
+            job = entry.jobs.get()
+            if job is None:
+                return
+            try:
+                outcome: Final | BaseException | None = self._run(entry, job)
+            except Exception as exc:
+                if not isinstance(exc, PebblingError):  # a bug, not a bad request: keep the trace
+                    logger.exception("generation for %r failed", job.request.model)
+                outcome = exc
+            with self._lock:
+                self.counts["failed" if isinstance(outcome, Exception) else "dropped" if outcome is None
+                            else "cancelled" if job.cancelled else "completed"] += 1
+            # Released before the client hears the end, so keep_alive 0 has unloaded by then.
+            self._release(entry, job.keep_alive)
+            if outcome is not None:
+                job._put(outcome)
+            job._put(Job._END)
+
+    # -- loading and keep_alive ---------------------------------------------------------------------
+
+    def _acquire(self, name: str, weights: str) -> tuple[_Loaded, int]:
+        """The loaded entry for `name` with its weights in form `weights`, counted as active; (entry, ns
+        spent loading it here). Another form of the same file is another entry, as a load-time option
+        is in Ollama: loaded beside the first, each unloading on its own keep_alive."""
+        path = self.resolve(name)
+        key = (path.resolve(), weights)
+        with self._lock:
+            entry = self._loaded.setdefault(key, _Loaded(key[0], name, weights))
+            entry.active += 1
+        with entry.load_lock:
+            if entry.model is not None:
+                return entry, 0
+            start = time.perf_counter_ns()
+            try:
+                entry.model = load_model(path, weights=weights, progress=False)
+                entry.pebbled = PebbledModel(entry.model, backend=self.backend, keep_host_weights=False)
+            except BaseException:
+                with self._lock:  # a request still waiting on load_lock tries again, and says why
+                    entry.active -= 1
+                    if entry.active == 0 and self._loaded.get(key) is entry:
+                        del self._loaded[key]
+                raise
+            entry.worker = threading.Thread(target=self._work, args=(entry,), daemon=True,
+                                            name=f"pebbling-model-{name}")
+            entry.worker.start()
+            return entry, time.perf_counter_ns() - start
+
+    def _release(self, entry: _Loaded, keep_alive: float | None) -> None:
+        """One request is done with `entry`; keep_alive (seconds) sets when it unloads once idle."""
+        with self._lock:
+            entry.active -= 1
+            if keep_alive is not None:
+                entry.expires_at = time.monotonic() + keep_alive
+            if entry.active == 0 and entry.expires_at <= time.monotonic():
+                self._unload(entry)
+            self._lock.notify_all()
+
+    def _unload(self, entry: _Loaded) -> None:
+        # Called with self._lock held and entry idle. The worker thread ends on the sentinel.
+        if self._loaded.get((entry.key, entry.weights)) is entry:
+            del self._loaded[(entry.key, entry.weights)]
+        entry.model = None
+        if entry.pebbled is not None:
+            entry.pebbled.close()
+            entry.pebbled = None
+        entry.jobs.put(None)
+
+    def _reap(self) -> None:
+        with self._lock:
+            while not self._closed:
+                now = time.monotonic()
+                for entry in list(self._loaded.values()):
+                    if entry.active == 0 and entry.model is not None and entry.expires_at <= now:
+                        self._unload(entry)
+                deadlines = [e.expires_at for e in self._loaded.values() if e.active == 0]
+                wait = min(deadlines, default=FOREVER) - now
+                self._lock.wait(timeout=None if wait == FOREVER else max(wait, 0.01))
+
+    def close(self) -> None:
+        """Stop taking requests; each model unloads once the requests it has queued are done."""
+        with self._lock:
+            self._closed = True
+            for entry in list(self._loaded.values()):
+                entry.expires_at = 0.0
+                if entry.active == 0:
+                    self._unload(entry)
+            self._lock.notify_all()
+
+    # -- listing ------------------------------------------------------------------------------------
+
+    def list_models(self) -> list[ModelListing]:
+        """Every model that can be served: the demo, the models directory, Ollama's store."""
+        return self.catalogue.list_models()
+
+    def show(self, name: str) -> tuple[ModelListing, dict[str, Any]]:
+        """(listing, extra) for /api/show: extra holds model_info (GGUF metadata), template, parameters."""
+        path = self.resolve(name)
+        return self.catalogue.listing(name, path), self.catalogue.info(path)["show"]
+
+    def running(self) -> list[RunningModel]:
+        with self._lock:
+            entries = [e for e in self._loaded.values() if e.model is not None]
+        now_mono, now = time.monotonic(), time.time()
+        out = []
+        for e in entries:
+            model = e.model
+            if model is None:
+                continue
+            nb = model.nbytes
+            expires = FOREVER if e.expires_at == FOREVER else now + max(0.0, e.expires_at - now_mono)
+            if e.active:  # in use: it will be kept at least until its keep_alive after this request
+                expires = max(expires, now)
+            info = self.catalogue.info(e.key)
+            details = {**info["details"], "pebbling_weights": e.weights}
+            out.append(RunningModel(e.name, e.key, sum(nb.layer_host) + nb.outer_host, e.size_vram, expires,
+                                    details, info["digest"], e.active))
+        return out
+
+    def _others(self, entry: _Loaded) -> int:
+        """Device memory the other loaded models hold between their requests (an adaptive budget
+        leaves it to them)."""
+        with self._lock:
+            others = [e.pebbled for e in self._loaded.values() if e is not entry and e.pebbled is not None]
+        return sum(p.device_bytes_held() for p in others if p.backend.measures_memory)
+
+
+# ---------------------------------------------------------------------------------------------------
+# helpers
+
+
+def _since(start_ns: int) -> int:
+    return time.perf_counter_ns() - start_ns
+
+
+def _plain(value: Any) -> Any:
+    """JSON-ready: numpy scalars become Python numbers, tuples lists (a report may hold either)."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value.item() if hasattr(value, "item") and hasattr(value, "dtype") else value

@@ -1,0 +1,182 @@
+"""A request's life between the HTTP layer and a model's worker thread: the request as the HTTP layer
+has checked it, its keep_alive, the queued or running `Job`, and the `Final` that ends its response.
+Counts are tokens, durations nanoseconds, as in Ollama.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+from ..errors import OptionsError
+from ..runtime import Options, PebblingOptions
+
+DEFAULT_KEEP_ALIVE = 300.0  # seconds; Ollama's default
+FOREVER = math.inf
+
+
+# ---------------------------------------------------------------------------------------------------
+# request values
+
+
+_GO_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+_GO_PART = re.compile(r"(\d+\.?\d*|\.\d+)(ns|us|µs|μs|ms|s|m|h)")
+KEEP_ALIVE_HELP = 'seconds as a number, or a duration such as "10m", "1h30m" or "-1" (forever)'
+
+
+def parse_keep_alive(value: Any, default: float = DEFAULT_KEEP_ALIVE) -> float:
+    """Seconds to keep a model loaded after a request: None -> default, negative -> forever.
+
+    Strings are Go durations as Ollama takes them ("5m", "1h30m", "0"), or a bare number of seconds.
+    """
+    if value is None:
+        return default
+    if isinstance(value, bool):
+        raise OptionsError(f"keep_alive: got {value!r}; accepted: {KEEP_ALIVE_HELP}")
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    elif isinstance(value, str):
+        seconds = _go_duration(value.strip())
+        if seconds is None:
+            raise OptionsError(f"keep_alive: cannot read {value!r} as a duration; "
+                               f"accepted: {KEEP_ALIVE_HELP}")
+    else:
+        raise OptionsError(f"keep_alive: got {type(value).__name__}; accepted: {KEEP_ALIVE_HELP}")
+    if math.isnan(seconds):
+        raise OptionsError(f"keep_alive: got {value!r}; accepted: {KEEP_ALIVE_HELP}")
+    return FOREVER if seconds < 0 else seconds
+
+
+def _go_duration(text: str) -> float | None:
+    sign = -1.0 if text.startswith("-") else 1.0
+    body = text.lstrip("+-")
+    try:
+        return sign * float(body)  # a bare number: seconds
+    except ValueError:
+        pass
+    if not body or _GO_PART.sub("", body):
+        return None
+    return sign * sum(float(n) * _GO_UNITS[unit] for n, unit in _GO_PART.findall(body))
+
+
+@dataclass
+class GenerationRequest:
+    """One generate or chat request, as the HTTP layer has already type-checked it."""
+
+    model: str
+    prompt: str | None = None                       # generate
+    messages: list[dict[str, str]] | None = None    # chat: [{"role", "content"}, ...]
+    system: str | None = None
+    template: str | None = None                     # generate: an Ollama (Go) template
+    raw: bool = False
+    context: list[int] | None = None                # generate: the ids a previous response returned
+    options: dict[str, Any] = field(default_factory=dict)
+    keep_alive: Any = None
+    started_ns: int = field(default_factory=time.perf_counter_ns)  # for total_duration
+
+
+@dataclass(frozen=True)
+class Final:
+    """The end of a response: Ollama's counts (tokens) and durations (ns), plus pebbling's report."""
+
+    model: str
+    done_reason: str                  # "stop", "length", "load", "unload" or "cancelled"
+    context: list[int]                # prompt + generated ids (generate's `context`)
+    total_duration: int = 0
+    load_duration: int = 0
+    prompt_eval_count: int = 0
+    prompt_eval_duration: int = 0
+    eval_count: int = 0
+    eval_duration: int = 0
+    report: dict[str, Any] | None = None
+
+    def stats(self) -> dict[str, int]:
+        return {k: getattr(self, k) for k in ("total_duration", "load_duration", "prompt_eval_count",
+                                              "prompt_eval_duration", "eval_count", "eval_duration")}
+
+
+# ---------------------------------------------------------------------------------------------------
+# jobs
+
+
+class Job:
+    """One queued or running generation. Iterate it for text pieces (str), then one ``Final``; or
+    call ``drain()`` without blocking after ``on_event`` says something arrived (for async servers)."""
+
+    _END = object()
+
+    def __init__(self, request: GenerationRequest, tokens: list[int], options: Options, pebbling: PebblingOptions,
+                 keep_alive: float, load_ns: int):
+        self.request, self.tokens, self.options, self.pebbling = request, tokens, options, pebbling
+        self.keep_alive, self.load_ns = keep_alive, load_ns
+        self._events: queue.Queue = queue.Queue()
+        self._cancel = threading.Event()
+        self._notify: Callable[[], None] | None = None
+        self._finished = False
+        self._held: BaseException | None = None
+
+    def cancel(self) -> None:
+        """Stop at the next token (or before starting) and free what the generation holds."""
+        self._cancel.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def on_event(self, notify: Callable[[], None]) -> None:
+        """``notify()`` is called from the worker thread after each event is queued."""
+        self._notify = notify
+        if not self._events.empty():
+            notify()
+
+    def _put(self, item: Any) -> None:
+        self._events.put(item)
+        if self._notify is not None:
+            self._notify()
+
+    def drain(self) -> list[str | Final]:
+        """What has arrived so far, without waiting. The generation's error is raised by the call
+        after the one that returns the text that came before it."""
+        items: list[str | Final] = []
+        while not self._finished:
+            if self._held is not None:
+                item, self._held = self._held, None
+            else:
+                try:
+                    item = self._events.get_nowait()
+                except queue.Empty:
+                    break
+            if isinstance(item, BaseException) and items:
+                self._held = item
+                break
+            if not self._consume(item):
+                items.append(item)
+        return items
+
+    @property
+    def finished(self) -> bool:
+        return self._finished
+
+    def __iter__(self) -> Iterator[str | Final]:
+        while not self._finished:
+            item = self._events.get()
+            if not self._consume(item):
+                yield item
+
+    def result(self) -> tuple[str, Final]:
+        """Waits for the whole response: (text, final)."""
+        pieces = list(self)
+        return "".join(p for p in pieces if isinstance(p, str)), pieces[-1]
+
+    def _consume(self, item: Any) -> bool:
+        """True for the end marker; raises an error item; False for text and the Final."""
+        if item is self._END or isinstance(item, BaseException):
+            self._finished = True
+        if isinstance(item, BaseException):
+            raise item
+        return item is self._END

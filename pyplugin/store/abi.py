@@ -1,0 +1,35 @@
+"""The C ABI's facts as Python: what the pure-Python stub and the bindings' argument checks need to
+know without the library. A leaf.
+
+native/pebble.h is the source of every value here: tests/test_abi.py checks each one against the
+header as the bindings read it and against a loaded library (the status codes live with their
+exceptions in pyplugin.errors and are checked the same way).
+"""
+
+from __future__ import annotations
+
+# enum pebble_tier: where pebble_save places an entry
+TIER_AUTO, TIER_DEVICE, TIER_HOST = 0, 1, 2
+TIER_NAMES = {TIER_AUTO: "auto", TIER_DEVICE: "device", TIER_HOST: "host"}
+
+# enum pebble_strategy
+STRATEGY_NONE, STRATEGY_SQRT, STRATEGY_ADAPTIVE, STRATEGY_MINIMAL, STRATEGY_EVERY = 0, 1, 2, 3, 4
+
+TYPE_BYTES = -1      # PEBBLE_TYPE_BYTES: an entry of untyped bytes
+TYPE_COUNT = 42      # PEBBLE_TYPE_COUNT: GGUF type ids are 0..TYPE_COUNT-1
+MAX_DIMS = 4         # PEBBLE_MAX_DIMS
+MATVEC_MAX_VEC = 8   # PEBBLE_MATVEC_MAX_VEC: the most vectors one matvec call takes
+
+INT32_MIN, INT32_MAX = -2**31, 2**31 - 1
+INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
+UINT64_MAX = 2**64 - 1
+
+# Each value above under its name in pebble.h, for the test that holds the two together.
+HEADER_NAMES = {
+    "PEBBLE_TIER_AUTO": TIER_AUTO, "PEBBLE_TIER_DEVICE": TIER_DEVICE, "PEBBLE_TIER_HOST": TIER_HOST,
+    "PEBBLE_STRATEGY_NONE": STRATEGY_NONE, "PEBBLE_STRATEGY_SQRT": STRATEGY_SQRT,
+    "PEBBLE_STRATEGY_ADAPTIVE": STRATEGY_ADAPTIVE, "PEBBLE_STRATEGY_MINIMAL": STRATEGY_MINIMAL,
+    "PEBBLE_STRATEGY_EVERY": STRATEGY_EVERY,
+    "PEBBLE_TYPE_BYTES": TYPE_BYTES, "PEBBLE_TYPE_COUNT": TYPE_COUNT, "PEBBLE_MAX_DIMS": MAX_DIMS,
+    "PEBBLE_MATVEC_MAX_VEC": MATVEC_MAX_VEC,
+}

@@ -1,0 +1,202 @@
+"""The stub backend's kernels: the reference semantics of pebble_type_block, pebble_dequantize,
+pebble_matvec and pebble_decode_layer, in numpy.
+
+Elements are decoded by gguf-py's own dequantize (float32), products and sums are float32, and the
+same arguments are accepted and refused as by native/pebble_quant.cu and pebble_decode.cu, with the
+same messages. The decode step is the model's own forward pass (pyplugin.model.transformer) run on
+these kernels, every matrix multiplied from its GGUF bytes as the native step does: there is no
+second copy of the layer here.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import InvalidArgumentError, SizeMismatchError
+from ..ggml_types import DENSE_TYPES, SUPPORTED_TEXT, SUPPORTED_TYPES, block, type_name
+from ..model.qweight import QuantWeight
+from ..model.transformer import ROPE_NEOX, ROPE_NORMAL, LayerWeights, ModelConfig, layer_forward
+from .abi import MATVEC_MAX_VEC
+from .interface import as_int, host_buffer
+from .kernels import Kernels
+
+_DTYPE_OF = {ggml_type: dtype for dtype, ggml_type in DENSE_TYPES.items()}  # F32, F16 -> numpy dtype
+
+class StubKernels:
+    """The quantized-tensor kernels in numpy: elements decoded by gguf-py's own dequantize (float32),
+    products and sums in float32; the same arguments accepted and refused as native/pebble_quant.cu,
+    with the same messages. Host buffers only; a call is done when it returns."""
+
+    backend = "stub"
+    MAX_VEC = MATVEC_MAX_VEC
+
+    def _type(self, fn: str, ggml_type) -> tuple[int, str, int, int]:
+        """(id, name, block elements, block bytes) of a type with kernels."""
+        ggml_type = as_int(ggml_type, "ggml type")
+        if ggml_type in SUPPORTED_TYPES:
+            return (ggml_type, SUPPORTED_TYPES[ggml_type], *block(ggml_type))
+        name = type_name(ggml_type)
+        if name == "unknown":
+            raise InvalidArgumentError(f"{fn}: {ggml_type} is not a GGUF type id; supported: {SUPPORTED_TEXT}")
+        raise InvalidArgumentError(f"{fn}: GGUF type {ggml_type} ({name}) has no kernels; supported: "
+                                   f"{SUPPORTED_TEXT}")
+
+    def type_block(self, ggml_type) -> tuple[int, int]:
+        _, _, elements, nbytes = self._type("pebble_type_block", ggml_type)
+        return elements, nbytes
+
+    @staticmethod
+    def _decode(ggml_type: int, raw: np.ndarray, n_rows: int) -> np.ndarray:
+        """[n_rows, n_cols] float32, as gguf decodes it."""
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        rows = raw.reshape(n_rows, -1)
+        if ggml_type == 0:
+            return rows.view(np.float32)
+        return dequantize(rows, GGMLQuantizationType(ggml_type)).astype(np.float32, copy=False)
+
+    def dequantize(self, ggml_type, src, n_elements, out, *, stream=None) -> None:
+        ggml_type, name, elements, block_bytes = self._type("pebble_dequantize", ggml_type)
+        n_elements = as_int(n_elements, "n_elements")
+        if n_elements < 1:
+            raise InvalidArgumentError(f"pebble_dequantize: {name}: n_elements must be at least 1, got {n_elements}")
+        src = np.frombuffer(host_buffer(src, writable=False, what="dequantize src"), np.uint8)
+        dst = host_buffer(out, writable=True, what="dequantize out")
+        if n_elements % elements:
+            raise SizeMismatchError(f"pebble_dequantize: {name}: n_elements {n_elements} is not a multiple of "
+                                    f"the {elements}-element block")
+        n_blocks = n_elements // elements
+        want = n_blocks * block_bytes
+        if src.nbytes != want:
+            raise SizeMismatchError(f"pebble_dequantize: {name}: {n_elements} elements are {n_blocks} blocks of "
+                                    f"{block_bytes} bytes = {want} bytes, but src_bytes is {src.nbytes}")
+        if dst.nbytes != 2 * n_elements:
+            raise SizeMismatchError(f"dequantize: out holds {dst.nbytes} bytes; {n_elements} fp16 elements "
+                                    f"need {2 * n_elements}")
+        halves = np.frombuffer(dst, np.float16)
+        if ggml_type == 1:  # already fp16: every bit kept, NaN payloads included
+            halves.view(np.uint8)[:] = src
+            return
+        with np.errstate(over="ignore"):  # beyond fp16's range: +-inf, as the kernels round
+            halves[:] = self._decode(ggml_type, src, 1).reshape(-1)
+
+    def matvec(self, ggml_type, w, n_rows, n_cols, x, n_vec, out, *, stream=None) -> None:
+        ggml_type, name, elements, block_bytes = self._type("pebble_matvec", ggml_type)
+        n_rows, n_cols, n_vec = as_int(n_rows, "n_rows"), as_int(n_cols, "n_cols"), as_int(n_vec, "n_vec")
+        if not 1 <= n_vec <= MATVEC_MAX_VEC:
+            raise InvalidArgumentError(f"pebble_matvec: {name}: n_vec {n_vec} is outside 1..{MATVEC_MAX_VEC}")
+        if n_rows < 1 or n_cols < 1:
+            raise InvalidArgumentError(f"pebble_matvec: {name}: n_rows and n_cols must be at least 1, got "
+                                       f"{n_rows} x {n_cols}")
+        w = np.frombuffer(host_buffer(w, writable=False, what="matvec w"), np.uint8)
+        x = np.frombuffer(host_buffer(x, writable=False, what="matvec x"), np.float16)
+        y = host_buffer(out, writable=True, what="matvec out")
+        if n_cols % elements:
+            raise SizeMismatchError(f"pebble_matvec: {name}: n_cols {n_cols} is not a multiple of the "
+                                    f"{elements}-element block")
+        row_bytes = n_cols // elements * block_bytes
+        if w.nbytes != n_rows * row_bytes:
+            raise SizeMismatchError(f"pebble_matvec: {name}: {n_rows} rows of {n_cols} elements are {n_rows} x "
+                                    f"{row_bytes} = {n_rows * row_bytes} bytes, but w_bytes is {w.nbytes}")
+        if x.size != n_vec * n_cols:
+            raise SizeMismatchError(f"matvec: x holds {x.nbytes} bytes; {n_vec} fp16 vectors of {n_cols} "
+                                    f"need {2 * n_vec * n_cols}")
+        if y.nbytes != 4 * n_vec * n_rows:
+            raise SizeMismatchError(f"matvec: out holds {y.nbytes} bytes; {n_vec} float32 vectors of "
+                                    f"{n_rows} need {4 * n_vec * n_rows}")
+        weights = self._decode(ggml_type, w, n_rows)
+        np.matmul(x.reshape(n_vec, n_cols).astype(np.float32), weights.T,
+                  out=np.frombuffer(y, np.float32).reshape(n_vec, n_rows))
+
+    # -- the decode step: pebble_decode_layer's semantics, as the model's forward pass over these kernels
+
+    def decode_scratch_bytes(self, shape, n_ctx: int) -> int:
+        self._check_shape(shape, n_ctx)
+        return 0  # numpy allocates its own temporaries
+
+    @staticmethod
+    def _check_shape(shape, n_ctx: int) -> None:
+        s = shape
+        if min(s.n_embd, s.n_head, s.n_head_kv, s.head_dim, s.n_ff, n_ctx) < 1:
+            raise InvalidArgumentError(f"pebble_decode_layer: n_embd {s.n_embd}, n_head {s.n_head}, n_head_kv "
+                                       f"{s.n_head_kv}, head_dim {s.head_dim}, n_ff {s.n_ff} and n_ctx {n_ctx} "
+                                       "must each be at least 1")
+        if s.n_head % s.n_head_kv:
+            raise InvalidArgumentError(f"pebble_decode_layer: {s.n_head} query heads cannot share {s.n_head_kv} KV "
+                                       "heads evenly")
+        if not 0 <= s.rope_dims <= s.head_dim or s.rope_dims % 2:
+            raise InvalidArgumentError(f"pebble_decode_layer: rope_dims {s.rope_dims} must be even and within "
+                                       f"0..head_dim ({s.head_dim})")
+
+    def decode_layer(self, shape, weights: dict, kv_type: int, k_cache, v_cache, n_ctx: int, pos: int,
+                     rope_cos, rope_sin, attn_scale: float, x, scratch, *, stream=None) -> None:
+        s = shape
+        self._check_shape(s, n_ctx)
+        e, q_rows, kv_rows = s.n_embd, s.n_head * s.head_dim, s.n_head_kv * s.head_dim
+
+        def vector(name: str, n: int, optional: bool = False):
+            ref = weights.get(name)
+            if ref is None:
+                if optional:
+                    return None
+                raise InvalidArgumentError(f"pebble_decode_layer: {name} must not be NULL")
+            ggml_type, data = ref
+            if ggml_type not in _DTYPE_OF:
+                raise InvalidArgumentError(f"pebble_decode_layer: {name} has GGUF type {ggml_type}; vectors must be "
+                                           "0 F32 or 1 F16")
+            values = np.frombuffer(host_buffer(data, writable=False, what=f"decode_layer {name}"),
+                                   _DTYPE_OF[ggml_type])
+            if values.size != n:
+                raise SizeMismatchError(f"decode_layer: {name} holds {values.nbytes} bytes; GGUF type {ggml_type} "
+                                        f"needs {n * values.itemsize} for this shape")
+            return values.astype(np.float32)
+
+        def matrix(name: str, rows: int, cols: int) -> QuantWeight:
+            ref = weights.get(name)
+            if ref is None:
+                raise InvalidArgumentError(f"pebble_decode_layer: {name} must not be NULL")
+            ggml_type, data = ref
+            _, name_of_type, elements, block_bytes = self._type("pebble_decode_layer", ggml_type)
+            if cols % elements:
+                raise SizeMismatchError(f"pebble_decode_layer: {name}: {name_of_type} {rows} x {cols}: rows of "
+                                        f"whole {elements}-element blocks are needed")
+            raw = np.frombuffer(host_buffer(data, writable=False, what=f"decode_layer {name}"), np.uint8)
+            if raw.nbytes != rows * (cols // elements) * block_bytes:
+                raise SizeMismatchError(f"decode_layer: {name} holds {raw.nbytes} bytes; GGUF type {ggml_type} "
+                                        f"needs {rows * (cols // elements) * block_bytes} for this shape")
+            # Every matrix, dense ones too, through these kernels: the vector entering it is rounded to
+            # fp16, as the native step hands fp16 vectors to its matrix kernels.
+            return QuantWeight(ggml_type, (rows, cols), raw.reshape(rows, -1), self.kernels)
+
+        lw = LayerWeights(
+            attn_norm=vector("attn_norm", e), wq=matrix("wq", q_rows, e), wk=matrix("wk", kv_rows, e),
+            wv=matrix("wv", kv_rows, e), wo=matrix("wo", e, q_rows), ffn_norm=vector("ffn_norm", e),
+            w_gate=matrix("w_gate", s.n_ff, e), w_up=matrix("w_up", s.n_ff, e), w_down=matrix("w_down", e, s.n_ff),
+            bq=vector("bq", q_rows, True), bk=vector("bk", kv_rows, True), bv=vector("bv", kv_rows, True))
+        if kv_type not in _DTYPE_OF:
+            raise InvalidArgumentError(f"pebble_decode_layer: kv_type {kv_type}; the caches must be 0 F32 or 1 F16")
+        if not 0 <= pos < n_ctx:
+            raise SizeMismatchError(f"pebble_decode_layer: position {pos} is outside the cache's 0..{n_ctx - 1}")
+        k_all, v_all = (np.frombuffer(host_buffer(c, writable=True, what="decode_layer cache"), _DTYPE_OF[kv_type])
+                        .reshape(n_ctx, s.n_head_kv, s.head_dim) for c in (k_cache, v_cache))
+        cos, sin = (np.frombuffer(host_buffer(t, writable=False, what="decode_layer rope"), np.float32)
+                    for t in (rope_cos, rope_sin))
+        xs = np.frombuffer(host_buffer(x, writable=True, what="decode_layer x"), np.float32)
+        if xs.size != e or cos.size != s.head_dim or sin.size != s.head_dim:
+            raise SizeMismatchError(f"decode_layer: x holds {xs.size} floats (n_embd {e}); rope rows "
+                                    f"{cos.size} and {sin.size} (head_dim {s.head_dim})")
+        cfg = ModelConfig(arch="decode_layer", n_layer=1, n_embd=e, n_head=s.n_head, n_head_kv=s.n_head_kv,
+                          head_dim=s.head_dim, n_ff=s.n_ff, n_vocab=0, n_ctx_train=n_ctx, rms_eps=s.rms_eps,
+                          rope_mode=ROPE_NEOX if s.rope_neox else ROPE_NORMAL, rope_dims=s.rope_dims,
+                          attn_scale=float(attn_scale))
+        rope = cos.reshape(1, 1, -1), sin.reshape(1, 1, -1)
+        xs[:] = layer_forward(cfg, xs.reshape(1, e), lw, k_all, v_all, pos, rope)[0]
+
+    @property
+    def kernels(self):
+        """These kernels behind the interface the model's QuantWeight computes with."""
+        kernels = self.__dict__.get("_kernels")
+        if kernels is None:
+            kernels = self.__dict__["_kernels"] = Kernels(self, np)
+        return kernels
