@@ -23,7 +23,7 @@ from pyplugin.serving import (ChatTemplateError, Engine, Final, GenerationReques
                               ModelNotFoundError, OptionsError, PebblingError, StrategyError)
 
 from . import openai_compat
-from .jobs import BadRequest, collect, dumps, engine_of, events, iso, now_iso, submit
+from .streaming import BadRequest, collect, dumps, engine_of, events, iso, now_iso, submit
 from .schemas import ChatRequest, GenerateRequest, ShowRequest
 
 MAX_BODY_BYTES = 8 << 20  # 8 MiB: far beyond any prompt num_ctx allows, small enough to buffer

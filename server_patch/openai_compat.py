@@ -17,7 +17,7 @@ from starlette.concurrency import run_in_threadpool
 
 from pyplugin.serving import Final, GenerationRequest
 
-from .jobs import BadRequest, collect, dumps, engine_of, events, now_unix, submit
+from .streaming import BadRequest, collect, dumps, engine_of, events, now_unix, submit
 from .schemas import ChatCompletionRequest, CompletionRequest
 
 router = APIRouter(prefix="/v1", tags=["openai"])

@@ -305,7 +305,7 @@ def test_malformed_calls_raise_naming_type_and_sizes_and_the_library_stays_usabl
 def test_null_pointers_are_refused(backend):
     if backend == "stub":
         pytest.skip("the stub has no pointers to pass: its buffers are numpy arrays")
-    kernels = native.NativeKernels(backend)
+    kernels = backend_named(backend).kernels.lib
     lib, null = kernels._lib, native.ffi.NULL
     raw = make_raw(Q.Q4_0, 1, np.random.default_rng(5), "random")
     out = np.empty(32, np.float16)

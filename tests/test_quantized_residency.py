@@ -12,7 +12,7 @@ from gguf import GGUFReader
 from helpers import store_backend_params
 from helpers import tiny_model, tiny_path
 from pyplugin.runtime import Generation, PebbledModel
-from pyplugin.runtime.pebbled import K_ID, V_ID, WEIGHT_IDS
+from pyplugin.runtime.layout import K_ID, V_ID, WEIGHT_IDS
 from pyplugin.model import QuantWeight
 from pyplugin.runtime.options import Options
 from pyplugin.runtime.plan import PebblingOptions

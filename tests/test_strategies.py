@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import store_backend_params
-from helpers import tiny_model
+from helpers import store_backend_params, tiny_model
 from pyplugin.errors import OptionsError, StrategyError
 from pyplugin.runtime import Generation, PebbledModel
 from pyplugin.runtime.options import Options
-from pyplugin.runtime.plan import PebblingOptions, make_plan, smallest_footprint
+from pyplugin.runtime.layout import WEIGHT_IDS
+from pyplugin.runtime.plan import PebblingOptions, make_plan, peak_for, smallest_footprint
+from pyplugin.store.strategy import ADAPTIVE, resident_layers
 
 N_LAYER = 16
 PROMPT = [5, 17, 42, 8, 99, 3, 61, 7, 250, 12, 33]
@@ -98,8 +99,8 @@ def test_adaptive_fits_any_budget_above_the_smallest_footprint(model, pebbled, r
     assert report["measured_peak_bytes"] <= budget
     assert 0 < len(plan.resident) < N_LAYER
     # one more resident layer would not have fitted
-    bigger = make_plan(memory, f"every:1").estimated_peak_bytes
-    assert bigger > budget
+    one_more = resident_layers(ADAPTIVE, len(plan.resident) + 1, N_LAYER)
+    assert peak_for(memory, one_more)[0] > budget
 
 
 def test_adaptive_interleaves_streamed_layers_between_resident_ones(model, pebbled):
@@ -118,12 +119,15 @@ def test_plan_and_native_answer_agree(model, pebbled):
         assert answers == [i in plan.resident for i in range(N_LAYER)], strategy
 
 
-def test_changing_strategy_reuses_the_saved_weights(model, pebbled, reference_tokens):
+def test_changing_strategy_reuses_the_saved_weights(model, pebbled, reference_tokens, monkeypatch):
     run(model, pebbled, "minimal")
-    saves_before = pebbled.store.stats().saves  # reset per request: only this request's saves
-    tokens, _, _ = run(model, pebbled, "sqrt")
-    assert tokens == reference_tokens
-    assert saves_before == 0 and pebbled.store.stats().saves == 0  # no layer was saved again
+    saved = []  # every save the store takes from here on, the strategy change included
+    real_save = pebbled.store.save
+    monkeypatch.setattr(pebbled.store, "save", lambda layer, tensor_id, *a, **k: (
+        saved.append((layer, tensor_id)), real_save(layer, tensor_id, *a, **k))[1])
+    tokens, _, plan = run(model, pebbled, "sqrt")
+    assert tokens == reference_tokens and plan.resident  # the change made layers resident
+    assert [key for key in saved if key[1] in WEIGHT_IDS.values()] == []  # no weight was saved again
 
 
 def test_a_new_context_size_rebuilds_only_the_kv_entries(model, pebbled):

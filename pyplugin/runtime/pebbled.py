@@ -6,50 +6,19 @@ changes which of them are resident, and `generation()` turns options into a runn
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 
 from ..model import LayerWeights, Model, OuterWeights, QuantWeight, embed, layer_forward, output_logits
 from ..model.qweight import needs_expansion
-from ..store import Backend, TensorDesc, select_backend
-from ..ggml_types import DENSE_TYPES
+from ..store import Backend, select_backend
 from ..xp import to_numpy
 from .generation import Generation
+from .layout import K_ID, V_ID, WEIGHT_IDS, StoredTensor, aligned, bytes_of, tensor_desc
 from .options import Options
 from .plan import MemoryModel, PebblingOptions, Plan, make_plan, workspace_bytes
-
-Array = Any
-
-WEIGHT_IDS = {f.name: i for i, f in enumerate(fields(LayerWeights))}  # tensor id of each weight
-K_ID, V_ID = 16, 17                                                       # ... of the KV cache
-_ALIGN = 256  # byte alignment of each tensor inside a working slot
-
-
-def _aligned(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
-
-
-@dataclass(frozen=True)
-class _Tensor:
-    tensor_id: int
-    name: str
-    shape: tuple[int, ...]              # numpy order
-    nbytes: int
-    qtype: int | None = None            # GGUF type of a matrix kept in its file form; None: dense
-
-    def view(self, raw: Array, dtype: np.dtype, kernels) -> Array | QuantWeight:
-        """The tensor over `raw`, a flat uint8 array of exactly its bytes."""
-        if self.qtype is None:
-            return raw.view(dtype).reshape(self.shape)
-        return QuantWeight(self.qtype, self.shape, raw.reshape(self.shape[0], -1), kernels)
-
-
-def _bytes_of(tensor: Array | QuantWeight) -> Array:
-    """What the store copies for a tensor: a QuantWeight's bytes, an array itself."""
-    return tensor.data if isinstance(tensor, QuantWeight) else tensor
-
+from .store_layers import StoreLayers
 
 def fused_decode_default() -> bool:
     """Whether decode steps run each layer as one native call unless told: $PEBBLING_FUSED_DECODE=1."""
@@ -88,18 +57,18 @@ class PebbledModel:
         self.weights = model.weights
         self.kernels = self.backend.kernels
         self.fused_decode = fused_decode_default() if fused_decode is None else fused_decode
-        self.layouts: list[list[_Tensor]] = []
+        self.layouts: list[list[StoredTensor]] = []
         for i in range(cfg.n_layer):
             lw, layout = model.layers[i], []
             for name, array in lw.arrays():
                 if isinstance(array, QuantWeight):
                     data = np.ascontiguousarray(array.data)
-                    tensor = _Tensor(WEIGHT_IDS[name], name, array.shape, data.nbytes, array.qtype)
-                    desc = _desc(array.qtype, array.shape)
+                    tensor = StoredTensor(WEIGHT_IDS[name], name, array.shape, data.nbytes, array.qtype)
+                    desc = tensor_desc(array.qtype, array.shape)
                 else:
                     data = np.ascontiguousarray(array, dtype=self.dtype)
-                    tensor = _Tensor(WEIGHT_IDS[name], name, data.shape, data.nbytes)
-                    desc = _desc(self.dtype, data.shape)
+                    tensor = StoredTensor(WEIGHT_IDS[name], name, data.shape, data.nbytes)
+                    desc = tensor_desc(self.dtype, data.shape)
                 self.store.save(i, tensor.tensor_id, data, tier="host", desc=desc)
                 layout.append(tensor)
             self.layouts.append(layout)
@@ -119,7 +88,7 @@ class PebbledModel:
         arrays = {}
         for t in self.layouts[i]:
             arrays[t.name] = t.view(self.xp.empty(t.nbytes, np.uint8), self.dtype, self.kernels)
-            self.store.restore(i, t.tensor_id, _bytes_of(arrays[t.name]))
+            self.store.restore(i, t.tensor_id, bytes_of(arrays[t.name]))
         return LayerWeights(**arrays)
 
     @property
@@ -159,8 +128,8 @@ class PebbledModel:
                 workspace_bytes(cfg, chunk, prompt_tokens, isz) + 2 * self._expansion_elements(chunk),
                 workspace_bytes(cfg, 1, min(options.num_ctx, reach), isz))          # decode
         return MemoryModel(
-            layer_weight_bytes=tuple(sum(_aligned(t.nbytes) for t in layout) for layout in self.layouts),
-            layer_kv_bytes=_aligned(options.num_ctx * kv_token // 2) * 2,
+            layer_weight_bytes=tuple(sum(aligned(t.nbytes) for t in layout) for layout in self.layouts),
+            layer_kv_bytes=aligned(options.num_ctx * kv_token // 2) * 2,
             kv_bytes_per_token=kv_token,
             fixed_bytes=fixed,
             workspace_bytes=workspace,
@@ -223,8 +192,6 @@ class PebbledModel:
                    should_stop: Callable[[], bool] | None = None) -> Generation:
         """One request through the store: its plan (`plan`, else made from the options), the store made
         to hold it, and a Generation over those layers."""
-        from .store_layers import StoreLayers
-
         plan = plan or self.plan(options, pebbling, prompt_tokens, others)
         return Generation(self.model, options, layers=StoreLayers(self, plan, options, pebbling),
                           should_stop=should_stop)
@@ -241,13 +208,7 @@ class PebbledModel:
         if self._kv_ctx is None:
             zeros = np.zeros(self.kv_shape(n_ctx), self.dtype)  # contents past `pos` are never read
             for i in range(n_layers):
-                store.save(i, K_ID, zeros, desc=_desc(self.dtype, zeros.shape))
-                store.save(i, V_ID, zeros, desc=_desc(self.dtype, zeros.shape))
+                store.save(i, K_ID, zeros, desc=tensor_desc(self.dtype, zeros.shape))
+                store.save(i, V_ID, zeros, desc=tensor_desc(self.dtype, zeros.shape))
             self._kv_ctx = n_ctx
         store.reset_stats()
-
-
-def _desc(kind: np.dtype | int, shape: tuple[int, ...]):
-    """The store's desc of a tensor of numpy `shape`: `kind` a numpy dtype or a GGUF type id."""
-    ggml_type = kind if isinstance(kind, int) else DENSE_TYPES[np.dtype(kind)]
-    return TensorDesc(ggml_type, tuple(reversed(shape)))

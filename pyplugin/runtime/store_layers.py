@@ -15,7 +15,7 @@ import numpy as np
 from ..model import LayerWeights
 from ..store import Strategy
 from .options import Options
-from .pebbled import K_ID, V_ID, PebbledModel, _aligned, _bytes_of
+from .layout import K_ID, V_ID, aligned, bytes_of
 from .plan import PebblingOptions, Plan
 
 Array = Any
@@ -29,7 +29,8 @@ class StoreLayers:
     back. Where copies overlap compute (the GPU) they run on a stream of their own and events order
     them against compute, so no step waits for the whole device."""
 
-    def __init__(self, pebbled: PebbledModel, plan: Plan, options: Options, pebbling: PebblingOptions):
+    def __init__(self, pebbled: Any, plan: Plan, options: Options, pebbling: PebblingOptions):
+        """`pebbled`: the PebbledModel whose store holds the layers."""
         self.pebbled, self.plan, self.pebbling = pebbled, plan, pebbling
         self.backend = backend = pebbled.backend
         self.store, self.xp, self.dtype, self.outer = pebbled.store, pebbled.xp, pebbled.dtype, pebbled.outer
@@ -65,8 +66,8 @@ class StoreLayers:
                 view(i, V_ID, self.dtype, self.kv_shape))
 
     def _slot_size(self, i: int) -> int:
-        kv = _aligned(int(np.prod(self.kv_shape)) * self.dtype.itemsize)
-        return sum(_aligned(t.nbytes) for t in self.pebbled.layouts[i]) + 2 * kv
+        kv = aligned(int(np.prod(self.kv_shape)) * self.dtype.itemsize)
+        return sum(aligned(t.nbytes) for t in self.pebbled.layouts[i]) + 2 * kv
 
     def _slot_views(self, slot: int, i: int) -> tuple[LayerWeights, Array, Array]:
         buffer, offset, arrays = self.slots[slot], 0, {}
@@ -74,7 +75,7 @@ class StoreLayers:
         def carve(nbytes: int) -> Array:
             nonlocal offset
             raw = buffer[offset:offset + nbytes]
-            offset += _aligned(nbytes)
+            offset += aligned(nbytes)
             return raw
 
         for t in self.pebbled.layouts[i]:
@@ -122,7 +123,7 @@ class StoreLayers:
         i, slot = self.streamed[n], n % len(self.slots)
         weights, k, v = views = self._slot_views(slot, i)
         for t in self.pebbled.layouts[i]:
-            self.store.restore(i, t.tensor_id, _bytes_of(getattr(weights, t.name)), stream=self.copy_stream)
+            self.store.restore(i, t.tensor_id, bytes_of(getattr(weights, t.name)), stream=self.copy_stream)
         if self.pos:
             self.store.read(i, K_ID, 0, k[:self.pos], stream=self.copy_stream)
             self.store.read(i, V_ID, 0, v[:self.pos], stream=self.copy_stream)

@@ -78,7 +78,7 @@ class Backend:
     @cached_property
     def kernels(self) -> Kernels:
         """The kernels that compute on this backend's arrays."""
-        from .native import NativeKernels
+        from .native_kernels import NativeKernels
 
         return Kernels(NativeKernels(self.name), self.xp, self.current_stream)
 

@@ -1,10 +1,10 @@
 """Bindings to the native library (native/pebble.h) through cffi in ABI mode: no compiler needed at install.
 
-The only module that touches cffi. The declarations are read from pebble.h itself (shipped beside
-this module), so the header is the one source of the ABI: no struct layout or constant is typed
-again here. `NativeStore` wraps one pebble_store_t handle; `NativeKernels` the library's
-quantized-tensor kernels. `_check` turns every status code into a PebbleError subclass carrying the
-library's own message.
+With native_kernels.py, the only modules that touch cffi. The declarations are read from pebble.h
+itself (shipped beside this module), so the header is the one source of the ABI: no struct layout or
+constant is typed again here. `NativeStore` wraps one pebble_store_t handle (the library's
+quantized-tensor kernels are in native_kernels.py). `_check` turns every status code into a
+PebbleError subclass carrying the library's own message.
 """
 
 from __future__ import annotations
@@ -18,9 +18,8 @@ import numpy as np
 from cffi import FFI
 
 from ..errors import (
-    InvalidArgumentError, LayerRangeError, PebblingError, SizeMismatchError, StrategyError, error_for,
+    InvalidArgumentError, LayerRangeError, PebblingError, StrategyError, error_for,
 )
-from ..ggml_types import DENSE_TYPES
 from .abi import INT32_MAX, INT32_MIN, INT64_MAX, INT64_MIN, MAX_DIMS, TIER_AUTO, UINT64_MAX
 from .interface import (
     EntryInfo, StoreStats, STATS_FIELDS, Store, as_int, as_strategy, check_view, default_desc, host_buffer,
@@ -320,161 +319,6 @@ class NativeStore(Store):
             self.close()
         except Exception:
             pass
-
-
-class NativeKernels:
-    """The quantized-tensor kernels of the native library `kind` (see "quantized tensors" in pebble.h).
-
-    Buffers are host buffers (numpy arrays, bytes-like) on the host library and CUDA arrays on the cuda
-    one, where the calls are enqueued on `stream` (see pyplugin.store.interface.stream_pointer). The library
-    judges types and counts; the sizes of `out` and `x`, which it cannot see, are checked here.
-    """
-
-    def __init__(self, kind: str = "host"):
-        self._lib, self.library_path = load_library(kind)
-        self.backend = kind
-        self.MAX_VEC = self._lib.PEBBLE_MATVEC_MAX_VEC
-
-    def type_block(self, ggml_type) -> tuple[int, int]:
-        """(elements, bytes) of one block of `ggml_type`."""
-        elements, nbytes = ffi.new("int64_t *"), ffi.new("int64_t *")
-        _check(self._lib, self._lib.pebble_type_block(_c_type(ggml_type), elements, nbytes))
-        return int(elements[0]), int(nbytes[0])
-
-    def dequantize(self, ggml_type, src, n_elements, out, *, stream=None) -> None:
-        """out (n_elements fp16) = the tensor whose GGUF bytes are `src`."""
-        ggml_type = _c_type(ggml_type)
-        n_elements = _c_int(n_elements, "n_elements", INT64_MIN, INT64_MAX, InvalidArgumentError,
-                            "does not fit in int64")
-        src_ptr, src_bytes = _buffer(src, self.backend, writable=False, what="dequantize src")
-        dst_ptr, dst_bytes = _buffer(out, self.backend, writable=True, what="dequantize out")
-        if n_elements > 0 and dst_bytes != 2 * n_elements:
-            raise SizeMismatchError(f"dequantize: out holds {dst_bytes} bytes; {n_elements} fp16 elements "
-                                    f"need {2 * n_elements}")
-        _check(self._lib, self._lib.pebble_dequantize(ggml_type, src_ptr, src_bytes,
-                                                      ffi.cast("uint16_t *", dst_ptr), n_elements,
-                                                      ffi.cast("void *", stream_pointer(stream))))
-
-    def matvec(self, ggml_type, w, n_rows, n_cols, x, n_vec, out, *, stream=None) -> None:
-        """out[v, r] = sum over c of W[r, c] * x[v, c]: W's GGUF bytes in `w`, x n_vec x n_cols fp16,
-        out n_vec x n_rows float32."""
-        ggml_type = _c_type(ggml_type)
-        n_rows, n_cols = (_c_int(n, what, INT64_MIN, INT64_MAX, InvalidArgumentError,
-                                 "does not fit in int64") for n, what in ((n_rows, "n_rows"), (n_cols, "n_cols")))
-        n_vec = _c_int(n_vec, "n_vec", INT32_MIN, INT32_MAX, InvalidArgumentError, "does not fit in int32")
-        w_ptr, w_bytes = _buffer(w, self.backend, writable=False, what="matvec w")
-        x_ptr, x_bytes = _buffer(x, self.backend, writable=False, what="matvec x")
-        y_ptr, y_bytes = _buffer(out, self.backend, writable=True, what="matvec out")
-        if 1 <= n_vec <= self.MAX_VEC and n_rows > 0 and n_cols > 0:  # else the library refuses the call
-            if x_bytes != 2 * n_vec * n_cols:
-                raise SizeMismatchError(f"matvec: x holds {x_bytes} bytes; {n_vec} fp16 vectors of {n_cols} "
-                                        f"need {2 * n_vec * n_cols}")
-            if y_bytes != 4 * n_vec * n_rows:
-                raise SizeMismatchError(f"matvec: out holds {y_bytes} bytes; {n_vec} float32 vectors of "
-                                        f"{n_rows} need {4 * n_vec * n_rows}")
-        _check(self._lib, self._lib.pebble_matvec(ggml_type, w_ptr, w_bytes, n_rows, n_cols,
-                                                  ffi.cast("uint16_t *", x_ptr), n_vec,
-                                                  ffi.cast("float *", y_ptr),
-                                                  ffi.cast("void *", stream_pointer(stream))))
-
-
-    # -- the decode step
-
-    def decode_scratch_bytes(self, shape, n_ctx: int) -> int:
-        """Bytes of scratch `decode_layer` needs (shape: a pyplugin.store.kernels.LayerShape)."""
-        out = ffi.new("uint64_t *")
-        _check(self._lib, self._lib.pebble_decode_scratch_bytes(self._decode_plan(shape)[0], n_ctx, out))
-        return int(out[0])
-
-    def _decode_plan(self, shape):
-        """(struct pebble_layer_shape, {(field, ggml_type): bytes its buffer must hold or None}), made once
-        per shape: a decode step runs every layer of every token through here."""
-        plans = self.__dict__.setdefault("_decode_plans", {})
-        plan = plans.get(shape)
-        if plan is None:
-            c = ffi.new("struct pebble_layer_shape *")
-            for name in ("n_embd", "n_head", "n_head_kv", "head_dim", "n_ff", "rope_dims", "rope_neox", "rms_eps"):
-                setattr(c, name, getattr(shape, name))
-            plan = plans[shape] = (c, decode_buffer_sizes(shape, self.type_block), {})
-        return plan
-
-    def decode_layer(self, shape, weights: dict, kv_type: int, k_cache, v_cache, n_ctx: int, pos: int,
-                     rope_cos, rope_sin, attn_scale: float, x, scratch, *, stream=None) -> None:
-        """One layer for one token (pebble_decode_layer). `weights` maps pebble_layer_weights fields to
-        (ggml_type, buffer), absent biases left out; every buffer's size is checked here against the
-        shape, since the library cannot see it."""
-        c_shape, sizes, wanted = self._decode_plan(shape)
-        fields = {}
-        backend = self.backend
-        for name, (ggml_type, buffer) in weights.items():
-            ptr, nbytes = _pointer(buffer, backend, False, name)
-            key = (name, ggml_type)
-            if key not in wanted:  # None: a type the library refuses, with its own message
-                wanted[key] = sizes[name](_c_type(ggml_type)) if name in sizes else None
-            want = wanted[key]
-            if want is not None and nbytes != want:
-                raise SizeMismatchError(f"decode_layer: {name} holds {nbytes} bytes; GGUF type {ggml_type} "
-                                        f"needs {want} for this shape")
-            fields[name] = (ggml_type, ptr)
-        c_weights = ffi.new("struct pebble_layer_weights *", fields)
-        kv_item = _ITEMSIZE.get(kv_type)
-        cache_bytes = None if kv_item is None else n_ctx * shape.n_head_kv * shape.head_dim * kv_item
-        k_ptr, k_bytes = _pointer(k_cache, backend, True, "k_cache")
-        v_ptr, v_bytes = _pointer(v_cache, backend, True, "v_cache")
-        cos_ptr, cos_bytes = _pointer(rope_cos, backend, False, "rope_cos")
-        sin_ptr, sin_bytes = _pointer(rope_sin, backend, False, "rope_sin")
-        x_ptr, x_bytes = _pointer(x, backend, True, "x")
-        for what, nbytes, want in (("k_cache", k_bytes, cache_bytes), ("v_cache", v_bytes, cache_bytes),
-                                   ("rope_cos", cos_bytes, 4 * shape.head_dim),
-                                   ("rope_sin", sin_bytes, 4 * shape.head_dim), ("x", x_bytes, 4 * shape.n_embd)):
-            if want is not None and nbytes != want:
-                raise SizeMismatchError(f"decode_layer: {what} holds {nbytes} bytes; {want} are needed")
-        scratch_ptr, scratch_bytes = _pointer(scratch, backend, True, "scratch")
-        _check(self._lib, self._lib.pebble_decode_layer(
-            c_shape, c_weights, kv_type, k_ptr, v_ptr, n_ctx, pos, ffi.cast("const float *", cos_ptr),
-            ffi.cast("const float *", sin_ptr), attn_scale, ffi.cast("float *", x_ptr), scratch_ptr, scratch_bytes,
-            ffi.cast("void *", stream_pointer(stream))))
-
-
-def _pointer(obj, backend: str, writable: bool, name: str):
-    """`_buffer` for the decode step's buffers, with fast paths for C-contiguous numpy arrays (host) and
-    CuPy arrays (cuda)."""
-    if type(obj) is np.ndarray and obj.flags.c_contiguous and (obj.flags.writeable or not writable):
-        return ffi.from_buffer(obj, require_writable=writable), obj.nbytes
-    if _DEVICE_MEMORY[backend] and type(obj).__module__.startswith("cupy") and obj.flags.c_contiguous:
-        return ffi.cast("void *", obj.data.ptr), obj.nbytes
-    return _buffer(obj, backend, writable=writable, what=f"decode_layer {name}")
-
-
-_ITEMSIZE = {ggml_type: dtype.itemsize for dtype, ggml_type in DENSE_TYPES.items()}  # F32 4, F16 2
-
-
-def decode_buffer_sizes(shape, type_block) -> dict:
-    """For each weight of a layer, a function of its GGUF type giving the bytes its buffer must hold."""
-    q, kv = shape.n_head * shape.head_dim, shape.n_head_kv * shape.head_dim
-    e, ff = shape.n_embd, shape.n_ff
-
-    def matrix(rows, cols):
-        def size(ggml_type):
-            try:
-                elements, nbytes = type_block(ggml_type)
-            except PebblingError:
-                return None
-            return rows * (cols // elements) * nbytes if cols % elements == 0 else None
-        return size
-
-    def vector(n):
-        return lambda ggml_type: n * _ITEMSIZE[ggml_type] if ggml_type in _ITEMSIZE else None
-
-    return {"attn_norm": vector(e), "wq": matrix(q, e), "wk": matrix(kv, e), "wv": matrix(kv, e),
-            "wo": matrix(e, q), "ffn_norm": vector(e), "w_gate": matrix(ff, e), "w_up": matrix(ff, e),
-            "w_down": matrix(e, ff), "bq": vector(q), "bk": vector(kv), "bv": vector(kv)}
-
-
-def _c_type(ggml_type) -> int:
-    """A GGUF type id (an int or gguf's GGMLQuantizationType); whether it has kernels is the library's
-    to judge."""
-    return _c_int(ggml_type, "ggml type", INT32_MIN, INT32_MAX, InvalidArgumentError, "does not fit in int32")
 
 
 def _c_strategy(strategy) -> tuple[int, int]:

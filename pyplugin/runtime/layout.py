@@ -1,0 +1,51 @@
+"""How a model's layers are laid out in the store: the tensor id of each weight and of the KV cache,
+the alignment of tensors inside a working slot, and views of a tensor over its stored bytes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+
+from ..ggml_types import DENSE_TYPES
+from ..model import LayerWeights, QuantWeight
+from ..store import TensorDesc
+
+Array = Any
+
+WEIGHT_IDS = {f.name: i for i, f in enumerate(fields(LayerWeights))}  # tensor id of each weight
+K_ID, V_ID = 16, 17                                                       # ... of the KV cache
+_ALIGN = 256  # byte alignment of each tensor inside a working slot
+
+
+def aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """Where a layer's tensor is in the store, and how to view its bytes."""
+
+    tensor_id: int
+    name: str
+    shape: tuple[int, ...]              # numpy order
+    nbytes: int
+    qtype: int | None = None            # GGUF type of a matrix kept in its file form; None: dense
+
+    def view(self, raw: Array, dtype: np.dtype, kernels) -> Array | QuantWeight:
+        """The tensor over `raw`, a flat uint8 array of exactly its bytes."""
+        if self.qtype is None:
+            return raw.view(dtype).reshape(self.shape)
+        return QuantWeight(self.qtype, self.shape, raw.reshape(self.shape[0], -1), kernels)
+
+
+def bytes_of(tensor: Array | QuantWeight) -> Array:
+    """What the store copies for a tensor: a QuantWeight's bytes, an array itself."""
+    return tensor.data if isinstance(tensor, QuantWeight) else tensor
+
+
+def tensor_desc(kind: np.dtype | int, shape: tuple[int, ...]):
+    """The store's desc of a tensor of numpy `shape`: `kind` a numpy dtype or a GGUF type id."""
+    ggml_type = kind if isinstance(kind, int) else DENSE_TYPES[np.dtype(kind)]
+    return TensorDesc(ggml_type, tuple(reversed(shape)))
