@@ -7,14 +7,14 @@ layer loop belongs to pyplugin.runtime.
 
 from .chat import ChatTemplate, ChatTemplateError
 from .gguf_file import GGUFFile
-from .load import SUPPORTED_ARCHS, WEIGHT_FORMS, Model, ModelBytes, check_weight_form, load_model, read_config
+from .load import SUPPORTED_ARCHS, WEIGHT_FORMS, Model, check_weight_form, load_model, read_config
 from .qweight import QuantWeight
 from .tokenizer import StreamDecoder, Tokenizer
 from .transformer import (KVCache, LayerWeights, ModelConfig, OuterWeights, embed, layer_forward,
                           output_logits)
 
 __all__ = [
-    "ChatTemplate", "ChatTemplateError", "GGUFFile", "KVCache", "LayerWeights", "Model", "ModelBytes",
+    "ChatTemplate", "ChatTemplateError", "GGUFFile", "KVCache", "LayerWeights", "Model",
     "ModelConfig", "OuterWeights", "QuantWeight", "StreamDecoder", "SUPPORTED_ARCHS",
     "Tokenizer", "WEIGHT_FORMS", "check_weight_form", "embed", "layer_forward", "load_model", "output_logits",
     "read_config",

@@ -42,18 +42,6 @@ def check_weight_form(form: str, what: str = "weights") -> str:
     return form
 
 
-@dataclass(frozen=True)
-class ModelBytes:
-    """Sizes a memory plan needs."""
-
-    layer_file: tuple[int, ...]     # each layer's tensors as stored in the file (maybe quantized)
-    layer_host: tuple[int, ...]     # each layer's tensors as loaded here (file bytes, or float32)
-    outer_file: int                 # token_embd, output_norm, output as stored
-    outer_host: int                 # ... as loaded (the tied output counted once)
-    kv_per_token: int               # K and V of one token in one layer, float32
-
-
-
 @dataclass
 class Model:
     """A loaded model. The layer loop belongs to the caller (see pyplugin.loop)."""
@@ -65,7 +53,7 @@ class Model:
     chat_template: ChatTemplate
     layers: list[LayerWeights]          # host weights, one per layer: QuantWeight or float32 numpy
     outer: OuterWeights                 # host weights
-    nbytes: ModelBytes
+    host_bytes: int                     # the weights as loaded here (the tied output counted once)
     metadata: dict[str, Any]            # scalar metadata (the vocabulary and merges left out)
     random_weights: bool = False
     weights: str = "quantized"          # the form of the weights, one of WEIGHT_FORMS
@@ -130,11 +118,11 @@ def load_model(path: str | os.PathLike, *, weights: str = "quantized", progress:
                 return f.dequantize(name)
             layers = [_load_layer(f, cfg, i, load) for i in range(cfg.n_layer)]
             outer = _load_outer(f, cfg, load)
-        nbytes = _sizes(f, cfg, layers, outer)
+        host_bytes = _host_bytes(layers, outer)
         metadata = {k: v for k, v in f.metadata.items() if not isinstance(v, list)}
     name = metadata.get("general.name") or path.stem
     random = bool(metadata.get(RANDOM_WEIGHTS_KEY)) or "random weights" in str(name).lower()
-    return Model(path, name, cfg, tokenizer, template, layers, outer, nbytes, metadata, random, weights)
+    return Model(path, name, cfg, tokenizer, template, layers, outer, host_bytes, metadata, random, weights)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -269,18 +257,9 @@ def _load_outer(f: GGUFFile, cfg: ModelConfig, load: Callable[[str], Any]) -> Ou
     return outer
 
 
-def _sizes(f: GGUFFile, cfg: ModelConfig, layers: list[LayerWeights], outer: OuterWeights) -> ModelBytes:
-    layer_file = [0] * cfg.n_layer
-    outer_file = 0
-    for t in f.tensors.values():
-        layer = t.name.split(".")[1] if t.name.startswith("blk.") else ""
-        if layer.isdigit() and int(layer) < cfg.n_layer:
-            layer_file[int(layer)] += t.nbytes
-        else:
-            outer_file += t.nbytes
-    outer_host = sum(a.nbytes for a in {id(a): a for a in vars(outer).values()}.values())
-    return ModelBytes(tuple(layer_file), tuple(lw.nbytes for lw in layers), outer_file, outer_host,
-                      cfg.kv_bytes_per_token(4))
+def _host_bytes(layers: list[LayerWeights], outer: OuterWeights) -> int:
+    unique_outer = {id(a): a for a in vars(outer).values()}.values()  # a tied output is the embedding
+    return sum(lw.nbytes for lw in layers) + sum(a.nbytes for a in unique_outer)
 
 
 def _progress_bar(f: GGUFFile, path: Path, progress: bool | None) -> tqdm:

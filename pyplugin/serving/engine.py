@@ -278,13 +278,12 @@ class Engine:
             model = e.model
             if model is None:
                 continue
-            nb = model.nbytes
             expires = FOREVER if e.expires_at == FOREVER else now + max(0.0, e.expires_at - now_mono)
             if e.active:  # in use: it will be kept at least until its keep_alive after this request
                 expires = max(expires, now)
             info = self.catalogue.info(e.key)
             details = {**info["details"], "pebbling_weights": e.weights}
-            out.append(RunningModel(e.name, e.key, sum(nb.layer_host) + nb.outer_host, e.size_vram, expires,
+            out.append(RunningModel(e.name, e.key, model.host_bytes, e.size_vram, expires,
                                     details, info["digest"], e.active))
         return out
 

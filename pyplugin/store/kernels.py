@@ -113,10 +113,6 @@ class Kernels:
             buffer = self._local.buffer = self.xp.empty(n_elements, dtype=np.float16)
         return buffer[:n_elements]
 
-    def workspace_bytes(self) -> int:
-        buffer = getattr(self._local, "buffer", None)
-        return 0 if buffer is None else buffer.nbytes
-
     def release_workspace(self) -> None:
         """Drops this thread's workspace (a request that needs one allocates it again)."""
         self._local.buffer = None
@@ -153,10 +149,6 @@ class Kernels:
         self.lib.decode_layer(shape, refs, kv_type, k_cache, v_cache, n_ctx, pos, rope_cos, rope_sin,
                               float(np.float32(1.0 / math.sqrt(shape.head_dim))), x, scratch[:need],
                               stream=self._stream())
-
-    def release_scratch(self) -> None:
-        """Drops this thread's decode scratch."""
-        self._local.scratch = None
 
 
 def _check_out(call: str, out, dtype, shape: tuple) -> None:

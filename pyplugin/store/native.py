@@ -225,19 +225,19 @@ class NativeStore(Store):
         self._finish(stream)
 
     def read(self, layer, tensor_id, offset, out, *, stream=None):
-        handle = self._live()
-        layer, tensor_id, offset = self._layer(layer), self._tensor_id(tensor_id), self._offset(offset)
-        dst, nbytes = self._buffer(out, writable=True, what="read out")
-        self._check(self._lib.pebble_read(handle, layer, tensor_id, offset, dst, nbytes,
-                                          self._stream(stream)))
-        self._finish(stream)
+        self._range_call(self._lib.pebble_read, layer, tensor_id, offset, out, stream, writable=True,
+                         what="read out")
 
     def write(self, layer, tensor_id, offset, data, *, stream=None):
+        self._range_call(self._lib.pebble_write, layer, tensor_id, offset, data, stream, writable=False,
+                         what="write data")
+
+    def _range_call(self, call, layer, tensor_id, offset, buffer, stream, *, writable: bool, what: str) -> None:
+        """pebble_read or pebble_write: bytes [offset, offset + the buffer's size) of an entry."""
         handle = self._live()
         layer, tensor_id, offset = self._layer(layer), self._tensor_id(tensor_id), self._offset(offset)
-        src, nbytes = self._buffer(data, writable=False, what="write data")
-        self._check(self._lib.pebble_write(handle, layer, tensor_id, offset, src, nbytes,
-                                           self._stream(stream)))
+        ptr, nbytes = self._buffer(buffer, writable=writable, what=what)
+        self._check(call(handle, layer, tensor_id, offset, ptr, nbytes, self._stream(stream)))
         self._finish(stream)
 
     def erase(self, layer, tensor_id):
