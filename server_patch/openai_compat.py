@@ -92,8 +92,8 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         raise BadRequest("'echo' is not supported by pebbling")
     # A completion continues the prompt as written: no chat template.
     job = await submit(request, GenerationRequest(model=body.model, prompt=body.prompt, raw=True,
-                                              options=_options(body, body.max_tokens),
-                                              keep_alive=body.keep_alive))
+                                                  options=_options(body, body.max_tokens),
+                                                  keep_alive=body.keep_alive))
     base = {"id": f"cmpl-{secrets.token_hex(12)}", "created": now_unix(), "model": body.model,
             "system_fingerprint": "fp_pebbling"}
 

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..ggml_types import F16, F32, row_bytes, type_name
-from ..xp import compute_dtype, get_array_module
+from ..xp import compute_dtype, get_array_module, to_numpy
 
 Array = Any
 
@@ -86,9 +86,7 @@ class QuantWeight:
         """Rows `ids` as float32 on the host, as gguf decodes them (the embedding's gather)."""
         from .gguf_file import dequantize_bytes
 
-        rows = self.data[np.asarray(ids, dtype=np.int64)]
-        if get_array_module(rows) is not np:
-            rows = rows.get()
+        rows = to_numpy(self.data[np.asarray(ids, dtype=np.int64)])
         return dequantize_bytes(np.ascontiguousarray(rows), self.qtype, (rows.shape[0], self.shape[1]))
 
     def matmul(self, x: Array) -> Array:

@@ -5,9 +5,10 @@ layer loop, so a caller may hand ``layer_forward`` each layer's weights from whe
 (all resident, or streamed through device memory one layer at a time).
 
 Layouts follow llama.cpp: a weight matrix is [out_features, in_features] (GGUF's ne reversed) and
-y = x @ W.T, whether W is a dense array or a ``QuantWeight`` still in its GGUF type. For ``llama`` the converter permuted the Q/K rows of each head so that GGML's "normal"
-RoPE mode, which rotates adjacent pairs (2i, 2i+1), matches the original model; qwen2 and phi3 keep
-the Hugging Face order and use NeoX mode, which rotates (i, i + n_rot/2).
+y = x @ W.T, whether W is a dense array or a ``QuantWeight`` still in its GGUF type. For ``llama`` the
+converter permuted the Q/K rows of each head so that GGML's "normal" RoPE mode, which rotates
+adjacent pairs (2i, 2i+1), matches the original model; qwen2 and phi3 keep the Hugging Face order and
+use NeoX mode, which rotates (i, i + n_rot/2).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Measurements the commands share: the store's restore bandwidth and per-call cost, the compute time
-of one layer at decode, and the prediction of time per token built from those. Every figure here is measured in this process or labelled a prediction;
-none is assumed.
+of one layer at decode, and the prediction of time per token built from those. Every figure here is
+measured in this process or labelled a prediction; none is assumed.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ from typing import Callable
 
 import numpy as np
 
+from ..errors import ClosedError
 from ..model import LayerWeights, Model, OuterWeights, QuantWeight, embed, layer_forward, output_logits
 from ..model.qweight import needs_expansion
 from ..store import Backend, select_backend
@@ -19,6 +20,7 @@ from .layout import K_ID, V_ID, WEIGHT_IDS, StoredTensor, aligned, bytes_of, ten
 from .options import Options
 from .plan import MemoryModel, PebblingOptions, Plan, make_plan, workspace_bytes
 from .store_layers import StoreLayers
+
 
 def fused_decode_default() -> bool:
     """Whether decode steps run each layer as one native call unless told: $PEBBLING_FUSED_DECODE=1."""
@@ -175,10 +177,11 @@ class PebbledModel:
     def device_bytes_held(self) -> int:
         """Device memory this model holds between requests: its store's device tier and its output
         weights (0 once closed)."""
-        if self.store.closed:
+        try:
+            held = self.store.stats().device_bytes
+        except ClosedError:  # unloaded, maybe while another request was asking
             return 0
-        output = int(self.outer.output.nbytes) if self.backend.arrays_on_device else 0
-        return self.store.stats().device_bytes + output
+        return held + (int(self.outer.output.nbytes) if self.backend.arrays_on_device else 0)
 
     def plan(self, options: Options, pebbling: PebblingOptions, prompt_tokens: int | None = None,
              others: int = 0) -> Plan:

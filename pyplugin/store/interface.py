@@ -151,7 +151,7 @@ def host_buffer(obj, *, writable: bool, what: str) -> memoryview:
 class Store(abc.ABC):
     """A pebble store: entries keyed by (layer, tensor_id) across a bounded device tier and a host tier.
 
-    Attributes: `backend` ("cuda", "host" or "stub"), `n_layers`, `device_limit` (bytes), `strategy`.
+    Attributes: `backend` (the name of the backend it belongs to), `n_layers`, `device_limit` (bytes), `strategy`.
     Every failure raises a `pyplugin.errors.PebbleError` subclass; every call after `close()` raises
     `ClosedError`. A store is safe to use from several threads.
     """

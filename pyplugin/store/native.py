@@ -101,7 +101,6 @@ def load_library(kind: str):
         raise OSError(f"no usable {kind} pebble library: " + "; ".join(failures))
 
 
-
 def _check(lib, status: int) -> None:
     """The one place a status code becomes an exception, with the calling thread's native message."""
     if status != 0:

@@ -68,7 +68,6 @@ class NativeKernels:
                                                   ffi.cast("float *", y_ptr),
                                                   ffi.cast("void *", stream_pointer(stream))))
 
-
     # -- the decode step
 
     def decode_scratch_bytes(self, shape, n_ctx: int) -> int:

@@ -360,8 +360,8 @@ class StubStore(Store):
     @_locked
     def stats(self) -> StoreStats:
         return StoreStats(device_limit_bytes=self.device_limit, device_bytes=self._device_bytes,
-                     device_peak_bytes=self._device_peak, host_bytes=self._host_bytes,
-                     host_peak_bytes=self._host_peak, entries=len(self._entries), **self._counters)
+                          device_peak_bytes=self._device_peak, host_bytes=self._host_bytes,
+                          host_peak_bytes=self._host_peak, entries=len(self._entries), **self._counters)
 
     @_locked
     def reset_stats(self) -> None:

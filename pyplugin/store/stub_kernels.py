@@ -22,6 +22,7 @@ from .kernels import Kernels
 
 _DTYPE_OF = {ggml_type: dtype for dtype, ggml_type in DENSE_TYPES.items()}  # F32, F16 -> numpy dtype
 
+
 class StubKernels:
     """The quantized-tensor kernels in numpy: elements decoded by gguf-py's own dequantize (float32),
     products and sums in float32; the same arguments accepted and refused as native/pebble_quant.cu,
