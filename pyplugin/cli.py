@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from .errors import PebblingError
@@ -43,6 +44,12 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:  # a bug, not bad input: one line, the traceback when asked for
+        if os.environ.get("PEBBLING_DEBUG"):
+            raise
+        print(f"pebbling: internal error: {type(exc).__name__}: {exc} (run with PEBBLING_DEBUG=1 for the "
+              "traceback, and report it)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+import secrets
 from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -20,9 +22,11 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pyplugin.serving import (ChatTemplateError, Engine, Final, GenerationRequest, InvalidModelName, ModelListing,
-                              ModelNotFoundError, OptionsError, PebblingError, StrategyError)
+                              ModelLoadError, ModelNotFoundError, OptionsError, PebblingError, ServerBusyError,
+                              StrategyError)
 
 from . import openai_compat
+from .guard import RequestGuard
 from .streaming import BadRequest, collect, dumps, engine_of, events, iso, now_iso, submit
 from .schemas import ChatRequest, GenerateRequest, ShowRequest
 
@@ -53,6 +57,7 @@ def create_app(engine: Engine | None = None, *, models_dir: str | Path | None = 
                               "in any GPU memory budget by streaming layer state.")
     app.state.engine = engine
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    app.add_middleware(RequestGuard)  # added last: it runs first
     _add_error_handlers(app)
     app.include_router(_ollama_routes())
     app.include_router(openai_compat.router)
@@ -66,9 +71,12 @@ def create_app(engine: Engine | None = None, *, models_dir: str | Path | None = 
 def status_for(exc: Exception) -> int:
     if isinstance(exc, ModelNotFoundError):
         return 404
-    if isinstance(exc, (InvalidModelName, OptionsError, StrategyError, ChatTemplateError, BadRequest)):
+    if isinstance(exc, (InvalidModelName, OptionsError, StrategyError, ChatTemplateError, BadRequest,
+                        ModelLoadError)):
         return 400
-    return 500      # a model file that cannot be read, a store failure: the message says which
+    if isinstance(exc, ServerBusyError):
+        return 503
+    return 500      # a store failure, a device out of memory: the message says which
 
 
 def error_response(path: str, status: int, message: str) -> JSONResponse:
@@ -97,12 +105,24 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     async def known_error(request: Request, exc: Exception) -> JSONResponse:
         status = status_for(exc)
-        if status >= 500:
-            logger.error("%s %s: %s", request.method, request.url.path, exc)
+        if status >= 500 and status != 503:
+            logger.error("request %s: %s %s: %s", request_id(), request.method, request.url.path, exc)
         return error_response(request.url.path, status, str(exc))
 
     for cls in (PebblingError, BadRequest):
         app.add_exception_handler(cls, known_error)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        # A bug, not a bad request: the client gets JSON and an id to quote, the log the traceback.
+        rid = request_id()
+        logger.error("request %s: %s %s failed", rid, request.method, request.url.path, exc_info=exc)
+        return error_response(request.url.path, 500, f"internal error ({type(exc).__name__}); the server log "
+                                                     f"has the details under request {rid}")
+
+
+def request_id() -> str:
+    return secrets.token_hex(6)
 
 
 def describe_validation_errors(errors: list[dict[str, Any]]) -> str:
@@ -181,6 +201,8 @@ class BodyLimit:
                                                           f"of {limit}; send a shorter prompt")
             return await response(scope, receive, send)
 
+        if _SURROGATE_ESCAPE.search(body):
+            body = _without_lone_surrogates(bytes(body))
         replayed = False
 
         async def replay():
@@ -194,6 +216,33 @@ class BodyLimit:
             scope = dict(scope, headers=[(k, v) for k, v in scope["headers"] if k != b"content-type"]
                          + [(b"content-type", b"application/json")])
         await self.app(scope, replay, send)
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def _without_lone_surrogates(body: bytes) -> bytes:
+    """The body with each lone UTF-16 surrogate escape (\\ud800 without its pair) read as U+FFFD, as
+    Go's JSON decoder (and so Ollama) reads it: Python would keep it, and no text can be encoded with
+    one in it. Valid pairs are one character by the time they are decoded."""
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return body  # not JSON: the validation error says so
+    return json.dumps(_replace_surrogates(value)).encode()
+
+
+def _replace_surrogates(value: Any) -> Any:
+    if isinstance(value, str):
+        return _LONE_SURROGATE.sub("\ufffd", value)
+    if isinstance(value, list):
+        return [_replace_surrogates(v) for v in value]
+    if isinstance(value, dict):
+        return {_replace_surrogates(k): _replace_surrogates(v) for k, v in value.items()}
+    return value
+
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import os
 import sys
 from pathlib import Path
 
 from ..errors import PebblingError
 from ..serving.registry import MODELS_ENV
+from ..serving.settings import HOST_ENV, ORIGINS_ENV, is_loopback
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 11435  # beside Ollama's 11434, so both can run
@@ -21,8 +21,10 @@ APP_FACTORY = "server_patch.app:create_app"
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("serve", help="serve models over Ollama's (and OpenAI's) HTTP API",
                               description=__doc__)
-    p.add_argument("--host", default=DEFAULT_HOST,
-                   help=f"address to listen on (default {DEFAULT_HOST}; the API has no authentication, "
+    p.add_argument("--host", default=os.environ.get(HOST_ENV) or DEFAULT_HOST,
+                   help=f"address to listen on (default ${HOST_ENV}, else {DEFAULT_HOST}; on loopback the server "
+                        f"answers only loopback names and local web pages, ${ORIGINS_ENV} allows more origins; "
+                        "the API has no authentication, "
                         "so think twice before listening beyond loopback)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
     p.add_argument("--models", metavar="DIR", type=Path,
@@ -41,17 +43,9 @@ def run(args: argparse.Namespace) -> int:
         os.environ[MODELS_ENV] = str(args.models.resolve())
     if not 0 < args.port < 65536:
         raise PebblingError(f"--port {args.port}: choose a port from 1 to 65535")
-    if not _is_loopback(args.host):
+    if not is_loopback(args.host):
         print(f"pebbling: warning: listening on {args.host}, beyond loopback; the API has no "
               "authentication", file=sys.stderr)
+    os.environ[HOST_ENV] = args.host  # the app answers Host names by where it listens
     uvicorn.run(APP_FACTORY, factory=True, host=args.host, port=args.port, log_level="info")
     return 0
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False

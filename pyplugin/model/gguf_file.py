@@ -57,8 +57,10 @@ class GGUFFile:
                                int(t.data_offset), int(t.n_bytes))
             for t in reader.tensors
         }
+        data_start, alignment = int(reader.data_offset), int(reader.alignment)
         del reader  # drops gguf's own map; what we keep is plain Python
         self._check_sizes()
+        self._check_alignment(data_start, alignment)
         with open(self.path, "rb") as f:
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
 
@@ -80,6 +82,13 @@ class GGUFFile:
             if t.offset + t.nbytes > size:
                 raise ModelError(f"{self.path}: truncated: tensor {t.name} ends at byte "
                                  f"{t.offset + t.nbytes}, the file has {size} bytes")
+
+    def _check_alignment(self, data_start: int, alignment: int) -> None:
+        # llama.cpp refuses these too: read from where the file says, they would be some other bytes.
+        for t in self.tensors.values():
+            if (t.offset - data_start) % alignment:
+                raise ModelError(f"{self.path}: tensor {t.name} starts at byte {t.offset - data_start} of the "
+                                 f"data section, not a multiple of the file's alignment ({alignment})")
 
     def require(self, key: str) -> Any:
         """A metadata value that must be present."""
@@ -151,5 +160,6 @@ def _check_magic(path: Path) -> None:
     except OSError as exc:
         raise ModelError(f"{path}: cannot read: {exc.strerror or exc}") from None
     if head != GGUF_MAGIC:
-        what = "the file is empty" if not head else f"it starts with {head!r}, not {GGUF_MAGIC!r}"
+        # The first bytes are not echoed: the file may be anything a link points at.
+        what = "the file is empty" if not head else f"it does not start with {GGUF_MAGIC!r}"
         raise ModelError(f"{path}: not a GGUF file ({what})")

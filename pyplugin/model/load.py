@@ -12,6 +12,8 @@ for every architecture.
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -143,26 +145,48 @@ def read_config(f: GGUFFile) -> ModelConfig:
             raise ModelError(f"{f.path}: per-layer values for '{arch}.{key}' are not supported")
         return v
 
-    n_embd, n_head = int(value("embedding_length")), int(value("attention.head_count"))
-    n_head_kv = int(value("attention.head_count_kv", n_head))
-    head_dim = int(value("attention.key_length", n_embd // n_head))
-    if int(value("attention.value_length", head_dim)) != head_dim:
-        raise ModelError(f"{f.path}: key and value head sizes differ, which is not supported")
-    if n_head_kv < 1 or n_head % n_head_kv:
+    def integer(key: str, hi: int, default: Any = _REQUIRED, lo: int = 1) -> int:
+        v = value(key, default)
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or not lo <= v <= hi:
+            raise ModelError(f"{f.path}: '{arch}.{key}' is {_shown(v)}; it must be an integer from {lo} to {hi}")
+        return int(v)
+
+    def positive(key: str, default: float) -> float:
+        v = value(key, default)
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or v <= 0:
+            raise ModelError(f"{f.path}: '{arch}.{key}' is {_shown(v)}; it must be a finite number above 0")
+        return float(v)
+
+    # Every hyperparameter is checked against what the forward pass needs before anything is sized.
+    n_embd, n_head = integer("embedding_length", 1 << 20), integer("attention.head_count", 1 << 14)
+    n_head_kv = integer("attention.head_count_kv", n_head, default=n_head)
+    if n_head % n_head_kv:
         raise ModelError(f"{f.path}: {n_head} query heads cannot share {n_head_kv} KV heads evenly")
-    if "token_embd.weight" not in f.tensors:
-        raise ModelError(f"{f.path}: missing tensor 'token_embd.weight'")
+    head_dim = integer("attention.key_length", 1 << 14, default=max(1, n_embd // n_head))
+    if integer("attention.value_length", 1 << 14, default=head_dim) != head_dim:
+        raise ModelError(f"{f.path}: key and value head sizes differ, which is not supported")
+    rope_dims = integer("rope.dimension_count", head_dim, default=head_dim, lo=2)
+    if rope_dims % 2:
+        raise ModelError(f"{f.path}: '{arch}.rope.dimension_count' is {rope_dims}; RoPE rotates pairs, so it "
+                         f"must be even (and at most the head size, {head_dim})")
+    token_embd = f.tensors.get("token_embd.weight")
+    if token_embd is None or len(token_embd.shape) != 2 or token_embd.shape[0] < 1:
+        raise ModelError(f"{f.path}: missing tensor 'token_embd.weight' (a matrix of one row per token)")
     if "rope_factors_long.weight" in f.tensors:
         raise ModelError(f"{f.path}: LongRoPE (rope_factors_long/short, e.g. phi3 128k) is not "
                          "supported; the 4k variants are")
-    rope_dims = int(value("rope.dimension_count", head_dim))
     return ModelConfig(
-        arch=arch, n_layer=int(value("block_count")), n_embd=n_embd, n_head=n_head,
-        n_head_kv=n_head_kv, head_dim=head_dim, n_ff=int(value("feed_forward_length")),
-        n_vocab=f.tensors["token_embd.weight"].shape[0], n_ctx_train=int(value("context_length")),
-        rms_eps=float(value("attention.layer_norm_rms_epsilon", 1e-5)), rope_mode=ROPE_MODES[arch],
-        rope_dims=rope_dims, rope_theta=float(value("rope.freq_base", 10000.0)),
+        arch=arch, n_layer=integer("block_count", 1 << 12), n_embd=n_embd, n_head=n_head,
+        n_head_kv=n_head_kv, head_dim=head_dim, n_ff=integer("feed_forward_length", 1 << 22),
+        n_vocab=token_embd.shape[0], n_ctx_train=integer("context_length", 1 << 27),
+        rms_eps=positive("attention.layer_norm_rms_epsilon", 1e-5), rope_mode=ROPE_MODES[arch],
+        rope_dims=rope_dims, rope_theta=positive("rope.freq_base", 10000.0),
         rope_freq_scale=_rope_freq_scale(f, arch), rope_freq_factors=_rope_freq_factors(f, rope_dims))
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _rope_freq_scale(f: GGUFFile, arch: str) -> float:

@@ -12,10 +12,10 @@ import zlib
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType
+from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter, RopeScalingType
 from tokenizers import Regex, pre_tokenizers
 
 from ..ggml_types import SUPPORTED_NAMES
@@ -97,8 +97,9 @@ class SynthSpec:
     rms_eps: float = 1e-5
     chat_template: str | None = None    # None: the vocab flavour's template; "": none at all
     name: str | None = None
-    description: str = "synthetic model with random weights, written by pyplugin.synth"
+    description: str = "synthetic model with random weights, written by pyplugin.model.synth"
     seed: int = 0
+    metadata: dict[str, Any] = field(default_factory=dict)  # keys written last, over the ones above
 
     @property
     def head_dim(self) -> int:
@@ -118,6 +119,9 @@ def write_gguf(path: str | os.PathLike, spec: SynthSpec | None = None, **overrid
     writer = GGUFWriter(path, spec.arch)
     _add_hparams(writer, spec, len(vocab.tokens))
     _add_vocab(writer, vocab, spec)
+    for key, value in spec.metadata.items():  # e.g. a crafted value, to see it refused
+        writer.kv_data[0].pop(key, None)
+        writer.add_key_value(key, value, _VALUE_TYPES[type(value)])  # np.uint32 for UINT32 keys
     for name, array, qtype in _tensors(spec, len(vocab.tokens)):
         try:
             data = quantize(array, qtype)
@@ -133,6 +137,10 @@ def write_gguf(path: str | os.PathLike, spec: SynthSpec | None = None, **overrid
 
 # ---------------------------------------------------------------------------------------------------
 # metadata
+
+
+_VALUE_TYPES = {bool: GGUFValueType.BOOL, int: GGUFValueType.INT64, float: GGUFValueType.FLOAT32,
+                str: GGUFValueType.STRING, np.uint32: GGUFValueType.UINT32}
 
 
 def _add_hparams(w: GGUFWriter, spec: SynthSpec, n_vocab: int) -> None:

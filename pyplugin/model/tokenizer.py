@@ -15,6 +15,7 @@ or "phi-3" (any case), whitespace right after a special token is dropped (see ``
 from __future__ import annotations
 
 import codecs
+import functools
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Iterable, Sequence
@@ -207,6 +208,19 @@ class Tokenizer:
 
     def is_special(self, token_id: int) -> bool:
         return self.types[token_id] in (CONTROL, UNKNOWN, UNUSED)
+
+    @functools.cached_property
+    def _longest_piece(self) -> int:
+        """The most characters of input text one token can stand for (a byte-level token's string
+        has a character per byte, at least as many as the text it covers)."""
+        return max(1, max(map(len, self.tokens), default=1), max(map(len, self._bytes), default=1))
+
+    def fewest_tokens(self, text: str) -> int:
+        """A lower bound on len(encode(text)), known without tokenizing: no token covers more than
+        the longest piece's characters (and where whitespace after some specials is stripped, only
+        the other characters count)."""
+        kept = len(text) - sum(map(text.count, _C_WHITESPACE)) if self.rstrip_ids else len(text)
+        return kept // self._longest_piece
 
     def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
         """Token ids of ``text``; special tokens written in the text become their ids. A BOS is

@@ -31,9 +31,10 @@ class Options:
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any] | None = None, *,
-                  n_ctx_train: int | None = None) -> "Options":
-        """Validated options. ``n_ctx_train`` (the model's training context) bounds num_ctx; when
-        num_ctx is not given the default is lowered to it rather than refused."""
+                  n_ctx_train: int | None = None, max_ctx: int | None = None) -> "Options":
+        """Validated options. ``n_ctx_train`` (the model's training context) and ``max_ctx`` (the
+        server's limit) bound num_ctx; when num_ctx is not given the default is lowered to them rather
+        than refused."""
         if values is None:
             values = {}
         if not isinstance(values, Mapping):
@@ -44,11 +45,14 @@ class Options:
                 parsed[f.name] = _CHECKS[f.name](f.name, values[f.name])
         if parsed.get("seed") == -1:
             parsed["seed"] = None
-        if n_ctx_train:
-            if parsed.get("num_ctx", 0) > n_ctx_train:
-                raise OptionsError(f"option 'num_ctx': {parsed['num_ctx']} is beyond this model's "
-                                   f"training context; accepted: 1 to {n_ctx_train}")
-            parsed.setdefault("num_ctx", min(DEFAULT_NUM_CTX, n_ctx_train))
+        bounds = [(n_ctx_train, "this model's training context"), (max_ctx, "this server's limit")]
+        for bound, what in bounds:
+            if bound and parsed.get("num_ctx", 0) > bound:
+                raise OptionsError(f"option 'num_ctx': {str(parsed['num_ctx'])[:20]} is beyond {what}; "
+                                   f"accepted: 1 to {min(b for b, _ in bounds if b)}")
+        limits = [b for b, _ in bounds if b]
+        if limits:
+            parsed.setdefault("num_ctx", min(DEFAULT_NUM_CTX, *limits))
         return cls(**parsed)
 
 
@@ -57,7 +61,8 @@ class Options:
 
 
 def _fail(name: str, value: Any, accepted: str) -> OptionsError:
-    return OptionsError(f"option {name!r}: got {value!r} ({type(value).__name__}); accepted: {accepted}")
+    shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+    return OptionsError(f"option {name!r}: got {shown} ({type(value).__name__}); accepted: {accepted}")
 
 
 def _number(low: float, high: float = math.inf, *, low_open: bool = False) -> Callable[[str, Any], float]:
@@ -67,7 +72,13 @@ def _number(low: float, high: float = math.inf, *, low_open: bool = False) -> Ca
         accepted = f"a number from {low:g} to {high:g}"
 
     def check(name: str, value: Any) -> float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _fail(name, value, accepted)
+        try:
+            value = float(value)
+        except OverflowError:  # an integer past float's range
+            raise _fail(name, value, accepted) from None
+        if not math.isfinite(value):
             raise _fail(name, value, accepted)
         if value < low or value > high or (low_open and value == low):
             raise _fail(name, value, accepted)

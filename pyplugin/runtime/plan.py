@@ -11,7 +11,10 @@ Peak device memory of a plan =
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 from ..errors import OptionsError
 from ..model import WEIGHT_FORMS, ModelConfig, check_weight_form
@@ -130,31 +133,38 @@ def full_residency_peak(memory: MemoryModel) -> int:
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 SIZE_HELP = "bytes as an integer, or a size such as \"512MiB\", \"6GiB\" or \"8GB\""
+MAX_SIZE = 2**64 - 1  # what the store's device limit can hold
+_SIZE = re.compile(r"([0-9]{1,20}(?:\.[0-9]{1,20})?)([a-z]*)")  # ASCII digits only, bounded
 
 
 def parse_size(value, what: str = "pebbling_memory_limit") -> int:
-    """Bytes from an int or a string such as '6GiB'; a clear OptionsError otherwise."""
+    """Bytes from an int or a string such as '6GiB'; a clear OptionsError otherwise, never an overflow."""
     if isinstance(value, bool) or value is None:
         raise OptionsError(f"{what} must be {SIZE_HELP}, got {value!r}")
-    if isinstance(value, (int, float)):
-        number, unit = float(value), ""
+    if isinstance(value, int):
+        size = value
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise OptionsError(f"{what} must be a finite number of bytes, got {value!r}")
+        size = int(value)
     elif isinstance(value, str):
         text = value.strip().lower().replace(" ", "")
-        split = len(text)
-        while split > 0 and text[split - 1].isalpha():
-            split -= 1
-        number_text, unit = text[:split], text[split:]
-        try:
-            number = float(number_text)
-        except ValueError:
-            raise OptionsError(f"{what} must be {SIZE_HELP}, got {value!r}") from None
-        if unit not in _UNITS:
-            raise OptionsError(f"{what}: unknown unit {unit!r} in {value!r}; use B, KB, MB, GB, KiB, MiB, GiB")
+        if text.startswith("-"):
+            raise OptionsError(f"{what} must not be negative, got {value!r}")
+        match = _SIZE.fullmatch(text) if len(text) <= 64 else None
+        if not match:
+            raise OptionsError(f"{what} must be {SIZE_HELP}, got {value!r}"[:300])
+        if match.group(2) not in _UNITS:
+            raise OptionsError(f"{what}: unknown unit {match.group(2)!r} in {value!r}; "
+                               "use B, KB, MB, GB, KiB, MiB, GiB")
+        size = int(Fraction(match.group(1)) * _UNITS[match.group(2)])
     else:
         raise OptionsError(f"{what} must be {SIZE_HELP}, got {type(value).__name__}")
-    if number != number or number < 0:
+    if size < 0:
         raise OptionsError(f"{what} must not be negative, got {value!r}")
-    return int(number * _UNITS[unit])
+    if size > MAX_SIZE:
+        raise OptionsError(f"{what} is larger than any device: at most {MAX_SIZE} bytes, got {str(value)[:40]}")
+    return size
 
 
 def format_bytes(n: int | float) -> str:

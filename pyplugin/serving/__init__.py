@@ -5,12 +5,14 @@ Ollama's store). The HTTP server (server_patch) uses the names listed here and n
 
 from ..errors import OptionsError, PebblingError, StrategyError
 from ..model import ChatTemplateError
-from .catalogue import ModelListing, ModelNotFoundError
+from .catalogue import ModelListing, ModelLoadError, ModelNotFoundError, ServerBusyError
 from .engine import Engine, RunningModel
 from .jobs import Final, GenerationRequest, Job
 from .ollama_store import InvalidModelName
+from .settings import HOST_ENV, ORIGINS_ENV, is_loopback
 
 __all__ = [
-    "ChatTemplateError", "Engine", "Final", "GenerationRequest", "InvalidModelName", "Job", "ModelListing",
-    "ModelNotFoundError", "OptionsError", "PebblingError", "RunningModel", "StrategyError",
+    "ChatTemplateError", "Engine", "Final", "GenerationRequest", "HOST_ENV", "InvalidModelName", "Job",
+    "ModelListing", "ModelLoadError", "ModelNotFoundError", "ORIGINS_ENV", "OptionsError", "PebblingError",
+    "RunningModel", "ServerBusyError", "StrategyError", "is_loopback",
 ]

@@ -11,17 +11,41 @@ import hashlib
 import math
 import threading
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
-from ..errors import ModelError
+from ..errors import ModelError, PebblingError
 from ..model import GGUFFile
 from . import ollama_store, registry
 
 
 class ModelNotFoundError(ModelError, LookupError):
     """No model has that name (HTTP 404)."""
+
+
+class ModelLoadError(ModelError):
+    """A model's file cannot be served (HTTP 400); the message names the model, not its path."""
+
+
+class ServerBusyError(PebblingError):
+    """Too many requests are queued or running (HTTP 503)."""
+
+
+@contextmanager
+def model_errors(name: str, path: Path) -> Iterator[None]:
+    """ModelErrors raised for `path` become ModelLoadErrors that name the model instead: where the
+    server keeps its files is nobody's business but its own."""
+    try:
+        yield
+    except ModelLoadError:
+        raise
+    except ModelError as exc:
+        message = str(exc).replace(str(path), f"model '{name}'")
+        if str(path.parent) in message:
+            message = message.replace(str(path.parent), "the models directory")
+        raise ModelLoadError(f"model '{name}' cannot be served: {message}") from None
 
 
 @dataclass(frozen=True)
@@ -51,8 +75,10 @@ class Catalogue:
         try:
             return registry.resolve(name, self.models_dir, allow_paths=False)
         except ModelError as exc:
-            if name in (registry.DEMO_NAME, f"{registry.DEMO_NAME}:latest"):  # could not be written
-                raise
+            refused = isinstance(exc, registry.LinkOutsideError)
+            if refused or name in (registry.DEMO_NAME, f"{registry.DEMO_NAME}:latest"):  # the demo: not written
+                message = str(exc).replace(str(self.models_dir), "the models directory")
+                raise ModelLoadError(f"model '{name}' cannot be served: {message}") from None
             registry_error = exc
         # Namespaced Ollama names (me/model:tag) never reach the registry's own lookup.
         found = ollama_store.resolve(name)
@@ -118,7 +144,6 @@ def _read_info(path: Path, st) -> dict[str, Any]:
     scalars["general.parameter_count"] = n_params
     show = {"model_info": scalars, "template": md.get("tokenizer.chat_template", ""),
             "parameters": "", "license": str(md.get("general.license", "")),
-            "modelfile": f"# pebbling serves this GGUF file as is\nFROM {path}\n",
             "capabilities": ["completion"]}
     return {"size": st.st_size, "modified": st.st_mtime, "digest": digest, "details": details,
             "show": show}

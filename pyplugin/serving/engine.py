@@ -23,7 +23,8 @@ from typing import Any
 from ..errors import OptionsError, PebblingError
 from ..model import Model, load_model
 from ..runtime import Options, PebbledModel, PebblingOptions
-from .catalogue import Catalogue, ModelListing
+from .catalogue import Catalogue, ModelListing, ServerBusyError, model_errors
+from .settings import DEFAULT_MAX_CONTEXT, DEFAULT_MAX_QUEUE, MAX_CONTEXT_ENV, MAX_QUEUE_ENV, env_limit
 from .go_template import render_go_template
 from .jobs import DEFAULT_KEEP_ALIVE, FOREVER, Final, GenerationRequest, Job, parse_keep_alive
 
@@ -67,7 +68,15 @@ class Engine:
     """Loads models on demand and serves generations; thread-safe. Call ``close()`` when done."""
 
     def __init__(self, models_dir: str | Path | None = None, *,
-                 default_keep_alive: float = DEFAULT_KEEP_ALIVE, backend: str | None = None):
+                 default_keep_alive: float = DEFAULT_KEEP_ALIVE, backend: str | None = None,
+                 max_queue: int | None = None, max_context: int | None = None):
+        """`max_queue`: requests queued or running at once across models, past which a request is
+        refused with ServerBusyError (default $PEBBLING_MAX_QUEUE, else 512, as OLLAMA_MAX_QUEUE);
+        `max_context`: the largest num_ctx served whatever a model file allows (default
+        $PEBBLING_MAX_CONTEXT, else 131072), since the KV cache is reserved at num_ctx."""
+        self.max_queue = max_queue if max_queue is not None else env_limit(MAX_QUEUE_ENV, DEFAULT_MAX_QUEUE)
+        self.max_context = max_context if max_context is not None else env_limit(MAX_CONTEXT_ENV,
+                                                                                 DEFAULT_MAX_CONTEXT)
         self.catalogue = Catalogue(models_dir)
         self.models_dir = self.catalogue.models_dir
         self.default_keep_alive = default_keep_alive
@@ -101,8 +110,9 @@ class Engine:
         entry, load_ns = self._acquire(request.model, pebbling.effective_weights)
         try:
             model = entry.model
-            options = Options.from_dict(request.options, n_ctx_train=model.config.n_ctx_train)
-            tokens = self._prompt_tokens(model, request)
+            options = Options.from_dict(request.options, n_ctx_train=model.config.n_ctx_train,
+                                        max_ctx=self.max_context)
+            tokens = self._prompt_tokens(model, request, options.num_ctx)
             # A budget that cannot fit is refused here, before anything is queued.
             entry.pebbled.plan(options, pebbling, len(tokens), self._others(entry))
             if tokens and len(tokens) > options.num_ctx:
@@ -123,7 +133,7 @@ class Engine:
         entry.jobs.put(job)  # entry.active counts it, so the worker cannot have been told to stop
         return job
 
-    def _prompt_tokens(self, model: Model, request: GenerationRequest) -> list[int]:
+    def _prompt_tokens(self, model: Model, request: GenerationRequest, num_ctx: int) -> list[int]:
         if request.messages is not None:
             if not request.messages:
                 return []
@@ -146,6 +156,12 @@ class Engine:
             raise OptionsError(f"context holds token ids {bad[:5]} outside this model's vocabulary "
                                f"(0..{model.config.n_vocab - 1}); send the context a response of this "
                                "model returned")
+        # Refused before tokenizing when the text alone holds more tokens than fit: a prompt of
+        # megabytes would otherwise be tokenized in full, holding a core, only to be refused after.
+        at_least = len(context) + model.tokenizer.fewest_tokens(text)
+        if at_least > num_ctx:
+            raise OptionsError(f"the prompt is at least {at_least} tokens, more than num_ctx ({num_ctx}); raise "
+                               f"num_ctx (this model allows up to {model.config.n_ctx_train}) or shorten the prompt")
         # After a context the text continues a sequence, so no second BOS.
         return context + model.tokenizer.encode(text, add_bos=False if context else None)
 
@@ -197,6 +213,10 @@ class Engine:
         path = self.resolve(name)
         key = (path.resolve(), weights)
         with self._lock:
+            waiting = sum(e.active for e in self._loaded.values())
+            if waiting >= self.max_queue:
+                raise ServerBusyError(f"the server is busy: {waiting} requests are queued or running, its limit "
+                                      f"(PEBBLING_MAX_QUEUE) is {self.max_queue}; try again later")
             entry = self._loaded.setdefault(key, _Loaded(key[0], name, weights))
             entry.active += 1
         with entry.load_lock:
@@ -204,7 +224,8 @@ class Engine:
                 return entry, 0
             start = time.perf_counter_ns()
             try:
-                entry.model = load_model(path, weights=weights, progress=False)
+                with model_errors(name, path):
+                    entry.model = load_model(path, weights=weights, progress=False)
                 entry.pebbled = PebbledModel(entry.model, backend=self.backend, keep_host_weights=False)
             except BaseException:
                 with self._lock:  # a request still waiting on load_lock tries again, and says why
@@ -267,7 +288,9 @@ class Engine:
     def show(self, name: str) -> tuple[ModelListing, dict[str, Any]]:
         """(listing, extra) for /api/show: extra holds model_info (GGUF metadata), template, parameters."""
         path = self.resolve(name)
-        return self.catalogue.listing(name, path), self.catalogue.info(path)["show"]
+        with model_errors(name, path):
+            listing, show = self.catalogue.listing(name, path), self.catalogue.info(path)["show"]
+        return listing, {**show, "modelfile": f"# pebbling serves this GGUF file as is\nFROM {name}\n"}
 
     def running(self) -> list[RunningModel]:
         with self._lock:

@@ -66,6 +66,10 @@ def resolve(name: str | os.PathLike, models_dir: str | os.PathLike | None = None
                      "and not in Ollama's local store")
 
 
+class LinkOutsideError(ModelError):
+    """A name in the models directory is a link to a file outside it: refused."""
+
+
 def _in_models_dir(name: str, root: Path) -> Path | None:
     model, _, tag = name.partition(":")
     candidates = [f"{name}.gguf"]
@@ -74,6 +78,11 @@ def _in_models_dir(name: str, root: Path) -> Path | None:
     for candidate in dict.fromkeys(candidates):
         path = root / candidate
         if path.is_file():
+            if not path.resolve().is_relative_to(root.resolve()):
+                # A link to elsewhere could make a server read, and name in its errors, any file.
+                raise LinkOutsideError(f"model {name!r}: {candidate} in the models directory is a link to a "
+                                       "file outside it, which is not served; copy the file in, or serve the "
+                                       f"directory it is in (--models or ${MODELS_ENV})")
             return path
     return None
 

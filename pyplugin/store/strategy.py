@@ -7,6 +7,7 @@ This is the one place the rule is written in Python; the native library implemen
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 from ..errors import StrategyError
@@ -38,11 +39,12 @@ class Strategy:
             return cls(name, _CODES[name])
         if name.startswith("every:"):
             n = name.split(":", 1)[1]
-            if n.isdigit() and int(n) >= 1:
-                return cls(name, EVERY, int(n))
-            raise StrategyError(f"strategy {text!r}: N in every:N must be an integer >= 1; "
-                                f"valid: {VALID_STRATEGIES}")
-        raise StrategyError(f"unknown strategy {text!r}; valid: {VALID_STRATEGIES}")
+            # ASCII digits only: str.isdigit() takes "²" and "٢", which int() refuses or reads as 2.
+            if re.fullmatch(r"[0-9]{1,9}", n) and int(n) >= 1:
+                return cls(f"every:{int(n)}", EVERY, int(n))
+            raise StrategyError(f"strategy {text[:40]!r}: N in every:N must be an integer from 1 to "
+                                f"999999999 in ASCII digits; valid: {VALID_STRATEGIES}")
+        raise StrategyError(f"unknown strategy {text[:40]!r}; valid: {VALID_STRATEGIES}")
 
     def __str__(self) -> str:
         return self.name

@@ -1,0 +1,36 @@
+"""The environment variables that configure serving, in one place (Ollama's OLLAMA_* have the same jobs)."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+
+from ..errors import PebblingError
+
+HOST_ENV = "PEBBLING_HOST"                # the address `pebbling serve` listens on (OLLAMA_HOST)
+ORIGINS_ENV = "PEBBLING_ORIGINS"          # more browser origins allowed, comma-separated (OLLAMA_ORIGINS)
+MAX_QUEUE_ENV = "PEBBLING_MAX_QUEUE"      # requests queued or running at once (OLLAMA_MAX_QUEUE)
+MAX_CONTEXT_ENV = "PEBBLING_MAX_CONTEXT"  # the largest num_ctx served
+DEFAULT_MAX_QUEUE = 512
+DEFAULT_MAX_CONTEXT = 1 << 17
+
+
+def env_limit(variable: str, default: int) -> int:
+    """A positive integer from the environment, else `default`; a bad value is an error that says so."""
+    text = os.environ.get(variable, "").strip()
+    if not text:
+        return default
+    if not text.isascii() or not text.isdigit() or not 0 < int(text) < 2**31:
+        raise PebblingError(f"${variable} is {text[:40]!r}; it must be a whole number from 1 to {2**31 - 1}")
+    return int(text)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a host name or address (IPv6 with or without brackets) is this machine's loopback."""
+    host = host.strip("[]")
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
