@@ -25,7 +25,7 @@ from pyplugin.serving import (ChatTemplateError, Engine, Final, GenerationReques
                               ModelLoadError, ModelNotFoundError, OptionsError, PebblingError, ServerBusyError,
                               StrategyError)
 
-from . import openai_compat
+from . import openai_compat, openapi
 from .guard import RequestGuard
 from .streaming import BadRequest, collect, dumps, engine_of, events, iso, now_iso, submit
 from .schemas import ChatRequest, GenerateRequest, ShowRequest
@@ -61,6 +61,7 @@ def create_app(engine: Engine | None = None, *, models_dir: str | Path | None = 
     _add_error_handlers(app)
     app.include_router(_ollama_routes())
     app.include_router(openai_compat.router)
+    openapi.install(app)
     return app
 
 

@@ -284,3 +284,22 @@ def test_no_response_names_a_path_of_this_machine(url, models_dir):
     for r in (post(url, model="broken"), post(url, model="absent"), post(url, model="outside"),
               requests.get(f"{url}/api/tags", timeout=10), requests.get(f"{url}/api/ps", timeout=10)):
         assert str(models_dir) not in r.text and home not in r.text, r.text[:300]
+
+
+@pytest.mark.parametrize("options,expected", [
+    ({"temperature": 1e-320}, 3),                               # the limit of a vanishing temperature: argmax
+    ({"temperature": 1e-30, "repeat_penalty": 1e-300}, 1),      # a vanishing penalty sends seen logits to +inf
+    ({"temperature": 0.5, "repeat_penalty": 1e300}, 3),
+])
+def test_sampling_takes_the_limit_at_extreme_but_accepted_values(options, expected):
+    import warnings
+
+    import numpy as np
+
+    from pyplugin.runtime.options import Options
+    from pyplugin.runtime.sampling import Sampler
+
+    sampler = Sampler(Options(seed=1, **options))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no overflow, no NaN on the way
+        assert {sampler(np.array([1.0, 3.0, -2.0, 3.5], np.float32), [1, 2]) for _ in range(8)} == {expected}

@@ -15,13 +15,15 @@ from .options import Options
 
 def apply_repeat_penalty(logits: np.ndarray, recent: Sequence[int], penalty: float) -> np.ndarray:
     """Make recently seen tokens less likely: positive logits are divided by the penalty, negative
-    ones multiplied (llama.cpp's rule, so a penalty never raises a token). Returns a copy."""
-    logits = np.array(logits, dtype=np.float32)
+    ones multiplied (llama.cpp's rule, so a penalty never raises a token). Returns a float64 copy, so
+    that no penalty in the accepted range overflows."""
+    logits = np.array(logits, dtype=np.float64)
     if penalty == 1.0 or not len(recent):
         return logits
     seen = np.unique(np.asarray(recent, dtype=np.int64))
     values = logits[seen]
-    logits[seen] = np.where(values > 0, values / penalty, values * penalty)
+    with np.errstate(over="ignore"):  # a penalty near 0 sends positive logits to inf: see softmax
+        logits[seen] = np.where(values > 0, values / penalty, values * penalty)
     return logits
 
 
@@ -34,8 +36,15 @@ def top_k_candidates(logits: np.ndarray, k: int) -> np.ndarray:
     return ids[np.argsort(-logits[ids], kind="stable")]
 
 
-def softmax(x: np.ndarray) -> np.ndarray:
-    e = np.exp(np.asarray(x, dtype=np.float64) - np.max(x))
+def softmax(x: np.ndarray, temperature: float = 1.0) -> np.ndarray:
+    """softmax(x / temperature), for any temperature above 0 and logits up to +inf."""
+    x = np.asarray(x, dtype=np.float64)
+    top = np.max(x)
+    if np.isposinf(top):  # a vanishing repeat penalty sent some logits to +inf: they share all the mass
+        e = (x == top).astype(np.float64)
+    else:  # shifted first, so a vanishing temperature sends the others to -inf and never the top to +inf
+        with np.errstate(over="ignore"):
+            e = np.exp((x - top) / temperature)
     return e / e.sum()
 
 
@@ -71,7 +80,7 @@ class Sampler:
         if o.temperature <= 0.0:
             return int(np.argmax(logits))
         ids = top_k_candidates(logits, o.top_k)
-        probs = softmax(logits[ids] / o.temperature)
+        probs = softmax(logits[ids], o.temperature)
         keep = min(top_p_count(probs, o.top_p), min_p_count(probs, o.min_p))
         probs = probs[:keep] / probs[:keep].sum()
         choice = int(np.searchsorted(np.cumsum(probs), self.rng.random(), side="right"))

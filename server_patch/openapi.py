@@ -1,0 +1,52 @@
+"""The OpenAPI document as the server answers: FastAPI documents a 422 for every body it validates, but
+pebbling answers bad requests with 400 (as Ollama does), refused origins with 403, unknown models with
+404, oversized bodies with 413, a full queue with 503 and a bug with a JSON 500."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+ERROR_SCHEMA = {
+    "type": "object", "required": ["error"],
+    "properties": {"error": {
+        "description": "what was wrong and what would be accepted: a string on Ollama's routes, an object "
+                       "with `message` on the /v1 routes (OpenAI's shape)",
+        "oneOf": [{"type": "string"}, {"type": "object", "required": ["message"],
+                                       "properties": {"message": {"type": "string"}, "type": {"type": "string"}}}],
+    }},
+}
+EVERY_ROUTE = {"403": "the request's Origin or Host is not allowed (see PEBBLING_ORIGINS, PEBBLING_HOST)",
+               "500": "a bug; the message carries a request id the server log has the details under"}
+WITH_A_BODY = {"400": "the request is invalid: JSON, a field, an option, a model name, a prompt longer than "
+                      "num_ctx, a model that cannot be served; the message says which and what is accepted",
+               "404": "no model has that name",
+               "413": "the body is larger than the server takes",
+               "503": "the server is busy: too many requests queued (PEBBLING_MAX_QUEUE); try again later"}
+
+
+def install(app: FastAPI) -> None:
+    """Makes `app.openapi()` return the document with pebbling's error responses."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema:
+            return app.openapi_schema
+        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        components.pop("HTTPValidationError", None)
+        components.pop("ValidationError", None)
+        components["Error"] = ERROR_SCHEMA
+        error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+        for operations in schema.get("paths", {}).values():
+            for method, operation in operations.items():
+                responses = operation.setdefault("responses", {})
+                responses.pop("422", None)
+                codes = {**EVERY_ROUTE, **(WITH_A_BODY if method in ("post", "put") else {})}
+                for code, description in codes.items():
+                    responses.setdefault(code, {"description": description, **error})
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi

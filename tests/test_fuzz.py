@@ -1,0 +1,147 @@
+"""Property test over the whole HTTP API: whatever a client sends, the server answers with a status its
+OpenAPI document lists, in JSON, never a 5xx, and still serves a correct request afterwards.
+
+Requests come from hypothesis: about half are near-valid generations on a real loaded model (every
+option drawn from its valid range or just outside it, a few tokens each), the rest anything at all
+(wrong types, huge and non-finite numbers, odd strings, unknown fields and paths). `make fuzz` sends
+PEBBLING_FUZZ_EXAMPLES=10000 and prints the count; `make test` sends a few hundred.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+
+import pytest
+import requests
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pyplugin.model.synth import write_gguf
+from server_patch import create_app
+from server_patch.local import serving
+
+EXAMPLES = int(os.environ.get("PEBBLING_FUZZ_EXAMPLES", "300"))
+TINY = dict(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, n_ctx=128)
+POSTS = ("/api/generate", "/api/chat", "/api/show", "/v1/chat/completions", "/v1/completions")
+GETS = ("/", "/api/version", "/api/tags", "/api/ps", "/v1/models", "/api/nothing", "/v1/../api/tags")
+
+# Strings a careless client or an attacker sends.
+odd_text = st.one_of(
+    st.text(max_size=40), st.sampled_from(["", " ", "a\ud800b", "\udfff", "every:²", "every:٢", "every:" + "9" * 300,
+                                           "../../etc/passwd", "/etc/shadow", "tiny:latest", "tiny", "pebbling-demo",
+                                           "registry.ollama.ai/library/tiny:latest", "{{ .Prompt }}", "\x00", "1e400",
+                                           "6GiB", "-1", "NaN", "<|im_start|>", "x" * 2000]))
+numbers = st.one_of(st.integers(min_value=-2**70, max_value=2**70), st.floats(allow_nan=True, allow_infinity=True),
+                    st.sampled_from([0, 1, -1, 2**31, 2**63, 2**64, 10**30, 0.5, 1e308]))
+json_values = st.recursive(st.none() | st.booleans() | numbers | odd_text,
+                           lambda inner: st.lists(inner, max_size=4) | st.dictionaries(odd_text, inner, max_size=4),
+                           max_leaves=12)
+
+# Near-valid options: each drawn from a valid value or a wrong one.
+option_values = {
+    "temperature": st.one_of(st.floats(0, 2), numbers), "top_k": st.one_of(st.integers(0, 100), numbers),
+    "top_p": st.one_of(st.floats(0, 1), numbers), "min_p": st.floats(0, 1), "seed": st.integers(-1, 2**40),
+    "num_predict": st.integers(-2, 3), "num_ctx": st.one_of(st.integers(1, 128), st.integers(129, 2**40)),
+    "num_batch": st.integers(-1, 64), "repeat_penalty": st.one_of(st.floats(0.5, 2), numbers),
+    "stop": st.one_of(odd_text, st.lists(odd_text, max_size=3)),
+    "pebbling_strategy": st.one_of(st.sampled_from(["none", "sqrt", "adaptive", "minimal", "every:1", "every:3"]),
+                                   odd_text),
+    "pebbling_memory_limit": st.one_of(st.sampled_from(["64MiB", "1GiB", 10**9, "1KiB"]), numbers, odd_text),
+    "pebbling_enabled": st.one_of(st.booleans(), json_values), "pebbling_weights": st.sampled_from(
+        ["quantized", "f16", "q4", 1]),
+}
+options = st.fixed_dictionaries({}, optional={k: v for k, v in option_values.items()}).map(
+    lambda o: {**o, "num_predict": o["num_predict"] if o.get("num_predict", -1) in range(0, 4) else 2})
+
+
+@st.composite
+def near_valid(draw) -> tuple[str, str, dict]:
+    """A generation for the real model, with every field drawn from around its valid values."""
+    path = draw(st.sampled_from(POSTS[:2] + POSTS[3:]))
+    model = draw(st.sampled_from(["tiny", "tiny:latest", "tiny", "absent"]))
+    text = draw(st.one_of(st.text(max_size=30), odd_text))
+    body: dict = {"model": model, "stream": draw(st.booleans())}
+    if path == "/api/generate":
+        body.update(prompt=text, raw=draw(st.booleans()), options=draw(options))
+    elif path == "/api/chat":
+        body.update(messages=[{"role": draw(st.sampled_from(["user", "system", "assistant", "tool", "x"])),
+                               "content": text}], options=draw(options))
+    elif path == "/v1/chat/completions":
+        body.update(messages=[{"role": "user", "content": draw(st.one_of(st.just(text), json_values))}],
+                    max_tokens=draw(st.integers(1, 3)), temperature=draw(st.floats(0, 2)),
+                    pebbling_strategy=draw(option_values["pebbling_strategy"]))
+    else:
+        body.update(prompt=text, max_tokens=draw(st.integers(1, 3)))
+    return "model", path, body
+
+
+@st.composite
+def anything(draw) -> tuple[str, str, object]:
+    """Any JSON at any route, or not JSON at all."""
+    if draw(st.integers(0, 4)) == 0:
+        return "GET", draw(st.sampled_from(GETS)), None
+    path = draw(st.sampled_from(POSTS + ("/api/embed", "/api/pull")))
+    body = draw(st.one_of(json_values, st.dictionaries(
+        st.sampled_from(["model", "prompt", "messages", "options", "stream", "keep_alive", "context", "template",
+                         "system", "raw", "format", "images", "max_tokens", "n", "stop", "tools"]), json_values,
+        max_size=6).map(lambda d: {"model": "tiny", **d})))
+    if draw(st.integers(0, 9)) == 0:
+        return "POST", path, draw(st.sampled_from(["{", "not json", "\xff\xfe", "[]" * 1000, '{"model": "t' + "i" * 50]))
+    return "POST", path, body
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    write_gguf(root / "tiny.gguf", **TINY)
+    app = create_app(models_dir=root)
+    with serving(app) as url:
+        documented = {path: {m.upper(): set(ops[m]["responses"]) for m in ops}
+                      for path, ops in requests.get(f"{url}/openapi.json", timeout=30).json()["paths"].items()}
+        yield url, documented
+
+
+def send(url: str, kind: str, path: str, body) -> requests.Response:
+    if kind == "GET":
+        return requests.get(url + path, timeout=120)
+    data = body if isinstance(body, str) else json.dumps(body, allow_nan=True)
+    return requests.post(url + path, data=data.encode("utf-8", "surrogatepass"), timeout=120)
+
+
+def test_no_request_gets_a_5xx_or_an_undocumented_status(server):
+    url, documented = server
+    statuses: Counter = Counter()
+    kinds: Counter = Counter()  # True: a near-valid generation for the loaded model
+
+    @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(st.one_of(near_valid(), anything()))
+    def one(request):
+        kind, path, body = request
+        method = "GET" if kind == "GET" else "POST"
+        r = send(url, kind, path, body)
+        statuses[r.status_code] += 1
+        kinds[kind == "model"] += 1
+        assert r.status_code < 500, (path, body, r.status_code, r.text[:300])
+        if path in documented and r.status_code != 405:
+            assert str(r.status_code) in documented[path].get(method, {str(r.status_code)}), (path, r.status_code)
+        if r.status_code != 200 or path in ("/",):
+            return
+        if r.headers.get("content-type", "").startswith("application/x-ndjson"):
+            lines = [json.loads(line) for line in r.text.splitlines() if line.strip()]
+            assert lines and (lines[-1].get("done") or "error" in lines[-1])
+        elif r.headers.get("content-type", "").startswith("text/event-stream"):
+            assert r.text.rstrip().endswith("data: [DONE]")
+        else:
+            r.json()
+
+    one()
+    total = sum(statuses.values())
+    print(f"\nfuzz: {total} requests, {kinds[True]} of them generations aimed at the loaded model; statuses "
+          f"{dict(sorted(statuses.items()))}; 5xx: {sum(n for s, n in statuses.items() if s >= 500)}")
+    r = send(url, "model", "/api/generate", {"model": "tiny", "prompt": "Hello", "stream": False,
+                                            "options": {"temperature": 0, "num_predict": 2}})
+    assert r.status_code == 200 and r.json()["eval_count"] == 2  # still serving
+    assert total > 0.9 * EXAMPLES and kinds[True] > 0.3 * total
