@@ -1,0 +1,150 @@
+"""The server under abuse, measured: does `GET /` stay quick while clients send prompts of megabytes, and
+do 300 simultaneous requests against a queue limit of 100 get 503s for the excess, the rest served, and
+memory back to where it was?
+
+    python benchmarks/bench_server_limits.py [--big-prompts 3] [--requests 300] [--queue 100] [--json FILE]
+
+Runs `pebbling serve` in a process of its own on loopback with a small random-weight model (so that the
+clients' threads do not count in its memory). Every figure printed is measured in this run: latencies
+of `GET /` (median and max) while the big prompts are in flight, the status counts of the burst, and
+the server's resident memory (VmRSS) before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import requests
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from pyplugin.model.synth import write_gguf  # noqa: E402
+
+GOAL_ROOT_MS = 100.0
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def start_server(models: str, queue: int) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PEBBLING_MAX_QUEUE": str(queue)}
+    server = subprocess.Popen([sys.executable, "-m", "pyplugin.cli", "serve", "--port", str(port), "--models", models],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            requests.get(url, timeout=1)
+            return server, url
+        except requests.ConnectionError:
+            if time.monotonic() > deadline or server.poll() is not None:
+                server.kill()
+                raise RuntimeError("the server did not start")
+            time.sleep(0.1)
+
+
+def big_prompts_vs_root(url: str, n_big: int, prompt_bytes: int) -> dict:
+    """`GET /` latencies while `n_big` clients each send one prompt of `prompt_bytes`."""
+    body = json.dumps({"model": "tiny", "prompt": "x" * prompt_bytes, "stream": False}).encode()
+    statuses, latencies, done = Counter(), [], threading.Event()
+
+    def big() -> None:
+        statuses[requests.post(f"{url}/api/generate", data=body, timeout=300).status_code] += 1
+
+    def probe() -> None:
+        with requests.Session() as s:
+            while not done.is_set():
+                start = time.perf_counter()
+                s.get(f"{url}/", timeout=60)
+                latencies.append((time.perf_counter() - start) * 1e3)
+                time.sleep(0.005)
+
+    prober = threading.Thread(target=probe)
+    prober.start()
+    time.sleep(0.2)
+    start = time.perf_counter()
+    threads = [threading.Thread(target=big) for _ in range(n_big)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    seconds = time.perf_counter() - start
+    time.sleep(0.2)
+    done.set()
+    prober.join()
+    return {"big_prompts": n_big, "prompt_bytes": prompt_bytes, "big_statuses": dict(statuses),
+            "big_seconds": round(seconds, 3), "root_requests": len(latencies),
+            "root_median_ms": round(statistics.median(latencies), 2), "root_max_ms": round(max(latencies), 2)}
+
+
+def burst(url: str, n: int) -> dict:
+    """`n` generations sent at once; their statuses and the wall time."""
+    body = {"model": "tiny", "prompt": "Tell me about the sky.", "stream": False,
+            "options": {"temperature": 0, "num_predict": 8}}
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=n) as pool:
+        codes = list(pool.map(lambda _: requests.post(f"{url}/api/generate", json=body, timeout=600).status_code,
+                              range(n)))
+    return {"requests": n, "statuses": dict(Counter(codes)), "seconds": round(time.perf_counter() - start, 2)}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--big-prompts", type=int, default=3)
+    p.add_argument("--prompt-bytes", type=int, default=(8 << 20) - 4096, help="just under the 8 MiB body limit")
+    p.add_argument("--requests", type=int, default=300)
+    p.add_argument("--queue", type=int, default=100)
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+
+    small = {"model": "tiny", "prompt": "warm", "stream": False, "options": {"num_predict": 2}}
+    with tempfile.TemporaryDirectory() as tmp:
+        write_gguf(Path(tmp) / "tiny.gguf", n_layer=4, n_embd=128, n_head=4, n_head_kv=2, n_ff=256, n_ctx=512)
+        server, url = start_server(tmp, args.queue)
+        try:
+            for _ in range(3):  # loaded, and the server's thread pool and allocator warmed up
+                burst(url, 20)
+            rss_before = rss_bytes(server.pid)
+            root = big_prompts_vs_root(url, args.big_prompts, args.prompt_bytes)
+            load = burst(url, args.requests)
+            time.sleep(1.0)
+            rss_after = rss_bytes(server.pid)
+            still = requests.post(f"{url}/api/generate", json=small, timeout=60).status_code
+        finally:
+            server.terminate()
+            server.wait(timeout=30)
+    result = {"root_while_big_prompts": root, "burst": {**load, "queue_limit": args.queue},
+              "rss_before_bytes": rss_before, "rss_after_bytes": rss_after, "served_after": still}
+    served, refused = load["statuses"].get(200, 0), load["statuses"].get(503, 0)
+    print(f"GET / while {root['big_prompts']} clients send {root['prompt_bytes'] / 2**20:.2f} MiB prompts "
+          f"(answered {root['big_statuses']} in {root['big_seconds']} s): median {root['root_median_ms']} ms, "
+          f"max {root['root_max_ms']} ms over {root['root_requests']} requests "
+          f"[{'PASS' if root['root_max_ms'] < GOAL_ROOT_MS else 'FAIL'}: goal < {GOAL_ROOT_MS:g} ms]")
+    print(f"{args.requests} simultaneous generations, queue limit {args.queue}: {served} served, {refused} "
+          f"refused with 503, others {load['statuses']} in {load['seconds']} s "
+          f"[{'PASS' if served + refused == args.requests and refused > 0 else 'FAIL'}]")
+    print(f"resident memory: {rss_before / 2**20:.1f} MiB before, {rss_after / 2**20:.1f} MiB after "
+          f"({(rss_after - rss_before) / 2**20:+.1f} MiB); a request after all this: {still}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()
