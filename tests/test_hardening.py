@@ -303,3 +303,8 @@ def test_sampling_takes_the_limit_at_extreme_but_accepted_values(options, expect
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no overflow, no NaN on the way
         assert {sampler(np.array([1.0, 3.0, -2.0, 3.5], np.float32), [1, 2]) for _ in range(8)} == {expected}
+
+
+def test_an_undecodable_command_line_argument_is_read_as_a_replacement_character(models_dir, capsys):
+    assert cli_main(["run", str(models_dir / "tiny.gguf"), "a\udcffb", "--num-predict", "2", "--temperature", "0"]) == 0
+    assert "Traceback" not in capsys.readouterr().err

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import codecs
 import functools
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Iterable, Sequence
@@ -39,6 +40,9 @@ _LLAMA3 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{
            r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
           r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # no text with one in it can be encoded
 
 
 @dataclass(frozen=True)
@@ -224,7 +228,9 @@ class Tokenizer:
 
     def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
         """Token ids of ``text``; special tokens written in the text become their ids. A BOS is
-        added when the model asks for one (or ``add_bos``), unless the text already starts with it."""
+        added when the model asks for one (or ``add_bos``), unless the text already starts with it.
+        A lone surrogate (from a command line's undecodable bytes, say) is read as U+FFFD."""
+        text = _LONE_SURROGATE.sub("\ufffd", text)
         encoding = self._hf.encode(text, add_special_tokens=False)
         ids = encoding.ids
         if self.rstrip_ids:
