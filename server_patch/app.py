@@ -28,7 +28,7 @@ from pyplugin.serving import (ChatTemplateError, Engine, Final, GenerationReques
 from . import openai_compat, openapi
 from .guard import RequestGuard
 from .streaming import BadRequest, collect, dumps, engine_of, events, iso, now_iso, submit
-from .schemas import ChatRequest, GenerateRequest, ShowRequest
+from .schemas import ChatRequest, EmbeddingsRequest, EmbedRequest, GenerateRequest, ShowRequest
 
 MAX_BODY_BYTES = 8 << 20  # 8 MiB: far beyond any prompt num_ctx allows, small enough to buffer
 NDJSON = "application/x-ndjson"
@@ -311,6 +311,29 @@ def _ollama_routes() -> APIRouter:
             return _ndjson(job, chunk, final)
         text, f = await collect(job, request)
         return JSONResponse(final(text, f)) if f else Response(status_code=499)
+
+    @router.post("/api/embed", tags=["ollama"])
+    async def embed(body: EmbedRequest, request: Request) -> Response:
+        texts = [body.input] if isinstance(body.input, str) else body.input
+        job = await submit(request, GenerationRequest(model=body.model, embed=texts, truncate=body.truncate,
+                                                      dimensions=body.dimensions, options=body.options or {},
+                                                      keep_alive=body.keep_alive))
+        _, f = await collect(job, request)
+        if f is None:
+            return Response(status_code=499)
+        return JSONResponse({"model": body.model, "embeddings": f.embeddings, "total_duration": f.total_duration,
+                             "load_duration": f.load_duration, "prompt_eval_count": f.prompt_eval_count,
+                             "pebbling": f.report})
+
+    @router.post("/api/embeddings", tags=["ollama"])
+    async def legacy_embeddings(body: EmbeddingsRequest, request: Request) -> Response:
+        job = await submit(request, GenerationRequest(model=body.model, embed=[body.prompt] if body.prompt else [],
+                                                      normalize=False, options=body.options or {},
+                                                      keep_alive=body.keep_alive))
+        _, f = await collect(job, request)
+        if f is None:
+            return Response(status_code=499)
+        return JSONResponse({"embedding": f.embeddings[0] if f.embeddings else []})
 
     @router.get("/api/tags", tags=["ollama"])
     async def tags(request: Request) -> dict:

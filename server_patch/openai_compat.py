@@ -8,9 +8,11 @@ pebbling_memory_limit, pebbling_weights) or in an Ollama-style ``options`` objec
 
 from __future__ import annotations
 
+import base64
 import secrets
 from typing import Any, Callable
 
+import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
@@ -18,7 +20,7 @@ from starlette.concurrency import run_in_threadpool
 from pyplugin.serving import Final, GenerationRequest
 
 from .streaming import BadRequest, collect, dumps, engine_of, events, now_unix, submit
-from .schemas import ChatCompletionRequest, CompletionRequest
+from .schemas import ChatCompletionRequest, CompletionRequest, OpenAIEmbeddingsRequest
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 _FINISH = {"stop": "stop", "length": "length"}
@@ -142,3 +144,30 @@ def _sse(job, chunk: Callable[[str | None, Final | None], dict], include_usage: 
 
     return StreamingResponse(stream(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"})
+
+
+@router.post("/embeddings")
+async def embeddings(body: OpenAIEmbeddingsRequest, request: Request) -> Response:
+    texts = [body.input] if isinstance(body.input, str) else body.input
+    if any(not isinstance(t, str) for t in texts):
+        raise BadRequest("'input': token-id arrays are not supported (ids of another tokenizer mean nothing to "
+                         "this model); send text (LangChain's OpenAIEmbeddings: check_embedding_ctx_length=False)")
+    if body.encoding_format not in ("float", "base64"):
+        raise BadRequest(f"'encoding_format' must be float or base64, got {body.encoding_format!r}")
+    given = {"pebbling_strategy": body.pebbling_strategy, "pebbling_memory_limit": body.pebbling_memory_limit,
+             "pebbling_weights": body.pebbling_weights}
+    options = {**(body.options or {}), **{k: v for k, v in given.items() if v is not None}}
+    job = await submit(request, GenerationRequest(model=body.model, embed=texts, dimensions=body.dimensions,
+                                                  options=options, keep_alive=body.keep_alive))
+    _, f = await collect(job, request)
+    if f is None:
+        return Response(status_code=499)
+
+    def encoded(vector: list[float]):
+        return vector if body.encoding_format == "float" else \
+            base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()
+
+    return JSONResponse({"object": "list", "model": body.model,
+                         "data": [{"object": "embedding", "index": i, "embedding": encoded(v)}
+                                  for i, v in enumerate(f.embeddings)],
+                         "usage": {"prompt_tokens": f.prompt_eval_count, "total_tokens": f.prompt_eval_count}})

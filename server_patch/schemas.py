@@ -56,6 +56,24 @@ class ChatRequest(_Body):
     tools: list[Any] | None = Field(None, description="not supported")
 
 
+class EmbedRequest(_Body):
+    model: str
+    input: str | list[str] = Field(default_factory=list, description="a text, or a list of texts: one vector each")
+    truncate: bool = Field(True, description="cut an input longer than num_ctx (false: refuse it)")
+    dimensions: int | None = Field(None, ge=1, description="keep the first N values of each vector, renormalised")
+    options: dict[str, Any] | None = Field(None, description=_OPTIONS_DOC)
+    keep_alive: Any = Field(None, description=_KEEP_ALIVE_DOC)
+
+
+class EmbeddingsRequest(_Body):
+    """The older /api/embeddings: one prompt, a vector that is not normalised."""
+
+    model: str
+    prompt: str = ""
+    options: dict[str, Any] | None = Field(None, description=_OPTIONS_DOC)
+    keep_alive: Any = Field(None, description=_KEEP_ALIVE_DOC)
+
+
 class ShowRequest(_Body):
     model: str | None = None
     name: str | None = Field(None, description="older clients' spelling of `model`")
@@ -105,3 +123,17 @@ class CompletionRequest(_OpenAIBody):
     stream_options: StreamOptions | None = None
     suffix: str | None = None
     echo: bool = False
+
+
+class OpenAIEmbeddingsRequest(_Body):
+    model: str
+    input: str | list[str] | list[int] | list[list[int]] = Field(
+        description="a text or a list of texts (token-id arrays are refused: ids of another tokenizer mean nothing here)")
+    encoding_format: str = Field("float", description="float, or base64 (little-endian float32)")
+    dimensions: int | None = Field(None, ge=1)
+    user: str | None = None
+    options: dict[str, Any] | None = Field(None, description="pebbling extension: " + _OPTIONS_DOC)
+    pebbling_strategy: str | None = Field(None, description="pebbling extension, as in options")
+    pebbling_memory_limit: Any = None
+    pebbling_weights: Any = None
+    keep_alive: Any = Field(None, description=_KEEP_ALIVE_DOC)

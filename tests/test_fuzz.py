@@ -24,7 +24,8 @@ from server_patch.local import serving
 
 EXAMPLES = int(os.environ.get("PEBBLING_FUZZ_EXAMPLES", "300"))
 TINY = dict(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, n_ctx=128)
-POSTS = ("/api/generate", "/api/chat", "/api/show", "/v1/chat/completions", "/v1/completions")
+POSTS = ("/api/generate", "/api/chat", "/api/show", "/v1/chat/completions", "/v1/completions", "/api/embed",
+         "/api/embeddings", "/v1/embeddings")
 GETS = ("/", "/api/version", "/api/tags", "/api/ps", "/v1/models", "/api/nothing", "/v1/../api/tags")
 
 # Strings a careless client or an attacker sends.
@@ -78,6 +79,11 @@ def near_valid(draw) -> tuple[str, str, dict]:
     path = draw(st.sampled_from(POSTS[:2] + POSTS[3:]))
     model = draw(st.sampled_from(["tiny", "tiny:latest", "tiny", "tiny", "tiny", "absent"]))
     text = draw(st.one_of(st.text(min_size=1, max_size=30), odd_text))
+    if "embed" in path:
+        inputs = draw(st.one_of(st.just(text), st.lists(st.one_of(st.text(max_size=20), odd_text), max_size=3)))
+        key = "prompt" if path == "/api/embeddings" else "input"
+        return "model", path, {"model": model, key: inputs, "options": draw(options),
+                               **({"dimensions": draw(st.integers(-1, 80))} if draw(st.booleans()) else {})}
     body: dict = {"model": model, "stream": draw(st.booleans())}
     if path == "/api/generate":
         body.update(prompt=text, raw=draw(st.booleans()), options=draw(options))
@@ -98,7 +104,7 @@ def anything(draw) -> tuple[str, str, object]:
     """Any JSON at any route, or not JSON at all."""
     if draw(st.integers(0, 4)) == 0:
         return "GET", draw(st.sampled_from(GETS)), None
-    path = draw(st.sampled_from(POSTS + ("/api/embed", "/api/pull")))
+    path = draw(st.sampled_from(POSTS + ("/api/pull",)))
     body = draw(st.one_of(json_values, st.dictionaries(
         st.sampled_from(["model", "prompt", "messages", "options", "stream", "keep_alive", "context", "template",
                          "system", "raw", "format", "images", "max_tokens", "n", "stop", "tools"]), json_values,

@@ -35,6 +35,8 @@ SUPPORTED_ARCHS = tuple(ROPE_MODES)
 RANDOM_WEIGHTS_KEY = "pebbling.random_weights"  # set by pyplugin.synth
 _REQUIRED = object()
 WEIGHT_FORMS = ("quantized", "f16")  # as the file stores them, or expanded once at load
+POOLING_TYPES = ("none", "mean", "cls", "last", "rank")  # {arch}.pooling_type, as llama.cpp numbers them;
+# a file without one (a chat model) is pooled by the mean, as Ollama's embeddings of such models are
 
 
 def check_weight_form(form: str, what: str = "weights") -> str:
@@ -181,7 +183,8 @@ def read_config(f: GGUFFile) -> ModelConfig:
         n_vocab=token_embd.shape[0], n_ctx_train=integer("context_length", 1 << 27),
         rms_eps=positive("attention.layer_norm_rms_epsilon", 1e-5), rope_mode=ROPE_MODES[arch],
         rope_dims=rope_dims, rope_theta=positive("rope.freq_base", 10000.0),
-        rope_freq_scale=_rope_freq_scale(f, arch), rope_freq_factors=_rope_freq_factors(f, rope_dims))
+        rope_freq_scale=_rope_freq_scale(f, arch), rope_freq_factors=_rope_freq_factors(f, rope_dims),
+        pooling=POOLING_TYPES[integer("pooling_type", len(POOLING_TYPES) - 1, default=1, lo=0)])
 
 
 def _shown(value: Any) -> str:

@@ -226,6 +226,11 @@ class Tokenizer:
         kept = len(text) - sum(map(text.count, _C_WHITESPACE)) if self.rstrip_ids else len(text)
         return kept // self._longest_piece
 
+    def enough_text(self, text: str, n_tokens: int) -> str:
+        """A prefix of `text` whose tokens include the first `n_tokens` of the whole: what truncating
+        to them needs tokenized, however long the text."""
+        return text[:(n_tokens + 1) * self._longest_piece]
+
     def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
         """Token ids of ``text``; special tokens written in the text become their ids. A BOS is
         added when the model asks for one (or ``add_bos``), unless the text already starts with it.

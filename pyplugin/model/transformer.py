@@ -48,6 +48,7 @@ class ModelConfig:
     rope_freq_scale: float = 1.0        # 1 / linear scaling factor
     rope_freq_factors: tuple[float, ...] | None = None  # llama3-style per-frequency divisors
     attn_scale: float | None = None     # multiplies q before the dot products; None: 1/sqrt(head_dim)
+    pooling: str = "mean"               # how embeddings pool the hidden states: mean, cls, last, none, rank
 
     @property
     def n_group(self) -> int:

@@ -17,7 +17,7 @@ import numpy as np
 
 from ..errors import OptionsError
 from ..model import KVCache, LayerWeights, Model, OuterWeights, embed, layer_forward, output_logits
-from ..model.transformer import rope_table
+from ..model.transformer import rms_norm, rope_table
 from ..store import Kernels, LayerShape, select_backend
 from ..xp import compute_dtype, to_numpy
 from .options import Options
@@ -101,6 +101,10 @@ class Generation:
         """Run tokens through every layer at the current position; float32 logits of the last one."""
         if len(tokens) == 1 and self.decode_kernels is not None:
             return self._decode_step(tokens[0])
+        x = self._through_layers(tokens)                                           # [T, n_embd]
+        return to_numpy(output_logits(self.cfg, self.outer, x[-1]))               # [n_vocab]
+
+    def _through_layers(self, tokens: Sequence[int]) -> Any:
         x = embed(self.outer, tokens, self.xp)                                     # [T, n_embd]
         self.layers.begin(self.pos, len(tokens))
         for i in range(self.cfg.n_layer):
@@ -108,7 +112,19 @@ class Generation:
             x = layer_forward(self.cfg, x, weights, k_cache, v_cache, self.pos)
             self.layers.done(i)
         self.pos += len(tokens)
-        return to_numpy(output_logits(self.cfg, self.outer, x[-1]))               # [n_vocab]
+        return x
+
+    def hidden_states(self, tokens: Sequence[int]) -> np.ndarray:
+        """The model's final hidden states of `tokens` (after the output norm), float32 [T, n_embd]: what
+        embeddings pool. The prompt goes in chunks of num_batch tokens, as in prefill."""
+        self._check_prompt(list(tokens))
+        start, states = time.perf_counter_ns(), []
+        for i in range(0, len(tokens), self.options.num_batch):
+            x = self._through_layers(tokens[i:i + self.options.num_batch])
+            states.append(to_numpy(rms_norm(x, self.outer.output_norm, self.cfg.rms_eps)).astype(np.float32))
+        self.stats.prompt_tokens += len(tokens)
+        self.stats.prompt_ns += time.perf_counter_ns() - start
+        return np.concatenate(states)
 
     def _decode_step(self, token: int) -> np.ndarray:
         """One token through every layer, each layer one native call; the residual stream stays float32."""

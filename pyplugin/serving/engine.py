@@ -23,6 +23,7 @@ from typing import Any
 from ..errors import OptionsError, PebblingError
 from ..model import Model, load_model
 from ..runtime import Options, PebbledModel, PebblingOptions
+from ..runtime.embedding import check_pooling, normalize, pool
 from .catalogue import Catalogue, ModelListing, ServerBusyError, model_errors
 from .settings import DEFAULT_MAX_CONTEXT, DEFAULT_MAX_QUEUE, MAX_CONTEXT_ENV, MAX_QUEUE_ENV, env_limit
 from .go_template import render_go_template
@@ -112,6 +113,8 @@ class Engine:
             model = entry.model
             options = Options.from_dict(request.options, n_ctx_train=model.config.n_ctx_train,
                                         max_ctx=self.max_context)
+            if request.embed is not None:
+                return self._submit_embed(entry, request, options, pebbling, keep_alive, load_ns)
             tokens = self._prompt_tokens(model, request, options.num_ctx)
             # A budget that cannot fit is refused here, before anything is queued.
             entry.pebbled.plan(options, pebbling, len(tokens), self._others(entry))
@@ -131,6 +134,36 @@ class Engine:
             self._release(entry, keep_alive)
             raise
         entry.jobs.put(job)  # entry.active counts it, so the worker cannot have been told to stop
+        return job
+
+    def _submit_embed(self, entry: _Loaded, request: GenerationRequest, options: Options,
+                      pebbling: PebblingOptions, keep_alive: float, load_ns: int) -> Job:
+        """Queues an embed request (the caller releases the entry if this raises)."""
+        model, inputs = entry.model, []
+        check_pooling(model.config.pooling)  # a model that pools nothing is refused before anything runs
+        for n, text in enumerate(request.embed):
+            if not text:  # its tokens would be the BOS alone: an embedding of nothing
+                raise OptionsError(f"input {n} is empty: there is nothing to embed")
+            if request.truncate:
+                text = model.tokenizer.enough_text(text, options.num_ctx)
+            elif model.tokenizer.fewest_tokens(text) > options.num_ctx:
+                raise OptionsError(f"input {n} is more than num_ctx ({options.num_ctx}) tokens; set truncate "
+                                   "to true, raise num_ctx or shorten it")
+            tokens = model.tokenizer.encode(text)
+            if len(tokens) > options.num_ctx and not request.truncate:
+                raise OptionsError(f"input {n} is {len(tokens)} tokens, more than num_ctx ({options.num_ctx}); "
+                                   "set truncate to true, raise num_ctx or shorten it")
+            inputs.append(tokens[:options.num_ctx])
+        job = Job(request, [], options, pebbling, keep_alive, load_ns)
+        job.inputs = inputs
+        if not inputs:
+            self._release(entry, keep_alive)
+            job._put(Final(request.model, "stop", [], total_duration=_since(request.started_ns),
+                           load_duration=load_ns, embeddings=[]))
+            job._put(Job._END)
+            return job
+        entry.pebbled.plan(options, pebbling, max(map(len, inputs)), self._others(entry))
+        entry.jobs.put(job)
         return job
 
     def _prompt_tokens(self, model: Model, request: GenerationRequest, num_ctx: int) -> list[int]:
@@ -169,6 +202,8 @@ class Engine:
         """Generate for one job, streaming its text; its Final, or None if it was cancelled first."""
         if job.cancelled:  # the client left while the request waited
             return None
+        if job.inputs is not None:
+            return self._run_embed(entry, job)
         gen = entry.pebbled.generation(job.options, job.pebbling, len(job.tokens), others=self._others(entry),
                                        should_stop=lambda: job.cancelled)
         for piece in gen.text(job.tokens):
@@ -183,6 +218,23 @@ class Engine:
                      prompt_eval_duration=stats.prompt_ns, eval_count=stats.generated_tokens,
                      eval_duration=stats.generate_ns, report=report)
         # `gen`, and the KV cache it holds, is freed on return: before the next job allocates its own.
+
+    def _run_embed(self, entry: _Loaded, job: Job) -> Final | None:
+        """One vector per input, each through the model's store under the request's plan."""
+        request, vectors, tokens, prompt_ns, report = job.request, [], 0, 0, None
+        for ids in job.inputs:
+            if job.cancelled:
+                return None
+            gen = entry.pebbled.generation(job.options, job.pebbling, len(ids), others=self._others(entry))
+            vector = pool(gen.hidden_states(ids), entry.model.config.pooling)
+            vector = normalize(vector, request.dimensions) if request.normalize else vector[:request.dimensions]
+            vectors.append([float(v) for v in vector])
+            tokens, prompt_ns, report = tokens + gen.stats.prompt_tokens, prompt_ns + gen.stats.prompt_ns, gen.report()
+        report = _plain(report)
+        entry.size_vram = report["measured_peak_bytes"] if entry.pebbled.backend.measures_memory else 0
+        return Final(request.model, "stop", [], total_duration=_since(request.started_ns),
+                     load_duration=job.load_ns, prompt_eval_count=tokens, prompt_eval_duration=prompt_ns,
+                     report=report, embeddings=vectors)
 
     def _work(self, entry: _Loaded) -> None:
         while True:

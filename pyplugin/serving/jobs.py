@@ -66,7 +66,7 @@ def _go_duration(text: str) -> float | None:
 
 @dataclass
 class GenerationRequest:
-    """One generate or chat request, as the HTTP layer has already type-checked it."""
+    """One generate, chat or embed request, as the HTTP layer has already type-checked it."""
 
     model: str
     prompt: str | None = None                       # generate
@@ -77,6 +77,10 @@ class GenerationRequest:
     context: list[int] | None = None                # generate: the ids a previous response returned
     options: dict[str, Any] = field(default_factory=dict)
     keep_alive: Any = None
+    embed: list[str] | None = None                  # embed: the texts, one vector each
+    truncate: bool = True                           # embed: cut an input longer than num_ctx (else refuse)
+    dimensions: int | None = None                   # embed: keep the first N values of each vector
+    normalize: bool = True                          # embed: unit length (not for the legacy /api/embeddings)
     started_ns: int = field(default_factory=time.perf_counter_ns)  # for total_duration
 
 
@@ -94,6 +98,7 @@ class Final:
     eval_count: int = 0
     eval_duration: int = 0
     report: dict[str, Any] | None = None
+    embeddings: list[list[float]] | None = None  # an embed request's vectors, one per input
 
     def stats(self) -> dict[str, int]:
         return {k: getattr(self, k) for k in ("total_duration", "load_duration", "prompt_eval_count",
@@ -113,6 +118,7 @@ class Job:
     def __init__(self, request: GenerationRequest, tokens: list[int], options: Options, pebbling: PebblingOptions,
                  keep_alive: float, load_ns: int):
         self.request, self.tokens, self.options, self.pebbling = request, tokens, options, pebbling
+        self.inputs: list[list[int]] | None = None  # an embed job's token ids, one list per input
         self.keep_alive, self.load_ns = keep_alive, load_ns
         self._events: queue.Queue = queue.Queue()
         self._cancel = threading.Event()
