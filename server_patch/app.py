@@ -264,16 +264,13 @@ def _ollama_routes() -> APIRouter:
 
     @router.post("/api/generate", tags=["ollama"])
     async def generate(body: GenerateRequest, request: Request) -> Response:
-        if body.format not in (None, ""):
-            raise BadRequest("'format' (JSON or schema-constrained output) is not supported by pebbling; "
-                             "leave it out and ask for JSON in the prompt")
         if body.images:
             raise BadRequest("'images' is not supported: pebbling serves text-only models")
         if body.suffix:
             raise BadRequest("'suffix' (fill-in-the-middle) is not supported by pebbling")
         job = await submit(request, GenerationRequest(
-            model=body.model, prompt=body.prompt, system=body.system, template=body.template,
-            raw=body.raw, context=body.context, options=body.options or {}, keep_alive=body.keep_alive))
+            model=body.model, prompt=body.prompt, system=body.system, template=body.template, raw=body.raw,
+            context=body.context, format=body.format, options=body.options or {}, keep_alive=body.keep_alive))
 
         def chunk(text: str) -> dict:
             return {"model": body.model, "created_at": now_iso(), "response": text, "done": False}
@@ -289,15 +286,13 @@ def _ollama_routes() -> APIRouter:
 
     @router.post("/api/chat", tags=["ollama"])
     async def chat(body: ChatRequest, request: Request) -> Response:
-        if body.format not in (None, ""):
-            raise BadRequest("'format' (JSON or schema-constrained output) is not supported by pebbling")
         if body.tools:
             raise BadRequest("'tools' is not supported by pebbling")
         if any(m.images for m in body.messages):
             raise BadRequest("'images' is not supported: pebbling serves text-only models")
         job = await submit(request, GenerationRequest(
             model=body.model, messages=[{"role": m.role, "content": m.content} for m in body.messages],
-            options=body.options or {}, keep_alive=body.keep_alive))
+            format=body.format, options=body.options or {}, keep_alive=body.keep_alive))
 
         def chunk(text: str) -> dict:
             return {"model": body.model, "created_at": now_iso(),

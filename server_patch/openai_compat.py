@@ -50,6 +50,21 @@ def _text_content(content: Any, index: int) -> str:
     raise BadRequest(f"messages[{index}].content must be a string or a list of text parts")
 
 
+def _format(response_format: dict | None) -> Any:
+    """OpenAI's response_format as Ollama's format: None, "json" (json_object) or the JSON schema."""
+    kind = (response_format or {}).get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return "json"
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise BadRequest("'response_format.json_schema.schema' must be a JSON schema object")
+        return spec["schema"]
+    raise BadRequest(f"'response_format.type' must be text, json_object or json_schema, got {str(kind)[:40]!r}")
+
+
 def _usage(f: Final) -> dict[str, int]:
     return {"prompt_tokens": f.prompt_eval_count, "completion_tokens": f.eval_count,
             "total_tokens": f.prompt_eval_count + f.eval_count}
@@ -59,13 +74,12 @@ def _usage(f: Final) -> dict[str, int]:
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     if body.tools:
         raise BadRequest("'tools' is not supported by pebbling")
-    if body.response_format and body.response_format.get("type", "text") != "text":
-        raise BadRequest("'response_format' other than {\"type\": \"text\"} is not supported by pebbling")
+    fmt = _format(body.response_format)
     messages = [{"role": m.role, "content": _text_content(m.content, i)} for i, m in enumerate(body.messages)]
     if not messages:
         raise BadRequest("'messages' must hold at least one message")
     job = await submit(request, GenerationRequest(
-        model=body.model, messages=messages,
+        model=body.model, messages=messages, format=fmt,
         options=_options(body, body.max_completion_tokens or body.max_tokens), keep_alive=body.keep_alive))
     base = {"id": f"chatcmpl-{secrets.token_hex(12)}", "created": now_unix(), "model": body.model,
             "system_fingerprint": "fp_pebbling"}

@@ -35,7 +35,7 @@ class GenerateRequest(_Body):
     stream: bool = True
     options: dict[str, Any] | None = Field(None, description=_OPTIONS_DOC)
     keep_alive: Any = Field(None, description=_KEEP_ALIVE_DOC)
-    format: Any = Field(None, description="not supported: constrained output needs a grammar sampler")
+    format: Any = Field(None, description='"json", or a JSON schema the output must follow (constrained decoding)')
     images: list[str] | None = Field(None, description="not supported: text-only models")
     suffix: str | None = Field(None, description="not supported: fill-in-the-middle")
 
@@ -52,7 +52,7 @@ class ChatRequest(_Body):
     stream: bool = True
     options: dict[str, Any] | None = Field(None, description=_OPTIONS_DOC)
     keep_alive: Any = Field(None, description=_KEEP_ALIVE_DOC)
-    format: Any = None
+    format: Any = Field(None, description='"json", or a JSON schema the output must follow (constrained decoding)')
     tools: list[Any] | None = Field(None, description="not supported")
 
 

@@ -281,7 +281,7 @@ BAD_GENERATE = [
                  "more than num_ctx", id="prompt-too-long"),
     pytest.param({"model": "tiny", "prompt": "x", "template": "{{ range .Messages }}"}, 400, "template",
                  id="unsupported-template"),
-    pytest.param({"model": "tiny", "prompt": "x", "format": "json"}, 400, "'format'", id="format"),
+    pytest.param({"model": "tiny", "prompt": "x", "format": "yaml"}, 400, "format: got", id="format"),
 ]
 
 

@@ -226,6 +226,14 @@ class Tokenizer:
         kept = len(text) - sum(map(text.count, _C_WHITESPACE)) if self.rstrip_ids else len(text)
         return kept // self._longest_piece
 
+    def encode_fragment(self, text: str) -> list[int]:
+        """Token ids of `text` as a piece inside a longer text: no BOS and, for SentencePiece, no space
+        prefixed (what a grammar engine needs to spell out the bytes it forces)."""
+        text = _LONE_SURROGATE.sub("\ufffd", text)
+        if self.kind == "spm":
+            return [t.id for t in self._hf.model.tokenize(text.replace(" ", SPACE))] if text else []
+        return self._hf.encode(text, add_special_tokens=False).ids
+
     def enough_text(self, text: str, n_tokens: int) -> str:
         """A prefix of `text` whose tokens include the first `n_tokens` of the whole: what truncating
         to them needs tokenized, however long the text."""

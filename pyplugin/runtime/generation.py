@@ -20,6 +20,7 @@ from ..model import KVCache, LayerWeights, Model, OuterWeights, embed, layer_for
 from ..model.transformer import rms_norm, rope_table
 from ..store import Kernels, LayerShape, select_backend
 from ..xp import compute_dtype, to_numpy
+from .constraint import Constraint
 from .options import Options
 from .sampling import Sampler
 
@@ -83,8 +84,9 @@ class Generation:
     """One request: its layer source (and so its KV cache), position, sampler and stats."""
 
     def __init__(self, model: Model, options: Options, *, layers: LayerSource | None = None,
-                 should_stop: Callable[[], bool] | None = None):
-        self.model, self.options = model, options
+                 should_stop: Callable[[], bool] | None = None, constraint: Constraint | None = None):
+        """`constraint`: a grammar the output must follow (structured output), masking the logits."""
+        self.model, self.options, self.constraint = model, options, constraint
         self.cfg = model.config
         self.layers = layers if layers is not None else ResidentLayers(model, options.num_ctx)
         self.xp, self.outer = self.layers.xp, self.layers.outer
@@ -169,7 +171,11 @@ class Generation:
         history, limit = prompt, self.options.num_predict
         while limit < 0 or self.stats.generated_tokens < limit:
             start = time.perf_counter_ns()
+            if self.constraint is not None:
+                logits = self.constraint.mask(logits)
             token = self.sample(logits, history)
+            if self.constraint is not None and token not in self.model.tokenizer.eog_ids:
+                self.constraint.accept(token)
             self.stats.generate_ns += time.perf_counter_ns() - start
             if token in self.model.tokenizer.eog_ids:
                 self.stats.done_reason = "stop"
@@ -181,6 +187,9 @@ class Generation:
             self.generated.append(token)
             history.append(token)
             yield token
+            if self.constraint is not None and self.constraint.stopped:
+                self.stats.done_reason = "stop"  # the grammar is complete: only an end could follow
+                return
             if self.pos >= self.layers.n_ctx or self.stats.generated_tokens == limit:
                 break  # no forward pass for a token that will not be sampled
             start = time.perf_counter_ns()

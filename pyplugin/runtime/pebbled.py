@@ -15,6 +15,7 @@ from ..model import LayerWeights, Model, OuterWeights, QuantWeight, embed, layer
 from ..model.qweight import needs_expansion
 from ..store import Backend, select_backend
 from ..xp import to_numpy
+from .constraint import Constraint
 from .generation import Generation
 from .layout import K_ID, V_ID, WEIGHT_IDS, StoredTensor, aligned, bytes_of, tensor_desc
 from .options import Options
@@ -191,13 +192,13 @@ class PebbledModel:
         return make_plan(self.memory_model(options, prompt_tokens), strategy, budget)
 
     def generation(self, options: Options, pebbling: PebblingOptions, prompt_tokens: int | None = None, *,
-                   plan: Plan | None = None, others: int = 0,
-                   should_stop: Callable[[], bool] | None = None) -> Generation:
+                   plan: Plan | None = None, others: int = 0, should_stop: Callable[[], bool] | None = None,
+                   constraint: Constraint | None = None) -> Generation:
         """One request through the store: its plan (`plan`, else made from the options), the store made
         to hold it, and a Generation over those layers."""
         plan = plan or self.plan(options, pebbling, prompt_tokens, others)
         return Generation(self.model, options, layers=StoreLayers(self, plan, options, pebbling),
-                          should_stop=should_stop)
+                          should_stop=should_stop, constraint=constraint)
 
     def prepare(self, plan: Plan, n_ctx: int) -> None:
         """Makes the store hold the plan: resident layers on the device, KV entries for n_ctx."""

@@ -23,6 +23,7 @@ from typing import Any
 from ..errors import OptionsError, PebblingError
 from ..model import Model, load_model
 from ..runtime import Options, PebbledModel, PebblingOptions
+from ..runtime.constraint import Constraint
 from ..runtime.embedding import check_pooling, normalize, pool
 from .catalogue import Catalogue, ModelListing, ServerBusyError, model_errors
 from .settings import DEFAULT_MAX_CONTEXT, DEFAULT_MAX_QUEUE, MAX_CONTEXT_ENV, MAX_QUEUE_ENV, env_limit
@@ -115,6 +116,7 @@ class Engine:
                                         max_ctx=self.max_context)
             if request.embed is not None:
                 return self._submit_embed(entry, request, options, pebbling, keep_alive, load_ns)
+            constraint = Constraint.from_format(model.tokenizer, request.format)
             tokens = self._prompt_tokens(model, request, options.num_ctx)
             # A budget that cannot fit is refused here, before anything is queued.
             entry.pebbled.plan(options, pebbling, len(tokens), self._others(entry))
@@ -123,6 +125,7 @@ class Engine:
                                    f"({options.num_ctx}); raise num_ctx (this model allows up to "
                                    f"{model.config.n_ctx_train}) or shorten the prompt")
             job = Job(request, tokens, options, pebbling, keep_alive, load_ns)
+            job.constraint = constraint
             if not tokens:  # Ollama: an empty prompt only loads the model, keep_alive 0 unloads it
                 reason = "unload" if keep_alive == 0 else "load"
                 self._release(entry, keep_alive)
@@ -205,7 +208,7 @@ class Engine:
         if job.inputs is not None:
             return self._run_embed(entry, job)
         gen = entry.pebbled.generation(job.options, job.pebbling, len(job.tokens), others=self._others(entry),
-                                       should_stop=lambda: job.cancelled)
+                                       should_stop=lambda: job.cancelled, constraint=job.constraint)
         for piece in gen.text(job.tokens):
             if job.cancelled:
                 break

@@ -77,6 +77,7 @@ class GenerationRequest:
     context: list[int] | None = None                # generate: the ids a previous response returned
     options: dict[str, Any] = field(default_factory=dict)
     keep_alive: Any = None
+    format: Any = None                              # generate, chat: "json" or a JSON schema the output follows
     embed: list[str] | None = None                  # embed: the texts, one vector each
     truncate: bool = True                           # embed: cut an input longer than num_ctx (else refuse)
     dimensions: int | None = None                   # embed: keep the first N values of each vector
@@ -119,6 +120,7 @@ class Job:
                  keep_alive: float, load_ns: int):
         self.request, self.tokens, self.options, self.pebbling = request, tokens, options, pebbling
         self.inputs: list[list[int]] | None = None  # an embed job's token ids, one list per input
+        self.constraint = None                      # the grammar its output follows (format), if any
         self.keep_alive, self.load_ns = keep_alive, load_ns
         self._events: queue.Queue = queue.Queue()
         self._cancel = threading.Event()
