@@ -65,7 +65,7 @@ class Constraint:
         if self.matcher.is_error():
             raise OptionsError(f"{what}: {self.matcher.get_error()}")
         self._bits = np.zeros((ll.vocab_size + 31) // 32, dtype=np.int32)
-        self.mask_ns = 0  # time spent computing and applying masks, for the report
+        self.ns = 0  # time spent in the grammar (masks and steps), for measurements
 
     @classmethod
     def from_format(cls, tokenizer: Tokenizer, fmt: Any, what: str = "format") -> "Constraint | None":
@@ -90,11 +90,14 @@ class Constraint:
         self.matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
         allowed = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[:self.n_vocab].astype(bool)
         out = np.where(allowed, logits, -np.inf).astype(logits.dtype, copy=False)
-        self.mask_ns += time.perf_counter_ns() - start
+        self.ns += time.perf_counter_ns() - start
         return out
 
     def accept(self, token: int) -> None:
-        if not self.matcher.consume_token(int(token)):
+        start = time.perf_counter_ns()
+        accepted = self.matcher.consume_token(int(token))
+        self.ns += time.perf_counter_ns() - start
+        if not accepted:
             raise OptionsError(f"{self.what}: token {token} breaks the grammar: {self.matcher.get_error()}")
 
     @property
