@@ -32,6 +32,7 @@ def _options(body, max_tokens: int | None) -> dict[str, Any]:
     # OpenAI's defaults where the client sets nothing, as Ollama's compatibility layer does.
     options: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, **(body.options or {})}
     given = {"temperature": body.temperature, "top_p": body.top_p, "seed": body.seed, "stop": body.stop,
+             "presence_penalty": body.presence_penalty, "frequency_penalty": body.frequency_penalty,
              "num_predict": max_tokens, "pebbling_strategy": body.pebbling_strategy,
              "pebbling_enabled": body.pebbling_enabled, "pebbling_memory_limit": body.pebbling_memory_limit,
              "pebbling_weights": body.pebbling_weights}

@@ -91,6 +91,8 @@ class _OpenAIBody(_Body):
     temperature: float | None = None
     top_p: float | None = None
     seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     stop: Any = Field(None, description="a string or a list of strings")
     n: int = 1
     options: dict[str, Any] | None = Field(None, description="pebbling extension: " + _OPTIONS_DOC)

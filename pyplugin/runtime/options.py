@@ -1,7 +1,10 @@
 """Generation options, with Ollama's names and defaults, validated from a request's ``options``.
 
-Keys this module does not know are ignored, as Ollama ignores them (num_gpu, mirostat, and the
-pebbling_* options, which the server reads itself).
+Nothing is silently ignored: an option that changes what is generated and that pebbling does not
+implement (mirostat, tfs_z, typical_p, ...) is refused unless it is given its neutral value, and a key
+that is no option at all is refused naming it. Ollama's options for where a model runs (num_gpu,
+num_thread, use_mmap, ...) are accepted and have no effect, since pebbling decides placement itself
+(the pebbling_* options, read by the plan); so are the pebbling_* keys here.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ class Options:
     num_ctx: int = DEFAULT_NUM_CTX
     num_batch: int = 512          # prefill chunk, in tokens
     stop: tuple[str, ...] = ()
+    presence_penalty: float = 0.0   # subtracted from a token's logit once it appears in the last repeat_last_n
+    frequency_penalty: float = 0.0  # ... times the number of times it appears there
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any] | None = None, *,
@@ -39,6 +44,8 @@ class Options:
             values = {}
         if not isinstance(values, Mapping):
             raise OptionsError(f"options must be an object, got {type(values).__name__}")
+        for key, value in values.items():
+            _check_unimplemented(key, value)
         parsed: dict[str, Any] = {}
         for f in fields(cls):
             if f.name in values and values[f.name] is not None:
@@ -61,8 +68,7 @@ class Options:
 
 
 def _fail(name: str, value: Any, accepted: str) -> OptionsError:
-    shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
-    return OptionsError(f"option {name!r}: got {shown} ({type(value).__name__}); accepted: {accepted}")
+    return OptionsError(f"option {name!r}: got {_shown(value)} ({type(value).__name__}); accepted: {accepted}")
 
 
 def _number(low: float, high: float = math.inf, *, low_open: bool = False) -> Callable[[str, Any], float]:
@@ -75,14 +81,12 @@ def _number(low: float, high: float = math.inf, *, low_open: bool = False) -> Ca
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise _fail(name, value, accepted)
         try:
-            value = float(value)
+            number = float(value)
         except OverflowError:  # an integer past float's range
             raise _fail(name, value, accepted) from None
-        if not math.isfinite(value):
+        if not math.isfinite(number) or number < low or number > high or (low_open and number == low):
             raise _fail(name, value, accepted)
-        if value < low or value > high or (low_open and value == low):
-            raise _fail(name, value, accepted)
-        return float(value)
+        return number
     return check
 
 
@@ -123,4 +127,39 @@ _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "num_ctx": _integer(1),
     "num_batch": _integer(1),
     "stop": _stop,
+    "presence_penalty": _number(-2.0, 2.0),
+    "frequency_penalty": _number(-2.0, 2.0),
 }
+
+# Where a model runs: pebbling plans that itself (pebbling_strategy, pebbling_memory_limit).
+PLACEMENT = frozenset({"num_gpu", "main_gpu", "num_thread", "use_mmap", "use_mlock", "numa", "low_vram",
+                       "f16_kv", "vocab_only", "logits_all", "embedding_only", "num_gqa", "rope_frequency_base",
+                       "rope_frequency_scale"})
+# Sampling options not implemented, with the value that leaves sampling as it is.
+NEUTRAL = {"mirostat": 0, "mirostat_tau": None, "mirostat_eta": None, "tfs_z": 1.0, "typical_p": 1.0,
+           "penalize_newline": False, "num_keep": None}
+PEBBLING = frozenset({"pebbling_strategy", "pebbling_enabled", "pebbling_memory_limit", "pebbling_weights"})
+
+
+def _check_unimplemented(key: Any, value: Any) -> None:
+    if key in _CHECKS or key in PLACEMENT or key in PEBBLING:
+        return
+    if key in NEUTRAL:
+        neutral = NEUTRAL[key]
+        if neutral is None or value is None or value == neutral:  # None: no effect without the others
+            return
+        raise OptionsError(f"option {key!r}: {_shown(value)} is not implemented by pebbling; leave it out or give "
+                           f"it {json_text(neutral)}")
+    known = ", ".join(sorted(_CHECKS))
+    raise OptionsError(f"option {_shown(key)} is not an option pebbling knows; options: {known}, the "
+                       "pebbling_* ones, and Ollama's placement options (num_gpu, num_thread, ...), which have "
+                       "no effect here")
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def json_text(value: Any) -> str:
+    return "false" if value is False else "true" if value is True else repr(value)

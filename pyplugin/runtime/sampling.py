@@ -27,6 +27,17 @@ def apply_repeat_penalty(logits: np.ndarray, recent: Sequence[int], penalty: flo
     return logits
 
 
+def apply_presence_frequency(logits: np.ndarray, recent: Sequence[int], presence: float,
+                             frequency: float) -> np.ndarray:
+    """llama.cpp's (and so Ollama's) penalties: a token seen c times among the recent ones loses
+    c * frequency + presence from its logit. Returns a float64 copy."""
+    logits = np.array(logits, dtype=np.float64)
+    if len(recent):
+        ids, counts = np.unique(np.asarray(recent, dtype=np.int64), return_counts=True)
+        logits[ids] -= counts * frequency + presence
+    return logits
+
+
 def top_k_candidates(logits: np.ndarray, k: int) -> np.ndarray:
     """Ids of the k largest logits, largest first (all ids when k is 0 or beyond the vocabulary)."""
     if 0 < k < logits.size:
@@ -76,7 +87,10 @@ class Sampler:
 
     def __call__(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
         o = self.options
-        logits = apply_repeat_penalty(logits, self.recent(history), o.repeat_penalty)
+        recent = self.recent(history)
+        logits = apply_repeat_penalty(logits, recent, o.repeat_penalty)
+        if o.presence_penalty or o.frequency_penalty:
+            logits = apply_presence_frequency(logits, recent, o.presence_penalty, o.frequency_penalty)
         if o.temperature <= 0.0:
             return int(np.argmax(logits))
         ids = top_k_candidates(logits, o.top_k)
