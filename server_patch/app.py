@@ -27,7 +27,8 @@ from pyplugin.serving import (ChatTemplateError, Engine, Final, GenerationReques
 
 from . import openai_compat, openapi
 from .guard import RequestGuard
-from .streaming import BadRequest, collect, dumps, engine_of, events, iso, now_iso, submit
+from .streaming import (BadRequest, collect, dumps, engine_of, events, iso, now_iso, refuse_unsupported,
+                        submit)
 from .schemas import ChatRequest, EmbeddingsRequest, EmbedRequest, GenerateRequest, ShowRequest
 
 MAX_BODY_BYTES = 8 << 20  # 8 MiB: far beyond any prompt num_ctx allows, small enough to buffer
@@ -264,6 +265,7 @@ def _ollama_routes() -> APIRouter:
 
     @router.post("/api/generate", tags=["ollama"])
     async def generate(body: GenerateRequest, request: Request) -> Response:
+        refuse_unsupported(body)
         if body.images:
             raise BadRequest("'images' is not supported: pebbling serves text-only models")
         if body.suffix:
@@ -286,12 +288,13 @@ def _ollama_routes() -> APIRouter:
 
     @router.post("/api/chat", tags=["ollama"])
     async def chat(body: ChatRequest, request: Request) -> Response:
+        refuse_unsupported(body)
         if body.tools:
             raise BadRequest("'tools' is not supported by pebbling")
         if any(m.images for m in body.messages):
             raise BadRequest("'images' is not supported: pebbling serves text-only models")
         job = await submit(request, GenerationRequest(
-            model=body.model, messages=[{"role": m.role, "content": m.content} for m in body.messages],
+            model=body.model, messages=[{"role": m.role, "content": m.content or ""} for m in body.messages],
             format=body.format, options=body.options or {}, keep_alive=body.keep_alive))
 
         def chunk(text: str) -> dict:

@@ -19,7 +19,7 @@ from starlette.concurrency import run_in_threadpool
 
 from pyplugin.serving import Final, GenerationRequest
 
-from .streaming import BadRequest, collect, dumps, engine_of, events, now_unix, submit
+from .streaming import BadRequest, collect, dumps, engine_of, events, now_unix, refuse_unsupported, submit
 from .schemas import ChatCompletionRequest, CompletionRequest, OpenAIEmbeddingsRequest
 
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -27,8 +27,9 @@ _FINISH = {"stop": "stop", "length": "length"}
 
 
 def _options(body, max_tokens: int | None) -> dict[str, Any]:
-    if body.n != 1:
-        raise BadRequest(f"'n' must be 1 (pebbling returns one choice), got {body.n}")
+    refuse_unsupported(body)
+    if body.n != 1 and body.stream:
+        raise BadRequest(f"'n' is {body.n} with stream: several choices are generated only without stream")
     # OpenAI's defaults where the client sets nothing, as Ollama's compatibility layer does.
     options: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, **(body.options or {})}
     given = {"temperature": body.temperature, "top_p": body.top_p, "seed": body.seed, "stop": body.stop,
@@ -66,11 +67,6 @@ def _format(response_format: dict | None) -> Any:
     raise BadRequest(f"'response_format.type' must be text, json_object or json_schema, got {str(kind)[:40]!r}")
 
 
-def _usage(f: Final) -> dict[str, int]:
-    return {"prompt_tokens": f.prompt_eval_count, "completion_tokens": f.eval_count,
-            "total_tokens": f.prompt_eval_count + f.eval_count}
-
-
 @router.post("/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     if body.tools:
@@ -79,9 +75,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     messages = [{"role": m.role, "content": _text_content(m.content, i)} for i, m in enumerate(body.messages)]
     if not messages:
         raise BadRequest("'messages' must hold at least one message")
-    job = await submit(request, GenerationRequest(
-        model=body.model, messages=messages, format=fmt,
-        options=_options(body, body.max_completion_tokens or body.max_tokens), keep_alive=body.keep_alive))
+    options = _options(body, body.max_completion_tokens or body.max_tokens)
+    job = await submit(request, GenerationRequest(model=body.model, messages=messages, format=fmt, options=options,
+                                                  keep_alive=body.keep_alive))
     base = {"id": f"chatcmpl-{secrets.token_hex(12)}", "created": now_unix(), "model": body.model,
             "system_fingerprint": "fp_pebbling"}
 
@@ -93,12 +89,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
                 "finish_reason": _FINISH.get(f.done_reason, "stop") if f else None}]}
         return _sse(job, chunk, body.stream_options and body.stream_options.include_usage, base,
                     "chat.completion.chunk")
-    text, f = await collect(job, request)
-    if f is None:
+    results = await _choices(request, job, body.n, lambda opts: GenerationRequest(
+        model=body.model, messages=messages, format=fmt, options=opts, keep_alive=body.keep_alive), options)
+    if results is None:
         return Response(status_code=499)  # the client is gone; nobody reads this
     return JSONResponse({**base, "object": "chat.completion", "choices": [{
-        "index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-        "finish_reason": _FINISH.get(f.done_reason, "stop")}], "usage": _usage(f), "pebbling": f.report})
+        "index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
+        "finish_reason": _FINISH.get(f.done_reason, "stop")} for i, (text, f) in enumerate(results)],
+        "usage": _usage_of(results), "pebbling": results[-1][1].report})
 
 
 @router.post("/completions")
@@ -108,14 +106,14 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     if body.echo:
         raise BadRequest("'echo' is not supported by pebbling")
     # A completion continues the prompt as written: no chat template.
-    job = await submit(request, GenerationRequest(model=body.model, prompt=body.prompt, raw=True,
-                                                  options=_options(body, body.max_tokens),
+    options = _options(body, body.max_tokens)
+    job = await submit(request, GenerationRequest(model=body.model, prompt=body.prompt, raw=True, options=options,
                                                   keep_alive=body.keep_alive))
     base = {"id": f"cmpl-{secrets.token_hex(12)}", "created": now_unix(), "model": body.model,
             "system_fingerprint": "fp_pebbling"}
 
-    def choice(text: str, f: Final | None) -> dict:
-        return {"text": text, "index": 0, "logprobs": None,
+    def choice(text: str, f: Final | None, index: int = 0) -> dict:
+        return {"text": text, "index": index, "logprobs": None,
                 "finish_reason": _FINISH.get(f.done_reason, "stop") if f else None}
 
     if body.stream:
@@ -123,11 +121,34 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
             return {**base, "object": "text_completion", "choices": [choice(text or "", f)]}
         return _sse(job, chunk, body.stream_options and body.stream_options.include_usage, base,
                     "text_completion")
-    text, f = await collect(job, request)
-    if f is None:
+    results = await _choices(request, job, body.n, lambda opts: GenerationRequest(
+        model=body.model, prompt=body.prompt, raw=True, options=opts, keep_alive=body.keep_alive), options)
+    if results is None:
         return Response(status_code=499)
-    return JSONResponse({**base, "object": "text_completion", "choices": [choice(text, f)],
-                         "usage": _usage(f), "pebbling": f.report})
+    return JSONResponse({**base, "object": "text_completion",
+                         "choices": [choice(text, f, i) for i, (text, f) in enumerate(results)],
+                         "usage": _usage_of(results), "pebbling": results[-1][1].report})
+
+
+async def _choices(request: Request, first, n: int, make, options: dict) -> list[tuple[str, Final]] | None:
+    """`n` choices: the job already submitted, then n - 1 more, one after the other on the model's queue;
+    with a seed, choice i samples with seed + i, so that they differ and each can be reproduced."""
+    results, job = [], first
+    for i in range(n):
+        if i:
+            seed = options.get("seed")
+            job = await submit(request, make({**options, **({"seed": seed + i} if seed is not None else {})}))
+        text, f = await collect(job, request)
+        if f is None:
+            return None
+        results.append((text, f))
+    return results
+
+
+def _usage_of(results: list[tuple[str, Final]]) -> dict[str, int]:
+    """The prompt counted once, the completions of every choice."""
+    prompt, completion = results[0][1].prompt_eval_count, sum(f.eval_count for _, f in results)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 @router.get("/models")
@@ -150,7 +171,7 @@ def _sse(job, chunk: Callable[[str | None, Final | None], dict], include_usage: 
                     last["pebbling"] = item.report
                     yield event(last)
                     if include_usage:  # OpenAI: one more chunk, no choices, with the usage
-                        yield event({**base, "object": obj, "choices": [], "usage": _usage(item)})
+                        yield event({**base, "object": obj, "choices": [], "usage": _usage_of([("", item)])})
                 else:
                     yield event(chunk(item, None))
         except Exception as exc:  # headers are sent: the error becomes an event, as OpenAI does

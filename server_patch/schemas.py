@@ -38,11 +38,14 @@ class GenerateRequest(_Body):
     format: Any = Field(None, description='"json", or a JSON schema the output must follow (constrained decoding)')
     images: list[str] | None = Field(None, description="not supported: text-only models")
     suffix: str | None = Field(None, description="not supported: fill-in-the-middle")
+    think: Any = Field(None, description="not supported: no model served here thinks; refused when true")
+    logprobs: Any = Field(None, description="not supported yet: refused when true")
+    top_logprobs: int | None = Field(None, description="not supported yet: refused when given")
 
 
 class Message(_Body):
     role: str = Field(description="system, user, assistant or tool")
-    content: str = ""
+    content: str | None = Field("", description="null is read as empty, as Ollama reads it")
     images: list[str] | None = None
 
 
@@ -54,6 +57,9 @@ class ChatRequest(_Body):
     keep_alive: Any = Field(None, description=_KEEP_ALIVE_DOC)
     format: Any = Field(None, description='"json", or a JSON schema the output must follow (constrained decoding)')
     tools: list[Any] | None = Field(None, description="not supported")
+    think: Any = Field(None, description="not supported: no model served here thinks; refused when true")
+    logprobs: Any = Field(None, description="not supported yet: refused when true")
+    top_logprobs: int | None = Field(None, description="not supported yet: refused when given")
 
 
 class EmbedRequest(_Body):
@@ -94,7 +100,10 @@ class _OpenAIBody(_Body):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     stop: Any = Field(None, description="a string or a list of strings")
-    n: int = 1
+    n: int = Field(1, ge=1, le=16, description="choices to generate (without stream)")
+    logprobs: Any = Field(None, description="not supported yet: refused when true")
+    top_logprobs: int | None = Field(None, description="not supported yet: refused when given")
+    logit_bias: dict[str, Any] | None = Field(None, description="not supported: refused when not empty")
     options: dict[str, Any] | None = Field(None, description="pebbling extension: " + _OPTIONS_DOC)
     pebbling_strategy: str | None = Field(None, description="pebbling extension, as in options")
     pebbling_enabled: bool | None = None
@@ -118,6 +127,11 @@ class ChatCompletionRequest(_OpenAIBody):
     stream_options: StreamOptions | None = None
     response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
+    tool_choice: Any = Field(None, description="not supported: refused unless \"none\"")
+    parallel_tool_calls: Any = None
+    functions: list[Any] | None = Field(None, description="not supported")
+    function_call: Any = Field(None, description="not supported")
+    reasoning_effort: str | None = Field(None, description="not supported: no reasoning model is served")
 
 
 class CompletionRequest(_OpenAIBody):
@@ -130,7 +144,7 @@ class CompletionRequest(_OpenAIBody):
 class OpenAIEmbeddingsRequest(_Body):
     model: str
     input: str | list[str] | list[int] | list[list[int]] = Field(
-        description="a text or a list of texts (token-id arrays are refused: ids of another tokenizer mean nothing here)")
+        description="a text or a list of texts (token-id arrays are refused: another tokenizer's ids mean nothing)")
     encoding_format: str = Field("float", description="float, or base64 (little-endian float32)")
     dimensions: int | None = Field(None, ge=1)
     user: str | None = None

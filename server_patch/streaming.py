@@ -24,6 +24,24 @@ class BadRequest(Exception):
     """The request asks for something pebbling does not do (HTTP 400); the message says what."""
 
 
+# Fields a client may send that ask for what pebbling does not do (yet), with what each would do: a
+# value other than a neutral one (None, false, empty, "none", "auto") is refused naming the field.
+UNSUPPORTED = {
+    "think": "thinking (no model served here marks a reasoning part)",
+    "logprobs": "log probabilities", "top_logprobs": "log probabilities",
+    "logit_bias": "logit bias", "tool_choice": "tool calls", "functions": "function calls",
+    "function_call": "function calls", "reasoning_effort": "reasoning (no model served here reasons)",
+}
+_NEUTRAL = (None, False, "", "none", "auto", [], {})
+
+
+def refuse_unsupported(body) -> None:
+    for name, what in UNSUPPORTED.items():
+        value = getattr(body, name, None)
+        if not any(value is n or (type(value) is type(n) and value == n) for n in _NEUTRAL):
+            raise BadRequest(f"'{name}' asks for {what}, which pebbling does not support yet; leave it out")
+
+
 def engine_of(request: Request) -> Engine:
     return request.app.state.engine
 
