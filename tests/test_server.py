@@ -134,8 +134,10 @@ def test_tags_show_and_ps_describe_the_models(url, models_dir):
     report = generate(url).json()["pebbling"]
     tags = requests.get(f"{url}/api/tags", timeout=30).json()["models"]
     names = {m["name"] for m in tags}
-    assert {"tiny", "pebbling-demo"} <= names
-    tiny = next(m for m in tags if m["name"] == "tiny")
+    assert {"tiny:latest", "pebbling-demo:latest"} <= names  # with the tag, as Ollama shows names
+    for name in names:  # each name as listed is one a client can ask for (LangChain checks this way)
+        assert requests.post(f"{url}/api/show", json={"model": name}, timeout=30).status_code == 200, name
+    tiny = next(m for m in tags if m["name"] == "tiny:latest")
     assert tiny["size"] == (models_dir / "tiny.gguf").stat().st_size
     assert tiny["details"]["family"] == "llama" and tiny["details"]["format"] == "gguf"
     assert tiny["details"]["quantization_level"] == "F32"
@@ -145,7 +147,7 @@ def test_tags_show_and_ps_describe_the_models(url, models_dir):
     assert "start_header_id" in show["template"] and show["details"] == tiny["details"]
 
     ps = requests.get(f"{url}/api/ps", timeout=10).json()["models"]
-    loaded = next(m for m in ps if m["name"] == "tiny")
+    loaded = next(m for m in ps if m["name"] == "tiny:latest")
     assert loaded["size"] > 0 and loaded["expires_at"].endswith("Z")
     # Device memory as measured at the last request; where nothing is measured (host, stub), none.
     measured = report["measured_peak_how"].startswith("measured")
@@ -181,7 +183,7 @@ def test_pebbling_weights_picks_the_form_and_both_forms_give_the_same_tokens(url
     again = generate(url, model="tiny-q8", options=options).json()
     assert again["load_duration"] == 0 and again["response"] == quantized["response"]
     ps = requests.get(f"{url}/api/ps", timeout=10).json()["models"]
-    forms = sorted(m["details"]["pebbling_weights"] for m in ps if m["name"] == "tiny-q8")
+    forms = sorted(m["details"]["pebbling_weights"] for m in ps if m["name"] == "tiny-q8:latest")
     assert forms == ["f16", "quantized"]
 
 
@@ -198,14 +200,14 @@ def test_fused_decode_serves_the_same_tokens(url, models_dir, monkeypatch):
 
 def test_keep_alive_zero_unloads_and_negative_keeps_forever(url):
     generate(url, keep_alive=0)
-    assert "tiny" not in [m["name"] for m in requests.get(f"{url}/api/ps", timeout=10).json()["models"]]
+    assert "tiny:latest" not in [m["name"] for m in requests.get(f"{url}/api/ps", timeout=10).json()["models"]]
     r = generate(url, keep_alive="-1")
     assert r.json()["load_duration"] > 0  # it had been unloaded
-    (entry,) = [m for m in requests.get(f"{url}/api/ps", timeout=10).json()["models"] if m["name"] == "tiny"]
+    (entry,) = [m for m in requests.get(f"{url}/api/ps", timeout=10).json()["models"] if m["name"] == "tiny:latest"]
     assert entry["expires_at"].startswith("9999")
     generate(url, keep_alive=0.2)
     deadline = time.monotonic() + 5
-    while "tiny" in [m["name"] for m in requests.get(f"{url}/api/ps", timeout=10).json()["models"]]:
+    while "tiny:latest" in [m["name"] for m in requests.get(f"{url}/api/ps", timeout=10).json()["models"]]:
         assert time.monotonic() < deadline, "keep_alive 0.2 s did not unload the model"
         time.sleep(0.05)
     assert_good(url)
@@ -216,7 +218,7 @@ def test_empty_prompt_loads_and_keep_alive_zero_unloads(url):
     assert r.json()["done_reason"] == "load" and r.json()["response"] == ""
     r = generate(url, prompt="", keep_alive=0)
     assert r.json()["done_reason"] == "unload"
-    assert "tiny" not in [m["name"] for m in requests.get(f"{url}/api/ps", timeout=10).json()["models"]]
+    assert "tiny:latest" not in [m["name"] for m in requests.get(f"{url}/api/ps", timeout=10).json()["models"]]
     assert_good(url)
 
 
@@ -457,7 +459,7 @@ def test_openai_text_completion_continues_the_prompt(url):
 
 def test_openai_models_and_errors(url):
     data = requests.get(f"{url}/v1/models", timeout=30).json()
-    assert data["object"] == "list" and "tiny" in [m["id"] for m in data["data"]]
+    assert data["object"] == "list" and "tiny:latest" in [m["id"] for m in data["data"]]
     r = requests.post(f"{url}/v1/chat/completions", timeout=30,
                       json={"model": "nope", "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 404 and r.json()["error"]["message"] == "model 'nope' not found"

@@ -21,6 +21,11 @@ from ..model import GGUFFile
 from . import ollama_store, registry
 
 
+def with_tag(name: str) -> str:
+    """A model's name as Ollama shows it: with its tag, `:latest` where none was given."""
+    return name if ":" in name.rpartition("/")[2] else f"{name}:latest"
+
+
 class ModelNotFoundError(ModelError, LookupError):
     """No model has that name (HTTP 404)."""
 
@@ -98,6 +103,7 @@ class Catalogue:
             found.setdefault(m.name, m.path)
         listings = []
         for name, path in sorted(found.items()):
+            name = with_tag(name)
             try:
                 listings.append(self.listing(name, path))
             except (ModelError, OSError):

@@ -25,7 +25,7 @@ from ..model import Model, load_model
 from ..runtime import Options, PebbledModel, PebblingOptions
 from ..runtime.constraint import Constraint
 from ..runtime.embedding import check_pooling, normalize, pool
-from .catalogue import Catalogue, ModelListing, ServerBusyError, model_errors
+from .catalogue import Catalogue, ModelListing, ServerBusyError, model_errors, with_tag
 from .settings import DEFAULT_MAX_CONTEXT, DEFAULT_MAX_QUEUE, MAX_CONTEXT_ENV, MAX_QUEUE_ENV, env_limit
 from .go_template import render_go_template
 from .jobs import DEFAULT_KEEP_ALIVE, FOREVER, Final, GenerationRequest, Job, parse_keep_alive
@@ -361,7 +361,7 @@ class Engine:
                 expires = max(expires, now)
             info = self.catalogue.info(e.key)
             details = {**info["details"], "pebbling_weights": e.weights}
-            out.append(RunningModel(e.name, e.key, model.host_bytes, e.size_vram, expires,
+            out.append(RunningModel(with_tag(e.name), e.key, model.host_bytes, e.size_vram, expires,
                                     details, info["digest"], e.active))
         return out
 
