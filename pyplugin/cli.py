@@ -19,6 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pebbling",
         description="Run GGUF models in any GPU memory budget by streaming layer state.")
+    parser.add_argument("--version", action="version", version=f"pebbling {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
         try:
@@ -29,6 +30,15 @@ def build_parser() -> argparse.ArgumentParser:
             raise
         module.add_parser(sub)
     return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("pebbling")
+    except PackageNotFoundError:  # a source tree that was never installed
+        return "(not installed)"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,6 +27,7 @@ from pyplugin.serving import (ChatTemplateError, Engine, Final, GenerationReques
 
 from . import openai_compat, openapi
 from .guard import RequestGuard
+from .metrics import Metrics, RequestMetrics
 from .streaming import (BadRequest, collect, dumps, engine_of, events, iso, now_iso, refuse_unsupported,
                         submit)
 from .schemas import ChatRequest, EmbeddingsRequest, EmbedRequest, GenerateRequest, ShowRequest
@@ -57,12 +58,16 @@ def create_app(engine: Engine | None = None, *, models_dir: str | Path | None = 
                   description="Ollama- and OpenAI-compatible API of pebbling, which runs GGUF models "
                               "in any GPU memory budget by streaming layer state.")
     app.state.engine = engine
+    app.state.metrics = metrics = Metrics(engine)
+    engine.on_final(metrics.finished)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
-    app.add_middleware(RequestGuard)  # added last: it runs first
+    app.add_middleware(RequestGuard)
+    app.add_middleware(RequestMetrics, metrics=metrics)  # added last: it runs first, and counts the rest
     _add_error_handlers(app)
     app.include_router(_ollama_routes())
     app.include_router(openai_compat.router)
     openapi.install(app)
+    metrics.routes = app.routes
     return app
 
 
@@ -258,6 +263,11 @@ def _ollama_routes() -> APIRouter:
     @router.get("/", response_class=PlainTextResponse, tags=["ollama"])
     async def root() -> str:
         return "pebbling is running"
+
+    @router.get("/metrics", tags=["pebbling"], response_class=PlainTextResponse,
+                summary="Prometheus metrics: requests, tokens, bytes restored, peak device memory, queue depth")
+    async def metrics(request: Request) -> Response:
+        return request.app.state.metrics.response()
 
     @router.get("/api/version", tags=["ollama"])
     async def api_version() -> dict:

@@ -27,6 +27,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "the API has no authentication, "
                         "so think twice before listening beyond loopback)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
+    p.add_argument("--log-level", choices=LOG_LEVELS, default="info",
+                   help="info (default): a line per request, load and unload; debug: more (so does PEBBLING_DEBUG=1)")
     p.add_argument("--models", metavar="DIR", type=Path,
                    help=f"serve every NAME.gguf in DIR as NAME (default ${MODELS_ENV}, else "
                         "~/.cache/pebbling/models)")
@@ -48,8 +50,26 @@ def run(args: argparse.Namespace) -> int:
               "authentication", file=sys.stderr)
     os.environ[HOST_ENV] = args.host  # the app answers Host names by where it listens
     _fewer_malloc_arenas()
-    uvicorn.run(APP_FACTORY, factory=True, host=args.host, port=args.port, log_level="info")
+    level = "debug" if os.environ.get("PEBBLING_DEBUG") else args.log_level
+    uvicorn.run(APP_FACTORY, factory=True, host=args.host, port=args.port, log_level=level,
+                log_config=log_config(level))
     return 0
+
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+def log_config(level: str) -> dict:
+    """uvicorn's logging, with a timestamp on every line and pebbling's own loggers at `level`."""
+    stamped = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    handler = {"class": "logging.StreamHandler", "formatter": "stamped", "stream": "ext://sys.stderr"}
+    return {
+        "version": 1, "disable_existing_loggers": False,
+        "formatters": {"stamped": {"format": stamped}},
+        "handlers": {"default": handler},
+        "loggers": {name: {"handlers": ["default"], "level": level.upper(), "propagate": False}
+                    for name in ("uvicorn", "uvicorn.error", "uvicorn.access", "pebbling")},
+    }
 
 
 def _fewer_malloc_arenas(arenas: int = 2) -> None:

@@ -5,8 +5,8 @@ Ollama's store). The HTTP server (server_patch) uses the names listed here and n
 
 from ..errors import OptionsError, PebblingError, StrategyError
 from ..model import ChatTemplateError
-from .catalogue import ModelListing, ModelLoadError, ModelNotFoundError, ServerBusyError
-from .engine import Engine, RunningModel
+from .catalogue import ModelListing, ModelLoadError, ModelNotFoundError, RunningModel, ServerBusyError
+from .engine import Engine
 from .jobs import Final, GenerationRequest, Job
 from .ollama_store import InvalidModelName
 from .settings import HOST_ENV, ORIGINS_ENV, is_loopback

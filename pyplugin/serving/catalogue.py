@@ -65,6 +65,20 @@ class ModelListing:
     details: dict[str, Any]
 
 
+@dataclass(frozen=True)
+class RunningModel:
+    """A loaded model, for /api/ps."""
+
+    name: str
+    path: Path
+    size: int                         # bytes it holds (host weights)
+    size_vram: int                    # bytes it holds in device memory, as last measured
+    expires_at: float                 # seconds since the epoch; inf = never
+    details: dict[str, Any]
+    digest: str
+    active: int                       # requests queued or running on it
+
+
 class Catalogue:
     """The models of one models directory, the demo and Ollama's store; thread-safe."""
 

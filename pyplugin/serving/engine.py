@@ -18,17 +18,17 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ..errors import OptionsError, PebblingError
 from ..model import Model, load_model
 from ..runtime import Options, PebbledModel, PebblingOptions
 from ..runtime.constraint import Constraint
 from ..runtime.embedding import check_pooling, normalize, pool
-from .catalogue import Catalogue, ModelListing, ServerBusyError, model_errors, with_tag
+from .catalogue import Catalogue, ModelListing, RunningModel, ServerBusyError, model_errors, with_tag
 from .settings import DEFAULT_MAX_CONTEXT, DEFAULT_MAX_QUEUE, MAX_CONTEXT_ENV, MAX_QUEUE_ENV, env_limit
 from .go_template import render_go_template
-from .jobs import DEFAULT_KEEP_ALIVE, FOREVER, Final, GenerationRequest, Job, parse_keep_alive
+from .jobs import DEFAULT_KEEP_ALIVE, FOREVER, Final, GenerationRequest, Job, json_ready, parse_keep_alive, since
 
 logger = logging.getLogger("pebbling")
 
@@ -50,20 +50,6 @@ class _Loaded:
     load_lock: threading.Lock = field(default_factory=threading.Lock)
     jobs: queue.Queue = field(default_factory=queue.Queue)
     worker: threading.Thread | None = None
-
-
-@dataclass(frozen=True)
-class RunningModel:
-    """A loaded model, for /api/ps."""
-
-    name: str
-    path: Path
-    size: int                         # bytes it holds (host weights)
-    size_vram: int                    # bytes it holds in device memory, as last measured
-    expires_at: float                 # seconds since the epoch; inf = never
-    details: dict[str, Any]
-    digest: str
-    active: int                       # requests queued or running on it
 
 
 class Engine:
@@ -88,8 +74,20 @@ class Engine:
         self._closed = False
         # Jobs "completed", "cancelled" (stopped mid-way), "dropped" (cancelled while queued), "failed".
         self.counts: Counter = Counter()
+        self._listeners: list[Callable[[Final], None]] = []
         self._reaper = threading.Thread(target=self._reap, name="pebbling-keep-alive", daemon=True)
         self._reaper.start()
+
+    def on_final(self, listener: Callable[[Final], None]) -> None:
+        """`listener(final)` is called, on the model's worker thread, as each generation or embedding ends."""
+        self._listeners.append(listener)
+
+    def _finished(self, final: Final) -> None:
+        for listener in self._listeners:
+            try:
+                listener(final)
+            except Exception:  # a listener's bug must not fail the request it observes
+                logger.exception("a listener of finished requests failed")
 
     # -- names --------------------------------------------------------------------------------------
 
@@ -129,7 +127,7 @@ class Engine:
             if not tokens:  # Ollama: an empty prompt only loads the model, keep_alive 0 unloads it
                 reason = "unload" if keep_alive == 0 else "load"
                 self._release(entry, keep_alive)
-                job._put(Final(request.model, reason, [], total_duration=_since(request.started_ns),
+                job._put(Final(request.model, reason, [], total_duration=since(request.started_ns),
                                load_duration=load_ns))
                 job._put(Job._END)
                 return job
@@ -161,7 +159,7 @@ class Engine:
         job.inputs = inputs
         if not inputs:
             self._release(entry, keep_alive)
-            job._put(Final(request.model, "stop", [], total_duration=_since(request.started_ns),
+            job._put(Final(request.model, "stop", [], total_duration=since(request.started_ns),
                            load_duration=load_ns, embeddings=[]))
             job._put(Job._END)
             return job
@@ -213,10 +211,10 @@ class Engine:
             if job.cancelled:
                 break
             job._put(piece)
-        stats, report = gen.stats, _plain(gen.report())
+        stats, report = gen.stats, json_ready(gen.report())
         entry.size_vram = report["measured_peak_bytes"] if entry.pebbled.backend.measures_memory else 0
         return Final(job.request.model, "cancelled" if job.cancelled else stats.done_reason or "stop",
-                     job.tokens + gen.generated, total_duration=_since(job.request.started_ns),
+                     job.tokens + gen.generated, total_duration=since(job.request.started_ns),
                      load_duration=job.load_ns, prompt_eval_count=stats.prompt_tokens,
                      prompt_eval_duration=stats.prompt_ns, eval_count=stats.generated_tokens,
                      eval_duration=stats.generate_ns, report=report)
@@ -233,9 +231,9 @@ class Engine:
             vector = normalize(vector, request.dimensions) if request.normalize else vector[:request.dimensions]
             vectors.append([float(v) for v in vector])
             tokens, prompt_ns, report = tokens + gen.stats.prompt_tokens, prompt_ns + gen.stats.prompt_ns, gen.report()
-        report = _plain(report)
+        report = json_ready(report)
         entry.size_vram = report["measured_peak_bytes"] if entry.pebbled.backend.measures_memory else 0
-        return Final(request.model, "stop", [], total_duration=_since(request.started_ns),
+        return Final(request.model, "stop", [], total_duration=since(request.started_ns),
                      load_duration=job.load_ns, prompt_eval_count=tokens, prompt_eval_duration=prompt_ns,
                      report=report, embeddings=vectors)
 
@@ -255,6 +253,8 @@ class Engine:
                             else "cancelled" if job.cancelled else "completed"] += 1
             # Released before the client hears the end, so keep_alive 0 has unloaded by then.
             self._release(entry, job.keep_alive)
+            if isinstance(outcome, Final):
+                self._finished(outcome)
             if outcome is not None:
                 job._put(outcome)
             job._put(Job._END)
@@ -291,7 +291,10 @@ class Engine:
             entry.worker = threading.Thread(target=self._work, args=(entry,), daemon=True,
                                             name=f"pebbling-model-{name}")
             entry.worker.start()
-            return entry, time.perf_counter_ns() - start
+            load_ns = time.perf_counter_ns() - start
+            logger.info("loaded model=%s weights=%s backend=%s layers=%d in %.0f ms", name, weights,
+                        entry.pebbled.backend.name, entry.model.config.n_layer, load_ns / 1e6)
+            return entry, load_ns
 
     def _release(self, entry: _Loaded, keep_alive: float | None) -> None:
         """One request is done with `entry`; keep_alive (seconds) sets when it unloads once idle."""
@@ -307,6 +310,8 @@ class Engine:
         # Called with self._lock held and entry idle. The worker thread ends on the sentinel.
         if self._loaded.get((entry.key, entry.weights)) is entry:
             del self._loaded[(entry.key, entry.weights)]
+        if entry.model is not None:
+            logger.info("unloaded model=%s weights=%s", entry.name, entry.weights)
         entry.model = None
         if entry.pebbled is not None:
             entry.pebbled.close()
@@ -371,20 +376,3 @@ class Engine:
         with self._lock:
             others = [e.pebbled for e in self._loaded.values() if e is not entry and e.pebbled is not None]
         return sum(p.device_bytes_held() for p in others if p.backend.measures_memory)
-
-
-# ---------------------------------------------------------------------------------------------------
-# helpers
-
-
-def _since(start_ns: int) -> int:
-    return time.perf_counter_ns() - start_ns
-
-
-def _plain(value: Any) -> Any:
-    """JSON-ready: numpy scalars become Python numbers, tuples lists (a report may hold either)."""
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value.item() if hasattr(value, "item") and hasattr(value, "dtype") else value

@@ -188,3 +188,20 @@ class Job:
         if isinstance(item, BaseException):
             raise item
         return item is self._END
+
+
+# ---------------------------------------------------------------------------------------------------
+# values of a Final
+
+
+def since(start_ns: int) -> int:
+    return time.perf_counter_ns() - start_ns
+
+
+def json_ready(value: Any) -> Any:
+    """JSON-ready: numpy scalars become Python numbers, tuples lists (a report may hold either)."""
+    if isinstance(value, dict):
+        return {str(k): json_ready(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_ready(v) for v in value]
+    return value.item() if hasattr(value, "item") and hasattr(value, "dtype") else value
