@@ -308,3 +308,15 @@ def test_sampling_takes_the_limit_at_extreme_but_accepted_values(options, expect
 def test_an_undecodable_command_line_argument_is_read_as_a_replacement_character(models_dir, capsys):
     assert cli_main(["run", str(models_dir / "tiny.gguf"), "a\udcffb", "--num-predict", "2", "--temperature", "0"]) == 0
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_a_crafted_huge_context_length_cannot_make_a_request_reserve_it(tmp_path):
+    write_gguf(tmp_path / "wide.gguf", **{**TINY, "n_ctx": 1 << 21})
+    engine = Engine(tmp_path)  # the server's default limit
+    try:
+        with pytest.raises(OptionsError, match="beyond this server's limit; accepted: 1 to 131072"):
+            engine.submit(GenerationRequest("wide", prompt="x", options={"num_ctx": 1 << 21}))
+        text, final = engine.submit(GenerationRequest("wide", prompt="x", options=GREEDY)).result()
+        assert final.eval_count == 2  # its default num_ctx is 2048, not the file's 2^21
+    finally:
+        engine.close()
