@@ -42,6 +42,7 @@ static inline const char * cudaGetErrorString(cudaError_t err) {
 static inline cudaError_t cudaSetDevice(int device) {
     return device == 0 ? cudaSuccess : cudaErrorInvalidDevice;
 }
+static inline cudaError_t cudaGetDevice(int * device) { *device = 0; return cudaSuccess; }
 
 static inline cudaError_t cudaMalloc(void ** ptr, size_t size) {
     *ptr = std::malloc(size);

@@ -18,6 +18,7 @@
 #include <list>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -120,10 +121,41 @@ struct store {
     ~store();
 };
 
+// ---------------------------------------------------------------------------------------------------
+// device leases (pebble_device_acquire): a view computing in place from an entry may outlive the
+// entry's device copy, or the store. Rather than free a leased buffer under the view, the store
+// detaches it and the release of its last lease frees it. The table is global, keyed by pointer and
+// guarded by its own mutex, because a release may come after its store was freed. Lock order: a
+// store's mutex, then g_leases_mu, never the reverse (a release takes only g_leases_mu).
+
+struct lease {
+    uint64_t count    = 0;
+    bool     detached = false; // the store let go of the buffer: the last release frees it
+    int32_t  device   = 0;     // the device the buffer lives on, for that free
+};
+
+std::mutex                        g_leases_mu;
+std::unordered_map<void *, lease> g_leases;
+
+// Every device buffer the store gives up goes through here, so that none is freed under a lease.
+cudaError_t free_device_buffer(void * ptr) {
+    {
+        std::lock_guard<std::mutex> lock(g_leases_mu);
+        auto it = g_leases.find(ptr);
+        if (it != g_leases.end()) {
+            it->second.detached = true;
+            return cudaSuccess;
+        }
+    }
+    // No lease can appear now: acquiring one needs the store's mutex, which the caller holds (or, in
+    // the destructor, no other call can reach the store).
+    return cudaFree(ptr);
+}
+
 // Waits for the entry's copies, then frees its buffers. Used where failing is not an option.
 void release_all(entry & e) {
     if (e.last_use) cudaEventSynchronize(e.last_use);
-    if (e.dev)  cudaFree(e.dev);
+    if (e.dev)  free_device_buffer(e.dev);
     if (e.host) cudaFreeHost(e.host);
     if (e.last_use) cudaEventDestroy(e.last_use);
     e.dev = e.host = nullptr;
@@ -175,7 +207,7 @@ void note_host(store & s, int64_t delta) {
 
 pebble_status drop_device_copy(store & s, entry & e) {
     CUDA_CHECK(cudaEventSynchronize(e.last_use));
-    CUDA_CHECK(cudaFree(e.dev));
+    CUDA_CHECK(free_device_buffer(e.dev));
     e.dev = nullptr;
     s.lru.erase(e.lru);
     note_device(s, -static_cast<int64_t>(e.nbytes));
@@ -561,17 +593,75 @@ extern "C" pebble_status pebble_entry_info(pebble_store_t handle, int32_t layer,
     return PEBBLE_OK;
 }
 
+namespace {
+
+pebble_status find_device_copy(store & s, int32_t layer, int32_t tensor_id, void ** out, const char * fn,
+                               entry ** found) {
+    if (!out) return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: out is NULL", fn);
+    TRY(find_entry(s, layer, tensor_id, fn, found));
+    if (!(*found)->dev) {
+        return fail(PEBBLE_ERR_UNKNOWN_ENTRY, "%s: layer %d tensor %d has no device copy (it is in the host "
+                    "tier)", fn, layer, tensor_id);
+    }
+    return PEBBLE_OK;
+}
+
+} // namespace
+
 extern "C" pebble_status pebble_device_pointer(pebble_store_t handle, int32_t layer, int32_t tensor_id, void ** out) {
     OPEN_STORE(handle, s);
-    if (!out) return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_device_pointer: out is NULL");
     entry * e = nullptr;
-    TRY(find_entry(s, layer, tensor_id, __func__, &e));
-    if (!e->dev) {
-        return fail(PEBBLE_ERR_UNKNOWN_ENTRY, "pebble_device_pointer: layer %d tensor %d has no device copy "
-                    "(it is in the host tier)", layer, tensor_id);
-    }
+    TRY(find_device_copy(s, layer, tensor_id, out, __func__, &e));
     *out = e->dev;
     touch(s, *e);
+    return PEBBLE_OK;
+}
+
+extern "C" pebble_status pebble_device_acquire(pebble_store_t handle, int32_t layer, int32_t tensor_id, void ** out,
+                                               uint64_t * nbytes) {
+    OPEN_STORE(handle, s);
+    entry * e = nullptr;
+    TRY(find_device_copy(s, layer, tensor_id, out, __func__, &e));
+    try {
+        std::lock_guard<std::mutex> lock(g_leases_mu);
+        lease & l = g_leases[e->dev];
+        l.count++;
+        l.device = s.device;
+    } catch (const std::bad_alloc &) {
+        return fail(PEBBLE_ERR_HOST_OOM, "pebble_device_acquire: layer %d tensor %d: no memory for the lease",
+                    layer, tensor_id);
+    }
+    *out = e->dev;
+    if (nbytes) *nbytes = e->nbytes;
+    touch(s, *e);
+    return PEBBLE_OK;
+}
+
+extern "C" pebble_status pebble_device_release(void * ptr) {
+    if (!ptr) return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_device_release: ptr is NULL");
+    lease last;
+    {
+        std::lock_guard<std::mutex> lock(g_leases_mu);
+        auto it = g_leases.find(ptr);
+        if (it == g_leases.end()) {
+            return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_device_release: %p holds no lease (never acquired, or "
+                        "already released as many times as acquired)", ptr);
+        }
+        if (--it->second.count > 0) return PEBBLE_OK;
+        last = it->second;
+        g_leases.erase(it);
+    }
+    if (!last.detached) return PEBBLE_OK; // still an entry's copy: the store frees it in its time
+    // The buffer's own device, then the caller's back: a release may come from any thread.
+    int current = 0;
+    const bool restore = cudaGetDevice(&current) == cudaSuccess;
+    if (cudaSetDevice(last.device) != cudaSuccess) cudaGetLastError(); // cudaFree may still find it
+    const cudaError_t err = cudaFree(ptr);
+    if (restore) cudaSetDevice(current);
+    if (err != cudaSuccess) {
+        return fail(PEBBLE_ERR_CUDA, "pebble_device_release: cudaFree(%p) of a detached buffer on device %d "
+                    "failed: %s", ptr, last.device, cudaGetErrorString(err));
+    }
     return PEBBLE_OK;
 }
 

@@ -144,10 +144,24 @@ PEBBLE_API enum pebble_status pebble_erase  (pebble_store_t store, int32_t layer
 PEBBLE_API enum pebble_status pebble_prefetch(pebble_store_t store, int32_t layer, void * stream);
 PEBBLE_API enum pebble_status pebble_entry_info(pebble_store_t store, int32_t layer, int32_t tensor_id,
                                                 struct pebble_entry_info * out);
-// *out = the entry's device copy, for computing in place from a resident entry. The pointer stays valid
-// until the entry is evicted, replaced or erased; PEBBLE_ERR_UNKNOWN_ENTRY if it has no device copy.
+// *out = the entry's device copy, for computing in place from a resident entry. The pointer is borrowed:
+// it stays valid until the entry is evicted, replaced at another size or erased, or the store is freed,
+// and no longer; PEBBLE_ERR_UNKNOWN_ENTRY if it has no device copy.
 PEBBLE_API enum pebble_status pebble_device_pointer(pebble_store_t store, int32_t layer, int32_t tensor_id,
                                                     void ** out);
+// As pebble_device_pointer, with the same errors, but *out is leased: the buffer stays valid memory until
+// pebble_device_release(*out) gives the lease back, whatever happens to the entry or the store meanwhile.
+// While the buffer is the entry's copy, writes through it are writes to the entry (and a save of the
+// same size overwrites it in place). When the store lets go of the copy (eviction, erase, a save at
+// another size or to the host tier, pebble_free) a leased buffer is detached instead of freed: the entry
+// no longer uses it, the device tier no longer counts it (so device memory in use may exceed the limit
+// by the detached buffers), and the release of its last lease frees it. Leases nest: each acquire needs
+// its own release. *nbytes = the entry's size, read under the same lock (NULL: not wanted).
+PEBBLE_API enum pebble_status pebble_device_acquire(pebble_store_t store, int32_t layer, int32_t tensor_id,
+                                                    void ** out, uint64_t * nbytes);
+// Gives back one lease taken by pebble_device_acquire; valid after the store was freed. A pointer that
+// holds no lease (never acquired, or released as many times as acquired) is PEBBLE_ERR_INVALID_ARGUMENT.
+PEBBLE_API enum pebble_status pebble_device_release(void * ptr);
 
 // ---------------------------------------------------------------------------------------------------
 // quantized tensors

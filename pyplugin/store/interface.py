@@ -195,9 +195,19 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def device_array(self, layer: int, tensor_id: int, dtype, shape: tuple[int, ...]):
         """The entry's device copy as an array of `dtype` and `shape`, without copying, to compute
-        from (and write into) in place: a CuPy array on the cuda backend, numpy elsewhere. Valid
-        until the entry is evicted, replaced or erased; UnknownEntryError when it has no device copy,
-        SizeMismatchError when dtype and shape do not cover the entry exactly."""
+        from (and write into) in place: a CuPy array on the cuda backend, numpy elsewhere.
+        UnknownEntryError when it has no device copy, SizeMismatchError when dtype and shape do not
+        cover the entry exactly.
+
+        The view owns the memory it views: it stays valid memory (readable and writable, never freed
+        under it) for as long as the array, or any array derived from it, lives. It aliases the entry
+        while the copy it views is the entry's device copy: writes through it are writes to the entry,
+        and a save of the same size to the device tier shows through it. Once the entry is evicted from
+        the device tier, erased or saved again at another size or to the host tier, or the store is
+        closed, the view is detached: it keeps the bytes it had, and writes through it reach neither
+        the store nor any other store. A detached view's memory is not counted in the device tier's
+        bytes (the device may hold more than the limit while such views live) and is freed when the
+        view is."""
 
     @abc.abstractmethod
     def set_strategy(self, strategy, *, device_limit: int | None = None) -> None:

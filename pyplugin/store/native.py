@@ -257,8 +257,9 @@ class NativeStore(Store):
                          bool(out.on_device), bool(out.on_host))
 
     def device_pointer(self, layer, tensor_id) -> int:
-        """Address of the entry's device copy, to compute from it in place (cuda backend); valid until
-        the entry is evicted, replaced or erased. UnknownEntryError when it has no device copy."""
+        """Address of the entry's device copy, to compute from it in place (cuda backend), borrowed:
+        valid until the entry is evicted, replaced or erased or the store closed (device_array's views
+        hold a lease instead). UnknownEntryError when it has no device copy."""
         handle = self._live()
         out = ffi.new("void **")
         self._check(self._lib.pebble_device_pointer(handle, self._layer(layer), self._tensor_id(tensor_id),
@@ -266,14 +267,20 @@ class NativeStore(Store):
         return int(ffi.cast("uintptr_t", out[0]))
 
     def device_array(self, layer, tensor_id, dtype, shape):
-        ptr = self.device_pointer(layer, tensor_id)
-        nbytes = self.entry_info(layer, tensor_id).nbytes
+        handle = self._live()
+        layer, tensor_id = self._layer(layer), self._tensor_id(tensor_id)
+        out, size = ffi.new("void **"), ffi.new("uint64_t *")
+        self._check(self._lib.pebble_device_acquire(handle, layer, tensor_id, out, size))
+        # The array holds the lease (through the buffer or CuPy's owner), so the memory it views lives
+        # as long as it does, past an eviction, erase or close; dropping the last reference releases it.
+        leased = ffi.gc(ffi.cast("char *", out[0]), self._lib.pebble_device_release)
+        nbytes = int(size[0])
         dtype, shape = check_view("device_array", layer, tensor_id, nbytes, dtype, shape)
         if not _DEVICE_MEMORY[self.backend]:  # the host build's device tier is host memory
-            return np.frombuffer(ffi.buffer(ffi.cast("char *", ptr), nbytes), dtype).reshape(shape)
+            return np.frombuffer(ffi.buffer(leased, nbytes), dtype).reshape(shape)
         import cupy
 
-        memory = cupy.cuda.UnownedMemory(ptr, nbytes, owner=self)
+        memory = cupy.cuda.UnownedMemory(int(ffi.cast("uintptr_t", leased)), nbytes, owner=leased)
         return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(memory, 0))
 
     def set_strategy(self, strategy, *, device_limit=None) -> None:

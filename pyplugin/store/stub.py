@@ -7,9 +7,13 @@ many bytes cross the bus) comes out the same here, and the conformance suite hol
 
 Rules the native library keeps too (pebble.cu):
 - A call that fails changes nothing.
-- Saving over an entry of the same size reuses it: a copy already in the target tier is overwritten,
-  and a copy in the other tier is released only after the new one is in place. A different size
-  releases the old copies first.
+- Saving over an entry of the same size reuses it: a copy already in the target tier is overwritten
+  in place, and a copy in the other tier is released only after the new one is in place. A different
+  size releases the old copies first.
+- A device_array view keeps the memory it views alive (numpy's base here, a lease in pebble.cu). Once
+  the store lets go of that copy (eviction, erase, a save at another size or to the host tier, close)
+  the view is detached: it keeps its last bytes, readable and writable, and aliases nothing the store
+  holds any more.
 - Least-recently-used order covers every entry and is touched by each call that copies an entry's
   bytes for the caller: save, restore, read, write, and prefetch (the entries it copies).
 - Eviction walks that order oldest first over the entries that have a device copy, skipping the key
@@ -176,7 +180,9 @@ class StubStore(Store):
 
     def _evict(self, entry: _Entry) -> None:
         if entry.host is None:
-            self._add_host(entry, entry.device)  # the bytes move; the device copy is dropped next
+            # A copy, not the device array itself: a device_array view of it may outlive the eviction,
+            # and must then no longer alias the entry (as pebble.cu's detached buffers do not).
+            self._add_host(entry, entry.device.copy())
             self._counters["bytes_d2h"] += entry.nbytes
         self._drop_device(entry)
         self._counters["evictions"] += 1
@@ -231,7 +237,7 @@ class StubStore(Store):
                 self._make_room(nbytes, spare=lambda k: k == key)
                 self._add_device(entry, copy)
             else:
-                entry.device = copy
+                entry.device[:] = copy  # in place, as pebble.cu: device_array views see the new bytes
             self._counters["bytes_h2d"] += nbytes
             self._drop_host(entry)
         else:

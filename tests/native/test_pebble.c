@@ -62,6 +62,42 @@ int main(void) {
     EXPECT(pebble_free(s) == PEBBLE_ERR_CLOSED);
     EXPECT(pebble_init(N, 4, PEBBLE_STRATEGY_EVERY, 0, 0, &s) == PEBBLE_ERR_STRATEGY && s == NULL);
 
+    // leases: a leased device buffer outlives what frees its entry's copy (erase, pebble_free) and is freed
+    // by its last release. Freed too early, the reads below are a use-after-free; never freed, a leak.
+    {
+        void * a = NULL, * again = NULL, * b = NULL;
+        uint64_t nbytes = 0;
+        fill(src, N, 7u);
+        EXPECT(pebble_init(2 * N, 2, PEBBLE_STRATEGY_NONE, 0, 0, &s) == PEBBLE_OK);
+        EXPECT(pebble_save(s, 0, 0, src, N, NULL, PEBBLE_TIER_DEVICE, NULL) == PEBBLE_OK);
+        EXPECT(pebble_save(s, 0, 1, src, N, NULL, PEBBLE_TIER_DEVICE, NULL) == PEBBLE_OK);
+        EXPECT(pebble_device_acquire(s, 0, 0, &a, &nbytes) == PEBBLE_OK && a != NULL && nbytes == N);
+        EXPECT(pebble_device_acquire(s, 0, 0, &again, NULL) == PEBBLE_OK && again == a);
+        EXPECT(pebble_device_acquire(s, 0, 1, &b, NULL) == PEBBLE_OK && b != a);
+        EXPECT(pebble_device_acquire(s, 0, 5, &again, NULL) == PEBBLE_ERR_UNKNOWN_ENTRY);
+        EXPECT(pebble_device_acquire(s, 0, 0, NULL, NULL) == PEBBLE_ERR_INVALID_ARGUMENT);
+        EXPECT(pebble_erase(s, 0, 0) == PEBBLE_OK); // detached, not freed
+        EXPECT(pebble_stats(s, &st) == PEBBLE_OK && st.device_bytes == N);
+        EXPECT(memcmp(a, src, N) == 0);
+        EXPECT(pebble_device_release(a) == PEBBLE_OK); // one of two
+        EXPECT(memcmp(a, src, N) == 0);
+        EXPECT(pebble_device_release(a) == PEBBLE_OK); // the last: freed here
+        EXPECT(pebble_device_release(a) == PEBBLE_ERR_INVALID_ARGUMENT &&
+               strstr(pebble_last_error(), "no lease") != NULL);
+        EXPECT(pebble_device_release(NULL) == PEBBLE_ERR_INVALID_ARGUMENT);
+        EXPECT(pebble_free(s) == PEBBLE_OK); // b, still leased, outlives the store
+        EXPECT(memcmp(b, src, N) == 0);
+        EXPECT(pebble_device_release(b) == PEBBLE_OK);
+
+        // released while still the entry's copy: the store keeps it, and frees it itself
+        EXPECT(pebble_init(N, 1, PEBBLE_STRATEGY_NONE, 0, 0, &s) == PEBBLE_OK);
+        EXPECT(pebble_save(s, 0, 0, src, N, NULL, PEBBLE_TIER_DEVICE, NULL) == PEBBLE_OK);
+        EXPECT(pebble_device_acquire(s, 0, 0, &a, NULL) == PEBBLE_OK);
+        EXPECT(pebble_device_release(a) == PEBBLE_OK);
+        EXPECT(pebble_restore(s, 0, 0, dst, N, NULL) == PEBBLE_OK && memcmp(dst, src, N) == 0);
+        EXPECT(pebble_free(s) == PEBBLE_OK);
+    }
+
     // quantized kernels: a Q8_0 tensor of two blocks (d = 0.5, then d = -2), dequantized and multiplied
     unsigned char q8[2 * 34];
     memset(q8, 0, sizeof q8);
