@@ -239,6 +239,11 @@ class Tokenizer:
         to them needs tokenized, however long the text."""
         return text[:(n_tokens + 1) * self._longest_piece]
 
+    def enough_tail(self, text: str, n_tokens: int) -> str:
+        """A suffix of `text` whose tokens end with the last `n_tokens` of the whole (the tokens at the
+        cut it starts with may differ): what truncating from the front needs tokenized."""
+        return text[max(0, len(text) - (n_tokens + 1) * self._longest_piece):] if n_tokens > 0 else ""
+
     def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
         """Token ids of ``text``; special tokens written in the text become their ids. A BOS is
         added when the model asks for one (or ``add_bos``), unless the text already starts with it.

@@ -27,9 +27,10 @@ class Options:
     repeat_penalty: float = 1.1   # 1 = off
     repeat_last_n: int = 64       # tokens looked back for repeat_penalty; 0 = off, -1 = num_ctx
     seed: int | None = None       # None (or -1): a fresh seed per request
-    num_predict: int = -1         # -1 = until end of generation or the context is full
+    num_predict: int = -1         # -1 or -2 = until end of generation or the context is full
     num_ctx: int = DEFAULT_NUM_CTX
     num_batch: int = 512          # prefill chunk, in tokens
+    num_keep: int = 4             # tokens kept at the start when a prompt is cut to fit num_ctx
     stop: tuple[str, ...] = ()
     presence_penalty: float = 0.0   # subtracted from a token's logit once it appears in the last repeat_last_n
     frequency_penalty: float = 0.0  # ... times the number of times it appears there
@@ -38,8 +39,8 @@ class Options:
     def from_dict(cls, values: Mapping[str, Any] | None = None, *,
                   n_ctx_train: int | None = None, max_ctx: int | None = None) -> "Options":
         """Validated options. ``n_ctx_train`` (the model's training context) and ``max_ctx`` (the
-        server's limit) bound num_ctx; when num_ctx is not given the default is lowered to them rather
-        than refused."""
+        server's limit) bound num_ctx: a larger num_ctx, or the default, is lowered to them (clamped, as
+        Ollama does, rather than refused; the caller compares with what was asked to warn)."""
         if values is None:
             values = {}
         if not isinstance(values, Mapping):
@@ -52,14 +53,9 @@ class Options:
                 parsed[f.name] = _CHECKS[f.name](f.name, values[f.name])
         if parsed.get("seed") == -1:
             parsed["seed"] = None
-        bounds = [(n_ctx_train, "this model's training context"), (max_ctx, "this server's limit")]
-        for bound, what in bounds:
-            if bound and parsed.get("num_ctx", 0) > bound:
-                raise OptionsError(f"option 'num_ctx': {str(parsed['num_ctx'])[:20]} is beyond {what}; "
-                                   f"accepted: 1 to {min(b for b, _ in bounds if b)}")
-        limits = [b for b, _ in bounds if b]
+        limits = [b for b in (n_ctx_train, max_ctx) if b]
         if limits:
-            parsed.setdefault("num_ctx", min(DEFAULT_NUM_CTX, *limits))
+            parsed["num_ctx"] = min(parsed.get("num_ctx", DEFAULT_NUM_CTX), *limits)
         return cls(**parsed)
 
 
@@ -123,7 +119,8 @@ _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "repeat_penalty": _number(0.0, low_open=True),
     "repeat_last_n": _integer(-1, note=" (-1 = num_ctx, 0 = off)"),
     "seed": _integer(-1, note=" (-1 = random)"),
-    "num_predict": _integer(-1, note=" (-1 = until the end of generation)"),
+    "num_predict": _integer(-2, note=" (-1 or -2 = until the end of generation or a full context)"),
+    "num_keep": _integer(0),
     "num_ctx": _integer(1),
     "num_batch": _integer(1),
     "stop": _stop,
@@ -137,7 +134,7 @@ PLACEMENT = frozenset({"num_gpu", "main_gpu", "num_thread", "use_mmap", "use_mlo
                        "rope_frequency_scale"})
 # Sampling options not implemented, with the value that leaves sampling as it is.
 NEUTRAL = {"mirostat": 0, "mirostat_tau": None, "mirostat_eta": None, "tfs_z": 1.0, "typical_p": 1.0,
-           "penalize_newline": False, "num_keep": None}
+           "penalize_newline": False}
 PEBBLING = frozenset({"pebbling_strategy", "pebbling_enabled", "pebbling_memory_limit", "pebbling_weights"})
 
 

@@ -28,6 +28,7 @@ from ..runtime.embedding import check_pooling, normalize, pool
 from .catalogue import Catalogue, ModelListing, RunningModel, ServerBusyError, model_errors, with_tag
 from .settings import DEFAULT_MAX_CONTEXT, DEFAULT_MAX_QUEUE, MAX_CONTEXT_ENV, MAX_QUEUE_ENV, env_limit
 from .go_template import render_go_template
+from .prompt import check_context, fit_messages, fit_tokens
 from .jobs import DEFAULT_KEEP_ALIVE, FOREVER, Final, GenerationRequest, Job, json_ready, parse_keep_alive, since
 
 logger = logging.getLogger("pebbling")
@@ -112,18 +113,21 @@ class Engine:
             model = entry.model
             options = Options.from_dict(request.options, n_ctx_train=model.config.n_ctx_train,
                                         max_ctx=self.max_context)
+            asked = request.options.get("num_ctx") if isinstance(request.options, dict) else None
+            if isinstance(asked, (int, float)) and asked > options.num_ctx:
+                logger.warning("model=%s: num_ctx=%s lowered to %d (the most this model and server allow)",
+                               entry.name, asked, options.num_ctx)
             if request.embed is not None:
                 return self._submit_embed(entry, request, options, pebbling, keep_alive, load_ns)
             constraint = Constraint.from_format(model.tokenizer, request.format)
-            tokens = self._prompt_tokens(model, request, options.num_ctx)
+            tokens, truncated = self._prompt_tokens(model, request, options)
+            if truncated:
+                logger.warning("model=%s: the prompt did not fit num_ctx=%d: %s", entry.name,
+                               options.num_ctx, truncated)
             # A budget that cannot fit is refused here, before anything is queued.
             entry.pebbled.plan(options, pebbling, len(tokens), self._others(entry))
-            if tokens and len(tokens) > options.num_ctx:
-                raise OptionsError(f"the prompt is {len(tokens)} tokens, more than num_ctx "
-                                   f"({options.num_ctx}); raise num_ctx (this model allows up to "
-                                   f"{model.config.n_ctx_train}) or shorten the prompt")
             job = Job(request, tokens, options, pebbling, keep_alive, load_ns)
-            job.constraint = constraint
+            job.constraint, job.truncated = constraint, truncated
             if not tokens:  # Ollama: an empty prompt only loads the model, keep_alive 0 unloads it
                 reason = "unload" if keep_alive == 0 else "load"
                 self._release(entry, keep_alive)
@@ -167,15 +171,19 @@ class Engine:
         entry.jobs.put(job)
         return job
 
-    def _prompt_tokens(self, model: Model, request: GenerationRequest, num_ctx: int) -> list[int]:
+    def _prompt_tokens(self, model: Model, request: GenerationRequest, options: Options) -> tuple[list[int], str]:
+        """The prompt's tokens, and what was cut from it to fit num_ctx ("" if nothing)."""
+        context = list(request.context or [])
+        check_context(model, context)
+        dropped = 0
         if request.messages is not None:
             if not request.messages:
-                return []
-            text = model.chat_prompt(list(request.messages))
+                return [], ""
+            text, dropped = fit_messages(model, request.messages, model.chat_prompt, options)
         else:
             prompt = request.prompt or ""
-            if not prompt and not request.context:
-                return []
+            if not prompt and not context:
+                return [], ""
             if request.raw:
                 text = prompt
             elif request.template is not None:
@@ -184,20 +192,11 @@ class Engine:
             else:
                 messages = [{"role": "system", "content": request.system}] if request.system else []
                 text = model.chat_prompt(messages + [{"role": "user", "content": prompt}])
-        context = list(request.context or [])
-        bad = [t for t in context if not 0 <= t < model.config.n_vocab]
-        if bad:
-            raise OptionsError(f"context holds token ids {bad[:5]} outside this model's vocabulary "
-                               f"(0..{model.config.n_vocab - 1}); send the context a response of this "
-                               "model returned")
-        # Refused before tokenizing when the text alone holds more tokens than fit: a prompt of
-        # megabytes would otherwise be tokenized in full, holding a core, only to be refused after.
-        at_least = len(context) + model.tokenizer.fewest_tokens(text)
-        if at_least > num_ctx:
-            raise OptionsError(f"the prompt is at least {at_least} tokens, more than num_ctx ({num_ctx}); raise "
-                               f"num_ctx (this model allows up to {model.config.n_ctx_train}) or shorten the prompt")
-        # After a context the text continues a sequence, so no second BOS.
-        return context + model.tokenizer.encode(text, add_bos=False if context else None)
+        tokens, cut = fit_tokens(model, text, context, options)
+        notes = ([f"left out the {dropped} oldest messages"] if dropped else []) + \
+            ([f"kept the first {min(options.num_keep, len(tokens))} and the last "
+              f"{len(tokens) - min(options.num_keep, len(tokens))} tokens"] if cut else [])
+        return tokens, "; ".join(notes)
 
     def _run(self, entry: _Loaded, job: Job) -> Final | None:
         """Generate for one job, streaming its text; its Final, or None if it was cancelled first."""
@@ -213,6 +212,8 @@ class Engine:
             job._put(piece)
         stats, report = gen.stats, json_ready(gen.report())
         entry.size_vram = report["measured_peak_bytes"] if entry.pebbled.backend.measures_memory else 0
+        if job.truncated:
+            report["prompt_truncated"] = job.truncated
         return Final(job.request.model, "cancelled" if job.cancelled else stats.done_reason or "stop",
                      job.tokens + gen.generated, total_duration=since(job.request.started_ns),
                      load_duration=job.load_ns, prompt_eval_count=stats.prompt_tokens,
@@ -233,6 +234,8 @@ class Engine:
             tokens, prompt_ns, report = tokens + gen.stats.prompt_tokens, prompt_ns + gen.stats.prompt_ns, gen.report()
         report = json_ready(report)
         entry.size_vram = report["measured_peak_bytes"] if entry.pebbled.backend.measures_memory else 0
+        if job.truncated:
+            report["prompt_truncated"] = job.truncated
         return Final(request.model, "stop", [], total_duration=since(request.started_ns),
                      load_duration=job.load_ns, prompt_eval_count=tokens, prompt_eval_duration=prompt_ns,
                      report=report, embeddings=vectors)

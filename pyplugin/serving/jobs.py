@@ -121,6 +121,7 @@ class Job:
         self.request, self.tokens, self.options, self.pebbling = request, tokens, options, pebbling
         self.inputs: list[list[int]] | None = None  # an embed job's token ids, one list per input
         self.constraint = None                      # the grammar its output follows (format), if any
+        self.truncated = ""                        # what was cut from the prompt to fit num_ctx
         self.keep_alive, self.load_ns = keep_alive, load_ns
         self._events: queue.Queue = queue.Queue()
         self._cancel = threading.Event()

@@ -1,0 +1,87 @@
+"""The prompt a request becomes: rendered, tokenized and, where it does not fit the context, shortened
+from the front as Ollama does rather than refused.
+
+A prompt longer than num_ctx is cut so that it leaves room to answer: room for num_predict tokens
+where the request sets it (at most half the context), else half the context, as llama.cpp's server
+leaves. A chat loses its oldest messages first, never its system messages nor the newest message
+(Ollama's rule); what is still too long (one long message, a generate prompt, a `context` with more
+after it) keeps its first num_keep tokens and loses the ones after them. Each cut is said in the log
+and in the response's report. Only as much text as can survive the cut is ever tokenized, so a prompt
+of megabytes costs what a prompt of num_ctx tokens costs.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from ..errors import OptionsError
+from ..model import Model
+from ..runtime import Options
+
+
+def answer_room(options: Options) -> int:
+    """Tokens a shortened prompt leaves free for the answer."""
+    half = options.num_ctx // 2
+    return min(options.num_predict, half) if options.num_predict > 0 else half
+
+
+def fit_messages(model: Model, messages: Sequence[dict], render: Callable[[list[dict]], str],
+                 options: Options) -> tuple[str, int]:
+    """The rendered chat and how many of its oldest messages were left out to fit num_ctx."""
+    messages = list(messages)
+    text = render(messages)
+    if _fits(model, text, options.num_ctx):
+        return text, 0
+    budget = options.num_ctx - answer_room(options)
+    # Oldest first among those that may go: everything but system messages and the newest message.
+    droppable = [i for i, m in enumerate(messages[:-1]) if m.get("role") != "system"]
+
+    def without(k: int) -> list[dict]:
+        gone = set(droppable[:k])
+        return [m for i, m in enumerate(messages) if i not in gone]
+
+    # The fewest dropped that fit the budget: the prompt only shrinks as more go, so bisect.
+    low, high = 0, len(droppable)
+    while low < high:
+        mid = (low + high) // 2
+        if _fits(model, render(without(mid)), budget):
+            high = mid
+        else:
+            low = mid + 1
+    return render(without(low)), low
+
+
+def fit_tokens(model: Model, text: str, context: Sequence[int], options: Options) -> tuple[list[int], bool]:
+    """`context` followed by the tokens of `text`, and whether it was cut to fit num_ctx."""
+    tokenizer, num_ctx = model.tokenizer, options.num_ctx
+    context = list(context)
+    add_bos = False if context else None  # after a context the text continues a sequence: no second BOS
+    if len(context) + tokenizer.fewest_tokens(text) <= num_ctx:
+        tokens = context + tokenizer.encode(text, add_bos=add_bos)
+        if len(tokens) <= num_ctx:
+            return tokens, False
+    budget = num_ctx - answer_room(options)
+    keep = min(options.num_keep, budget)
+    tail_text = tokenizer.enough_tail(text, budget - keep)
+    if len(tail_text) == len(text):  # a short text after a long context: all of it is cheap
+        whole = context + tokenizer.encode(text, add_bos=add_bos)
+        return whole[:keep] + whole[len(whole) - (budget - keep):], True
+    head = context[:keep]
+    if len(head) < keep:  # the start that is kept runs on into the text
+        head += tokenizer.encode(tokenizer.enough_text(text, keep), add_bos=add_bos)[:keep - len(head)]
+    tail = tokenizer.encode(tail_text, add_bos=False)
+    return head + tail[len(tail) - (budget - keep):], True
+
+
+def check_context(model: Model, context: Sequence[int]) -> None:
+    bad = [t for t in context if not 0 <= t < model.config.n_vocab]
+    if bad:
+        raise OptionsError(f"context holds token ids {bad[:5]} outside this model's vocabulary "
+                           f"(0..{model.config.n_vocab - 1}); send the context a response of this "
+                           "model returned")
+
+
+def _fits(model: Model, text: str, limit: int) -> bool:
+    if model.tokenizer.fewest_tokens(text) > limit:
+        return False  # known without tokenizing
+    return len(model.tokenizer.encode(text)) <= limit
