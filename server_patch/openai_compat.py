@@ -146,9 +146,13 @@ async def _choices(request: Request, first, n: int, make, options: dict) -> list
 
 
 def _usage_of(results: list[tuple[str, Final]]) -> dict[str, int]:
-    """The prompt counted once, the completions of every choice."""
-    prompt, completion = results[0][1].prompt_eval_count, sum(f.eval_count for _, f in results)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    """The prompt counted once (all of it, as OpenAI counts: the part found in the cache is said in
+    prompt_tokens_details), the completions of every choice."""
+    first = results[0][1]
+    cached = (first.report or {}).get("cached_tokens") or 0
+    prompt, completion = first.prompt_eval_count + cached, sum(f.eval_count for _, f in results)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 @router.get("/models")

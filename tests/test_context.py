@@ -92,4 +92,4 @@ def test_num_predict_minus_one_and_minus_two_run_until_the_context_is_full(engin
     assert final.done_reason == "length"
     # Every one of the 40 positions is used; the last token is sampled from the 40th position's
     # logits and needs no position of its own.
-    assert final.prompt_eval_count + final.eval_count == 40 + 1
+    assert final.report["cached_tokens"] + final.prompt_eval_count + final.eval_count == 40 + 1

@@ -113,6 +113,6 @@ def test_final_counts_and_durations(engine):
                                         keep_alive=-1)).result()
     assert isinstance(final, Final) and final.eval_count == 3 and final.done_reason == "length"
     assert final.total_duration >= final.prompt_eval_duration + final.eval_duration > 0
-    assert len(final.context) == final.prompt_eval_count + final.eval_count
+    assert len(final.context) == final.report["cached_tokens"] + final.prompt_eval_count + final.eval_count
     (running,) = engine.running()
     assert running.expires_at == FOREVER and running.active == 0

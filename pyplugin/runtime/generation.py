@@ -73,7 +73,8 @@ class ResidentLayers:
 class GenerationStats:
     """What one request cost, in Ollama's terms."""
 
-    prompt_tokens: int = 0
+    prompt_tokens: int = 0             # the prompt tokens processed (not those found in the cache)
+    cached_tokens: int = 0             # the prompt tokens whose K and V were already in the cache
     prompt_ns: int = 0
     generated_tokens: int = 0
     generate_ns: int = 0
@@ -92,6 +93,7 @@ class Generation:
         self.xp, self.outer = self.layers.xp, self.layers.outer
         self.sampler = Sampler(options)
         self.should_stop = should_stop or (lambda: False)
+        self.prompt: list[int] = []
         self.generated: list[int] = []
         self.pos = 0
         self.stats = GenerationStats()
@@ -163,11 +165,18 @@ class Generation:
     def sample(self, logits: np.ndarray, history: Sequence[int]) -> int:
         return self.sampler(logits, history)
 
-    def tokens(self, prompt: Sequence[int]) -> Iterator[int]:
-        """Generated token ids, until end of generation, num_predict or a full context."""
+    def tokens(self, prompt: Sequence[int], cached: int = 0) -> Iterator[int]:
+        """Generated token ids, until end of generation, num_predict or a full context. `cached`: how many
+        leading prompt tokens the layers' KV caches already hold (a conversation going on); only the
+        rest is prefilled."""
         prompt = list(prompt)
         self._check_prompt(prompt)
-        logits = self.prefill(prompt)
+        self.prompt = list(prompt)
+        if not 0 <= cached < len(prompt):
+            raise OptionsError(f"{cached} cached tokens of a {len(prompt)}-token prompt: at least its last "
+                               "token must run")
+        self.pos = self.stats.cached_tokens = cached
+        logits = self.prefill(prompt[cached:])
         history, limit = prompt, self.options.num_predict
         while limit < 0 or self.stats.generated_tokens < limit:
             start = time.perf_counter_ns()
@@ -197,11 +206,15 @@ class Generation:
             self.stats.generate_ns += time.perf_counter_ns() - start
         self.stats.done_reason = "length"
 
-    def text(self, prompt: Sequence[int]) -> Iterator[str]:
+    def forwarded(self) -> list[int]:
+        """The tokens whose K and V the caches now hold, in position order."""
+        return (self.prompt + self.generated)[:self.pos]
+
+    def text(self, prompt: Sequence[int], cached: int = 0) -> Iterator[str]:
         """Generated text as it comes: whole characters only, cut before the first stop string."""
         decoder = self.model.tokenizer.stream_decoder()
         stops, pending = self.options.stop, ""
-        tokens = self.tokens(prompt)
+        tokens = self.tokens(prompt, cached)
         try:
             for token in tokens:
                 pending += decoder.push(token)

@@ -6,7 +6,7 @@ changes which of them are resident, and `generation()` turns options into a runn
 from __future__ import annotations
 
 import os
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -81,6 +81,7 @@ class PebbledModel:
             model.release_layers()
         self.outer: OuterWeights = model.outer_weights(self.kernels)
         self._kv_ctx: int | None = None
+        self.kv_tokens: list[int] = []  # the tokens whose K and V the store's KV entries hold, in order
         self._overhead: int | None = None
 
     def close(self) -> None:
@@ -197,8 +198,25 @@ class PebbledModel:
         """One request through the store: its plan (`plan`, else made from the options), the store made
         to hold it, and a Generation over those layers."""
         plan = plan or self.plan(options, pebbling, prompt_tokens, others)
+        self.kv_tokens = []  # the new request writes over them; its caller says what it left (keep_cache)
         return Generation(self.model, options, layers=StoreLayers(self, plan, options, pebbling),
                           should_stop=should_stop, constraint=constraint)
+
+    def cached_prefix(self, tokens: Sequence[int], n_ctx: int) -> int:
+        """How many leading `tokens` the KV entries already hold for a request at `n_ctx` (the last
+        token always runs again: its logits are what the request samples from first)."""
+        if self._kv_ctx != n_ctx:
+            return 0
+        n = 0
+        for a, b in zip(self.kv_tokens, tokens[:len(tokens) - 1]):
+            if a != b:
+                break
+            n += 1
+        return n
+
+    def keep_cache(self, generation: Generation) -> None:
+        """Remembers what `generation` (the last to run on this store) left in the KV entries."""
+        self.kv_tokens = generation.forwarded()
 
     def prepare(self, plan: Plan, n_ctx: int) -> None:
         """Makes the store hold the plan: resident layers on the device, KV entries for n_ctx."""

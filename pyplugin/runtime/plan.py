@@ -181,12 +181,16 @@ def format_bytes(n: int | float) -> str:
 @dataclass(frozen=True)
 class PebblingOptions:
     """pebbling_strategy, pebbling_enabled, pebbling_memory_limit, pebbling_weights; None means "not
-    given"."""
+    given". pebbling_cache_prompt (default true) lets a request start from the KV the last request left
+    where its prompt begins with the same tokens; false prefills the whole prompt, for results that do not
+    depend on what ran before (reusing a cache changes how the prompt is split into chunks, and so the
+    rounding, as llama.cpp's cache_prompt says of itself)."""
 
     strategy: Strategy | None = None
     enabled: bool | None = None
     memory_limit: int | None = None  # bytes
     weights: str | None = None       # one of WEIGHT_FORMS
+    cache_prompt: bool = True
 
     @classmethod
     def from_options(cls, options) -> "PebblingOptions":
@@ -195,13 +199,15 @@ class PebblingOptions:
         enabled = options.get("pebbling_enabled")
         limit = options.get("pebbling_memory_limit")
         weights = options.get("pebbling_weights")
-        if enabled is not None and not isinstance(enabled, bool):
-            raise OptionsError(f"option 'pebbling_enabled': got {enabled!r} ({type(enabled).__name__}); "
-                               "accepted: true or false")
+        cache_prompt = options.get("pebbling_cache_prompt")
+        for name, value in (("pebbling_enabled", enabled), ("pebbling_cache_prompt", cache_prompt)):
+            if value is not None and not isinstance(value, bool):
+                raise OptionsError(f"option {name!r}: got {str(value)[:40]!r} ({type(value).__name__}); "
+                                   "accepted: true or false")
         if weights is not None:
             check_weight_form(weights, "option 'pebbling_weights'")
         return cls(None if strategy is None else Strategy.parse(strategy), enabled,
-                   None if limit is None else parse_size(limit), weights)
+                   None if limit is None else parse_size(limit), weights, cache_prompt is not False)
 
     @property
     def effective_strategy(self) -> Strategy:

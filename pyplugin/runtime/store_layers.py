@@ -152,7 +152,8 @@ class StoreLayers:
             how = ("byte-accounted (store device tier peak + working slots + output weights + "
                    "workspace reservation; no GPU measured)")
         # Decode steps are the forward passes that start past the prompt.
-        starts = [b for pos, b in self.forwards if pos >= stats.prompt_tokens] + [store.bytes_restored]
+        prompt_end = stats.cached_tokens + stats.prompt_tokens
+        starts = [b for pos, b in self.forwards if pos >= prompt_end] + [store.bytes_restored]
         decoded = len(starts) - 1
         return {
             "strategy": _strategy_name(plan.strategy),
@@ -169,6 +170,7 @@ class StoreLayers:
             "bytes_restored": int(store.bytes_restored),
             "restores": int(store.restores),
             "bytes_restored_per_token": (starts[-1] - starts[0]) // decoded if decoded else None,
+            "cached_tokens": stats.cached_tokens,
         }
 
 

@@ -204,12 +204,16 @@ class Engine:
             return None
         if job.inputs is not None:
             return self._run_embed(entry, job)
-        gen = entry.pebbled.generation(job.options, job.pebbling, len(job.tokens), others=self._others(entry),
-                                       should_stop=lambda: job.cancelled, constraint=job.constraint)
-        for piece in gen.text(job.tokens):
+        pebbled = entry.pebbled
+        # A conversation going on starts from the KV its last turn left, unless the request says not to.
+        cached = pebbled.cached_prefix(job.tokens, job.options.num_ctx) if job.pebbling.cache_prompt else 0
+        gen = pebbled.generation(job.options, job.pebbling, len(job.tokens), others=self._others(entry),
+                                 should_stop=lambda: job.cancelled, constraint=job.constraint)
+        for piece in gen.text(job.tokens, cached):
             if job.cancelled:
                 break
             job._put(piece)
+        pebbled.keep_cache(gen)
         stats, report = gen.stats, json_ready(gen.report())
         entry.size_vram = report["measured_peak_bytes"] if entry.pebbled.backend.measures_memory else 0
         if job.truncated:

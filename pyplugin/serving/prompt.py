@@ -55,20 +55,27 @@ def fit_tokens(model: Model, text: str, context: Sequence[int], options: Options
     """`context` followed by the tokens of `text`, and whether it was cut to fit num_ctx."""
     tokenizer, num_ctx = model.tokenizer, options.num_ctx
     context = list(context)
-    add_bos = False if context else None  # after a context the text continues a sequence: no second BOS
+
+    def encode(text: str) -> list[int]:
+        if not context:
+            return tokenizer.encode(text)
+        # After a context the text continues a sequence: no second BOS, not even one the template wrote.
+        ids = tokenizer.encode(text, add_bos=False)
+        return ids[1:] if ids[:1] == [tokenizer.bos_id] else ids
+
     if len(context) + tokenizer.fewest_tokens(text) <= num_ctx:
-        tokens = context + tokenizer.encode(text, add_bos=add_bos)
+        tokens = context + encode(text)
         if len(tokens) <= num_ctx:
             return tokens, False
     budget = num_ctx - answer_room(options)
     keep = min(options.num_keep, budget)
     tail_text = tokenizer.enough_tail(text, budget - keep)
     if len(tail_text) == len(text):  # a short text after a long context: all of it is cheap
-        whole = context + tokenizer.encode(text, add_bos=add_bos)
+        whole = context + encode(text)
         return whole[:keep] + whole[len(whole) - (budget - keep):], True
     head = context[:keep]
     if len(head) < keep:  # the start that is kept runs on into the text
-        head += tokenizer.encode(tokenizer.enough_text(text, keep), add_bos=add_bos)[:keep - len(head)]
+        head += encode(tokenizer.enough_text(text, keep))[:keep - len(head)]
     tail = tokenizer.encode(tail_text, add_bos=False)
     return head + tail[len(tail) - (budget - keep):], True
 
