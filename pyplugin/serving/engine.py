@@ -29,6 +29,7 @@ from .catalogue import Catalogue, ModelListing, RunningModel, ServerBusyError, m
 from .settings import DEFAULT_MAX_CONTEXT, DEFAULT_MAX_QUEUE, MAX_CONTEXT_ENV, MAX_QUEUE_ENV, env_limit
 from .go_template import render_go_template
 from .jobs import DEFAULT_KEEP_ALIVE, FOREVER, Final, GenerationRequest, Job, json_ready, parse_keep_alive, since
+from .reply import ReplyPlan
 
 logger = logging.getLogger("pebbling")
 
@@ -114,8 +115,11 @@ class Engine:
                                         max_ctx=self.max_context)
             if request.embed is not None:
                 return self._submit_embed(entry, request, options, pebbling, keep_alive, load_ns)
-            constraint = Constraint.from_format(model.tokenizer, request.format)
-            tokens = self._prompt_tokens(model, request, options.num_ctx)
+            plan = ReplyPlan.of(request, model.chat_template.source)
+            grammar = plan.grammar()  # tool_choice required or named: the call is constrained decoding
+            constraint = (Constraint.from_lark(model.tokenizer, grammar, "tool_choice") if grammar
+                          else Constraint.from_format(model.tokenizer, request.format))
+            tokens, prompt = self._prompt_tokens(model, request, options.num_ctx, plan)
             # A budget that cannot fit is refused here, before anything is queued.
             entry.pebbled.plan(options, pebbling, len(tokens), self._others(entry))
             if tokens and len(tokens) > options.num_ctx:
@@ -123,7 +127,7 @@ class Engine:
                                    f"({options.num_ctx}); raise num_ctx (this model allows up to "
                                    f"{model.config.n_ctx_train}) or shorten the prompt")
             job = Job(request, tokens, options, pebbling, keep_alive, load_ns)
-            job.constraint = constraint
+            job.constraint, job.parser = constraint, plan.parser(prompt)
             if not tokens:  # Ollama: an empty prompt only loads the model, keep_alive 0 unloads it
                 reason = "unload" if keep_alive == 0 else "load"
                 self._release(entry, keep_alive)
@@ -167,15 +171,19 @@ class Engine:
         entry.jobs.put(job)
         return job
 
-    def _prompt_tokens(self, model: Model, request: GenerationRequest, num_ctx: int) -> list[int]:
+    def _prompt_tokens(self, model: Model, request: GenerationRequest, num_ctx: int,
+                       plan: ReplyPlan) -> tuple[list[int], str]:
+        """(token ids, the text they encode past any context)."""
         if request.messages is not None:
             if not request.messages:
-                return []
-            text = model.chat_prompt(list(request.messages))
+                return [], ""
+            text = plan.finish_prompt(model.chat_prompt(list(request.messages), **plan.template_args))
         else:
             prompt = request.prompt or ""
             if not prompt and not request.context:
-                return []
+                return [], ""
+            if request.think is not None and plan.thinker and (request.raw or request.template is not None):
+                raise OptionsError("think works through the model's chat template: leave out raw and template")
             if request.raw:
                 text = prompt
             elif request.template is not None:
@@ -183,7 +191,8 @@ class Engine:
                                                              "Prompt": prompt, "Response": ""})
             else:
                 messages = [{"role": "system", "content": request.system}] if request.system else []
-                text = model.chat_prompt(messages + [{"role": "user", "content": prompt}])
+                text = plan.finish_prompt(model.chat_prompt(messages + [{"role": "user", "content": prompt}],
+                                                            **plan.template_args))
         context = list(request.context or [])
         bad = [t for t in context if not 0 <= t < model.config.n_vocab]
         if bad:
@@ -197,7 +206,7 @@ class Engine:
             raise OptionsError(f"the prompt is at least {at_least} tokens, more than num_ctx ({num_ctx}); raise "
                                f"num_ctx (this model allows up to {model.config.n_ctx_train}) or shorten the prompt")
         # After a context the text continues a sequence, so no second BOS.
-        return context + model.tokenizer.encode(text, add_bos=False if context else None)
+        return context + model.tokenizer.encode(text, add_bos=False if context else None), text
 
     def _run(self, entry: _Loaded, job: Job) -> Final | None:
         """Generate for one job, streaming its text; its Final, or None if it was cancelled first."""
