@@ -21,7 +21,8 @@ _KEEP_ALIVE_DOC = ('How long the model stays loaded after this request: seconds,
                    '"10m"; 0 unloads it at once, a negative value keeps it loaded. Default 5m.')
 
 
-_THINK_DOC = ("true: the model thinks, and its thinking comes apart from the answer (message.thinking); "
+_THINK_DOC = ("true: the model thinks, and its thinking comes apart from the answer (message.thinking, or "
+              "generate's thinking); "
               "false: thinking off; absent: the template's default, the text as written. Refused (400) "
               "for a model whose template marks no <think> part")
 _TOOLS_DOC = ('functions the model may call, rendered through its chat template: [{"type": "function", '

@@ -56,6 +56,14 @@ OPENS_THINKING = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}"
     "{# a reply closes its reasoning with </think> #}"
 )
+# QwQ's way: no switch; the reasoning of earlier replies is dropped from the history.
+DROPS_THINKING = (
+    "{% for message in messages %}{% set content = message.content %}"
+    "{% if message.role == 'assistant' and '</think>' in content %}"
+    "{% set content = content.split('</think>')[-1] | trim %}{% endif %}"
+    "<|im_start|>{{ message.role }}\n{{ content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 # Ollama's published Go templates (server/testdata/tools in ollama's repository).
 OLLAMA_QWEN3_GO = (

@@ -26,8 +26,9 @@ EMPTY_THINKING = "<think>\n\n</think>\n\n"
 
 
 def thinks(template: str | None) -> bool:
-    """Whether a model with this template marks a reasoning part."""
-    return bool(template) and THINK_OPEN in template and THINK_CLOSE in template
+    """Whether a model with this template marks a reasoning part: it writes the tags, or strips the reasoning
+    of earlier replies at their closing tag (QwQ's and DeepSeek-R1's do only that)."""
+    return bool(template) and (THINK_OPEN in template or THINK_CLOSE in template)
 
 
 @dataclass
@@ -69,12 +70,12 @@ class ThinkingParser:
             self._state = "thinking"
         if self._state == "thinking":
             at = self._pending.find(THINK_CLOSE)
-            if at < 0:
-                keep = 0 if final else held_back(self._pending, THINK_CLOSE)
-                thinking = self._pending[:len(self._pending) - keep]
-                self._pending = self._pending[len(self._pending) - keep:]
+            if at < 0:  # kept back: what may start the closing tag, and the whitespace that may end the thinking
+                cut = len(self._pending) - (0 if final else held_back(self._pending, THINK_CLOSE))
+                thinking = self._pending[:cut].rstrip()
+                self._pending = "" if final else self._pending[len(thinking):]
                 return thinking, ""
-            thinking, self._pending = self._pending[:at], self._pending[at + len(THINK_CLOSE):]
+            thinking, self._pending = self._pending[:at].rstrip(), self._pending[at + len(THINK_CLOSE):]
             self._state = "after"
         if self._state == "after":  # the blank lines between thinking and answer belong to neither
             self._pending = self._pending.lstrip()
@@ -114,6 +115,9 @@ class OutputParser:
 
 @dataclass
 class ReplyPlan:
+    """What one request asks of the reply, checked against the model's template: what the template is
+    given, the grammar a forced call follows, and how the output is split."""
+
     template_args: dict[str, Any]            # passed to the chat template (tools, enable_thinking)
     tool_format: ToolFormat | None = None
     tools: list[dict[str, Any]] | None = None
