@@ -21,6 +21,18 @@ LLAMA3_TOOLS = (
     "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
 )
 
+# Any other template that takes tools: calls read as a JSON object with name and arguments.
+PHI3_TOOLS = (
+    "{% if tools %}<|system|>\nYou may call these functions: {{ tools | tojson }}. To call one, answer with "
+    "{\"name\": ..., \"arguments\": {...}}.<|end|>\n{% endif %}"
+    "{% for message in messages %}"
+    "{% if message.tool_calls %}<|assistant|>\n{% for c in message.tool_calls %}{\"name\": \"{{ c.function.name }}\", "
+    "\"arguments\": {{ c.function.arguments | tojson }}}{% endfor %}<|end|>\n"
+    "{% elif message.role == 'tool' %}<|user|>\nResult of {{ message.name }}: {{ message.content }}<|end|>\n"
+    "{% else %}<|{{ message.role }}|>\n{{ message.content }}<|end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
 _QWEN_SYSTEM = (
     "{% if tools %}<|im_start|>system\n"
     "{% if messages[0].role == 'system' %}{{ messages[0].content }}{% else %}You are a helpful assistant.{% endif %}"

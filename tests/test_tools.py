@@ -10,7 +10,7 @@ import jsonschema
 import pytest
 import requests
 
-from chat_templates import LLAMA3_TOOLS, OLLAMA_LLAMA32_GO, OLLAMA_QWEN3_GO, QWEN3_THINKING, QWEN_TOOLS
+from chat_templates import LLAMA3_TOOLS, OLLAMA_LLAMA32_GO, OLLAMA_QWEN3_GO, PHI3_TOOLS, QWEN3_THINKING, QWEN_TOOLS
 from helpers import tiny_spec
 from pyplugin.errors import OptionsError
 from pyplugin.model import load_model
@@ -34,7 +34,7 @@ ADD = {"type": "function", "function": {
                    "required": ["a", "b"], "additionalProperties": False}}}
 TOOLS = [WEATHER, ADD]
 PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
-MODELS = {"llama": ("llama", LLAMA3_TOOLS), "qwen": ("qwen2", QWEN_TOOLS)}
+MODELS = {"llama": ("llama", LLAMA3_TOOLS), "qwen": ("qwen2", QWEN_TOOLS), "phi": ("phi3", PHI3_TOOLS)}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -43,7 +43,7 @@ MODELS = {"llama": ("llama", LLAMA3_TOOLS), "qwen": ("qwen2", QWEN_TOOLS)}
 
 @pytest.mark.parametrize("template,expected", [
     (LLAMA3_TOOLS, LLAMA3), (QWEN_TOOLS, QWEN), (QWEN3_THINKING, QWEN), (OLLAMA_QWEN3_GO, QWEN),
-    (OLLAMA_LLAMA32_GO, LLAMA3), ("{% if tools %}{{ tools | tojson }}{% endif %}{{ messages }}", GENERIC),
+    (OLLAMA_LLAMA32_GO, LLAMA3), (PHI3_TOOLS, GENERIC), ("{% if tools %}{{ tools | tojson }}{% endif %}{{ messages }}", GENERIC),
     ("{{ if .Tools }}{{ .Tools }}{{ end }}{{ .Prompt }}", GENERIC),
     (LLAMA3_TEMPLATE, None), (CHATML_TEMPLATE, None), (PHI3_TEMPLATE, None), (None, None), ("", None)])
 def test_the_call_format_is_read_from_the_template_jinja_or_go(template, expected):
@@ -205,9 +205,10 @@ def test_a_forced_call_streams_as_one_tool_call_delta_with_the_same_call(url, mo
 
 @pytest.mark.parametrize("model", MODELS)
 def test_ollamas_api_parses_a_call_after_content_whole_and_streamed(url, model, scripted):
-    call = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
-            if model == "qwen" else '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", '
-                                    '"unit": "celsius"}}')
+    call = {"qwen": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n'
+                    '</tool_call>',
+            "llama": '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}',
+            "phi": ' {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'}[model]
     expected = [{"function": {"index": 0, "name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}}]
     text = ("Let me look that up. " if model == "qwen" else "") + call
     scripted(model, text)
@@ -273,6 +274,8 @@ ROUND_TRIP = {
              "<tool_response>\n21 degrees\n</tool_response>"],
     "llama": ['<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}',
               "<|start_header_id|>ipython<|end_header_id|>\n\n21 degrees"],
+    "phi": ['{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}<|end|>',
+            "Result of get_weather: 21 degrees"],
 }
 
 
