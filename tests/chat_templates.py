@@ -1,25 +1,11 @@
-"""Chat templates with tools and thinking, for tiny synthetic models (written into their GGUF metadata).
+"""Chat templates with tools and thinking, for tiny synthetic models (written into their GGUF metadata),
+beside the Llama 3 and ChatML templates pyplugin.model.synth gives its models, which take tools already.
 
 The Jinja ones follow the conventions of the families' own templates (Hugging Face's: `tools` as a list of
 {"type": "function", "function": {...}}, calls in `message.tool_calls`, results under role "tool"), written
 short. The Go ones are Ollama's published templates (from ollama's server/testdata/tools), test data for
 reading the format from a template's text.
 """
-
-LLAMA3_TOOLS = (
-    "{{ bos_token }}"
-    "{% if tools %}<|start_header_id|>system<|end_header_id|>\n\nYou can call these functions. Respond in the "
-    "format {\"name\": function name, \"parameters\": dictionary of argument name and its value}.\n"
-    "{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|eot_id|>{% endif %}"
-    "{% for message in messages %}"
-    "{% if message.role == 'tool' %}<|start_header_id|>ipython<|end_header_id|>\n\n{{ message.content }}<|eot_id|>"
-    "{% elif message.tool_calls %}<|start_header_id|>assistant<|end_header_id|>\n\n<|python_tag|>"
-    "{% for c in message.tool_calls %}{\"name\": \"{{ c.function.name }}\", \"parameters\": "
-    "{{ c.function.arguments | tojson }}}{% endfor %}<|eot_id|>"
-    "{% else %}<|start_header_id|>{{ message.role }}<|end_header_id|>\n\n{{ message.content | trim }}<|eot_id|>"
-    "{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
-)
 
 # Any other template that takes tools: calls read as a JSON object with name and arguments.
 PHI3_TOOLS = (
@@ -52,9 +38,7 @@ _QWEN_MESSAGES = (
     "{% elif message.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message.content }}\n"
     "</tool_response><|im_end|>\n{% endif %}{% endfor %}"
 )
-QWEN_TOOLS = (_QWEN_SYSTEM + _QWEN_MESSAGES
-              + "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-# Qwen3: the same, and a reply that may open with <think>...</think>; enable_thinking=false writes an
+# Qwen3: Qwen2.5's tools, and a reply that may open with <think>...</think>; enable_thinking=false writes an
 # empty think block after the prompt.
 QWEN3_THINKING = (
     _QWEN_SYSTEM + _QWEN_MESSAGES
