@@ -26,9 +26,9 @@ from pyplugin.serving import (ChatTemplateError, Engine, Final, GenerationReques
                               ServerBusyError, StrategyError)
 
 from . import openai_compat, openapi
-from .replies import chat_message
 from .guard import RequestGuard
 from .metrics import Metrics, RequestMetrics
+from .replies import chat_message
 from .streaming import (BadRequest, collect, collect_output, dumps, engine_of, iso, now_iso, outputs,
                         refuse_unsupported, submit)
 from .schemas import ChatRequest, EmbeddingsRequest, EmbedRequest, GenerateRequest, ShowRequest

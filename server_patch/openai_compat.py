@@ -9,7 +9,6 @@ pebbling_memory_limit, pebbling_weights) or in an Ollama-style ``options`` objec
 from __future__ import annotations
 
 import base64
-import json
 import secrets
 from typing import Any, Callable
 

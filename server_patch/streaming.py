@@ -12,7 +12,7 @@ import asyncio
 import json
 import time
 from datetime import datetime, timezone
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
