@@ -22,14 +22,15 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pyplugin.serving import (ChatTemplateError, Engine, Final, GenerationRequest, InvalidModelName, ModelListing,
-                              ModelLoadError, ModelNotFoundError, OptionsError, PebblingError, ServerBusyError,
-                              StrategyError)
+                              ModelLoadError, ModelNotFoundError, OptionsError, Output, PebblingError,
+                              ServerBusyError, StrategyError)
 
 from . import openai_compat, openapi
 from .guard import RequestGuard
 from .metrics import Metrics, RequestMetrics
-from .streaming import (BadRequest, collect, dumps, engine_of, events, iso, now_iso, refuse_unsupported,
-                        submit)
+from .replies import chat_message
+from .streaming import (BadRequest, collect, collect_output, dumps, engine_of, iso, now_iso, outputs,
+                        refuse_unsupported, submit)
 from .schemas import ChatRequest, EmbeddingsRequest, EmbedRequest, GenerateRequest, ShowRequest
 
 MAX_BODY_BYTES = 8 << 20  # 8 MiB: far beyond any prompt num_ctx allows, small enough to buffer
@@ -282,43 +283,51 @@ def _ollama_routes() -> APIRouter:
             raise BadRequest("'suffix' (fill-in-the-middle) is not supported by pebbling")
         job = await submit(request, GenerationRequest(
             model=body.model, prompt=body.prompt, system=body.system, template=body.template, raw=body.raw,
-            context=body.context, format=body.format, options=body.options or {}, keep_alive=body.keep_alive))
+            context=body.context, format=body.format, options=body.options or {}, keep_alive=body.keep_alive,
+            think=body.think))
 
-        def chunk(text: str) -> dict:
-            return {"model": body.model, "created_at": now_iso(), "response": text, "done": False}
+        def chunk(out: Output) -> dict:
+            thinking = {"thinking": out.thinking} if out.thinking else {}
+            return {"model": body.model, "created_at": now_iso(), "response": out.content, **thinking, "done": False}
 
-        def final(text: str, f: Final) -> dict:
-            return {**chunk(text), "done": True, "done_reason": f.done_reason, "context": f.context,
+        def final(out: Output, f: Final) -> dict:
+            return {**chunk(out), "done": True, "done_reason": f.done_reason, "context": f.context,
                     **f.stats(), "pebbling": f.report}
 
         if body.stream:
             return _ndjson(job, chunk, final)
-        text, f = await collect(job, request)
-        return JSONResponse(final(text, f)) if f else Response(status_code=499)
+        out, f = await collect_output(job, request)
+        return JSONResponse(final(out, f)) if f else Response(status_code=499)
 
     @router.post("/api/chat", tags=["ollama"])
     async def chat(body: ChatRequest, request: Request) -> Response:
         refuse_unsupported(body)
-        if body.tools:
-            raise BadRequest("'tools' is not supported by pebbling")
         if any(m.images for m in body.messages):
             raise BadRequest("'images' is not supported: pebbling serves text-only models")
         job = await submit(request, GenerationRequest(
-            model=body.model, messages=[{"role": m.role, "content": m.content or ""} for m in body.messages],
-            format=body.format, options=body.options or {}, keep_alive=body.keep_alive))
+            model=body.model, messages=[chat_message(m, i) for i, m in enumerate(body.messages)],
+            format=body.format, options=body.options or {}, keep_alive=body.keep_alive, tools=body.tools or None,
+            think=body.think))
 
-        def chunk(text: str) -> dict:
-            return {"model": body.model, "created_at": now_iso(),
-                    "message": {"role": "assistant", "content": text}, "done": False}
+        def chunk(out: Output) -> dict:
+            message = {"role": "assistant", "content": out.content}
+            if out.thinking:
+                message["thinking"] = out.thinking
+            if out.tool_calls:
+                message["tool_calls"] = [{"function": {"index": i, "name": c.name, "arguments": c.arguments}}
+                                         for i, c in enumerate(out.tool_calls, start=calls[0])]
+                calls[0] += len(out.tool_calls)
+            return {"model": body.model, "created_at": now_iso(), "message": message, "done": False}
 
-        def final(text: str, f: Final) -> dict:
-            return {**chunk(text), "done": True, "done_reason": f.done_reason, **f.stats(),
+        def final(out: Output, f: Final) -> dict:
+            return {**chunk(out), "done": True, "done_reason": f.done_reason, **f.stats(),
                     "pebbling": f.report}
 
+        calls = [0]  # calls sent so far: each carries its index, as Ollama's do
         if body.stream:
             return _ndjson(job, chunk, final)
-        text, f = await collect(job, request)
-        return JSONResponse(final(text, f)) if f else Response(status_code=499)
+        out, f = await collect_output(job, request)
+        return JSONResponse(final(out, f)) if f else Response(status_code=499)
 
     @router.post("/api/embed", tags=["ollama"])
     async def embed(body: EmbedRequest, request: Request) -> Response:
@@ -375,9 +384,9 @@ def _tag(m: ModelListing) -> dict:
 def _ndjson(job, chunk, final) -> StreamingResponse:
     async def lines():
         try:
-            async for item in events(job):
+            async for item in outputs(job):
                 if isinstance(item, Final):
-                    yield dumps(final("", item)) + "\n"
+                    yield dumps(final(Output(), item)) + "\n"
                 else:
                     yield dumps(chunk(item)) + "\n"
         except Exception as exc:  # the status line is sent: Ollama reports the error as a last line

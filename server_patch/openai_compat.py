@@ -17,9 +17,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from pyplugin.serving import Final, GenerationRequest
+from pyplugin.serving import Final, GenerationRequest, Output
 
-from .streaming import BadRequest, collect, dumps, engine_of, events, now_unix, refuse_unsupported, submit
+from .replies import openai_calls, openai_messages, openai_tools
+from .streaming import (BadRequest, collect, collect_output, dumps, engine_of, events, now_unix, outputs,
+                        refuse_unsupported, submit)
 from .schemas import ChatCompletionRequest, CompletionRequest, OpenAIEmbeddingsRequest
 
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -67,35 +69,61 @@ def _format(response_format: dict | None) -> Any:
     raise BadRequest(f"'response_format.type' must be text, json_object or json_schema, got {str(kind)[:40]!r}")
 
 
+def _finish(f: Final, called: bool) -> str:
+    reason = _FINISH.get(f.done_reason, "stop")
+    return "tool_calls" if called and reason == "stop" else reason
+
+
 @router.post("/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-    if body.tools:
-        raise BadRequest("'tools' is not supported by pebbling")
     fmt = _format(body.response_format)
-    messages = [{"role": m.role, "content": _text_content(m.content, i)} for i, m in enumerate(body.messages)]
-    if not messages:
-        raise BadRequest("'messages' must hold at least one message")
+    messages = openai_messages(body, _text_content)
+    tools, tool_choice, think = openai_tools(body)
     options = _options(body, body.max_completion_tokens or body.max_tokens)
-    job = await submit(request, GenerationRequest(model=body.model, messages=messages, format=fmt, options=options,
-                                                  keep_alive=body.keep_alive))
+
+    def make(opts: dict) -> GenerationRequest:
+        return GenerationRequest(model=body.model, messages=messages, format=fmt, options=opts,
+                                 keep_alive=body.keep_alive, tools=tools, tool_choice=tool_choice, think=think)
+
+    job = await submit(request, make(options))
     base = {"id": f"chatcmpl-{secrets.token_hex(12)}", "created": now_unix(), "model": body.model,
             "system_fingerprint": "fp_pebbling"}
 
     if body.stream:
-        def chunk(text: str | None, f: Final | None) -> dict:
-            delta = {"role": "assistant", "content": text} if text is not None else {}
+        calls = [0]  # calls sent so far: the index of the next
+
+        def chunk(out: Output | None, f: Final | None) -> dict:
+            delta: dict[str, Any] = {}
+            if out is not None:
+                delta = {"role": "assistant"}
+                if out.content or not (out.thinking or out.tool_calls):
+                    delta["content"] = out.content
+                if out.thinking:
+                    delta["reasoning_content"] = out.thinking
+                if out.tool_calls:
+                    delta["tool_calls"] = openai_calls(out.tool_calls, calls[0], index=True)
+                    calls[0] += len(out.tool_calls)
             return {**base, "object": "chat.completion.chunk", "choices": [{
                 "index": 0, "delta": delta, "logprobs": None,
-                "finish_reason": _FINISH.get(f.done_reason, "stop") if f else None}]}
-        return _sse(job, chunk, body.stream_options and body.stream_options.include_usage, base,
+                "finish_reason": _finish(f, calls[0] > 0) if f else None}]}
+        return _sse(outputs(job), chunk, body.stream_options and body.stream_options.include_usage, base,
                     "chat.completion.chunk")
-    results = await _choices(request, job, body.n, lambda opts: GenerationRequest(
-        model=body.model, messages=messages, format=fmt, options=opts, keep_alive=body.keep_alive), options)
+    results = await _choices(request, job, body.n, make, options, collect_output)
     if results is None:
         return Response(status_code=499)  # the client is gone; nobody reads this
+
+    def message(out: Output) -> dict:
+        # OpenAI: content null when the reply is only calls
+        m: dict[str, Any] = {"role": "assistant", "content": out.content or (None if out.tool_calls else "")}
+        if out.thinking:
+            m["reasoning_content"] = out.thinking
+        if out.tool_calls:
+            m["tool_calls"] = openai_calls(out.tool_calls)
+        return m
+
     return JSONResponse({**base, "object": "chat.completion", "choices": [{
-        "index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
-        "finish_reason": _FINISH.get(f.done_reason, "stop")} for i, (text, f) in enumerate(results)],
+        "index": i, "message": message(out), "logprobs": None,
+        "finish_reason": _finish(f, bool(out.tool_calls))} for i, (out, f) in enumerate(results)],
         "usage": _usage_of(results), "pebbling": results[-1][1].report})
 
 
@@ -119,10 +147,10 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     if body.stream:
         def chunk(text: str | None, f: Final | None) -> dict:
             return {**base, "object": "text_completion", "choices": [choice(text or "", f)]}
-        return _sse(job, chunk, body.stream_options and body.stream_options.include_usage, base,
+        return _sse(events(job), chunk, body.stream_options and body.stream_options.include_usage, base,
                     "text_completion")
     results = await _choices(request, job, body.n, lambda opts: GenerationRequest(
-        model=body.model, prompt=body.prompt, raw=True, options=opts, keep_alive=body.keep_alive), options)
+        model=body.model, prompt=body.prompt, raw=True, options=opts, keep_alive=body.keep_alive), options, collect)
     if results is None:
         return Response(status_code=499)
     return JSONResponse({**base, "object": "text_completion",
@@ -130,7 +158,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
                          "usage": _usage_of(results), "pebbling": results[-1][1].report})
 
 
-async def _choices(request: Request, first, n: int, make, options: dict) -> list[tuple[str, Final]] | None:
+async def _choices(request: Request, first, n: int, make, options: dict, gather) -> list[tuple[Any, Final]] | None:
     """`n` choices: the job already submitted, then n - 1 more, one after the other on the model's queue;
     with a seed, choice i samples with seed + i, so that they differ and each can be reproduced."""
     results, job = [], first
@@ -138,14 +166,14 @@ async def _choices(request: Request, first, n: int, make, options: dict) -> list
         if i:
             seed = options.get("seed")
             job = await submit(request, make({**options, **({"seed": seed + i} if seed is not None else {})}))
-        text, f = await collect(job, request)
+        text, f = await gather(job, request)
         if f is None:
             return None
         results.append((text, f))
     return results
 
 
-def _usage_of(results: list[tuple[str, Final]]) -> dict[str, int]:
+def _usage_of(results: list[tuple[Any, Final]]) -> dict[str, int]:
     """The prompt counted once (all of it, as OpenAI counts: the part found in the cache is said in
     prompt_tokens_details), the completions of every choice."""
     first = results[0][1]
@@ -162,14 +190,15 @@ async def models(request: Request) -> dict:
                                         "owned_by": "pebbling"} for m in listings]}
 
 
-def _sse(job, chunk: Callable[[str | None, Final | None], dict], include_usage: bool | None,
+def _sse(items, chunk: Callable[[Any, Final | None], dict], include_usage: bool | None,
          base: dict, obj: str) -> StreamingResponse:
+    """`items`: the job's events (text) or outputs (split text), each made a chunk."""
     def event(data: Any) -> str:
         return f"data: {dumps(data)}\n\n"
 
     async def stream():
         try:
-            async for item in events(job):
+            async for item in items:
                 if isinstance(item, Final):
                     last = chunk(None, item)
                     last["pebbling"] = item.report

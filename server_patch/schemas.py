@@ -21,6 +21,15 @@ _KEEP_ALIVE_DOC = ('How long the model stays loaded after this request: seconds,
                    '"10m"; 0 unloads it at once, a negative value keeps it loaded. Default 5m.')
 
 
+_THINK_DOC = ("true: the model thinks, and its thinking comes apart from the answer (message.thinking, or "
+              "generate's thinking); "
+              "false: thinking off; absent: the template's default, the text as written. Refused (400) "
+              "for a model whose template marks no <think> part")
+_TOOLS_DOC = ('functions the model may call, rendered through its chat template: [{"type": "function", '
+              '"function": {"name", "description", "parameters": {JSON schema}}}]; refused (400) for a '
+              'model whose template takes no tools')
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
@@ -38,7 +47,7 @@ class GenerateRequest(_Body):
     format: Any = Field(None, description='"json", or a JSON schema the output must follow (constrained decoding)')
     images: list[str] | None = Field(None, description="not supported: text-only models")
     suffix: str | None = Field(None, description="not supported: fill-in-the-middle")
-    think: Any = Field(None, description="not supported: no model served here thinks; refused when true")
+    think: Any = Field(None, description=_THINK_DOC)
     logprobs: Any = Field(None, description="not supported yet: refused when true")
     top_logprobs: int | None = Field(None, description="not supported yet: refused when given")
 
@@ -47,6 +56,10 @@ class Message(_Body):
     role: str = Field(description="system, user, assistant or tool")
     content: str | None = Field("", description="null is read as empty, as Ollama reads it")
     images: list[str] | None = None
+    tool_calls: list[dict[str, Any]] | None = Field(None, description="an assistant's calls: "
+                                                    "[{\"function\": {\"name\", \"arguments\": {...}}}]")
+    tool_name: str | None = Field(None, description="a tool message: the function whose result it holds")
+    thinking: str | None = Field(None, description="an assistant's thinking, passed back to the template")
 
 
 class ChatRequest(_Body):
@@ -56,8 +69,8 @@ class ChatRequest(_Body):
     options: dict[str, Any] | None = Field(None, description=_OPTIONS_DOC)
     keep_alive: Any = Field(None, description=_KEEP_ALIVE_DOC)
     format: Any = Field(None, description='"json", or a JSON schema the output must follow (constrained decoding)')
-    tools: list[Any] | None = Field(None, description="not supported")
-    think: Any = Field(None, description="not supported: no model served here thinks; refused when true")
+    tools: list[Any] | None = Field(None, description=_TOOLS_DOC)
+    think: Any = Field(None, description=_THINK_DOC)
     logprobs: Any = Field(None, description="not supported yet: refused when true")
     top_logprobs: int | None = Field(None, description="not supported yet: refused when given")
 
@@ -119,6 +132,11 @@ class StreamOptions(_Body):
 class ChatMessage(_Body):
     role: str
     content: Any = Field(None, description="a string, or a list of {type: text, text} parts")
+    tool_calls: list[dict[str, Any]] | None = Field(None, description="an assistant's calls: [{id, type: "
+                                                    "function, function: {name, arguments: JSON string}}]")
+    tool_call_id: str | None = Field(None, description="a tool message: the call it answers")
+    name: str | None = None
+    reasoning_content: str | None = Field(None, description="an assistant's thinking, passed back to the template")
 
 
 class ChatCompletionRequest(_OpenAIBody):
@@ -126,12 +144,18 @@ class ChatCompletionRequest(_OpenAIBody):
     max_completion_tokens: int | None = Field(None, ge=1)
     stream_options: StreamOptions | None = None
     response_format: dict[str, Any] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = Field(None, description="not supported: refused unless \"none\"")
-    parallel_tool_calls: Any = None
-    functions: list[Any] | None = Field(None, description="not supported")
-    function_call: Any = Field(None, description="not supported")
-    reasoning_effort: str | None = Field(None, description="not supported: no reasoning model is served")
+    tools: list[Any] | None = Field(None, description=_TOOLS_DOC)
+    tool_choice: Any = Field(None, description="none (tools not offered), auto, required, or {\"type\": "
+                             "\"function\", \"function\": {\"name\"}}: required and a named function "
+                             "force a call by constrained decoding")
+    parallel_tool_calls: bool | None = Field(None, description="false: one call at most (with tool_choice "
+                                             "required or a named function, which force exactly one)")
+    functions: list[Any] | None = Field(None, description="not supported: send tools")
+    function_call: Any = Field(None, description="not supported: send tool_choice")
+    reasoning_effort: str | None = Field(None, description="\"none\": thinking off; levels are not "
+                                         "supported (send think: true)")
+    think: Any = Field(None, description="pebbling extension, as Ollama's: " + _THINK_DOC.replace(
+        "message.thinking", "message.reasoning_content"))
 
 
 class CompletionRequest(_OpenAIBody):

@@ -17,7 +17,7 @@ from typing import AsyncIterator
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
-from pyplugin.serving import Engine, Final, GenerationRequest, Job
+from pyplugin.serving import Engine, Final, GenerationRequest, Job, Output
 
 
 class BadRequest(Exception):
@@ -27,10 +27,10 @@ class BadRequest(Exception):
 # Fields a client may send that ask for what pebbling does not do (yet), with what each would do: a
 # value other than a neutral one (None, false, empty, "none", "auto") is refused naming the field.
 UNSUPPORTED = {
-    "think": "thinking (no model served here marks a reasoning part)",
     "logprobs": "log probabilities", "top_logprobs": "log probabilities",
-    "logit_bias": "logit bias", "tool_choice": "tool calls", "functions": "function calls",
-    "function_call": "function calls", "reasoning_effort": "reasoning (no model served here reasons)",
+    "logit_bias": "logit bias", "functions": "function calls (send tools)",
+    "function_call": "function calls (send tool_choice)",
+    "reasoning_effort": "a level of reasoning effort (pebbling turns thinking on or off: send think true or false)",
 }
 _NEUTRAL = (None, False, "", "none", "auto", [], {})
 
@@ -98,6 +98,34 @@ async def collect(job: Job, request: Request) -> tuple[str, Final | None]:
         else:
             pieces.append(item)
     return "".join(pieces), final
+
+
+async def outputs(job: Job, request: Request | None = None) -> AsyncIterator[Output | Final]:
+    """As `events`, with the text split by the job's parser into content, thinking and tool calls (a
+    call comes once it is complete); empty outputs are left out."""
+    parser = job.parser
+    async for item in events(job, request):
+        if isinstance(item, Final):
+            if parser is not None and (rest := parser.finish()):
+                yield rest
+            yield item
+        else:
+            out = parser.feed(item) if parser is not None else Output(item)
+            if out:
+                yield out
+
+
+async def collect_output(job: Job, request: Request) -> tuple[Output, Final | None]:
+    """The whole reply, split: (output, final); final is None if the client left first."""
+    whole, final = Output(), None
+    async for item in outputs(job, request):
+        if isinstance(item, Final):
+            final = item
+        else:
+            whole.content += item.content
+            whole.thinking += item.thinking
+            whole.tool_calls += item.tool_calls
+    return whole, final
 
 
 async def _disconnected(request: Request) -> None:

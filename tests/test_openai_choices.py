@@ -1,5 +1,6 @@
 """The OpenAI API's fields that were silently ignored: `n` gives n choices, `content: null` is read as
-empty, and fields asking for what pebbling does not do (yet) are refused naming them."""
+empty, and fields asking for what pebbling does not do (yet) are refused naming them. (tools, tool_choice
+and think are honoured: test_tools.py, test_thinking.py.)"""
 
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def test_content_null_is_read_as_empty(url):
 
 
 @pytest.mark.parametrize("field", [{"logprobs": True}, {"top_logprobs": 3}, {"logit_bias": {"5": 10}},
-                                   {"tool_choice": "required"}, {"functions": [{"name": "f"}]},
+                                   {"functions": [{"name": "f"}]}, {"function_call": {"name": "f"}},
                                    {"reasoning_effort": "high"}, {"n": 2, "stream": True}])
 def test_fields_pebbling_does_not_do_are_refused_naming_them(url, field):
     r = chat(url, **field)
@@ -55,7 +56,8 @@ def test_fields_pebbling_does_not_do_are_refused_naming_them(url, field):
 
 
 @pytest.mark.parametrize("field", [{"logprobs": False}, {"tool_choice": "none"}, {"logit_bias": {}},
-                                   {"user": "someone"}])
+                                   {"user": "someone"}, {"reasoning_effort": "none"}, {"think": False},
+                                   {"parallel_tool_calls": True}])
 def test_their_neutral_values_are_accepted(url, field):
     assert chat(url, **field).status_code == 200
 

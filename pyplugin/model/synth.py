@@ -37,17 +37,41 @@ def forward(x):
     return layer(x) + x
 """
 
+# The Llama 3 and ChatML flavours take tools as their families' templates do (Llama 3.1's JSON calls with
+# "parameters", Qwen2.5's <tool_call> blocks); without tools they render as the plain formats.
 LLAMA3_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}"
-    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'"
-    " + message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
+    "{{ bos_token }}"
+    "{% if tools %}<|start_header_id|>system<|end_header_id|>\n\nYou may call these functions. To call one, "
+    "respond with JSON in the format {\"name\": function name, \"parameters\": dictionary of argument name and "
+    "its value}.\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}<|eot_id|>{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'tool' %}"
+    "{{ '<|start_header_id|>ipython<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}"
+    "{% elif message['tool_calls'] %}<|start_header_id|>assistant<|end_header_id|>\n\n"
+    "{% for call in message['tool_calls'] %}{\"name\": \"{{ call['function']['name'] }}\", \"parameters\": "
+    "{{ call['function']['arguments'] | tojson }}}{% endfor %}<|eot_id|>"
+    "{% else %}{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'"
+    " + message['content'] | trim + '<|eot_id|>' }}{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
 )
 CHATML_TEMPLATE = (
     "{% if messages and messages[0]['role'] not in ('system', 'user') %}"
     "{{ raise_exception('the first message must come from the system or the user') }}{% endif %}"
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages and messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
+    "# Tools\n\nYou may call one or more functions. Function signatures within <tools></tools>:\n<tools>"
+    "{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools>\n\nFor each call, return a JSON object "
+    "with the function name and arguments within <tool_call></tool_call> tags:\n<tool_call>\n"
+    "{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n{% endif %}"
     "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}{% endfor %}"
+    "{% if tools and loop.first and message['role'] == 'system' %}"
+    "{% elif message['role'] == 'tool' %}"
+    "<|im_start|>user\n<tool_response>\n{{ message['content'] }}\n</tool_response><|im_end|>\n"
+    "{% elif message['tool_calls'] %}<|im_start|>assistant\n{{ message['content'] }}"
+    "{% for call in message['tool_calls'] %}\n<tool_call>\n{\"name\": \"{{ call['function']['name'] }}\", "
+    "\"arguments\": {{ call['function']['arguments'] | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{% else %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}{% endif %}"
+    "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 PHI3_TEMPLATE = (

@@ -84,6 +84,15 @@ class Constraint:
             raise OptionsError(f"{what}: not a JSON schema: {exc}") from None
         return cls(tokenizer, grammar, what)
 
+    @classmethod
+    def from_lark(cls, tokenizer: Tokenizer, grammar: str, what: str) -> "Constraint":
+        """A grammar in llguidance's Lark dialect (which may embed JSON schemas as `%json {...}`)."""
+        try:
+            compiled = llguidance.LLMatcher.grammar_from_lark(grammar)
+        except ValueError as exc:
+            raise OptionsError(f"{what}: the grammar cannot be built: {exc}") from None
+        return cls(tokenizer, compiled, what)
+
     def mask(self, logits: np.ndarray) -> np.ndarray:
         """A copy of the logits with every token the grammar does not allow next at -inf."""
         start = time.perf_counter_ns()

@@ -1,6 +1,7 @@
 """Serving: the engine that loads models on demand, queues their requests and keeps them for their
-keep_alive; the jobs that carry a request to a model's worker; the model catalogue (files, the demo and
-Ollama's store). The HTTP server (server_patch) uses the names listed here and nothing else of pyplugin.
+keep_alive; the jobs that carry a request to a model's worker; the reply's thinking and tool calls; the
+model catalogue (files, the demo and Ollama's store). The HTTP server (server_patch) uses the names listed
+here and nothing else of pyplugin.
 """
 
 from ..errors import OptionsError, PebblingError, StrategyError
@@ -9,10 +10,12 @@ from .catalogue import ModelListing, ModelLoadError, ModelNotFoundError, Running
 from .engine import Engine
 from .jobs import Final, GenerationRequest, Job
 from .ollama_store import InvalidModelName
+from .reply import Output
+from .tool_calls import ToolCall
 from .settings import HOST_ENV, ORIGINS_ENV, is_loopback
 
 __all__ = [
     "ChatTemplateError", "Engine", "Final", "GenerationRequest", "HOST_ENV", "InvalidModelName", "Job",
-    "ModelListing", "ModelLoadError", "ModelNotFoundError", "ORIGINS_ENV", "OptionsError", "PebblingError",
-    "RunningModel", "ServerBusyError", "StrategyError", "is_loopback",
+    "ModelListing", "ModelLoadError", "ModelNotFoundError", "ORIGINS_ENV", "OptionsError", "Output", "PebblingError",
+    "RunningModel", "ServerBusyError", "StrategyError", "ToolCall", "is_loopback",
 ]

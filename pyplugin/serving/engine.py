@@ -30,6 +30,7 @@ from .settings import DEFAULT_MAX_CONTEXT, DEFAULT_MAX_QUEUE, MAX_CONTEXT_ENV, M
 from .go_template import render_go_template
 from .prompt import check_context, fit_messages, fit_tokens
 from .jobs import DEFAULT_KEEP_ALIVE, FOREVER, Final, GenerationRequest, Job, json_ready, parse_keep_alive, since
+from .reply import ReplyPlan
 
 logger = logging.getLogger("pebbling")
 
@@ -119,15 +120,18 @@ class Engine:
                                entry.name, asked, options.num_ctx)
             if request.embed is not None:
                 return self._submit_embed(entry, request, options, pebbling, keep_alive, load_ns)
-            constraint = Constraint.from_format(model.tokenizer, request.format)
-            tokens, truncated = self._prompt_tokens(model, request, options)
+            plan = ReplyPlan.of(request, model.chat_template.source)
+            grammar = plan.grammar()  # tool_choice required or named: the call is constrained decoding
+            constraint = (Constraint.from_lark(model.tokenizer, grammar, "tool_choice") if grammar
+                          else Constraint.from_format(model.tokenizer, request.format))
+            tokens, prompt, truncated = self._prompt_tokens(model, request, options, plan)
             if truncated:
                 logger.warning("model=%s: the prompt did not fit num_ctx=%d: %s", entry.name,
                                options.num_ctx, truncated)
             # A budget that cannot fit is refused here, before anything is queued.
             entry.pebbled.plan(options, pebbling, len(tokens), self._others(entry))
             job = Job(request, tokens, options, pebbling, keep_alive, load_ns)
-            job.constraint, job.truncated = constraint, truncated
+            job.constraint, job.parser, job.truncated = constraint, plan.parser(prompt), truncated
             if not tokens:  # Ollama: an empty prompt only loads the model, keep_alive 0 unloads it
                 reason = "unload" if keep_alive == 0 else "load"
                 self._release(entry, keep_alive)
@@ -171,19 +175,24 @@ class Engine:
         entry.jobs.put(job)
         return job
 
-    def _prompt_tokens(self, model: Model, request: GenerationRequest, options: Options) -> tuple[list[int], str]:
-        """The prompt's tokens, and what was cut from it to fit num_ctx ("" if nothing)."""
+    def _prompt_tokens(self, model: Model, request: GenerationRequest, options: Options,
+                       plan: ReplyPlan) -> tuple[list[int], str, str]:
+        """(token ids, the text they encode past any context, what was cut to fit num_ctx or "")."""
         context = list(request.context or [])
         check_context(model, context)
         dropped = 0
         if request.messages is not None:
             if not request.messages:
-                return [], ""
-            text, dropped = fit_messages(model, request.messages, model.chat_prompt, options)
+                return [], "", ""
+            text, dropped = fit_messages(
+                model, request.messages,
+                lambda messages: plan.finish_prompt(model.chat_prompt(messages, **plan.template_args)), options)
         else:
             prompt = request.prompt or ""
             if not prompt and not context:
-                return [], ""
+                return [], "", ""
+            if request.think is not None and plan.thinker and (request.raw or request.template is not None):
+                raise OptionsError("think works through the model's chat template: leave out raw and template")
             if request.raw:
                 text = prompt
             elif request.template is not None:
@@ -191,12 +200,13 @@ class Engine:
                                                              "Prompt": prompt, "Response": ""})
             else:
                 messages = [{"role": "system", "content": request.system}] if request.system else []
-                text = model.chat_prompt(messages + [{"role": "user", "content": prompt}])
+                text = plan.finish_prompt(model.chat_prompt(messages + [{"role": "user", "content": prompt}],
+                                                            **plan.template_args))
         tokens, cut = fit_tokens(model, text, context, options)
         notes = ([f"left out the {dropped} oldest messages"] if dropped else []) + \
             ([f"kept the first {min(options.num_keep, len(tokens))} and the last "
               f"{len(tokens) - min(options.num_keep, len(tokens))} tokens"] if cut else [])
-        return tokens, "; ".join(notes)
+        return tokens, text, "; ".join(notes)
 
     def _run(self, entry: _Loaded, job: Job) -> Final | None:
         """Generate for one job, streaming its text; its Final, or None if it was cancelled first."""

@@ -70,7 +70,7 @@ class GenerationRequest:
 
     model: str
     prompt: str | None = None                       # generate
-    messages: list[dict[str, str]] | None = None    # chat: [{"role", "content"}, ...]
+    messages: list[dict[str, Any]] | None = None    # chat: [{"role", "content"}, ...], HF's tool_calls...
     system: str | None = None
     template: str | None = None                     # generate: an Ollama (Go) template
     raw: bool = False
@@ -78,6 +78,9 @@ class GenerationRequest:
     options: dict[str, Any] = field(default_factory=dict)
     keep_alive: Any = None
     format: Any = None                              # generate, chat: "json" or a JSON schema the output follows
+    tools: list[dict] | None = None                 # chat: functions the model may call, rendered by its template
+    tool_choice: Any = None                         # chat: None/"auto", "required" or {"function": {"name"}}
+    think: bool | None = None                       # generate, chat: thinking on, off, or the template's default
     embed: list[str] | None = None                  # embed: the texts, one vector each
     truncate: bool = True                           # embed: cut an input longer than num_ctx (else refuse)
     dimensions: int | None = None                   # embed: keep the first N values of each vector
@@ -121,7 +124,8 @@ class Job:
         self.request, self.tokens, self.options, self.pebbling = request, tokens, options, pebbling
         self.inputs: list[list[int]] | None = None  # an embed job's token ids, one list per input
         self.constraint = None                      # the grammar its output follows (format), if any
-        self.truncated = ""                        # what was cut from the prompt to fit num_ctx
+        self.truncated = ""                         # what was cut from the prompt to fit num_ctx
+        self.parser = None                          # splits its text into content, thinking and tool calls
         self.keep_alive, self.load_ns = keep_alive, load_ns
         self._events: queue.Queue = queue.Queue()
         self._cancel = threading.Event()
