@@ -13,7 +13,7 @@ from .client import Client
 from .common import format_table
 
 SHOW_FIELDS = ("modelfile", "parameters", "template", "system", "license")
-_SERVER = "Asks the `pebbling serve` on $PEBBLING_HOST (default 127.0.0.1:11435)."
+_SERVER = "Asks the pebbling server (pebbling serve) on $PEBBLING_HOST (default 127.0.0.1:11435)."
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -27,7 +27,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=ps)
     p = subparsers.add_parser("show", help="show a model's details, template, parameters, license",
                               description="Show what the server's /api/show says of MODEL. " + _SERVER)
-    p.add_argument("model", help="a model name, as `pebbling list` shows it")
+    p.add_argument("model", help="a model name, as pebbling list shows it")
     one = p.add_mutually_exclusive_group()
     for name in SHOW_FIELDS:
         one.add_argument(f"--{name}", action="store_true", help=f"print only the model's {name}")
@@ -35,7 +35,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=show)
     p = subparsers.add_parser("stop", help="unload a model the server has loaded",
                               description="Unload MODEL now (a request with keep_alive 0). " + _SERVER)
-    p.add_argument("model", help="a model name, as `pebbling ps` shows it")
+    p.add_argument("model", help="a model name, as pebbling ps shows it")
     p.set_defaults(func=stop)
 
 

@@ -39,7 +39,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_weights_argument(p)
     p.add_argument("--compare-weights", action="store_true",
                    help="also load the model in the other weight form (f16 beside quantized, or the "
-                        "reverse) and check that `none` gives the same tokens from it")
+                        "reverse) and check that none gives the same tokens from it")
     add_backend_argument(p)
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
     p.add_argument("--plot", metavar="FILE.png", help="draw peak memory and decode speed per strategy")
