@@ -112,9 +112,14 @@ def test_run_through_the_server_gives_the_in_process_text(name, server, monkeypa
     requests.post(f"{server}/api/generate", json={"model": name, "keep_alive": 0}, timeout=30)
 
 
-def test_run_a_gguf_path_in_process(models_dir, local, capsys):
+@pytest.mark.parametrize("where", ["remote", "local"])
+def test_run_a_gguf_path_loads_it_in_process(where, models_dir, request, capsys):
+    request.getfixturevalue(where)
     assert cli("run", str(models_dir / "tiny.gguf"), "hello there", *GREEDY) == 0
-    by_path = capsys.readouterr().out
+    by_path, err = capsys.readouterr()
+    assert ("is a file, loaded in this process" in err) == (where == "remote")
+    if where == "remote":
+        assert loaded(request.getfixturevalue("server")) == []  # the server never saw the path
     assert cli("run", "tiny", "hello there", *GREEDY) == 0
     assert by_path.strip() and capsys.readouterr().out == by_path
 
@@ -196,7 +201,7 @@ def test_list_shows_the_servers_models(remote, capsys):
     assert set(rows) == {m["name"] for m in tags} and {"tiny:latest", "someone/tiny:q8"} <= set(rows)
     for m in tags:
         assert rows[m["name"]][1] == m["digest"][:12]
-    assert rows["tiny:latest"][-1] == "ago"
+    assert " ".join(rows["tiny:latest"][4:]) in ("just now", "1 second ago") or rows["tiny:latest"][-1] == "ago"
 
 
 def test_ps_shows_what_is_loaded_and_stop_unloads_it(remote, capsys):

@@ -10,7 +10,6 @@ import json
 from ..errors import PebblingError
 from .chat import format_info
 from .client import Client
-from .common import format_table
 
 SHOW_FIELDS = ("modelfile", "parameters", "template", "system", "license")
 _SERVER = "Asks the pebbling server (pebbling serve) on $PEBBLING_HOST (default 127.0.0.1:11435)."
@@ -96,6 +95,12 @@ def _ask(call):
 
 # ---------------------------------------------------------------------------------------------------
 # printing as ollama prints
+
+
+def format_table(header: list[str], rows: list[list[str]]) -> str:
+    """Left-aligned columns three spaces apart, as `ollama list` prints them."""
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    return "\n".join("   ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [header, *rows])
 
 
 def human_bytes(n: int) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
 from ..errors import OptionsError, PebblingError
@@ -75,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
             raise PebblingError("stdin was empty and no PROMPT was given: nothing to answer")
     elif not prompt and args.raw:
         raise PebblingError("--raw needs a PROMPT: a chat always uses the model's template")
-    backend = connect(args.backend)
+    backend = connect(args.model, args.backend)
     try:
         info = backend.show(args.model)  # an unknown model is named before anything else is printed
         if info.get("model_info", {}).get("pebbling.random_weights"):
@@ -92,10 +93,15 @@ def run(args: argparse.Namespace) -> int:
         backend.close()
 
 
-def connect(store_backend: str | None) -> Remote | Local:
-    """The server on $PEBBLING_HOST if it answers, else an engine in this process."""
+def connect(model: str, store_backend: str | None) -> Remote | Local:
+    """The server on $PEBBLING_HOST if it answers, else an engine in this process. A model given as a
+    file is always loaded here: the server takes names, never paths, from its clients."""
     client = Client()
-    if client.answers():
+    if Path(model).expanduser().is_file():
+        if client.answers():
+            print(f"pebbling: note: {model} is a file, loaded in this process; the server at {client.address.url} "
+                  "serves names (put the file in its models directory to serve it)", file=sys.stderr)
+    elif client.answers():
         if store_backend is not None:
             print(f"pebbling: note: --backend {store_backend} applies to a model loaded in this process; "
                   f"the server at {client.address.url} uses its own", file=sys.stderr)
