@@ -7,6 +7,7 @@ import os
 import re
 import socket
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from pyplugin.errors import PebblingError
 pexpect = pytest.importorskip("pexpect", reason="the terminal test needs pexpect (the 'test' extra)")
 
 PROMPT = ">>> "
+ACCEPTED = "\x1b[?2004l"  # prompt_toolkit leaves bracketed-paste mode once Enter accepts a line
 
 
 def closed_port() -> int:
@@ -74,6 +76,30 @@ def test_a_chat_typed_at_a_terminal(where, models_dir, request):
         child.expect_exact("Set parameter 'num_predict' to '8'")
         third = turn(child, '"""tell me\nmore"""')
         assert 3 < third["eval"] <= 8
+        child.expect_exact(PROMPT)
+        child.sendline("/bye")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    assert child.exitstatus == 0
+
+
+def test_ctrl_c_stops_an_answer_and_the_chat_goes_on(models_dir):
+    child = spawn(models_dir, f"127.0.0.1:{closed_port()}", "--num-ctx", "2048")  # noise until 2048 tokens
+    try:
+        child.expect_exact(PROMPT)
+        child.sendline("write forever")
+        child.expect_exact(ACCEPTED)  # the line is read and the answer is being written
+        child.expect(r"\w")
+        started = time.monotonic()
+        child.sendintr()
+        child.expect_exact(PROMPT)
+        assert time.monotonic() - started < 10  # the rest of the 2048 tokens were not generated
+        child.sendintr()  # at the prompt: a reminder, as ollama gives
+        child.expect_exact("Use Ctrl + d or /bye to exit.")
+        child.expect_exact(PROMPT)
+        child.sendline("/show info")
+        child.expect_exact("architecture        llama")
         child.expect_exact(PROMPT)
         child.sendline("/bye")
         child.expect(pexpect.EOF)
@@ -167,3 +193,43 @@ def test_unknown_commands_and_help(capsys):
     out = capsys.readouterr().out
     assert "Unknown command '/teleport'. Type /? for help" in out
     assert all(re.search(rf"^\s+{re.escape(c)}", out, re.M) for c in ("/set parameter", "/set system", "/bye"))
+
+
+class Answering(FakeSession):
+    """Records what would be sent; the backend answers /show as a server does."""
+
+    class backend:
+        @staticmethod
+        def show(model):
+            return {"template": "{{ .Prompt }}", "parameters": "stop <end>", "license": "MIT",
+                    "details": {"family": "llama", "parameter_size": "1.2M", "quantization_level": "Q8_0"},
+                    "model_info": {"llama.context_length": 4096}, "capabilities": ["completion"]}
+
+    model = "m"
+
+    def __init__(self):
+        super().__init__()
+        self.sent = []
+
+    def answer(self, text):
+        self.sent.append(text)
+
+
+def test_the_chat_reads_plain_lines_without_a_terminal(monkeypatch, capsys):
+    """stdout is not a terminal under pytest: lines are read plainly, up to the end of input."""
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO('hi\n\n/set system Be brief.\n"""one\ntwo"""\n/nope\n'))
+    s = Answering()
+    assert chat.chat(s) == 0
+    assert s.sent == ["hi", "one\ntwo"] and s.system == "Be brief."
+    out = capsys.readouterr().out
+    assert out.count(">>> ") == 6 and out.count("... ") == 1 and "Unknown command '/nope'" in out
+
+
+@pytest.mark.parametrize("topic,shown", [("template", "{{ .Prompt }}"), ("license", "MIT"),
+                                         ("parameters", "stop <end>"), ("system", "No system message"),
+                                         ("info", "quantization        Q8_0")])
+def test_show_prints_what_the_backend_says(topic, shown, capsys):
+    chat.command(Answering(), f"/show {topic}")
+    assert shown in capsys.readouterr().out

@@ -218,6 +218,13 @@ def test_ps_shows_what_is_loaded_and_stop_unloads_it(remote, capsys):
     assert "model 'tiny' is not loaded; loaded: none" in capsys.readouterr().err
 
 
+def test_stop_takes_the_name_in_any_form_ollama_takes(remote, capsys):
+    assert cli("run", "someone/tiny:q8", "hi", *GREEDY) == 0
+    assert loaded(remote) == ["someone/tiny:q8"]
+    assert cli("stop", "registry.ollama.ai/someone/tiny:q8") == 0
+    assert loaded(remote) == []
+
+
 @pytest.mark.parametrize("field", ["modelfile", "parameters", "template", "system", "license"])
 def test_show_prints_the_field_the_server_returns(remote, field, capsys):
     answer = requests.post(f"{remote}/api/show", json={"model": "tiny"}, timeout=30).json()

@@ -7,6 +7,7 @@ same greedy text comes back from both (the server runs the same Engine).
 from __future__ import annotations
 
 import datetime
+import math
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -47,12 +48,13 @@ class _LocalEngine(Engine):
 
 
 class Local:
-    """An Engine in this process: the model loads on the first request and stays for this process."""
+    """An Engine in this process: the model loads on the first request and stays as long as this
+    process (a chat left idle does not lose it), unless a request's keep_alive says otherwise."""
 
     where = "this process"
 
     def __init__(self, backend: str | None = None):
-        self.engine = _LocalEngine(backend=backend)
+        self.engine = _LocalEngine(backend=backend, default_keep_alive=math.inf)
 
     def show(self, model: str) -> dict[str, Any]:
         listing, extra = self.engine.show(model)

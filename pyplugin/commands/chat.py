@@ -43,7 +43,7 @@ def chat(session) -> int:
             continue
         if not text.strip():
             continue
-        if text.startswith("/") and not text.startswith("//"):
+        if text.startswith("/"):
             if command(session, text.strip()) == "bye":
                 return 0
             continue

@@ -76,13 +76,18 @@ def show(args: argparse.Namespace) -> int:
 def stop(args: argparse.Namespace) -> int:
     def unload(client: Client) -> None:
         running = {m["name"] for m in client.get("/api/ps")["models"]}
-        wanted = {args.model, args.model if ":" in args.model.rsplit("/", 1)[-1] else f"{args.model}:latest"}
-        if not running & wanted:
+        if short_name(args.model) not in {short_name(name) for name in running}:
             raise PebblingError(f"model {args.model!r} is not loaded; loaded: {', '.join(sorted(running)) or 'none'}")
         client.post("/api/generate", {"model": args.model, "keep_alive": 0, "stream": False})
 
     _ask(unload)
     return 0
+
+
+def short_name(name: str) -> str:
+    """A name as `ollama ps` shows it: without Ollama's default host and namespace, with its tag."""
+    name = name.removeprefix("registry.ollama.ai/").removeprefix("library/")
+    return name if ":" in name.rsplit("/", 1)[-1] else f"{name}:latest"
 
 
 def _ask(call):
