@@ -272,6 +272,18 @@ def test_host_is_read_as_ollama_reads_its_host(text, url):
     assert parse_host(text).url == url
 
 
+def test_serve_listens_where_the_clients_call(monkeypatch, capsys):
+    monkeypatch.setenv("PEBBLING_HOST", "0.0.0.0:12001")
+    args = build_parser().parse_args(["serve"])
+    assert (args.host, args.port) == ("0.0.0.0", 12001)
+    assert parse_host("0.0.0.0:12001").url == "http://127.0.0.1:12001"  # where run, list... dial it
+    monkeypatch.setenv("PEBBLING_HOST", "[::1]")
+    assert vars(build_parser().parse_args(["serve", "--port", "12002"]))["host"] == "::1"
+    monkeypatch.setenv("PEBBLING_HOST", "box:port")
+    assert cli("serve") == 1
+    assert "$PEBBLING_HOST is 'box:port': port 'port'" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("text,message", [("ftp://box", "scheme 'ftp'"), ("box:99999", "port '99999'"),
                                           ("box:http", "port 'http'")])
 def test_bad_host_is_one_line(text, message, monkeypatch, capsys):

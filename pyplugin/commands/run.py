@@ -70,8 +70,9 @@ def run(args: argparse.Namespace) -> int:
         except OptionsError:
             raise PebblingError(f"--keepalive {args.keepalive!r}: not a duration; accepted: {KEEP_ALIVE_HELP}") from None
     prompt = " ".join(args.prompt)
-    if not sys.stdin.isatty():  # as Ollama: piped text is the prompt (then the words given), and no chat
-        prompt = " ".join(part for part in (sys.stdin.read(), prompt) if part)
+    piped = _piped_text()
+    if piped is not None:  # as Ollama: piped text is the prompt (then the words given), and no chat
+        prompt = " ".join(part for part in (piped, prompt) if part)
         if not prompt.strip():
             raise PebblingError("stdin was empty and no PROMPT was given: nothing to answer")
     elif not prompt and args.raw:
@@ -91,6 +92,17 @@ def run(args: argparse.Namespace) -> int:
         return chat(session)
     finally:
         backend.close()
+
+
+def _piped_text() -> str | None:
+    """What stdin holds when it is not a terminal; None when it is one (a chat can be had). A stdin
+    that cannot be read (closed, or held by a test runner) holds nothing."""
+    if sys.stdin is None:
+        return ""
+    try:
+        return None if sys.stdin.isatty() else sys.stdin.read()
+    except (OSError, ValueError):
+        return ""
 
 
 def connect(model: str, store_backend: str | None) -> Remote | Local:

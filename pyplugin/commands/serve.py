@@ -21,12 +21,17 @@ APP_FACTORY = "server_patch.app:create_app"
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("serve", help="serve models over Ollama's (and OpenAI's) HTTP API",
                               description=plain(__doc__))
-    p.add_argument("--host",
+    try:  # $PEBBLING_HOST is read as Ollama reads $OLLAMA_HOST: host, host:port or a URL
+        where = parse_host(os.environ.get(HOST_ENV))
+    except PebblingError:
+        where = None  # said in one line when serve runs; other commands must still parse
+    p.add_argument("--host", default=where and where.host,
                    help=f"address to listen on (default: the host of ${HOST_ENV}, else {DEFAULT_HOST}; on loopback the server "
                         f"answers only loopback names and local web pages, ${ORIGINS_ENV} allows more origins; "
                         "the API has no authentication, "
                         "so think twice before listening beyond loopback)")
-    p.add_argument("--port", type=int, help=f"port (default: the port of ${HOST_ENV}, else {DEFAULT_PORT})")
+    p.add_argument("--port", type=int, default=where and where.port,
+                   help=f"port (default: the port of ${HOST_ENV}, else {DEFAULT_PORT})")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info",
                    help="info (default): a line per request, load and unload; debug: more (so does PEBBLING_DEBUG=1)")
     p.add_argument("--models", metavar="DIR", type=Path,
@@ -38,11 +43,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    # $PEBBLING_HOST is read as Ollama reads $OLLAMA_HOST (host, host:port or a URL), and `run`,
-    # `list`, `ps`, `show` and `stop` dial the same address.
-    where = parse_host(os.environ.get(HOST_ENV))
-    args.host = args.host or where.host
-    args.port = where.port if args.port is None else args.port
+    if args.host is None or args.port is None:
+        where = parse_host(os.environ.get(HOST_ENV))  # the one-line error for a bad $PEBBLING_HOST
+        args.host, args.port = args.host or where.host, where.port if args.port is None else args.port
     if args.models is not None:
         if not args.models.is_dir():
             raise PebblingError(f"--models {args.models}: not a directory; give the directory that "
