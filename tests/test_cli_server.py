@@ -145,6 +145,17 @@ def test_run_system_and_verbose_on_both_paths(where, request, capsys):
     assert prompt_tokens("--system", "You answer in one short sentence.") > prompt_tokens() + 5
 
 
+def test_format_json_constrains_the_answer_on_both_paths(server, monkeypatch, capsys):
+    answers = []
+    for host in (f"127.0.0.1:{closed_port()}", server):
+        monkeypatch.setenv("PEBBLING_HOST", host)
+        assert cli("run", "tiny", "hi", "--temperature", "0", "--num-predict", "12", "--format", "json",
+                   "--stop", "never-seen", "--top-k", "5", "--top-p", "0.5", "--repeat-penalty", "1.2",
+                   "--seed", "3", "--keepalive", "0") == 0
+        answers.append(capsys.readouterr().out)
+    assert answers[0] == answers[1] and answers[0].lstrip().startswith("{")  # random weights, yet JSON
+
+
 @pytest.mark.parametrize("where", ["remote", "local"])
 def test_run_unknown_model_is_one_line(where, request, capsys):
     request.getfixturevalue(where)

@@ -49,6 +49,7 @@ def chat(session) -> int:
             continue
         try:
             session.answer(text)
+            print()  # a blank line between an answer and the next prompt, as ollama leaves
         except KeyboardInterrupt:  # stops this answer; the chat goes on
             print()
         except PebblingError as exc:
