@@ -68,7 +68,8 @@ def run(args: argparse.Namespace) -> int:
         try:
             parse_keep_alive(args.keepalive)
         except OptionsError:
-            raise PebblingError(f"--keepalive {args.keepalive!r}: not a duration; accepted: {KEEP_ALIVE_HELP}") from None
+            raise PebblingError(f"--keepalive {args.keepalive!r}: not a duration; "
+                                f"accepted: {KEEP_ALIVE_HELP}") from None
     prompt = " ".join(args.prompt)
     piped = _piped_text()
     if piped is not None:  # as Ollama: piped text is the prompt (then the words given), and no chat

@@ -26,8 +26,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     except PebblingError:
         where = None  # said in one line when serve runs; other commands must still parse
     p.add_argument("--host", default=where and where.host,
-                   help=f"address to listen on (default: the host of ${HOST_ENV}, else {DEFAULT_HOST}; on loopback the server "
-                        f"answers only loopback names and local web pages, ${ORIGINS_ENV} allows more origins; "
+                   help=f"address to listen on (default: the host of ${HOST_ENV}, else {DEFAULT_HOST}; on "
+                        f"loopback the server answers only loopback names and local web pages, ${ORIGINS_ENV} allows more origins; "
                         "the API has no authentication, "
                         "so think twice before listening beyond loopback)")
     p.add_argument("--port", type=int, default=where and where.port,
