@@ -80,6 +80,11 @@ def pebbling_options(strategy: str | None, limit: str | None, weights: str | Non
 # printing
 
 
+def plain(doc: str | None) -> str:
+    """A module docstring as a terminal help text: without the backquotes that mark code in it."""
+    return (doc or "").replace("``", "").replace("`", "").strip()
+
+
 def format_table(header: list[str], rows: list[list[str]]) -> str:
     """Columns padded to their widest cell: numbers right-aligned, the first and last (text) left."""
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]

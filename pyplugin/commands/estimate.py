@@ -16,14 +16,14 @@ from ..runtime import Options, PebblingOptions, make_plan
 from ..runtime.measure import layer_decode_seconds, measure_restores, predict, store_calls_per_token
 from ..runtime.plan import format_bytes, parse_size, smallest_footprint
 from .common import (Loaded, add_backend_argument, add_weights_argument, format_table, load_pebbled,
-                     options_from_flags)
+                     options_from_flags, plain)
 
 STRATEGIES = ("none", "sqrt", "adaptive", "minimal", "every:2", "every:4")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("estimate", help="estimate each strategy's memory and predict its speed",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                              description=plain(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", help="GGUF file, 'pebbling-demo', NAME or NAME:TAG")
     p.add_argument("--num-ctx", type=int, help="context length in tokens (default 2048)")
     p.add_argument("--num-batch", type=int, help="prompt tokens per prefill chunk (default 512)")

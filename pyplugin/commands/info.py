@@ -5,13 +5,14 @@ from __future__ import annotations
 from ..runtime.pebbled import fused_decode_default
 from ..store import available_backends, choose_backend
 from ..store import gpu
+from .common import plain
 
 _GIB = 1 << 30
 
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("info", help="show the store backend, its library and the GPUs seen",
-                                   description=__doc__)
+                                   description=plain(__doc__))
     parser.set_defaults(func=run)
 
 

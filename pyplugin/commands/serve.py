@@ -10,9 +10,9 @@ from pathlib import Path
 from ..errors import PebblingError
 from ..serving.registry import MODELS_ENV
 from ..serving.settings import HOST_ENV, ORIGINS_ENV, is_loopback
+from .client import DEFAULT_HOST, DEFAULT_PORT, parse_host
+from .common import plain
 
-DEFAULT_HOST = "127.0.0.1"
-DEFAULT_PORT = 11435  # beside Ollama's 11434, so both can run
 # pyplugin never imports the server (server_patch uses pyplugin, not the other way round); uvicorn
 # imports the app factory by name. The factory reads the models directory from $PEBBLING_MODELS.
 APP_FACTORY = "server_patch.app:create_app"
@@ -20,13 +20,18 @@ APP_FACTORY = "server_patch.app:create_app"
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("serve", help="serve models over Ollama's (and OpenAI's) HTTP API",
-                              description=__doc__)
-    p.add_argument("--host", default=os.environ.get(HOST_ENV) or DEFAULT_HOST,
-                   help=f"address to listen on (default ${HOST_ENV}, else {DEFAULT_HOST}; on loopback the server "
-                        f"answers only loopback names and local web pages, ${ORIGINS_ENV} allows more origins; "
+                              description=plain(__doc__))
+    try:  # $PEBBLING_HOST is read as Ollama reads $OLLAMA_HOST: host, host:port or a URL
+        where = parse_host(os.environ.get(HOST_ENV))
+    except PebblingError:
+        where = None  # said in one line when serve runs; other commands must still parse
+    p.add_argument("--host", default=where and where.host,
+                   help=f"address to listen on (default: the host of ${HOST_ENV}, else {DEFAULT_HOST}; on "
+                        f"loopback the server answers only loopback names and local web pages, ${ORIGINS_ENV} allows more origins; "
                         "the API has no authentication, "
                         "so think twice before listening beyond loopback)")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
+    p.add_argument("--port", type=int, default=where and where.port,
+                   help=f"port (default: the port of ${HOST_ENV}, else {DEFAULT_PORT})")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info",
                    help="info (default): a line per request, load and unload; debug: more (so does PEBBLING_DEBUG=1)")
     p.add_argument("--models", metavar="DIR", type=Path,
@@ -38,6 +43,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    if args.host is None or args.port is None:
+        where = parse_host(os.environ.get(HOST_ENV))  # the one-line error for a bad $PEBBLING_HOST
+        args.host, args.port = args.host or where.host, where.port if args.port is None else args.port
     if args.models is not None:
         if not args.models.is_dir():
             raise PebblingError(f"--models {args.models}: not a directory; give the directory that "

@@ -17,7 +17,7 @@ from ..runtime import Generation, MemoryModel, Options, PebblingOptions, make_pl
 from ..runtime.plan import format_bytes, parse_size, smallest_footprint
 from ..store import Strategy
 from .common import (Loaded, add_backend_argument, add_weights_argument, chat_tokens, decode_rate, format_table,
-                     load_pebbled, options_from_flags)
+                     load_pebbled, options_from_flags, plain)
 
 STRATEGIES = ("none", "sqrt", "adaptive", "minimal", "every:2")
 DEFAULT_PROMPT = "Why is the sky blue?"
@@ -26,7 +26,7 @@ DEFAULT_NUM_PREDICT = 32
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("verify", help="check that every strategy gives the tokens of full residency",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                              description=plain(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", help="GGUF file, 'pebbling-demo', NAME or NAME:TAG")
     p.add_argument("--prompt", default=DEFAULT_PROMPT,
                    help=f"the user's message (default {DEFAULT_PROMPT!r})")
@@ -39,7 +39,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_weights_argument(p)
     p.add_argument("--compare-weights", action="store_true",
                    help="also load the model in the other weight form (f16 beside quantized, or the "
-                        "reverse) and check that `none` gives the same tokens from it")
+                        "reverse) and check that none gives the same tokens from it")
     add_backend_argument(p)
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
     p.add_argument("--plot", metavar="FILE.png", help="draw peak memory and decode speed per strategy")
