@@ -57,8 +57,10 @@ def turn(child, text: str) -> dict[str, int]:
     child.sendline(text)
     child.expect(r"prompt eval count:\s+(\d+) token")
     prompt = int(child.match.group(1))
+    child.expect(r"prompt cached:\s+(\d+) token")
+    cached = int(child.match.group(1))
     child.expect(r"\neval count:\s+(\d+) token")
-    return {"prompt": prompt, "eval": int(child.match.group(1))}
+    return {"prompt": prompt + cached, "cached": cached, "eval": int(child.match.group(1))}
 
 
 @pytest.mark.parametrize("where", ["in-process", "server"])
@@ -70,6 +72,7 @@ def test_a_chat_typed_at_a_terminal(where, models_dir, request):
         second = turn(child, "hello there")
         # The history is sent again: the same message costs its own tokens plus the first exchange.
         assert second["prompt"] > 2 * first["prompt"] - 10 and second["prompt"] > first["prompt"] + 5
+        assert second["cached"] >= first["prompt"]  # the first exchange came from the cache
         assert first["eval"] <= 3 and second["eval"] <= 3
         child.expect_exact(PROMPT)
         child.sendline("/set parameter num_predict 8")

@@ -97,4 +97,4 @@ def test_run_raw_and_chat_differ(capsys):
 
 def test_run_reports_bad_options(capsys):
     assert cli_main(["run", str(tiny_path("llama")), "hi", "--num-ctx", "0"]) == 1
-    assert "num_ctx" in capsys.readouterr().err
+    assert "--num-ctx 0" in capsys.readouterr().err

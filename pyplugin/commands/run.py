@@ -204,6 +204,7 @@ def print_verbose(final: dict[str, Any]) -> None:
         ("total duration", format_duration(final.get("total_duration", 0))),
         ("load duration", format_duration(final.get("load_duration", 0))),
         ("prompt eval count", f"{final.get('prompt_eval_count', 0)} token(s)"),
+        ("prompt cached", f"{(final.get('pebbling') or {}).get('cached_tokens', 0)} token(s) (from the last turn)"),
         ("prompt eval duration", format_duration(final.get("prompt_eval_duration", 0))),
         ("prompt eval rate", rate(final.get("prompt_eval_count", 0), final.get("prompt_eval_duration", 0))),
         ("eval count", f"{final.get('eval_count', 0)} token(s)"),
