@@ -53,8 +53,9 @@ def test_request_templates_render_variables_and_conditions():
     assert render_go_template(template, values) == "<s>Be brief.</s>\nHi"
     assert render_go_template(template, {**values, "System": ""}) == "\nHi"
     assert render_go_template("{{ if .System }}a{{ else }}b{{ end }} {{- /* note */ -}} !", values) == "a!"
-    for bad, message in (("{{ range .Messages }}", "not supported"), ("{{ if .System }}x", "no {{ end }}"),
-                         ("{{ .Tools }}", "not a field")):
+    for bad, message in (("{{ template \"x\" }}", "not supported"), ("{{ if .System }}x", "no {{ end }}"),
+                         ("{{ .System.Name }}", "can't evaluate field Name"), ("{{ nope 1 }}", "'nope' is not defined"),
+                         ("{{ end }}", "without an if")):
         with pytest.raises(OptionsError, match=message):
             render_go_template(bad, values)
 

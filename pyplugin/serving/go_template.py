@@ -1,77 +1,357 @@
-"""Ollama's `template` request field: the part of Go's text/template that prompt templates use."""
+"""Ollama's prompt templates: Go's text/template, executed as Ollama executes them.
+
+Ollama keeps a model's chat template as a Go template (a manifest's template layer, or a request's
+`template` field). `GoTemplate(source).render_chat(messages, tools=..., think=...)` gives what Ollama's
+`Template.Execute` gives: a template that reads `.Messages` gets the conversation (consecutive messages of
+one role merged, every system message joined into `.System`), `.Tools`, `.Think` and `.IsThinkSet`; an
+older template that reads only `.System`, `.Prompt` and `.Response` runs once per exchange, the last one
+cut where `.Response` would be written. Values have Go's field names (`.Role`, `.Content`, `.ToolCalls`,
+`.Function.Name`, `.Function.Arguments`, ...) and print as Go prints them: a tool or a call's arguments as
+JSON, as Ollama's String methods write them. The functions are Go's (and, or, not, len, index, slice,
+eq, ne, lt, le, gt, ge, print, printf, println) and Ollama's `json`.
+
+Templates come from model files, so rendering is bounded as the Jinja templates are (chat.py).
+"""
 
 from __future__ import annotations
 
-import re
-from typing import Mapping
+import json
+import time
+from typing import Any, Iterable, Mapping, Sequence
 
-from ..errors import OptionsError
+from ..model.chat import MAX_OUTPUT, MAX_SECONDS
+from .go_functions import GoFields, GoMap, GoStruct, GoTemplateError, call as _call, go_json, text as _text, truth
+from .go_parse import Action, Branch, Command, Dot, Field, Identifier, Literal, Loop, Pipe, TemplateSyntaxError, \
+    Variable, parse
 
-_ACTION = re.compile(r"\{\{(-?)\s*(.*?)\s*(-?)\}\}", re.S)
-TEMPLATE_HELP = ("{{ .System }}, {{ .Prompt }}, {{ .Response }}, {{ if .X }}...{{ else }}...{{ end }} "
-                 "and the '-' trim markers")
+__all__ = ["GoTemplate", "GoTemplateError", "TemplateSyntaxError", "go_message", "render_go_template"]
+
+
+# -- Ollama's values ------------------------------------------------------------------------------------
+
+def _tool(tool: Mapping[str, Any]) -> GoStruct:
+    function = tool.get("function") or {}
+    params = function.get("parameters") or {}
+    properties = {name: GoStruct({"Type": p.get("type"), "Description": p.get("description", ""),
+                                  "Enum": p.get("enum"), "Items": p.get("items")})
+                  for name, p in (params.get("properties") or {}).items()}
+    # api.Tool's String: its JSON, fields in the struct's order, maps with sorted keys.
+    shown = GoFields({"type": tool.get("type", "function"), "function": GoFields({
+        "name": function.get("name", ""), "description": function.get("description", ""),
+        "parameters": GoFields({"type": params.get("type", "object"),
+                                **({"$defs": params["$defs"]} if "$defs" in params else {}),
+                                "required": params.get("required"),
+                                "properties": {k: _property(v) for k, v in (params.get("properties") or {}).items()}})})})
+    struct = GoStruct({"Type": shown["type"], "Function": GoStruct({
+        "Name": function.get("name", ""), "Description": function.get("description", ""),
+        "Parameters": GoStruct({"Type": params.get("type", "object"), "Required": params.get("required") or [],
+                                "Properties": GoMap(properties)})}, text=go_json(shown["function"]))},
+        text=go_json(shown))
+    struct.json = shown  # type: ignore[attr-defined]
+    return struct
+
+
+def _property(p: Mapping[str, Any]) -> dict:
+    out = GoFields({"type": p.get("type")})
+    if "items" in p:
+        out["items"] = p["items"]
+    out["description"] = p.get("description", "")
+    if "enum" in p:
+        out["enum"] = p["enum"]
+    return out
+
+
+def go_message(message: Mapping[str, Any]) -> GoStruct:
+    """An api.Message as a template sees it."""
+    calls = []
+    for n, call in enumerate(message.get("tool_calls") or []):
+        function = call.get("function") or {}
+        arguments = function.get("arguments") or {}
+        if isinstance(arguments, str):  # OpenAI's form: a JSON text
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                arguments = {}
+        args = GoMap(arguments)
+        args_struct = GoStruct(args, text=go_json(dict(args)))
+        calls.append(GoStruct({"ID": call.get("id", ""), "Function": GoStruct({
+            "Index": function.get("index", n), "Name": function.get("name", ""), "Arguments": args_struct})}))
+    return GoStruct({"Role": message.get("role", ""), "Content": message.get("content") or "",
+                     "Thinking": message.get("thinking") or "", "Images": message.get("images") or [],
+                     "ToolCalls": calls, "ToolName": message.get("tool_name") or message.get("name") or "",
+                     "ToolCallID": message.get("tool_call_id") or ""})
+
+
+def _collate(messages: Sequence[Mapping[str, Any]]) -> tuple[str, list[dict]]:
+    """Ollama's collate: every system message joined; consecutive messages of one role (but tool) merged."""
+    system, out = [], []
+    for m in messages:
+        m = dict(m)
+        if m.get("role") == "system":
+            system.append(m.get("content") or "")
+        if out and out[-1].get("role") == m.get("role") and m.get("role") != "tool":
+            out[-1]["content"] = (out[-1].get("content") or "") + "\n\n" + (m.get("content") or "")
+        else:
+            out.append(m)
+    return "\n\n".join(system), out
+
+
+# -- the template -----------------------------------------------------------------------------------------
+
+class GoTemplate:
+    """A parsed Go template (TemplateSyntaxError if it does not parse)."""
+
+    def __init__(self, source: str):
+        self.source = source
+        self.nodes = parse(source)
+        self.fields = {name.lower() for name in _identifiers(self.nodes)}
+        self.chat_nodes = self.nodes
+        if "messages" not in self.fields and "response" not in self.fields:  # Ollama appends {{ .Response }}
+            self.chat_nodes = self.nodes + [Action(Pipe([Command([Field(("Response",))])]))]
+
+    @property
+    def reads_messages(self) -> bool:
+        return "messages" in self.fields
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping] | None = None,
+                    think: bool | None = None) -> str:
+        system, collated = _collate(messages)
+        flags = {"Think": bool(think), "IsThinkSet": think is not None}
+        if self.reads_messages or "document" in self.fields:
+            return _Run(self.chat_nodes, GoMap({"System": system, "Messages": [go_message(m) for m in collated],
+                                      "Tools": [_tool(t) for t in tools or []], "Response": "", "Query": "",
+                                      "Document": "", "Instruction": "", **flags})).text()
+        # An older template: one rendering per exchange, the last cut where its response would go.
+        out, values = [], {"System": "", "Prompt": "", "Response": ""}
+
+        def flush() -> None:
+            out.append(_Run(self.chat_nodes, GoMap({**values, **flags})).text())
+            values.update(System="", Prompt="", Response="")
+
+        for m in collated:
+            role, content = m.get("role"), m.get("content") or ""
+            if role == "system":
+                if values["Prompt"] or values["Response"]:
+                    flush()
+                values["System"] = content
+            elif role == "user":
+                if values["Response"]:
+                    flush()
+                values["Prompt"] = content
+            elif role == "assistant":
+                values["Response"] = content
+        out.append(_Run(_cut_at_response(self.chat_nodes)[0], GoMap({**values, **flags})).text())
+        return "".join(out)
+
+    def render(self, data: Mapping[str, Any]) -> str:
+        return _Run(self.nodes, data if isinstance(data, GoStruct) else GoMap(data)).text()
 
 
 def render_go_template(template: str, values: Mapping[str, str]) -> str:
-    """Render a Go text/template that uses only variables and if/else/end on them.
+    """A request's `template` with System, Prompt and Response given."""
+    return GoTemplate(template).render(values)
 
-    Anything else (range, functions, pipelines) is refused with a message, rather than rendered
-    wrongly: a prompt that silently differs from what the template meant is worse than an error.
-    """
-    tokens: list[tuple[str, str]] = []  # ("text", s) or ("action", body)
-    pos = 0
-    for m in _ACTION.finditer(template):
-        text = template[pos:m.start()]
-        if m.group(1):
-            text = text.rstrip()
-        if tokens and tokens[-1][0] == "trim_next":
-            tokens.pop()
-            text = text.lstrip()
-        tokens.append(("text", text))
-        tokens.append(("action", m.group(2)))
-        if m.group(3):
-            tokens.append(("trim_next", ""))
-        pos = m.end()
-    rest = template[pos:]
-    if tokens and tokens[-1][0] == "trim_next":
-        tokens.pop()
-        rest = rest.lstrip()
-    tokens.append(("text", rest))
 
-    out: list[str] = []
-    stack: list[tuple[bool, bool]] = []  # (this branch is taken, the enclosing output is on)
+def _identifiers(nodes: Iterable) -> Iterable[str]:
+    for node in nodes:
+        if isinstance(node, Field):
+            yield from node.names
+            yield from _identifiers([node.receiver])
+        elif isinstance(node, Action):
+            yield from _identifiers([node.pipe])
+        elif isinstance(node, Pipe):
+            for command in node.commands:
+                yield from _identifiers(command.args)
+        elif isinstance(node, Branch):
+            yield from _identifiers([node.pipe])
+            yield from _identifiers(node.body)
+            yield from _identifiers(node.otherwise or [])
 
-    def on() -> bool:  # each entry's `outer` already folds in the ones below it
-        return not stack or (stack[-1][0] and stack[-1][1])
 
-    for kind, body in tokens:
-        if kind == "text":
-            if on():
-                out.append(body)
+def _has_response(node: Any) -> bool:
+    return any(name == "Response" for name in _identifiers([node]))
+
+
+def _cut_at_response(nodes: list) -> tuple[list, bool]:
+    """The nodes up to the first that writes .Response (Ollama's deleteNode): conditions are kept, bodies
+    are cut, and nothing after the cut survives."""
+    out = []
+    for node in nodes:
+        if isinstance(node, Action) and _has_response(node):
+            return out, True
+        if isinstance(node, Branch):
+            body, cut = _cut_at_response(node.body)
+            otherwise, cut_else = (None, False) if node.otherwise is None else _cut_at_response(node.otherwise)
+            out.append(Branch(node.kind, node.pipe, body, otherwise if not cut else
+                              (None if node.otherwise is None else [])))
+            if cut or cut_else:
+                return out, True
             continue
-        if body.startswith("/*"):
-            continue  # a comment
-        var = re.fullmatch(r"\.(\w+)", body)
-        cond = re.fullmatch(r"if\s+\.(\w+)", body)
-        if var:
-            if on():
-                out.append(_template_value(values, var.group(1)))
-        elif cond:
-            stack.append((bool(_template_value(values, cond.group(1))), on()))
-        elif body == "else" and stack:
-            taken, outer = stack.pop()
-            stack.append((not taken, outer))
-        elif body == "end" and stack:
-            stack.pop()
+        out.append(node)
+    return out, False
+
+
+# -- execution ---------------------------------------------------------------------------------------------
+
+class _Break(Exception):
+    pass
+
+
+class _Continue(Exception):
+    pass
+
+
+class _Run:
+    def __init__(self, nodes: list, data: Any):
+        self.nodes, self.data = nodes, data
+        self.out: list[str] = []
+        self.size = 0
+        self.deadline = time.monotonic() + MAX_SECONDS
+        self.scopes: list[dict[str, Any]] = [{"$": data}]
+
+    def text(self) -> str:
+        try:
+            self.run(self.nodes, self.data)
+        except (_Break, _Continue):
+            raise GoTemplateError("template: break or continue outside a range") from None
+        except RecursionError:
+            raise GoTemplateError("template: nested too deep") from None
+        return "".join(self.out)
+
+    def write(self, text: str) -> None:
+        self.size += len(text)
+        if self.size > MAX_OUTPUT:
+            raise GoTemplateError(f"template wrote more than {MAX_OUTPUT} characters; it was stopped")
+        self.out.append(text)
+
+    def run(self, nodes: list, dot: Any) -> None:
+        if time.monotonic() > self.deadline:
+            raise GoTemplateError(f"template rendering took more than {MAX_SECONDS:g} s; it was stopped")
+        for node in nodes:
+            if isinstance(node, str):
+                self.write(node)
+            elif isinstance(node, Action):
+                value = self.pipe(node.pipe, dot)
+                if not node.pipe.decl:
+                    self.write(_text(value))
+            elif isinstance(node, Loop):
+                raise _Break() if node.kind == "break" else _Continue()
+            else:
+                self.branch(node, dot)
+
+    def branch(self, node: Branch, dot: Any) -> None:
+        self.scopes.append({})
+        try:
+            if node.kind == "range":
+                self.range(node, dot)
+                return
+            value = self.pipe(node.pipe, dot)
+            if truth(value):
+                self.run(node.body, value if node.kind == "with" else dot)
+            elif node.otherwise is not None:
+                self.run(node.otherwise, dot)
+        finally:
+            self.scopes.pop()
+
+    def range(self, node: Branch, dot: Any) -> None:
+        pipe = Pipe(node.pipe.commands)
+        value = self.pipe(pipe, dot)
+        if value is None:
+            items: list = []
+        elif isinstance(value, dict):
+            items = [(k, value[k]) for k in sorted(value)]
+        elif isinstance(value, int) and not isinstance(value, bool):
+            items = [(i, i) for i in range(value)]
+        elif isinstance(value, (list, tuple)):
+            items = list(enumerate(value))
         else:
-            raise OptionsError(f"template: {{{{ {body} }}}} is not supported; supported: {TEMPLATE_HELP}")
-    if stack:
-        raise OptionsError("template: an {{ if }} has no {{ end }}")
-    return "".join(out)
+            raise GoTemplateError(f"template: range can't iterate over {_text(value)[:40]!r}")
+        if not items:
+            if node.otherwise is not None:
+                self.run(node.otherwise, dot)
+            return
+        names = node.pipe.decl
+        for key, item in items:
+            scope = self.scopes[-1]
+            if len(names) == 1:
+                scope[names[0]] = item
+            elif len(names) == 2:
+                scope[names[0]], scope[names[1]] = key, item
+            try:
+                self.run(node.body, item)
+            except _Break:
+                break
+            except _Continue:
+                continue
+
+    def variable(self, name: str) -> Any:
+        for scope in reversed(self.scopes):
+            if name in scope:
+                return scope[name]
+        raise GoTemplateError(f"template: undefined variable {name}")
+
+    def pipe(self, pipe: Pipe, dot: Any) -> Any:
+        value, first = None, True
+        for command in pipe.commands:
+            value = self.command(command, dot, None if first else (value,))
+            first = False
+        if pipe.decl:
+            if pipe.assign:
+                for scope in reversed(self.scopes):
+                    if pipe.decl[0] in scope:
+                        scope[pipe.decl[0]] = value
+                        break
+                else:
+                    raise GoTemplateError(f"template: undefined variable {pipe.decl[0]}")
+            else:
+                self.scopes[-1][pipe.decl[-1]] = value
+        return value
+
+    def command(self, command: Command, dot: Any, piped: tuple | None) -> Any:
+        head, args = command.args[0], command.args[1:]
+        if isinstance(head, Identifier):
+            if head.name in ("and", "or"):
+                operands = [lambda a=a: self.operand(a, dot) for a in args] + \
+                    ([lambda: piped[0]] if piped else [])
+                if not operands:
+                    raise GoTemplateError(f"template: {head.name} needs at least one argument")
+                for get in operands:
+                    value = get()
+                    if truth(value) != (head.name == "and"):
+                        return value
+                return value
+            values = [self.operand(a, dot) for a in args] + (list(piped) if piped else [])
+            return _call(head.name, values)
+        if args or piped:
+            raise GoTemplateError("template: only a function takes arguments")
+        return self.operand(head, dot)
+
+    def operand(self, node: Any, dot: Any) -> Any:
+        if isinstance(node, Literal):
+            return node.value
+        if isinstance(node, Dot):
+            return dot
+        if isinstance(node, Variable):
+            return self.variable(node.name)
+        if isinstance(node, Identifier):
+            return _call(node.name, [])
+        if isinstance(node, Pipe):
+            return self.pipe(node, dot)
+        if isinstance(node, Field):
+            value = dot if node.receiver is None else self.operand(node.receiver, dot)
+            for name in node.names:
+                value = _field(value, name)
+            return value
+        raise GoTemplateError(f"template: cannot evaluate {node!r}")
 
 
-def _template_value(values: Mapping[str, str], name: str) -> str:
-    if name not in values:
-        raise OptionsError(f"template: .{name} is not a field; fields: "
-                           f"{', '.join('.' + k for k in values)}")
-    return values[name]
+def _field(value: Any, name: str) -> Any:
+    if isinstance(value, GoStruct):
+        if name not in value:
+            raise GoTemplateError(f"template: can't evaluate field {name}")
+        return value[name]
+    if isinstance(value, dict):
+        return value.get(name)  # a map: a missing key is nil (missingkey=zero)
+    if value is None:
+        raise GoTemplateError(f"template: nil has no field {name}")
+    raise GoTemplateError(f"template: can't evaluate field {name} in {_text(value)[:40]!r}")
