@@ -240,7 +240,7 @@ def test_a_model_that_cannot_load_is_a_400_naming_the_model_not_a_path(url, mode
 
 def test_show_names_the_model_not_its_path(url, models_dir):
     show = requests.post(f"{url}/api/show", json={"model": "tiny"}, timeout=30).json()
-    assert show["modelfile"].endswith("FROM tiny\n") and str(models_dir) not in json.dumps(show)
+    assert "\nFROM tiny:latest\n" in show["modelfile"] and str(models_dir) not in json.dumps(show)
 
 
 def test_a_link_out_of_the_models_directory_is_refused_without_echoing_its_target(url, models_dir):

@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 from typing import Any, Iterator
 
-from ..serving import Engine, Final, GenerationRequest
+from ..serving import Engine, Final, GenerationRequest, ModelLayers
 from .client import Client
 
 
@@ -40,11 +40,11 @@ class _LocalEngine(Engine):
     the person at the terminal may name their own files; the server takes names only from the network.
     Every other name resolves through the server's catalogue."""
 
-    def resolve(self, name: str) -> Path:
+    def find(self, name: str) -> tuple[Path, ModelLayers]:
         path = Path(name).expanduser()
         if path.is_file():
-            return path
-        return super().resolve(name)
+            return path, ModelLayers()
+        return super().find(name)
 
 
 class Local:

@@ -11,7 +11,6 @@ from typing import Any
 
 from ..errors import OptionsError, PebblingError
 from ..runtime import Options
-from ..serving import HOST_ENV
 from ..serving.jobs import KEEP_ALIVE_HELP, parse_keep_alive
 from .backends import Local, Remote
 from .client import Client

@@ -9,13 +9,13 @@ from ..model import ChatTemplateError
 from .catalogue import ModelListing, ModelLoadError, ModelNotFoundError, RunningModel, ServerBusyError
 from .engine import Engine
 from .jobs import Final, GenerationRequest, Job
-from .ollama_store import InvalidModelName
+from .ollama_store import InvalidModelName, ModelLayers
 from .reply import Output
 from .tool_calls import ToolCall
 from .settings import HOST_ENV, ORIGINS_ENV, is_loopback
 
 __all__ = [
     "ChatTemplateError", "Engine", "Final", "GenerationRequest", "HOST_ENV", "InvalidModelName", "Job",
-    "ModelListing", "ModelLoadError", "ModelNotFoundError", "ORIGINS_ENV", "OptionsError", "Output", "PebblingError",
+    "ModelLayers", "ModelListing", "ModelLoadError", "ModelNotFoundError", "ORIGINS_ENV", "OptionsError", "Output", "PebblingError",
     "RunningModel", "ServerBusyError", "StrategyError", "ToolCall", "is_loopback",
 ]

@@ -18,6 +18,7 @@ from typing import Any, Iterator
 
 from ..errors import ModelError, PebblingError
 from ..model import GGUFFile
+from ..model.load import SUPPORTED_ARCHS
 from . import ollama_store, registry
 
 
@@ -90,9 +91,13 @@ class Catalogue:
     def resolve(self, name: str) -> Path:
         """The GGUF file for a model name. InvalidModelName before any file access for a name that
         could be a path; ModelNotFoundError when nothing has that name."""
+        return self.find(name)[0]
+
+    def find(self, name: str) -> tuple[Path, ollama_store.ModelLayers]:
+        """The GGUF file for a model name and its Modelfile layers (none outside Ollama's store)."""
         ollama_store.parse_name(name)
         try:
-            return registry.resolve(name, self.models_dir, allow_paths=False)
+            return registry.resolve(name, self.models_dir, allow_paths=False), ollama_store.ModelLayers()
         except ModelError as exc:
             refused = isinstance(exc, registry.LinkOutsideError)
             if refused or name in (registry.DEMO_NAME, f"{registry.DEMO_NAME}:latest"):  # the demo: not written
@@ -100,9 +105,12 @@ class Catalogue:
                 raise ModelLoadError(f"model '{name}' cannot be served: {message}") from None
             registry_error = exc
         # Namespaced Ollama names (me/model:tag) never reach the registry's own lookup.
-        found = ollama_store.resolve(name)
+        try:
+            found = ollama_store.resolve(name)
+        except ModelError as exc:
+            raise ModelLoadError(f"model '{name}' cannot be served: {exc}") from None
         if found is not None:
-            return found.path
+            return found.path, found.layers
         raise ModelNotFoundError(f"model '{name}' not found") from registry_error
 
     def list_models(self) -> list[ModelListing]:
@@ -163,8 +171,10 @@ def _read_info(path: Path, st) -> dict[str, Any]:
         f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()
     scalars["general.parameter_count"] = n_params
     show = {"model_info": scalars, "template": md.get("tokenizer.chat_template", ""),
-            "parameters": "", "license": str(md.get("general.license", "")),
-            "capabilities": ["completion"]}
+            "license": str(md.get("general.license", "")), "pools": f"{arch}.pooling_type" in md}
+    if arch not in SUPPORTED_ARCHS:
+        show["pebbling_notes"] = [f"architecture {arch!r} is not supported by pebbling (supported: "
+                                  f"{', '.join(SUPPORTED_ARCHS)}): this model cannot be served"]
     return {"size": st.st_size, "modified": st.st_mtime, "digest": digest, "details": details,
             "show": show}
 

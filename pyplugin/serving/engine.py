@@ -27,9 +27,10 @@ from ..runtime.constraint import Constraint
 from ..runtime.embedding import check_pooling, normalize, pool
 from .catalogue import Catalogue, ModelListing, RunningModel, ServerBusyError, model_errors, with_tag
 from .settings import DEFAULT_MAX_CONTEXT, DEFAULT_MAX_QUEUE, MAX_CONTEXT_ENV, MAX_QUEUE_ENV, env_limit
-from .go_template import render_go_template
-from .prompt import check_context, fit_messages, fit_tokens
+from .go_template import GoTemplate
 from .jobs import DEFAULT_KEEP_ALIVE, FOREVER, Final, GenerationRequest, Job, json_ready, parse_keep_alive, since
+from .modelfile import ModelLayers, chat_renderer, show_fields, template_source, with_layers
+from .prompt import check_context, cut_note, fit_messages, fit_tokens
 from .reply import ReplyPlan
 
 logger = logging.getLogger("pebbling")
@@ -64,9 +65,8 @@ class Engine:
         refused with ServerBusyError (default $PEBBLING_MAX_QUEUE, else 512, as OLLAMA_MAX_QUEUE);
         `max_context`: the largest num_ctx served whatever a model file allows (default
         $PEBBLING_MAX_CONTEXT, else 131072), since the KV cache is reserved at num_ctx."""
-        self.max_queue = max_queue if max_queue is not None else env_limit(MAX_QUEUE_ENV, DEFAULT_MAX_QUEUE)
-        self.max_context = max_context if max_context is not None else env_limit(MAX_CONTEXT_ENV,
-                                                                                 DEFAULT_MAX_CONTEXT)
+        self.max_queue = env_limit(MAX_QUEUE_ENV, DEFAULT_MAX_QUEUE) if max_queue is None else max_queue
+        self.max_context = env_limit(MAX_CONTEXT_ENV, DEFAULT_MAX_CONTEXT) if max_context is None else max_context
         self.catalogue = Catalogue(models_dir)
         self.models_dir = self.catalogue.models_dir
         self.default_keep_alive = default_keep_alive
@@ -93,9 +93,12 @@ class Engine:
 
     # -- names --------------------------------------------------------------------------------------
 
+    def find(self, name: str) -> tuple[Path, ModelLayers]:
+        """The GGUF file for a model name and its Modelfile layers (see Catalogue.find)."""
+        return self.catalogue.find(name)
+
     def resolve(self, name: str) -> Path:
-        """The GGUF file for a model name (see Catalogue.resolve)."""
-        return self.catalogue.resolve(name)
+        return self.find(name)[0]
 
     # -- generation ---------------------------------------------------------------------------------
 
@@ -107,6 +110,8 @@ class Engine:
         """
         if self._closed:
             raise RuntimeError("the engine is closed")
+        layers = self.find(request.model)[1]
+        request = with_layers(request, layers)  # the Modelfile's params, system message and opening turns
         pebbling = PebblingOptions.from_options(request.options)
         keep_alive = parse_keep_alive(request.keep_alive, self.default_keep_alive)
         entry, load_ns = self._acquire(request.model, pebbling.effective_weights)
@@ -120,11 +125,12 @@ class Engine:
                                entry.name, asked, options.num_ctx)
             if request.embed is not None:
                 return self._submit_embed(entry, request, options, pebbling, keep_alive, load_ns)
-            plan = ReplyPlan.of(request, model.chat_template.source)
+            plan = ReplyPlan.of(request, template_source(layers, model.chat_template.source))
             grammar = plan.grammar()  # tool_choice required or named: the call is constrained decoding
             constraint = (Constraint.from_lark(model.tokenizer, grammar, "tool_choice") if grammar
                           else Constraint.from_format(model.tokenizer, request.format))
-            tokens, prompt, truncated = self._prompt_tokens(model, request, options, plan)
+            render = chat_renderer(layers, request) or model.chat_prompt
+            tokens, prompt, truncated = self._prompt_tokens(model, request, options, plan, render)
             if truncated:
                 logger.warning("model=%s: the prompt did not fit num_ctx=%d: %s", entry.name,
                                options.num_ctx, truncated)
@@ -175,8 +181,8 @@ class Engine:
         entry.jobs.put(job)
         return job
 
-    def _prompt_tokens(self, model: Model, request: GenerationRequest, options: Options,
-                       plan: ReplyPlan) -> tuple[list[int], str, str]:
+    def _prompt_tokens(self, model: Model, request: GenerationRequest, options: Options, plan: ReplyPlan,
+                       render: Callable[..., str]) -> tuple[list[int], str, str]:
         """(token ids, the text they encode past any context, what was cut to fit num_ctx or "")."""
         context = list(request.context or [])
         check_context(model, context)
@@ -186,27 +192,23 @@ class Engine:
                 return [], "", ""
             text, dropped = fit_messages(
                 model, request.messages,
-                lambda messages: plan.finish_prompt(model.chat_prompt(messages, **plan.template_args)), options)
+                lambda messages: plan.finish_prompt(render(messages, **plan.template_args)), options)
         else:
             prompt = request.prompt or ""
             if not prompt and not context:
                 return [], "", ""
             if request.think is not None and plan.thinker and (request.raw or request.template is not None):
                 raise OptionsError("think works through the model's chat template: leave out raw and template")
+            turn = [{"role": "system", "content": request.system}] * bool(request.system) + \
+                [{"role": "user", "content": prompt}]
             if request.raw:
                 text = prompt
-            elif request.template is not None:
-                text = render_go_template(request.template, {"System": request.system or "",
-                                                             "Prompt": prompt, "Response": ""})
+            elif request.template is not None:  # a request's own Go template, run as Ollama runs it
+                text = GoTemplate(request.template).render_chat(turn)
             else:
-                messages = [{"role": "system", "content": request.system}] if request.system else []
-                text = plan.finish_prompt(model.chat_prompt(messages + [{"role": "user", "content": prompt}],
-                                                            **plan.template_args))
+                text = plan.finish_prompt(render(turn, **plan.template_args))
         tokens, cut = fit_tokens(model, text, context, options)
-        notes = ([f"left out the {dropped} oldest messages"] if dropped else []) + \
-            ([f"kept the first {min(options.num_keep, len(tokens))} and the last "
-              f"{len(tokens) - min(options.num_keep, len(tokens))} tokens"] if cut else [])
-        return tokens, text, "; ".join(notes)
+        return tokens, text, cut_note(dropped, cut, len(tokens), options.num_keep)
 
     def _run(self, entry: _Loaded, job: Job) -> Final | None:
         """Generate for one job, streaming its text; its Final, or None if it was cancelled first."""
@@ -363,11 +365,14 @@ class Engine:
         return self.catalogue.list_models()
 
     def show(self, name: str) -> tuple[ModelListing, dict[str, Any]]:
-        """(listing, extra) for /api/show: extra holds model_info (GGUF metadata), template, parameters."""
-        path = self.resolve(name)
+        """(listing, extra) for /api/show: model_info (GGUF metadata), modelfile, parameters, template,
+        system, license, capabilities, and pebbling_notes where something keeps it from being served."""
+        path, layers = self.find(name)
         with model_errors(name, path):
-            listing, show = self.catalogue.listing(name, path), self.catalogue.info(path)["show"]
-        return listing, {**show, "modelfile": f"# pebbling serves this GGUF file as is\nFROM {name}\n"}
+            listing, gguf = self.catalogue.listing(name, path), self.catalogue.info(path)["show"]
+        fields = show_fields(with_tag(name), layers, gguf)
+        notes = gguf.get("pebbling_notes", []) + fields.pop("pebbling_notes", [])
+        return listing, {"model_info": gguf["model_info"], **fields, **({"pebbling_notes": notes} if notes else {})}
 
     def running(self) -> list[RunningModel]:
         with self._lock:

@@ -1,8 +1,12 @@
 """Models pulled with Ollama, found in its local store by name.
 
-Layout ($OLLAMA_MODELS, else ~/.ollama/models):
+Layout ($OLLAMA_MODELS, else ~/.ollama/models and, where Ollama runs as a Linux service,
+/usr/share/ollama/.ollama/models):
     manifests/<host>/<namespace>/<model>/<tag>   JSON; its layer with mediaType
-                                                 application/vnd.ollama.image.model is the GGUF
+                                                 application/vnd.ollama.image.model is the GGUF, and the
+                                                 others are what `ollama create` made of a Modelfile:
+                                                 .template (a Go template), .system, .params (JSON),
+                                                 .messages (JSON), .license, .adapter, .projector
     blobs/sha256-<hex>                           the layer's bytes
 
 A name reads ``[[host/]namespace/]model[:tag]`` as in Ollama (host registry.ollama.ai, namespace
@@ -15,8 +19,9 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ..errors import ModelError
 
@@ -24,6 +29,11 @@ DEFAULT_HOST = "registry.ollama.ai"
 DEFAULT_NAMESPACE = "library"
 DEFAULT_TAG = "latest"
 MODEL_MEDIA_TYPE = "application/vnd.ollama.image.model"
+LAYER_PREFIX = "application/vnd.ollama.image."
+SERVICE_STORE = Path("/usr/share/ollama/.ollama/models")  # the Linux service's (user ollama) store
+MAX_LAYER_BYTES = 1 << 20  # a template, system prompt, params or license: text, never this large
+# Layers that change what the model computes, which pebbling does not implement.
+UNSUPPORTED_LAYERS = {"adapter": "an adapter (LoRA) layer", "projector": "a projector (vision) layer"}
 
 # Ollama's own name rules: letters, digits, '_', '-', '.', starting with a letter or digit; a host
 # may carry a port. A part that starts with '.' is refused, so '.' and '..' can never occur.
@@ -57,12 +67,25 @@ class OllamaName:
 
 
 @dataclass(frozen=True)
+class ModelLayers:
+    """What a Modelfile added to the GGUF: Ollama serves the model with these."""
+
+    template: str | None = None                 # TEMPLATE: a Go template, used instead of the GGUF's
+    system: str | None = None                   # SYSTEM: the system message when a request sends none
+    params: dict[str, Any] = field(default_factory=dict)  # PARAMETER: defaults that request options override
+    messages: tuple[dict[str, Any], ...] = ()   # MESSAGE: a conversation every chat starts with
+    license: str = ""                           # LICENSE
+    unsupported: tuple[str, ...] = ()           # ADAPTER, a projector: what keeps it from being served
+
+
+@dataclass(frozen=True)
 class OllamaModel:
     name: str       # display form, e.g. "llama3.2:latest"
     path: Path      # the GGUF blob
     digest: str     # "sha256:<hex>" of the model layer
     size: int       # bytes of the model layer
     modified: float  # the manifest's mtime, seconds since the epoch
+    layers: ModelLayers = ModelLayers()
 
 
 def parse_name(name: str) -> OllamaName:
@@ -96,34 +119,43 @@ def models_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".ollama" / "models"
 
 
+def stores() -> list[Path]:
+    """Where Ollama keeps models, in the order it would: $OLLAMA_MODELS alone when set, else the user's
+    store and then the Linux service's."""
+    if os.environ.get("OLLAMA_MODELS"):
+        return [models_dir()]
+    return [models_dir(), SERVICE_STORE]
+
+
 def resolve(name: str, root: Path | None = None) -> OllamaModel | None:
-    """The model `name` names in the store, or None when the store does not hold it."""
+    """The model `name` names in the store (the first store that holds it), or None."""
     parsed = parse_name(name)  # before any file-system access
-    root = models_dir() if root is None else Path(root)
-    manifest = root / "manifests" / parsed.host / parsed.namespace / parsed.model / parsed.tag
-    if not manifest.is_file():
-        return None
-    return _read_manifest(manifest, root, parsed.display)
+    for base in [Path(root)] if root is not None else stores():
+        manifest = base / "manifests" / parsed.host / parsed.namespace / parsed.model / parsed.tag
+        if manifest.is_file():
+            return _read_manifest(manifest, base, parsed.display)
+    return None
 
 
 def list_models(root: Path | None = None) -> list[OllamaModel]:
-    """Every model in the store whose manifest names a GGUF layer that is present, sorted by name."""
-    root = models_dir() if root is None else Path(root)
-    base = root / "manifests"
-    found = []
-    if not base.is_dir():
-        return found
-    for manifest in base.glob("*/*/*/*"):
-        if not manifest.is_file():
+    """Every model in the stores whose manifest names a GGUF layer that is present, sorted by name (a
+    name in two stores: the first store's)."""
+    found: dict[str, OllamaModel] = {}
+    for store in [Path(root)] if root is not None else stores():
+        base = store / "manifests"
+        if not base.is_dir():
             continue
-        host, namespace, model, tag = manifest.relative_to(base).parts
-        try:
-            display = parse_name(f"{host}/{namespace}/{model}:{tag}").display
-            entry = _read_manifest(manifest, root, display)
-        except ModelError:
-            continue  # a pull in progress, or no model layer (an adapter): not a model to list
-        found.append(entry)
-    return sorted(found, key=lambda m: m.name)
+        for manifest in base.glob("*/*/*/*"):
+            if not manifest.is_file():
+                continue
+            host, namespace, model, tag = manifest.relative_to(base).parts
+            try:
+                display = parse_name(f"{host}/{namespace}/{model}:{tag}").display
+                entry = _read_manifest(manifest, store, display)
+            except (ModelError, OSError):
+                continue  # a pull in progress, or no model layer: not a model to list
+            found.setdefault(entry.name, entry)
+    return sorted(found.values(), key=lambda m: m.name)
 
 
 def _read_manifest(manifest: Path, root: Path, display: str) -> OllamaModel:
@@ -143,4 +175,47 @@ def _read_manifest(manifest: Path, root: Path, display: str) -> OllamaModel:
         raise ModelError(f"Ollama manifest {manifest} names blob {blob.name}, which is missing; "
                          f"run `ollama pull {display}` again")
     size = int(layer.get("size") or blob.stat().st_size)
-    return OllamaModel(display, blob, f"sha256:{match.group(1)}", size, manifest.stat().st_mtime)
+    return OllamaModel(display, blob, f"sha256:{match.group(1)}", size, manifest.stat().st_mtime,
+                       _read_layers(data.get("layers", []), root, display))
+
+
+def _read_layers(layers: list, root: Path, display: str) -> ModelLayers:
+    """The Modelfile's layers of a manifest; a layer that cannot be read is an error naming it."""
+    texts: dict[str, str] = {}
+    unsupported = []
+    for layer in layers:
+        kind = str(layer.get("mediaType", "")) if isinstance(layer, dict) else ""
+        if not kind.startswith(LAYER_PREFIX) or kind == MODEL_MEDIA_TYPE:
+            continue
+        kind = kind[len(LAYER_PREFIX):]
+        if kind in UNSUPPORTED_LAYERS:
+            unsupported.append(UNSUPPORTED_LAYERS[kind])
+        elif kind in ("template", "system", "params", "messages", "license"):
+            texts[kind] = texts.get(kind, "") + ("\n" if kind == "license" and kind in texts else "") + \
+                _layer_text(layer, root, display, kind)
+    try:
+        params = json.loads(texts["params"]) if "params" in texts else {}
+        messages = json.loads(texts["messages"]) if "messages" in texts else []
+        if not isinstance(params, dict) or not isinstance(messages, list) or \
+                not all(isinstance(m, dict) for m in messages):
+            raise ValueError("params must be an object and messages a list of objects")
+    except ValueError as exc:
+        raise ModelError(f"model '{display}': its params or messages layer is not valid JSON ({exc})") from None
+    return ModelLayers(texts.get("template"), texts.get("system"), params, tuple(messages),
+                       texts.get("license", ""), tuple(unsupported))
+
+
+def _layer_text(layer: dict, root: Path, display: str, kind: str) -> str:
+    match = _DIGEST.fullmatch(str(layer.get("digest", "")))
+    if not match:
+        raise ModelError(f"model '{display}': its {kind} layer's digest is not sha256:<64 hex>")
+    blob = root / "blobs" / f"sha256-{match.group(1)}"
+    try:
+        with open(blob, "rb") as f:
+            data = f.read(MAX_LAYER_BYTES + 1)
+    except OSError:
+        raise ModelError(f"model '{display}': its {kind} layer is missing; run `ollama pull {display}` "
+                         "again") from None
+    if len(data) > MAX_LAYER_BYTES:
+        raise ModelError(f"model '{display}': its {kind} layer is over {MAX_LAYER_BYTES} bytes")
+    return data.decode("utf-8", errors="replace")

@@ -80,6 +80,14 @@ def fit_tokens(model: Model, text: str, context: Sequence[int], options: Options
     return head + tail[len(tail) - (budget - keep):], True
 
 
+def cut_note(dropped: int, cut: bool, n_tokens: int, num_keep: int) -> str:
+    """What was cut from a prompt to fit num_ctx, in words ("" if nothing)."""
+    keep = min(num_keep, n_tokens)
+    notes = ([f"left out the {dropped} oldest messages"] if dropped else []) + \
+        ([f"kept the first {keep} and the last {n_tokens - keep} tokens"] if cut else [])
+    return "; ".join(notes)
+
+
 def check_context(model: Model, context: Sequence[int]) -> None:
     bad = [t for t in context if not 0 <= t < model.config.n_vocab]
     if bad:

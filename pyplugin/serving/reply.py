@@ -135,7 +135,9 @@ class ReplyPlan:
         if request.think and not plan.thinker:
             raise OptionsError(f"{request.model} does not support thinking: its chat template marks no "
                                f"{THINK_OPEN} part; leave think out")
-        if request.think is not None and plan.thinker and template and "enable_thinking" in template:
+        # The template switches thinking itself: Jinja's enable_thinking, or a Go template's .Think.
+        if request.think is not None and plan.thinker and template and \
+                ("enable_thinking" in template or ".Think" in template):
             plan.template_args["enable_thinking"] = request.think
         if request.tools:
             plan.tools = check_tools(request.tools)
