@@ -42,9 +42,21 @@ class LayerShape:
 
     @classmethod
     def of(cls, cfg) -> "LayerShape":
-        """From a pyplugin.model.ModelConfig."""
+        """From a pyplugin.model.ModelConfig (a layer's own: ModelConfig.for_layer) that the fused step
+        computes; one it cannot (see `fused_decode_computes`) is refused, never computed wrong."""
+        if not cfg.plain:
+            raise InvalidArgumentError(f"pebble_decode_layer computes llama-style layers only (SwiGLU, no window, "
+                                       f"soft-cap or scales); this {cfg.arch} layer goes through the array path")
         return cls(cfg.n_embd, cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.n_ff, cfg.rope_dims,
                    int(cfg.rope_mode == "neox"), cfg.rms_eps)
+
+
+def fused_decode_computes(cfg, weights) -> bool:
+    """Whether pebble_decode_layer computes this layer (`cfg`: its ModelConfig.for_layer, `weights` its
+    LayerWeights): a llama-style block (RMS norm, optional QKV biases, RoPE, full causal attention at
+    1/sqrt(head_dim), SwiGLU). Q/K norms, sandwich norms, GELU, a sliding window, soft-capping and
+    Granite's scales are the array path's."""
+    return cfg.plain and not weights.extra
 
 
 class Kernels:

@@ -1,0 +1,259 @@
+"""qwen3, gemma2, gemma3 and the llama variants (Mistral-Nemo's head size, a sliding window, Granite's
+scales) against a float64 forward pass written here from the GGUF's tensors; KV-cache decode equal to
+recomputing (across the sliding window's edge, in prefill chunks smaller and larger than the window);
+every strategy's tokens equal to `none` on every backend; the window's KV saving in the estimate and in
+the store's accounted peak; files asking for what pebbling does not compute refused by name.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from helpers import store_backend_params, tiny_path
+from pyplugin.errors import ModelError
+from pyplugin.model import load_model
+from pyplugin.model.gguf_file import GGUFFile
+from pyplugin.runtime import Generation, PebbledModel
+from pyplugin.runtime.options import Options
+from pyplugin.runtime.plan import PebblingOptions
+
+SHAPE = dict(n_embd=64, n_head=4, n_head_kv=2, n_ff=96, n_ctx=128, n_merges=150)
+CASES = {
+    "qwen3": dict(arch="qwen3", vocab="qwen3", n_layer=2, key_length=32),
+    "gemma3": dict(arch="gemma3", vocab="gemma", n_layer=4, key_length=32, sliding_window=5, swa_pattern=3,
+                   rope_theta=1e6, rope_linear_factor=2.0),
+    "gemma2": dict(arch="gemma2", vocab="gemma", n_layer=2, key_length=16, sliding_window=6, attn_softcap=2.0,
+                   final_softcap=3.0),
+    "mistral-nemo": dict(arch="llama", vocab="llama3", n_layer=2, key_length=32, n_head=4, sliding_window=6),
+    "granite-scales": dict(arch="llama", vocab="llama3", n_layer=2, tied_output=True, rope_freqs=True,
+                           metadata={"llama.embedding_scale": 2.0, "llama.residual_scale": 0.5,
+                                     "llama.logit_scale": 4.0, "llama.attention.scale": 0.2}),
+}
+PROMPT_LEN, DECODED = 13, 6
+
+
+def path_of(case: str, **extra):
+    spec = {**SHAPE, **CASES[case], **extra}
+    return tiny_path(spec.pop("arch"), **spec)
+
+
+def prompt(n: int = PROMPT_LEN) -> list[int]:
+    return [(7 * i + 3) % 250 + 1 for i in range(n)]
+
+
+# ---------------------------------------------------------------------------------------------------
+# the float64 reference: every architecture's block as its paper and llama.cpp describe it
+
+
+def reference_logits(path, tokens: list[int]) -> np.ndarray:
+    """float64 logits [T, n_vocab] of every position, recomputed from scratch over the whole sequence."""
+    with GGUFFile(path) as f:
+        md, t = f.metadata, {name: f.dequantize(name).astype(np.float64) for name in f.tensors}
+    arch = md["general.architecture"]
+    key = lambda k, default=None: md.get(f"{arch}.{k}", default)  # noqa: E731
+    n_layer, n_embd, n_head = key("block_count"), key("embedding_length"), key("attention.head_count")
+    n_kv, eps = key("attention.head_count_kv"), key("attention.layer_norm_rms_epsilon")
+    hd = key("attention.key_length", n_embd // n_head)
+    gemma = arch.startswith("gemma")
+    window = key("attention.sliding_window", 0)
+    period = key("attention.sliding_window_pattern", {"gemma2": 2, "gemma3": 6}.get(arch, 0))
+    sliding = [bool(window) and (period == 0 or i % period < period - 1) for i in range(n_layer)]
+    factor = key("rope.scaling.factor", 1.0) if key("rope.scaling.type") == "linear" else 1.0
+    scale_q = key("attention.scale") or 1.0 / math.sqrt(hd)
+    res_scale = key("residual_scale", 1.0)
+
+    def rms(x, w):
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
+
+    def rope(x, pos, theta, freq_scale, factors):  # x [T, heads, hd]; NeoX pairs (j, j+hd/2), llama (2j, 2j+1)
+        half = hd // 2
+        inv = freq_scale * theta ** (-np.arange(half) * 2.0 / hd) / factors
+        ang = pos[:, None] * inv[None, :]
+        c, s = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+        if arch == "llama":
+            a, b = x[..., 0::2], x[..., 1::2]
+            out = np.empty_like(x)
+            out[..., 0::2], out[..., 1::2] = a * c - b * s, b * c + a * s
+            return out
+        a, b = x[..., :half], x[..., half:]
+        return np.concatenate([a * c - b * s, b * c + a * s], -1)
+
+    T, pos = len(tokens), np.arange(len(tokens), dtype=np.float64)
+    x = t["token_embd.weight"][tokens] * (math.sqrt(n_embd) if gemma else key("embedding_scale", 1.0))
+    factors = t.get("rope_freqs.weight", np.ones(hd // 2))
+    for i in range(n_layer):
+        b = lambda n: t[f"blk.{i}.{n}.weight"]  # noqa: E731
+        h = rms(x, b("attn_norm"))
+        q, k, v = ((h @ b(n).T + t.get(f"blk.{i}.{n}.bias", 0)).reshape(T, -1, hd)
+                   for n in ("attn_q", "attn_k", "attn_v"))
+        if f"blk.{i}.attn_q_norm.weight" in t:
+            q, k = rms(q, b("attn_q_norm")), rms(k, b("attn_k_norm"))
+        if sliding[i] and arch == "gemma3":
+            theta, fs = key("rope.freq_base_swa", 10000.0), 1.0
+        else:
+            theta, fs = key("rope.freq_base"), 1.0 / factor
+        q, k = rope(q, pos, theta, fs, factors), rope(k, pos, theta, fs, factors)
+        if gemma:
+            scale_q = 1.0 / math.sqrt(hd)
+        k, v = np.repeat(k, n_head // n_kv, axis=1), np.repeat(v, n_head // n_kv, axis=1)
+        scores = np.einsum("qhd,khd->hqk", q * scale_q, k)
+        cap = key("attn_logit_softcapping", 0.0) if arch == "gemma2" else 0.0
+        if cap:
+            scores = cap * np.tanh(scores / cap)
+        qi, ki = np.arange(T)[:, None], np.arange(T)[None, :]
+        visible = (ki <= qi) & (~sliding[i] | (qi - ki < max(window, 1)))
+        scores = np.where(visible, scores, -np.inf)
+        p = np.exp(scores - scores.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        o = np.einsum("hqk,khd->qhd", p, v).reshape(T, -1) @ b("attn_output").T
+        if gemma:
+            o = rms(o, b("post_attention_norm"))
+        x = x + o * res_scale
+        h = rms(x, b("ffn_norm"))
+        g = h @ b("ffn_gate").T
+        g = 0.5 * g * (1 + np.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g ** 3))) if gemma else g / (1 + np.exp(-g))
+        o = (g * (h @ b("ffn_up").T)) @ b("ffn_down").T
+        if gemma:
+            o = rms(o, b("post_ffw_norm"))
+        x = x + o * res_scale
+    out = t.get("output.weight", t["token_embd.weight"])
+    logits = rms(x, t["output_norm.weight"]) @ out.T / key("logit_scale", 1.0)
+    cap = key("final_logit_softcapping", 0.0)
+    return cap * np.tanh(logits / cap) if cap else logits
+
+
+def rel(a, b) -> float:
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+# ---------------------------------------------------------------------------------------------------
+# the forward pass
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("num_batch", [4, 16])  # prefill chunks shorter and longer than the windows
+def test_prefill_and_decode_match_the_float64_reference(case, num_batch):
+    path = path_of(case)
+    model = load_model(path, weights="f16", progress=False)
+    tokens = prompt(PROMPT_LEN + DECODED)
+    ref = reference_logits(path, tokens)
+    gen = Generation(model, Options(temperature=0, num_ctx=64, num_batch=num_batch))
+    logits = gen.prefill(tokens[:PROMPT_LEN])
+    assert rel(logits, ref[PROMPT_LEN - 1]) < 1e-4
+    for n, token in enumerate(tokens[PROMPT_LEN:]):  # the KV cache, across the window's edge
+        assert rel(gen.decode_one(token), ref[PROMPT_LEN + n]) < 1e-4, (case, n)
+
+
+def test_the_window_matters():
+    """The reference is not blind to the window: without it the logits past the window differ."""
+    tokens = prompt(PROMPT_LEN)
+    windowed = reference_logits(path_of("gemma3"), tokens)
+    full = reference_logits(path_of("gemma3", sliding_window=1024), tokens)
+    assert rel(windowed[:5], full[:5]) < 1e-12
+    assert rel(windowed[-1], full[-1]) > 1e-3
+
+
+def test_configs_read_as_llama_cpp_reads_them():
+    g3 = load_model(path_of("gemma3"), progress=False).config
+    assert g3.swa_layers == (0, 1, 3) and g3.sliding_window == 5      # pattern 3: every third layer global
+    assert g3.for_layer(0).rope_theta == 10000.0 and g3.for_layer(0).rope_freq_scale == 1.0
+    assert g3.for_layer(2).rope_theta == 1e6 and g3.for_layer(2).rope_freq_scale == 0.5
+    assert g3.head_dim == 32 and g3.attn_scale == pytest.approx(32 ** -0.5)
+    assert g3.embd_scale == pytest.approx(8.0) and g3.activation == "gelu"
+    g2 = load_model(path_of("gemma2"), progress=False).config
+    assert g2.swa_layers == (0,) and (g2.attn_softcap, g2.final_softcap) == (2.0, 3.0)
+    q3 = load_model(path_of("qwen3"), progress=False)
+    assert q3.config.head_dim == 32 and q3.layers[0].q_norm.shape == (32,) and q3.layers[0].bq is None
+    nemo = load_model(path_of("mistral-nemo"), progress=False).config
+    assert nemo.head_dim == 32 != nemo.n_embd // nemo.n_head and nemo.swa_layers == (0, 1)
+
+
+# ---------------------------------------------------------------------------------------------------
+# strategies, backends, weight forms, the fused decode step
+
+
+@pytest.mark.parametrize("backend", store_backend_params())
+@pytest.mark.parametrize("case", ["qwen3", "gemma3", "gemma2", "mistral-nemo"])
+def test_every_strategy_gives_the_tokens_of_none(backend, case):
+    options = Options(temperature=0, num_predict=8, num_ctx=48, num_batch=4)
+    tokens = prompt(9)
+    for weights in ("quantized", "f16"):
+        model = load_model(path_of(case, weight_type="Q8_0"), weights=weights, progress=False)
+        expected = list(Generation(model, options).tokens(tokens))
+        assert len(expected) == 8
+        for fused in (False, True):
+            pebbled = PebbledModel(model, backend=backend, fused_decode=fused)
+            try:
+                for strategy in ("none", "sqrt", "minimal", "every:2", "adaptive"):
+                    pebbling = PebblingOptions.from_options({"pebbling_strategy": strategy})
+                    got = list(pebbled.generation(options, pebbling, len(tokens)).tokens(tokens))
+                    assert got == expected, (case, weights, fused, strategy)
+            finally:
+                pebbled.close()
+
+
+def test_the_fused_step_computes_llama_layers_only():
+    from pyplugin.store import LayerShape, fused_decode_computes
+    g3 = load_model(path_of("gemma3"), progress=False)
+    llama = load_model(tiny_path("llama", **SHAPE, n_layer=1), progress=False)
+    assert fused_decode_computes(llama.config.for_layer(0), llama.layers[0])
+    for i in range(g3.config.n_layer):  # GELU, Q/K and sandwich norms, windows: the array path's
+        assert not fused_decode_computes(g3.config.for_layer(i), g3.layers[i])
+    with pytest.raises(Exception, match="array path"):
+        LayerShape.of(g3.config.for_layer(0))
+
+
+# ---------------------------------------------------------------------------------------------------
+# the sliding window's KV saving
+
+
+def test_sliding_layers_keep_only_their_window():
+    options = Options(temperature=0, num_predict=4, num_ctx=96, num_batch=8)
+    windowed = load_model(path_of("gemma3"), progress=False)
+    full = load_model(path_of("gemma3", sliding_window=0), progress=False)
+    cfg = windowed.config
+    kv_token = cfg.kv_bytes_per_token(4)
+    saved = len(cfg.swa_layers) * (options.num_ctx - cfg.sliding_window) * kv_token
+    plans, peaks = {}, {}
+    for name, model in (("windowed", windowed), ("full", full)):
+        pebbled = PebbledModel(model, backend="stub")
+        try:
+            pebbling = PebblingOptions.from_options({"pebbling_strategy": "none"})
+            plans[name] = pebbled.plan(options, pebbling)
+            gen = pebbled.generation(options, pebbling, 9)
+            list(gen.tokens(prompt(9)))
+            peaks[name] = gen.report()["measured_peak_bytes"]
+        finally:
+            pebbled.close()
+    m = plans["windowed"].memory
+    assert [m.kv_bytes(i) for i in range(cfg.n_layer)] == [
+        (cfg.sliding_window if i in cfg.swa_layers else options.num_ctx) * kv_token for i in range(cfg.n_layer)]
+    estimate_saving = plans["full"].estimated_peak_bytes - plans["windowed"].estimated_peak_bytes
+    assert estimate_saving == saved
+    assert peaks["full"] - peaks["windowed"] == saved   # the store's accounted peak: the same bytes
+
+
+def test_a_32k_context_keeps_512_positions_on_five_layers_of_six():
+    path = path_of("gemma3", n_layer=6, sliding_window=512, swa_pattern=None, n_ctx=32768)
+    cfg = load_model(path, progress=False).config
+    assert [cfg.kv_rows(i, 32768) for i in range(6)] == [512] * 5 + [32768]
+
+
+# ---------------------------------------------------------------------------------------------------
+# what is refused
+
+
+@pytest.mark.parametrize("key, value", [("llama.attention.clamp_kqv", 8.0), ("qwen3.expert_count", 8),
+                                        ("llama.final_logit_softcapping", 30.0), ("qwen3.embedding_scale", 2.0)])
+def test_a_key_that_changes_the_math_is_refused_by_name(key, value):
+    arch = key.split(".")[0]
+    case = "qwen3" if arch == "qwen3" else "mistral-nemo"
+    with pytest.raises(ModelError, match=key.replace(".", r"\.")):
+        load_model(path_of(case, metadata={key: value}), progress=False)
+
+
+def test_a_harmless_key_is_accepted():
+    load_model(path_of("gemma3", metadata={"gemma3.mm.tokens_per_image": 256}), progress=False)
