@@ -100,7 +100,7 @@ def reference_logits(path, tokens: list[int]) -> np.ndarray:
             scale_q = 1.0 / math.sqrt(hd)
         k, v = np.repeat(k, n_head // n_kv, axis=1), np.repeat(v, n_head // n_kv, axis=1)
         scores = np.einsum("qhd,khd->hqk", q * scale_q, k)
-        cap = key("attn_logit_softcapping", 0.0) if arch == "gemma2" else 0.0
+        cap = key("attn_logit_softcapping", 50.0) if arch == "gemma2" else 0.0  # llama.cpp's default
         if cap:
             scores = cap * np.tanh(scores / cap)
         qi, ki = np.arange(T)[:, None], np.arange(T)[None, :]
@@ -121,7 +121,7 @@ def reference_logits(path, tokens: list[int]) -> np.ndarray:
         x = x + o * res_scale
     out = t.get("output.weight", t["token_embd.weight"])
     logits = rms(x, t["output_norm.weight"]) @ out.T / key("logit_scale", 1.0)
-    cap = key("final_logit_softcapping", 0.0)
+    cap = key("final_logit_softcapping", 30.0 if arch == "gemma2" else 0.0)
     return cap * np.tanh(logits / cap) if cap else logits
 
 

@@ -80,9 +80,11 @@ def arch_fields(f: Any, arch: str, n_layer: int, n_embd: int, n_head: int, head_
             out["rope_freq_scale_swa"] = 1.0
         elif f"{arch}.rope.freq_base_swa" in f.metadata:
             out["rope_theta_swa"] = positive("rope.freq_base_swa", 10000.0)
-        if arch == "gemma2":
-            out["attn_softcap"] = _cap(f, arch, "attn_logit_softcapping")
-        out["final_softcap"] = _cap(f, arch, "final_logit_softcapping")
+        if arch == "gemma2":  # always capped: llama.cpp's defaults where the file does not say (Gemma 2's own)
+            out["attn_softcap"] = _cap(f, arch, "attn_logit_softcapping", 50.0)
+            out["final_softcap"] = _cap(f, arch, "final_logit_softcapping", 30.0)
+        else:
+            out["final_softcap"] = _cap(f, arch, "final_logit_softcapping", 0.0)
     else:
         for key in ("attn_logit_softcapping", "final_logit_softcapping", "rope.freq_base_swa",
                     "rope.local.freq_base", "rope.global.freq_base"):
@@ -108,8 +110,8 @@ def _integer(f: Any, key: str, default: int, hi: int) -> int:
     return int(v)
 
 
-def _cap(f: Any, arch: str, name: str) -> float:
-    v = f.metadata.get(f"{arch}.{name}", 0.0)
+def _cap(f: Any, arch: str, name: str, default: float) -> float:
+    v = f.metadata.get(f"{arch}.{name}", default)
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
         raise ModelError(f"{f.path}: '{arch}.{name}' is {v!r}; it must be a finite number, 0 (none) or more")
     return float(v)
