@@ -36,6 +36,7 @@ class SynthSpec:
     vocab: str = "llama3"               # "llama3", "chatml", "qwen3" (byte-level BPE), "spm", "gemma" (SentencePiece)
     pre: str | None = None              # BPE pre-tokenizer name; by default the flavour's own
     n_merges: int = 300
+    vocab_size: int = 0                 # a Gemma vocabulary padded with unused pieces to this many (262144)
     weight_type: str = "F32"            # every matrix, unless tensor_types says otherwise
     tensor_types: dict[str, str] = field(default_factory=dict)  # role ("ffn_down", "token_embd"...) -> type
     tied_output: bool = False           # no output.weight: the output reuses token_embd
@@ -69,7 +70,7 @@ def write_gguf(path: str | os.PathLike, spec: SynthSpec | None = None, **overrid
     for name in {spec.weight_type, *spec.tensor_types.values()}:
         if name not in T.__members__:  # any GGUF type: tests write unsupported ones to see them refused
             raise ValueError(f"tensor type {name!r}: choose one of {', '.join(SUPPORTED_NAMES)}")
-    vocab = build_vocab(spec.vocab, spec.n_merges, spec.pre)
+    vocab = build_vocab(spec.vocab, spec.n_merges, spec.pre, spec.vocab_size)
     path = Path(path)
     writer = GGUFWriter(path, spec.arch)
     _add_hparams(writer, spec, len(vocab.tokens))

@@ -115,8 +115,9 @@ def _unique(items: Iterable[str]) -> list[str]:
     return list(dict.fromkeys(items))
 
 
-def build_vocab(flavour: str, n_merges: int = 300, pre: str | None = None) -> Vocab:
-    """A small real tokenizer: 'llama3' or 'chatml' (byte-level BPE), or 'spm' (SentencePiece)."""
+def build_vocab(flavour: str, n_merges: int = 300, pre: str | None = None, pad_to: int = 0) -> Vocab:
+    """A small real tokenizer: 'llama3', 'chatml' or 'qwen3' (byte-level BPE), 'spm' or 'gemma'
+    (SentencePiece). `pad_to`: a Gemma vocabulary filled with unused pieces up to that many tokens."""
     if flavour == "llama3":
         specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
                     "<|end_header_id|>", "<|eot_id|>"]
@@ -133,7 +134,7 @@ def build_vocab(flavour: str, n_merges: int = 300, pre: str | None = None) -> Vo
     if flavour == "spm":
         return _spm_vocab(n_merges)
     if flavour == "gemma":
-        return _gemma_vocab(n_merges)
+        return _gemma_vocab(n_merges, pad_to)
     raise ValueError(f"vocab {flavour!r}: choose llama3, chatml, qwen3, spm or gemma")
 
 
