@@ -282,7 +282,8 @@ def _ollama_routes() -> APIRouter:
             raise BadRequest("'suffix' (fill-in-the-middle) is not supported by pebbling")
         job = await submit(request, GenerationRequest(
             model=body.model, prompt=body.prompt, system=body.system, template=body.template, raw=body.raw,
-            context=body.context, format=body.format, options=body.options or {}, keep_alive=body.keep_alive))
+            context=body.context, format=body.format, options=body.options or {}, keep_alive=body.keep_alive,
+            think=False if body.think is False else None))
 
         def chunk(text: str) -> dict:
             return {"model": body.model, "created_at": now_iso(), "response": text, "done": False}
@@ -305,7 +306,8 @@ def _ollama_routes() -> APIRouter:
             raise BadRequest("'images' is not supported: pebbling serves text-only models")
         job = await submit(request, GenerationRequest(
             model=body.model, messages=[{"role": m.role, "content": m.content or ""} for m in body.messages],
-            format=body.format, options=body.options or {}, keep_alive=body.keep_alive))
+            format=body.format, options=body.options or {}, keep_alive=body.keep_alive,
+            think=False if body.think is False else None))
 
         def chunk(text: str) -> dict:
             return {"model": body.model, "created_at": now_iso(),

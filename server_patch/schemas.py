@@ -38,7 +38,8 @@ class GenerateRequest(_Body):
     format: Any = Field(None, description='"json", or a JSON schema the output must follow (constrained decoding)')
     images: list[str] | None = Field(None, description="not supported: text-only models")
     suffix: str | None = Field(None, description="not supported: fill-in-the-middle")
-    think: Any = Field(None, description="not supported: no model served here thinks; refused when true")
+    think: Any = Field(None, description="false switches a thinking model's thinking off (its template's "
+                                         "enable_thinking); true is refused: thinking is not returned apart")
     logprobs: Any = Field(None, description="not supported yet: refused when true")
     top_logprobs: int | None = Field(None, description="not supported yet: refused when given")
 
@@ -57,7 +58,8 @@ class ChatRequest(_Body):
     keep_alive: Any = Field(None, description=_KEEP_ALIVE_DOC)
     format: Any = Field(None, description='"json", or a JSON schema the output must follow (constrained decoding)')
     tools: list[Any] | None = Field(None, description="not supported")
-    think: Any = Field(None, description="not supported: no model served here thinks; refused when true")
+    think: Any = Field(None, description="false switches a thinking model's thinking off (its template's "
+                                         "enable_thinking); true is refused: thinking is not returned apart")
     logprobs: Any = Field(None, description="not supported yet: refused when true")
     top_logprobs: int | None = Field(None, description="not supported yet: refused when given")
 

@@ -27,7 +27,7 @@ class BadRequest(Exception):
 # Fields a client may send that ask for what pebbling does not do (yet), with what each would do: a
 # value other than a neutral one (None, false, empty, "none", "auto") is refused naming the field.
 UNSUPPORTED = {
-    "think": "thinking (no model served here marks a reasoning part)",
+    "think": "thinking returned apart from the answer (think: false, which switches it off, is accepted)",
     "logprobs": "log probabilities", "top_logprobs": "log probabilities",
     "logit_bias": "logit bias", "tool_choice": "tool calls", "functions": "function calls",
     "function_call": "function calls", "reasoning_effort": "reasoning (no model served here reasons)",

@@ -88,8 +88,10 @@ class Model:
                                                 _place(self.outer.output, kernels))
         return self._converted[key]
 
-    def chat_prompt(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> str:
-        return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
+    def chat_prompt(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+                    **extra: Any) -> str:
+        """The prompt for `messages`; `extra`: variables the template may read (enable_thinking)."""
+        return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, **extra)
 
 
 def _place(a: Any, kernels: Any) -> Any:

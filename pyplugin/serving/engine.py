@@ -171,7 +171,7 @@ class Engine:
         if request.messages is not None:
             if not request.messages:
                 return []
-            text = model.chat_prompt(list(request.messages))
+            text = model.chat_prompt(list(request.messages), **_thinking(request))
         else:
             prompt = request.prompt or ""
             if not prompt and not request.context:
@@ -183,7 +183,7 @@ class Engine:
                                                              "Prompt": prompt, "Response": ""})
             else:
                 messages = [{"role": "system", "content": request.system}] if request.system else []
-                text = model.chat_prompt(messages + [{"role": "user", "content": prompt}])
+                text = model.chat_prompt(messages + [{"role": "user", "content": prompt}], **_thinking(request))
         context = list(request.context or [])
         bad = [t for t in context if not 0 <= t < model.config.n_vocab]
         if bad:
@@ -376,3 +376,10 @@ class Engine:
         with self._lock:
             others = [e.pebbled for e in self._loaded.values() if e is not entry and e.pebbled is not None]
         return sum(p.device_bytes_held() for p in others if p.backend.measures_memory)
+
+
+def _thinking(request: GenerationRequest) -> dict:
+    """What the chat template is told of thinking: `think: false` is enable_thinking false, which a
+    thinking model's template (Qwen 3's) turns into an empty thinking block, as Ollama does; unset, the
+    template decides."""
+    return {} if request.think is None else {"enable_thinking": request.think}

@@ -78,6 +78,7 @@ class GenerationRequest:
     options: dict[str, Any] = field(default_factory=dict)
     keep_alive: Any = None
     format: Any = None                              # generate, chat: "json" or a JSON schema the output follows
+    think: bool | None = None                       # generate, chat: False switches a model's thinking off
     embed: list[str] | None = None                  # embed: the texts, one vector each
     truncate: bool = True                           # embed: cut an input longer than num_ctx (else refuse)
     dimensions: int | None = None                   # embed: keep the first N values of each vector
