@@ -356,3 +356,20 @@ def test_models_in_an_ollama_store_chat_through_the_server(tmp_path, monkeypatch
                 assert off["prompt_eval_count"] == len(expected) + len(block)
                 on = requests.post(f"{url}/api/chat", json={**body, "think": True}, timeout=120)
                 assert on.status_code == 400 and "think" in on.json()["error"]
+
+
+def test_estimate_and_verify_on_a_sliding_window_model(capsys):
+    import json
+
+    from pyplugin.cli import main
+    path = str(path_of("gemma3"))
+    assert main(["estimate", path, "--num-ctx", "64", "--num-batch", "8", "--backend", "stub", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    cfg = load_model(path, progress=False).config
+    kv_token = cfg.kv_bytes_per_token(4)
+    assert r["sliding_layers"] == 3 and r["sliding_window"] == 5
+    assert r["kv_cache_bytes_without_windows"] - r["kv_cache_bytes"] == 3 * (64 - 5) * kv_token
+    assert main(["estimate", path, "--num-ctx", "64", "--num-batch", "8", "--backend", "stub"]) == 0
+    assert "3 of 4 layers attend over a window of 5 positions" in capsys.readouterr().out
+    assert main(["verify", path, "--num-predict", "8", "--num-ctx", "64", "--backend", "stub"]) == 0
+    assert "OK: all" in capsys.readouterr().out
