@@ -373,3 +373,19 @@ def test_estimate_and_verify_on_a_sliding_window_model(capsys):
     assert "3 of 4 layers attend over a window of 5 positions" in capsys.readouterr().out
     assert main(["verify", path, "--num-predict", "8", "--num-ctx", "64", "--backend", "stub"]) == 0
     assert "OK: all" in capsys.readouterr().out
+
+
+def test_the_27b_gemmas_scale_queries_by_n_embd_over_n_head():
+    """llama.cpp (after gemma_pytorch): the 27B models' query_pre_attn_scalar is n_embd / n_head, which
+    differs from their head size; their layer counts (46 for gemma2, 62 for gemma3) say which they are."""
+    cfg = load_model(path_of("gemma2", n_layer=46, n_head=2, n_head_kv=1, n_ff=32), progress=False).config
+    assert cfg.head_dim == 16 and cfg.attn_scale == pytest.approx((64 / 2) ** -0.5)
+
+
+def test_llama3_rope_scaling_needs_its_factors():
+    ok = path_of("granite-scales", metadata={"llama.rope.scaling.type": "llama3"})
+    assert load_model(ok, progress=False).config.rope_freq_factors is not None
+    with pytest.raises(ModelError, match="rope scaling 'llama3'.*rope_freqs"):
+        load_model(path_of("mistral-nemo", metadata={"llama.rope.scaling.type": "llama3"}), progress=False)
+    with pytest.raises(ModelError, match="rope scaling 'yarn'"):
+        load_model(path_of("qwen3", metadata={"qwen3.rope.scaling.type": "yarn"}), progress=False)
