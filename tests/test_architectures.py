@@ -195,15 +195,17 @@ def test_every_strategy_gives_the_tokens_of_none(backend, case):
                 pebbled.close()
 
 
-def test_the_fused_step_computes_llama_layers_only():
-    from pyplugin.store import LayerShape, fused_decode_computes
-    g3 = load_model(path_of("gemma3"), progress=False)
-    llama = load_model(tiny_path("llama", **SHAPE, n_layer=1), progress=False)
-    assert fused_decode_computes(llama.config.for_layer(0), llama.layers[0])
-    for i in range(g3.config.n_layer):  # GELU, Q/K and sandwich norms, windows: the array path's
-        assert not fused_decode_computes(g3.config.for_layer(i), g3.layers[i])
-    with pytest.raises(Exception, match="array path"):
-        LayerShape.of(g3.config.for_layer(0))
+def test_the_fused_step_takes_every_layer_but_qk_norms_with_biases():
+    from dataclasses import replace
+
+    from pyplugin.store import fused_decode_computes
+    for case in ("gemma3", "gemma2", "qwen3", "granite-scales", "mistral-nemo"):
+        model = load_model(path_of(case), progress=False)
+        for i in range(model.config.n_layer):
+            assert fused_decode_computes(model.config.for_layer(i), model.layers[i])
+    qwen3 = load_model(path_of("qwen3"), progress=False)
+    biased = replace(qwen3.layers[0], bq=np.zeros(qwen3.config.n_head * qwen3.config.head_dim, np.float32))
+    assert not fused_decode_computes(qwen3.config.for_layer(0), biased)  # such a layer: the array path
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -101,12 +101,6 @@ class ModelConfig:
                           rope_freq_factors=self.rope_freq_factors if self.rope_theta_swa is None else None)
         return tuple(sliding if self.is_sliding(i) else self for i in range(self.n_layer))
 
-    @property
-    def plain(self) -> bool:
-        """A layer the fused native decode step computes: SwiGLU, no scales, caps or window."""
-        return (self.activation == "silu" and self.residual_scale == 1.0 and self.attn_softcap == 0.0
-                and self.window == 0 and self.attn_scale is None)
-
 
 @dataclass
 class LayerWeights:
@@ -143,11 +137,6 @@ class LayerWeights:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for _, a in self.arrays())
-
-    @property
-    def extra(self) -> tuple[str, ...]:
-        """The norms beyond the llama block's, which the fused decode step does not compute."""
-        return tuple(n for n in ("q_norm", "k_norm", "post_attn_norm", "post_ffn_norm") if getattr(self, n) is not None)
 
 
 @dataclass

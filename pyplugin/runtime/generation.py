@@ -99,6 +99,7 @@ class Generation:
         # a layer they cannot compute (fused_decode_computes) goes through the array path instead.
         self.decode_kernels = self.layers.decode_kernels
         self.layer_cfgs = [self.cfg.for_layer(i) for i in range(self.cfg.n_layer)]
+        self.layer_shapes = [LayerShape.of(c) for c in self.layer_cfgs] if self.decode_kernels is not None else []
 
     def forward(self, tokens: Sequence[int]) -> np.ndarray:
         """Run tokens through every layer at the current position; float32 logits of the last one."""
@@ -140,8 +141,8 @@ class Generation:
             weights, k_cache, v_cache = self.layers.layer(i)
             if fused_decode_computes(lcfg, weights):
                 cos, sin = rope_table(lcfg, self.layers.n_ctx, xp, np.float32)
-                self.decode_kernels.decode_layer(LayerShape.of(lcfg), weights, k_cache, v_cache, pos, x,
-                                                 cos[pos, 0], sin[pos, 0])
+                self.decode_kernels.decode_layer(self.layer_shapes[i], weights, k_cache, v_cache, pos, x,
+                                                 cos[pos, 0], sin[pos, 0], lcfg.query_scale)
             else:
                 rope = tuple(t[pos:pos + 1] for t in rope_table(lcfg, self.layers.n_ctx, xp))
                 h = layer_forward(lcfg, x[None].astype(compute_dtype(xp)), weights, k_cache, v_cache, pos, rope)
