@@ -2,11 +2,11 @@
 
     python benchmarks/compare_llamacpp.py [--only llama,qwen2] [--types F32,Q4_K] [--json FILE]
 
-For each architecture (llama, qwen2, phi3, qwen3, gemma3, gemma2) and tensor type (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
-Q4_K, Q5_K, Q6_K),
-plus a few layout variants (a Q4_K_M-like mix, tied output, llama3 rope_freqs, linear RoPE scaling,
-partial RoPE, MHA, a head size apart from n_embd / n_head as Mistral-Nemo's, gemma3's global layers every
-third with their own RoPE base and linear scaling), it writes a small random-weight GGUF with pyplugin.model.synth, loads it in llama.cpp
+For each architecture (llama, qwen2, phi3, qwen3, gemma3, gemma2) and tensor type (F32, F16, BF16,
+Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), plus a few layout variants (a Q4_K_M-like mix, tied
+output, llama3 rope_freqs, linear RoPE scaling, partial RoPE, MHA, a head size apart from n_embd /
+n_head as Mistral-Nemo's, gemma3's global layers every third with their own RoPE base and linear
+scaling), it writes a small random-weight GGUF with pyplugin.model.synth, loads it in llama.cpp
 (through the llama-cpp-python bindings, KV cache in F32) and in pebbling (pyplugin.model +
 pyplugin.loop), feeds both the same token ids and compares:
 
@@ -441,7 +441,8 @@ def print_model_table(rows: list[dict[str, Any]]) -> None:
         gelu = f"{r['gelu_floor']:9.2e}" if "gelu_floor" in r else f"{'-':>9}"
         judged = max(r["judged_rel_err"], r["judged_decode_rel_err"])
         print(f"{r['case']:32} {r['max_abs']:10.2e} {r['rel_err']:9.2e} {r['decode_rel_err']:9.2e} "
-              f"{floor} {deq} {gelu} {judged:9.2e} {r.get('judged_tolerance', r['tolerance']):7.0e} {'yes' if r['argmax_equal'] else 'NO':>6} "
+              f"{floor} {deq} {gelu} {judged:9.2e} {r.get('judged_tolerance', r['tolerance']):7.0e} "
+              f"{'yes' if r['argmax_equal'] else 'NO':>6} "
               f"{'yes' if r['greedy_equal'] else 'no':>8} {div:>4} {margin:>8}  {r['status']}")
     print("\nmax|diff|, rel err: last prompt position's logits (rel err = ||pebbling - llama.cpp|| / "
           "||llama.cpp||);\ndec rel: worst rel err over the decode steps both sides saw the same "
@@ -450,8 +451,8 @@ def print_model_table(rows: list[dict[str, Any]]) -> None:
           "copy of the same dequantized weights\n(its own activation rounding); vs deq: pebbling vs "
           "llama.cpp on that F32 copy (must be <= 1e-4).\ngelu fl: the Gemmas' GELU floor, pebbling's float32 GELU "
           "vs the same with ggml's fp16 rounding of it;\njudged: the worst rel err of the run the tolerance "
-          "judges (with ggml's GELU rounding where there is a GELU);\ntol: the type's tolerance, or twice the GELU floor "
-          "where that is larger.")
+          "judges (with ggml's GELU rounding where there is a GELU);\ntol: the type's tolerance, or twice the "
+          "GELU floor where that is larger.")
 
 
 def print_tokenizer_table(rows: list[dict[str, Any]]) -> None:

@@ -4,9 +4,10 @@
 // is enqueued from C: RMS norm, Q/K/V projections (pebble_quant.cu's matrix-vector kernel, one vector),
 // biases, per-head Q/K norms where given, RoPE with the new K/V row written into the caches (a ring's row
 // pos % n_ctx), attention (soft-capped where asked), the output projection, its norm where given and the
-// residual, RMS norm, the SwiGLU or GELU-tanh gated feed-forward, its norm where given and its residual. The arithmetic, and its order, is
-// pyplugin.model's forward pass on the CPU path with quantized weights: float32 throughout, the vectors
-// that enter a matrix kernel rounded to fp16, probabilities normalised before they weight V.
+// residual, RMS norm, the SwiGLU or GELU-tanh gated feed-forward, its norm where given and its residual.
+// The arithmetic, and its order, is pyplugin.model's forward pass on the CPU path with quantized weights:
+// float32 throughout, the vectors that enter a matrix kernel rounded to fp16, probabilities normalised
+// before they weight V.
 //
 // Kernels are written once (pebble_device.h): in the host build a kernel is a plain function run as one
 // thread and a warp has one lane, so CI runs this file's arithmetic and indexing; the launcher follows.
@@ -167,7 +168,9 @@ __global__ void attention_kernel(attention_args a) {
 
 // x += y * scale
 __global__ void add_kernel(float * __restrict__ x, const float * __restrict__ y, int64_t n, float scale) {
-    for (int64_t i = grid_thread(); i < n; i += grid_threads()) x[i] = scale == 1.0f ? x[i] + y[i] : x[i] + y[i] * scale;
+    for (int64_t i = grid_thread(); i < n; i += grid_threads()) {
+        x[i] = scale == 1.0f ? x[i] + y[i] : x[i] + y[i] * scale;
+    }
 }
 
 // out = fp16(silu(gate) * up), silu(g) = g / (1 + exp(-g))

@@ -152,7 +152,8 @@ def render(r: dict[str, Any]) -> str:
         f"(minimal): {format_bytes(r['smallest_footprint_bytes'])} (estimate)",
         f"KV cache at num_ctx: {format_bytes(r['kv_cache_bytes'])} (estimate)" + (
             f"; {r['sliding_layers']} of {r['n_layers']} layers attend over a window of {r['sliding_window']} "
-            f"positions and keep only that, saving {format_bytes(r['kv_cache_bytes_without_windows'] - r['kv_cache_bytes'])}"
+            f"positions and keep only that, saving "
+            f"{format_bytes(r['kv_cache_bytes_without_windows'] - r['kv_cache_bytes'])}"
             if r["sliding_layers"] else ""),
         f"measured in this run (median of {m['repeats']}):",
         f"  restore bandwidth   {m['restore_bytes_per_s'] / 1e9:.2f} GB/s  "

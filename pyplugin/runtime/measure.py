@@ -85,7 +85,8 @@ def layer_decode_seconds(pebbled: PebbledModel, n_ctx: int, context_pos: int,
     k, v = xp.zeros(pebbled.kv_shape(n_ctx, 0), dtype), xp.zeros(pebbled.kv_shape(n_ctx, 0), dtype)
     pos = min(context_pos, n_ctx - 1)  # the step writes row pos: it must lie inside the cache
     x = xp.asarray(np.random.default_rng(0).standard_normal((1, cfg.n_embd)), dtype=dtype)  # [1, n_embd]
-    return median_seconds(lambda: layer_forward(cfg.for_layer(0), x, weights, k, v, pos), pebbled.backend.synchronize, repeats)
+    layer = cfg.for_layer(0)
+    return median_seconds(lambda: layer_forward(layer, x, weights, k, v, pos), pebbled.backend.synchronize, repeats)
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from .kernels import Kernels, LayerShape, fused_decode_computes
 from .strategy import VALID_STRATEGIES, Strategy
 
 __all__ = [
-    "BACKENDS", "Backend", "EntryInfo", "Kernels", "LayerShape", "fused_decode_computes", "Store", "StoreStats", "Strategy",
+    "BACKENDS", "Backend", "EntryInfo", "Kernels", "LayerShape", "Store", "StoreStats", "Strategy",
     "TIER_AUTO", "TIER_DEVICE", "TIER_HOST", "TensorDesc", "VALID_STRATEGIES", "available_backends",
-    "backend_named", "choose_backend", "open_store", "probe", "select_backend",
+    "backend_named", "choose_backend", "fused_decode_computes", "open_store", "probe", "select_backend",
 ]
