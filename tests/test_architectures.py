@@ -391,3 +391,14 @@ def test_llama3_rope_scaling_needs_its_factors():
         load_model(path_of("mistral-nemo", metadata={"llama.rope.scaling.type": "llama3"}), progress=False)
     with pytest.raises(ModelError, match="rope scaling 'yarn'"):
         load_model(path_of("qwen3", metadata={"qwen3.rope.scaling.type": "yarn"}), progress=False)
+
+
+def test_qwen3s_own_template_drops_old_thinking_and_switches_it_off():
+    model = load_model(path_of("qwen3"), progress=False)
+    messages = [{"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "<think>\nhmm\n</think>\n\nHello!"},
+                {"role": "user", "content": "Again"}]
+    prompt = model.chat_prompt(messages)
+    assert "hmm" not in prompt and "<|im_start|>assistant\nHello!<|im_end|>" in prompt
+    assert prompt.endswith("<|im_start|>assistant\n")
+    assert model.chat_prompt(messages, enable_thinking=False).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
