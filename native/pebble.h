@@ -200,17 +200,22 @@ PEBBLE_API enum pebble_status pebble_matvec    (int32_t ggml_type, const void * 
 //
 // At batch 1 a layer is a dozen small operations; launched one by one from Python each costs more
 // than the GPU's work. pebble_decode_layer runs them all from C on `stream` (native/pebble_decode.cu):
-// RMS norm, the Q/K/V projections (+ biases), RoPE, the new K/V row into the caches, attention over
-// rows 0..pos, the output projection, the residual, RMS norm, SwiGLU feed-forward and its residual.
+// RMS norm, the Q/K/V projections (+ biases), per-head Q/K RMS norms where given (qwen3, gemma3), RoPE,
+// the new K/V row into the caches, attention over rows 0..pos (soft-capped where asked: gemma2), the
+// output projection, its norm where given (the Gemmas), the residual (scaled where asked: Granite), RMS
+// norm, the SwiGLU or GELU-tanh gated feed-forward, its norm where given, and its residual. A cache may be
+// a ring (shape.ring): a sliding-window layer's n_ctx rows hold its last n_ctx positions, position p in
+// row p % n_ctx, and attention covers the rows filled so far, its window.
 // Weight matrices may be of any type with kernels (the quantized bytes as stored, or F16/F32/BF16);
 // vectors (norms, biases) and the caches are F32 or F16. The residual stream `x` is float32, the
 // vectors handed to the matrix kernels fp16, sums float32. Layouts are llama.cpp's, as in
 // pyplugin.model: a matrix is [out][in] rows, a cache is [n_ctx][n_head_kv][head_dim].
 //
-// Errors: PEBBLE_ERR_INVALID_ARGUMENT for a NULL pointer (only the biases may be NULL), a count below
+// Errors: PEBBLE_ERR_INVALID_ARGUMENT for a NULL pointer (only the biases and the extra norms may be NULL),
+// Q/K norms together with Q/K biases (no model has both; their order would be a guess), a count below
 // 1, heads that do not divide, an odd or too large rope_dims, a type without kernels or a vector/cache
 // type other than F32 and F16, pageable host memory on the cuda library; PEBBLE_ERR_SIZE_MISMATCH for
-// rows that are not whole blocks, pos outside [0, n_ctx) or scratch smaller than
+// rows that are not whole blocks, pos outside [0, n_ctx) (pos >= 0 on a ring) or scratch smaller than
 // pebble_decode_scratch_bytes says; PEBBLE_ERR_CUDA when a kernel cannot be launched.
 
 struct pebble_layer_shape {
@@ -218,6 +223,10 @@ struct pebble_layer_shape {
     int32_t rope_dims;   // leading dims of each head that are rotated (even, <= head_dim)
     int32_t rope_neox;   // 0: GGML's normal mode, pairs (2i, 2i+1); 1: NeoX, pairs (i, i + rope_dims/2)
     float   rms_eps;
+    int32_t gelu;            // 0: SwiGLU, silu(gate) * up; 1: GELU (tanh) gate, gelu(gate) * up (the Gemmas)
+    int32_t ring;            // 1: the caches are rings of the last n_ctx positions (a sliding window)
+    float   attn_softcap;    // above 0: each score s becomes c * tanh(s / c) (gemma2); 0: none
+    float   residual_scale;  // multiplies each block's output before it joins x (1: none; Granite's)
 };
 
 struct pebble_tensor_ref {
@@ -227,13 +236,16 @@ struct pebble_tensor_ref {
 
 struct pebble_layer_weights {
     struct pebble_tensor_ref attn_norm, wq, wk, wv, wo, ffn_norm, w_gate, w_up, w_down, bq, bk, bv;
+    struct pebble_tensor_ref q_norm, k_norm;                 // [head_dim] each, or NULL (qwen3, gemma3)
+    struct pebble_tensor_ref post_attn_norm, post_ffn_norm;  // [n_embd] each, or NULL (the Gemmas)
 };
 
 // *out = the bytes of scratch pebble_decode_layer needs for this shape and n_ctx.
 PEBBLE_API enum pebble_status pebble_decode_scratch_bytes(const struct pebble_layer_shape * shape, int64_t n_ctx,
                                                           uint64_t * out);
 // x (n_embd float32, in and out) through one layer at position pos: writes K/V row pos of the caches
-// (kv_type F32 or F16) and attends over rows 0..pos. rope_cos and rope_sin are head_dim float32 each,
+// (kv_type F32 or F16; row pos % n_ctx of a ring) and attends over rows 0..pos (a ring's filled rows).
+// rope_cos and rope_sin are head_dim float32 each,
 // for this position, in the form x' = x * cos + partner(x) * sin (sin signed; dims past rope_dims with
 // cos 1, sin 0); attn_scale multiplies q before the dot products (1/sqrt(head_dim)).
 PEBBLE_API enum pebble_status pebble_decode_layer(const struct pebble_layer_shape * shape,

@@ -2,10 +2,12 @@
 //
 // At batch 1 every operation of a layer is small, and what costs is launching it; here the whole layer
 // is enqueued from C: RMS norm, Q/K/V projections (pebble_quant.cu's matrix-vector kernel, one vector),
-// biases and RoPE with the new K/V row written into the caches, attention, the output projection and
-// residual, RMS norm, the SwiGLU feed-forward and its residual. The arithmetic, and its order, is
-// pyplugin.model's forward pass on the CPU path with quantized weights: float32 throughout, the vectors
-// that enter a matrix kernel rounded to fp16, probabilities normalised before they weight V.
+// biases, per-head Q/K norms where given, RoPE with the new K/V row written into the caches (a ring's row
+// pos % n_ctx), attention (soft-capped where asked), the output projection, its norm where given and the
+// residual, RMS norm, the SwiGLU or GELU-tanh gated feed-forward, its norm where given and its residual.
+// The arithmetic, and its order, is pyplugin.model's forward pass on the CPU path with quantized weights:
+// float32 throughout, the vectors that enter a matrix kernel rounded to fp16, probabilities normalised
+// before they weight V.
 //
 // Kernels are written once (pebble_device.h): in the host build a kernel is a plain function run as one
 // thread and a warp has one lane, so CI runs this file's arithmetic and indexing; the launcher follows.
@@ -49,6 +51,31 @@ __global__ void rms_norm_kernel(const float * __restrict__ x, int64_t n, const v
     sum = warp_sum(sum);
     const float scale = 1.0f / sqrtf(sum / static_cast<float>(n) + eps);
     for (int64_t i = warp_lane(); i < n; i += warp_lanes) out[i] = half_from_float(x[i] * scale * load_value(w, w_type, i));
+}
+
+// One warp per head of y [n_heads][head_dim], in place: y = y / sqrt(mean(y^2) + eps) * w (float32).
+__global__ void head_norm_kernel(float * __restrict__ y, int32_t n_heads, int32_t head_dim, const void * w,
+                                 int32_t w_type, float eps) {
+    for (int64_t h = grid_warp(); h < n_heads; h += grid_warps()) {
+        float * yh = y + h * head_dim;
+        float sum = 0.0f;
+        for (int64_t i = warp_lane(); i < head_dim; i += warp_lanes) sum += yh[i] * yh[i];
+        sum = warp_sum(sum);
+        const float scale = 1.0f / sqrtf(sum / static_cast<float>(head_dim) + eps);
+        warp_sync();
+        for (int64_t i = warp_lane(); i < head_dim; i += warp_lanes) yh[i] = yh[i] * scale * load_value(w, w_type, i);
+    }
+}
+
+// One warp: x += rms_norm(o) * w * scale (the Gemmas' norm on a block's output before its residual).
+__global__ void norm_add_kernel(float * __restrict__ x, const float * __restrict__ o, int64_t n, const void * w,
+                                int32_t w_type, float eps, float scale) {
+    if (grid_warp() != 0) return;
+    float sum = 0.0f;
+    for (int64_t i = warp_lane(); i < n; i += warp_lanes) sum += o[i] * o[i];
+    sum = warp_sum(sum);
+    const float norm = 1.0f / sqrtf(sum / static_cast<float>(n) + eps);
+    for (int64_t i = warp_lane(); i < n; i += warp_lanes) x[i] = x[i] + o[i] * norm * load_value(w, w_type, i) * scale;
 }
 
 // The dim that dim d of a head is rotated with (itself past rope_dims, where sin is 0).
@@ -100,7 +127,7 @@ struct attention_args {
     const void * k_cache, * v_cache;
     int32_t kv_type, n_head, n_head_kv, head_dim;
     int64_t n_pos, n_ctx;                 // rows attended; rows of the scores buffer
-    float scale;
+    float scale, softcap;                 // softcap above 0: s -> c * tanh(s / c)
     float * scores;                       // n_head x n_ctx
     uint16_t * out;                       // n_head x head_dim, fp16
 };
@@ -118,6 +145,7 @@ __global__ void attention_kernel(attention_args a) {
         for (int64_t s = warp_lane(); s < a.n_pos; s += warp_lanes) {
             float dot = 0.0f;
             for (int32_t d = 0; d < a.head_dim; d++) dot += (qh[d] * a.scale) * load_value(a.k_cache, a.kv_type, s * row + kv + d);
+            if (a.softcap > 0.0f) dot = tanhf(dot / a.softcap) * a.softcap;
             sc[s] = dot;
             top = fmaxf(top, dot);
         }
@@ -138,9 +166,11 @@ __global__ void attention_kernel(attention_args a) {
     }
 }
 
-// x += y
-__global__ void add_kernel(float * __restrict__ x, const float * __restrict__ y, int64_t n) {
-    for (int64_t i = grid_thread(); i < n; i += grid_threads()) x[i] = x[i] + y[i];
+// x += y * scale
+__global__ void add_kernel(float * __restrict__ x, const float * __restrict__ y, int64_t n, float scale) {
+    for (int64_t i = grid_thread(); i < n; i += grid_threads()) {
+        x[i] = scale == 1.0f ? x[i] + y[i] : x[i] + y[i] * scale;
+    }
 }
 
 // out = fp16(silu(gate) * up), silu(g) = g / (1 + exp(-g))
@@ -149,6 +179,16 @@ __global__ void swiglu_kernel(const float * __restrict__ gate, const float * __r
     for (int64_t i = grid_thread(); i < n; i += grid_threads()) {
         const float g = gate[i];
         out[i] = half_from_float(g / (1.0f + expf(-g)) * up[i]);
+    }
+}
+
+// out = fp16(gelu(gate) * up), GELU's tanh approximation as pyplugin.model computes it
+__global__ void geglu_kernel(const float * __restrict__ gate, const float * __restrict__ up, int64_t n,
+                             uint16_t * __restrict__ out) {
+    for (int64_t i = grid_thread(); i < n; i += grid_threads()) {
+        const float g = gate[i];
+        const float t = tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g));
+        out[i] = half_from_float(0.5f * g * (1.0f + t) * up[i]);
     }
 }
 
@@ -218,10 +258,34 @@ pebble_status check_shape(const pebble_layer_shape * s, int64_t n_ctx) {
         return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_decode_layer: rope_dims %d must be even and within 0..head_dim "
                     "(%d)", s->rope_dims, s->head_dim);
     }
+    if (s->gelu != 0 && s->gelu != 1) {
+        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_decode_layer: gelu is %d; 0 (SwiGLU) or 1 (GELU) are accepted",
+                    s->gelu);
+    }
+    if (s->ring != 0 && s->ring != 1) {
+        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_decode_layer: ring is %d; 0 or 1 are accepted", s->ring);
+    }
+    if (!(s->attn_softcap >= 0.0f) || !std::isfinite(s->attn_softcap) || !std::isfinite(s->residual_scale)) {
+        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_decode_layer: attn_softcap %g must be finite and at least 0, "
+                    "residual_scale %g finite", static_cast<double>(s->attn_softcap),
+                    static_cast<double>(s->residual_scale));
+    }
     if (n_ctx > INT64_MAX / 4 / s->n_head) {
         return fail(PEBBLE_ERR_SIZE_MISMATCH, "pebble_decode_layer: n_ctx %" PRId64 " is too large", n_ctx);
     }
     return PEBBLE_OK;
+}
+
+// x += o (normed by `norm` where given) * residual_scale
+pebble_status residual(float * x, const float * o, int64_t e, const pebble_tensor_ref & norm,
+                       const pebble_layer_shape & s, [[maybe_unused]] cudaStream_t stream) {
+    if (norm.data) {
+        LAUNCH(norm_add_kernel, 1, dim3(warp_lanes, 1), stream, x, o, e, norm.data, norm.ggml_type, s.rms_eps,
+               s.residual_scale);
+    } else {
+        LAUNCH(add_kernel, grid_for(e, threads), threads, stream, x, o, e, s.residual_scale);
+    }
+    return launched();
 }
 
 pebble_status check_vector(const char * what, const pebble_tensor_ref & t, bool optional) {
@@ -265,6 +329,14 @@ extern "C" pebble_status pebble_decode_layer(const pebble_layer_shape * shape, c
     TRY(check_vector("bq", w.bq, true));
     TRY(check_vector("bk", w.bk, true));
     TRY(check_vector("bv", w.bv, true));
+    TRY(check_vector("q_norm", w.q_norm, true));
+    TRY(check_vector("k_norm", w.k_norm, true));
+    TRY(check_vector("post_attn_norm", w.post_attn_norm, true));
+    TRY(check_vector("post_ffn_norm", w.post_ffn_norm, true));
+    if ((w.q_norm.data || w.k_norm.data) && (w.bq.data || w.bk.data)) {
+        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_decode_layer: Q/K norms together with Q/K biases are not "
+                    "supported");
+    }
     TRY(check_weight("wq", w.wq, q, e));
     TRY(check_weight("wk", w.wk, kv, e));
     TRY(check_weight("wv", w.wv, kv, e));
@@ -280,7 +352,7 @@ extern "C" pebble_status pebble_decode_layer(const pebble_layer_shape * shape, c
         return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_decode_layer: k_cache, v_cache, rope_cos, rope_sin, x and "
                     "scratch must not be NULL");
     }
-    if (pos < 0 || pos >= n_ctx) {
+    if (pos < 0 || (pos >= n_ctx && !s.ring)) {
         return fail(PEBBLE_ERR_SIZE_MISMATCH, "pebble_decode_layer: position %" PRId64 " is outside the cache's "
                     "0..%" PRId64, pos, n_ctx - 1);
     }
@@ -300,6 +372,9 @@ extern "C" pebble_status pebble_decode_layer(const pebble_layer_shape * shape, c
     for (const pebble_tensor_ref * b : {&w.bq, &w.bk, &w.bv}) {
         if (b->data) TRY(check_device_pointer(b->data, "a bias", "pebble_decode_layer"));
     }
+    for (const pebble_tensor_ref * b : {&w.q_norm, &w.k_norm, &w.post_attn_norm, &w.post_ffn_norm}) {
+        if (b->data) TRY(check_device_pointer(b->data, "a norm", "pebble_decode_layer"));
+    }
 #endif
     cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
     uint8_t * base = static_cast<uint8_t *>(scratch);
@@ -309,8 +384,10 @@ extern "C" pebble_status pebble_decode_layer(const pebble_layer_shape * shape, c
     float * scores = reinterpret_cast<float *>(base + l.scores), * o = reinterpret_cast<float *>(base + l.o);
     float * gate = reinterpret_cast<float *>(base + l.gate), * up = reinterpret_cast<float *>(base + l.up);
     const size_t kv_item = kv_type == f32_type ? 4 : 2;
-    void * k_row = static_cast<uint8_t *>(k_cache) + pos * kv * kv_item;
-    void * v_row = static_cast<uint8_t *>(v_cache) + pos * kv * kv_item;
+    const int64_t row = s.ring ? pos % n_ctx : pos;             // a ring keeps position p in row p % n_ctx
+    const int64_t n_pos = std::min(pos + 1, n_ctx);            // its filled rows: the window
+    void * k_row = static_cast<uint8_t *>(k_cache) + row * kv * kv_item;
+    void * v_row = static_cast<uint8_t *>(v_cache) + row * kv * kv_item;
 
     // attention
     LAUNCH(rms_norm_kernel, 1, dim3(warp_lanes, 1), stream, x, e, w.attn_norm.data, w.attn_norm.ggml_type, s.rms_eps, h16);
@@ -318,26 +395,38 @@ extern "C" pebble_status pebble_decode_layer(const pebble_layer_shape * shape, c
     TRY(matvec_one(w.wq.ggml_type, w.wq.data, q, e, h16, fq, stream));
     TRY(matvec_one(w.wk.ggml_type, w.wk.data, kv, e, h16, fk, stream));
     TRY(matvec_one(w.wv.ggml_type, w.wv.data, kv, e, h16, fv, stream));
+    if (w.q_norm.data) {
+        LAUNCH(head_norm_kernel, grid_for(s.n_head, heads_per_block), dim3(warp_lanes, heads_per_block), stream, fq,
+               s.n_head, s.head_dim, w.q_norm.data, w.q_norm.ggml_type, s.rms_eps);
+        TRY(launched());
+    }
+    if (w.k_norm.data) {
+        LAUNCH(head_norm_kernel, grid_for(s.n_head_kv, heads_per_block), dim3(warp_lanes, heads_per_block), stream,
+               fk, s.n_head_kv, s.head_dim, w.k_norm.data, w.k_norm.ggml_type, s.rms_eps);
+        TRY(launched());
+    }
     const qkv_args qa{fq, fk, fv, w.bq, w.bk, w.bv, static_cast<int32_t>(q), static_cast<int32_t>(kv), s.head_dim,
                       s.rope_dims, s.rope_neox, kv_type, rope_cos, rope_sin, q_rot, k_row, v_row};
     LAUNCH(qkv_kernel, grid_for(q + 2 * kv, threads), threads, stream, qa);
     TRY(launched());
-    const attention_args aa{q_rot, k_cache, v_cache, kv_type, s.n_head, s.n_head_kv, s.head_dim, pos + 1, n_ctx,
-                            attn_scale, scores, h16};
+    const attention_args aa{q_rot, k_cache, v_cache, kv_type, s.n_head, s.n_head_kv, s.head_dim, n_pos, n_ctx,
+                            attn_scale, s.attn_softcap, scores, h16};
     LAUNCH(attention_kernel, grid_for(s.n_head, heads_per_block), dim3(warp_lanes, heads_per_block), stream, aa);
     TRY(launched());
     TRY(matvec_one(w.wo.ggml_type, w.wo.data, e, q, h16, o, stream));
-    LAUNCH(add_kernel, grid_for(e, threads), threads, stream, x, o, e);
-    TRY(launched());
+    TRY(residual(x, o, e, w.post_attn_norm, s, stream));
 
     // feed-forward
     LAUNCH(rms_norm_kernel, 1, dim3(warp_lanes, 1), stream, x, e, w.ffn_norm.data, w.ffn_norm.ggml_type, s.rms_eps, h16);
     TRY(launched());
     TRY(matvec_one(w.w_gate.ggml_type, w.w_gate.data, s.n_ff, e, h16, gate, stream));
     TRY(matvec_one(w.w_up.ggml_type, w.w_up.data, s.n_ff, e, h16, up, stream));
-    LAUNCH(swiglu_kernel, grid_for(s.n_ff, threads), threads, stream, gate, up, s.n_ff, h16);
+    if (s.gelu) {
+        LAUNCH(geglu_kernel, grid_for(s.n_ff, threads), threads, stream, gate, up, s.n_ff, h16);
+    } else {
+        LAUNCH(swiglu_kernel, grid_for(s.n_ff, threads), threads, stream, gate, up, s.n_ff, h16);
+    }
     TRY(launched());
     TRY(matvec_one(w.w_down.ggml_type, w.w_down.data, e, s.n_ff, h16, o, stream));
-    LAUNCH(add_kernel, grid_for(e, threads), threads, stream, x, o, e);
-    return launched();
+    return residual(x, o, e, w.post_ffn_norm, s, stream);
 }

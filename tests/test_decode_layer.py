@@ -26,6 +26,13 @@ CASES = {  # name: (arch, overrides); partial RoPE, NeoX, biases, GQA, every typ
     "llama-BF16-mha": ("llama", dict(weight_type="BF16", n_head_kv=4)),
     "llama-Q5_K-Q5_1": ("llama", dict(weight_type="Q5_K", n_embd=256, n_ff=256, tensor_types={"attn_output": "Q5_1"})),
     "qwen2-Q5_0-Q4_1": ("qwen2", dict(weight_type="Q5_0", tensor_types={"ffn_down": "Q4_1"})),
+    # Q/K norms and a head size of its own; the Gemmas' sandwich norms and GELU; gemma2's soft cap (low, so
+    # that it bends the scores); Granite's residual and attention scales
+    "qwen3-Q8_0-qk-norm": ("qwen3", dict(weight_type="Q8_0", key_length=32)),
+    "gemma3-Q4_0-sandwich": ("gemma3", dict(weight_type="Q4_0", key_length=32, sliding_window=8)),
+    "gemma2-F16-softcap": ("gemma2", dict(weight_type="F16", sliding_window=8, attn_softcap=0.5)),
+    "llama-Q8_0-granite": ("llama", dict(weight_type="Q8_0", metadata={"llama.residual_scale": 0.5,
+                                                                       "llama.attention.scale": 0.3})),
 }
 
 
@@ -80,7 +87,7 @@ def test_one_layer_equals_the_forward_pass(kernels, case, pos):
     xp = kernels.xp
     got = xp.asarray(x)
     cos, sin = rope_table(cfg, N_CTX, xp, np.float32)
-    kernels.decode_layer(LayerShape.of(cfg), lw, k, v, pos, got, cos[pos, 0], sin[pos, 0])
+    kernels.decode_layer(LayerShape.of(cfg), lw, k, v, pos, got, cos[pos, 0], sin[pos, 0], cfg.query_scale)
     got, k, v = host(got), host(k).astype(np.float32), host(v).astype(np.float32)
     # The vectors entering the matrix kernels are rounded to fp16 on both sides; where the float32 sums
     # before them differ in the last bit a rounding can fall the other way: one fp16 unit (1e-3) of one
@@ -94,6 +101,28 @@ def test_one_layer_equals_the_forward_pass(kernels, case, pos):
     rest = [r for r in range(N_CTX) if r != pos]
     np.testing.assert_array_equal(k[rest], before_k[rest])
     np.testing.assert_array_equal(v[rest], before_v[rest])
+
+
+@pytest.mark.parametrize("pos", [3, 13, 21])
+def test_a_sliding_layer_keeps_a_ring_of_its_window(kernels, pos):
+    """A window of 8: the caches hold 8 rows, position p in row p % 8, and attention covers the rows filled
+    (past the window's edge, the last 8 positions), as the forward pass's ring does."""
+    arch, overrides = CASES["gemma3-Q4_0-sandwich"]
+    cfg, lw, k, v, x = setup(kernels, arch, overrides, "quantized", pos)
+    cfg = cfg.for_layer(0)
+    assert cfg.window == 8 and cfg.rope_theta == 10000.0
+    k, v = k[:8].copy(), v[:8].copy()
+    want, want_k, want_v = reference(cfg, lw, k, v, x, pos)
+    xp = kernels.xp
+    got = xp.asarray(x)
+    cos, sin = rope_table(cfg, N_CTX, xp, np.float32)
+    shape = LayerShape.of(cfg)
+    assert shape.ring == 1 and shape.gelu == 1
+    kernels.decode_layer(shape, lw, k, v, pos, got, cos[pos, 0], sin[pos, 0], cfg.query_scale)
+    got, k = host(got), host(k).astype(np.float32)
+    tol = 1e-3 if xp is np else 5e-3
+    assert np.abs(got - want).max() <= tol * np.abs(want).max()
+    np.testing.assert_allclose(k[pos % 8], want_k[pos % 8], rtol=tol, atol=tol * np.abs(want_k[pos % 8]).max())
 
 
 def test_refusals_name_what_was_wrong_and_the_kernels_stay_usable(kernels):
@@ -151,7 +180,8 @@ def test_the_native_library_refuses_malformed_calls_by_status(kernels):
     assert lib.pebble_decode_scratch_bytes(shape, 0, out) == -1
 
 
-@pytest.mark.parametrize("case", ["llama-Q4_K_M", "qwen2-Q8_0-bias", "phi3-Q4_0-neox"])
+@pytest.mark.parametrize("case", ["llama-Q4_K_M", "qwen2-Q8_0-bias", "phi3-Q4_0-neox", "qwen3-Q8_0-qk-norm",
+                                  "gemma3-Q4_0-sandwich", "gemma2-F16-softcap"])
 @pytest.mark.parametrize("backend", store_backend_params())
 def test_generation_with_the_decode_step_gives_the_same_tokens(backend, case):
     arch, overrides = CASES[case]

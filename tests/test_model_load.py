@@ -143,7 +143,7 @@ def test_unsupported_architecture(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    _raises_naming(path, "architecture 'mamba' is not supported; supported: llama, qwen2, phi3")
+    _raises_naming(path, "architecture 'mamba' is not supported; supported: llama, qwen2, qwen3, phi3, gemma2, gemma3")
 
 
 def test_unsupported_tensor_type(tmp_path):

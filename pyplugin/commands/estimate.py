@@ -107,6 +107,10 @@ def estimate(loaded: Loaded, options: Options, limit: int | None, context_pos: i
         "context_pos": pos,
         "memory_limit_bytes": limit,
         "smallest_footprint_bytes": smallest_footprint(memory),
+        "kv_cache_bytes": sum(memory.kv_bytes(i) for i in range(memory.n_layers)),
+        "kv_cache_bytes_without_windows": memory.n_layers * options.num_ctx * memory.kv_bytes_per_token,
+        "sliding_layers": sum(1 for w in memory.kv_windows if w),
+        "sliding_window": max(memory.kv_windows, default=0),
         "measured": {
             "restore_bytes_per_s": transfer.bytes_per_s,
             "restore_entry_bytes": transfer.entry_bytes,
@@ -146,6 +150,11 @@ def render(r: dict[str, Any]) -> str:
         + (" (their GGUF types)" if r["weights"] == "quantized" else " (expanded at load)"),
         f"memory limit: {'none' if limit is None else format_bytes(limit)}; smallest footprint "
         f"(minimal): {format_bytes(r['smallest_footprint_bytes'])} (estimate)",
+        f"KV cache at num_ctx: {format_bytes(r['kv_cache_bytes'])} (estimate)" + (
+            f"; {r['sliding_layers']} of {r['n_layers']} layers attend over a window of {r['sliding_window']} "
+            f"positions and keep only that, saving "
+            f"{format_bytes(r['kv_cache_bytes_without_windows'] - r['kv_cache_bytes'])}"
+            if r["sliding_layers"] else ""),
         f"measured in this run (median of {m['repeats']}):",
         f"  restore bandwidth   {m['restore_bytes_per_s'] / 1e9:.2f} GB/s  "
         f"({format_bytes(m['restore_entry_bytes'])} entry, {m['restore_path']})",
@@ -155,6 +164,8 @@ def render(r: dict[str, Any]) -> str:
         format_table(["strategy", "resident", "peak (estimate)", "vs none", "restored/token (estimate)",
                       "ms/token (predicted)", "slowdown (predicted)", "fits the limit"], table),
         "",
+        f"restored/token: weights of the streamed layers + their KV rows 0..{pos - 1} (a sliding layer's: "
+        f"its window's), for a decode step at context position {pos}." if r["sliding_layers"] else
         f"restored/token: weights of the streamed layers + their KV rows 0..{pos - 1}, for a decode "
         f"step at context position {pos}.",
         "ms/token: the layer stack only (embedding, output and sampling left out); calls = store calls "

@@ -1,6 +1,7 @@
 """Reading a GGUF file: its metadata, and its tensors one at a time, as bytes or dequantized.
 
-gguf's reader parses the header; tensor data is read through a memory map of our own so that, once
+gguf_header parses the header (gguf-py's reader takes seconds and hundreds of MB over a 262k-token
+vocabulary); tensor data is read through a memory map of our own so that, once
 a tensor is dequantized, its file pages can be dropped from this process (madvise) and host memory
 while loading stays near the size of the dequantized weights. Every failure, gguf's own exceptions
 included, becomes one ModelError that names the file and the problem.
@@ -14,11 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
 from ..errors import ModelError
 from ..ggml_types import SUPPORTED_NAMES, SUPPORTED_TYPES
+from .gguf_header import read_header
 
 T = GGMLQuantizationType
 GGUF_MAGIC = b"GGUF"
@@ -43,26 +45,30 @@ class GGUFFile:
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         _check_magic(self.path)
+        with open(self.path, "rb") as f:
+            try:
+                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            except (ValueError, OSError) as exc:
+                raise ModelError(f"{self.path}: cannot map the file: {exc}") from None
         try:
-            reader = GGUFReader(self.path)
-        except Exception as exc:  # gguf raises ValueError, IndexError, struct errors... on damaged files
+            header = read_header(self._map)
+            self.metadata: dict[str, Any] = header.metadata
+            self.tensors: dict[str, TensorInfo] = {}
+            for t in header.tensors:
+                qtype = T(t.ggml_type)
+                block, type_size = GGML_QUANT_SIZES[qtype]
+                n = int(np.prod(t.ne, dtype=np.uint64)) if t.ne else 1
+                if n % block or t.name in self.tensors:
+                    raise ValueError(f"tensor {t.name!r}: {n} elements are not whole blocks of {block}"
+                                     if n % block else f"tensor {t.name!r} appears twice")
+                self.tensors[t.name] = TensorInfo(t.name, qtype, tuple(int(d) for d in reversed(t.ne)),
+                                                  header.data_offset + t.offset, n // block * type_size)
+        except Exception as exc:  # a damaged header: struct, unicode, enum and our own ValueErrors
+            self.close()
             raise ModelError(f"{self.path}: damaged or truncated GGUF file "
                              f"({type(exc).__name__}: {exc})") from None
-        self.metadata: dict[str, Any] = {}
-        for name, field in reader.fields.items():
-            if not name.startswith("GGUF."):
-                self.metadata[name] = field.contents()
-        self.tensors: dict[str, TensorInfo] = {
-            t.name: TensorInfo(t.name, t.tensor_type, tuple(int(d) for d in reversed(t.shape.tolist())),
-                               int(t.data_offset), int(t.n_bytes))
-            for t in reader.tensors
-        }
-        data_start, alignment = int(reader.data_offset), int(reader.alignment)
-        del reader  # drops gguf's own map; what we keep is plain Python
         self._check_sizes()
-        self._check_alignment(data_start, alignment)
-        with open(self.path, "rb") as f:
-            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self._check_alignment(header.data_offset, header.alignment)
 
     def __enter__(self) -> "GGUFFile":
         return self

@@ -28,9 +28,9 @@ from .chat import ChatTemplate
 from .gguf_file import GGUFFile
 from .qweight import QuantWeight
 from .tokenizer import Tokenizer
-from .transformer import ROPE_NEOX, ROPE_NORMAL, LayerWeights, ModelConfig, OuterWeights
+from .arch import ROPE_MODES, arch_fields
+from .transformer import LayerWeights, ModelConfig, OuterWeights
 
-ROPE_MODES = {"llama": ROPE_NORMAL, "qwen2": ROPE_NEOX, "phi3": ROPE_NEOX}
 SUPPORTED_ARCHS = tuple(ROPE_MODES)
 RANDOM_WEIGHTS_KEY = "pebbling.random_weights"  # set by pyplugin.synth
 _REQUIRED = object()
@@ -179,14 +179,18 @@ def read_config(f: GGUFFile) -> ModelConfig:
     if "rope_factors_long.weight" in f.tensors:
         raise ModelError(f"{f.path}: LongRoPE (rope_factors_long/short, e.g. phi3 128k) is not "
                          "supported; the 4k variants are")
-    return ModelConfig(
-        arch=arch, n_layer=integer("block_count", 1 << 12), n_embd=n_embd, n_head=n_head,
+    n_layer = integer("block_count", 1 << 12)
+    freq_scale = _rope_freq_scale(f, arch)
+    fields = dict(
+        arch=arch, n_layer=n_layer, n_embd=n_embd, n_head=n_head,
         n_head_kv=n_head_kv, head_dim=head_dim, n_ff=integer("feed_forward_length", 1 << 22),
         n_vocab=token_embd.shape[0], n_ctx_train=integer("context_length", 1 << 27),
         rms_eps=positive("attention.layer_norm_rms_epsilon", 1e-5), rope_mode=ROPE_MODES[arch],
         rope_dims=rope_dims, rope_theta=positive("rope.freq_base", 10000.0),
-        rope_freq_scale=_rope_freq_scale(f, arch), rope_freq_factors=_rope_freq_factors(f, rope_dims),
+        rope_freq_scale=freq_scale, rope_freq_factors=_rope_freq_factors(f, rope_dims),
         pooling=POOLING_TYPES[integer("pooling_type", len(POOLING_TYPES) - 1, default=1, lo=0)])
+    fields.update(arch_fields(f, arch, n_layer, n_embd, n_head, head_dim, positive))
+    return ModelConfig(**fields)
 
 
 def _shown(value: Any) -> str:
@@ -202,7 +206,10 @@ def _rope_freq_scale(f: GGUFFile, arch: str) -> float:
         return 1.0 / factor
     if kind in ("none", "linear"):
         return 1.0 / legacy if legacy > 0 else 1.0
-    raise ModelError(f"{f.path}: rope scaling {kind!r} is not supported; supported: none, linear")
+    if kind == "llama3" and "rope_freqs.weight" in f.tensors:  # the factors are in rope_freqs
+        return 1.0
+    raise ModelError(f"{f.path}: rope scaling {kind!r} is not supported; supported: none, linear, and llama3 "
+                     "with its rope_freqs tensor")
 
 
 def _rope_freq_factors(f: GGUFFile, rope_dims: int) -> tuple[float, ...] | None:
@@ -243,11 +250,23 @@ def _load_layer(f: GGUFFile, cfg: ModelConfig, i: int, load: Callable[[str], Any
         w_gate, w_up = get("ffn_gate.weight"), get("ffn_up.weight")
     else:                                              # phi3: ffn_up holds gate, then up
         w_gate, w_up = split("ffn_up.weight", (cfg.n_ff, cfg.n_ff))
+    norms = {field: get(tensor) for tensor, field in _EXTRA_NORMS.items() if cfg.arch in _ARCHS_WITH[field]}
+    for tensor in (*_EXTRA_NORMS, "attn_output.bias", "ffn_gate.bias", "ffn_up.bias", "ffn_down.bias"):
+        if f"blk.{i}.{tensor}" in f.tensors and _EXTRA_NORMS.get(tensor) not in norms:
+            raise ModelError(f"{f.path}: tensor 'blk.{i}.{tensor}' is not part of the {cfg.arch} block pebbling "
+                             "computes; the file is refused rather than the tensor ignored")
     lw = LayerWeights(attn_norm=get("attn_norm.weight"), wq=wq, wk=wk, wv=wv,
                       wo=get("attn_output.weight"), ffn_norm=get("ffn_norm.weight"),
-                      w_gate=w_gate, w_up=w_up, w_down=get("ffn_down.weight"), bq=bq, bk=bk, bv=bv)
+                      w_gate=w_gate, w_up=w_up, w_down=get("ffn_down.weight"), bq=bq, bk=bk, bv=bv, **norms)
     _check_shapes(f, cfg, i, lw)
     return lw
+
+
+# The norms some architectures add to the llama block: GGUF tensor -> LayerWeights field, and who has them.
+_EXTRA_NORMS = {"attn_q_norm.weight": "q_norm", "attn_k_norm.weight": "k_norm",
+                "post_attention_norm.weight": "post_attn_norm", "post_ffw_norm.weight": "post_ffn_norm"}
+_ARCHS_WITH = {"q_norm": ("qwen3", "gemma3"), "k_norm": ("qwen3", "gemma3"),
+               "post_attn_norm": ("gemma2", "gemma3"), "post_ffn_norm": ("gemma2", "gemma3")}
 
 
 def _split_rows(a: np.ndarray | QuantWeight, sizes: tuple[int, ...], what: str) -> list:
@@ -264,7 +283,8 @@ def _check_shapes(f: GGUFFile, cfg: ModelConfig, i: int, lw: LayerWeights) -> No
     q, kv, e, ff = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim, cfg.n_embd, cfg.n_ff
     expected = {"attn_norm": (e,), "wq": (q, e), "wk": (kv, e), "wv": (kv, e), "wo": (e, q),
                 "ffn_norm": (e,), "w_gate": (ff, e), "w_up": (ff, e), "w_down": (e, ff),
-                "bq": (q,), "bk": (kv,), "bv": (kv,)}
+                "bq": (q,), "bk": (kv,), "bv": (kv,), "q_norm": (cfg.head_dim,), "k_norm": (cfg.head_dim,),
+                "post_attn_norm": (e,), "post_ffn_norm": (e,)}
     for name, a in lw.arrays():
         if tuple(a.shape) != expected[name]:
             raise ModelError(f"{f.path}: layer {i} {name} has shape {a.shape}, expected "

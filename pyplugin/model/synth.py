@@ -9,94 +9,20 @@ from __future__ import annotations
 
 import os
 import zlib
-from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter, RopeScalingType
-from tokenizers import Regex, pre_tokenizers
 
 from ..ggml_types import SUPPORTED_NAMES
 from .load import RANDOM_WEIGHTS_KEY, SUPPORTED_ARCHS
 from .synth_quant import quantize
-from .tokenizer import BYTE, CONTROL, NORMAL, PRE_TOKENIZERS, SPACE, UNKNOWN, bytes_to_unicode
+from .synth_vocab import (CHATML_TEMPLATE, CORPUS, LLAMA3_TEMPLATE, PHI3_TEMPLATE, Vocab,  # noqa: F401
+                          build_vocab)  # (the templates and CORPUS: for the tests)
 
 T = GGMLQuantizationType
-
-CORPUS = """\
-The quick brown fox jumps over the lazy dog. A memory plugin moves the state of each layer between
-the device and the host, so a model runs in any budget at or above its smallest footprint. Pebbles
-are red when they sit in device memory and blue when they wait in the host tier. It's a game of
-trade-offs: we don't keep what we can restore in time, and they'll stream what they must.
-Numbers such as 12, 345 and 6789 appear in text; so do prices like $42.50 and dates like 2024-05-17.
-Hello world! Hello again, world. How are you today? I'm fine, thanks; and you?
-Café, naïve, façade, über, smörgåsbord. 日本語のテキスト。Привет, мир! 🙂
-def forward(x):
-    return layer(x) + x
-"""
-
-# The Llama 3 and ChatML flavours take tools as their families' templates do (Llama 3.1's JSON calls with
-# "parameters", Qwen2.5's <tool_call> blocks); without tools they render as the plain formats.
-LLAMA3_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% if tools %}<|start_header_id|>system<|end_header_id|>\n\nYou may call these functions. To call one, "
-    "respond with JSON in the format {\"name\": function name, \"parameters\": dictionary of argument name and "
-    "its value}.\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}<|eot_id|>{% endif %}"
-    "{% for message in messages %}"
-    "{% if message['role'] == 'tool' %}"
-    "{{ '<|start_header_id|>ipython<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}"
-    "{% elif message['tool_calls'] %}<|start_header_id|>assistant<|end_header_id|>\n\n"
-    "{% for call in message['tool_calls'] %}{\"name\": \"{{ call['function']['name'] }}\", \"parameters\": "
-    "{{ call['function']['arguments'] | tojson }}}{% endfor %}<|eot_id|>"
-    "{% else %}{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'"
-    " + message['content'] | trim + '<|eot_id|>' }}{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
-)
-CHATML_TEMPLATE = (
-    "{% if messages and messages[0]['role'] not in ('system', 'user') %}"
-    "{{ raise_exception('the first message must come from the system or the user') }}{% endif %}"
-    "{% if tools %}<|im_start|>system\n"
-    "{% if messages and messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
-    "# Tools\n\nYou may call one or more functions. Function signatures within <tools></tools>:\n<tools>"
-    "{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools>\n\nFor each call, return a JSON object "
-    "with the function name and arguments within <tool_call></tool_call> tags:\n<tool_call>\n"
-    "{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n{% endif %}"
-    "{% for message in messages %}"
-    "{% if tools and loop.first and message['role'] == 'system' %}"
-    "{% elif message['role'] == 'tool' %}"
-    "<|im_start|>user\n<tool_response>\n{{ message['content'] }}\n</tool_response><|im_end|>\n"
-    "{% elif message['tool_calls'] %}<|im_start|>assistant\n{{ message['content'] }}"
-    "{% for call in message['tool_calls'] %}\n<tool_call>\n{\"name\": \"{{ call['function']['name'] }}\", "
-    "\"arguments\": {{ call['function']['arguments'] | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n"
-    "{% else %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-PHI3_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|' + message['role'] + '|>\n' + message['content'] + '<|end|>\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}"
-)
-
-
-@dataclass(frozen=True)
-class Vocab:
-    """A tokenizer as GGUF metadata holds it."""
-
-    model: str                          # tokenizer.ggml.model: "gpt2" or "llama"
-    tokens: list[str]
-    types: list[int]
-    merges: list[str] = field(default_factory=list)
-    scores: list[float] | None = None
-    pre: str | None = None
-    bos_id: int | None = None
-    eos_id: int | None = None
-    eot_id: int | None = None
-    unk_id: int | None = None
-    add_bos: bool = False
-    chat_template: str = ""
 
 
 @dataclass(frozen=True)
@@ -108,9 +34,10 @@ class SynthSpec:
     n_head_kv: int = 2
     n_ff: int = 128
     n_ctx: int = 512
-    vocab: str = "llama3"               # "llama3" or "chatml" (byte-level BPE), "spm" (SentencePiece)
+    vocab: str = "llama3"               # "llama3", "chatml", "qwen3" (byte-level BPE), "spm", "gemma" (SentencePiece)
     pre: str | None = None              # BPE pre-tokenizer name; by default the flavour's own
     n_merges: int = 300
+    vocab_size: int = 0                 # a Gemma vocabulary padded with unused pieces to this many (262144)
     weight_type: str = "F32"            # every matrix, unless tensor_types says otherwise
     tensor_types: dict[str, str] = field(default_factory=dict)  # role ("ffn_down", "token_embd"...) -> type
     tied_output: bool = False           # no output.weight: the output reuses token_embd
@@ -119,6 +46,12 @@ class SynthSpec:
     rope_linear_factor: float | None = None
     rope_freqs: bool = False            # a llama3-style rope_freqs tensor
     rms_eps: float = 1e-5
+    key_length: int | None = None       # the head size, when not n_embd / n_head (qwen3, Gemma, Mistral-Nemo)
+    sliding_window: int = 0             # {arch}.attention.sliding_window, when above 0
+    swa_pattern: int | list[bool] | None = None  # {arch}.attention.sliding_window_pattern, when given
+    rope_theta_swa: float | None = None  # {arch}.rope.freq_base_swa, when given
+    attn_softcap: float | None = None   # gemma2's attn_logit_softcapping, when given
+    final_softcap: float | None = None  # final_logit_softcapping, when given
     chat_template: str | None = None    # None: the vocab flavour's template; "": none at all
     name: str | None = None
     description: str = "synthetic model with random weights, written by pyplugin.model.synth"
@@ -127,7 +60,7 @@ class SynthSpec:
 
     @property
     def head_dim(self) -> int:
-        return self.n_embd // self.n_head
+        return self.key_length or self.n_embd // self.n_head
 
 
 def write_gguf(path: str | os.PathLike, spec: SynthSpec | None = None, **overrides) -> Path:
@@ -138,7 +71,7 @@ def write_gguf(path: str | os.PathLike, spec: SynthSpec | None = None, **overrid
     for name in {spec.weight_type, *spec.tensor_types.values()}:
         if name not in T.__members__:  # any GGUF type: tests write unsupported ones to see them refused
             raise ValueError(f"tensor type {name!r}: choose one of {', '.join(SUPPORTED_NAMES)}")
-    vocab = build_vocab(spec.vocab, spec.n_merges, spec.pre)
+    vocab = build_vocab(spec.vocab, spec.n_merges, spec.pre, spec.vocab_size)
     path = Path(path)
     writer = GGUFWriter(path, spec.arch)
     _add_hparams(writer, spec, len(vocab.tokens))
@@ -183,6 +116,21 @@ def _add_hparams(w: GGUFWriter, spec: SynthSpec, n_vocab: int) -> None:
     if spec.rope_linear_factor:
         w.add_rope_scaling_type(RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(spec.rope_linear_factor)
+    if spec.key_length or spec.arch in _OWN_HEAD_SIZE:
+        w.add_key_length(spec.head_dim)
+        w.add_value_length(spec.head_dim)
+    arch = spec.arch
+    if spec.sliding_window:
+        w.add_uint32(f"{arch}.attention.sliding_window", spec.sliding_window)
+    if isinstance(spec.swa_pattern, list):
+        w.add_array(f"{arch}.attention.sliding_window_pattern", spec.swa_pattern)
+    elif spec.swa_pattern is not None:
+        w.add_uint32(f"{arch}.attention.sliding_window_pattern", spec.swa_pattern)
+    if spec.rope_theta_swa is not None:
+        w.add_float32(f"{arch}.rope.freq_base_swa", spec.rope_theta_swa)
+    for key, cap in (("attn_logit_softcapping", spec.attn_softcap), ("final_logit_softcapping", spec.final_softcap)):
+        if cap is not None:
+            w.add_float32(f"{arch}.{key}", cap)
     w.add_vocab_size(n_vocab)
 
 
@@ -201,6 +149,8 @@ def _add_vocab(w: GGUFWriter, vocab: Vocab, spec: SynthSpec) -> None:
         if token_id is not None:
             add(token_id)
     w.add_add_bos_token(vocab.add_bos)
+    if vocab.add_space_prefix is not None:
+        w.add_add_space_prefix(vocab.add_space_prefix)
     template = vocab.chat_template if spec.chat_template is None else spec.chat_template
     if template:
         w.add_chat_template(template)
@@ -223,9 +173,11 @@ def _tensors(spec: SynthSpec, n_vocab: int) -> Iterable[tuple[str, np.ndarray, G
     def vector(name: str, n: int, mean: float, scale: float):
         return name, mean + _random(spec.seed, name, (n,), scale), T.F32
 
-    yield matrix("token_embd", "token_embd.weight", n_vocab, e, 1.0)
+    gemma = spec.arch in ("gemma2", "gemma3")
+    # A Gemma's embedding is scaled up by sqrt(n_embd) in the forward pass: rows of unit RMS there.
+    yield matrix("token_embd", "token_embd.weight", n_vocab, e, e ** -0.5 if gemma else 1.0)
     yield vector("output_norm.weight", e, 1.0, 0.1)
-    if not spec.tied_output:
+    if not (spec.tied_output or gemma):  # the Gemmas always tie it
         yield matrix("output", "output.weight", n_vocab, e)
     if spec.rope_freqs:
         n = (spec.rope_dims or hd) // 2
@@ -250,8 +202,17 @@ def _tensors(spec: SynthSpec, n_vocab: int) -> Iterable[tuple[str, np.ndarray, G
             if spec.arch == "qwen2":
                 for t, rows in (("attn_q", q_rows), ("attn_k", kv_rows), ("attn_v", kv_rows)):
                     yield vector(f"{b}.{t}.bias", rows, 0.0, 0.1)
+            if spec.arch in ("qwen3", "gemma3"):
+                yield vector(f"{b}.attn_q_norm.weight", hd, 1.0, 0.1)
+                yield vector(f"{b}.attn_k_norm.weight", hd, 1.0, 0.1)
+            if gemma:
+                yield vector(f"{b}.post_attention_norm.weight", e, 1.0, 0.1)
+                yield vector(f"{b}.post_ffw_norm.weight", e, 1.0, 0.1)
         yield matrix("attn_output", f"{b}.attn_output.weight", e, q_rows)
         yield matrix("ffn_down", f"{b}.ffn_down.weight", e, ff)
+
+
+_OWN_HEAD_SIZE = ("qwen3", "gemma2", "gemma3")  # their converters always write attention.key_length
 
 
 def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -266,93 +227,3 @@ def _random(seed: int, name: str, shape: tuple[int, ...], scale: float) -> np.nd
     values = rng.standard_normal(shape, dtype=np.float32)
     values *= np.float32(scale)  # in place: large models are written too
     return values
-
-
-# ---------------------------------------------------------------------------------------------------
-# vocabularies
-
-
-def learn_merges(words: Counter, n_merges: int) -> list[tuple[str, str]]:
-    """Plain BPE training: repeatedly merge the most frequent adjacent pair (ties: the smallest
-    pair), so the same text always gives the same merges."""
-    words = Counter({tuple(w): c for w, c in words.items()})
-    merges: list[tuple[str, str]] = []
-    while len(merges) < n_merges:
-        pairs: Counter = Counter()
-        for w, c in words.items():
-            for pair in zip(w, w[1:]):
-                pairs[pair] += c
-        if not pairs:
-            break
-        best = min(pairs, key=lambda p: (-pairs[p], p))
-        merges.append(best)
-        words = Counter({_merge(w, best): c for w, c in words.items()})
-    return merges
-
-
-def _merge(word: tuple[str, ...], pair: tuple[str, str]) -> tuple[str, ...]:
-    out, i = [], 0
-    while i < len(word):
-        if word[i:i + 2] == pair:
-            out.append(pair[0] + pair[1])
-            i += 2
-        else:
-            out.append(word[i])
-            i += 1
-    return tuple(out)
-
-
-def _unique(items: Iterable[str]) -> list[str]:
-    return list(dict.fromkeys(items))
-
-
-def build_vocab(flavour: str, n_merges: int = 300, pre: str | None = None) -> Vocab:
-    """A small real tokenizer: 'llama3' or 'chatml' (byte-level BPE), or 'spm' (SentencePiece)."""
-    if flavour == "llama3":
-        specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
-                    "<|end_header_id|>", "<|eot_id|>"]
-        return _byte_level_vocab(specials, pre or "llama-bpe", n_merges, bos=0, eos=1, eot=4,
-                                 add_bos=True, template=LLAMA3_TEMPLATE)
-    if flavour == "chatml":
-        specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-        return _byte_level_vocab(specials, pre or "qwen2", n_merges, bos=0, eos=2, eot=2,
-                                 add_bos=False, template=CHATML_TEMPLATE)
-    if flavour == "spm":
-        return _spm_vocab(n_merges)
-    raise ValueError(f"vocab {flavour!r}: choose llama3, chatml or spm")
-
-
-def _byte_level_vocab(specials: list[str], pre: str, n_merges: int, *, bos: int, eos: int, eot: int,
-                      add_bos: bool, template: str) -> Vocab:
-    splitter = pre_tokenizers.Sequence(
-        [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in PRE_TOKENIZERS[pre].regexes]
-        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    words = Counter(w for w, _ in splitter.pre_tokenize_str(CORPUS))
-    merges = learn_merges(words, n_merges)
-    byte_chars = [bytes_to_unicode()[b] for b in range(256)]
-    normal = _unique(byte_chars + [a + b for a, b in merges])
-    tokens = normal + specials  # specials last, as in Llama 3 and Qwen vocabularies
-    n = len(normal)
-    return Vocab("gpt2", tokens, [NORMAL] * n + [CONTROL] * len(specials),
-                 merges=[f"{a} {b}" for a, b in merges], pre=pre, bos_id=n + bos, eos_id=n + eos,
-                 eot_id=n + eot, add_bos=add_bos, chat_template=template)
-
-
-def _spm_vocab(n_merges: int) -> Vocab:
-    specials = ["<unk>", "<s>", "</s>"]
-    chat = ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
-    words = Counter(SPACE + w for w in CORPUS.split())
-    merges = learn_merges(words, n_merges)
-    chars = sorted({c for w in words for c in w})
-    pieces = _unique([a + b for a, b in merges] + chars)  # best merges first: highest scores
-    # <|endoftext|> last, after the pieces (so no id moves), as Phi-3's vocabulary has it: llama.cpp
-    # looks it up in a file whose name says phi3 and refuses the file without it.
-    tail = ["<|endoftext|>"]
-    tokens = specials + [f"<0x{b:02X}>" for b in range(256)] + chat + pieces + tail
-    types = ([UNKNOWN, CONTROL, CONTROL] + [BYTE] * 256 + [CONTROL] * len(chat) + [NORMAL] * len(pieces)
-             + [CONTROL] * len(tail))
-    scores = ([0.0] * (len(tokens) - len(pieces) - len(tail)) + [-float(i) for i in range(len(pieces))]
-              + [0.0] * len(tail))
-    return Vocab("llama", tokens, types, scores=scores, bos_id=1, eos_id=2,
-                 eot_id=len(specials) + 256 + chat.index("<|end|>"), unk_id=0, add_bos=True,
-                 chat_template=PHI3_TEMPLATE)

@@ -7,15 +7,22 @@ layer loop, so a caller may hand ``layer_forward`` each layer's weights from whe
 Layouts follow llama.cpp: a weight matrix is [out_features, in_features] (GGUF's ne reversed) and
 y = x @ W.T, whether W is a dense array or a ``QuantWeight`` still in its GGUF type. For ``llama`` the
 converter permuted the Q/K rows of each head so that GGML's "normal" RoPE mode, which rotates
-adjacent pairs (2i, 2i+1), matches the original model; qwen2 and phi3 keep the Hugging Face order and
-use NeoX mode, which rotates (i, i + n_rot/2).
+adjacent pairs (2i, 2i+1), matches the original model; qwen2, qwen3, phi3 and the Gemmas keep the Hugging
+Face order and use NeoX mode, which rotates (i, i + n_rot/2).
+
+One block serves every architecture; what differs is optional and read from the config or the layer's
+weights: per-head RMS norms on Q and K (qwen3, gemma3), norms after attention and after the FFN (the
+Gemmas' "sandwich"), a GELU-tanh gate instead of SiLU (the Gemmas), a scaled embedding, residual and
+logits (the Gemmas, Granite), soft-capped attention scores and logits (gemma2), and sliding-window
+layers (Mistral, the Gemmas) with their own RoPE base. A sliding layer's KV cache is a ring of its
+window's rows: position p lives in row p % rows, so a 32k context keeps only the window on those layers.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields, replace
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -49,6 +56,17 @@ class ModelConfig:
     rope_freq_factors: tuple[float, ...] | None = None  # llama3-style per-frequency divisors
     attn_scale: float | None = None     # multiplies q before the dot products; None: 1/sqrt(head_dim)
     pooling: str = "mean"               # how embeddings pool the hidden states: mean, cls, last, none, rank
+    activation: str = "silu"            # the FFN's gate: "silu" (SwiGLU) or "gelu" (GELU-tanh, the Gemmas)
+    embd_scale: float = 1.0             # multiplies the token embedding (sqrt(n_embd) for the Gemmas)
+    residual_scale: float = 1.0         # multiplies each block's output before it joins the residual (Granite)
+    logit_scale: float = 1.0            # multiplies the logits (1 / Granite's logit_scale)
+    attn_softcap: float = 0.0           # scores -> c * tanh(scores / c) when above 0 (gemma2)
+    final_softcap: float = 0.0          # logits -> c * tanh(logits / c) when above 0 (gemma2)
+    sliding_window: int = 0             # positions a sliding layer attends to, itself included; 0: none
+    swa_layers: tuple[int, ...] = ()    # the sliding layers
+    rope_theta_swa: float | None = None  # the sliding layers' RoPE base; None: rope_theta
+    rope_freq_scale_swa: float | None = None  # ... and linear scale; None: rope_freq_scale
+    window: int = 0                     # this layer's window (set by ``for_layer``); 0: full attention
 
     @property
     def n_group(self) -> int:
@@ -62,6 +80,26 @@ class ModelConfig:
     def kv_bytes_per_token(self, itemsize: int = 4) -> int:
         """K and V of one token in one layer."""
         return 2 * self.n_head_kv * self.head_dim * itemsize
+
+    def is_sliding(self, i: int) -> bool:
+        return self.sliding_window > 0 and i in self.swa_layers
+
+    def kv_rows(self, i: int, n_ctx: int) -> int:
+        """Rows of layer i's KV cache for a context of n_ctx: the window on a sliding layer."""
+        return min(n_ctx, self.sliding_window) if self.is_sliding(i) else n_ctx
+
+    def for_layer(self, i: int) -> "ModelConfig":
+        """The config layer i computes with: its window and, on a sliding layer, its RoPE."""
+        return self._layer_configs[i] if 0 <= i < len(self._layer_configs) else self
+
+    @cached_property
+    def _layer_configs(self) -> tuple["ModelConfig", ...]:
+        sliding = replace(self, window=self.sliding_window,
+                          rope_theta=self.rope_theta if self.rope_theta_swa is None else self.rope_theta_swa,
+                          rope_freq_scale=(self.rope_freq_scale if self.rope_freq_scale_swa is None
+                                           else self.rope_freq_scale_swa),
+                          rope_freq_factors=self.rope_freq_factors if self.rope_theta_swa is None else None)
+        return tuple(sliding if self.is_sliding(i) else self for i in range(self.n_layer))
 
 
 @dataclass
@@ -80,6 +118,10 @@ class LayerWeights:
     bq: Array | None = None     # [n_head * head_dim]   (qwen2)
     bk: Array | None = None     # [n_head_kv * head_dim]
     bv: Array | None = None     # [n_head_kv * head_dim]
+    q_norm: Array | None = None  # [head_dim]  per-head RMS norm of Q (qwen3, gemma3)
+    k_norm: Array | None = None  # [head_dim]  ... of K
+    post_attn_norm: Array | None = None  # [n_embd]  on the attention's output (the Gemmas)
+    post_ffn_norm: Array | None = None   # [n_embd]  on the FFN's output (the Gemmas)
 
     def arrays(self) -> Iterator[tuple[str, Array]]:
         """(field name, array) for every array present."""
@@ -110,19 +152,14 @@ class OuterWeights:
 class KVCache:
     """Keys and values of every layer, allocated up front for ``n_ctx`` positions."""
 
-    k: list[Array]              # per layer [n_ctx, n_head_kv, head_dim]
-    v: list[Array]              # per layer [n_ctx, n_head_kv, head_dim]
+    k: list[Array]              # per layer [rows, n_head_kv, head_dim]: n_ctx rows, a sliding layer its window
+    v: list[Array]              # per layer [rows, n_head_kv, head_dim]
 
     @classmethod
     def allocate(cls, cfg: ModelConfig, n_ctx: int, xp: Any = np, dtype: Any = None) -> "KVCache":
         dtype = dtype or compute_dtype(xp)
-        shape = (n_ctx, cfg.n_head_kv, cfg.head_dim)
-        return cls([xp.zeros(shape, dtype) for _ in range(cfg.n_layer)],
-                   [xp.zeros(shape, dtype) for _ in range(cfg.n_layer)])
-
-    @property
-    def n_ctx(self) -> int:
-        return self.k[0].shape[0]
+        shapes = [(cfg.kv_rows(i, n_ctx), cfg.n_head_kv, cfg.head_dim) for i in range(cfg.n_layer)]
+        return cls([xp.zeros(shape, dtype) for shape in shapes], [xp.zeros(shape, dtype) for shape in shapes])
 
     @property
     def nbytes(self) -> int:
@@ -150,6 +187,23 @@ def rms_norm(x: Array, w: Array, eps: float) -> Array:
 def silu(x: Array) -> Array:
     xp = get_array_module(x)
     return x / (1.0 + xp.exp(-x))
+
+
+_GELU_C = math.sqrt(2.0 / math.pi)
+
+
+def gelu_tanh(x: Array) -> Array:
+    """GELU's tanh approximation, as GGML's gelu and Hugging Face's gelu_pytorch_tanh compute it."""
+    xp = get_array_module(x)
+    return 0.5 * x * (1.0 + xp.tanh(_GELU_C * (x + 0.044715 * x * x * x)))
+
+
+def softcap(x: Array, cap: float) -> Array:
+    """c * tanh(x / c): gemma2's soft cap (identity when cap is 0)."""
+    if cap <= 0:
+        return x
+    xp = get_array_module(x)
+    return xp.tanh(x / cap) * cap
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
@@ -204,11 +258,12 @@ def apply_rope(cfg: ModelConfig, x: Array, cos: Array, sin: Array) -> Array:
     return x * cos + partner * sin
 
 
-def attention(cfg: ModelConfig, q: Array, k: Array, v: Array, pos: int) -> Array:
-    """Causal grouped-query attention of T queries at pos.. over keys 0..pos+T.
+def attention(cfg: ModelConfig, q: Array, k: Array, v: Array, pos: int, k_pos: int = 0) -> Array:
+    """Causal grouped-query attention of T queries at positions pos.. over S keys at k_pos..k_pos+S.
 
-    q [T, n_head, head_dim]; k, v [S, n_head_kv, head_dim] with S = pos + T. Query head h reads
-    KV head h // n_group, as GGML broadcasts it. Returns [T, n_head * head_dim].
+    q [T, n_head, head_dim]; k, v [S, n_head_kv, head_dim]. A query at p sees the keys at p and before,
+    and on a sliding layer (cfg.window) only the last window of them, as llama.cpp masks them. Query
+    head h reads KV head h // n_group, as GGML broadcasts it. Returns [T, n_head * head_dim].
     """
     xp = get_array_module(q)
     T, S, G = q.shape[0], k.shape[0], cfg.n_group
@@ -216,10 +271,12 @@ def attention(cfg: ModelConfig, q: Array, k: Array, v: Array, pos: int) -> Array
     qg = q.reshape(T, cfg.n_head_kv, G, cfg.head_dim).transpose(1, 2, 0, 3)    # [n_kv, G, T, hd]
     qg = qg.reshape(cfg.n_head_kv, G * T, cfg.head_dim)                         # [n_kv, G*T, hd]
     scores = qg @ k.transpose(1, 2, 0)                                          # [n_kv, G*T, S]
-    scores = scores.astype(np.float32, copy=False).reshape(cfg.n_head_kv, G, T, S)
-    if T > 1:
-        future = xp.arange(S)[None, :] > (pos + xp.arange(T))[:, None]          # [T, S]
-        scores = xp.where(future, -np.inf, scores)
+    scores = softcap(scores.astype(np.float32, copy=False), cfg.attn_softcap).reshape(cfg.n_head_kv, G, T, S)
+    q_at, k_at = pos + xp.arange(T)[:, None], k_pos + xp.arange(S)[None, :]
+    if T > 1 or k_pos + S > pos + T:
+        scores = xp.where(k_at > q_at, -np.inf, scores)                        # [T, S]: the future
+    if cfg.window and (T > 1 or S > cfg.window):
+        scores = xp.where(q_at - k_at >= cfg.window, -np.inf, scores)          # out of the window
     scores = scores - scores.max(axis=-1, keepdims=True)
     probs = xp.exp(scores)
     probs /= probs.sum(axis=-1, keepdims=True)
@@ -233,47 +290,78 @@ def attention(cfg: ModelConfig, q: Array, k: Array, v: Array, pos: int) -> Array
 # the three steps of a forward pass
 
 
-def embed(outer: OuterWeights, tokens: Any, xp: Any = np) -> Array:
-    """Token ids -> x [T, n_embd] in xp's compute type. Rows are gathered where token_embd lives, so
-    a host-side table sends only T rows to the device."""
+def embed(outer: OuterWeights, tokens: Any, xp: Any = np, scale: float = 1.0) -> Array:
+    """Token ids -> x [T, n_embd] in xp's compute type, times `scale` (the config's embd_scale). Rows
+    are gathered where token_embd lives, so a host-side table sends only T rows to the device."""
     table = outer.token_embd
     if isinstance(table, QuantWeight):  # only the rows asked for are decoded
-        return xp.asarray(table.take_rows(tokens), dtype=compute_dtype(xp))
-    ids = get_array_module(table).asarray(tokens, dtype=np.int64)
-    return xp.asarray(table[ids], dtype=compute_dtype(xp))
+        rows = table.take_rows(tokens)
+    else:
+        rows = table[get_array_module(table).asarray(tokens, dtype=np.int64)]
+    if scale != 1.0:
+        rows = rows * np.float32(scale)
+    return xp.asarray(rows, dtype=compute_dtype(xp))
 
 
 def layer_forward(cfg: ModelConfig, x: Array, lw: LayerWeights, k_cache: Array, v_cache: Array,
                   pos: int, rope: tuple[Array, Array] | None = None) -> Array:
-    """One transformer block on x [T, n_embd] at positions pos..pos+T.
+    """One transformer block on x [T, n_embd] at positions pos..pos+T; `cfg` is the layer's own
+    (ModelConfig.for_layer).
 
-    Writes the T new K/V rows into k_cache/v_cache [n_ctx, n_head_kv, head_dim] at pos and attends
-    over rows 0..pos+T. Returns the new x [T, n_embd]. `rope`: the (cos, sin) rows of these positions,
-    each [T, 1, head_dim] as ``rope_table`` lays them out; None takes them from ``rope_table``.
+    Writes the T new K/V rows into k_cache/v_cache [rows, n_head_kv, head_dim] and attends over the
+    positions the layer sees. A cache of fewer rows than pos+T is a ring (a sliding layer's window):
+    position p is row p % rows, and the keys still needed are read before the new ones are written.
+    Returns the new x [T, n_embd]. `rope`: the (cos, sin) rows of these positions, each [T, 1, head_dim]
+    as ``rope_table`` lays them out; None takes them from ``rope_table``.
     """
     T = x.shape[0]
     xp = get_array_module(x)
-    if pos + T > k_cache.shape[0]:
-        raise ValueError(f"positions {pos}..{pos + T} do not fit a KV cache of {k_cache.shape[0]}")
+    rows = k_cache.shape[0]
+    ring = cfg.window and rows < pos + T
+    if pos + T > rows and not (ring and rows >= cfg.window):
+        raise ValueError(f"positions {pos}..{pos + T} do not fit a KV cache of {rows}")
 
     h = rms_norm(x, lw.attn_norm, cfg.rms_eps)                                  # [T, n_embd]
     q = linear(h, lw.wq, lw.bq).reshape(T, cfg.n_head, cfg.head_dim)           # [T, n_head, hd]
     k = linear(h, lw.wk, lw.bk).reshape(T, cfg.n_head_kv, cfg.head_dim)        # [T, n_head_kv, hd]
     v = linear(h, lw.wv, lw.bv).reshape(T, cfg.n_head_kv, cfg.head_dim)        # [T, n_head_kv, hd]
-    if rope is None:
-        rope = tuple(table[pos:pos + T] for table in rope_table(cfg, k_cache.shape[0], xp))
+    if lw.q_norm is not None:
+        q = rms_norm(q, lw.q_norm, cfg.rms_eps)
+    if lw.k_norm is not None:
+        k = rms_norm(k, lw.k_norm, cfg.rms_eps)
+    if rope is None:  # a table of a power of two positions, so that few are made
+        rope = tuple(table[pos:pos + T] for table in rope_table(cfg, 1 << (pos + T - 1).bit_length(), xp))
     cos, sin = rope
-    k_cache[pos:pos + T] = apply_rope(cfg, k, cos, sin)
-    v_cache[pos:pos + T] = v
-    attn = attention(cfg, apply_rope(cfg, q, cos, sin), k_cache[:pos + T], v_cache[:pos + T], pos)
-    x = x + linear(attn, lw.wo)                                                 # [T, n_embd]
+    k = apply_rope(cfg, k, cos, sin).astype(k_cache.dtype, copy=False)
+    v = v.astype(v_cache.dtype, copy=False)
+    if ring:
+        lo = max(0, pos - cfg.window + 1)                  # the oldest position a query here sees
+        old = xp.arange(lo, pos) % rows
+        keys, values = xp.concatenate([k_cache[old], k]), xp.concatenate([v_cache[old], v])
+        keep = min(T, rows)                                # the newest rows only: they fill the ring
+        at = xp.arange(pos + T - keep, pos + T) % rows
+        k_cache[at], v_cache[at] = k[T - keep:], v[T - keep:]
+        attn = attention(cfg, apply_rope(cfg, q, cos, sin), keys, values, pos, lo)
+    else:
+        k_cache[pos:pos + T], v_cache[pos:pos + T] = k, v
+        attn = attention(cfg, apply_rope(cfg, q, cos, sin), k_cache[:pos + T], v_cache[:pos + T], pos)
+    out = linear(attn, lw.wo)                                                   # [T, n_embd]
+    if lw.post_attn_norm is not None:
+        out = rms_norm(out, lw.post_attn_norm, cfg.rms_eps)
+    x = x + (out if cfg.residual_scale == 1.0 else out * cfg.residual_scale)
 
     h = rms_norm(x, lw.ffn_norm, cfg.rms_eps)
-    gated = silu(linear(h, lw.w_gate)) * linear(h, lw.w_up)                     # [T, n_ff] SwiGLU
-    return x + linear(gated, lw.w_down)                                         # [T, n_embd]
+    act = gelu_tanh if cfg.activation == "gelu" else silu
+    out = linear(act(linear(h, lw.w_gate)) * linear(h, lw.w_up), lw.w_down)    # [T, n_embd] gated FFN
+    if lw.post_ffn_norm is not None:
+        out = rms_norm(out, lw.post_ffn_norm, cfg.rms_eps)
+    return x + (out if cfg.residual_scale == 1.0 else out * cfg.residual_scale)
 
 
 def output_logits(cfg: ModelConfig, outer: OuterWeights, h: Array) -> Array:
     """Final norm and output projection: h [..., n_embd] -> float32 logits [..., n_vocab]."""
     h = rms_norm(h, outer.output_norm, cfg.rms_eps)
-    return linear(h, outer.output).astype(np.float32, copy=False)
+    logits = linear(h, outer.output).astype(np.float32, copy=False)
+    if cfg.logit_scale != 1.0:
+        logits = logits * np.float32(cfg.logit_scale)
+    return softcap(logits, cfg.final_softcap)

@@ -18,7 +18,7 @@ import numpy as np
 from ..errors import OptionsError
 from ..model import KVCache, LayerWeights, Model, OuterWeights, embed, layer_forward, output_logits
 from ..model.transformer import rms_norm, rope_table
-from ..store import Kernels, LayerShape, select_backend
+from ..store import Kernels, LayerShape, fused_decode_computes, select_backend
 from ..xp import compute_dtype, to_numpy
 from .constraint import Constraint
 from .options import Options
@@ -97,9 +97,11 @@ class Generation:
         self.generated: list[int] = []
         self.pos = 0
         self.stats = GenerationStats()
-        # Kernels that run a whole layer per call at decode (pebble_decode_layer), where the source has them.
+        # Kernels that run a whole layer per call at decode (pebble_decode_layer), where the source has them;
+        # a layer they cannot compute (fused_decode_computes) goes through the array path instead.
         self.decode_kernels = self.layers.decode_kernels
-        self.layer_shape = LayerShape.of(self.cfg) if self.decode_kernels is not None else None
+        self.layer_cfgs = [self.cfg.for_layer(i) for i in range(self.cfg.n_layer)]
+        self.layer_shapes = [LayerShape.of(c) for c in self.layer_cfgs] if self.decode_kernels is not None else []
 
     def forward(self, tokens: Sequence[int]) -> np.ndarray:
         """Run tokens through every layer at the current position; float32 logits of the last one."""
@@ -109,11 +111,12 @@ class Generation:
         return to_numpy(output_logits(self.cfg, self.outer, x[-1]))               # [n_vocab]
 
     def _through_layers(self, tokens: Sequence[int]) -> Any:
-        x = embed(self.outer, tokens, self.xp)                                     # [T, n_embd]
+        x = embed(self.outer, tokens, self.xp, self.cfg.embd_scale)                # [T, n_embd]
         self.layers.begin(self.pos, len(tokens))
-        for i in range(self.cfg.n_layer):
+        for i, cfg in enumerate(self.layer_cfgs):
             weights, k_cache, v_cache = self.layers.layer(i)
-            x = layer_forward(self.cfg, x, weights, k_cache, v_cache, self.pos)
+            rope = tuple(t[self.pos:self.pos + len(tokens)] for t in rope_table(cfg, self.layers.n_ctx, self.xp))
+            x = layer_forward(cfg, x, weights, k_cache, v_cache, self.pos, rope)
             self.layers.done(i)
         self.pos += len(tokens)
         return x
@@ -131,15 +134,21 @@ class Generation:
         return np.concatenate(states)
 
     def _decode_step(self, token: int) -> np.ndarray:
-        """One token through every layer, each layer one native call; the residual stream stays float32."""
-        xp, cfg = self.xp, self.cfg
-        x = xp.ascontiguousarray(embed(self.outer, [token], xp)[0], dtype=np.float32)     # [n_embd]
-        cos, sin = rope_table(cfg, self.layers.n_ctx, xp, np.float32)
-        cos, sin = cos[self.pos, 0], sin[self.pos, 0]
-        self.layers.begin(self.pos, 1)
-        for i in range(cfg.n_layer):
+        """One token through every layer, each layer one native call where the fused step computes it (else
+        the array path, in place); the residual stream stays float32."""
+        xp, cfg, pos = self.xp, self.cfg, self.pos
+        x = xp.ascontiguousarray(embed(self.outer, [token], xp, cfg.embd_scale)[0], dtype=np.float32)  # [n_embd]
+        self.layers.begin(pos, 1)
+        for i, lcfg in enumerate(self.layer_cfgs):
             weights, k_cache, v_cache = self.layers.layer(i)
-            self.decode_kernels.decode_layer(self.layer_shape, weights, k_cache, v_cache, self.pos, x, cos, sin)
+            if fused_decode_computes(lcfg, weights):
+                cos, sin = rope_table(lcfg, self.layers.n_ctx, xp, np.float32)
+                self.decode_kernels.decode_layer(self.layer_shapes[i], weights, k_cache, v_cache, pos, x,
+                                                 cos[pos, 0], sin[pos, 0], lcfg.query_scale)
+            else:
+                rope = tuple(t[pos:pos + 1] for t in rope_table(lcfg, self.layers.n_ctx, xp))
+                h = layer_forward(lcfg, x[None].astype(compute_dtype(xp)), weights, k_cache, v_cache, pos, rope)
+                x[:] = h[0]
             self.layers.done(i)
         self.pos += 1
         return to_numpy(output_logits(cfg, self.outer, x.astype(compute_dtype(xp), copy=False)))

@@ -82,10 +82,11 @@ def layer_decode_seconds(pebbled: PebbledModel, n_ctx: int, context_pos: int,
     compute type as a resident layer is, with `context_pos` tokens already in its KV cache."""
     xp, dtype, cfg = pebbled.xp, pebbled.dtype, pebbled.model.config
     weights = pebbled.layer_weights(0)
-    k, v = xp.zeros(pebbled.kv_shape(n_ctx), dtype), xp.zeros(pebbled.kv_shape(n_ctx), dtype)
+    k, v = xp.zeros(pebbled.kv_shape(n_ctx, 0), dtype), xp.zeros(pebbled.kv_shape(n_ctx, 0), dtype)
     pos = min(context_pos, n_ctx - 1)  # the step writes row pos: it must lie inside the cache
     x = xp.asarray(np.random.default_rng(0).standard_normal((1, cfg.n_embd)), dtype=dtype)  # [1, n_embd]
-    return median_seconds(lambda: layer_forward(cfg, x, weights, k, v, pos), pebbled.backend.synchronize, repeats)
+    layer = cfg.for_layer(0)
+    return median_seconds(lambda: layer_forward(layer, x, weights, k, v, pos), pebbled.backend.synchronize, repeats)
 
 
 @dataclass(frozen=True)

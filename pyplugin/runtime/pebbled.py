@@ -109,8 +109,10 @@ class PebbledModel:
                     if t.qtype is not None and needs_expansion(t.qtype, self.dtype)]
         return max(expanded, default=0)
 
-    def kv_shape(self, n_ctx: int) -> tuple[int, int, int]:
-        return (n_ctx, self.model.config.n_head_kv, self.model.config.head_dim)
+    def kv_shape(self, n_ctx: int, i: int = 0) -> tuple[int, int, int]:
+        """Layer i's K (or V) cache for a context of n_ctx: a sliding layer keeps its window only."""
+        cfg = self.model.config
+        return (cfg.kv_rows(i, n_ctx), cfg.n_head_kv, cfg.head_dim)
 
     def memory_model(self, options: Options, prompt_tokens: int | None = None) -> MemoryModel:
         """Device memory for these options; knowing the prompt's length sizes the workspace for the
@@ -133,8 +135,10 @@ class PebbledModel:
                 workspace_bytes(cfg, 1, min(options.num_ctx, reach), isz))          # decode
         return MemoryModel(
             layer_weight_bytes=tuple(sum(aligned(t.nbytes) for t in layout) for layout in self.layouts),
-            layer_kv_bytes=aligned(options.num_ctx * kv_token // 2) * 2,
+            layer_kv_bytes=tuple(aligned(cfg.kv_rows(i, options.num_ctx) * kv_token // 2) * 2
+                                 for i in range(cfg.n_layer)),
             kv_bytes_per_token=kv_token,
+            kv_windows=tuple(cfg.sliding_window if cfg.is_sliding(i) else 0 for i in range(cfg.n_layer)),
             fixed_bytes=fixed,
             workspace_bytes=workspace,
             overhead_bytes=self._overhead_bytes())
@@ -162,8 +166,8 @@ class PebbledModel:
         weights = self.layer_weights(0)
         n = self.kernels.max_vec + 1  # a chunk past the fused kernels: expansion and GEMM load too
         k, v = (xp.zeros((n + 1, cfg.n_head_kv, cfg.head_dim), self.dtype) for _ in range(2))
-        x = layer_forward(cfg, embed(self.outer, list(range(n)), xp), weights, k, v, 0)
-        x = layer_forward(cfg, x[-1:], weights, k, v, n)
+        x = layer_forward(cfg.for_layer(0), embed(self.outer, list(range(n)), xp), weights, k, v, 0)
+        x = layer_forward(cfg.for_layer(0), x[-1:], weights, k, v, n)
         to_numpy(output_logits(cfg, self.outer, x[-1]))
         del weights, k, v, x
         self.kernels.release_workspace()
@@ -228,8 +232,8 @@ class PebbledModel:
             self._kv_ctx = None
         store.set_strategy(plan.strategy, device_limit=plan.store_limit)
         if self._kv_ctx is None:
-            zeros = np.zeros(self.kv_shape(n_ctx), self.dtype)  # contents past `pos` are never read
             for i in range(n_layers):
+                zeros = np.zeros(self.kv_shape(n_ctx, i), self.dtype)  # contents past `pos` are never read
                 store.save(i, K_ID, zeros, desc=tensor_desc(self.dtype, zeros.shape))
                 store.save(i, V_ID, zeros, desc=tensor_desc(self.dtype, zeros.shape))
             self._kv_ctx = n_ctx

@@ -26,18 +26,29 @@ class MemoryModel:
     """What one model costs in device memory, in bytes, for one num_ctx, num_batch and dtype."""
 
     layer_weight_bytes: tuple[int, ...]  # per layer, as held on the device
-    layer_kv_bytes: int                  # K and V of one layer at num_ctx
+    layer_kv_bytes: int | tuple[int, ...]  # K and V of one layer at num_ctx (per layer: a sliding layer's
+                                           # cache holds its window only)
     kv_bytes_per_token: int              # K and V rows of one layer for one token
     fixed_bytes: int                     # output norm and output matrix
     workspace_bytes: int                 # activations of one prefill chunk
     overhead_bytes: int = 0              # the backend's own fixed cost
+    kv_windows: tuple[int, ...] = ()     # per layer, the most positions its cache holds (0: all of them)
 
     @property
     def n_layers(self) -> int:
         return len(self.layer_weight_bytes)
 
+    def kv_bytes(self, i: int) -> int:
+        kv = self.layer_kv_bytes
+        return kv if isinstance(kv, int) else kv[i]
+
     def layer_bytes(self, i: int) -> int:
-        return self.layer_weight_bytes[i] + self.layer_kv_bytes
+        return self.layer_weight_bytes[i] + self.kv_bytes(i)
+
+    def kv_rows(self, i: int, context_tokens: int) -> int:
+        """KV rows layer i holds with `context_tokens` in the cache: at most its window."""
+        window = self.kv_windows[i] if i < len(self.kv_windows) else 0
+        return min(context_tokens, window) if window else context_tokens
 
 
 @dataclass(frozen=True)
@@ -59,7 +70,8 @@ class Plan:
     def restored_bytes_per_token(self, context_tokens: int) -> int:
         """Bytes a decode step restores with `context_tokens` already in the cache (an estimate)."""
         m = self.memory
-        return sum(m.layer_weight_bytes[i] + context_tokens * m.kv_bytes_per_token for i in self.streamed)
+        return sum(m.layer_weight_bytes[i] + m.kv_rows(i, context_tokens) * m.kv_bytes_per_token
+                   for i in self.streamed)
 
 
 def workspace_bytes(cfg: ModelConfig, n_tokens: int, n_ctx: int, itemsize: int) -> int:

@@ -36,8 +36,8 @@ class StoreLayers:
         self.store, self.xp, self.dtype, self.outer = pebbled.store, pebbled.xp, pebbled.dtype, pebbled.outer
         self.decode_kernels = pebbled.kernels if pebbled.fused_decode else None
         self.n_ctx = options.num_ctx
-        self.kv_shape = pebbled.kv_shape(self.n_ctx)
-        self.kv_row_bytes = int(np.prod(self.kv_shape[1:])) * self.dtype.itemsize
+        self.kv_shapes = [pebbled.kv_shape(self.n_ctx, i) for i in range(len(pebbled.layouts))]
+        self.kv_row_bytes = int(np.prod(self.kv_shapes[0][1:])) * self.dtype.itemsize
         pebbled.kernels.release_workspace()
         backend.free_pool()  # measure this request, not the last
         pebbled.prepare(plan, self.n_ctx)
@@ -62,11 +62,11 @@ class StoreLayers:
         view, kernels = self.store.device_array, self.pebbled.kernels
         weights = {t.name: t.view(view(i, t.tensor_id, np.uint8, (t.nbytes,)), self.dtype, kernels)
                    for t in self.pebbled.layouts[i]}
-        return (LayerWeights(**weights), view(i, K_ID, self.dtype, self.kv_shape),
-                view(i, V_ID, self.dtype, self.kv_shape))
+        return (LayerWeights(**weights), view(i, K_ID, self.dtype, self.kv_shapes[i]),
+                view(i, V_ID, self.dtype, self.kv_shapes[i]))
 
     def _slot_size(self, i: int) -> int:
-        kv = aligned(int(np.prod(self.kv_shape)) * self.dtype.itemsize)
+        kv = aligned(int(np.prod(self.kv_shapes[i])) * self.dtype.itemsize)
         return sum(aligned(t.nbytes) for t in self.pebbled.layouts[i]) + 2 * kv
 
     def _slot_views(self, slot: int, i: int) -> tuple[LayerWeights, Array, Array]:
@@ -80,8 +80,8 @@ class StoreLayers:
 
         for t in self.pebbled.layouts[i]:
             arrays[t.name] = t.view(carve(t.nbytes), self.dtype, self.pebbled.kernels)
-        kv_bytes = int(np.prod(self.kv_shape)) * self.dtype.itemsize
-        k, v = (carve(kv_bytes).view(self.dtype).reshape(self.kv_shape) for _ in range(2))
+        kv_bytes = int(np.prod(self.kv_shapes[i])) * self.dtype.itemsize
+        k, v = (carve(kv_bytes).view(self.dtype).reshape(self.kv_shapes[i]) for _ in range(2))
         return LayerWeights(**arrays), k, v
 
     # -- the LayerSource protocol
@@ -109,10 +109,10 @@ class StoreLayers:
         _, k, v = self.in_slot[slot]
         self.backend.record(self.computed[slot])
         self.backend.wait(self.computed[slot], self.copy_stream)
-        rows = slice(self.pos, self.pos + self.n_tokens)
-        offset = self.pos * self.kv_row_bytes
-        self.store.write(i, K_ID, offset, k[rows], stream=self.copy_stream)
-        self.store.write(i, V_ID, offset, v[rows], stream=self.copy_stream)
+        for start, stop in ring_rows(self.pos, self.n_tokens, self.kv_shapes[i][0]):
+            offset = start * self.kv_row_bytes
+            self.store.write(i, K_ID, offset, k[start:stop], stream=self.copy_stream)
+            self.store.write(i, V_ID, offset, v[start:stop], stream=self.copy_stream)
         if n + len(self.slots) < len(self.streamed):
             self._restore(n + len(self.slots))
         if i == self.streamed[-1]:
@@ -124,9 +124,10 @@ class StoreLayers:
         weights, k, v = views = self._slot_views(slot, i)
         for t in self.pebbled.layouts[i]:
             self.store.restore(i, t.tensor_id, bytes_of(getattr(weights, t.name)), stream=self.copy_stream)
-        if self.pos:
-            self.store.read(i, K_ID, 0, k[:self.pos], stream=self.copy_stream)
-            self.store.read(i, V_ID, 0, v[:self.pos], stream=self.copy_stream)
+        held = min(self.pos, self.kv_shapes[i][0])  # a sliding layer's ring holds its window at most
+        if held:
+            self.store.read(i, K_ID, 0, k[:held], stream=self.copy_stream)
+            self.store.read(i, V_ID, 0, v[:held], stream=self.copy_stream)
         self.backend.record(self.ready[slot], self.copy_stream)
         self.in_slot[slot] = views
 
@@ -172,6 +173,14 @@ class StoreLayers:
             "bytes_restored_per_token": (starts[-1] - starts[0]) // decoded if decoded else None,
             "cached_tokens": stats.cached_tokens,
         }
+
+
+def ring_rows(pos: int, n: int, rows: int) -> list[tuple[int, int]]:
+    """The row ranges [start, stop) that positions pos..pos+n occupy in a cache of `rows` rows, position p
+    in row p % rows (a full cache's rows are its positions; a sliding layer's ring keeps the last ones)."""
+    first = max(pos, pos + n - rows)  # older positions of the chunk were overwritten within it
+    start, stop = first % rows, (pos + n - 1) % rows + 1
+    return [(start, stop)] if start < stop else [(start, rows), (0, stop)]
 
 
 def _strategy_name(strategy: Strategy) -> str:

@@ -24,7 +24,8 @@ from ..errors import InvalidArgumentError, SizeMismatchError
 from ..ggml_types import DENSE_TYPES
 from .interface import as_int
 
-DECODE_WEIGHTS = ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down", "bq", "bk", "bv")
+DECODE_WEIGHTS = ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down", "bq", "bk", "bv",
+                  "q_norm", "k_norm", "post_attn_norm", "post_ffn_norm")
 
 
 @dataclass(frozen=True)
@@ -39,12 +40,30 @@ class LayerShape:
     rope_dims: int
     rope_neox: int
     rms_eps: float
+    gelu: int = 0                # GELU-tanh gate instead of SwiGLU (the Gemmas)
+    ring: int = 0                # the caches are rings of a sliding window's rows
+    attn_softcap: float = 0.0    # gemma2's soft cap of the scores; 0: none
+    residual_scale: float = 1.0  # Granite's
 
     @classmethod
     def of(cls, cfg) -> "LayerShape":
-        """From a pyplugin.model.ModelConfig."""
+        """From a pyplugin.model.ModelConfig: a layer's own (ModelConfig.for_layer), whose window says
+        whether its caches are rings (they hold min(n_ctx, window) rows: ModelConfig.kv_rows)."""
+        if cfg.activation not in ("silu", "gelu"):
+            raise InvalidArgumentError(f"pebble_decode_layer: activation {cfg.activation!r}; silu and gelu are "
+                                       "computed")
         return cls(cfg.n_embd, cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.n_ff, cfg.rope_dims,
-                   int(cfg.rope_mode == "neox"), cfg.rms_eps)
+                   int(cfg.rope_mode == "neox"), cfg.rms_eps, int(cfg.activation == "gelu"), int(cfg.window > 0),
+                   cfg.attn_softcap, cfg.residual_scale)
+
+
+def fused_decode_computes(cfg, weights) -> bool:
+    """Whether pebble_decode_layer computes this layer (`cfg`: its ModelConfig.for_layer, `weights` its
+    LayerWeights): every block pyplugin.model computes (biases, Q/K norms, sandwich norms, SwiGLU or GELU,
+    a window's ring, soft-capped scores, Granite's scales), except Q/K norms together with Q/K biases,
+    which no architecture has and the step refuses; such a layer takes the array path."""
+    has_norms = weights.q_norm is not None or weights.k_norm is not None
+    return cfg.activation in ("silu", "gelu") and not (has_norms and (weights.bq is not None or weights.bk is not None))
 
 
 class Kernels:
@@ -117,11 +136,13 @@ class Kernels:
         """Drops this thread's workspace (a request that needs one allocates it again)."""
         self._local.buffer = None
 
-    def decode_layer(self, shape: LayerShape, weights, k_cache, v_cache, pos: int, x, rope_cos, rope_sin) -> None:
+    def decode_layer(self, shape: LayerShape, weights, k_cache, v_cache, pos: int, x, rope_cos, rope_sin,
+                     attn_scale: float | None = None) -> None:
         """One transformer layer for one token, in place (pebble_decode_layer): x, float32 [n_embd], goes
         in and comes out; K/V row `pos` of the caches [n_ctx, n_head_kv, head_dim] is written and rows
         0..pos attended. `weights` is a LayerWeights of QuantWeight matrices or dense float32/float16
-        arrays; rope_cos and rope_sin are float32 [head_dim] for this position (model.rope_table)."""
+        arrays; rope_cos and rope_sin are float32 [head_dim] for this position (model.rope_table). A ring
+        (shape.ring) holds position p in row p % rows. `attn_scale` multiplies q (None: 1/sqrt(head_dim))."""
         refs = {}
         for name in DECODE_WEIGHTS:
             t = getattr(weights, name)
@@ -147,7 +168,8 @@ class Kernels:
             self._local.scratch = None
             scratch = self._local.scratch = self.xp.empty(need, dtype=np.uint8)
         self.lib.decode_layer(shape, refs, kv_type, k_cache, v_cache, n_ctx, pos, rope_cos, rope_sin,
-                              float(np.float32(1.0 / math.sqrt(shape.head_dim))), x, scratch[:need],
+                              float(np.float32(1.0 / math.sqrt(shape.head_dim) if attn_scale is None else attn_scale)),
+                              x, scratch[:need],
                               stream=self._stream())
 
 

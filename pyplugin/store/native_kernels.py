@@ -83,7 +83,8 @@ class NativeKernels:
         plan = plans.get(shape)
         if plan is None:
             c = ffi.new("struct pebble_layer_shape *")
-            for name in ("n_embd", "n_head", "n_head_kv", "head_dim", "n_ff", "rope_dims", "rope_neox", "rms_eps"):
+            for name in ("n_embd", "n_head", "n_head_kv", "head_dim", "n_ff", "rope_dims", "rope_neox", "rms_eps",
+                         "gelu", "ring", "attn_softcap", "residual_scale"):
                 setattr(c, name, getattr(shape, name))
             plan = plans[shape] = (c, decode_buffer_sizes(shape, self.type_block), {})
         return plan
@@ -158,7 +159,9 @@ def decode_buffer_sizes(shape, type_block) -> dict:
 
     return {"attn_norm": vector(e), "wq": matrix(q, e), "wk": matrix(kv, e), "wv": matrix(kv, e),
             "wo": matrix(e, q), "ffn_norm": vector(e), "w_gate": matrix(ff, e), "w_up": matrix(ff, e),
-            "w_down": matrix(e, ff), "bq": vector(q), "bk": vector(kv), "bv": vector(kv)}
+            "w_down": matrix(e, ff), "bq": vector(q), "bk": vector(kv), "bv": vector(kv),
+            "q_norm": vector(shape.head_dim), "k_norm": vector(shape.head_dim), "post_attn_norm": vector(e),
+            "post_ffn_norm": vector(e)}
 
 
 def _c_type(ggml_type) -> int:

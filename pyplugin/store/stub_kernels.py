@@ -10,6 +10,8 @@ second copy of the layer here.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ..errors import InvalidArgumentError, SizeMismatchError
@@ -129,6 +131,13 @@ class StubKernels:
         if not 0 <= s.rope_dims <= s.head_dim or s.rope_dims % 2:
             raise InvalidArgumentError(f"pebble_decode_layer: rope_dims {s.rope_dims} must be even and within "
                                        f"0..head_dim ({s.head_dim})")
+        if s.gelu not in (0, 1):
+            raise InvalidArgumentError(f"pebble_decode_layer: gelu is {s.gelu}; 0 (SwiGLU) or 1 (GELU) are accepted")
+        if s.ring not in (0, 1):
+            raise InvalidArgumentError(f"pebble_decode_layer: ring is {s.ring}; 0 or 1 are accepted")
+        if not (math.isfinite(s.attn_softcap) and s.attn_softcap >= 0 and math.isfinite(s.residual_scale)):
+            raise InvalidArgumentError(f"pebble_decode_layer: attn_softcap {s.attn_softcap:g} must be finite and at "
+                                       f"least 0, residual_scale {s.residual_scale:g} finite")
 
     def decode_layer(self, shape, weights: dict, kv_type: int, k_cache, v_cache, n_ctx: int, pos: int,
                      rope_cos, rope_sin, attn_scale: float, x, scratch, *, stream=None) -> None:
@@ -174,10 +183,14 @@ class StubKernels:
             attn_norm=vector("attn_norm", e), wq=matrix("wq", q_rows, e), wk=matrix("wk", kv_rows, e),
             wv=matrix("wv", kv_rows, e), wo=matrix("wo", e, q_rows), ffn_norm=vector("ffn_norm", e),
             w_gate=matrix("w_gate", s.n_ff, e), w_up=matrix("w_up", s.n_ff, e), w_down=matrix("w_down", e, s.n_ff),
-            bq=vector("bq", q_rows, True), bk=vector("bk", kv_rows, True), bv=vector("bv", kv_rows, True))
+            bq=vector("bq", q_rows, True), bk=vector("bk", kv_rows, True), bv=vector("bv", kv_rows, True),
+            q_norm=vector("q_norm", s.head_dim, True), k_norm=vector("k_norm", s.head_dim, True),
+            post_attn_norm=vector("post_attn_norm", e, True), post_ffn_norm=vector("post_ffn_norm", e, True))
+        if (lw.q_norm is not None or lw.k_norm is not None) and (lw.bq is not None or lw.bk is not None):
+            raise InvalidArgumentError("pebble_decode_layer: Q/K norms together with Q/K biases are not supported")
         if kv_type not in _DTYPE_OF:
             raise InvalidArgumentError(f"pebble_decode_layer: kv_type {kv_type}; the caches must be 0 F32 or 1 F16")
-        if not 0 <= pos < n_ctx:
+        if pos < 0 or (pos >= n_ctx and not s.ring):
             raise SizeMismatchError(f"pebble_decode_layer: position {pos} is outside the cache's 0..{n_ctx - 1}")
         k_all, v_all = (np.frombuffer(host_buffer(c, writable=True, what="decode_layer cache"), _DTYPE_OF[kv_type])
                         .reshape(n_ctx, s.n_head_kv, s.head_dim) for c in (k_cache, v_cache))
@@ -190,7 +203,9 @@ class StubKernels:
         cfg = ModelConfig(arch="decode_layer", n_layer=1, n_embd=e, n_head=s.n_head, n_head_kv=s.n_head_kv,
                           head_dim=s.head_dim, n_ff=s.n_ff, n_vocab=0, n_ctx_train=n_ctx, rms_eps=s.rms_eps,
                           rope_mode=ROPE_NEOX if s.rope_neox else ROPE_NORMAL, rope_dims=s.rope_dims,
-                          attn_scale=float(attn_scale))
+                          attn_scale=float(attn_scale), activation="gelu" if s.gelu else "silu",
+                          window=n_ctx if s.ring else 0, attn_softcap=float(s.attn_softcap),
+                          residual_scale=float(s.residual_scale))
         rope = cos.reshape(1, 1, -1), sin.reshape(1, 1, -1)
         xs[:] = layer_forward(cfg, xs.reshape(1, e), lw, k_all, v_all, pos, rope)[0]
 

@@ -144,7 +144,7 @@ int main(void) {
             v_cache[i] = 3.0f;
             v_cache[E + i] = 5.0f;
         }
-        struct pebble_layer_shape shape = {E, 1, 1, E, E, 0, 0, 0.0f};
+        struct pebble_layer_shape shape = {E, 1, 1, E, E, 0, 0, 0.0f, 0, 0, 0.0f, 1.0f}; // SwiGLU, no ring
         struct pebble_tensor_ref f32_zero = {0, zero}, f32_eye = {0, eye}, f32_ones = {0, ones_f};
         struct pebble_layer_weights w = {f32_ones, f32_zero, f32_zero, f32_eye, f32_eye, f32_ones,
                                          f32_zero, f32_zero, f32_zero, {0, NULL}, {0, NULL}, {0, NULL}};
@@ -164,6 +164,15 @@ int main(void) {
                                    scratch_bytes - 1, NULL) == PEBBLE_ERR_SIZE_MISMATCH);
         EXPECT(pebble_decode_layer(&shape, &w, 5, k_cache, v_cache, 2, 1, cos_, sin_, 0.5f, x, scratch,
                                    scratch_bytes, NULL) == PEBBLE_ERR_INVALID_ARGUMENT);
+        shape.ring = 1; // a ring of 2 rows: position 2 is row 0, and rows 0 and 1 are attended
+        EXPECT(pebble_decode_layer(&shape, &w, 0, k_cache, v_cache, 2, 2, cos_, sin_, 0.5f, x, scratch,
+                                   scratch_bytes, NULL) == PEBBLE_OK);
+        for (int i = 0; i < E; i++) EXPECT(k_cache[i] == 0.0f && v_cache[i] == 1.0f); // row 0 rewritten
+        shape.ring = 2;
+        EXPECT(pebble_decode_layer(&shape, &w, 0, k_cache, v_cache, 2, 2, cos_, sin_, 0.5f, x, scratch,
+                                   scratch_bytes, NULL) == PEBBLE_ERR_INVALID_ARGUMENT &&
+               strstr(pebble_last_error(), "ring") != NULL);
+        shape.ring = 0;
         w.wq.data = NULL;
         EXPECT(pebble_decode_layer(&shape, &w, 0, k_cache, v_cache, 2, 1, cos_, sin_, 0.5f, x, scratch,
                                    scratch_bytes, NULL) == PEBBLE_ERR_INVALID_ARGUMENT &&
