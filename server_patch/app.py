@@ -28,8 +28,8 @@ from pyplugin.serving import (ChatTemplateError, Engine, Final, GenerationReques
 from . import openai_compat, openapi
 from .guard import RequestGuard
 from .metrics import Metrics, RequestMetrics
-from .streaming import (BadRequest, collect, dumps, engine_of, events, iso, now_iso, refuse_unsupported,
-                        submit)
+from .streaming import (BadRequest, collect, dumps, engine_of, events, iso, logprobs_wanted, now_iso, ollama_logprobs,
+                        refuse_unsupported, submit)
 from .schemas import ChatRequest, EmbeddingsRequest, EmbedRequest, GenerateRequest, ShowRequest
 
 MAX_BODY_BYTES = 8 << 20  # 8 MiB: far beyond any prompt num_ctx allows, small enough to buffer
@@ -282,14 +282,16 @@ def _ollama_routes() -> APIRouter:
             raise BadRequest("'suffix' (fill-in-the-middle) is not supported by pebbling")
         job = await submit(request, GenerationRequest(
             model=body.model, prompt=body.prompt, system=body.system, template=body.template, raw=body.raw,
-            context=body.context, format=body.format, options=body.options or {}, keep_alive=body.keep_alive))
+            context=body.context, format=body.format, options=body.options or {}, keep_alive=body.keep_alive,
+            logprobs=logprobs_wanted(body.logprobs, body.top_logprobs)))
 
         def chunk(text: str) -> dict:
-            return {"model": body.model, "created_at": now_iso(), "response": text, "done": False}
+            return {"model": body.model, "created_at": now_iso(), "response": text, "done": False,
+                    **ollama_logprobs(getattr(text, "logprobs", None))}
 
         def final(text: str, f: Final) -> dict:
             return {**chunk(text), "done": True, "done_reason": f.done_reason, "context": f.context,
-                    **f.stats(), "pebbling": f.report}
+                    **f.stats(), "pebbling": f.report, **ollama_logprobs(None if body.stream else f.logprobs)}
 
         if body.stream:
             return _ndjson(job, chunk, final)
@@ -305,15 +307,17 @@ def _ollama_routes() -> APIRouter:
             raise BadRequest("'images' is not supported: pebbling serves text-only models")
         job = await submit(request, GenerationRequest(
             model=body.model, messages=[{"role": m.role, "content": m.content or ""} for m in body.messages],
-            format=body.format, options=body.options or {}, keep_alive=body.keep_alive))
+            format=body.format, options=body.options or {}, keep_alive=body.keep_alive,
+            logprobs=logprobs_wanted(body.logprobs, body.top_logprobs)))
 
         def chunk(text: str) -> dict:
             return {"model": body.model, "created_at": now_iso(),
-                    "message": {"role": "assistant", "content": text}, "done": False}
+                    "message": {"role": "assistant", "content": text}, "done": False,
+                    **ollama_logprobs(getattr(text, "logprobs", None))}
 
         def final(text: str, f: Final) -> dict:
             return {**chunk(text), "done": True, "done_reason": f.done_reason, **f.stats(),
-                    "pebbling": f.report}
+                    "pebbling": f.report, **ollama_logprobs(None if body.stream else f.logprobs)}
 
         if body.stream:
             return _ndjson(job, chunk, final)

@@ -28,7 +28,6 @@ class BadRequest(Exception):
 # value other than a neutral one (None, false, empty, "none", "auto") is refused naming the field.
 UNSUPPORTED = {
     "think": "thinking (no model served here marks a reasoning part)",
-    "logprobs": "log probabilities", "top_logprobs": "log probabilities",
     "logit_bias": "logit bias", "tool_choice": "tool calls", "functions": "function calls",
     "function_call": "function calls", "reasoning_effort": "reasoning (no model served here reasons)",
 }
@@ -40,6 +39,25 @@ def refuse_unsupported(body) -> None:
         value = getattr(body, name, None)
         if not any(value is n or (type(value) is type(n) and value == n) for n in _NEUTRAL):
             raise BadRequest(f"'{name}' asks for {what}, which pebbling does not support yet; leave it out")
+
+
+def logprobs_wanted(logprobs, top_logprobs: int | None) -> int | None:
+    """Ollama's and OpenAI chat's `logprobs` (a boolean) and `top_logprobs` (0 to 20) as the engine
+    takes them: None for none, else how many of the most likely tokens to list beside each token."""
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise BadRequest(f"'logprobs' must be true or false, got {dumps(logprobs)[:40]}")
+    if not logprobs:
+        if top_logprobs:
+            raise BadRequest("'top_logprobs' needs 'logprobs': true")
+        return None
+    return top_logprobs or 0
+
+
+def ollama_logprobs(logprobs: list[dict] | None) -> dict:
+    """Ollama's `logprobs` field (its top_logprobs left out where none were asked for), or nothing."""
+    if logprobs is None:
+        return {}
+    return {"logprobs": [{k: v for k, v in t.items() if k != "top_logprobs" or v} for t in logprobs]}
 
 
 def engine_of(request: Request) -> Engine:

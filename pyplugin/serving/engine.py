@@ -25,10 +25,12 @@ from ..model import Model, load_model
 from ..runtime import Options, PebbledModel, PebblingOptions
 from ..runtime.constraint import Constraint
 from ..runtime.embedding import check_pooling, normalize, pool
+from ..runtime.logprobs import MAX_TOP_LOGPROBS
 from .catalogue import Catalogue, ModelListing, RunningModel, ServerBusyError, model_errors, with_tag
 from .settings import DEFAULT_MAX_CONTEXT, DEFAULT_MAX_QUEUE, MAX_CONTEXT_ENV, MAX_QUEUE_ENV, env_limit
 from .go_template import render_go_template
-from .jobs import DEFAULT_KEEP_ALIVE, FOREVER, Final, GenerationRequest, Job, json_ready, parse_keep_alive, since
+from .jobs import (DEFAULT_KEEP_ALIVE, FOREVER, Final, GenerationRequest, Job, Piece, json_ready, parse_keep_alive,
+                   since)
 
 logger = logging.getLogger("pebbling")
 
@@ -106,6 +108,8 @@ class Engine:
         if self._closed:
             raise RuntimeError("the engine is closed")
         pebbling = PebblingOptions.from_options(request.options)
+        if request.logprobs is not None and not 0 <= request.logprobs <= MAX_TOP_LOGPROBS:
+            raise OptionsError(f"top_logprobs: got {request.logprobs}; accepted: 0 to {MAX_TOP_LOGPROBS}")
         keep_alive = parse_keep_alive(request.keep_alive, self.default_keep_alive)
         entry, load_ns = self._acquire(request.model, pebbling.effective_weights)
         try:
@@ -206,10 +210,16 @@ class Engine:
         if job.inputs is not None:
             return self._run_embed(entry, job)
         gen = entry.pebbled.generation(job.options, job.pebbling, len(job.tokens), others=self._others(entry),
-                                       should_stop=lambda: job.cancelled, constraint=job.constraint)
+                                       should_stop=lambda: job.cancelled, constraint=job.constraint,
+                                       logprobs=job.request.logprobs)
+        sent: list[dict[str, Any]] = []
         for piece in gen.text(job.tokens):
             if job.cancelled:
                 break
+            if gen.logprobs is not None:  # the tokens this piece's text came from
+                fresh = [t.json(entry.model.tokenizer) for t in gen.logprobs[len(sent):]]
+                sent += fresh
+                piece = Piece(piece, fresh)
             job._put(piece)
         stats, report = gen.stats, json_ready(gen.report())
         entry.size_vram = report["measured_peak_bytes"] if entry.pebbled.backend.measures_memory else 0
@@ -217,7 +227,8 @@ class Engine:
                      job.tokens + gen.generated, total_duration=since(job.request.started_ns),
                      load_duration=job.load_ns, prompt_eval_count=stats.prompt_tokens,
                      prompt_eval_duration=stats.prompt_ns, eval_count=stats.generated_tokens,
-                     eval_duration=stats.generate_ns, report=report)
+                     eval_duration=stats.generate_ns, report=report,
+                     logprobs=sent if gen.logprobs is not None else None)
         # `gen`, and the KV cache it holds, is freed on return: before the next job allocates its own.
 
     def _run_embed(self, entry: _Loaded, job: Job) -> Final | None:

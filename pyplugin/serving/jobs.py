@@ -82,6 +82,7 @@ class GenerationRequest:
     truncate: bool = True                           # embed: cut an input longer than num_ctx (else refuse)
     dimensions: int | None = None                   # embed: keep the first N values of each vector
     normalize: bool = True                          # embed: unit length (not for the legacy /api/embeddings)
+    logprobs: int | None = None                     # generate, chat: None, or logprobs with the N most likely
     started_ns: int = field(default_factory=time.perf_counter_ns)  # for total_duration
 
 
@@ -100,10 +101,24 @@ class Final:
     eval_duration: int = 0
     report: dict[str, Any] | None = None
     embeddings: list[list[float]] | None = None  # an embed request's vectors, one per input
+    logprobs: list[dict[str, Any]] | None = None  # every token's of the text, when the request asked
 
     def stats(self) -> dict[str, int]:
         return {k: getattr(self, k) for k in ("total_duration", "load_duration", "prompt_eval_count",
                                               "prompt_eval_duration", "eval_count", "eval_duration")}
+
+
+class Piece(str):
+    """A piece of generated text that also carries the log probabilities of the tokens it came from
+    (each {token, logprob, bytes, top_logprobs}): sent only when a request asks for logprobs, and a
+    plain str to everything that only wants the text."""
+
+    logprobs: list[dict[str, Any]]
+
+    def __new__(cls, text: str, logprobs: list[dict[str, Any]]) -> "Piece":
+        piece = super().__new__(cls, text)
+        piece.logprobs = logprobs
+        return piece
 
 
 # ---------------------------------------------------------------------------------------------------
