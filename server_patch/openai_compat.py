@@ -26,6 +26,9 @@ from .schemas import ChatCompletionRequest, CompletionRequest, OpenAIEmbeddingsR
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 _FINISH = {"stop": "stop", "length": "length"}
+# OpenAI's newer name for the system role (its clients send it for some models): the chat templates
+# know "system".
+_ROLES = {"developer": "system"}
 
 
 def _options(body, max_tokens: int | None) -> dict[str, Any]:
@@ -74,7 +77,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     if body.tools:
         raise BadRequest("'tools' is not supported by pebbling")
     fmt = _format(body.response_format)
-    messages = [{"role": m.role, "content": _text_content(m.content, i)} for i, m in enumerate(body.messages)]
+    messages = [{"role": _ROLES.get(m.role, m.role), "content": _text_content(m.content, i)}
+                for i, m in enumerate(body.messages)]
     if not messages:
         raise BadRequest("'messages' must hold at least one message")
     options = _options(body, body.max_completion_tokens or body.max_tokens)
@@ -196,6 +200,13 @@ async def models(request: Request) -> dict:
     listings = await run_in_threadpool(engine_of(request).list_models)
     return {"object": "list", "data": [{"id": m.name, "object": "model", "created": int(m.modified),
                                         "owned_by": "pebbling"} for m in listings]}
+
+
+@router.get("/models/{model:path}")
+async def model(model: str, request: Request) -> dict:
+    """One model, as /v1/models lists it (OpenAI clients' models.retrieve); 404 for an unknown name."""
+    listing, _ = await run_in_threadpool(engine_of(request).show, model)
+    return {"id": listing.name, "object": "model", "created": int(listing.modified), "owned_by": "pebbling"}
 
 
 def _sse(job, chunk: Callable[[str | None, Final | None], dict], include_usage: bool | None,

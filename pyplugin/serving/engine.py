@@ -357,10 +357,11 @@ class Engine:
         return self.catalogue.list_models()
 
     def show(self, name: str) -> tuple[ModelListing, dict[str, Any]]:
-        """(listing, extra) for /api/show: extra holds model_info (GGUF metadata), template, parameters."""
+        """(listing, extra) for /api/show and /v1/models/NAME (the listing named with its tag, as /api/tags
+        lists it): extra holds model_info (GGUF metadata), template, parameters."""
         path = self.resolve(name)
         with model_errors(name, path):
-            listing, show = self.catalogue.listing(name, path), self.catalogue.info(path)["show"]
+            listing, show = self.catalogue.listing(with_tag(name), path), self.catalogue.info(path)["show"]
         return listing, {**show, "modelfile": f"# pebbling serves this GGUF file as is\nFROM {name}\n"}
 
     def running(self) -> list[RunningModel]:
