@@ -25,7 +25,6 @@ from ..model import Model, load_model
 from ..runtime import Options, PebbledModel, PebblingOptions
 from ..runtime.constraint import Constraint
 from ..runtime.embedding import check_pooling, normalize, pool
-from ..runtime.logprobs import MAX_TOP_LOGPROBS
 from .catalogue import Catalogue, ModelListing, RunningModel, ServerBusyError, model_errors, with_tag
 from .settings import DEFAULT_MAX_CONTEXT, DEFAULT_MAX_QUEUE, MAX_CONTEXT_ENV, MAX_QUEUE_ENV, env_limit
 from .go_template import render_go_template
@@ -108,8 +107,6 @@ class Engine:
         if self._closed:
             raise RuntimeError("the engine is closed")
         pebbling = PebblingOptions.from_options(request.options)
-        if request.logprobs is not None and not 0 <= request.logprobs <= MAX_TOP_LOGPROBS:
-            raise OptionsError(f"top_logprobs: got {request.logprobs}; accepted: 0 to {MAX_TOP_LOGPROBS}")
         keep_alive = parse_keep_alive(request.keep_alive, self.default_keep_alive)
         entry, load_ns = self._acquire(request.model, pebbling.effective_weights)
         try:
@@ -212,15 +209,11 @@ class Engine:
         gen = entry.pebbled.generation(job.options, job.pebbling, len(job.tokens), others=self._others(entry),
                                        should_stop=lambda: job.cancelled, constraint=job.constraint,
                                        logprobs=job.request.logprobs)
-        sent: list[dict[str, Any]] = []
+        sent: list[dict[str, Any]] = []  # the logprobs sent with the pieces so far
         for piece in gen.text(job.tokens):
             if job.cancelled:
                 break
-            if gen.logprobs is not None:  # the tokens this piece's text came from
-                fresh = [t.json(entry.model.tokenizer) for t in gen.logprobs[len(sent):]]
-                sent += fresh
-                piece = Piece(piece, fresh)
-            job._put(piece)
+            job._put(Piece.of(piece, gen, sent) if gen.logprobs is not None else piece)
         stats, report = gen.stats, json_ready(gen.report())
         entry.size_vram = report["measured_peak_bytes"] if entry.pebbled.backend.measures_memory else 0
         return Final(job.request.model, "cancelled" if job.cancelled else stats.done_reason or "stop",

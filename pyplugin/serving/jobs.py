@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 from ..errors import OptionsError
-from ..runtime import Options, PebblingOptions
+from ..runtime import Generation, Options, PebblingOptions
+from ..runtime.logprobs import MAX_TOP_LOGPROBS
 
 DEFAULT_KEEP_ALIVE = 300.0  # seconds; Ollama's default
 FOREVER = math.inf
@@ -85,6 +86,10 @@ class GenerationRequest:
     logprobs: int | None = None                     # generate, chat: None, or logprobs with the N most likely
     started_ns: int = field(default_factory=time.perf_counter_ns)  # for total_duration
 
+    def __post_init__(self) -> None:
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise OptionsError(f"top_logprobs: got {self.logprobs}; accepted: 0 to {MAX_TOP_LOGPROBS}")
+
 
 @dataclass(frozen=True)
 class Final:
@@ -119,6 +124,13 @@ class Piece(str):
         piece = super().__new__(cls, text)
         piece.logprobs = logprobs
         return piece
+
+    @classmethod
+    def of(cls, text: str, gen: Generation, sent: list[dict[str, Any]]) -> "Piece":
+        """`text` with the logprobs of the tokens `gen` made since those in `sent` (which it extends)."""
+        fresh = [t.json(gen.model.tokenizer) for t in gen.logprobs[len(sent):]]
+        sent += fresh
+        return cls(text, fresh)
 
 
 # ---------------------------------------------------------------------------------------------------
