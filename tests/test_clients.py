@@ -91,6 +91,22 @@ def ai(url) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120, max_retries=0)
 
 
+def decoded(logprobs) -> str:
+    """The text the tokens of a reply's logprobs spell (their bytes, so split characters come out whole)."""
+    raw = b"".join(bytes(t["bytes"] if isinstance(t, dict) else t.bytes) for t in logprobs)
+    return raw.decode("utf-8", "replace")
+
+
+def ascii_of(text: str) -> str:
+    return "".join(c for c in text if c < "\x80")
+
+
+def spelled(logprobs, text: str) -> bool:
+    """Whether the ollama client's logprobs (tokens as text; it keeps no bytes) spell `text`: exactly in its
+    ASCII characters, which no token splits (a character split across tokens shows as U+FFFD in each)."""
+    return ascii_of("".join(t.token for t in logprobs)) == ascii_of(text)
+
+
 def unit(vector) -> bool:
     return math.isclose(math.fsum(v * v for v in vector), 1.0, rel_tol=1e-4)
 
@@ -100,16 +116,23 @@ def unit(vector) -> bool:
 
 
 def test_ollama_chat_and_generate_stream_and_not(url, model):
+    """Each reply checked against its own logprobs (a repeat of a prompt need not give the same text: the
+    second starts from cached KV, whose last step rounds differently, and a random model's near-flat
+    distribution turns that into another draw)."""
     client = oc(url)
-    whole = client.chat(model=model, messages=HI, options=OPTIONS)
+    whole = client.chat(model=model, messages=HI, options=OPTIONS, logprobs=True)
     assert whole.done and whole.message.role == "assistant" and whole.eval_count <= 4
-    pieces = list(client.chat(model=model, messages=HI, options=OPTIONS, stream=True))
-    assert "".join(p.message.content for p in pieces) == whole.message.content  # same seed, same text
-    assert pieces[-1].done and pieces[-1].eval_count == whole.eval_count
+    assert len(whole.logprobs) == whole.eval_count and spelled(whole.logprobs, whole.message.content)
+    pieces = list(client.chat(model=model, messages=HI, options=OPTIONS, stream=True, logprobs=True))
+    streamed = [t for p in pieces for t in (p.logprobs or [])]
+    assert spelled(streamed, "".join(p.message.content for p in pieces))
+    assert pieces[-1].done and pieces[-1].eval_count == len(streamed)
     made = client.generate(model=model, prompt="Once upon a time", options=OPTIONS, logprobs=True, top_logprobs=2)
-    streamed = list(client.generate(model=model, prompt="Once upon a time", options=OPTIONS, stream=True))
-    assert "".join(p.response for p in streamed) == made.response and made.context
-    assert len(made.logprobs) == made.eval_count and all(len(t.top_logprobs) == 2 for t in made.logprobs)
+    assert made.context and len(made.logprobs) == made.eval_count and spelled(made.logprobs, made.response)
+    assert all(len(t.top_logprobs) == 2 for t in made.logprobs)
+    parts = list(client.generate(model=model, prompt="Once upon a time", options=OPTIONS, stream=True, logprobs=True))
+    assert spelled([t for p in parts for t in (p.logprobs or [])], "".join(p.response for p in parts))
+    assert parts[-1].done and parts[-1].context
 
 
 def test_ollama_format_follows_a_pydantic_schema(url, model):
@@ -148,7 +171,7 @@ def test_openai_logprobs_with_top_three(url, model):
     choice = r.choices[0]
     content = choice.logprobs.content
     assert len(content) == r.usage.completion_tokens
-    assert b"".join(bytes(t.bytes) for t in content).decode("utf-8", "replace") == choice.message.content
+    assert decoded(content) == choice.message.content
     for t in content:
         tops = [x.logprob for x in t.top_logprobs]
         assert len(tops) == 3 and tops == sorted(tops, reverse=True) and t.logprob <= tops[0] <= 0
@@ -157,13 +180,13 @@ def test_openai_logprobs_with_top_three(url, model):
 def test_openai_streaming_adds_up_to_the_whole(url, model):
     client = ai(url)
     messages = [{"role": "developer", "content": "Be brief."}, *HI]  # OpenAI's newer name for system
-    whole = client.chat.completions.create(model=model, messages=messages, max_tokens=6, seed=5)
     chunks = list(client.chat.completions.create(model=model, messages=messages, max_tokens=6, seed=5, stream=True,
-                                                 stream_options={"include_usage": True}))
-    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert text == whole.choices[0].message.content
-    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
-    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+                                                 logprobs=True, stream_options={"include_usage": True}))
+    choices = [c.choices[0] for c in chunks if c.choices]
+    tokens = [t for c in choices if c.logprobs for t in c.logprobs.content]
+    assert "".join(c.delta.content or "" for c in choices) == decoded(tokens)
+    assert choices[-1].finish_reason in ("stop", "length") and all(c.finish_reason is None for c in choices[:-1])
+    assert chunks[-1].usage.completion_tokens == len(tokens) and not chunks[-1].choices
     assert client.models.retrieve(model).id in [m.id for m in client.models.list()]
 
 
@@ -194,11 +217,17 @@ def test_langchain_ollama_embeddings(url, model):
 
 
 def test_langchain_chat_openai(url, model):
-    llm = ChatOpenAI(model=model, base_url=f"{url}/v1", api_key="unused", max_tokens=6, seed=7, max_retries=0)
+    llm = ChatOpenAI(model=model, base_url=f"{url}/v1", api_key="unused", max_tokens=6, seed=7, max_retries=0,
+                     logprobs=True, stream_usage=True)
     whole = llm.invoke("Hi")
-    streamed = list(llm.stream("Hi"))
-    assert "".join(c.content for c in streamed) == whole.content
+    assert decoded(whole.response_metadata["logprobs"]["content"]) == whole.content
     assert whole.usage_metadata["output_tokens"] == whole.response_metadata["token_usage"]["completion_tokens"]
+    chunks = list(llm.stream("Hi"))
+    joined = chunks[0]
+    for c in chunks[1:]:
+        joined += c
+    assert decoded(joined.response_metadata["logprobs"]["content"]) == joined.content
+    assert joined.usage_metadata["output_tokens"] == len(joined.response_metadata["logprobs"]["content"])
 
 
 def test_validate_model_on_init(url, model):
