@@ -29,7 +29,8 @@ from . import openai_compat, openapi
 from .guard import RequestGuard
 from .metrics import Metrics, RequestMetrics
 from .replies import chat_message
-from .streaming import (BadRequest, collect, collect_output, dumps, engine_of, iso, now_iso, outputs,
+from .streaming import (BadRequest, collect, collect_output, dumps, engine_of, iso, logprobs_wanted, now_iso,
+                        ollama_logprobs, outputs,
                         refuse_unsupported, submit)
 from .schemas import ChatRequest, EmbeddingsRequest, EmbedRequest, GenerateRequest, ShowRequest
 
@@ -284,15 +285,16 @@ def _ollama_routes() -> APIRouter:
         job = await submit(request, GenerationRequest(
             model=body.model, prompt=body.prompt, system=body.system, template=body.template, raw=body.raw,
             context=body.context, format=body.format, options=body.options or {}, keep_alive=body.keep_alive,
-            think=body.think))
+            think=body.think, logprobs=logprobs_wanted(body.logprobs, body.top_logprobs)))
 
         def chunk(out: Output) -> dict:
             thinking = {"thinking": out.thinking} if out.thinking else {}
-            return {"model": body.model, "created_at": now_iso(), "response": out.content, **thinking, "done": False}
+            return {"model": body.model, "created_at": now_iso(), "response": out.content, **thinking, "done": False,
+                    **ollama_logprobs(out.logprobs)}
 
         def final(out: Output, f: Final) -> dict:
             return {**chunk(out), "done": True, "done_reason": f.done_reason, "context": f.context,
-                    **f.stats(), "pebbling": f.report}
+                    **f.stats(), "pebbling": f.report, **ollama_logprobs(None if body.stream else f.logprobs)}
 
         if body.stream:
             return _ndjson(job, chunk, final)
@@ -307,7 +309,7 @@ def _ollama_routes() -> APIRouter:
         job = await submit(request, GenerationRequest(
             model=body.model, messages=[chat_message(m, i) for i, m in enumerate(body.messages)],
             format=body.format, options=body.options or {}, keep_alive=body.keep_alive, tools=body.tools or None,
-            think=body.think))
+            think=body.think, logprobs=logprobs_wanted(body.logprobs, body.top_logprobs)))
 
         def chunk(out: Output) -> dict:
             message = {"role": "assistant", "content": out.content}
@@ -317,11 +319,12 @@ def _ollama_routes() -> APIRouter:
                 message["tool_calls"] = [{"function": {"index": i, "name": c.name, "arguments": c.arguments}}
                                          for i, c in enumerate(out.tool_calls, start=calls[0])]
                 calls[0] += len(out.tool_calls)
-            return {"model": body.model, "created_at": now_iso(), "message": message, "done": False}
+            return {"model": body.model, "created_at": now_iso(), "message": message, "done": False,
+                    **ollama_logprobs(out.logprobs)}
 
         def final(out: Output, f: Final) -> dict:
             return {**chunk(out), "done": True, "done_reason": f.done_reason, **f.stats(),
-                    "pebbling": f.report}
+                    "pebbling": f.report, **ollama_logprobs(None if body.stream else f.logprobs)}
 
         calls = [0]  # calls sent so far: each carries its index, as Ollama's do
         if body.stream:

@@ -9,6 +9,7 @@ pebbling_memory_limit, pebbling_weights) or in an Ollama-style ``options`` objec
 from __future__ import annotations
 
 import base64
+import codecs
 import secrets
 from typing import Any, Callable
 
@@ -20,8 +21,8 @@ from starlette.concurrency import run_in_threadpool
 from pyplugin.serving import Final, GenerationRequest, Output
 
 from .replies import openai_calls, openai_messages, openai_tools
-from .streaming import (BadRequest, collect, collect_output, dumps, engine_of, events, now_unix, outputs,
-                        refuse_unsupported, submit)
+from .streaming import (BadRequest, collect, collect_output, dumps, engine_of, events, logprobs_wanted, now_unix,
+                        outputs, refuse_unsupported, submit)
 from .schemas import ChatCompletionRequest, CompletionRequest, OpenAIEmbeddingsRequest
 
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -80,10 +81,15 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     messages = openai_messages(body, _text_content)
     tools, tool_choice, think = openai_tools(body)
     options = _options(body, body.max_completion_tokens or body.max_tokens)
+    top = logprobs_wanted(body.logprobs, body.top_logprobs)
 
     def make(opts: dict) -> GenerationRequest:
         return GenerationRequest(model=body.model, messages=messages, format=fmt, options=opts,
-                                 keep_alive=body.keep_alive, tools=tools, tool_choice=tool_choice, think=think)
+                                 keep_alive=body.keep_alive, tools=tools, tool_choice=tool_choice, think=think,
+                                 logprobs=top)
+
+    def logprobs(entries: list[dict] | None) -> dict | None:
+        return None if top is None else {"content": entries or [], "refusal": None}
 
     job = await submit(request, make(options))
     base = {"id": f"chatcmpl-{secrets.token_hex(12)}", "created": now_unix(), "model": body.model,
@@ -104,7 +110,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
                     delta["tool_calls"] = openai_calls(out.tool_calls, calls[0], index=True)
                     calls[0] += len(out.tool_calls)
             return {**base, "object": "chat.completion.chunk", "choices": [{
-                "index": 0, "delta": delta, "logprobs": None,
+                "index": 0, "delta": delta, "logprobs": logprobs(out.logprobs) if out is not None else None,
                 "finish_reason": _finish(f, calls[0] > 0) if f else None}]}
         return _sse(outputs(job), chunk, body.stream_options and body.stream_options.include_usage, base,
                     "chat.completion.chunk")
@@ -122,7 +128,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         return m
 
     return JSONResponse({**base, "object": "chat.completion", "choices": [{
-        "index": i, "message": message(out), "logprobs": None,
+        "index": i, "message": message(out), "logprobs": logprobs(f.logprobs),
         "finish_reason": _finish(f, bool(out.tool_calls))} for i, (out, f) in enumerate(results)],
         "usage": _usage_of(results), "pebbling": results[-1][1].report})
 
@@ -135,27 +141,60 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         raise BadRequest("'echo' is not supported by pebbling")
     # A completion continues the prompt as written: no chat template.
     options = _options(body, body.max_tokens)
+    top = _legacy_logprobs_wanted(body)
     job = await submit(request, GenerationRequest(model=body.model, prompt=body.prompt, raw=True, options=options,
-                                                  keep_alive=body.keep_alive))
+                                                  keep_alive=body.keep_alive, logprobs=top))
     base = {"id": f"cmpl-{secrets.token_hex(12)}", "created": now_unix(), "model": body.model,
             "system_fingerprint": "fp_pebbling"}
 
-    def choice(text: str, f: Final | None, index: int = 0) -> dict:
-        return {"text": text, "index": index, "logprobs": None,
+    def choice(text: str, f: Final | None, index: int = 0, entries: list[dict] | None = None,
+               offset: int = 0) -> dict:
+        return {"text": text, "index": index,
+                "logprobs": None if top is None else _legacy_logprobs(entries or [], offset),
                 "finish_reason": _FINISH.get(f.done_reason, "stop") if f else None}
 
     if body.stream:
+        sent = [0]  # characters streamed so far: where the next chunk's text_offset starts
+
         def chunk(text: str | None, f: Final | None) -> dict:
-            return {**base, "object": "text_completion", "choices": [choice(text or "", f)]}
+            out = choice(text or "", f, 0, getattr(text, "logprobs", None), sent[0])
+            sent[0] += len(text or "")
+            return {**base, "object": "text_completion", "choices": [out]}
         return _sse(events(job), chunk, body.stream_options and body.stream_options.include_usage, base,
                     "text_completion")
     results = await _choices(request, job, body.n, lambda opts: GenerationRequest(
-        model=body.model, prompt=body.prompt, raw=True, options=opts, keep_alive=body.keep_alive), options, collect)
+        model=body.model, prompt=body.prompt, raw=True, options=opts, keep_alive=body.keep_alive, logprobs=top),
+        options, collect)
     if results is None:
         return Response(status_code=499)
     return JSONResponse({**base, "object": "text_completion",
-                         "choices": [choice(text, f, i) for i, (text, f) in enumerate(results)],
+                         "choices": [choice(text, f, i, f.logprobs) for i, (text, f) in enumerate(results)],
                          "usage": _usage_of(results), "pebbling": results[-1][1].report})
+
+
+def _legacy_logprobs_wanted(body: CompletionRequest) -> int | None:
+    """The completions API's `logprobs`: N, the chosen token's logprob and the N most likely (0 to 20)."""
+    if body.top_logprobs is not None:
+        raise BadRequest("'top_logprobs' belongs to the chat API; on /v1/completions send 'logprobs': N")
+    if body.logprobs is None:
+        return None
+    if isinstance(body.logprobs, bool) or not isinstance(body.logprobs, int):
+        raise BadRequest(f"'logprobs' on /v1/completions is a number of most likely tokens (0 to 20), "
+                         f"got {dumps(body.logprobs)[:40]}")
+    return body.logprobs
+
+
+def _legacy_logprobs(entries: list[dict], offset: int) -> dict:
+    """The completions API's logprobs object: tokens, their logprobs, {token: logprob} of the most
+    likely ones, and where each token's text starts in the choice's text: the characters completed
+    before it, counted from `offset` (a character split across tokens counts once it is whole)."""
+    utf8, starts = codecs.getincrementaldecoder("utf-8")(errors="replace"), []
+    for e in entries:
+        starts.append(offset)
+        offset += len(utf8.decode(bytes(e["bytes"])))
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+            "text_offset": starts}
 
 
 async def _choices(request: Request, first, n: int, make, options: dict, gather) -> list[tuple[Any, Final]] | None:
@@ -188,6 +227,13 @@ async def models(request: Request) -> dict:
     listings = await run_in_threadpool(engine_of(request).list_models)
     return {"object": "list", "data": [{"id": m.name, "object": "model", "created": int(m.modified),
                                         "owned_by": "pebbling"} for m in listings]}
+
+
+@router.get("/models/{model:path}")
+async def model(model: str, request: Request) -> dict:
+    """One model, as /v1/models lists it (OpenAI clients' models.retrieve); 404 for an unknown name."""
+    listing, _ = await run_in_threadpool(engine_of(request).show, model)
+    return {"id": listing.name, "object": "model", "created": int(listing.modified), "owned_by": "pebbling"}
 
 
 def _sse(items, chunk: Callable[[Any, Final | None], dict], include_usage: bool | None,

@@ -60,7 +60,9 @@ def openai_messages(body: ChatCompletionRequest, text_content) -> list[dict[str,
     names = {}  # call id -> function name, so that a tool result can be given its function's name
     messages = []
     for i, m in enumerate(body.messages):
-        out: dict[str, Any] = {"role": m.role, "content": text_content(m.content, i)}
+        # "developer": OpenAI's newer name for the system role (its clients send it for some models)
+        out: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
+                               "content": text_content(m.content, i)}
         if m.tool_calls:
             out["tool_calls"] = [template_tool_call(c, f"messages[{i}].tool_calls[{j}]")
                                  for j, c in enumerate(m.tool_calls)]

@@ -48,8 +48,9 @@ class GenerateRequest(_Body):
     images: list[str] | None = Field(None, description="not supported: text-only models")
     suffix: str | None = Field(None, description="not supported: fill-in-the-middle")
     think: Any = Field(None, description=_THINK_DOC)
-    logprobs: Any = Field(None, description="not supported yet: refused when true")
-    top_logprobs: int | None = Field(None, description="not supported yet: refused when given")
+    logprobs: bool | None = Field(None, description="each generated token's log probability (the model's "
+                                  "log-softmax, before sampling) in `logprobs`")
+    top_logprobs: int | None = Field(None, description="with logprobs: the N (0 to 20) most likely tokens of each step")
 
 
 class Message(_Body):
@@ -71,8 +72,9 @@ class ChatRequest(_Body):
     format: Any = Field(None, description='"json", or a JSON schema the output must follow (constrained decoding)')
     tools: list[Any] | None = Field(None, description=_TOOLS_DOC)
     think: Any = Field(None, description=_THINK_DOC)
-    logprobs: Any = Field(None, description="not supported yet: refused when true")
-    top_logprobs: int | None = Field(None, description="not supported yet: refused when given")
+    logprobs: bool | None = Field(None, description="each generated token's log probability (the model's "
+                                  "log-softmax, before sampling) in `logprobs`")
+    top_logprobs: int | None = Field(None, description="with logprobs: the N (0 to 20) most likely tokens of each step")
 
 
 class EmbedRequest(_Body):
@@ -114,8 +116,9 @@ class _OpenAIBody(_Body):
     frequency_penalty: float | None = None
     stop: Any = Field(None, description="a string or a list of strings")
     n: int = Field(1, ge=1, le=16, description="choices to generate (without stream)")
-    logprobs: Any = Field(None, description="not supported yet: refused when true")
-    top_logprobs: int | None = Field(None, description="not supported yet: refused when given")
+    logprobs: Any = Field(None, description="chat: true for each token's log probability (the model's log-softmax, "
+                                            "before sampling); completions: N, the legacy form (with the N most likely)")
+    top_logprobs: int | None = Field(None, description="chat, with logprobs: the N (0 to 20) most likely tokens of each step")
     logit_bias: dict[str, Any] | None = Field(None, description="not supported: refused when not empty")
     options: dict[str, Any] | None = Field(None, description="pebbling extension: " + _OPTIONS_DOC)
     pebbling_strategy: str | None = Field(None, description="pebbling extension, as in options")

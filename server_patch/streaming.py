@@ -27,7 +27,6 @@ class BadRequest(Exception):
 # Fields a client may send that ask for what pebbling does not do (yet), with what each would do: a
 # value other than a neutral one (None, false, empty, "none", "auto") is refused naming the field.
 UNSUPPORTED = {
-    "logprobs": "log probabilities", "top_logprobs": "log probabilities",
     "logit_bias": "logit bias", "functions": "function calls (send tools)",
     "function_call": "function calls (send tool_choice)",
     "reasoning_effort": "a level of reasoning effort (pebbling turns thinking on or off: send think true or false)",
@@ -40,6 +39,25 @@ def refuse_unsupported(body) -> None:
         value = getattr(body, name, None)
         if not any(value is n or (type(value) is type(n) and value == n) for n in _NEUTRAL):
             raise BadRequest(f"'{name}' asks for {what}, which pebbling does not support yet; leave it out")
+
+
+def logprobs_wanted(logprobs, top_logprobs: int | None) -> int | None:
+    """Ollama's and OpenAI chat's `logprobs` (a boolean) and `top_logprobs` (0 to 20) as the engine
+    takes them: None for none, else how many of the most likely tokens to list beside each token."""
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise BadRequest(f"'logprobs' must be true or false, got {dumps(logprobs)[:40]}")
+    if not logprobs:
+        if top_logprobs:
+            raise BadRequest("'top_logprobs' needs 'logprobs': true")
+        return None
+    return top_logprobs or 0
+
+
+def ollama_logprobs(logprobs: list[dict] | None) -> dict:
+    """Ollama's `logprobs` field (its top_logprobs left out where none were asked for), or nothing."""
+    if logprobs is None:
+        return {}
+    return {"logprobs": [{k: v for k, v in t.items() if k != "top_logprobs" or v} for t in logprobs]}
 
 
 def engine_of(request: Request) -> Engine:
@@ -103,15 +121,20 @@ async def collect(job: Job, request: Request) -> tuple[str, Final | None]:
 async def outputs(job: Job, request: Request | None = None) -> AsyncIterator[Output | Final]:
     """As `events`, with the text split by the job's parser into content, thinking and tool calls (a
     call comes once it is complete); empty outputs are left out."""
-    parser = job.parser
+    parser, held = job.parser, None  # held: logprobs of text the parser keeps back, sent with what comes of it
     async for item in events(job, request):
         if isinstance(item, Final):
-            if parser is not None and (rest := parser.finish()):
+            rest = parser.finish() if parser is not None else Output()
+            if rest or held:
+                rest.logprobs = held
                 yield rest
             yield item
         else:
+            if getattr(item, "logprobs", None) is not None:
+                held = (held or []) + item.logprobs
             out = parser.feed(item) if parser is not None else Output(item)
             if out:
+                out.logprobs, held = held, None
                 yield out
 
 

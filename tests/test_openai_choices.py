@@ -46,7 +46,7 @@ def test_content_null_is_read_as_empty(url):
     assert chat(url, messages=messages).status_code == 200
 
 
-@pytest.mark.parametrize("field", [{"logprobs": True}, {"top_logprobs": 3}, {"logit_bias": {"5": 10}},
+@pytest.mark.parametrize("field", [{"top_logprobs": 3}, {"logprobs": "yes"}, {"logit_bias": {"5": 10}},
                                    {"functions": [{"name": "f"}]}, {"function_call": {"name": "f"}},
                                    {"reasoning_effort": "high"}, {"n": 2, "stream": True}])
 def test_fields_pebbling_does_not_do_are_refused_naming_them(url, field):
@@ -62,7 +62,7 @@ def test_their_neutral_values_are_accepted(url, field):
     assert chat(url, **field).status_code == 200
 
 
-@pytest.mark.parametrize("field", [{"think": True}, {"logprobs": True}, {"top_logprobs": 2}])
+@pytest.mark.parametrize("field", [{"think": True}, {"top_logprobs": 2}, {"logprobs": True, "top_logprobs": 21}])
 def test_ollama_routes_refuse_them_too(url, field):
     r = requests.post(f"{url}/api/generate", json={"model": "tiny", "prompt": "x", "stream": False, **field},
                       timeout=60)

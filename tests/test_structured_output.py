@@ -14,7 +14,7 @@ from helpers import store_backend_params, tiny_model
 from pyplugin.errors import OptionsError
 from pyplugin.model.synth import write_gguf
 from pyplugin.runtime import Generation, Options, PebbledModel, PebblingOptions
-from pyplugin.runtime.constraint import Constraint
+from pyplugin.runtime.constraint import Constraint, closed_objects
 from pyplugin.store import Strategy
 from server_patch import create_app
 from server_patch.local import serving
@@ -139,3 +139,25 @@ def test_openais_response_format(url, response_format, check):
     bad = requests.post(f"{url}/v1/chat/completions", json={
         "model": "tiny", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}}, timeout=60)
     assert bad.status_code == 400 and "json_schema" in bad.json()["error"]["message"]
+
+
+# Pydantic's form of a model with a nested model: objects that list properties and say nothing of others.
+OPEN = {"$defs": {"Inner": {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+                            "required": ["n"]}},
+        "type": "object", "properties": {"color": {"enum": ["red", "green"]}, "inner": {"$ref": "#/$defs/Inner"}},
+        "required": ["color", "inner"]}
+
+
+def test_objects_that_list_their_properties_take_no_others_as_in_ollama():
+    """llama.cpp's converter (and so Ollama) adds other keys only where additionalProperties allows them."""
+    closed = closed_objects(OPEN)
+    assert closed["additionalProperties"] is False and closed["$defs"]["Inner"]["additionalProperties"] is False
+    assert "additionalProperties" not in OPEN  # the request's schema is not changed in place
+    kept = closed_objects({"type": "object", "properties": {"a": {}}, "additionalProperties": {"type": "integer"}})
+    assert kept["additionalProperties"] == {"type": "integer"}
+    assert closed_objects({"type": "object"}) == {"type": "object"}  # lists nothing: any object, as "json"
+    model = tiny_model("phi3", n_layer=1)
+    for seed in range(6):
+        text, reason = constrained_text(model, OPEN, seed)
+        value = json.loads(text)
+        assert reason == "stop" and set(value) == {"color", "inner"} and set(value["inner"]) == {"n"}

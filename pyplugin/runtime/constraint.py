@@ -25,6 +25,30 @@ _COMPILE = {"whitespace_flexible": False}
 _tokenizers: "weakref.WeakKeyDictionary[Tokenizer, llguidance.LLTokenizer]" = weakref.WeakKeyDictionary()
 
 
+def closed_objects(schema: Any) -> Any:
+    """The schema with every object that lists its `properties` and says nothing of others closed to
+    them (additionalProperties: false), as Ollama reads a schema (llama.cpp's converter adds other
+    keys only where additionalProperties allows them). Pydantic's schemas say nothing, so without
+    this a small model is free to invent keys until it runs out of tokens; with it the object ends
+    once its properties are written. Explicit additionalProperties or patternProperties are kept."""
+    if isinstance(schema, list):
+        return [closed_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas"):
+            out[key] = {k: closed_objects(v) for k, v in value.items()} if isinstance(value, dict) else value
+        elif key in ("items", "prefixItems", "additionalProperties", "anyOf", "oneOf", "allOf", "not",
+                     "if", "then", "else", "contains"):
+            out[key] = closed_objects(value)
+        else:
+            out[key] = value
+    if isinstance(out.get("properties"), dict) and not {"additionalProperties", "patternProperties"} & out.keys():
+        out["additionalProperties"] = False
+    return out
+
+
 class _Vocabulary:
     """What llguidance asks of a tokenizer: each token's bytes, the specials, and encoding."""
 
@@ -75,7 +99,7 @@ class Constraint:
         if fmt == "json":
             schema: Any = {"type": "object"}
         elif isinstance(fmt, dict):
-            schema = fmt
+            schema = closed_objects(fmt)
         else:
             raise OptionsError(f"{what}: got {json.dumps(fmt)[:60]}; accepted: {FORMAT_HELP}")
         try:

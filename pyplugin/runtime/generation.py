@@ -21,6 +21,7 @@ from ..model.transformer import rms_norm, rope_table
 from ..store import Kernels, LayerShape, fused_decode_computes, select_backend
 from ..xp import compute_dtype, to_numpy
 from .constraint import Constraint
+from .logprobs import TokenLogprob, token_logprob
 from .options import Options
 from .sampling import Sampler
 
@@ -85,9 +86,14 @@ class Generation:
     """One request: its layer source (and so its KV cache), position, sampler and stats."""
 
     def __init__(self, model: Model, options: Options, *, layers: LayerSource | None = None,
-                 should_stop: Callable[[], bool] | None = None, constraint: Constraint | None = None):
-        """`constraint`: a grammar the output must follow (structured output), masking the logits."""
+                 should_stop: Callable[[], bool] | None = None, constraint: Constraint | None = None,
+                 logprobs: int | None = None):
+        """`constraint`: a grammar the output must follow (structured output), masking the logits.
+        `logprobs`: None, or record each generated token's logprob and the `logprobs` most likely
+        tokens' in `self.logprobs` (see logprobs.py)."""
         self.model, self.options, self.constraint = model, options, constraint
+        self.top_logprobs = logprobs
+        self.logprobs: list[TokenLogprob] | None = [] if logprobs is not None else None
         self.cfg = model.config
         self.layers = layers if layers is not None else ResidentLayers(model, options.num_ctx)
         self.xp, self.outer = self.layers.xp, self.layers.outer
@@ -189,6 +195,7 @@ class Generation:
         history, limit = prompt, self.options.num_predict
         while limit < 0 or self.stats.generated_tokens < limit:
             start = time.perf_counter_ns()
+            raw = logits
             if self.constraint is not None:
                 logits = self.constraint.mask(logits)
             token = self.sample(logits, history)
@@ -201,6 +208,8 @@ class Generation:
             if self.should_stop():  # checked per token, before the token is used
                 self.stats.done_reason = "cancelled"
                 return
+            if self.logprobs is not None:  # of the raw logits, before any penalty or mask
+                self.logprobs.append(token_logprob(raw, token, self.top_logprobs))
             self.stats.generated_tokens += 1
             self.generated.append(token)
             history.append(token)

@@ -198,13 +198,13 @@ class PebbledModel:
 
     def generation(self, options: Options, pebbling: PebblingOptions, prompt_tokens: int | None = None, *,
                    plan: Plan | None = None, others: int = 0, should_stop: Callable[[], bool] | None = None,
-                   constraint: Constraint | None = None) -> Generation:
+                   constraint: Constraint | None = None, logprobs: int | None = None) -> Generation:
         """One request through the store: its plan (`plan`, else made from the options), the store made
         to hold it, and a Generation over those layers."""
         plan = plan or self.plan(options, pebbling, prompt_tokens, others)
         self.kv_tokens = []  # the new request writes over them; its caller says what it left (keep_cache)
         return Generation(self.model, options, layers=StoreLayers(self, plan, options, pebbling),
-                          should_stop=should_stop, constraint=constraint)
+                          should_stop=should_stop, constraint=constraint, logprobs=logprobs)
 
     def cached_prefix(self, tokens: Sequence[int], n_ctx: int) -> int:
         """How many leading `tokens` the KV entries already hold for a request at `n_ctx` (the last

@@ -28,9 +28,10 @@ from ..runtime.embedding import check_pooling, normalize, pool
 from .catalogue import Catalogue, ModelListing, RunningModel, ServerBusyError, model_errors, with_tag
 from .settings import DEFAULT_MAX_CONTEXT, DEFAULT_MAX_QUEUE, MAX_CONTEXT_ENV, MAX_QUEUE_ENV, env_limit
 from .go_template import GoTemplate
-from .jobs import DEFAULT_KEEP_ALIVE, FOREVER, Final, GenerationRequest, Job, json_ready, parse_keep_alive, since
+from .jobs import (DEFAULT_KEEP_ALIVE, FOREVER, Final, GenerationRequest, Job, Piece, json_ready, parse_keep_alive,
+                   since)
 from .modelfile import ModelLayers, chat_renderer, show_fields, template_source, with_layers
-from .prompt import check_context, cut_note, fit_messages, fit_tokens
+from .prompt import check_context, cut_note, embed_inputs, fit_messages, fit_tokens
 from .reply import ReplyPlan
 
 logger = logging.getLogger("pebbling")
@@ -154,21 +155,8 @@ class Engine:
     def _submit_embed(self, entry: _Loaded, request: GenerationRequest, options: Options,
                       pebbling: PebblingOptions, keep_alive: float, load_ns: int) -> Job:
         """Queues an embed request (the caller releases the entry if this raises)."""
-        model, inputs = entry.model, []
-        check_pooling(model.config.pooling)  # a model that pools nothing is refused before anything runs
-        for n, text in enumerate(request.embed):
-            if not text:  # its tokens would be the BOS alone: an embedding of nothing
-                raise OptionsError(f"input {n} is empty: there is nothing to embed")
-            if request.truncate:
-                text = model.tokenizer.enough_text(text, options.num_ctx)
-            elif model.tokenizer.fewest_tokens(text) > options.num_ctx:
-                raise OptionsError(f"input {n} is more than num_ctx ({options.num_ctx}) tokens; set truncate "
-                                   "to true, raise num_ctx or shorten it")
-            tokens = model.tokenizer.encode(text)
-            if len(tokens) > options.num_ctx and not request.truncate:
-                raise OptionsError(f"input {n} is {len(tokens)} tokens, more than num_ctx ({options.num_ctx}); "
-                                   "set truncate to true, raise num_ctx or shorten it")
-            inputs.append(tokens[:options.num_ctx])
+        check_pooling(entry.model.config.pooling)  # a model that pools nothing is refused before anything runs
+        inputs = embed_inputs(entry.model, request.embed, request.truncate, options.num_ctx)
         job = Job(request, [], options, pebbling, keep_alive, load_ns)
         job.inputs = inputs
         if not inputs:
@@ -220,11 +208,13 @@ class Engine:
         # A conversation going on starts from the KV its last turn left, unless the request says not to.
         cached = pebbled.cached_prefix(job.tokens, job.options.num_ctx) if job.pebbling.cache_prompt else 0
         gen = pebbled.generation(job.options, job.pebbling, len(job.tokens), others=self._others(entry),
-                                 should_stop=lambda: job.cancelled, constraint=job.constraint)
+                                 should_stop=lambda: job.cancelled, constraint=job.constraint,
+                                 logprobs=job.request.logprobs)
+        sent: list[dict[str, Any]] = []  # the logprobs sent with the pieces so far
         for piece in gen.text(job.tokens, cached):
             if job.cancelled:
                 break
-            job._put(piece)
+            job._put(Piece.of(piece, gen, sent) if gen.logprobs is not None else piece)
         pebbled.keep_cache(gen)
         stats, report = gen.stats, json_ready(gen.report())
         entry.size_vram = report["measured_peak_bytes"] if entry.pebbled.backend.measures_memory else 0
@@ -234,7 +224,8 @@ class Engine:
                      job.tokens + gen.generated, total_duration=since(job.request.started_ns),
                      load_duration=job.load_ns, prompt_eval_count=stats.prompt_tokens,
                      prompt_eval_duration=stats.prompt_ns, eval_count=stats.generated_tokens,
-                     eval_duration=stats.generate_ns, report=report)
+                     eval_duration=stats.generate_ns, report=report,
+                     logprobs=sent if gen.logprobs is not None else None)
         # `gen`, and the KV cache it holds, is freed on return: before the next job allocates its own.
 
     def _run_embed(self, entry: _Loaded, job: Job) -> Final | None:
@@ -365,11 +356,12 @@ class Engine:
         return self.catalogue.list_models()
 
     def show(self, name: str) -> tuple[ModelListing, dict[str, Any]]:
-        """(listing, extra) for /api/show: model_info (GGUF metadata), modelfile, parameters, template,
-        system, license, capabilities, and pebbling_notes where something keeps it from being served."""
+        """(listing, extra) for /api/show and /v1/models/NAME (the listing named with its tag, as /api/tags
+        lists it): model_info, modelfile, parameters, template, system, license, capabilities, and
+        pebbling_notes where something keeps it from being served."""
         path, layers = self.find(name)
         with model_errors(name, path):
-            listing, gguf = self.catalogue.listing(name, path), self.catalogue.info(path)["show"]
+            listing, gguf = self.catalogue.listing(with_tag(name), path), self.catalogue.info(path)["show"]
         fields = show_fields(with_tag(name), layers, gguf)
         notes = gguf.get("pebbling_notes", []) + fields.pop("pebbling_notes", [])
         return listing, {"model_info": gguf["model_info"], **fields, **({"pebbling_notes": notes} if notes else {})}

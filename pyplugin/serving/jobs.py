@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 from ..errors import OptionsError
-from ..runtime import Options, PebblingOptions
+from ..runtime import Generation, Options, PebblingOptions
+from ..runtime.logprobs import MAX_TOP_LOGPROBS
 
 DEFAULT_KEEP_ALIVE = 300.0  # seconds; Ollama's default
 FOREVER = math.inf
@@ -85,7 +86,12 @@ class GenerationRequest:
     truncate: bool = True                           # embed: cut an input longer than num_ctx (else refuse)
     dimensions: int | None = None                   # embed: keep the first N values of each vector
     normalize: bool = True                          # embed: unit length (not for the legacy /api/embeddings)
+    logprobs: int | None = None                     # generate, chat: None, or logprobs with the N most likely
     started_ns: int = field(default_factory=time.perf_counter_ns)  # for total_duration
+
+    def __post_init__(self) -> None:
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise OptionsError(f"top_logprobs: got {self.logprobs}; accepted: 0 to {MAX_TOP_LOGPROBS}")
 
 
 @dataclass(frozen=True)
@@ -103,10 +109,31 @@ class Final:
     eval_duration: int = 0
     report: dict[str, Any] | None = None
     embeddings: list[list[float]] | None = None  # an embed request's vectors, one per input
+    logprobs: list[dict[str, Any]] | None = None  # every token's of the text, when the request asked
 
     def stats(self) -> dict[str, int]:
         return {k: getattr(self, k) for k in ("total_duration", "load_duration", "prompt_eval_count",
                                               "prompt_eval_duration", "eval_count", "eval_duration")}
+
+
+class Piece(str):
+    """A piece of generated text that also carries the log probabilities of the tokens it came from
+    (each {token, logprob, bytes, top_logprobs}): sent only when a request asks for logprobs, and a
+    plain str to everything that only wants the text."""
+
+    logprobs: list[dict[str, Any]]
+
+    def __new__(cls, text: str, logprobs: list[dict[str, Any]]) -> "Piece":
+        piece = super().__new__(cls, text)
+        piece.logprobs = logprobs
+        return piece
+
+    @classmethod
+    def of(cls, text: str, gen: Generation, sent: list[dict[str, Any]]) -> "Piece":
+        """`text` with the logprobs of the tokens `gen` made since those in `sent` (which it extends)."""
+        fresh = [t.json(gen.model.tokenizer) for t in gen.logprobs[len(sent):]]
+        sent += fresh
+        return cls(text, fresh)
 
 
 # ---------------------------------------------------------------------------------------------------

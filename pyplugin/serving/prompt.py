@@ -100,3 +100,22 @@ def _fits(model: Model, text: str, limit: int) -> bool:
     if model.tokenizer.fewest_tokens(text) > limit:
         return False  # known without tokenizing
     return len(model.tokenizer.encode(text)) <= limit
+
+
+def embed_inputs(model: Model, texts: Sequence[str], truncate: bool, num_ctx: int) -> list[list[int]]:
+    """The token ids of each text to embed: cut to num_ctx where `truncate`, else refused past it."""
+    inputs = []
+    for n, text in enumerate(texts):
+        if not text:  # its tokens would be the BOS alone: an embedding of nothing
+            raise OptionsError(f"input {n} is empty: there is nothing to embed")
+        if truncate:
+            text = model.tokenizer.enough_text(text, num_ctx)
+        elif model.tokenizer.fewest_tokens(text) > num_ctx:
+            raise OptionsError(f"input {n} is more than num_ctx ({num_ctx}) tokens; set truncate to true, raise "
+                               "num_ctx or shorten it")
+        tokens = model.tokenizer.encode(text)
+        if len(tokens) > num_ctx and not truncate:
+            raise OptionsError(f"input {n} is {len(tokens)} tokens, more than num_ctx ({num_ctx}); set truncate "
+                               "to true, raise num_ctx or shorten it")
+        inputs.append(tokens[:num_ctx])
+    return inputs

@@ -38,6 +38,7 @@ class Output:
     content: str = ""
     thinking: str = ""
     tool_calls: list[ToolCall] = field(default_factory=list)
+    logprobs: list[dict[str, Any]] | None = None  # of the tokens behind it, when the request asked
 
     def __bool__(self) -> bool:
         return bool(self.content or self.thinking or self.tool_calls)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import OptionsError
+from ..runtime.constraint import closed_objects
 
 TOOLS_HELP = ('a list of {"type": "function", "function": {"name": ..., "description": ..., '
               '"parameters": {JSON schema}}}')
@@ -104,7 +105,7 @@ def call_grammar(fmt: ToolFormat, tools: list[dict[str, Any]]) -> str:
     following the tool's parameters schema."""
     schemas = [{"type": "object", "properties": {
         "name": {"const": t["function"]["name"]},
-        fmt.arguments: t["function"].get("parameters") or {"type": "object"}},
+        fmt.arguments: closed_objects(t["function"].get("parameters") or {"type": "object"})},
         "required": ["name", fmt.arguments], "additionalProperties": False} for t in tools]
     schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
     schema = {**schema, "x-guidance": {"whitespace_flexible": False}}
