@@ -7,12 +7,14 @@ from __future__ import annotations
 import pytest
 
 from helpers import store_backend_params, tiny_model
+from pyplugin.model.synth import write_gguf
 from pyplugin.runtime import PebbledModel
 from pyplugin.runtime.batch import decode_batch
 from pyplugin.runtime.generation import Generation
 from pyplugin.runtime.options import Options
 from pyplugin.runtime.plan import PebblingOptions
 from pyplugin.runtime.store_layers import StoreLayers
+from pyplugin.serving import Engine, GenerationRequest
 
 PROMPTS = ([5, 17, 42, 8], [99, 3], [61, 7, 250, 12, 33, 71, 4], [150], [9, 28, 77],
            [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [40], [300, 301])
@@ -99,3 +101,42 @@ def test_the_plan_of_a_batch_holds_every_sequences_kv_within_the_limit():
     assert len(pebbled.plan(options, adaptive, n_seqs=1).resident) == model.config.n_layer
     batch = pebbled.plan(options, adaptive, n_seqs=4)
     assert len(batch.resident) < model.config.n_layer and batch.estimated_peak_bytes <= budget
+
+
+# ---------------------------------------------------------------------------------------------------
+# the engine: requests of one model decode together
+
+
+def _requests(prompts, strategies, stops):
+    return [GenerationRequest("tiny", prompt=p, raw=True, options={
+        "temperature": 0, "num_predict": 6 + 3 * (n % 4), "pebbling_cache_prompt": False, "stop": stops[n],
+        **({"pebbling_strategy": strategies[n]} if strategies[n] else {})}) for n, p in enumerate(prompts)]
+
+
+@pytest.mark.parametrize("backend", store_backend_params())
+@pytest.mark.parametrize("mixed", [False, True], ids=["one-strategy", "mixed-strategies"])
+def test_eight_requests_at_once_answer_what_each_answers_alone(tmp_path, backend, mixed):
+    write_gguf(tmp_path / "tiny.gguf", arch="llama", n_layer=3, n_embd=32, n_head=2, n_head_kv=1, n_ff=64,
+               n_ctx=256)
+    prompts = ["Hello", "Why is the sky blue?", "a", "The quick brown fox jumps", "12 and 345", "Café au lait",
+               "one two three four five six seven", "?"]
+    strategies = ["minimal", "every:2", None, "minimal", "none", "sqrt", "minimal", "every:2"] if mixed \
+        else ["minimal"] * 8
+    engine = Engine(tmp_path, backend=backend, num_parallel=8)
+    try:
+        texts = [j.result()[0] for j in map(engine.submit, _requests(prompts, strategies, [[]] * 8))]
+        # Stop strings that cut some answers short: a piece from the middle of their text.
+        stops = [[t[len(t) // 2:len(t) // 2 + 2]] if n % 3 == 0 and len(t) > 3 else [] for n, t in enumerate(texts)]
+        requests_ = _requests(prompts, strategies, stops)
+        alone = [engine.submit(r).result() for r in requests_]
+        jobs = [engine.submit(r) for r in _requests(prompts, strategies, stops)]
+        together = [job.result() for job in jobs]
+    finally:
+        engine.close()
+    assert [t for t, _ in together] == [t for t, _ in alone]
+    assert [f.context for _, f in together] == [f.context for _, f in alone]
+    assert [f.done_reason for _, f in together] == [f.done_reason for _, f in alone]
+    assert any(stops) and any(len(t) < len(full) for (t, _), full in zip(alone, texts))  # a stop did cut
+    largest = max(f.report["batch"]["largest"] for _, f in together)
+    assert largest >= (6 if not mixed else 2)
+    assert all(f.report["batch"]["n_parallel"] == 8 for _, f in together)
