@@ -44,15 +44,19 @@ def batched_layer(cfg: ModelConfig, x: Array, lw: LayerWeights, caches: Sequence
     q = linear_rows(h, lw.wq, lw.bq).reshape(B, cfg.n_head, cfg.head_dim)          # [B, n_head, hd]
     k = linear_rows(h, lw.wk, lw.bk).reshape(B, cfg.n_head_kv, cfg.head_dim)       # [B, n_head_kv, hd]
     v = linear_rows(h, lw.wv, lw.bv).reshape(B, cfg.n_head_kv, cfg.head_dim)
+    xp, n_ctx = get_array_module(x), caches[0][0].shape[0]
+    if max(positions) >= n_ctx:
+        raise ValueError(f"position {max(positions)} does not fit a KV cache of {n_ctx}")
+    # Each row rotated by its own position's angles: elementwise, so row b is what it is alone.
+    at = xp.asarray(positions)
+    cos, sin = (table[at] for table in rope_table(cfg, n_ctx, xp))                 # [B, 1, hd]
+    q, k = apply_rope(cfg, q, cos, sin), apply_rope(cfg, k, cos, sin)
     out = []
     for b, ((k_cache, v_cache), pos) in enumerate(zip(caches, positions)):
-        if pos + 1 > k_cache.shape[0]:
-            raise ValueError(f"position {pos} does not fit a KV cache of {k_cache.shape[0]}")
-        cos, sin = (table[pos:pos + 1] for table in rope_table(cfg, k_cache.shape[0], get_array_module(x)))
-        k_cache[pos:pos + 1] = apply_rope(cfg, k[b:b + 1], cos, sin)
+        k_cache[pos:pos + 1] = k[b:b + 1]
         v_cache[pos:pos + 1] = v[b:b + 1]
-        out.append(attention(cfg, apply_rope(cfg, q[b:b + 1], cos, sin), k_cache[:pos + 1], v_cache[:pos + 1], pos))
-    x = x + linear_rows(get_array_module(x).concatenate(out), lw.wo)                           # [B, n_embd]
+        out.append(attention(cfg, q[b:b + 1], k_cache[:pos + 1], v_cache[:pos + 1], pos))
+    x = x + linear_rows(xp.concatenate(out), lw.wo)                           # [B, n_embd]
     h = rms_norm(x, lw.ffn_norm, cfg.rms_eps)
     gated = silu(linear_rows(h, lw.w_gate)) * linear_rows(h, lw.w_up)             # [B, n_ff] SwiGLU
     return x + linear_rows(gated, lw.w_down)
