@@ -4,6 +4,9 @@ once per step for all of them."""
 
 from __future__ import annotations
 
+import time
+
+import numpy as np
 import pytest
 
 from helpers import store_backend_params, tiny_model
@@ -115,7 +118,7 @@ def _requests(prompts, strategies, stops):
 
 @pytest.mark.parametrize("backend", store_backend_params())
 @pytest.mark.parametrize("mixed", [False, True], ids=["one-strategy", "mixed-strategies"])
-def test_eight_requests_at_once_answer_what_each_answers_alone(tmp_path, backend, mixed):
+def test_eight_requests_at_once_answer_what_each_answers_alone(tmp_path, backend, mixed, slow_tokens):
     write_gguf(tmp_path / "tiny.gguf", arch="llama", n_layer=3, n_embd=32, n_head=2, n_head_kv=1, n_ff=64,
                n_ctx=256)
     prompts = ["Hello", "Why is the sky blue?", "a", "The quick brown fox jumps", "12 and 345", "Café au lait",
@@ -140,3 +143,82 @@ def test_eight_requests_at_once_answer_what_each_answers_alone(tmp_path, backend
     largest = max(f.report["batch"]["largest"] for _, f in together)
     assert largest >= (6 if not mixed else 2)
     assert all(f.report["batch"]["n_parallel"] == 8 for _, f in together)
+
+
+@pytest.fixture
+def slow_tokens(monkeypatch):
+    """Every token takes 10 ms to sample and none ends the generation, so requests overlap for sure."""
+    real = Generation.sample
+
+    def sample(self, logits, history):
+        time.sleep(0.01)
+        logits = np.array(logits, dtype=np.float32)
+        logits[list(self.model.tokenizer.eog_ids)] = -np.inf
+        return real(self, logits, history)
+
+    monkeypatch.setattr(Generation, "sample", sample)
+
+
+@pytest.fixture
+def models_dir(tmp_path):
+    write_gguf(tmp_path / "tiny.gguf", arch="llama", n_layer=2, n_embd=32, n_head=2, n_head_kv=1, n_ff=64,
+               n_ctx=256)
+    return tmp_path
+
+
+def _ask(engine, prompt, strategy="minimal", n=8, **options):
+    return engine.submit(GenerationRequest("tiny", prompt=prompt, raw=True, options={
+        "temperature": 0, "num_predict": n, "pebbling_strategy": strategy, **options}))
+
+
+def test_a_request_cancelled_in_a_batch_leaves_it_and_the_others_go_on(models_dir, slow_tokens):
+    engine = Engine(models_dir, backend="host", num_parallel=4)
+    try:
+        alone = [_ask(engine, p, n=12).result() for p in ("one", "two", "three")]
+        jobs = [_ask(engine, p, n=12) for p in ("one", "two", "three")]
+        time.sleep(0.06)  # a few steps in
+        jobs[1].cancel()
+        results = [job.result() for job in jobs]
+    finally:
+        engine.close()
+    assert results[1][1].done_reason == "cancelled" and results[1][1].eval_count < 12
+    for n in (0, 2):
+        assert results[n][0] == alone[n][0] and results[n][1].eval_count == 12
+        assert results[n][1].report["batch"]["largest"] == 3  # it decoded beside the cancelled one
+    assert engine.counts["cancelled"] == 1
+
+
+def test_groups_take_turns_so_a_request_of_another_plan_does_not_starve(models_dir, slow_tokens):
+    engine, ended = Engine(models_dir, backend="host", num_parallel=4), []
+    engine.on_final(lambda final: ended.append(final.context[-9:]))
+    try:
+        first = _ask(engine, "first", n=10)
+        time.sleep(0.03)  # running
+        other = _ask(engine, "other plan", strategy="none", n=3)
+        later = [_ask(engine, f"later {n}", n=3) for n in range(3)]  # minimal, like the running one
+        finals = [job.result()[1] for job in [first, other] + later]
+    finally:
+        engine.close()
+    # The later requests of the running group did not join it while `other` waited: `other` ran next.
+    order = [next(i for i, tail in enumerate(ended) if tail == f.context[-9:]) for f in finals]
+    assert order[0] < order[1] < min(order[2:])
+    assert finals[0].report["batch"]["largest"] == 1
+    assert [f.report["batch"]["largest"] for f in finals[2:]] == [3, 3, 3]  # then together
+
+
+def test_a_conversation_keeps_its_cache_while_another_request_runs_between_its_turns(models_dir):
+    engine, fresh = Engine(models_dir, backend="host", num_parallel=2), Engine(models_dir, backend="host")
+    try:
+        first = _ask(engine, "Once upon a time", n=6)
+        _, f1 = first.result()
+        _ask(engine, "something else entirely", n=6).result()  # takes the other sequence
+        follow = GenerationRequest("tiny", prompt=" there was", raw=True, context=f1.context,
+                                   options={"temperature": 0, "num_predict": 6, "pebbling_strategy": "minimal"})
+        text, f2 = engine.submit(follow).result()
+        alone_text, alone = fresh.submit(follow).result()
+    finally:
+        engine.close()
+        fresh.close()
+    assert f2.report["cached_tokens"] == len(f1.context) - 1
+    assert f2.prompt_eval_count < alone.prompt_eval_count
+    assert text == alone_text and f2.context == alone.context

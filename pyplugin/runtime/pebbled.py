@@ -231,14 +231,18 @@ class PebbledModel:
 
     def best_sequence(self, tokens: Sequence[int], n_ctx: int, free: Sequence[int], reuse: bool = True) -> tuple[int, int]:
         """(sequence, cached tokens) for a request among the `free` sequences of a batch: the one whose KV
-        entries hold the longest start of `tokens` (when `reuse`), else the least recently used, so that
-        the conversations of the last requests keep their caches longest."""
+        entries hold the longest start of `tokens` (when `reuse`), provided it is at least half of what
+        they hold (the request goes on from there, rather than sharing a BOS or a short system prompt
+        with another conversation); else the least recently used, so that the conversations of the last
+        requests keep their caches longest (whatever start of `tokens` that one holds is still used)."""
         order = sorted(free, key=lambda s: self._kv_used.get(s, -1))
         if reuse:
-            found = max(order, key=lambda s: self.cached_prefix(tokens, n_ctx, s))  # first of the longest
-            cached = self.cached_prefix(tokens, n_ctx, found)
-            if cached:
-                return found, cached
+            found = {s: self.cached_prefix(tokens, n_ctx, s) for s in order}
+            going_on = [s for s in order if found[s] and 2 * found[s] >= len(self._kv_tokens.get(s, ()))]
+            if going_on:
+                best = max(going_on, key=found.get)  # the first of the longest
+                return best, found[best]
+            return order[0], found[order[0]]  # its cache goes anyway: what matches of it is kept
         return order[0], 0
 
     def claim(self, seq: int) -> None:
