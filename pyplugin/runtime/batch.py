@@ -67,8 +67,7 @@ def batched_logits(cfg: ModelConfig, outer, x: Array) -> list[np.ndarray]:
     xp = get_array_module(x)
     h = rms_norm(x, outer.output_norm, cfg.rms_eps)
     if isinstance(outer.output, QuantWeight):
-        logits = linear_rows(h, outer.output).astype(np.float32, copy=False)
-        return [to_numpy(row) for row in logits]
+        return list(to_numpy(linear_rows(h, outer.output).astype(np.float32, copy=False)))  # one copy off the device
     # Alone the last hidden state is a vector: a dense product of a vector, row by row here too.
     return [to_numpy((xp.ascontiguousarray(row) @ outer.output.T).astype(np.float32, copy=False)) for row in h]
 

@@ -145,11 +145,11 @@ class Batcher:
             return None
         pebbled, busy = self.entry.pebbled, {r.gen.layers.seq for r in running}
         free = [s for s in range(self.source.n_seqs) if s not in busy]
-        seq, cached = pebbled.best_sequence(job.tokens, job.options.num_ctx, free, job.pebbling.cache_prompt)
-        pebbled.claim(seq)
-        gen = Generation(pebbled.model, job.options, layers=self.source.sequence(seq),
-                         should_stop=lambda: job.cancelled, constraint=job.constraint)
         try:
+            seq, cached = pebbled.best_sequence(job.tokens, job.options.num_ctx, free, job.pebbling.cache_prompt)
+            pebbled.claim(seq)
+            gen = Generation(pebbled.model, job.options, layers=self.source.sequence(seq),
+                             should_stop=lambda: job.cancelled, constraint=job.constraint)
             gen.start(job.tokens, cached)
         except Exception as exc:
             self.finish(job, _failure(exc, job))
