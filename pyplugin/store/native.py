@@ -109,6 +109,9 @@ def _check(lib, status: int) -> None:
 
 def _buffer(obj, backend: str, *, writable: bool, what: str):
     """(pointer, nbytes) of a host buffer or, on the cuda backend, of a CUDA array."""
+    if type(obj) is np.ndarray and obj.flags.c_contiguous and obj.dtype.kind in "biuf" and \
+            (obj.flags.writeable or not writable):  # the common case, without building a memoryview
+        return ffi.from_buffer("char[]", obj, require_writable=writable), obj.nbytes
     cai = getattr(obj, "__cuda_array_interface__", None)
     if cai is None:
         view = host_buffer(obj, writable=writable, what=what)
