@@ -4,8 +4,9 @@ one at a time, on a model streamed with `minimal` (every layer restored for ever
     python benchmarks/bench_server_load.py [--clients 8] [--tokens 64] [--backend host] [--json FILE]
 
 Runs `pebbling serve` in a process of its own on loopback (so that the clients' threads do not share
-its interpreter) with PEBBLING_NUM_PARALLEL set to the number of clients and a small random-weight model
-written for the run. Each phase runs --repeats times, alternating which goes first, and the fastest run
+its interpreter) with PEBBLING_NUM_PARALLEL set to the number of clients, OPENBLAS_NUM_THREADS to
+--blas-threads (1: on a few shared cores OpenBLAS's own threads spin against the server's), and a small
+random-weight model written for the run. Each phase runs --repeats times, alternating which goes first, and the fastest run
 of each is compared (the machine may be shared). Every figure printed is measured in this run: the
 aggregate decode rate (generated tokens over the wall time of the whole phase, prefills and HTTP
 included), the server process's CPU time in it, and the bytes restored per
@@ -37,12 +38,13 @@ PROMPTS = ("Why is the sky blue?", "Tell me a story about a fox.", "List three p
            "What is a pebble?", "Explain batching in one line.", "Count from one to ten.", "Good morning!")
 
 
-def start_server(models: str, backend: str, parallel: int) -> tuple[subprocess.Popen, str]:
+def start_server(models: str, backend: str, parallel: int, blas_threads: int) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     root = str(Path(__file__).resolve().parent.parent)  # this tree's pyplugin, whatever is installed
     env = {**os.environ, "PEBBLING_BACKEND": backend, "PEBBLING_NUM_PARALLEL": str(parallel),
+           "OPENBLAS_NUM_THREADS": str(blas_threads), "OMP_NUM_THREADS": str(blas_threads),
            "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     server = subprocess.Popen([sys.executable, "-m", "pyplugin.cli", "serve", "--port", str(port), "--models", models],
                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -105,6 +107,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--n-embd", type=int, default=128)
     parser.add_argument("--n-ff", type=int, default=384)
     parser.add_argument("--weight-type", default="Q8_0")
+    parser.add_argument("--blas-threads", type=int, default=1,
+                        help="OPENBLAS_NUM_THREADS for the server (prefill's GEMMs): on a few shared cores "
+                             "OpenBLAS's spinning threads made a 20 x 256 x 768 product 100x slower")
     parser.add_argument("--repeats", type=int, default=3,
                         help="runs of each phase, alternating which goes first; the fastest of each is reported")
     parser.add_argument("--json", help="also write the results to this file")
@@ -114,7 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
         write_gguf(Path(models) / "bench.gguf", arch="llama", n_layer=args.n_layer, n_embd=args.n_embd,
                    n_head=max(1, args.n_embd // 64), n_head_kv=max(1, args.n_embd // 128), n_ff=args.n_ff,
                    n_ctx=512, weight_type=args.weight_type, n_merges=200)
-        server, url = start_server(models, args.backend, args.clients)
+        server, url = start_server(models, args.backend, args.clients, args.blas_threads)
         try:
             bodies = [body(c, args.tokens) for c in range(args.clients)]
             ask(url, body(0, 2))  # loaded and warm
@@ -138,7 +143,7 @@ def main(argv: list[str] | None = None) -> dict:
         "model": {"arch": "llama", "n_layer": args.n_layer, "n_embd": args.n_embd, "n_ff": args.n_ff,
                   "weight_type": args.weight_type, "weights": "random"},
         "backend": report["backend"], "strategy": report["strategy"], "clients": args.clients,
-        "num_predict": args.tokens, "num_parallel": args.clients,
+        "num_predict": args.tokens, "num_parallel": args.clients, "blas_threads": args.blas_threads,
         "serial": {k: v for k, v in serial.items() if k != "answers"},
         "batched": {k: v for k, v in batched.items() if k != "answers"},
         "speedup": speedup, "bytes_restored_ratio": restored_ratio, "same_answers": same, "goal_speedup": GOAL,
@@ -148,7 +153,8 @@ def main(argv: list[str] | None = None) -> dict:
                         if batched["tok_per_server_cpu_s"] and serial["tok_per_server_cpu_s"] else None),
     }
     print(f"model: llama, {args.n_layer} layers, n_embd {args.n_embd}, n_ff {args.n_ff}, {args.weight_type} "
-          f"(random weights); backend {result['backend']}, strategy {result['strategy']}; {args.clients} clients x "
+          f"(random weights); backend {result['backend']}, strategy {result['strategy']}, OPENBLAS_NUM_THREADS "
+          f"{args.blas_threads}; {args.clients} clients x "
           f"{args.tokens} tokens (measured; the fastest of {args.repeats} runs of each phase)")
     for name, p in (("one at a time", serial), ("concurrent", batched)):
         print(f"  {name:14s} {p['generated_tokens']:4d} tokens in {p['wall_s']:6.2f} s = "
