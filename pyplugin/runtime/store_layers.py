@@ -68,6 +68,7 @@ class StoreLayers:
         self.slots = [self.xp.empty(slot_bytes, np.uint8) for _ in range(plan.n_slots)]
         self.slot_bytes = slot_bytes
         self.in_slot: list[tuple | None] = [None] * plan.n_slots  # (weights, [(k, v) per sequence])
+        self._views: dict[tuple[int, int, int], tuple] = {}
         self.copy_stream = backend.copy_stream()
         self.ready = [backend.event() for _ in self.slots]     # a slot's layer is restored
         self.computed = [backend.event() for _ in self.slots]  # a slot's layer has computed
@@ -97,6 +98,14 @@ class StoreLayers:
         return sum(aligned(t.nbytes) for t in self.pebbled.layouts[i]) + 2 * self.n_seqs * aligned(self.kv_bytes)
 
     def _slot_views(self, slot: int, i: int, n_seqs: int) -> tuple[LayerWeights, list[tuple[Array, Array]]]:
+        """Layer i's weights and n_seqs sequences' caches over slot `slot` (made once: the slots live as
+        long as the plan)."""
+        views = self._views.get((slot, i, n_seqs))
+        if views is None:
+            views = self._views[slot, i, n_seqs] = self._carve(slot, i, n_seqs)
+        return views
+
+    def _carve(self, slot: int, i: int, n_seqs: int) -> tuple[LayerWeights, list[tuple[Array, Array]]]:
         buffer, offset, arrays = self.slots[slot], 0, {}
 
         def carve(nbytes: int) -> Array:
