@@ -3,16 +3,16 @@ one at a time, on a model streamed with `minimal` (every layer restored for ever
 
     python benchmarks/bench_server_load.py [--clients 8] [--tokens 64] [--backend host] [--json FILE]
 
-Runs `pebbling serve` in a process of its own on loopback (so that the clients' threads do not share
-its interpreter) with PEBBLING_NUM_PARALLEL set to the number of clients, OPENBLAS_NUM_THREADS to
+Runs `pebbling serve` in a process of its own on loopback (so that the clients' threads do not share its
+interpreter) with PEBBLING_NUM_PARALLEL set to the number of clients, OPENBLAS_NUM_THREADS to
 --blas-threads (1: on a few shared cores OpenBLAS's own threads spin against the server's), and a small
-random-weight model written for the run. Each phase runs --repeats times, alternating which goes first, and the fastest run
-of each is compared (the machine may be shared). Every figure printed is measured in this run: the
-aggregate decode rate (generated tokens over the wall time of the whole phase, prefills and HTTP
-included), the server process's CPU time in it, and the bytes restored per
-generated token (the sum of the responses' `bytes_restored`, prefills included, over their tokens; and
-the mean of their decode-only `bytes_restored_per_token`). Each request's answer is compared with the
-same request's answer alone.
+random-weight model written for the run. Each phase runs --repeats times, alternating which goes first,
+and the fastest run of each is compared (the machine may be shared). Every figure printed is measured in
+this run: the aggregate decode rate (generated tokens over the wall time of the whole phase, prefills
+and HTTP included), the server process's CPU time in it, and the bytes restored per generated token (the
+sum of the responses' `bytes_restored`, prefills included, over their tokens; and the mean of their
+decode-only `bytes_restored_per_token`). Each request's answer is compared with the same request's
+answer alone.
 """
 
 from __future__ import annotations
@@ -160,7 +160,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"  {name:14s} {p['generated_tokens']:4d} tokens in {p['wall_s']:6.2f} s = "
               f"{p['aggregate_tok_per_s']:7.1f} tok/s aggregate ({p['server_cpu_s']:.2f} s of server CPU); bytes "
               f"restored per generated token "
-              f"{p['bytes_restored_per_generated_token']:,.0f} (decode steps alone {p['decode_bytes_restored_per_token_mean']:,.0f});"
+              f"{p['bytes_restored_per_generated_token']:,.0f} "
+              f"(decode steps alone {p['decode_bytes_restored_per_token_mean']:,.0f});"
               f" largest batch {p['largest_batch']}")
     print(f"  speedup {speedup:.2f}x (goal >= {GOAL:.0f}x on the host backend; each run: "
           + ", ".join(f"{x:.2f}x" for x in result["speedup_per_repeat"])

@@ -17,8 +17,8 @@ import bench_server_load as bench  # noqa: E402
 @pytest.mark.timeout(180)
 def test_a_tiny_run_compares_concurrent_clients_with_one_at_a_time(tmp_path, capsys):
     out = tmp_path / "load.json"
-    result = bench.main(["--clients", "3", "--tokens", "12", "--repeats", "2", "--n-layer", "2", "--n-embd", "64", "--n-ff", "128",
-                         "--backend", "stub", "--json", str(out)])
+    result = bench.main(["--clients", "3", "--tokens", "12", "--repeats", "2", "--n-layer", "2", "--n-embd", "64",
+                         "--n-ff", "128", "--backend", "stub", "--json", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
     assert result["same_answers"] is True
     assert result["backend"] == "stub" and result["strategy"] == "minimal" and result["num_parallel"] == 3

@@ -229,7 +229,8 @@ class PebbledModel:
             n += 1
         return n
 
-    def best_sequence(self, tokens: Sequence[int], n_ctx: int, free: Sequence[int], reuse: bool = True) -> tuple[int, int]:
+    def best_sequence(self, tokens: Sequence[int], n_ctx: int, free: Sequence[int],
+                      reuse: bool = True) -> tuple[int, int]:
         """(sequence, cached tokens) for a request among the `free` sequences of a batch: the one whose KV
         entries hold the longest start of `tokens` (when `reuse`), provided it is at least half of what
         they hold (the request goes on from there, rather than sharing a BOS or a short system prompt

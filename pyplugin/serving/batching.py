@@ -10,10 +10,11 @@ Groups take turns, oldest first: when the batch is empty, the group of the reque
 longest starts, with every request of that group waiting then. A request of the running group that
 arrives later joins the batch (at the next step, after its prefill) while no request of another group
 waits; once one does, the batch takes no newcomers, drains, and the oldest waiting request's group goes
-next. So no request starves: it waits at most for the turns of groups whose requests came before it. Each sequence keeps its own sampler, options, stop strings, constraint, cancellation
-and stats; one that finishes or is cancelled leaves at once, and its sequence takes the next request.
-A finished sequence's KV entries keep its conversation until the sequence is claimed again: a request
-takes the free sequence whose cache holds the longest start of its prompt, else the least recently used.
+next. So no request starves: it waits at most for the turns of groups whose requests came before it.
+Each sequence keeps its own sampler, options, stop strings, constraint, cancellation and stats; one that
+finishes or is cancelled leaves at once, and its sequence takes the next request. A finished sequence's
+KV entries keep its conversation until the sequence is claimed again: a request takes the free sequence
+whose cache holds the longest start of its prompt, else the least recently used.
 
 What a response reports as its own: its prefill, the restores of each decode step divided equally among
 the sequences in that step, and as eval_duration the wall time of the steps it took part in (each
