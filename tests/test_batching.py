@@ -222,3 +222,21 @@ def test_a_conversation_keeps_its_cache_while_another_request_runs_between_its_t
     assert f2.report["cached_tokens"] == len(f1.context) - 1
     assert f2.prompt_eval_count < alone.prompt_eval_count
     assert text == alone_text and f2.context == alone.context
+
+
+def test_num_parallel_reads_pebblings_variable_then_ollamas(monkeypatch):
+    from pyplugin.errors import PebblingError
+    from pyplugin.serving.settings import DEFAULT_NUM_PARALLEL, parallel_limit
+
+    monkeypatch.delenv("PEBBLING_NUM_PARALLEL", raising=False)
+    monkeypatch.delenv("OLLAMA_NUM_PARALLEL", raising=False)
+    assert parallel_limit() == DEFAULT_NUM_PARALLEL == 4
+    monkeypatch.setenv("OLLAMA_NUM_PARALLEL", "0")  # Ollama's "choose for me"
+    assert parallel_limit() == 4
+    monkeypatch.setenv("OLLAMA_NUM_PARALLEL", "2")
+    assert parallel_limit() == 2
+    monkeypatch.setenv("PEBBLING_NUM_PARALLEL", "6")
+    assert parallel_limit() == 6
+    monkeypatch.setenv("PEBBLING_NUM_PARALLEL", "many")
+    with pytest.raises(PebblingError, match="PEBBLING_NUM_PARALLEL"):
+        parallel_limit()
