@@ -135,6 +135,19 @@ def test_estimate_json_orders_minimal_below_sqrt_below_none(model, capsys):
     assert result["measured"]["restore_bytes_per_s"] > 0 and result["measured"]["layer_decode_seconds"] > 0
 
 
+def test_estimate_for_a_batch_holds_its_kv_caches_and_shares_the_weights(model, capsys):
+    cli("estimate", model, *SMALL, "--json")
+    alone = json.loads(capsys.readouterr().out)["strategies"]["minimal"]
+    assert cli("estimate", model, *SMALL, "--json", "--parallel", "4") == 0
+    result = json.loads(capsys.readouterr().out)
+    batch = result["strategies"]["minimal"]
+    assert result["parallel"] == 4 and batch["predicted_slowdown"] is None  # not measured for a batch
+    assert batch["estimated_peak_bytes"] > alone["estimated_peak_bytes"]
+    assert batch["restored_bytes_per_token_estimate"] < alone["restored_bytes_per_token_estimate"] / 2
+    assert cli("estimate", model, *SMALL, "--parallel", "0") == 1
+    assert "--parallel 0" in capsys.readouterr().err
+
+
 def test_estimate_marks_the_strategies_over_the_limit(model, capsys):
     cli("estimate", model, *SMALL, "--json")
     s = json.loads(capsys.readouterr().out)["strategies"]

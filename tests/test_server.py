@@ -349,19 +349,15 @@ def endless_slow_generation(monkeypatch):
     """Generations that never reach end-of-generation and take 20 ms a token, so one is surely still
     running when its client leaves."""
     generation = Generation
-    real_sample, real_decode = generation.sample, generation.decode_one
+    real_sample = generation.sample
 
-    def sample(self, logits, history):
+    def sample(self, logits, history):  # every token is sampled, alone or in a batch
+        time.sleep(0.02)
         logits = np.array(logits, dtype=np.float32)
         logits[list(self.model.tokenizer.eog_ids)] = -np.inf
         return real_sample(self, logits, history)
 
-    def decode_one(self, token):
-        time.sleep(0.02)
-        return real_decode(self, token)
-
     monkeypatch.setattr(generation, "sample", sample)
-    monkeypatch.setattr(generation, "decode_one", decode_one)
 
 
 def _raw_post(url: str, path: str, body: dict) -> socket.socket:
@@ -403,8 +399,10 @@ def test_a_client_that_leaves_while_queued_is_never_run(url, engine, endless_slo
     busy = _raw_post(url, "/api/generate", {"model": "tiny", "prompt": "Hello", "stream": True,
                                             "options": {"temperature": 0, "num_predict": 1000}})
     busy.recv(1)  # the first is running
+    # Another strategy, so another plan: it cannot join the running batch and waits in the queue.
     queued = _raw_post(url, "/api/generate", {"model": "tiny", "prompt": "Hello", "stream": True,
-                                              "options": {"temperature": 0, "num_predict": 1000}})
+                                              "options": {"temperature": 0, "num_predict": 1000,
+                                                          "pebbling_strategy": "minimal"}})
     time.sleep(0.2)
     queued.close()
     busy.close()

@@ -33,6 +33,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--context-pos", type=int, metavar="N",
                    help="context position at which per-token figures are computed (default num_ctx/2: "
                         "the mean step of a generation that fills the context)")
+    p.add_argument("--parallel", type=int, default=1, metavar="N",
+                   help="requests decoding together (the server's num_parallel): peaks hold N KV caches and "
+                        "restored bytes are per token of a full batch; no speed is predicted for N > 1")
     add_weights_argument(p)
     add_backend_argument(p)
     p.add_argument("--json", action="store_true", help="print the same figures as one JSON object")
@@ -44,20 +47,24 @@ def run(args: argparse.Namespace) -> int:
     loaded = load_pebbled(args.model, args.backend, args.pebbling_weights)
     try:
         options = options_from_flags(loaded.model, num_ctx=args.num_ctx, num_batch=args.num_batch)
-        result = estimate(loaded, options, limit, args.context_pos)
+        result = estimate(loaded, options, limit, args.context_pos, args.parallel)
     finally:
         loaded.pebbled.close()
     print(json.dumps(result, indent=2) if args.json else render(result))
     return 0
 
 
-def estimate(loaded: Loaded, options: Options, limit: int | None, context_pos: int | None) -> dict[str, Any]:
-    """Every strategy's plan against `limit`, with a predicted slowdown from figures measured here."""
+def estimate(loaded: Loaded, options: Options, limit: int | None, context_pos: int | None,
+             parallel: int = 1) -> dict[str, Any]:
+    """Every strategy's plan against `limit` for `parallel` sequences decoding together, with a predicted
+    slowdown from figures measured here (one sequence only: a batch's compute is not measured)."""
     pebbled = loaded.pebbled
     pos = options.num_ctx // 2 if context_pos is None else context_pos
     if not 0 <= pos < options.num_ctx:
         raise OptionsError(f"--context-pos {pos}: must be from 0 to num_ctx - 1 = {options.num_ctx - 1}")
-    memory = pebbled.memory_model(options)
+    if parallel < 1:
+        raise OptionsError(f"--parallel {parallel}: must be at least 1")
+    memory = pebbled.memory_model(options, n_seqs=parallel)
     make_plan(memory, "minimal", limit)  # a limit below the smallest footprint: one error naming it
     # The entry a streamed layer's restore fills: one working slot.
     transfer = measure_restores(pebbled, make_plan(memory, "minimal").slot_bytes)
@@ -65,7 +72,7 @@ def estimate(loaded: Loaded, options: Options, limit: int | None, context_pos: i
     # On the GPU the backend's overhead grows as the measurements load kernels and libraries, as a
     # request's first steps would: one memory model taken after them serves every strategy, so the
     # rows compare like with like.
-    memory = pebbled.memory_model(options)
+    memory = pebbled.memory_model(options, n_seqs=parallel)
     none_peak = make_plan(memory, "none").estimated_peak_bytes
     adaptive_budget = pebbled.budget(PebblingOptions(memory_limit=limit))  # the limit, else free GPU memory
 
@@ -78,7 +85,8 @@ def estimate(loaded: Loaded, options: Options, limit: int | None, context_pos: i
         except OptionsError:  # over the limit: still say what it would cost (adaptive: at the least)
             plan, fits = make_plan(memory, "minimal" if name == "adaptive" else name), False
         calls = store_calls_per_token(pebbled, plan)
-        prediction = predict(plan, pos, transfer, calls, t_layer, overlapped=pebbled.backend.copies_overlap)
+        prediction = predict(plan, pos, transfer, calls, t_layer, overlapped=pebbled.backend.copies_overlap) \
+            if parallel == 1 else None
         rows[name] = {
             "plan": (f"adaptive:{plan.strategy.arg}" if plan.strategy.name == "adaptive"
                      else str(plan.strategy)),
@@ -90,8 +98,8 @@ def estimate(loaded: Loaded, options: Options, limit: int | None, context_pos: i
             "store_calls_per_token": calls,
             "budget_bytes": plan.budget_bytes,
             "fits": fits,  # None: no budget to fit
-            "predicted_seconds_per_token": prediction.seconds_per_token,
-            "predicted_slowdown": round(prediction.slowdown, 3),
+            "predicted_seconds_per_token": prediction and prediction.seconds_per_token,
+            "predicted_slowdown": prediction and round(prediction.slowdown, 3),
         }
     return {
         "model": loaded.path.stem,
@@ -104,6 +112,7 @@ def estimate(loaded: Loaded, options: Options, limit: int | None, context_pos: i
         "n_layers": memory.n_layers,
         "num_ctx": options.num_ctx,
         "num_batch": options.num_batch,
+        "parallel": parallel,
         "context_pos": pos,
         "memory_limit_bytes": limit,
         "smallest_footprint_bytes": smallest_footprint(memory),
@@ -136,8 +145,8 @@ def render(r: dict[str, Any]) -> str:
         table.append([name, f"{s['resident_layers']}/{s['n_layers']}",
                       format_bytes(s["estimated_peak_bytes"]), f"{s['reduction_pct']:.1f}%",
                       format_bytes(s["restored_bytes_per_token_estimate"]),
-                      f"{s['predicted_seconds_per_token'] * 1e3:.2f}", f"{s['predicted_slowdown']:.2f}x",
-                      fits])
+                      "-" if s["predicted_slowdown"] is None else f"{s['predicted_seconds_per_token'] * 1e3:.2f}",
+                      "-" if s["predicted_slowdown"] is None else f"{s['predicted_slowdown']:.2f}x", fits])
     adaptive = r["strategies"]["adaptive"]
     adaptive_budget = ("no budget: every layer resident" if adaptive["budget_bytes"] is None else
                        f"budget {format_bytes(adaptive['budget_bytes'])}"
@@ -145,7 +154,8 @@ def render(r: dict[str, Any]) -> str:
     random = " (random weights)" if r["random_weights"] else ""
     return "\n".join([
         f"{r['model']}{random}: {r['n_layers']} layers, backend {r['backend']}, "
-        f"num_ctx {r['num_ctx']}, num_batch {r['num_batch']}",
+        f"num_ctx {r['num_ctx']}, num_batch {r['num_batch']}"
+        + (f", {r['parallel']} requests decoding together" if r["parallel"] > 1 else ""),
         f"weights: {r['weights']}, {format_bytes(r['layer_weight_bytes'])} in the layers as held"
         + (" (their GGUF types)" if r["weights"] == "quantized" else " (expanded at load)"),
         f"memory limit: {'none' if limit is None else format_bytes(limit)}; smallest footprint "
@@ -167,7 +177,10 @@ def render(r: dict[str, Any]) -> str:
         f"restored/token: weights of the streamed layers + their KV rows 0..{pos - 1} (a sliding layer's: "
         f"its window's), for a decode step at context position {pos}." if r["sliding_layers"] else
         f"restored/token: weights of the streamed layers + their KV rows 0..{pos - 1}, for a decode "
-        f"step at context position {pos}.",
+        f"step at context position {pos}"
+        + (f"; a step of {r['parallel']} sequences restores the weights once, so each token pays 1/"
+           f"{r['parallel']} of them and its own KV rows. Peaks hold {r['parallel']} KV caches. No speed "
+           "is predicted for a batch (its compute is not measured here)." if r["parallel"] > 1 else "."),
         "ms/token: the layer stack only (embedding, output and sampling left out); calls = store calls "
         "per token (a restore per streamed weight tensor, K and V read and written per streamed layer); "
         + ("copies overlap compute: max(L x layer + calls x call, restored/bandwidth + layer)."

@@ -100,7 +100,9 @@ class Generation:
         self.sampler = Sampler(options)
         self.should_stop = should_stop or (lambda: False)
         self.prompt: list[int] = []
+        self.history: list[int] = []   # prompt and generated tokens: what the repeat penalties look at
         self.generated: list[int] = []
+        self.logits: np.ndarray | None = None  # what the next token is sampled from
         self.pos = 0
         self.stats = GenerationStats()
         # Kernels that run a whole layer per call at decode (pebble_decode_layer), where the source has them;
@@ -180,49 +182,75 @@ class Generation:
     def sample(self, logits: np.ndarray, history: Sequence[int]) -> int:
         return self.sampler(logits, history)
 
+    # -- a generation one step at a time (what a batch drives): start, then next_token and wants_forward
+    # for each token, the logits of the next one given by decode_one or by a batched step
+
+    def start(self, prompt: Sequence[int], cached: int = 0) -> None:
+        """Checks and prefills the prompt; `cached`: how many leading prompt tokens the layers' KV caches
+        already hold (a conversation going on), so only the rest is prefilled."""
+        prompt = list(prompt)
+        self._check_prompt(prompt)
+        if not 0 <= cached < len(prompt):
+            raise OptionsError(f"{cached} cached tokens of a {len(prompt)}-token prompt: at least its last "
+                               "token must run")
+        self.prompt, self.history = list(prompt), prompt
+        self.pos = self.stats.cached_tokens = cached
+        self.logits = self.prefill(prompt[cached:])
+
+    def next_token(self) -> int | None:
+        """The next token sampled from the current logits, or None when the generation is over (its
+        done_reason says why: the end of generation, num_predict reached, or cancelled)."""
+        limit = self.options.num_predict
+        if 0 <= limit <= self.stats.generated_tokens:
+            self.stats.done_reason = "length"
+            return None
+        start = time.perf_counter_ns()
+        logits = raw = self.logits
+        if self.constraint is not None:
+            logits = self.constraint.mask(logits)
+        token = self.sample(logits, self.history)
+        if self.constraint is not None and token not in self.model.tokenizer.eog_ids:
+            self.constraint.accept(token)
+        self.stats.generate_ns += time.perf_counter_ns() - start
+        if token in self.model.tokenizer.eog_ids:
+            self.stats.done_reason = "stop"
+            return None
+        if self.should_stop():  # checked per token, before the token is used
+            self.stats.done_reason = "cancelled"
+            return None
+        if self.logprobs is not None:  # of the raw logits, before any penalty or mask
+            self.logprobs.append(token_logprob(raw, token, self.top_logprobs))
+        self.stats.generated_tokens += 1
+        self.generated.append(token)
+        self.history.append(token)
+        return token
+
+    def wants_forward(self) -> bool:
+        """After a token: whether it must run through the layers for the next one; if not, the generation
+        is over (done_reason set). No forward pass runs for a token that will not be sampled."""
+        if self.constraint is not None and self.constraint.stopped:
+            self.stats.done_reason = "stop"  # the grammar is complete: only an end could follow
+            return False
+        if self.pos >= self.layers.n_ctx or self.stats.generated_tokens == self.options.num_predict:
+            self.stats.done_reason = "length"
+            return False
+        return True
+
     def tokens(self, prompt: Sequence[int], cached: int = 0) -> Iterator[int]:
         """Generated token ids, until end of generation, num_predict or a full context. `cached`: how many
         leading prompt tokens the layers' KV caches already hold (a conversation going on); only the
         rest is prefilled."""
-        prompt = list(prompt)
-        self._check_prompt(prompt)
-        self.prompt = list(prompt)
-        if not 0 <= cached < len(prompt):
-            raise OptionsError(f"{cached} cached tokens of a {len(prompt)}-token prompt: at least its last "
-                               "token must run")
-        self.pos = self.stats.cached_tokens = cached
-        logits = self.prefill(prompt[cached:])
-        history, limit = prompt, self.options.num_predict
-        while limit < 0 or self.stats.generated_tokens < limit:
-            start = time.perf_counter_ns()
-            raw = logits
-            if self.constraint is not None:
-                logits = self.constraint.mask(logits)
-            token = self.sample(logits, history)
-            if self.constraint is not None and token not in self.model.tokenizer.eog_ids:
-                self.constraint.accept(token)
-            self.stats.generate_ns += time.perf_counter_ns() - start
-            if token in self.model.tokenizer.eog_ids:
-                self.stats.done_reason = "stop"
+        self.start(prompt, cached)
+        while True:
+            token = self.next_token()
+            if token is None:
                 return
-            if self.should_stop():  # checked per token, before the token is used
-                self.stats.done_reason = "cancelled"
-                return
-            if self.logprobs is not None:  # of the raw logits, before any penalty or mask
-                self.logprobs.append(token_logprob(raw, token, self.top_logprobs))
-            self.stats.generated_tokens += 1
-            self.generated.append(token)
-            history.append(token)
             yield token
-            if self.constraint is not None and self.constraint.stopped:
-                self.stats.done_reason = "stop"  # the grammar is complete: only an end could follow
+            if not self.wants_forward():
                 return
-            if self.pos >= self.layers.n_ctx or self.stats.generated_tokens == limit:
-                break  # no forward pass for a token that will not be sampled
             start = time.perf_counter_ns()
-            logits = self.decode_one(token)
+            self.logits = self.decode_one(token)
             self.stats.generate_ns += time.perf_counter_ns() - start
-        self.stats.done_reason = "length"
 
     def forwarded(self) -> list[int]:
         """The tokens whose K and V the caches now hold, in position order."""
@@ -230,30 +258,25 @@ class Generation:
 
     def text(self, prompt: Sequence[int], cached: int = 0) -> Iterator[str]:
         """Generated text as it comes: whole characters only, cut before the first stop string."""
-        decoder = self.model.tokenizer.stream_decoder()
-        stops, pending = self.options.stop, ""
+        cutter = StopText(self.model.tokenizer, self.options.stop)
         tokens = self.tokens(prompt, cached)
         try:
             for token in tokens:
-                pending += decoder.push(token)
-                cut = _find_stop(pending, stops)
-                if cut is not None:
+                piece = cutter.push(token)
+                if cutter.stopped:
                     self.stats.done_reason = "stop"
-                    pending = pending[:cut]
-                    break
-                ready = len(pending) - _held_back(pending, stops)
-                if ready:
-                    yield pending[:ready]
-                    pending = pending[ready:]
-            else:
-                pending += decoder.flush()
-                cut = _find_stop(pending, stops)
-                if cut is not None:
-                    self.stats.done_reason, pending = "stop", pending[:cut]
+                    tokens.close()
+                if piece:
+                    yield piece
+                if cutter.stopped:
+                    return
         finally:
             tokens.close()
-        if pending:
-            yield pending
+        piece = cutter.finish()
+        if cutter.stopped:
+            self.stats.done_reason = "stop"
+        if piece:
+            yield piece
 
     def _check_prompt(self, prompt: list[int]) -> None:
         if not prompt:
@@ -265,6 +288,38 @@ class Generation:
         bad = [t for t in prompt if not 0 <= t < self.cfg.n_vocab]
         if bad:
             raise OptionsError(f"token ids {bad[:5]} are outside the vocabulary (0..{self.cfg.n_vocab - 1})")
+
+
+class StopText:
+    """Text from tokens as it comes: whole characters only, held back while it could still become a stop
+    string, cut before the first one (then `stopped`)."""
+
+    def __init__(self, tokenizer, stops: Sequence[str]):
+        self.decoder, self.stops = tokenizer.stream_decoder(), stops
+        self.pending, self.stopped = "", False
+
+    def push(self, token: int) -> str:
+        """The text that is ready after `token` (all that is left, cut, once a stop string appears)."""
+        self.pending += self.decoder.push(token)
+        cut = _find_stop(self.pending, self.stops)
+        if cut is not None:
+            self.stopped = True
+            piece, self.pending = self.pending[:cut], ""
+            return piece
+        ready = len(self.pending) - _held_back(self.pending, self.stops)
+        piece, self.pending = self.pending[:ready], self.pending[ready:]
+        return piece
+
+    def finish(self) -> str:
+        """What is left once no token follows (cut at a stop string it completes)."""
+        if self.stopped:
+            return ""
+        text = self.pending + self.decoder.flush()
+        cut = _find_stop(text, self.stops)
+        if cut is not None:
+            self.stopped, text = True, text[:cut]
+        self.pending = ""
+        return text
 
 
 def generate(model: Model, prompt_tokens: Sequence[int], options: Options | None = None, *,

@@ -17,7 +17,7 @@ from ..store import Backend, select_backend
 from ..xp import to_numpy
 from .constraint import Constraint
 from .generation import Generation
-from .layout import K_ID, V_ID, WEIGHT_IDS, StoredTensor, aligned, bytes_of, tensor_desc
+from .layout import WEIGHT_IDS, StoredTensor, aligned, bytes_of, kv_ids, tensor_desc
 from .options import Options
 from .plan import MemoryModel, PebblingOptions, Plan, make_plan, workspace_bytes
 from .store_layers import StoreLayers
@@ -80,8 +80,11 @@ class PebbledModel:
         if not keep_host_weights:
             model.release_layers()
         self.outer: OuterWeights = model.outer_weights(self.kernels)
-        self._kv_ctx: int | None = None
-        self.kv_tokens: list[int] = []  # the tokens whose K and V the store's KV entries hold, in order
+        self._kv_ctx: int | None = None        # the num_ctx the KV entries are sized for
+        self._kv_seqs: set[int] = set()         # the sequences whose KV entries exist
+        self._kv_tokens: dict[int, list[int]] = {}  # per sequence: the tokens its KV entries hold, in order
+        self._kv_used: dict[int, int] = {}      # per sequence: when a request last claimed it
+        self._kv_clock = 0
         self._overhead: int | None = None
 
     def close(self) -> None:
@@ -114,25 +117,28 @@ class PebbledModel:
         cfg = self.model.config
         return (cfg.kv_rows(i, n_ctx), cfg.n_head_kv, cfg.head_dim)
 
-    def memory_model(self, options: Options, prompt_tokens: int | None = None) -> MemoryModel:
+    def memory_model(self, options: Options, prompt_tokens: int | None = None, n_seqs: int = 1) -> MemoryModel:
         """Device memory for these options; knowing the prompt's length sizes the workspace for the
-        chunks and context this request can reach instead of a full num_batch chunk at num_ctx."""
+        chunks and context this request can reach instead of a full num_batch chunk at num_ctx.
+        `n_seqs`: sequences decoding together (a batch), each with its own KV cache at num_ctx."""
         cfg, isz = self.model.config, self.dtype.itemsize
         kv_token = cfg.kv_bytes_per_token(isz)
         output = self.outer.output
         output_bytes = output.nbytes if isinstance(output, QuantWeight) else output.size * isz
         fixed = output_bytes + (self.outer.output_norm.size + 2 * options.num_ctx * cfg.head_dim) * isz
         # Prefill chunks past the fused kernels also hold the fp16 expansion of a quantized matrix;
-        # decode, which multiplies by the quantized bytes, does not (StoreLayers drops it then).
+        # decode, which multiplies by the quantized bytes, does not (StoreLayers drops it then). A batch's
+        # decode step holds the activations of one token per sequence.
         if prompt_tokens is None:
             chunk = min(options.num_batch, options.num_ctx)
-            workspace = workspace_bytes(cfg, chunk, options.num_ctx, isz) + 2 * self._expansion_elements(chunk)
+            workspace = max(workspace_bytes(cfg, chunk, options.num_ctx, isz) + 2 * self._expansion_elements(chunk),
+                            n_seqs * workspace_bytes(cfg, 1, options.num_ctx, isz))
         else:
             chunk = min(options.num_batch, prompt_tokens)
             reach = options.num_ctx if options.num_predict < 0 else prompt_tokens + options.num_predict
             workspace = max(
                 workspace_bytes(cfg, chunk, prompt_tokens, isz) + 2 * self._expansion_elements(chunk),
-                workspace_bytes(cfg, 1, min(options.num_ctx, reach), isz))          # decode
+                n_seqs * workspace_bytes(cfg, 1, min(options.num_ctx, reach), isz))          # decode
         return MemoryModel(
             layer_weight_bytes=tuple(sum(aligned(t.nbytes) for t in layout) for layout in self.layouts),
             layer_kv_bytes=tuple(aligned(cfg.kv_rows(i, options.num_ctx) * kv_token // 2) * 2
@@ -141,7 +147,8 @@ class PebbledModel:
             kv_windows=tuple(cfg.sliding_window if cfg.is_sliding(i) else 0 for i in range(cfg.n_layer)),
             fixed_bytes=fixed,
             workspace_bytes=workspace,
-            overhead_bytes=self._overhead_bytes())
+            overhead_bytes=self._overhead_bytes(),
+            n_seqs=n_seqs)
 
     def _overhead_bytes(self) -> int:
         """The backend's own fixed cost: on the GPU, what NVML counts beyond the store's device tier
@@ -190,51 +197,93 @@ class PebbledModel:
         return held + (int(self.outer.output.nbytes) if self.backend.arrays_on_device else 0)
 
     def plan(self, options: Options, pebbling: PebblingOptions, prompt_tokens: int | None = None,
-             others: int = 0) -> Plan:
-        """The plan for a request (`prompt_tokens`: its prompt's length; `others`: see `budget`)."""
+             others: int = 0, n_seqs: int = 1) -> Plan:
+        """The plan for a request (`prompt_tokens`: its prompt's length; `others`: see `budget`), or for a
+        batch of `n_seqs` requests with these options (its KV caches all counted in the budget)."""
         strategy = pebbling.effective_strategy
         budget = self.budget(pebbling, others) if strategy.name == "adaptive" else pebbling.memory_limit
-        return make_plan(self.memory_model(options, prompt_tokens), strategy, budget)
+        return make_plan(self.memory_model(options, prompt_tokens, n_seqs), strategy, budget)
 
     def generation(self, options: Options, pebbling: PebblingOptions, prompt_tokens: int | None = None, *,
                    plan: Plan | None = None, others: int = 0, should_stop: Callable[[], bool] | None = None,
                    constraint: Constraint | None = None, logprobs: int | None = None) -> Generation:
-        """One request through the store: its plan (`plan`, else made from the options), the store made
-        to hold it, and a Generation over those layers."""
+        """One request alone through the store: its plan (`plan`, else made from the options), the store
+        made to hold it, and a Generation over those layers (sequence 0's KV entries)."""
         plan = plan or self.plan(options, pebbling, prompt_tokens, others)
-        self.kv_tokens = []  # the new request writes over them; its caller says what it left (keep_cache)
-        return Generation(self.model, options, layers=StoreLayers(self, plan, options, pebbling),
-                          should_stop=should_stop, constraint=constraint, logprobs=logprobs)
+        layers = StoreLayers(self, plan, options, pebbling).sequence(0)
+        self.claim(0)  # the new request writes over them; its caller says what it left (keep_cache)
+        return Generation(self.model, options, layers=layers, should_stop=should_stop, constraint=constraint,
+                          logprobs=logprobs)
 
-    def cached_prefix(self, tokens: Sequence[int], n_ctx: int) -> int:
-        """How many leading `tokens` the KV entries already hold for a request at `n_ctx` (the last
-        token always runs again: its logits are what the request samples from first)."""
+    # -- KV entries and the conversations they hold
+
+    @property
+    def kv_tokens(self) -> list[int]:
+        """The tokens whose K and V sequence 0's KV entries hold, in order."""
+        return self._kv_tokens.get(0, [])
+
+    def cached_prefix(self, tokens: Sequence[int], n_ctx: int, seq: int = 0) -> int:
+        """How many leading `tokens` sequence `seq`'s KV entries already hold for a request at `n_ctx`
+        (the last token always runs again: its logits are what the request samples from first)."""
         if self._kv_ctx != n_ctx:
             return 0
         n = 0
-        for a, b in zip(self.kv_tokens, tokens[:len(tokens) - 1]):
+        for a, b in zip(self._kv_tokens.get(seq, ()), tokens[:len(tokens) - 1]):
             if a != b:
                 break
             n += 1
         return n
 
+    def best_sequence(self, tokens: Sequence[int], n_ctx: int, free: Sequence[int],
+                      reuse: bool = True) -> tuple[int, int]:
+        """(sequence, cached tokens) for a request among the `free` sequences of a batch: the one whose KV
+        entries hold the longest start of `tokens` (when `reuse`), provided it is at least half of what
+        they hold (the request goes on from there, rather than sharing a BOS or a short system prompt
+        with another conversation); else the least recently used, so that the conversations of the last
+        requests keep their caches longest (whatever start of `tokens` that one holds is still used)."""
+        order = sorted(free, key=lambda s: self._kv_used.get(s, -1))
+        if reuse:
+            found = {s: self.cached_prefix(tokens, n_ctx, s) for s in order}
+            going_on = [s for s in order if found[s] and 2 * found[s] >= len(self._kv_tokens.get(s, ()))]
+            if going_on:
+                best = max(going_on, key=found.get)  # the first of the longest
+                return best, found[best]
+            return order[0], found[order[0]]  # its cache goes anyway: what matches of it is kept
+        return order[0], 0
+
+    def claim(self, seq: int) -> None:
+        """Sequence `seq`'s KV entries are about to be written by a new request."""
+        self._kv_tokens[seq] = []
+        self._kv_clock += 1
+        self._kv_used[seq] = self._kv_clock
+
     def keep_cache(self, generation: Generation) -> None:
-        """Remembers what `generation` (the last to run on this store) left in the KV entries."""
-        self.kv_tokens = generation.forwarded()
+        """Remembers what `generation` (the last to run on its sequence) left in its KV entries."""
+        self._kv_tokens[getattr(generation.layers, "seq", 0)] = generation.forwarded()
+
+    def ensure_kv(self, seq: int) -> None:
+        """Sequence `seq`'s KV entries exist in every layer, placed as the strategy says (call after
+        `prepare`)."""
+        if seq in self._kv_seqs:
+            return
+        for i in range(self.model.config.n_layer):
+            zeros = np.zeros(self.kv_shape(self._kv_ctx, i), self.dtype)  # contents past `pos` are never read
+            for tensor_id in kv_ids(seq):
+                self.store.save(i, tensor_id, zeros, desc=tensor_desc(self.dtype, zeros.shape))
+        self._kv_seqs.add(seq)
 
     def prepare(self, plan: Plan, n_ctx: int) -> None:
-        """Makes the store hold the plan: resident layers on the device, KV entries for n_ctx."""
+        """Makes the store hold the plan: resident layers on the device, KV entries for n_ctx and at
+        most the plan's sequences (those of other sequences, and their conversations, are dropped)."""
         store, n_layers = self.store, self.model.config.n_layer
-        if self._kv_ctx not in (None, n_ctx):
+        drop = set(self._kv_seqs) if self._kv_ctx not in (None, n_ctx) else \
+            {s for s in self._kv_seqs if s >= plan.memory.n_seqs}
+        for seq in drop:
             for i in range(n_layers):
-                store.erase(i, K_ID)
-                store.erase(i, V_ID)
-            self._kv_ctx = None
+                for tensor_id in kv_ids(seq):
+                    store.erase(i, tensor_id)
+            self._kv_seqs.discard(seq)
+            self._kv_tokens.pop(seq, None)
+        self._kv_ctx = n_ctx
         store.set_strategy(plan.strategy, device_limit=plan.store_limit)
-        if self._kv_ctx is None:
-            for i in range(n_layers):
-                zeros = np.zeros(self.kv_shape(n_ctx, i), self.dtype)  # contents past `pos` are never read
-                store.save(i, K_ID, zeros, desc=tensor_desc(self.dtype, zeros.shape))
-                store.save(i, V_ID, zeros, desc=tensor_desc(self.dtype, zeros.shape))
-            self._kv_ctx = n_ctx
         store.reset_stats()

@@ -1,11 +1,11 @@
 """The plan: which layers stay resident for a strategy and a budget, and the peak device memory that
 costs (an estimate, computed from the model's shape, labelled as such wherever it is shown).
 
-Peak device memory of a plan =
-    resident layers' weights and KV cache (the store's device tier)
-  + working slots x the largest streamed layer's weights and KV cache
+Peak device memory of a plan for a batch of n_seqs sequences (1 for a request alone) =
+    resident layers' weights and every sequence's KV cache (the store's device tier)
+  + working slots x the largest streamed layer's weights and every sequence's KV cache
   + fixed tensors (output norm and output matrix)
-  + the workspace of one prefill chunk of num_batch tokens
+  + the workspace of one prefill chunk of num_batch tokens, or of a decode step over the batch
   + the backend's fixed overhead (the CUDA context and allocator on the GPU; 0 on host and stub)
 """
 
@@ -23,16 +23,17 @@ from ..store.strategy import ADAPTIVE, NONE, Strategy, resident_layers
 
 @dataclass(frozen=True)
 class MemoryModel:
-    """What one model costs in device memory, in bytes, for one num_ctx, num_batch and dtype."""
+    """What one model costs in device memory, in bytes, for one num_ctx, num_batch, dtype and batch size."""
 
     layer_weight_bytes: tuple[int, ...]  # per layer, as held on the device
-    layer_kv_bytes: int | tuple[int, ...]  # K and V of one layer at num_ctx (per layer: a sliding layer's
-                                           # cache holds its window only)
+    layer_kv_bytes: int | tuple[int, ...]  # K and V of one layer at num_ctx, for one sequence (per layer: a
+                                           # sliding layer's cache holds its window only)
     kv_bytes_per_token: int              # K and V rows of one layer for one token
     fixed_bytes: int                     # output norm and output matrix
-    workspace_bytes: int                 # activations of one prefill chunk
+    workspace_bytes: int                 # activations of one prefill chunk or batched decode step
     overhead_bytes: int = 0              # the backend's own fixed cost
     kv_windows: tuple[int, ...] = ()     # per layer, the most positions its cache holds (0: all of them)
+    n_seqs: int = 1                      # sequences decoding together, each with KV entries of its own
 
     @property
     def n_layers(self) -> int:
@@ -43,7 +44,7 @@ class MemoryModel:
         return kv if isinstance(kv, int) else kv[i]
 
     def layer_bytes(self, i: int) -> int:
-        return self.layer_weight_bytes[i] + self.kv_bytes(i)
+        return self.layer_weight_bytes[i] + self.n_seqs * self.kv_bytes(i)
 
     def kv_rows(self, i: int, context_tokens: int) -> int:
         """KV rows layer i holds with `context_tokens` in the cache: at most its window."""
@@ -68,9 +69,11 @@ class Plan:
         return tuple(i for i in range(self.memory.n_layers) if i not in resident)
 
     def restored_bytes_per_token(self, context_tokens: int) -> int:
-        """Bytes a decode step restores with `context_tokens` already in the cache (an estimate)."""
+        """Bytes a decode step restores per token generated with `context_tokens` already in each
+        sequence's cache (an estimate): a full batch shares each streamed layer's weights, while every
+        sequence reads its own KV rows."""
         m = self.memory
-        return sum(m.layer_weight_bytes[i] + m.kv_rows(i, context_tokens) * m.kv_bytes_per_token
+        return sum(m.layer_weight_bytes[i] // m.n_seqs + m.kv_rows(i, context_tokens) * m.kv_bytes_per_token
                    for i in self.streamed)
 
 

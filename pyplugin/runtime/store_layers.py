@@ -1,33 +1,48 @@
-"""A plan run through a pebble store for one request: the LayerSource that streams.
+"""A plan run through a pebble store for a batch of sequences: the LayerSource that streams.
 
 Resident layers are computed in place from the store's device tier; streamed layers are restored into
 two working slots (the next one while the current one computes) and their new KV rows saved back.
-The backend's device operations order copies against compute (streams and events on the GPU, no-ops
-where a copy is done when its call returns).
+A forward pass runs one sequence's prefill chunk, or one decode token of each sequence of a batch: a
+streamed layer's weights are restored once per pass, whatever the number of sequences in it, and each
+sequence's KV cache (entries of its own, `layout.kv_ids`) comes along with it. The backend's device
+operations order copies against compute (streams and events on the GPU, no-ops where a copy is done
+when its call returns).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Sequence
 
 import numpy as np
 
 from ..model import LayerWeights
 from ..store import Strategy
 from .options import Options
-from .layout import K_ID, V_ID, aligned, bytes_of
+from .layout import aligned, bytes_of, kv_ids
 from .plan import PebblingOptions, Plan
 
 Array = Any
 
 
+@dataclass
+class SequenceCost:
+    """What one sequence's passes cost it: a pass's restored bytes and restores are divided equally among
+    the sequences it ran (a prefill chunk runs one sequence, which pays for it all)."""
+
+    bytes_restored: float = 0.0
+    restores: float = 0.0
+    passes: list[tuple[int, float, int]] = field(default_factory=list)  # (position, bytes share, sequences)
+
+
 class StoreLayers:
-    """A Plan run through the store for one request.
+    """A Plan run through the store for up to `plan.memory.n_seqs` sequences, each with KV entries of
+    its own in every layer (sequence s: tensor ids `kv_ids(s)`).
 
     Streamed layers go through working slots: slot n % 2 receives the n-th streamed layer's weights and
-    its KV rows 0..pos while the layer before it computes; after it computes, its new KV rows are saved
-    back. Where copies overlap compute (the GPU) they run on a stream of their own and events order
-    them against compute, so no step waits for the whole device."""
+    the KV rows 0..pos of every sequence in the pass while the layer before it computes; after it
+    computes, the new KV rows are saved back. Where copies overlap compute (the GPU) they run on a stream
+    of their own and events order them against compute, so no step waits for the whole device."""
 
     def __init__(self, pebbled: Any, plan: Plan, options: Options, pebbling: PebblingOptions):
         """`pebbled`: the PebbledModel whose store holds the layers."""
@@ -36,40 +51,64 @@ class StoreLayers:
         self.store, self.xp, self.dtype, self.outer = pebbled.store, pebbled.xp, pebbled.dtype, pebbled.outer
         self.decode_kernels = pebbled.kernels if pebbled.fused_decode else None
         self.n_ctx = options.num_ctx
+        self.n_seqs = plan.memory.n_seqs
+        self.n_layers = plan.memory.n_layers
+        # Per layer: a sliding-window layer's cache is a ring of its window's rows.
         self.kv_shapes = [pebbled.kv_shape(self.n_ctx, i) for i in range(len(pebbled.layouts))]
         self.kv_row_bytes = int(np.prod(self.kv_shapes[0][1:])) * self.dtype.itemsize
         pebbled.kernels.release_workspace()
-        backend.free_pool()  # measure this request, not the last
+        backend.free_pool()  # measure this plan, not the last
         pebbled.prepare(plan, self.n_ctx)
 
-        self.resident = {i: self._resident_views(i) for i in plan.resident}
+        self.resident = {i: self._resident_weights(i) for i in plan.resident}
+        self._resident_kv: dict[tuple[int, int], tuple[Array, Array]] = {}
         self.streamed = list(plan.streamed)
         self.order = {layer: n for n, layer in enumerate(self.streamed)}
         slot_bytes = max((self._slot_size(i) for i in self.streamed), default=0)
         self.slots = [self.xp.empty(slot_bytes, np.uint8) for _ in range(plan.n_slots)]
         self.slot_bytes = slot_bytes
-        self.in_slot: list[tuple] = [None] * plan.n_slots  # (weights, k, v) of the layer each holds
+        self.in_slot: list[tuple | None] = [None] * plan.n_slots  # (weights, [(k, v) per sequence])
+        self._views: dict[tuple[int, int, int], tuple] = {}
         self.copy_stream = backend.copy_stream()
         self.ready = [backend.event() for _ in self.slots]     # a slot's layer is restored
         self.computed = [backend.event() for _ in self.slots]  # a slot's layer has computed
         self.peak_sample = 0
-        self.forwards: list[tuple[int, int]] = []  # (position, bytes restored before) per forward pass
+        self.costs: dict[int, SequenceCost] = {}
+        self.pass_seqs: list[tuple[int, int, int]] = []   # (sequence, position, tokens) of the pass running
+        self._pass_start = (0, 0)
         self._sample_memory()
+
+    def sequence(self, seq: int) -> "SequenceLayers":
+        """The LayerSource of sequence `seq` alone (its prefill, or decode steps of its own), its cost
+        counted from here on."""
+        if not 0 <= seq < self.n_seqs:
+            raise ValueError(f"sequence {seq} is outside this plan's 0..{self.n_seqs - 1}")
+        self.pebbled.ensure_kv(seq)
+        self.costs[seq] = SequenceCost()
+        return SequenceLayers(self, seq)
 
     # -- views
 
-    def _resident_views(self, i: int) -> tuple[LayerWeights, Array, Array]:
+    def _resident_weights(self, i: int) -> LayerWeights:
         view, kernels = self.store.device_array, self.pebbled.kernels
-        weights = {t.name: t.view(view(i, t.tensor_id, np.uint8, (t.nbytes,)), self.dtype, kernels)
-                   for t in self.pebbled.layouts[i]}
-        return (LayerWeights(**weights), view(i, K_ID, self.dtype, self.kv_shapes[i]),
-                view(i, V_ID, self.dtype, self.kv_shapes[i]))
+        return LayerWeights(**{t.name: t.view(view(i, t.tensor_id, np.uint8, (t.nbytes,)), self.dtype, kernels)
+                               for t in self.pebbled.layouts[i]})
+
+    def _kv_bytes(self, i: int) -> int:
+        return int(np.prod(self.kv_shapes[i])) * self.dtype.itemsize
 
     def _slot_size(self, i: int) -> int:
-        kv = aligned(int(np.prod(self.kv_shapes[i])) * self.dtype.itemsize)
-        return sum(aligned(t.nbytes) for t in self.pebbled.layouts[i]) + 2 * kv
+        return sum(aligned(t.nbytes) for t in self.pebbled.layouts[i]) + 2 * self.n_seqs * aligned(self._kv_bytes(i))
 
-    def _slot_views(self, slot: int, i: int) -> tuple[LayerWeights, Array, Array]:
+    def _slot_views(self, slot: int, i: int, n_seqs: int) -> tuple[LayerWeights, list[tuple[Array, Array]]]:
+        """Layer i's weights and n_seqs sequences' caches over slot `slot` (made once: the slots live as
+        long as the plan)."""
+        views = self._views.get((slot, i, n_seqs))
+        if views is None:
+            views = self._views[slot, i, n_seqs] = self._carve(slot, i, n_seqs)
+        return views
+
+    def _carve(self, slot: int, i: int, n_seqs: int) -> tuple[LayerWeights, list[tuple[Array, Array]]]:
         buffer, offset, arrays = self.slots[slot], 0, {}
 
         def carve(nbytes: int) -> Array:
@@ -80,56 +119,87 @@ class StoreLayers:
 
         for t in self.pebbled.layouts[i]:
             arrays[t.name] = t.view(carve(t.nbytes), self.dtype, self.pebbled.kernels)
-        kv_bytes = int(np.prod(self.kv_shapes[i])) * self.dtype.itemsize
-        k, v = (carve(kv_bytes).view(self.dtype).reshape(self.kv_shapes[i]) for _ in range(2))
-        return LayerWeights(**arrays), k, v
+        caches = [tuple(carve(self._kv_bytes(i)).view(self.dtype).reshape(self.kv_shapes[i]) for _ in range(2))
+                  for _ in range(n_seqs)]
+        return LayerWeights(**arrays), caches
 
-    # -- the LayerSource protocol
+    # -- a forward pass: begin_pass, then weights / caches and done for every layer in order
 
-    def begin(self, pos: int, n_tokens: int) -> None:
-        self.pos, self.n_tokens = pos, n_tokens
-        if n_tokens <= self.pebbled.kernels.max_vec:  # the fused kernels take it all: no expanded matrix from here on
-            self.pebbled.kernels.release_workspace()
-        self.forwards.append((pos, self.store.stats().bytes_restored))
+    def begin_pass(self, seqs: Sequence[tuple[int, int, int]]) -> None:
+        """A forward pass of (sequence, position, tokens) for each sequence in it is about to run."""
+        if not seqs or len(seqs) > self.n_seqs:
+            raise ValueError(f"a pass runs 1..{self.n_seqs} sequences, got {len(seqs)}")
+        self.pass_seqs = list(seqs)
+        self.batch_index = {seq: b for b, (seq, _, _) in enumerate(seqs)}
+        if max(n for _, _, n in seqs) <= self.pebbled.kernels.max_vec:
+            self.pebbled.kernels.release_workspace()  # the fused kernels take it all: no expanded matrix
+        stats = self.store.stats()
+        self._pass_start = (stats.bytes_restored, stats.restores)
         for n in range(min(len(self.slots), len(self.streamed))):
             self._restore(n)
 
-    def layer(self, i: int) -> tuple[LayerWeights, Array, Array]:
+    def weights(self, i: int) -> LayerWeights:
         if i in self.resident:
             return self.resident[i]
         slot = self.order[i] % len(self.slots)
         self.backend.wait(self.ready[slot])
-        return self.in_slot[slot]
+        return self.in_slot[slot][0]
+
+    def caches(self, i: int, seq: int) -> tuple[Array, Array]:
+        """Sequence `seq`'s K and V caches of layer i [n_ctx, n_head_kv, head_dim] (call after `weights(i)`)."""
+        if i in self.resident:
+            views = self._resident_kv.get((i, seq))
+            if views is None:
+                views = self._resident_kv[i, seq] = tuple(
+                    self.store.device_array(i, tid, self.dtype, self.kv_shapes[i]) for tid in kv_ids(seq))
+            return views
+        return self.in_slot[self.order[i] % len(self.slots)][1][self.batch_index[seq]]
 
     def done(self, i: int) -> None:
-        if i not in self.order:
-            return
-        n = self.order[i]
-        slot = n % len(self.slots)
-        _, k, v = self.in_slot[slot]
-        self.backend.record(self.computed[slot])
-        self.backend.wait(self.computed[slot], self.copy_stream)
-        for start, stop in ring_rows(self.pos, self.n_tokens, self.kv_shapes[i][0]):
-            offset = start * self.kv_row_bytes
-            self.store.write(i, K_ID, offset, k[start:stop], stream=self.copy_stream)
-            self.store.write(i, V_ID, offset, v[start:stop], stream=self.copy_stream)
-        if n + len(self.slots) < len(self.streamed):
-            self._restore(n + len(self.slots))
-        if i == self.streamed[-1]:
-            self._sample_memory()
+        if i in self.order:
+            n = self.order[i]
+            slot = n % len(self.slots)
+            _, caches = self.in_slot[slot]
+            self.backend.record(self.computed[slot])
+            self.backend.wait(self.computed[slot], self.copy_stream)
+            for (seq, pos, n_tokens), (k, v) in zip(self.pass_seqs, caches):
+                k_id, v_id = kv_ids(seq)
+                for start, stop in ring_rows(pos, n_tokens, self.kv_shapes[i][0]):
+                    offset = start * self.kv_row_bytes
+                    self.store.write(i, k_id, offset, k[start:stop], stream=self.copy_stream)
+                    self.store.write(i, v_id, offset, v[start:stop], stream=self.copy_stream)
+            if n + len(self.slots) < len(self.streamed):
+                self._restore(n + len(self.slots))
+            if i == self.streamed[-1]:
+                self._sample_memory()
+        if i == self.n_layers - 1:
+            self._charge()
 
     def _restore(self, n: int) -> None:
-        """Restores the n-th streamed layer into slot n % slots (queued on the copy stream)."""
+        """Restores the n-th streamed layer, and the KV of every sequence in the pass, into slot n % slots
+        (queued on the copy stream)."""
         i, slot = self.streamed[n], n % len(self.slots)
-        weights, k, v = views = self._slot_views(slot, i)
+        weights, caches = views = self._slot_views(slot, i, len(self.pass_seqs))
         for t in self.pebbled.layouts[i]:
             self.store.restore(i, t.tensor_id, bytes_of(getattr(weights, t.name)), stream=self.copy_stream)
-        held = min(self.pos, self.kv_shapes[i][0])  # a sliding layer's ring holds its window at most
-        if held:
-            self.store.read(i, K_ID, 0, k[:held], stream=self.copy_stream)
-            self.store.read(i, V_ID, 0, v[:held], stream=self.copy_stream)
+        for (seq, pos, _), (k, v) in zip(self.pass_seqs, caches):
+            held = min(pos, self.kv_shapes[i][0])  # a sliding layer's ring holds its window at most
+            if held:
+                k_id, v_id = kv_ids(seq)
+                self.store.read(i, k_id, 0, k[:held], stream=self.copy_stream)
+                self.store.read(i, v_id, 0, v[:held], stream=self.copy_stream)
         self.backend.record(self.ready[slot], self.copy_stream)
         self.in_slot[slot] = views
+
+    def _charge(self) -> None:
+        """Divides what the pass restored equally among its sequences."""
+        stats, (bytes_before, restores_before) = self.store.stats(), self._pass_start
+        share = 1 / len(self.pass_seqs)
+        for seq, pos, _ in self.pass_seqs:
+            cost = self.costs.setdefault(seq, SequenceCost())
+            cost.bytes_restored += (stats.bytes_restored - bytes_before) * share
+            cost.restores += (stats.restores - restores_before) * share
+            cost.passes.append((pos, (stats.bytes_restored - bytes_before) * share, len(self.pass_seqs)))
 
     # -- what it cost
 
@@ -139,10 +209,11 @@ class StoreLayers:
             self.peak_sample = max(self.peak_sample, used.bytes)
             self.measured_by = used.how
 
-    def report(self, stats) -> dict[str, Any]:
-        """The `pebbling` object of a final response (DESIGN.md), from this request's store stats."""
+    def report(self, stats, seq: int = 0) -> dict[str, Any]:
+        """The `pebbling` object of sequence `seq`'s final response (DESIGN.md). Memory is the batch's:
+        the plan, its estimate and the peak hold every sequence the plan makes room for. Restored bytes
+        are this sequence's share of the passes it took part in."""
         self._sample_memory()
-        self.pebbled.kernels.release_workspace()  # the request is over: an idle model holds none
         store = self.store.stats()
         plan, memory = self.plan, self.plan.memory
         if self.peak_sample:
@@ -152,10 +223,10 @@ class StoreLayers:
                         + memory.workspace_bytes + memory.overhead_bytes)
             how = ("byte-accounted (store device tier peak + working slots + output weights + "
                    "workspace reservation; no GPU measured)")
+        cost = self.costs.get(seq, SequenceCost())
         # Decode steps are the forward passes that start past the prompt.
         prompt_end = stats.cached_tokens + stats.prompt_tokens
-        starts = [b for pos, b in self.forwards if pos >= prompt_end] + [store.bytes_restored]
-        decoded = len(starts) - 1
+        decode = [(share, n) for pos, share, n in cost.passes if pos >= prompt_end]
         return {
             "strategy": _strategy_name(plan.strategy),
             "enabled": self.pebbling.enabled is not False,
@@ -168,11 +239,50 @@ class StoreLayers:
             "estimated_peak_bytes": plan.estimated_peak_bytes,
             "measured_peak_bytes": int(measured),
             "measured_peak_how": how,
-            "bytes_restored": int(store.bytes_restored),
-            "restores": int(store.restores),
-            "bytes_restored_per_token": (starts[-1] - starts[0]) // decoded if decoded else None,
+            "bytes_restored": round(cost.bytes_restored),
+            "restores": round(cost.restores),
+            "bytes_restored_per_token": int(sum(s for s, _ in decode) // len(decode)) if decode else None,
             "cached_tokens": stats.cached_tokens,
+            "batch": {"n_parallel": self.n_seqs,
+                      "largest": max((n for _, n in decode), default=1),
+                      "mean": round(sum(n for _, n in decode) / len(decode), 2) if decode else 1.0},
         }
+
+    def release(self) -> None:
+        """The plan is over: an idle model holds no workspace."""
+        self.pebbled.kernels.release_workspace()
+
+
+class SequenceLayers:
+    """One sequence's LayerSource over a StoreLayers shared with the other sequences of its batch."""
+
+    def __init__(self, shared: StoreLayers, seq: int):
+        self.shared, self.seq = shared, seq
+        self.n_ctx, self.xp, self.outer = shared.n_ctx, shared.xp, shared.outer
+        self.decode_kernels = shared.decode_kernels
+
+    @property
+    def plan(self) -> Plan:
+        return self.shared.plan
+
+    @property
+    def kv_row_bytes(self) -> int:
+        return self.shared.kv_row_bytes
+
+    def begin(self, pos: int, n_tokens: int) -> None:
+        self.shared.begin_pass([(self.seq, pos, n_tokens)])
+
+    def layer(self, i: int) -> tuple[LayerWeights, Array, Array]:
+        return (self.shared.weights(i), *self.shared.caches(i, self.seq))
+
+    def done(self, i: int) -> None:
+        self.shared.done(i)
+
+    def report(self, stats) -> dict[str, Any]:
+        report = self.shared.report(stats, self.seq)
+        if self.shared.n_seqs == 1:
+            self.shared.release()  # alone: the request is over
+        return report
 
 
 def ring_rows(pos: int, n: int, rows: int) -> list[tuple[int, int]]:

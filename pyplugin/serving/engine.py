@@ -4,9 +4,10 @@ An ``Engine`` resolves model names, loads each model once and keeps it for its k
 rules: default 5 minutes, 0 unloads after the request, a negative value keeps it for good), builds
 prompts (raw, a request's template, or the model's chat template with an optional system message),
 and runs generations. Each loaded model has one worker thread that takes its requests in arrival
-order, so two requests never share a KV cache or the model's store; a request that waits is simply
-queued. A job's cancel flag is checked before every token, so a client that goes away stops its
-generation and frees what it held. Counts are tokens, durations nanoseconds, as in Ollama.
+order and decodes up to num_parallel of them together, each with a KV cache of its own, one pass over
+the layers per step (batching.py says which requests share a batch); the rest wait in its queue. A
+job's cancel flag is checked before every token, so a client that goes away stops its generation and
+frees what it held. Counts are tokens, durations nanoseconds, as in Ollama.
 """
 
 from __future__ import annotations
@@ -20,19 +21,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ..errors import OptionsError, PebblingError
+from ..errors import OptionsError
 from ..model import Model, load_model
 from ..runtime import Options, PebbledModel, PebblingOptions
 from ..runtime.constraint import Constraint
 from ..runtime.embedding import check_pooling, normalize, pool
 from .catalogue import Catalogue, ModelListing, RunningModel, ServerBusyError, model_errors, with_tag
-from .settings import DEFAULT_MAX_CONTEXT, DEFAULT_MAX_QUEUE, MAX_CONTEXT_ENV, MAX_QUEUE_ENV, env_limit
+from .batching import Batcher
 from .go_template import GoTemplate
-from .jobs import (DEFAULT_KEEP_ALIVE, FOREVER, Final, GenerationRequest, Job, Piece, json_ready, parse_keep_alive,
-                   since)
+from .jobs import DEFAULT_KEEP_ALIVE, FOREVER, Final, GenerationRequest, Job, json_ready, parse_keep_alive, since
 from .modelfile import ModelLayers, chat_renderer, show_fields, template_source, with_layers
 from .prompt import check_context, cut_note, embed_inputs, fit_messages, fit_tokens
 from .reply import ReplyPlan
+from .settings import (DEFAULT_MAX_CONTEXT, DEFAULT_MAX_QUEUE, MAX_CONTEXT_ENV, MAX_QUEUE_ENV, env_limit,
+                       parallel_limit)
 
 logger = logging.getLogger("pebbling")
 
@@ -61,13 +63,18 @@ class Engine:
 
     def __init__(self, models_dir: str | Path | None = None, *,
                  default_keep_alive: float = DEFAULT_KEEP_ALIVE, backend: str | None = None,
-                 max_queue: int | None = None, max_context: int | None = None):
+                 max_queue: int | None = None, max_context: int | None = None, num_parallel: int | None = None):
         """`max_queue`: requests queued or running at once across models, past which a request is
         refused with ServerBusyError (default $PEBBLING_MAX_QUEUE, else 512, as OLLAMA_MAX_QUEUE);
         `max_context`: the largest num_ctx served whatever a model file allows (default
-        $PEBBLING_MAX_CONTEXT, else 131072), since the KV cache is reserved at num_ctx."""
+        $PEBBLING_MAX_CONTEXT, else 131072), since the KV cache is reserved at num_ctx; `num_parallel`:
+        the most requests to one model that decode together (default $PEBBLING_NUM_PARALLEL, else
+        $OLLAMA_NUM_PARALLEL, else 4), each holding a KV cache at its num_ctx."""
         self.max_queue = env_limit(MAX_QUEUE_ENV, DEFAULT_MAX_QUEUE) if max_queue is None else max_queue
         self.max_context = env_limit(MAX_CONTEXT_ENV, DEFAULT_MAX_CONTEXT) if max_context is None else max_context
+        self.num_parallel = num_parallel if num_parallel is not None else parallel_limit()
+        if self.num_parallel < 1:
+            raise ValueError(f"num_parallel must be at least 1, got {self.num_parallel}")
         self.catalogue = Catalogue(models_dir)
         self.models_dir = self.catalogue.models_dir
         self.default_keep_alive = default_keep_alive
@@ -198,36 +205,6 @@ class Engine:
         tokens, cut = fit_tokens(model, text, context, options)
         return tokens, text, cut_note(dropped, cut, len(tokens), options.num_keep)
 
-    def _run(self, entry: _Loaded, job: Job) -> Final | None:
-        """Generate for one job, streaming its text; its Final, or None if it was cancelled first."""
-        if job.cancelled:  # the client left while the request waited
-            return None
-        if job.inputs is not None:
-            return self._run_embed(entry, job)
-        pebbled = entry.pebbled
-        # A conversation going on starts from the KV its last turn left, unless the request says not to.
-        cached = pebbled.cached_prefix(job.tokens, job.options.num_ctx) if job.pebbling.cache_prompt else 0
-        gen = pebbled.generation(job.options, job.pebbling, len(job.tokens), others=self._others(entry),
-                                 should_stop=lambda: job.cancelled, constraint=job.constraint,
-                                 logprobs=job.request.logprobs)
-        sent: list[dict[str, Any]] = []  # the logprobs sent with the pieces so far
-        for piece in gen.text(job.tokens, cached):
-            if job.cancelled:
-                break
-            job._put(Piece.of(piece, gen, sent) if gen.logprobs is not None else piece)
-        pebbled.keep_cache(gen)
-        stats, report = gen.stats, json_ready(gen.report())
-        entry.size_vram = report["measured_peak_bytes"] if entry.pebbled.backend.measures_memory else 0
-        if job.truncated:
-            report["prompt_truncated"] = job.truncated
-        return Final(job.request.model, "cancelled" if job.cancelled else stats.done_reason or "stop",
-                     job.tokens + gen.generated, total_duration=since(job.request.started_ns),
-                     load_duration=job.load_ns, prompt_eval_count=stats.prompt_tokens,
-                     prompt_eval_duration=stats.prompt_ns, eval_count=stats.generated_tokens,
-                     eval_duration=stats.generate_ns, report=report,
-                     logprobs=sent if gen.logprobs is not None else None)
-        # `gen`, and the KV cache it holds, is freed on return: before the next job allocates its own.
-
     def _run_embed(self, entry: _Loaded, job: Job) -> Final | None:
         """One vector per input, each through the model's store under the request's plan."""
         request, vectors, tokens, prompt_ns, report = job.request, [], 0, 0, None
@@ -247,27 +224,18 @@ class Engine:
                      load_duration=job.load_ns, prompt_eval_count=tokens, prompt_eval_duration=prompt_ns,
                      report=report, embeddings=vectors)
 
-    def _work(self, entry: _Loaded) -> None:
-        while True:
-            job = entry.jobs.get()
-            if job is None:
-                return
-            try:
-                outcome: Final | BaseException | None = self._run(entry, job)
-            except Exception as exc:
-                if not isinstance(exc, PebblingError):  # a bug, not a bad request: keep the trace
-                    logger.exception("generation for %r failed", job.request.model)
-                outcome = exc
-            with self._lock:
-                self.counts["failed" if isinstance(outcome, Exception) else "dropped" if outcome is None
-                            else "cancelled" if job.cancelled else "completed"] += 1
-            # Released before the client hears the end, so keep_alive 0 has unloaded by then.
-            self._release(entry, job.keep_alive)
-            if isinstance(outcome, Final):
-                self._finished(outcome)
-            if outcome is not None:
-                job._put(outcome)
-            job._put(Job._END)
+    def _job_done(self, entry: _Loaded, job: Job, outcome: Final | BaseException | None) -> None:
+        """A job has ended (outcome: its Final, its error, or None when it was cancelled before it ran)."""
+        with self._lock:
+            self.counts["failed" if isinstance(outcome, Exception) else "dropped" if outcome is None
+                        else "cancelled" if job.cancelled else "completed"] += 1
+        # Released before the client hears the end, so keep_alive 0 has unloaded by then.
+        self._release(entry, job.keep_alive)
+        if isinstance(outcome, Final):
+            self._finished(outcome)
+        if outcome is not None:
+            job._put(outcome)
+        job._put(Job._END)
 
     # -- loading and keep_alive ---------------------------------------------------------------------
 
@@ -298,8 +266,9 @@ class Engine:
                     if entry.active == 0 and self._loaded.get(key) is entry:
                         del self._loaded[key]
                 raise
-            entry.worker = threading.Thread(target=self._work, args=(entry,), daemon=True,
-                                            name=f"pebbling-model-{name}")
+            batcher = Batcher(entry, self.num_parallel, finish=lambda job, outcome: self._job_done(entry, job, outcome),
+                              others=lambda: self._others(entry), run_embed=lambda job: self._run_embed(entry, job))
+            entry.worker = threading.Thread(target=batcher.run, daemon=True, name=f"pebbling-model-{name}")
             entry.worker.start()
             load_ns = time.perf_counter_ns() - start
             logger.info("loaded model=%s weights=%s backend=%s layers=%d in %.0f ms", name, weights,

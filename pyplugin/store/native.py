@@ -109,6 +109,9 @@ def _check(lib, status: int) -> None:
 
 def _buffer(obj, backend: str, *, writable: bool, what: str):
     """(pointer, nbytes) of a host buffer or, on the cuda backend, of a CUDA array."""
+    if type(obj) is np.ndarray and obj.flags.c_contiguous and obj.dtype.kind in "biuf" and \
+            (obj.flags.writeable or not writable):  # the common case, without building a memoryview
+        return ffi.from_buffer("char[]", obj, require_writable=writable), obj.nbytes
     cai = getattr(obj, "__cuda_array_interface__", None)
     if cai is None:
         view = host_buffer(obj, writable=writable, what=what)
@@ -232,12 +235,21 @@ class NativeStore(Store):
                          what="write data")
 
     def _range_call(self, call, layer, tensor_id, offset, buffer, stream, *, writable: bool, what: str) -> None:
-        """pebble_read or pebble_write: bytes [offset, offset + the buffer's size) of an entry."""
+        """pebble_read or pebble_write: bytes [offset, offset + the buffer's size) of an entry. A batched
+        decode step reads and writes each sequence's KV rows this way, so plain ints skip the checks that
+        other values need."""
         handle = self._live()
-        layer, tensor_id, offset = self._layer(layer), self._tensor_id(tensor_id), self._offset(offset)
+        if not (type(layer) is int and type(tensor_id) is int and type(offset) is int
+                and INT32_MIN <= layer <= INT32_MAX and INT32_MIN <= tensor_id <= INT32_MAX
+                and 0 <= offset <= UINT64_MAX):
+            layer, tensor_id, offset = self._layer(layer), self._tensor_id(tensor_id), self._offset(offset)
         ptr, nbytes = self._buffer(buffer, writable=writable, what=what)
-        self._check(call(handle, layer, tensor_id, offset, ptr, nbytes, self._stream(stream)))
-        self._finish(stream)
+        status = call(handle, layer, tensor_id, offset, ptr, nbytes,
+                      ffi.NULL if stream is None else self._stream(stream))
+        if status:
+            self._check(status)
+        if stream is None:
+            self._check(self._lib.pebble_synchronize(handle))
 
     def erase(self, layer, tensor_id):
         handle = self._live()

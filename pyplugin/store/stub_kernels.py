@@ -109,8 +109,11 @@ class StubKernels:
             raise SizeMismatchError(f"matvec: out holds {y.nbytes} bytes; {n_vec} float32 vectors of "
                                     f"{n_rows} need {4 * n_vec * n_rows}")
         weights = self._decode(ggml_type, w, n_rows)
-        np.matmul(x.reshape(n_vec, n_cols).astype(np.float32), weights.T,
-                  out=np.frombuffer(y, np.float32).reshape(n_vec, n_rows))
+        # One vector at a time, as the native kernels sum each vector alone: a BLAS GEMM over several would
+        # round each differently from its own product, and a batch's rows must not depend on each other.
+        xs, ys = x.reshape(n_vec, n_cols).astype(np.float32), np.frombuffer(y, np.float32).reshape(n_vec, n_rows)
+        for v in range(n_vec):
+            np.matmul(xs[v:v + 1], weights.T, out=ys[v:v + 1])
 
     # -- the decode step: pebble_decode_layer's semantics, as the model's forward pass over these kernels
 

@@ -1,0 +1,130 @@
+"""A decode step over a batch: one token of each of B sequences, each at its own position with its own
+KV cache, in one pass over the layers.
+
+The weight products take all B rows at once where that gives each row exactly what it gets alone:
+the fused dequantize-and-multiply kernel (a QuantWeight, the default form) sums each vector in the
+same order whatever the number of vectors beside it. A dense matrix (the `f16` form) is multiplied one
+row at a time, because a BLAS GEMM over B rows rounds differently from its one-row product; batching
+still pays a streamed layer's transfer once. Attention runs per sequence over its own cache length.
+So every sequence's tokens are those it produces alone (tests/test_batching.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..model import QuantWeight, embed, layer_forward, output_logits
+from ..model.transformer import ModelConfig, LayerWeights, apply_rope, attention, rms_norm, rope_table, silu
+from ..store import fused_decode_computes
+from ..xp import compute_dtype, get_array_module, to_numpy
+from .generation import Generation
+from .store_layers import StoreLayers
+
+Array = Any
+
+
+def linear_rows(x: Array, w: Array | QuantWeight, b: Array | None = None) -> Array:
+    """x @ w.T (+ b) for x [B, cols], each row exactly as `transformer.linear` computes it alone."""
+    if isinstance(w, QuantWeight):
+        step = w.kernels.max_vec
+        parts = [w.matmul(x[i:i + step]) for i in range(0, x.shape[0], step)]
+    else:
+        parts = [x[i:i + 1] @ w.T for i in range(x.shape[0])]
+    y = parts[0] if len(parts) == 1 else get_array_module(x).concatenate(parts)
+    return y if b is None else y + b
+
+
+def batched_layer(cfg: ModelConfig, x: Array, lw: LayerWeights, caches: Sequence[tuple[Array, Array]],
+                  positions: Sequence[int]) -> Array:
+    """One transformer block on x [B, n_embd], row b the token of a sequence at positions[b] whose caches
+    are caches[b]: `transformer.layer_forward` for one token, B at a time."""
+    B = x.shape[0]
+    h = rms_norm(x, lw.attn_norm, cfg.rms_eps)                                     # [B, n_embd]
+    q = linear_rows(h, lw.wq, lw.bq).reshape(B, cfg.n_head, cfg.head_dim)          # [B, n_head, hd]
+    k = linear_rows(h, lw.wk, lw.bk).reshape(B, cfg.n_head_kv, cfg.head_dim)       # [B, n_head_kv, hd]
+    v = linear_rows(h, lw.wv, lw.bv).reshape(B, cfg.n_head_kv, cfg.head_dim)
+    xp, n_ctx = get_array_module(x), caches[0][0].shape[0]
+    if max(positions) >= n_ctx:
+        raise ValueError(f"position {max(positions)} does not fit a KV cache of {n_ctx}")
+    # Each row rotated by its own position's angles: elementwise, so row b is what it is alone.
+    at = xp.asarray(positions)
+    cos, sin = (table[at] for table in rope_table(cfg, n_ctx, xp))                 # [B, 1, hd]
+    q, k = apply_rope(cfg, q, cos, sin), apply_rope(cfg, k, cos, sin)
+    out = []
+    for b, ((k_cache, v_cache), pos) in enumerate(zip(caches, positions)):
+        k_cache[pos:pos + 1] = k[b:b + 1]
+        v_cache[pos:pos + 1] = v[b:b + 1]
+        out.append(attention(cfg, q[b:b + 1], k_cache[:pos + 1], v_cache[:pos + 1], pos))
+    x = x + linear_rows(xp.concatenate(out), lw.wo)                           # [B, n_embd]
+    h = rms_norm(x, lw.ffn_norm, cfg.rms_eps)
+    gated = silu(linear_rows(h, lw.w_gate)) * linear_rows(h, lw.w_up)             # [B, n_ff] SwiGLU
+    return x + linear_rows(gated, lw.w_down)
+
+
+def computes_alike(cfg: ModelConfig, lw: LayerWeights) -> bool:
+    """Whether batched_layer computes this layer (`cfg`: ModelConfig.for_layer) as layer_forward does: the
+    Llama, Qwen 2 and Phi-3 block. Another (Q/K norms, the Gemmas' norms, GELU, a window's ring, capped
+    scores, Granite's scales) runs layer_forward for each sequence, still in the one pass."""
+    return (cfg.activation == "silu" and not cfg.window and not cfg.attn_softcap and cfg.residual_scale == 1.0
+            and lw.q_norm is None and lw.k_norm is None and lw.post_attn_norm is None and lw.post_ffn_norm is None)
+
+
+def batched_logits(cfg: ModelConfig, outer, x: Array) -> list[np.ndarray]:
+    """Final norm and output projection of each row of x [B, n_embd], as `output_logits` of that row."""
+    xp = get_array_module(x)
+    if cfg.logit_scale != 1.0 or cfg.final_softcap:  # scaled or capped logits: each row as alone
+        return [to_numpy(output_logits(cfg, outer, row)) for row in x]
+    h = rms_norm(x, outer.output_norm, cfg.rms_eps)
+    if isinstance(outer.output, QuantWeight):
+        return list(to_numpy(linear_rows(h, outer.output).astype(np.float32, copy=False)))  # one copy off the device
+    # Alone the last hidden state is a vector: a dense product of a vector, row by row here too.
+    return [to_numpy((xp.ascontiguousarray(row) @ outer.output.T).astype(np.float32, copy=False)) for row in h]
+
+
+def decode_batch(source: StoreLayers, generations: Sequence[Generation], tokens: Sequence[int]) -> list[np.ndarray]:
+    """Runs token b through the layers for generations[b] (each a sequence of `source`, at its own
+    position), restoring each streamed layer once for all of them; float32 logits of each, in order.
+    Advances each generation's position."""
+    first, xp, outer = generations[0], source.xp, source.outer
+    cfg = first.cfg
+    seqs = [g.layers.seq for g in generations]
+    positions = [g.pos for g in generations]
+    source.begin_pass([(seq, pos, 1) for seq, pos in zip(seqs, positions)])
+
+    def alone(lcfg: ModelConfig, weights: LayerWeights, seq: int, pos: int, x: Array) -> Array:
+        """One sequence's row through layer_forward, as its own decode step would run it."""
+        k_cache, v_cache = source.caches(i, seq)
+        rope = tuple(t[pos:pos + 1] for t in rope_table(lcfg, source.n_ctx, xp))
+        return layer_forward(lcfg, x[None].astype(compute_dtype(xp), copy=False), weights, k_cache, v_cache,
+                             pos, rope)[0]
+
+    if source.decode_kernels is not None:  # each layer of each sequence one native call, as alone
+        xs = [xp.ascontiguousarray(embed(outer, [t], xp, cfg.embd_scale)[0], dtype=np.float32) for t in tokens]
+        for i, lcfg in enumerate(first.layer_cfgs):
+            weights = source.weights(i)
+            fused = fused_decode_computes(lcfg, weights)
+            cos, sin = rope_table(lcfg, source.n_ctx, xp, np.float32)
+            for seq, pos, x in zip(seqs, positions, xs):
+                if fused:
+                    k_cache, v_cache = source.caches(i, seq)
+                    source.decode_kernels.decode_layer(first.layer_shapes[i], weights, k_cache, v_cache, pos, x,
+                                                       cos[pos, 0], sin[pos, 0], lcfg.query_scale)
+                else:
+                    x[:] = alone(lcfg, weights, seq, pos, x)
+            source.done(i)
+        x = xp.stack([x.astype(compute_dtype(xp), copy=False) for x in xs])
+    else:
+        x = embed(outer, list(tokens), xp, cfg.embd_scale)                           # [B, n_embd]
+        for i, lcfg in enumerate(first.layer_cfgs):
+            weights = source.weights(i)
+            if computes_alike(lcfg, weights):
+                x = batched_layer(lcfg, x, weights, [source.caches(i, seq) for seq in seqs], positions)
+            else:
+                x = xp.stack([alone(lcfg, weights, seq, pos, x[b]) for b, (seq, pos) in enumerate(zip(seqs, positions))])
+            source.done(i)
+    for g in generations:
+        g.pos += 1
+    return batched_logits(cfg, outer, x)
+
