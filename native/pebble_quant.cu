@@ -7,10 +7,11 @@
 //
 // Each type's block decoding is written once, as __host__ __device__ functions that hand every element
 // to a callback, and each kernel is written once. In the host build (-DPEBBLE_HOST_BUILD) a kernel is a
-// plain function that loops over its share of the work (the launcher splits rows or blocks among the
-// host's threads when there are enough of them), a warp has one lane, and the CUDA qualifiers are
-// empty: CI and the sanitizers run the GPU's arithmetic and indexing, and only the thread-index
-// helpers, the warp reduction and where x is converted from fp16 differ.
+// plain function that loops over its share of the work (the launcher splits blocks among the host's
+// thread pool when there are enough of them), a warp has one lane, and the CUDA qualifiers are empty:
+// CI and the sanitizers run the GPU's dequantization. The host build's matvec is not the GPU's kernel:
+// it is pebble_cpu.cc's, which quantizes x to 8-bit blocks and multiplies with integer SIMD dot
+// products, as llama.cpp's CPU backend does (pebble.h says what that changes in the results).
 
 #include "pebble_device.h"
 #include "pebble_internal.h"
@@ -21,8 +22,7 @@
 #include <cstdlib>
 #include <cstring>
 #ifdef PEBBLE_HOST_BUILD
-#    include <thread>
-#    include <vector>
+#    include "pebble_cpu.h"
 #endif
 
 
@@ -315,14 +315,9 @@ __global__ void dequantize_kernel(const uint8_t * __restrict__ src, uint16_t * _
 // One warp per row (blockDim = 32 x rows per block, rows grid-strided). The lanes take the row's block
 // parts in turn, so at each step the warp reads one contiguous stretch of the row, every byte of it
 // once; each lane keeps NV float32 sums, reduced across the warp by shuffles at the end of the row.
-// x's elements as float32: read from fp16 where they are used (the GPU), or from a float32 copy made
-// once per call (the host build, where converting in the inner loop would cost more than the sums).
-#ifdef PEBBLE_HOST_BUILD
-struct float_vectors {
-    const float * p;
-    float operator[](int64_t i) const { return p[i]; }
-};
-#else
+// x's elements as float32, read from fp16 where they are used. (The host build multiplies in
+// pebble_cpu.cc instead.)
+#ifndef PEBBLE_HOST_BUILD
 struct half_vectors {
     const uint16_t * p;
     __device__ float operator[](int64_t i) const { return half_to_float(p[i]); }
@@ -360,30 +355,11 @@ __global__ void matvec_kernel(const uint8_t * __restrict__ w, int64_t n_rows, in
 // launchers
 
 #ifdef PEBBLE_HOST_BUILD
-// f(begin, end) over [0, n): split among the host's threads when there is enough work (`work`
-// elements) to pay for them, else on the calling thread. A thread that cannot be started leaves its
-// share to the calling thread. The shares are disjoint, so the results are those of one thread.
+// f(begin, end) over [0, n), on the host's thread pool when there is enough work (`work` elements) to
+// pay for waking it (pebble_cpu.cc). The shares are disjoint, so the results are those of one thread.
 template <typename F>
 void host_parallel(int64_t n, int64_t work, F && f) {
-    static const int64_t hardware = std::max(1u, std::thread::hardware_concurrency()); // reads /sys: once
-    const int64_t threads = std::min<int64_t>({hardware, 16, n, std::max<int64_t>(1, work >> 20)});
-    if (threads <= 1) {
-        f(int64_t(0), n);
-        return;
-    }
-    std::vector<std::thread> pool;
-    int64_t begin = 0;
-    for (int64_t t = 0; t < threads - 1; t++) {
-        const int64_t end = begin + n / threads + (t < n % threads);
-        try {
-            pool.emplace_back(f, begin, end);
-        } catch (...) { // std::system_error: no thread; this one does the share
-            f(begin, end);
-        }
-        begin = end;
-    }
-    f(begin, n);
-    for (std::thread & t : pool) t.join();
+    pebble_cpu::parallel_for(n, work, f);
 }
 #endif
 
@@ -479,18 +455,8 @@ template <typename T, int NV>
 pebble_status launch_matvec_n(const uint8_t * w, int64_t n_rows, int64_t n_cols, const uint16_t * x, float * y,
                               cudaStream_t stream) {
 #ifdef PEBBLE_HOST_BUILD
-    (void)stream;
-    float * xf = static_cast<float *>(std::malloc(static_cast<size_t>(NV * n_cols) * sizeof(float)));
-    if (!xf) {
-        return fail(PEBBLE_ERR_HOST_OOM, "pebble_matvec: %s: no memory for %d float32 vectors of %" PRId64,
-                    type_name(T::id), NV, n_cols);
-    }
-    for (int64_t i = 0; i < NV * n_cols; i++) xf[i] = half_to_float(x[i]);
-    host_parallel(n_rows, n_rows * n_cols, [=](int64_t begin, int64_t end) {
-        matvec_kernel<T, NV>(w, n_rows, n_cols, float_vectors{xf}, y, begin, end);
-    });
-    std::free(xf);
-    return PEBBLE_OK;
+    (void)stream; // the host's kernels (pebble_cpu.cc): x quantized once, integer SIMD dot products
+    return pebble_cpu::matmul(T::id, w, n_rows, n_cols, x, NV, y, "pebble_matvec");
 #else
     const int64_t grid = std::min(max_grid, (n_rows + matvec_rows_per_block - 1) / matvec_rows_per_block);
     const dim3 block(warp_lanes, matvec_rows_per_block);
