@@ -205,6 +205,13 @@ PEBBLE_API enum pebble_status pebble_dequantize(int32_t ggml_type, const void * 
 PEBBLE_API enum pebble_status pebble_matvec    (int32_t ggml_type, const void * w, uint64_t w_bytes,
                                                 int64_t n_rows, int64_t n_cols, const uint16_t * x_f16,
                                                 int32_t n_vec, float * y, void * stream);
+// As pebble_matvec for any number of vectors n_vec >= 1 (a prefill chunk), with the same errors but
+// no upper limit on n_vec. The host library multiplies the weights as stored, in tiles of rows that
+// every vector passes before the next tile is read, so nothing is expanded to float; the cuda library
+// runs pebble_matvec's kernel over groups of PEBBLE_MATVEC_MAX_VEC vectors.
+PEBBLE_API enum pebble_status pebble_matmul    (int32_t ggml_type, const void * w, uint64_t w_bytes,
+                                                int64_t n_rows, int64_t n_cols, const uint16_t * x_f16,
+                                                int64_t n_vec, float * y, void * stream);
 
 // ---------------------------------------------------------------------------------------------------
 // the decode step: one transformer layer for one token, in one call

@@ -583,49 +583,78 @@ extern "C" pebble_status pebble_dequantize(int32_t ggml_type, const void * src, 
     });
 }
 
-extern "C" pebble_status pebble_matvec(int32_t ggml_type, const void * w, uint64_t w_bytes, int64_t n_rows,
-                                       int64_t n_cols, const uint16_t * x_f16, int32_t n_vec, float * y,
-                                       void * stream) {
-    return with_type(ggml_type, __func__, [&](auto t) {
+namespace {
+
+// pebble_matvec's and pebble_matmul's checks and work: n_vec up to max_vec.
+pebble_status matvec_call(const char * fn, int32_t ggml_type, const void * w, uint64_t w_bytes, int64_t n_rows,
+                          int64_t n_cols, const uint16_t * x_f16, int64_t n_vec, int64_t max_vec, float * y,
+                          void * stream) {
+    return with_type(ggml_type, fn, [&](auto t) {
         using T = decltype(t);
         const char * name = type_name(T::id);
         // The counts first: with nothing to compute, a caller's empty buffers may well be NULL.
-        if (n_vec < 1 || n_vec > PEBBLE_MATVEC_MAX_VEC) {
-            return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_matvec: %s: n_vec %d is outside 1..%d", name, n_vec,
-                        PEBBLE_MATVEC_MAX_VEC);
+        if (n_vec < 1 || n_vec > max_vec) {
+            if (max_vec == INT64_MAX) {
+                return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: %s: n_vec must be at least 1, got %" PRId64, fn, name,
+                            n_vec);
+            }
+            return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: %s: n_vec %" PRId64 " is outside 1..%" PRId64, fn, name,
+                        n_vec, max_vec);
         }
         if (n_rows < 1 || n_cols < 1) {
-            return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_matvec: %s: n_rows and n_cols must be at least 1, "
-                        "got %" PRId64 " x %" PRId64, name, n_rows, n_cols);
+            return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: %s: n_rows and n_cols must be at least 1, "
+                        "got %" PRId64 " x %" PRId64, fn, name, n_rows, n_cols);
         }
         if (!w || !x_f16 || !y) {
-            return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_matvec: %s: w, x_f16 and y must not be NULL (w %p, "
-                        "x_f16 %p, y %p)", name, w, static_cast<const void *>(x_f16), static_cast<void *>(y));
+            return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: %s: w, x_f16 and y must not be NULL (w %p, "
+                        "x_f16 %p, y %p)", fn, name, w, static_cast<const void *>(x_f16), static_cast<void *>(y));
         }
         if (n_cols % T::block_elements != 0) {
-            return fail(PEBBLE_ERR_SIZE_MISMATCH, "pebble_matvec: %s: n_cols %" PRId64 " is not a multiple of the "
-                        "%d-element block", name, n_cols, T::block_elements);
+            return fail(PEBBLE_ERR_SIZE_MISMATCH, "%s: %s: n_cols %" PRId64 " is not a multiple of the "
+                        "%d-element block", fn, name, n_cols, T::block_elements);
         }
         // Every index the kernel forms (row bytes, x and y offsets) must fit in int64.
         const int64_t blocks_per_row = n_cols / T::block_elements;
         if (blocks_per_row > INT64_MAX / T::block_bytes || n_rows > INT64_MAX / (blocks_per_row * T::block_bytes) ||
-            n_cols > INT64_MAX / PEBBLE_MATVEC_MAX_VEC || n_rows > INT64_MAX / PEBBLE_MATVEC_MAX_VEC) {
-            return fail(PEBBLE_ERR_SIZE_MISMATCH, "pebble_matvec: %s: %" PRId64 " x %" PRId64 " weights take more "
-                        "than 2^63 bytes", name, n_rows, n_cols);
+            n_cols > INT64_MAX / n_vec || n_rows > INT64_MAX / n_vec) {
+            return fail(PEBBLE_ERR_SIZE_MISMATCH, "%s: %s: %" PRId64 " x %" PRId64 " weights (or %" PRId64
+                        " vectors of them) take more than 2^63 bytes", fn, name, n_rows, n_cols, n_vec);
         }
         const int64_t row_bytes = blocks_per_row * T::block_bytes;
         const uint64_t want = static_cast<uint64_t>(n_rows) * static_cast<uint64_t>(row_bytes);
         if (w_bytes != want) {
-            return fail(PEBBLE_ERR_SIZE_MISMATCH, "pebble_matvec: %s: %" PRId64 " rows of %" PRId64 " elements are %"
-                        PRId64 " x %" PRId64 " = %" PRIu64 " bytes, but w_bytes is %" PRIu64, name, n_rows, n_cols,
-                        n_rows, row_bytes, want, w_bytes);
+            return fail(PEBBLE_ERR_SIZE_MISMATCH, "%s: %s: %" PRId64 " rows of %" PRId64 " elements are %"
+                        PRId64 " x %" PRId64 " = %" PRIu64 " bytes, but w_bytes is %" PRIu64, fn, name, n_rows,
+                        n_cols, n_rows, row_bytes, want, w_bytes);
         }
-#ifndef PEBBLE_HOST_BUILD
-        TRY(check_reachable(w, "w", "pebble_matvec", T::id));
-        TRY(check_reachable(x_f16, "x_f16", "pebble_matvec", T::id));
-        TRY(check_reachable(y, "y", "pebble_matvec", T::id));
+#ifdef PEBBLE_HOST_BUILD
+        (void)stream;
+        return pebble_cpu::matmul(T::id, static_cast<const uint8_t *>(w), n_rows, n_cols, x_f16, n_vec, y, fn);
+#else
+        TRY(check_reachable(w, "w", fn, T::id));
+        TRY(check_reachable(x_f16, "x_f16", fn, T::id));
+        TRY(check_reachable(y, "y", fn, T::id));
+        for (int64_t v = 0; v < n_vec; v += PEBBLE_MATVEC_MAX_VEC) {
+            const int32_t group = static_cast<int32_t>(std::min<int64_t>(PEBBLE_MATVEC_MAX_VEC, n_vec - v));
+            TRY(launch_matvec<T>(static_cast<const uint8_t *>(w), n_rows, n_cols, x_f16 + v * n_cols, group,
+                                 y + v * n_rows, static_cast<cudaStream_t>(stream)));
+        }
+        return PEBBLE_OK;
 #endif
-        return launch_matvec<T>(static_cast<const uint8_t *>(w), n_rows, n_cols, x_f16, n_vec, y,
-                                static_cast<cudaStream_t>(stream));
     });
+}
+
+} // namespace
+
+extern "C" pebble_status pebble_matvec(int32_t ggml_type, const void * w, uint64_t w_bytes, int64_t n_rows,
+                                       int64_t n_cols, const uint16_t * x_f16, int32_t n_vec, float * y,
+                                       void * stream) {
+    return matvec_call("pebble_matvec", ggml_type, w, w_bytes, n_rows, n_cols, x_f16, n_vec, PEBBLE_MATVEC_MAX_VEC, y,
+                       stream);
+}
+
+extern "C" pebble_status pebble_matmul(int32_t ggml_type, const void * w, uint64_t w_bytes, int64_t n_rows,
+                                       int64_t n_cols, const uint16_t * x_f16, int64_t n_vec, float * y,
+                                       void * stream) {
+    return matvec_call("pebble_matmul", ggml_type, w, w_bytes, n_rows, n_cols, x_f16, n_vec, INT64_MAX, y, stream);
 }

@@ -407,3 +407,34 @@ def test_host_kernels_under_each_setting(setting, error):
                 "backend_named('host').kernels.matvec(8, np.zeros(34, np.uint8), 1, 32, np.ones(32, np.float16))")
         done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
         assert done.returncode != 0 and error in done.stderr and "InvalidArgumentError" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_matmul_takes_any_number_of_vectors_as_matvec_computes_them(backend, qtype):
+    """pebble_matmul (a prefill chunk): 21 vectors, past matvec's 8 and not a whole number of the host's
+    groups of 4, over 67 rows (several tiles); the same bounds as matvec's."""
+    n_rows, n_vec = 67, 21
+    raw, n_cols = matvec_case(qtype, n_rows, 33 if qtype not in QUANTIZED else 3 if qtype in K_QUANTS else 9,
+                              seed=5)
+    x = np.random.default_rng(6).standard_normal((n_vec, n_cols)).astype(np.float16)
+    weights = reference(qtype, raw, n_rows).astype(np.float64)
+    xp = np if backend != "cuda" else pytest.importorskip("cupy")
+    out = xp.full((n_vec, n_rows), np.nan, dtype=np.float32)
+    got = to_numpy(kernels_of(backend).matmul(qtype, raw, n_rows, n_cols, x, out=out))
+    assert not np.isnan(got).any()
+    norms = np.outer(np.linalg.norm(x.astype(np.float64), axis=1), np.linalg.norm(weights, axis=1))
+    if backend == "host" and activation_blocks(qtype):
+        x_q = quantized_activation(x, activation_blocks(qtype)).astype(np.float64)
+        assert_within(got, x_q @ weights.T, MATVEC_RTOL * norms, "quantized x")
+    else:
+        assert_within(got, x.astype(np.float64) @ weights.T, MATVEC_RTOL * norms, "x")
+    # and its rows are matvec's, group by group
+    first = to_numpy(kernels_of(backend).matvec(qtype, raw, n_rows, n_cols, x[:8]))
+    np.testing.assert_allclose(got[:8], first, rtol=1e-5, atol=1e-5 * max(np.abs(first).max(), 1e-30))
+
+
+def test_matmul_refuses_no_vectors(backend):
+    raw = make_raw(Q.Q8_0, 2, np.random.default_rng(3), "random")
+    with pytest.raises(InvalidArgumentError) as caught:
+        kernels_of(backend).matmul(Q.Q8_0, raw, 1, 64, np.ones((0, 64), np.float16))
+    assert names(str(caught.value), "pebble_matmul", "Q8_0", "n_vec must be at least 1"), str(caught.value)

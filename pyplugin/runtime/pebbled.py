@@ -101,8 +101,9 @@ class PebbledModel:
 
     def _expansion_elements(self, n_tokens: int) -> int:
         """fp16 elements of the workspace that a chunk of n_tokens expands quantized matrices into:
-        the largest such matrix when the chunk is past what the fused kernels take, else none."""
-        if n_tokens <= self.kernels.max_vec:
+        the largest such matrix when the chunk is past what the fused kernels take, else none (and
+        none on kernels that multiply prefill chunks from the stored blocks: tiled_matmul)."""
+        if n_tokens <= self.kernels.max_vec or self.kernels.tiled_matmul:
             return 0
         expanded = [t.shape[0] * t.shape[1] for layout in self.layouts for t in layout
                     if t.qtype is not None and needs_expansion(t.qtype, self.dtype)]
