@@ -21,7 +21,7 @@ from tokenizers import Regex, pre_tokenizers
 from ..ggml_types import SUPPORTED_NAMES
 from .load import RANDOM_WEIGHTS_KEY, SUPPORTED_ARCHS
 from .synth_quant import quantize
-from .tokenizer import BYTE, CONTROL, NORMAL, PRE_TOKENIZERS, SPACE, UNKNOWN, bytes_to_unicode
+from .tokenizer import BYTE, CONTROL, NORMAL, PRE_TOKENIZERS, SPACE, UNKNOWN, UNUSED, bytes_to_unicode
 
 T = GGMLQuantizationType
 
@@ -87,6 +87,7 @@ class SynthSpec:
     vocab: str = "llama3"               # "llama3" or "chatml" (byte-level BPE), "spm" (SentencePiece)
     pre: str | None = None              # BPE pre-tokenizer name; by default the flavour's own
     n_merges: int = 300
+    pad_vocab_to: int = 0               # pad the vocabulary with unused tokens to this size (Qwen2's 151936)
     weight_type: str = "F32"            # every matrix, unless tensor_types says otherwise
     tensor_types: dict[str, str] = field(default_factory=dict)  # role ("ffn_down", "token_embd"...) -> type
     tied_output: bool = False           # no output.weight: the output reuses token_embd
@@ -115,6 +116,10 @@ def write_gguf(path: str | os.PathLike, spec: SynthSpec | None = None, **overrid
         if name not in T.__members__:  # any GGUF type: tests write unsupported ones to see them refused
             raise ValueError(f"tensor type {name!r}: choose one of {', '.join(SUPPORTED_NAMES)}")
     vocab = build_vocab(spec.vocab, spec.n_merges, spec.pre)
+    if spec.pad_vocab_to > len(vocab.tokens):  # a real-sized output matrix, as padded vocabularies have
+        pad = range(len(vocab.tokens), spec.pad_vocab_to)
+        vocab = replace(vocab, tokens=vocab.tokens + [f"[PAD{i}]" for i in pad],
+                        types=vocab.types + [UNUSED] * len(pad))
     path = Path(path)
     writer = GGUFWriter(path, spec.arch)
     _add_hparams(writer, spec, len(vocab.tokens))
