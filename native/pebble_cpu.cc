@@ -570,16 +570,35 @@ AVX2 void dot_32_avx2(const uint8_t * w, int64_t nb, const uint8_t * xq, int64_t
     for (int v = 0; v < NV; v++) out[v] = hsum_ps(acc[v]) + macc[v];
 }
 
+// Q4_K's and Q5_K's twelve bytes of scales and mins as eight scales (bytes 0..7 of out) and eight
+// mins (bytes 8..15), with word operations rather than eight branches (the layout of scale_min_k4).
+inline void unpack_scales_k4(const uint8_t * s, uint32_t out[4]) {
+    uint32_t w[3];
+    std::memcpy(w, s, 12);
+    const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, top2 = 0x03030303;
+    out[0] = w[0] & low6;                                            // scales 0..3
+    out[1] = (w[2] & low4) | (((w[0] >> 6) & top2) << 4);            // scales 4..7
+    out[2] = w[1] & low6;                                            // mins 0..3
+    out[3] = ((w[2] >> 4) & low4) | (((w[1] >> 6) & top2) << 4);     // mins 4..7
+}
+
 template <int K, int NV>
 AVX2 void dot_k45_avx2(const uint8_t * w, int64_t nb, const uint8_t * xq, int64_t xs, float * out) {
     constexpr int bb = K == k_q4_k ? 144 : 176;
-    float acc[NV] = {};
+    __m256 acc[NV];
+    float macc[NV];
+    for (int v = 0; v < NV; v++) {
+        acc[v] = _mm256_setzero_ps();
+        macc[v] = 0.0f;
+    }
     const __m256i m4 = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi8(1);
     for (int64_t i = 0; i < nb; i++) {
         const uint8_t * b = w + i * bb;
         const float d = f16(b), dmin = f16(b + 2);
-        int sc[8], mn[8];
-        for (int j = 0; j < 8; j++) scale_min_k4(b + 4, j, sc[j], mn[j]);
+        alignas(16) uint32_t sm[4];
+        unpack_scales_k4(b + 4, sm);
+        const uint8_t * scales = reinterpret_cast<const uint8_t *>(sm);
+        const __m128i mins16 = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(sm + 2)));
         const uint8_t * qs = b + (K == k_q4_k ? 16 : 48);
         __m256i qh = _mm256_setzero_si256();
         if constexpr (K == k_q5_k) qh = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(b + 16));
@@ -593,8 +612,8 @@ AVX2 void dot_k45_avx2(const uint8_t * w, int64_t nb, const uint8_t * xq, int64_
                 hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 1), one), 4));
                 qh = _mm256_srli_epi16(qh, 2);
             }
-            const __m256i s_lo = _mm256_set1_epi16(static_cast<int16_t>(sc[2 * p]));
-            const __m256i s_hi = _mm256_set1_epi16(static_cast<int16_t>(sc[2 * p + 1]));
+            const __m256i s_lo = _mm256_set1_epi16(static_cast<int16_t>(scales[2 * p]));
+            const __m256i s_hi = _mm256_set1_epi16(static_cast<int16_t>(scales[2 * p + 1]));
             for (int v = 0; v < NV; v++) {
                 const q8_256 & a = reinterpret_cast<const q8_256 *>(xq + v * xs)[i];
                 const __m256i y0 = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(a.qs + 64 * p));
@@ -605,29 +624,42 @@ AVX2 void dot_k45_avx2(const uint8_t * w, int64_t nb, const uint8_t * xq, int64_
         }
         for (int v = 0; v < NV; v++) {
             const q8_256 & a = reinterpret_cast<const q8_256 *>(xq + v * xs)[i];
-            int summ = 0;
-            for (int j = 0; j < 8; j++) summ += mn[j] * (a.sums[2 * j] + a.sums[2 * j + 1]);
-            acc[v] += a.d * d * static_cast<float>(hsum_epi32(sumi[v])) - a.d * dmin * static_cast<float>(summ);
+            // sum over sub-blocks j of min_j * (sum of x's 32 q): pairs of the 16-element sums, then madd
+            const __m128i s0 = _mm_loadu_si128(reinterpret_cast<const __m128i *>(a.sums));
+            const __m128i s1 = _mm_loadu_si128(reinterpret_cast<const __m128i *>(a.sums + 8));
+            const __m128i prod = _mm_madd_epi16(mins16, _mm_hadd_epi16(s0, s1));
+            __m128i t = _mm_add_epi32(prod, _mm_shuffle_epi32(prod, 0x4e));
+            t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+            const float ad = a.d;
+            acc[v] = _mm256_fmadd_ps(_mm256_set1_ps(ad * d), _mm256_cvtepi32_ps(sumi[v]), acc[v]);
+            macc[v] += ad * dmin * static_cast<float>(_mm_cvtsi128_si32(t));
         }
     }
-    for (int v = 0; v < NV; v++) out[v] = acc[v];
+    for (int v = 0; v < NV; v++) out[v] = hsum_ps(acc[v]) - macc[v];
 }
 
 template <int NV>
 AVX2 void dot_q6_k_avx2(const uint8_t * w, int64_t nb, const uint8_t * xq, int64_t xs, float * out) {
-    float acc[NV] = {};
+    __m256 acc[NV];
+    for (int v = 0; v < NV; v++) acc[v] = _mm256_setzero_ps();
     const __m256i m4 = _mm256_set1_epi8(0x0f);
     for (int64_t i = 0; i < nb; i++) {
         const uint8_t * b = w + i * 210;
         const float d = f16(b + 208);
         const int8_t * sc = reinterpret_cast<const int8_t *>(b + 192);
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i *>(sc)));
         __m256i sumi[NV];
-        for (int v = 0; v < NV; v++) sumi[v] = _mm256_setzero_si256();
+        for (int v = 0; v < NV; v++) {
+            // the -32 of every q, through x's 16-element sums: -32 * sum_g scale_g * sums_g
+            const q8_256 & a = reinterpret_cast<const q8_256 *>(xq + v * xs)[i];
+            const __m256i corr = _mm256_madd_epi16(sc16, _mm256_loadu_si256(reinterpret_cast<const __m256i *>(a.sums)));
+            sumi[v] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(corr, 5));
+        }
         for (int h = 0; h < 2; h++) {
             const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(b + 64 * h));
             const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(b + 64 * h + 32));
             const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(b + 128 + 32 * h));
-            // unsigned 0..63; the -32 is taken off through the activation's sums below
+            // unsigned 0..63; the -32 is taken off above
             const __m256i q[4] = {
                 _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_slli_epi16(_mm256_and_si256(qh, _mm256_set1_epi8(0x03)), 4)),
                 _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_slli_epi16(_mm256_and_si256(qh, _mm256_set1_epi8(0x0c)), 2)),
@@ -646,12 +678,10 @@ AVX2 void dot_q6_k_avx2(const uint8_t * w, int64_t nb, const uint8_t * xq, int64
         }
         for (int v = 0; v < NV; v++) {
             const q8_256 & a = reinterpret_cast<const q8_256 *>(xq + v * xs)[i];
-            int corr = 0;
-            for (int g = 0; g < 16; g++) corr += sc[g] * a.sums[g];
-            acc[v] += a.d * d * static_cast<float>(hsum_epi32(sumi[v]) - 32 * corr);
+            acc[v] = _mm256_fmadd_ps(_mm256_set1_ps(a.d * d), _mm256_cvtepi32_ps(sumi[v]), acc[v]);
         }
     }
-    for (int v = 0; v < NV; v++) out[v] = acc[v];
+    for (int v = 0; v < NV; v++) out[v] = hsum_ps(acc[v]);
 }
 
 template <int K>
