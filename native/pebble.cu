@@ -15,6 +15,7 @@
 #include <cinttypes>
 #include <cstdarg>
 #include <cstdio>
+#include <cstring>
 #include <list>
 #include <memory>
 #include <mutex>
@@ -152,9 +153,29 @@ cudaError_t free_device_buffer(void * ptr) {
     return cudaFree(ptr);
 }
 
+// In the host library both tiers are host memory: a device copy made from the host copy (a prefetch,
+// a rebalance) is that very buffer, not a second one. The entry then holds one buffer in two roles,
+// and each tier's byte count still counts it (the accounting is of tiers, not of memory). Dropping one
+// role leaves the buffer to the other; only a device copy dropped under a lease is split off, so that
+// the leased view is detached as pebble.h says and the host copy lives on in a buffer of its own.
+bool aliased(const entry & e) {
+#ifdef PEBBLE_HOST_BUILD
+    return e.dev && e.dev == e.host;
+#else
+    (void)e;
+    return false;
+#endif
+}
+
+bool leased(void * ptr) {
+    std::lock_guard<std::mutex> lock(g_leases_mu);
+    return g_leases.count(ptr) != 0;
+}
+
 // Waits for the entry's copies, then frees its buffers. Used where failing is not an option.
 void release_all(entry & e) {
     if (e.last_use) cudaEventSynchronize(e.last_use);
+    if (aliased(e)) e.host = nullptr; // one buffer: freed once, as the device copy (leases respected)
     if (e.dev)  free_device_buffer(e.dev);
     if (e.host) cudaFreeHost(e.host);
     if (e.last_use) cudaEventDestroy(e.last_use);
@@ -207,7 +228,19 @@ void note_host(store & s, int64_t delta) {
 
 pebble_status drop_device_copy(store & s, entry & e) {
     CUDA_CHECK(cudaEventSynchronize(e.last_use));
-    CUDA_CHECK(free_device_buffer(e.dev));
+    if (aliased(e) && !leased(e.dev)) {
+        e.dev = nullptr; // the buffer stays, as the host copy
+    } else if (aliased(e)) { // a view leases it: the view keeps this buffer, the host copy moves
+        void * fresh = nullptr;
+        if (cudaHostAlloc(&fresh, e.nbytes, cudaHostAllocPortable) != cudaSuccess) {
+            cudaGetLastError();
+            return fail(PEBBLE_ERR_HOST_OOM, "could not allocate %" PRIu64 " bytes of host memory to detach a "
+                        "leased copy from its entry (host tier holds %" PRIu64 " bytes)", e.nbytes, s.stats.host_bytes);
+        }
+        std::memcpy(fresh, e.host, e.nbytes);
+        e.host = fresh;
+    }
+    if (e.dev) CUDA_CHECK(free_device_buffer(e.dev));
     e.dev = nullptr;
     s.lru.erase(e.lru);
     note_device(s, -static_cast<int64_t>(e.nbytes));
@@ -216,7 +249,7 @@ pebble_status drop_device_copy(store & s, entry & e) {
 
 pebble_status drop_host_copy(store & s, entry & e) {
     CUDA_CHECK(cudaEventSynchronize(e.last_use));
-    CUDA_CHECK(cudaFreeHost(e.host));
+    if (!aliased(e)) CUDA_CHECK(cudaFreeHost(e.host)); // else the buffer stays, as the device copy
     e.host = nullptr;
     note_host(s, -static_cast<int64_t>(e.nbytes));
     return PEBBLE_OK;
@@ -264,6 +297,24 @@ pebble_status alloc_device_copy(store & s, entry & e, entry_key key) {
     CUDA_CHECK(cudaMalloc(&e.dev, e.nbytes));
     e.lru = s.lru.insert(s.lru.end(), key);
     note_device(s, static_cast<int64_t>(e.nbytes));
+    return PEBBLE_OK;
+}
+
+// A device copy of the entry's host copy (room already made): copied on `stream` on a GPU; in the host
+// library the host copy's own buffer (see aliased). Counted as a transfer either way, so that the
+// stats mean the same on every backend.
+pebble_status device_copy_from_host(store & s, entry & e, entry_key key, cudaStream_t stream) {
+#ifdef PEBBLE_HOST_BUILD
+    (void)stream;
+    e.dev = e.host;
+    e.lru = s.lru.insert(s.lru.end(), key);
+    note_device(s, static_cast<int64_t>(e.nbytes));
+#else
+    TRY(alloc_device_copy(s, e, key));
+    TRY(copy_async(e, e.dev, e.host, e.nbytes, stream));
+#endif
+    s.stats.bytes_h2d += e.nbytes;
+    s.stats.prefetches++;
     return PEBBLE_OK;
 }
 
@@ -372,10 +423,7 @@ extern "C" pebble_status pebble_set_strategy(pebble_store_t handle, uint64_t dev
     for (entry_key key : keys) {
         entry & e = s.entries.at(key);
         if (!resident(key) || e.dev || s.stats.device_bytes + e.nbytes > s.limit) continue;
-        TRY(alloc_device_copy(s, e, key));
-        TRY(copy_async(e, e.dev, e.host, e.nbytes, s.evict_stream));
-        s.stats.bytes_h2d += e.nbytes;
-        s.stats.prefetches++;
+        TRY(device_copy_from_host(s, e, key, s.evict_stream));
     }
     CUDA_CHECK(cudaStreamSynchronize(s.evict_stream));
     return PEBBLE_OK;
@@ -467,6 +515,7 @@ extern "C" pebble_status pebble_save(pebble_store_t handle, int32_t layer, int32
         if (e.host) TRY(drop_host_copy(s, e));
         touch(s, e);
     } else {
+        if (aliased(e)) TRY(drop_device_copy(s, e)); // a leased view of it is detached before the bytes change
         if (!e.host && (st = alloc_host_copy(s, e, layer, tensor_id)) != PEBBLE_OK) return abandon(st);
         TRY(copy_async(e, e.host, src, nbytes, cs));
         count_copy(s, src_dev, false, nbytes);
@@ -533,7 +582,7 @@ extern "C" pebble_status pebble_write(pebble_store_t handle, int32_t layer, int3
         count_copy(s, src_dev, true, nbytes);
     }
     if (e->host) {
-        TRY(copy_async(*e, static_cast<char *>(e->host) + offset, src, nbytes, cs));
+        if (!aliased(*e)) TRY(copy_async(*e, static_cast<char *>(e->host) + offset, src, nbytes, cs));
         count_copy(s, src_dev, false, nbytes);
     }
     touch(s, *e);
@@ -571,11 +620,8 @@ extern "C" pebble_status pebble_prefetch(pebble_store_t handle, int32_t layer, v
         bool fits = false;
         TRY(make_room(s, e.nbytes, same_layer, &fits));
         if (!fits) continue;
-        TRY(alloc_device_copy(s, e, key));
+        TRY(device_copy_from_host(s, e, key, static_cast<cudaStream_t>(stream)));
         layer_device_bytes += e.nbytes;
-        TRY(copy_async(e, e.dev, e.host, e.nbytes, static_cast<cudaStream_t>(stream)));
-        s.stats.bytes_h2d += e.nbytes;
-        s.stats.prefetches++;
     }
     return PEBBLE_OK;
 }
