@@ -132,6 +132,7 @@ struct store {
 struct lease {
     uint64_t count    = 0;
     bool     detached = false; // the store let go of the buffer: the last release frees it
+    bool     host     = false; // a host copy (pebble_host_acquire): freed as pinned host memory
     int32_t  device   = 0;     // the device the buffer lives on, for that free
 };
 
@@ -172,12 +173,25 @@ bool leased(void * ptr) {
     return g_leases.count(ptr) != 0;
 }
 
+// The same for host copies, which pebble_host_acquire leases.
+cudaError_t free_host_buffer(void * ptr) {
+    {
+        std::lock_guard<std::mutex> lock(g_leases_mu);
+        auto it = g_leases.find(ptr);
+        if (it != g_leases.end()) {
+            it->second.detached = true;
+            return cudaSuccess;
+        }
+    }
+    return cudaFreeHost(ptr);
+}
+
 // Waits for the entry's copies, then frees its buffers. Used where failing is not an option.
 void release_all(entry & e) {
     if (e.last_use) cudaEventSynchronize(e.last_use);
     if (aliased(e)) e.host = nullptr; // one buffer: freed once, as the device copy (leases respected)
     if (e.dev)  free_device_buffer(e.dev);
-    if (e.host) cudaFreeHost(e.host);
+    if (e.host) free_host_buffer(e.host);
     if (e.last_use) cudaEventDestroy(e.last_use);
     e.dev = e.host = nullptr;
     e.last_use = nullptr;
@@ -249,7 +263,7 @@ pebble_status drop_device_copy(store & s, entry & e) {
 
 pebble_status drop_host_copy(store & s, entry & e) {
     CUDA_CHECK(cudaEventSynchronize(e.last_use));
-    if (!aliased(e)) CUDA_CHECK(cudaFreeHost(e.host)); // else the buffer stays, as the device copy
+    if (!aliased(e)) CUDA_CHECK(free_host_buffer(e.host)); // else the buffer stays, as the device copy
     e.host = nullptr;
     note_host(s, -static_cast<int64_t>(e.nbytes));
     return PEBBLE_OK;
@@ -683,6 +697,33 @@ extern "C" pebble_status pebble_device_acquire(pebble_store_t handle, int32_t la
     return PEBBLE_OK;
 }
 
+extern "C" pebble_status pebble_host_acquire(pebble_store_t handle, int32_t layer, int32_t tensor_id, void ** out,
+                                             uint64_t * nbytes) {
+    OPEN_STORE(handle, s);
+    if (!out) return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_host_acquire: out is NULL");
+    entry * e = nullptr;
+    TRY(find_entry(s, layer, tensor_id, __func__, &e));
+    if (!e->host) {
+        return fail(PEBBLE_ERR_UNKNOWN_ENTRY, "pebble_host_acquire: layer %d tensor %d has no host copy (it is "
+                    "in the device tier only)", layer, tensor_id);
+    }
+    // Copies into it may be in flight on a stream: the lease is for reading what the entry holds.
+    CUDA_CHECK(cudaEventSynchronize(e->last_use));
+    try {
+        std::lock_guard<std::mutex> lock(g_leases_mu);
+        lease & l = g_leases[e->host];
+        l.count++;
+        l.host = !aliased(*e);
+        l.device = s.device;
+    } catch (const std::bad_alloc &) {
+        return fail(PEBBLE_ERR_HOST_OOM, "pebble_host_acquire: layer %d tensor %d: no memory for the lease",
+                    layer, tensor_id);
+    }
+    *out = e->host;
+    if (nbytes) *nbytes = e->nbytes;
+    return PEBBLE_OK;
+}
+
 extern "C" pebble_status pebble_device_release(void * ptr) {
     if (!ptr) return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_device_release: ptr is NULL");
     lease last;
@@ -702,7 +743,7 @@ extern "C" pebble_status pebble_device_release(void * ptr) {
     int current = 0;
     const bool restore = cudaGetDevice(&current) == cudaSuccess;
     if (cudaSetDevice(last.device) != cudaSuccess) cudaGetLastError(); // cudaFree may still find it
-    const cudaError_t err = cudaFree(ptr);
+    const cudaError_t err = last.host ? cudaFreeHost(ptr) : cudaFree(ptr);
     if (restore) cudaSetDevice(current);
     if (err != cudaSuccess) {
         return fail(PEBBLE_ERR_CUDA, "pebble_device_release: cudaFree(%p) of a detached buffer on device %d "

@@ -159,7 +159,15 @@ PEBBLE_API enum pebble_status pebble_device_pointer(pebble_store_t store, int32_
 // its own release. *nbytes = the entry's size, read under the same lock (NULL: not wanted).
 PEBBLE_API enum pebble_status pebble_device_acquire(pebble_store_t store, int32_t layer, int32_t tensor_id,
                                                     void ** out, uint64_t * nbytes);
-// Gives back one lease taken by pebble_device_acquire; valid after the store was freed. A pointer that
+// As pebble_device_acquire for the entry's host copy (PEBBLE_ERR_UNKNOWN_ENTRY if it has none), after the
+// copies in flight to it: for computing from the host tier in place where the kernels can read it
+// (the host library's, whose two tiers are both host memory, so that a streamed layer need not be
+// copied to be computed). Writes through it reach the host copy only. When the store lets go of the
+// host copy the buffer is detached, as a device copy's is, and pebble_device_release frees it.
+PEBBLE_API enum pebble_status pebble_host_acquire(pebble_store_t store, int32_t layer, int32_t tensor_id,
+                                                  void ** out, uint64_t * nbytes);
+// Gives back one lease taken by pebble_device_acquire or pebble_host_acquire; valid after the store was
+// freed. A pointer that
 // holds no lease (never acquired, or released as many times as acquired) is PEBBLE_ERR_INVALID_ARGUMENT.
 PEBBLE_API enum pebble_status pebble_device_release(void * ptr);
 

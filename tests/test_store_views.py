@@ -360,3 +360,21 @@ def test_on_the_host_library_a_prefetch_takes_no_second_copy(store_backend):
         assert store.entry_info(0, 0).on_device
         assert np.asarray(store.device_array(0, 0, np.uint8, (big,)))[::4096].all()  # every page read
         assert rss() - before < big // 4, (rss() - before) / 2**20
+
+
+def test_a_host_view_reads_the_host_copy_and_outlives_it(store_backend, make_store):
+    """host_array: the host copy without copying (a streamed layer on host memory is computed from it);
+    an entry with no host copy is refused; once the entry is erased the view is detached."""
+    store = make_store()
+    first, second = pattern(21), pattern(22)
+    store.save(0, 0, first, tier=TIER_HOST)
+    store.save(0, 1, second, tier=TIER_DEVICE)
+    view = store.host_array(0, 0, np.uint8, (N,))
+    assert np.array_equal(view, first)
+    with pytest.raises(UnknownEntryError, match="no host copy"):
+        store.host_array(0, 1, np.uint8, (N,))
+    store.erase(0, 0)
+    assert np.array_equal(view, first)
+    if store_backend != "stub":  # the stub's view is its numpy array, kept alive by numpy itself
+        view[...] = 0xAB
+        assert np.array_equal(restored(store, 0, 1), second)

@@ -86,7 +86,10 @@ def test_streaming_strategies_restore_and_full_residency_does_not(model, pebbled
     _, report, plan = run(model, pebbled, "minimal")
     assert report["restores"] > 0
     weights = sum(plan.memory.layer_weight_bytes)
-    assert report["bytes_restored_per_token"] >= 0.99 * weights  # every layer's weights, every token
+    if pebbled.backend.arrays_on_device:
+        assert report["bytes_restored_per_token"] >= 0.99 * weights  # every layer's weights, every token
+    else:  # host memory: weights computed from the host tier in place, only KV rows copied
+        assert 0 < report["bytes_restored_per_token"] < 0.5 * weights
 
 
 @pytest.mark.parametrize("fraction", [0.35, 0.6, 0.85])

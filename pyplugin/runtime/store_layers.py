@@ -1,7 +1,9 @@
 """A plan run through a pebble store for one request: the LayerSource that streams.
 
 Resident layers are computed in place from the store's device tier; streamed layers are restored into
-two working slots (the next one while the current one computes) and their new KV rows saved back.
+two working slots (the next one while the current one computes) and their new KV rows saved back. Where
+the arrays are host memory (the host and stub backends) a streamed layer's weights are computed from the
+host tier in place instead, so that streaming there costs no copy of them.
 The backend's device operations order copies against compute (streams and events on the GPU, no-ops
 where a copy is done when its call returns).
 """
@@ -119,10 +121,17 @@ class StoreLayers:
             self._sample_memory()
 
     def _restore(self, n: int) -> None:
-        """Restores the n-th streamed layer into slot n % slots (queued on the copy stream)."""
+        """Restores the n-th streamed layer into slot n % slots (queued on the copy stream). Where the
+        arrays are host memory (host, stub), the store's host tier is memory the kernels read as well
+        as a slot: the weights are computed from it in place (host_array), only the KV rows copied."""
         i, slot = self.streamed[n], n % len(self.slots)
         weights, k, v = views = self._slot_views(slot, i)
-        for t in self.pebbled.layouts[i]:
+        if not self.backend.arrays_on_device:
+            kernels = self.pebbled.kernels
+            weights = LayerWeights(**{t.name: t.view(self.store.host_array(i, t.tensor_id, np.uint8, (t.nbytes,)),
+                                                     self.dtype, kernels) for t in self.pebbled.layouts[i]})
+            views = (weights, k, v)
+        for t in self.pebbled.layouts[i] if self.backend.arrays_on_device else ():
             self.store.restore(i, t.tensor_id, bytes_of(getattr(weights, t.name)), stream=self.copy_stream)
         if self.pos:
             self.store.read(i, K_ID, 0, k[:self.pos], stream=self.copy_stream)
