@@ -51,6 +51,7 @@ class StoreLayers:
         self.slots = [self.xp.empty(slot_bytes, np.uint8) for _ in range(plan.n_slots)]
         self.slot_bytes = slot_bytes
         self.in_slot: list[tuple] = [None] * plan.n_slots  # (weights, k, v) of the layer each holds
+        self.host_views: dict[int, LayerWeights] = {}  # streamed layers' weights in the host tier (host memory)
         self.copy_stream = backend.copy_stream()
         self.ready = [backend.event() for _ in self.slots]     # a slot's layer is restored
         self.computed = [backend.event() for _ in self.slots]  # a slot's layer has computed
@@ -127,9 +128,12 @@ class StoreLayers:
         i, slot = self.streamed[n], n % len(self.slots)
         weights, k, v = views = self._slot_views(slot, i)
         if not self.backend.arrays_on_device:
-            kernels = self.pebbled.kernels
-            weights = LayerWeights(**{t.name: t.view(self.store.host_array(i, t.tensor_id, np.uint8, (t.nbytes,)),
-                                                     self.dtype, kernels) for t in self.pebbled.layouts[i]})
+            if i not in self.host_views:  # made once per request: the host copies stay put while it runs
+                kernels = self.pebbled.kernels
+                self.host_views[i] = LayerWeights(**{
+                    t.name: t.view(self.store.host_array(i, t.tensor_id, np.uint8, (t.nbytes,)), self.dtype, kernels)
+                    for t in self.pebbled.layouts[i]})
+            weights = self.host_views[i]
             views = (weights, k, v)
         for t in self.pebbled.layouts[i] if self.backend.arrays_on_device else ():
             self.store.restore(i, t.tensor_id, bytes_of(getattr(weights, t.name)), stream=self.copy_stream)
