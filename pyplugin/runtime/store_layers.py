@@ -182,7 +182,25 @@ class StoreLayers:
             "bytes_restored": int(store.bytes_restored),
             "restores": int(store.restores),
             "bytes_restored_per_token": (starts[-1] - starts[0]) // decoded if decoded else None,
+            # What the whole process holds, beside the store's accounting above (which, on host memory,
+            # counts each tier's bytes and not the interpreter, the model's own arrays or the tokenizer).
+            **process_memory(),
         }
+
+
+def process_memory() -> dict[str, int | None]:
+    """This process's resident memory now and at its peak (Linux's VmRSS and VmHWM), measured; None
+    where /proc does not say."""
+    out: dict[str, int | None] = {"process_rss_bytes": None, "process_peak_rss_bytes": None}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(("VmRSS:", "VmHWM:")):
+                    key = "process_rss_bytes" if line.startswith("VmRSS") else "process_peak_rss_bytes"
+                    out[key] = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return out
 
 
 def _strategy_name(strategy: Strategy) -> str:
