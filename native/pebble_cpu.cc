@@ -20,6 +20,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cerrno>
 #include <cinttypes>
 #include <cmath>
@@ -118,8 +119,9 @@ public:
         }
         wake_.notify_all();
         drain(); // the calling thread takes ranges too
+        const auto spin_until = std::chrono::steady_clock::now() + spin_time;
         for (int spin = 0; done_.load(std::memory_order_acquire) < n_ranges; spin++) {
-            if (spin < spin_limit) {
+            if ((spin & 63) != 63 || std::chrono::steady_clock::now() < spin_until) {
                 pause();
                 continue;
             }
@@ -132,7 +134,10 @@ public:
     }
 
 private:
-    static constexpr int spin_limit = 20000; // a few tens of microseconds, then sleep
+    // How long a thread waits by spinning before it sleeps: long enough to span the gap between the
+    // matrix products of one decode step (the calls come microseconds apart), short enough that an
+    // idle pool gives its cores back at once. Counted in time, as a pause lasts 10 to 150 cycles.
+    static constexpr std::chrono::microseconds spin_time{50};
 
     static void pause() {
 #ifdef PEBBLE_X86
@@ -161,10 +166,10 @@ private:
     void work() {
         uint64_t seen = state_.load(std::memory_order_acquire) >> 48;
         for (;;) {
-            int spin = 0;
-            while ((state_.load(std::memory_order_acquire) >> 48) == seen && spin < spin_limit) {
+            const auto spin_until = std::chrono::steady_clock::now() + spin_time;
+            for (int spin = 1; (state_.load(std::memory_order_acquire) >> 48) == seen; spin++) {
+                if ((spin & 63) == 0 && std::chrono::steady_clock::now() >= spin_until) break;
                 pause();
-                spin++;
             }
             if ((state_.load(std::memory_order_acquire) >> 48) == seen) {
                 std::unique_lock<std::mutex> lock(mutex_);
