@@ -120,19 +120,17 @@ class GGUFFile:
             self._drop_pages(t.offset, t.nbytes)
 
     def raw(self, name: str) -> np.ndarray:
-        """A 2-D tensor's bytes as the file stores them, in a new uint8 array [rows, row bytes]; its
-        file pages are dropped after."""
+        """A 2-D tensor's bytes as the file stores them, uint8 [rows, row bytes]: a read-only view of the
+        file's memory map, not a copy, so loading reads nothing until the bytes are used (the map lives
+        as long as a view of it does). drop_file_pages gives the pages back once they are copied."""
         t = self.tensors.get(name)
         if t is None:
             raise ModelError(f"{self.path}: missing tensor {name!r}")
         if len(t.shape) != 2:
             raise ModelError(f"{self.path}: tensor {name} has shape {t.shape}; only matrices are kept "
                              "in their GGUF form")
-        try:
-            raw = np.frombuffer(self._map, np.uint8, t.nbytes, t.offset)
-            return raw.reshape(t.shape[0], t.nbytes // t.shape[0]).copy()
-        finally:
-            self._drop_pages(t.offset, t.nbytes)
+        raw = np.frombuffer(self._map, np.uint8, t.nbytes, t.offset)
+        return raw.reshape(t.shape[0], t.nbytes // t.shape[0])
 
     def _drop_pages(self, offset: int, nbytes: int) -> None:
         # The data was copied out; without this its pages stay counted in our resident memory.
@@ -140,6 +138,20 @@ class GGUFFile:
             return
         start = offset - offset % mmap.PAGESIZE
         self._map.madvise(mmap.MADV_DONTNEED, start, offset + nbytes - start)
+
+
+def drop_file_pages(array: np.ndarray) -> None:
+    """Drops the pages of a view of a GGUF file's memory map (GGUFFile.raw) from this process's
+    resident memory, once its bytes are copied elsewhere (into a store): they are read from the file
+    again if the view is used later. Anything else (a copy, a CuPy array) is left as it is."""
+    base = array
+    while base is not None and not isinstance(base, mmap.mmap):
+        base = getattr(base, "base", None) if isinstance(base, np.ndarray) else getattr(base, "obj", None)
+    if base is None or not hasattr(base, "madvise") or base.closed or array.nbytes == 0:
+        return
+    start = array.__array_interface__["data"][0] - np.frombuffer(base, np.uint8, 1).__array_interface__["data"][0]
+    first = start - start % mmap.PAGESIZE
+    base.madvise(mmap.MADV_DONTNEED, first, start + array.nbytes - first)
 
 
 def _tensor_bytes(qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> int:
