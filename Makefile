@@ -11,7 +11,10 @@ PORT        ?= 11435
 # Hopper machine code plus PTX, so newer GPUs can JIT it.
 CUDA_ARCH   ?= -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90
 NATIVE_SRC  := native/pebble.cu native/pebble_quant.cu native/pebble_decode.cu
-NATIVE_DEPS := $(NATIVE_SRC) native/pebble.h native/pebble_internal.h native/pebble_device.h native/cuda_host.h
+# The host library adds the CPU kernels (SIMD chosen at run time, so no -march: it runs on any x86-64).
+HOST_SRC    := $(NATIVE_SRC) native/pebble_cpu.cc
+NATIVE_DEPS := $(HOST_SRC) native/pebble.h native/pebble_internal.h native/pebble_device.h native/cuda_host.h \
+               native/pebble_cpu.h
 HOST_FLAGS  := -x c++ -std=c++17 -DPEBBLE_HOST_BUILD -fPIC -shared -pthread -fvisibility=hidden -Wall -Wextra
 SAN_FLAGS   := -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=undefined
 
@@ -30,11 +33,11 @@ build/libpebble_cuda.so: $(NATIVE_DEPS)
 
 build/libpebble_host.so: $(NATIVE_DEPS)
 	@mkdir -p build
-	$(CXX) -O2 $(HOST_FLAGS) -o $@ $(NATIVE_SRC)
+	$(CXX) -O2 $(HOST_FLAGS) -o $@ $(HOST_SRC)
 
 build/libpebble_host_asan.so: $(NATIVE_DEPS)
 	@mkdir -p build
-	$(CXX) $(SAN_FLAGS) $(HOST_FLAGS) -o $@ $(NATIVE_SRC)
+	$(CXX) $(SAN_FLAGS) $(HOST_FLAGS) -o $@ $(HOST_SRC)
 
 # The virtual environment, with the package installed editable and the test extra.
 $(VENV)/.installed: pyproject.toml
@@ -59,7 +62,7 @@ test: venv host host-asan
 
 # The C ABI driven from C against the sanitized library, with leak checking on.
 build/test_pebble: tests/native/test_pebble.c build/libpebble_host_asan.so
-	$(CC) $(SAN_FLAGS) -Inative -o $@ $< -Lbuild -lpebble_host_asan -Wl,-rpath,'$$ORIGIN'
+	$(CC) $(SAN_FLAGS) -Inative -o $@ $< -Lbuild -lpebble_host_asan -Wl,-rpath,'$$ORIGIN' -lm
 
 test-native: build/test_pebble
 	ASAN_OPTIONS=detect_leaks=1:halt_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 build/test_pebble

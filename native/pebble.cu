@@ -15,6 +15,7 @@
 #include <cinttypes>
 #include <cstdarg>
 #include <cstdio>
+#include <cstring>
 #include <list>
 #include <memory>
 #include <mutex>
@@ -131,6 +132,7 @@ struct store {
 struct lease {
     uint64_t count    = 0;
     bool     detached = false; // the store let go of the buffer: the last release frees it
+    bool     host     = false; // a host copy (pebble_host_acquire): freed as pinned host memory
     int32_t  device   = 0;     // the device the buffer lives on, for that free
 };
 
@@ -152,11 +154,44 @@ cudaError_t free_device_buffer(void * ptr) {
     return cudaFree(ptr);
 }
 
+// In the host library both tiers are host memory: a device copy made from the host copy (a prefetch,
+// a rebalance) is that very buffer, not a second one. The entry then holds one buffer in two roles,
+// and each tier's byte count still counts it (the accounting is of tiers, not of memory). Dropping one
+// role leaves the buffer to the other; only a device copy dropped under a lease is split off, so that
+// the leased view is detached as pebble.h says and the host copy lives on in a buffer of its own.
+bool aliased(const entry & e) {
+#ifdef PEBBLE_HOST_BUILD
+    return e.dev && e.dev == e.host;
+#else
+    (void)e;
+    return false;
+#endif
+}
+
+bool leased(void * ptr) {
+    std::lock_guard<std::mutex> lock(g_leases_mu);
+    return g_leases.count(ptr) != 0;
+}
+
+// The same for host copies, which pebble_host_acquire leases.
+cudaError_t free_host_buffer(void * ptr) {
+    {
+        std::lock_guard<std::mutex> lock(g_leases_mu);
+        auto it = g_leases.find(ptr);
+        if (it != g_leases.end()) {
+            it->second.detached = true;
+            return cudaSuccess;
+        }
+    }
+    return cudaFreeHost(ptr);
+}
+
 // Waits for the entry's copies, then frees its buffers. Used where failing is not an option.
 void release_all(entry & e) {
     if (e.last_use) cudaEventSynchronize(e.last_use);
+    if (aliased(e)) e.host = nullptr; // one buffer: freed once, as the device copy (leases respected)
     if (e.dev)  free_device_buffer(e.dev);
-    if (e.host) cudaFreeHost(e.host);
+    if (e.host) free_host_buffer(e.host);
     if (e.last_use) cudaEventDestroy(e.last_use);
     e.dev = e.host = nullptr;
     e.last_use = nullptr;
@@ -207,7 +242,19 @@ void note_host(store & s, int64_t delta) {
 
 pebble_status drop_device_copy(store & s, entry & e) {
     CUDA_CHECK(cudaEventSynchronize(e.last_use));
-    CUDA_CHECK(free_device_buffer(e.dev));
+    if (aliased(e) && !leased(e.dev)) {
+        e.dev = nullptr; // the buffer stays, as the host copy
+    } else if (aliased(e)) { // a view leases it: the view keeps this buffer, the host copy moves
+        void * fresh = nullptr;
+        if (cudaHostAlloc(&fresh, e.nbytes, cudaHostAllocPortable) != cudaSuccess) {
+            cudaGetLastError();
+            return fail(PEBBLE_ERR_HOST_OOM, "could not allocate %" PRIu64 " bytes of host memory to detach a "
+                        "leased copy from its entry (host tier holds %" PRIu64 " bytes)", e.nbytes, s.stats.host_bytes);
+        }
+        std::memcpy(fresh, e.host, e.nbytes);
+        e.host = fresh;
+    }
+    if (e.dev) CUDA_CHECK(free_device_buffer(e.dev));
     e.dev = nullptr;
     s.lru.erase(e.lru);
     note_device(s, -static_cast<int64_t>(e.nbytes));
@@ -216,7 +263,7 @@ pebble_status drop_device_copy(store & s, entry & e) {
 
 pebble_status drop_host_copy(store & s, entry & e) {
     CUDA_CHECK(cudaEventSynchronize(e.last_use));
-    CUDA_CHECK(cudaFreeHost(e.host));
+    if (!aliased(e)) CUDA_CHECK(free_host_buffer(e.host)); // else the buffer stays, as the device copy
     e.host = nullptr;
     note_host(s, -static_cast<int64_t>(e.nbytes));
     return PEBBLE_OK;
@@ -264,6 +311,24 @@ pebble_status alloc_device_copy(store & s, entry & e, entry_key key) {
     CUDA_CHECK(cudaMalloc(&e.dev, e.nbytes));
     e.lru = s.lru.insert(s.lru.end(), key);
     note_device(s, static_cast<int64_t>(e.nbytes));
+    return PEBBLE_OK;
+}
+
+// A device copy of the entry's host copy (room already made): copied on `stream` on a GPU; in the host
+// library the host copy's own buffer (see aliased). Counted as a transfer either way, so that the
+// stats mean the same on every backend.
+pebble_status device_copy_from_host(store & s, entry & e, entry_key key, cudaStream_t stream) {
+#ifdef PEBBLE_HOST_BUILD
+    (void)stream;
+    e.dev = e.host;
+    e.lru = s.lru.insert(s.lru.end(), key);
+    note_device(s, static_cast<int64_t>(e.nbytes));
+#else
+    TRY(alloc_device_copy(s, e, key));
+    TRY(copy_async(e, e.dev, e.host, e.nbytes, stream));
+#endif
+    s.stats.bytes_h2d += e.nbytes;
+    s.stats.prefetches++;
     return PEBBLE_OK;
 }
 
@@ -372,10 +437,7 @@ extern "C" pebble_status pebble_set_strategy(pebble_store_t handle, uint64_t dev
     for (entry_key key : keys) {
         entry & e = s.entries.at(key);
         if (!resident(key) || e.dev || s.stats.device_bytes + e.nbytes > s.limit) continue;
-        TRY(alloc_device_copy(s, e, key));
-        TRY(copy_async(e, e.dev, e.host, e.nbytes, s.evict_stream));
-        s.stats.bytes_h2d += e.nbytes;
-        s.stats.prefetches++;
+        TRY(device_copy_from_host(s, e, key, s.evict_stream));
     }
     CUDA_CHECK(cudaStreamSynchronize(s.evict_stream));
     return PEBBLE_OK;
@@ -467,6 +529,7 @@ extern "C" pebble_status pebble_save(pebble_store_t handle, int32_t layer, int32
         if (e.host) TRY(drop_host_copy(s, e));
         touch(s, e);
     } else {
+        if (aliased(e)) TRY(drop_device_copy(s, e)); // a leased view of it is detached before the bytes change
         if (!e.host && (st = alloc_host_copy(s, e, layer, tensor_id)) != PEBBLE_OK) return abandon(st);
         TRY(copy_async(e, e.host, src, nbytes, cs));
         count_copy(s, src_dev, false, nbytes);
@@ -533,7 +596,7 @@ extern "C" pebble_status pebble_write(pebble_store_t handle, int32_t layer, int3
         count_copy(s, src_dev, true, nbytes);
     }
     if (e->host) {
-        TRY(copy_async(*e, static_cast<char *>(e->host) + offset, src, nbytes, cs));
+        if (!aliased(*e)) TRY(copy_async(*e, static_cast<char *>(e->host) + offset, src, nbytes, cs));
         count_copy(s, src_dev, false, nbytes);
     }
     touch(s, *e);
@@ -571,11 +634,8 @@ extern "C" pebble_status pebble_prefetch(pebble_store_t handle, int32_t layer, v
         bool fits = false;
         TRY(make_room(s, e.nbytes, same_layer, &fits));
         if (!fits) continue;
-        TRY(alloc_device_copy(s, e, key));
+        TRY(device_copy_from_host(s, e, key, static_cast<cudaStream_t>(stream)));
         layer_device_bytes += e.nbytes;
-        TRY(copy_async(e, e.dev, e.host, e.nbytes, static_cast<cudaStream_t>(stream)));
-        s.stats.bytes_h2d += e.nbytes;
-        s.stats.prefetches++;
     }
     return PEBBLE_OK;
 }
@@ -637,6 +697,33 @@ extern "C" pebble_status pebble_device_acquire(pebble_store_t handle, int32_t la
     return PEBBLE_OK;
 }
 
+extern "C" pebble_status pebble_host_acquire(pebble_store_t handle, int32_t layer, int32_t tensor_id, void ** out,
+                                             uint64_t * nbytes) {
+    OPEN_STORE(handle, s);
+    if (!out) return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_host_acquire: out is NULL");
+    entry * e = nullptr;
+    TRY(find_entry(s, layer, tensor_id, __func__, &e));
+    if (!e->host) {
+        return fail(PEBBLE_ERR_UNKNOWN_ENTRY, "pebble_host_acquire: layer %d tensor %d has no host copy (it is "
+                    "in the device tier only)", layer, tensor_id);
+    }
+    // Copies into it may be in flight on a stream: the lease is for reading what the entry holds.
+    CUDA_CHECK(cudaEventSynchronize(e->last_use));
+    try {
+        std::lock_guard<std::mutex> lock(g_leases_mu);
+        lease & l = g_leases[e->host];
+        l.count++;
+        l.host = !aliased(*e);
+        l.device = s.device;
+    } catch (const std::bad_alloc &) {
+        return fail(PEBBLE_ERR_HOST_OOM, "pebble_host_acquire: layer %d tensor %d: no memory for the lease",
+                    layer, tensor_id);
+    }
+    *out = e->host;
+    if (nbytes) *nbytes = e->nbytes;
+    return PEBBLE_OK;
+}
+
 extern "C" pebble_status pebble_device_release(void * ptr) {
     if (!ptr) return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_device_release: ptr is NULL");
     lease last;
@@ -656,7 +743,7 @@ extern "C" pebble_status pebble_device_release(void * ptr) {
     int current = 0;
     const bool restore = cudaGetDevice(&current) == cudaSuccess;
     if (cudaSetDevice(last.device) != cudaSuccess) cudaGetLastError(); // cudaFree may still find it
-    const cudaError_t err = cudaFree(ptr);
+    const cudaError_t err = last.host ? cudaFreeHost(ptr) : cudaFree(ptr);
     if (restore) cudaSetDevice(current);
     if (err != cudaSuccess) {
         return fail(PEBBLE_ERR_CUDA, "pebble_device_release: cudaFree(%p) of a detached buffer on device %d "

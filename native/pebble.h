@@ -159,7 +159,15 @@ PEBBLE_API enum pebble_status pebble_device_pointer(pebble_store_t store, int32_
 // its own release. *nbytes = the entry's size, read under the same lock (NULL: not wanted).
 PEBBLE_API enum pebble_status pebble_device_acquire(pebble_store_t store, int32_t layer, int32_t tensor_id,
                                                     void ** out, uint64_t * nbytes);
-// Gives back one lease taken by pebble_device_acquire; valid after the store was freed. A pointer that
+// As pebble_device_acquire for the entry's host copy (PEBBLE_ERR_UNKNOWN_ENTRY if it has none), after the
+// copies in flight to it: for computing from the host tier in place where the kernels can read it
+// (the host library's, whose two tiers are both host memory, so that a streamed layer need not be
+// copied to be computed). Writes through it reach the host copy only. When the store lets go of the
+// host copy the buffer is detached, as a device copy's is, and pebble_device_release frees it.
+PEBBLE_API enum pebble_status pebble_host_acquire(pebble_store_t store, int32_t layer, int32_t tensor_id,
+                                                  void ** out, uint64_t * nbytes);
+// Gives back one lease taken by pebble_device_acquire or pebble_host_acquire; valid after the store was
+// freed. A pointer that
 // holds no lease (never acquired, or released as many times as acquired) is PEBBLE_ERR_INVALID_ARGUMENT.
 PEBBLE_API enum pebble_status pebble_device_release(void * ptr);
 
@@ -191,9 +199,27 @@ PEBBLE_API enum pebble_status pebble_dequantize(int32_t ggml_type, const void * 
 // n_rows rows of n_cols elements each (a row contiguous, as GGUF stores a weight), x_f16 holds n_vec
 // fp16 vectors one after another. Each weight block is read once per call and decoded in registers;
 // products and sums are float32. w_bytes must be the size of the n_rows * n_cols elements' blocks.
+// The host library, as llama.cpp's CPU backend does, multiplies the quantized types by x quantized once
+// per call to 8-bit blocks (per 256 elements for Q4_K, Q5_K and Q6_K, per 32 for the others: d =
+// max|x| / 127 in float32, q = x / d rounded to nearest even; a block holding inf or NaN gives NaN),
+// with integer dot products: each element of x moves by at most d / 2, so a result differs from the
+// product with x itself by at most sqrt(block) / 254 * ||W[r]|| * ||x|| (0.022 relative for blocks of
+// 32, 0.063 for 256; about twenty times less on random data) beyond float32 rounding. F32, F16 and
+// BF16 weights take x as it is. The cuda library multiplies x as it is. The host library splits rows
+// among a pool of threads started once per process: one per CPU the process may run on, or
+// PEBBLING_THREADS (1..256); its kernels use AVX2 (with FMA and F16C) where the CPU has it, else portable
+// C++, which PEBBLING_SIMD=portable forces. Another value of either makes every matvec call fail with
+// PEBBLE_ERR_INVALID_ARGUMENT, naming it.
 PEBBLE_API enum pebble_status pebble_matvec    (int32_t ggml_type, const void * w, uint64_t w_bytes,
                                                 int64_t n_rows, int64_t n_cols, const uint16_t * x_f16,
                                                 int32_t n_vec, float * y, void * stream);
+// As pebble_matvec for any number of vectors n_vec >= 1 (a prefill chunk), with the same errors but
+// no upper limit on n_vec. The host library multiplies the weights as stored, in tiles of rows that
+// every vector passes before the next tile is read, so nothing is expanded to float; the cuda library
+// runs pebble_matvec's kernel over groups of PEBBLE_MATVEC_MAX_VEC vectors.
+PEBBLE_API enum pebble_status pebble_matmul    (int32_t ggml_type, const void * w, uint64_t w_bytes,
+                                                int64_t n_rows, int64_t n_cols, const uint16_t * x_f16,
+                                                int64_t n_vec, float * y, void * stream);
 
 // ---------------------------------------------------------------------------------------------------
 // the decode step: one transformer layer for one token, in one call

@@ -7,10 +7,11 @@
 //
 // Each type's block decoding is written once, as __host__ __device__ functions that hand every element
 // to a callback, and each kernel is written once. In the host build (-DPEBBLE_HOST_BUILD) a kernel is a
-// plain function that loops over its share of the work (the launcher splits rows or blocks among the
-// host's threads when there are enough of them), a warp has one lane, and the CUDA qualifiers are
-// empty: CI and the sanitizers run the GPU's arithmetic and indexing, and only the thread-index
-// helpers, the warp reduction and where x is converted from fp16 differ.
+// plain function that loops over its share of the work (the launcher splits blocks among the host's
+// thread pool when there are enough of them), a warp has one lane, and the CUDA qualifiers are empty:
+// CI and the sanitizers run the GPU's dequantization. The host build's matvec is not the GPU's kernel:
+// it is pebble_cpu.cc's, which quantizes x to 8-bit blocks and multiplies with integer SIMD dot
+// products, as llama.cpp's CPU backend does (pebble.h says what that changes in the results).
 
 #include "pebble_device.h"
 #include "pebble_internal.h"
@@ -21,8 +22,7 @@
 #include <cstdlib>
 #include <cstring>
 #ifdef PEBBLE_HOST_BUILD
-#    include <thread>
-#    include <vector>
+#    include "pebble_cpu.h"
 #endif
 
 
@@ -315,18 +315,9 @@ __global__ void dequantize_kernel(const uint8_t * __restrict__ src, uint16_t * _
 // One warp per row (blockDim = 32 x rows per block, rows grid-strided). The lanes take the row's block
 // parts in turn, so at each step the warp reads one contiguous stretch of the row, every byte of it
 // once; each lane keeps NV float32 sums, reduced across the warp by shuffles at the end of the row.
-// x's elements as float32: read from fp16 where they are used (the GPU), or from a float32 copy made
-// once per call (the host build, where converting in the inner loop would cost more than the sums). The
-// host copy interleaves the vectors (element i of vector v at p[i * NV + v]), so the NV products of one
-// decoded weight read adjacent floats and the compiler runs them as vector instructions: 8 vectors cost
-// about 1.6x one instead of 4x. Each vector's sum is the same sequence of float32 operations either way.
-#ifdef PEBBLE_HOST_BUILD
-template <int NV>
-struct float_vectors {
-    const float * p;
-    float at(int v, int64_t i, int64_t) const { return p[i * NV + v]; }
-};
-#else
+// x's elements as float32, read from fp16 where they are used. (The host build multiplies in
+// pebble_cpu.cc instead.)
+#ifndef PEBBLE_HOST_BUILD
 struct half_vectors {
     const uint16_t * p;
     __device__ float at(int v, int64_t i, int64_t n_cols) const { return half_to_float(p[v * n_cols + i]); }
@@ -364,30 +355,11 @@ __global__ void matvec_kernel(const uint8_t * __restrict__ w, int64_t n_rows, in
 // launchers
 
 #ifdef PEBBLE_HOST_BUILD
-// f(begin, end) over [0, n): split among the host's threads when there is enough work (`work`
-// elements) to pay for them, else on the calling thread. A thread that cannot be started leaves its
-// share to the calling thread. The shares are disjoint, so the results are those of one thread.
+// f(begin, end) over [0, n), on the host's thread pool when there is enough work (`work` elements) to
+// pay for waking it (pebble_cpu.cc). The shares are disjoint, so the results are those of one thread.
 template <typename F>
 void host_parallel(int64_t n, int64_t work, F && f) {
-    static const int64_t hardware = std::max(1u, std::thread::hardware_concurrency()); // reads /sys: once
-    const int64_t threads = std::min<int64_t>({hardware, 16, n, std::max<int64_t>(1, work >> 20)});
-    if (threads <= 1) {
-        f(int64_t(0), n);
-        return;
-    }
-    std::vector<std::thread> pool;
-    int64_t begin = 0;
-    for (int64_t t = 0; t < threads - 1; t++) {
-        const int64_t end = begin + n / threads + (t < n % threads);
-        try {
-            pool.emplace_back(f, begin, end);
-        } catch (...) { // std::system_error: no thread; this one does the share
-            f(begin, end);
-        }
-        begin = end;
-    }
-    f(begin, n);
-    for (std::thread & t : pool) t.join();
+    pebble_cpu::parallel_for(n, work, f);
 }
 #endif
 
@@ -483,19 +455,8 @@ template <typename T, int NV>
 pebble_status launch_matvec_n(const uint8_t * w, int64_t n_rows, int64_t n_cols, const uint16_t * x, float * y,
                               cudaStream_t stream) {
 #ifdef PEBBLE_HOST_BUILD
-    (void)stream;
-    float * xf = static_cast<float *>(std::malloc(static_cast<size_t>(NV * n_cols) * sizeof(float)));
-    if (!xf) {
-        return fail(PEBBLE_ERR_HOST_OOM, "pebble_matvec: %s: no memory for %d float32 vectors of %" PRId64,
-                    type_name(T::id), NV, n_cols);
-    }
-    for (int v = 0; v < NV; v++)
-        for (int64_t i = 0; i < n_cols; i++) xf[i * NV + v] = half_to_float(x[v * n_cols + i]);
-    host_parallel(n_rows, n_rows * n_cols, [=](int64_t begin, int64_t end) {
-        matvec_kernel<T, NV>(w, n_rows, n_cols, float_vectors<NV>{xf}, y, begin, end);
-    });
-    std::free(xf);
-    return PEBBLE_OK;
+    (void)stream; // the host's kernels (pebble_cpu.cc): x quantized once, integer SIMD dot products
+    return pebble_cpu::matmul(T::id, w, n_rows, n_cols, x, NV, y, "pebble_matvec");
 #else
     const int64_t grid = std::min(max_grid, (n_rows + matvec_rows_per_block - 1) / matvec_rows_per_block);
     const dim3 block(warp_lanes, matvec_rows_per_block);
@@ -622,49 +583,78 @@ extern "C" pebble_status pebble_dequantize(int32_t ggml_type, const void * src, 
     });
 }
 
-extern "C" pebble_status pebble_matvec(int32_t ggml_type, const void * w, uint64_t w_bytes, int64_t n_rows,
-                                       int64_t n_cols, const uint16_t * x_f16, int32_t n_vec, float * y,
-                                       void * stream) {
-    return with_type(ggml_type, __func__, [&](auto t) {
+namespace {
+
+// pebble_matvec's and pebble_matmul's checks and work: n_vec up to max_vec.
+pebble_status matvec_call(const char * fn, int32_t ggml_type, const void * w, uint64_t w_bytes, int64_t n_rows,
+                          int64_t n_cols, const uint16_t * x_f16, int64_t n_vec, int64_t max_vec, float * y,
+                          void * stream) {
+    return with_type(ggml_type, fn, [&](auto t) {
         using T = decltype(t);
         const char * name = type_name(T::id);
         // The counts first: with nothing to compute, a caller's empty buffers may well be NULL.
-        if (n_vec < 1 || n_vec > PEBBLE_MATVEC_MAX_VEC) {
-            return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_matvec: %s: n_vec %d is outside 1..%d", name, n_vec,
-                        PEBBLE_MATVEC_MAX_VEC);
+        if (n_vec < 1 || n_vec > max_vec) {
+            if (max_vec == INT64_MAX) {
+                return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: %s: n_vec must be at least 1, got %" PRId64, fn, name,
+                            n_vec);
+            }
+            return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: %s: n_vec %" PRId64 " is outside 1..%" PRId64, fn, name,
+                        n_vec, max_vec);
         }
         if (n_rows < 1 || n_cols < 1) {
-            return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_matvec: %s: n_rows and n_cols must be at least 1, "
-                        "got %" PRId64 " x %" PRId64, name, n_rows, n_cols);
+            return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: %s: n_rows and n_cols must be at least 1, "
+                        "got %" PRId64 " x %" PRId64, fn, name, n_rows, n_cols);
         }
         if (!w || !x_f16 || !y) {
-            return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_matvec: %s: w, x_f16 and y must not be NULL (w %p, "
-                        "x_f16 %p, y %p)", name, w, static_cast<const void *>(x_f16), static_cast<void *>(y));
+            return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: %s: w, x_f16 and y must not be NULL (w %p, "
+                        "x_f16 %p, y %p)", fn, name, w, static_cast<const void *>(x_f16), static_cast<void *>(y));
         }
         if (n_cols % T::block_elements != 0) {
-            return fail(PEBBLE_ERR_SIZE_MISMATCH, "pebble_matvec: %s: n_cols %" PRId64 " is not a multiple of the "
-                        "%d-element block", name, n_cols, T::block_elements);
+            return fail(PEBBLE_ERR_SIZE_MISMATCH, "%s: %s: n_cols %" PRId64 " is not a multiple of the "
+                        "%d-element block", fn, name, n_cols, T::block_elements);
         }
         // Every index the kernel forms (row bytes, x and y offsets) must fit in int64.
         const int64_t blocks_per_row = n_cols / T::block_elements;
         if (blocks_per_row > INT64_MAX / T::block_bytes || n_rows > INT64_MAX / (blocks_per_row * T::block_bytes) ||
-            n_cols > INT64_MAX / PEBBLE_MATVEC_MAX_VEC || n_rows > INT64_MAX / PEBBLE_MATVEC_MAX_VEC) {
-            return fail(PEBBLE_ERR_SIZE_MISMATCH, "pebble_matvec: %s: %" PRId64 " x %" PRId64 " weights take more "
-                        "than 2^63 bytes", name, n_rows, n_cols);
+            n_cols > INT64_MAX / n_vec || n_rows > INT64_MAX / n_vec) {
+            return fail(PEBBLE_ERR_SIZE_MISMATCH, "%s: %s: %" PRId64 " x %" PRId64 " weights (or %" PRId64
+                        " vectors of them) take more than 2^63 bytes", fn, name, n_rows, n_cols, n_vec);
         }
         const int64_t row_bytes = blocks_per_row * T::block_bytes;
         const uint64_t want = static_cast<uint64_t>(n_rows) * static_cast<uint64_t>(row_bytes);
         if (w_bytes != want) {
-            return fail(PEBBLE_ERR_SIZE_MISMATCH, "pebble_matvec: %s: %" PRId64 " rows of %" PRId64 " elements are %"
-                        PRId64 " x %" PRId64 " = %" PRIu64 " bytes, but w_bytes is %" PRIu64, name, n_rows, n_cols,
-                        n_rows, row_bytes, want, w_bytes);
+            return fail(PEBBLE_ERR_SIZE_MISMATCH, "%s: %s: %" PRId64 " rows of %" PRId64 " elements are %"
+                        PRId64 " x %" PRId64 " = %" PRIu64 " bytes, but w_bytes is %" PRIu64, fn, name, n_rows,
+                        n_cols, n_rows, row_bytes, want, w_bytes);
         }
-#ifndef PEBBLE_HOST_BUILD
-        TRY(check_reachable(w, "w", "pebble_matvec", T::id));
-        TRY(check_reachable(x_f16, "x_f16", "pebble_matvec", T::id));
-        TRY(check_reachable(y, "y", "pebble_matvec", T::id));
+#ifdef PEBBLE_HOST_BUILD
+        (void)stream;
+        return pebble_cpu::matmul(T::id, static_cast<const uint8_t *>(w), n_rows, n_cols, x_f16, n_vec, y, fn);
+#else
+        TRY(check_reachable(w, "w", fn, T::id));
+        TRY(check_reachable(x_f16, "x_f16", fn, T::id));
+        TRY(check_reachable(y, "y", fn, T::id));
+        for (int64_t v = 0; v < n_vec; v += PEBBLE_MATVEC_MAX_VEC) {
+            const int32_t group = static_cast<int32_t>(std::min<int64_t>(PEBBLE_MATVEC_MAX_VEC, n_vec - v));
+            TRY(launch_matvec<T>(static_cast<const uint8_t *>(w), n_rows, n_cols, x_f16 + v * n_cols, group,
+                                 y + v * n_rows, static_cast<cudaStream_t>(stream)));
+        }
+        return PEBBLE_OK;
 #endif
-        return launch_matvec<T>(static_cast<const uint8_t *>(w), n_rows, n_cols, x_f16, n_vec, y,
-                                static_cast<cudaStream_t>(stream));
     });
+}
+
+} // namespace
+
+extern "C" pebble_status pebble_matvec(int32_t ggml_type, const void * w, uint64_t w_bytes, int64_t n_rows,
+                                       int64_t n_cols, const uint16_t * x_f16, int32_t n_vec, float * y,
+                                       void * stream) {
+    return matvec_call("pebble_matvec", ggml_type, w, w_bytes, n_rows, n_cols, x_f16, n_vec, PEBBLE_MATVEC_MAX_VEC, y,
+                       stream);
+}
+
+extern "C" pebble_status pebble_matmul(int32_t ggml_type, const void * w, uint64_t w_bytes, int64_t n_rows,
+                                       int64_t n_cols, const uint16_t * x_f16, int64_t n_vec, float * y,
+                                       void * stream) {
+    return matvec_call("pebble_matmul", ggml_type, w, w_bytes, n_rows, n_cols, x_f16, n_vec, INT64_MAX, y, stream);
 }

@@ -99,6 +99,8 @@ def test_run_verbose_prints_timings_and_the_report_to_stderr(model, capsys):
     assert fields["estimated peak"].endswith("(estimate)")
     assert fields["measured peak"].split("(", 1)[1].startswith(("byte-accounted", "measured"))
     assert fields["bytes restored/token"].endswith("B")
+    if "process memory" in fields:  # where /proc gives VmRSS: measured, beside the accounted peak
+        assert fields["process memory"].endswith("peak (measured)") and "resident" in fields["process memory"]
 
 
 def test_run_on_the_demo_says_its_weights_are_random(demo, capsys):

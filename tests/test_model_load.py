@@ -235,3 +235,42 @@ def test_loading_peak_memory_stays_under_1_3x_the_loaded_weights(wtype, form):
         # Q4_K's 8 MB are near what the tokenizer and Python's objects cost whatever the weights: those
         # get a fixed 8 MiB here; a dequantizing load of the same file would add some 50 MB.
         assert figures["peak_growth"] < 1.3 * figures["weights"] + 8 * 2**20, figures
+
+
+@pytest.mark.parametrize("arch, overrides", [("llama", dict(weight_type="Q4_K", n_embd=256)),
+                                             ("qwen2", dict(weight_type="Q8_0", vocab="chatml")),
+                                             ("phi3", dict(vocab="spm", weight_type="F16"))])
+def test_our_header_parser_reads_what_gguf_reads(arch, overrides):
+    """GGUFFile parses the header itself (gguf's reader takes seconds on a large vocabulary): every
+    metadata value, and every tensor's type, shape, offset and size, as gguf's GGUFReader gives them."""
+    from pyplugin.model import GGUFFile
+
+    path = tiny_path(arch, **overrides)
+    reader = GGUFReader(path)
+    with GGUFFile(path) as f:
+        want = {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
+        assert f.metadata == want
+        assert len(f.tensors) == len(reader.tensors)
+        for t in reader.tensors:
+            got = f.tensors[t.name]
+            assert (got.qtype, got.shape, got.offset, got.nbytes) == (
+                t.tensor_type, tuple(int(d) for d in reversed(t.shape.tolist())), int(t.data_offset), int(t.n_bytes))
+
+
+def test_quantized_matrices_are_views_of_the_file_and_their_pages_can_be_given_back():
+    """Loading `quantized` copies no matrix: each is a view of the file's memory map; once the store
+    holds a copy, drop_file_pages gives its pages back and the bytes read the same from the file."""
+    from pyplugin.model import QuantWeight
+    from pyplugin.model.gguf_file import drop_file_pages
+
+    path = tiny_path("llama", weight_type="Q8_0")
+    model = load_model(path, weights="quantized", progress=False)
+    w = model.layers[0].wq
+    assert isinstance(w, QuantWeight) and not w.data.flags.owndata and not w.data.flags.writeable
+    before = w.data.copy()
+    reader = GGUFReader(path)
+    raw = next(t for t in reader.tensors if t.name == "blk.0.attn_q.weight")
+    np.testing.assert_array_equal(before.reshape(-1), np.asarray(raw.data).reshape(-1).view(np.uint8))
+    drop_file_pages(w.data)
+    np.testing.assert_array_equal(w.data, before)
+    drop_file_pages(before)  # not a view of a file: left alone

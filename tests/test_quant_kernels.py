@@ -44,6 +44,32 @@ EDGE_FLOATS = np.array([65504, 65519.996, 65520, -65520, 3.4e38, 2**-14, 2**-14 
 MATVEC_RTOL = 1e-5
 
 
+def activation_blocks(qtype: Q) -> int:
+    """The elements per 8-bit block the host library quantizes x to for weights of `qtype` (pebble.h:
+    256 for the K-quants, 32 for the other quantized types); 0 where x stays float."""
+    if qtype not in QUANTIZED:
+        return 0
+    return 256 if qtype in K_QUANTS else 32
+
+
+def quantized_activation(x: np.ndarray, n: int) -> np.ndarray:
+    """x (fp16) as the host library quantizes it, dequantized again: per block of n elements,
+    d = max|x| / 127 and q = round(x / d), in float32 (pebble.h, "quantized tensors")."""
+    v = x.astype(np.float32).reshape(-1, n)
+    d = np.abs(v).max(axis=1, keepdims=True) / np.float32(127)
+    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
+    return (np.rint(v * inv) * d).reshape(x.shape)
+
+
+def activation_rtol(qtype: Q) -> float:
+    """How far quantizing x may move a product, relative to ||W[r]|| * ||x||: each element moves by at
+    most d / 2 = max|x_block| / 254, so ||x - x_q|| <= sqrt(n) / 254 * ||x|| for blocks of n elements
+    (Cauchy-Schwarz). That bound is 0.022 for 32-element blocks and 0.063 for 256; random vectors sit
+    about twenty times inside it."""
+    n = activation_blocks(qtype)
+    return np.sqrt(n) / 254 if n else 0.0
+
+
 @pytest.fixture(params=store_backend_params())
 def backend(request) -> str:
     return request.param
@@ -242,18 +268,30 @@ def test_matvec_matches_float64_product_of_gguf_weights(backend, qtype, n_vec):
     out = xp.full((n_vec, n_rows), np.nan, dtype=np.float32)     # every output must be written
     got = to_numpy(kernels_of(backend).matvec(qtype, raw, n_rows, n_cols, x, out=out))
     assert not np.isnan(got).any(), f"outputs left unwritten at {np.argwhere(np.isnan(got)).tolist()}"
-    tolerance = MATVEC_RTOL * np.outer(np.linalg.norm(x.astype(np.float64), axis=1),
-                                       np.linalg.norm(weights, axis=1))
+    norms = np.outer(np.linalg.norm(x.astype(np.float64), axis=1), np.linalg.norm(weights, axis=1))
+    rtol = MATVEC_RTOL
+    if backend == "host" and activation_blocks(qtype):
+        # The host library multiplies x quantized to 8-bit blocks: the product with that x exactly (up to
+        # float32 sums), and within the documented bound of the product with x itself.
+        x_q = quantized_activation(x, activation_blocks(qtype)).astype(np.float64)
+        assert_within(got, x_q @ weights.T, MATVEC_RTOL * norms, "quantized x")
+        rtol = activation_rtol(qtype) + MATVEC_RTOL
+    assert_within(got, want, rtol * norms, "x")
+
+
+def assert_within(got: np.ndarray, want: np.ndarray, tolerance: np.ndarray, what: str) -> None:
     excess = np.abs(got - want) - tolerance
     worst = np.unravel_index(np.argmax(excess), excess.shape)
-    assert (excess <= 0).all(), (f"[vector, row] {worst}: got {got[worst]}, want {want[worst]}, "
-                                 f"tolerance {tolerance[worst]:.3g}")
+    assert (excess <= 0).all(), (f"against the product with {what}: [vector, row] {worst}: got {got[worst]}, "
+                                 f"want {want[worst]}, tolerance {tolerance[worst]:.3g}")
 
 
 def test_matvec_of_one_vector_returns_one_row_of_outputs(backend):
     raw, n_cols = matvec_case(Q.Q8_0, 5, 3, seed=11)
     x = np.random.default_rng(12).standard_normal(n_cols).astype(np.float16)
     got = to_numpy(kernels_of(backend).matvec(Q.Q8_0, raw, 5, n_cols, x))
+    if backend == "host":  # x quantized to 8-bit blocks, as pebble.h says
+        x = quantized_activation(x, activation_blocks(Q.Q8_0))
     want = reference(Q.Q8_0, raw, 5).astype(np.float64) @ x.astype(np.float64)
     assert got.shape == (5,) and got.dtype == np.float32
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
@@ -334,4 +372,69 @@ def test_stub_and_native_kernels_agree(qtype):
     np.testing.assert_array_equal(stub.view(np.uint16), host.view(np.uint16))
     x = np.random.default_rng(22).standard_normal((3, n_cols)).astype(np.float16)
     stub, host = (kernels_of(b).matvec(qtype, raw, 5, n_cols, x) for b in ("stub", "host"))
-    np.testing.assert_allclose(stub, host, rtol=1e-5, atol=1e-6 * max(np.abs(host).max(), 1e-30))
+    if not activation_blocks(qtype):
+        np.testing.assert_allclose(stub, host, rtol=1e-5, atol=1e-6 * max(np.abs(host).max(), 1e-30))
+    else:  # the host library quantizes x (the stub, like the GPU, multiplies x as it is): the documented bound
+        weights = reference(qtype, raw, 5).astype(np.float64)
+        norms = np.outer(np.linalg.norm(x.astype(np.float64), axis=1), np.linalg.norm(weights, axis=1))
+        assert_within(host, stub, (activation_rtol(qtype) + MATVEC_RTOL) * norms, "x (the stub's)")
+
+
+@pytest.mark.parametrize("setting, error", [({"PEBBLING_SIMD": "portable"}, None),
+                                            ({"PEBBLING_THREADS": "1"}, None),
+                                            ({"PEBBLING_THREADS": "3"}, None),
+                                            ({"PEBBLING_THREADS": "lots"}, "PEBBLING_THREADS is 'lots'"),
+                                            ({"PEBBLING_SIMD": "sse9"}, "PEBBLING_SIMD is 'sse9'")])
+def test_host_kernels_under_each_setting(setting, error):
+    """The portable kernels (what a CPU without AVX2 runs) and other pool sizes give results within the
+    same bounds: the matvec tests above, run in a process with the setting; a malformed setting is an
+    error naming it, not ignored."""
+    if not probe("host").usable:
+        pytest.skip("the host library is not built here (make host)")
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, **setting, "PEBBLING_TEST_BACKENDS": "host"}
+    if error is None:
+        args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                "host and (test_matvec or stub_and_native) and not under_each"]
+        done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        assert " passed" in done.stdout and "failed" not in done.stdout
+    else:
+        code = ("import numpy as np; from pyplugin.store import backend_named; "
+                "backend_named('host').kernels.matvec(8, np.zeros(34, np.uint8), 1, 32, np.ones(32, np.float16))")
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode != 0 and error in done.stderr and "InvalidArgumentError" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_matmul_takes_any_number_of_vectors_as_matvec_computes_them(backend, qtype):
+    """pebble_matmul (a prefill chunk): 21 vectors, past matvec's 8 and not a whole number of the host's
+    groups of 4, over 67 rows (several tiles); the same bounds as matvec's."""
+    n_rows, n_vec = 67, 21
+    raw, n_cols = matvec_case(qtype, n_rows, 33 if qtype not in QUANTIZED else 3 if qtype in K_QUANTS else 9,
+                              seed=5)
+    x = np.random.default_rng(6).standard_normal((n_vec, n_cols)).astype(np.float16)
+    weights = reference(qtype, raw, n_rows).astype(np.float64)
+    xp = np if backend != "cuda" else pytest.importorskip("cupy")
+    out = xp.full((n_vec, n_rows), np.nan, dtype=np.float32)
+    got = to_numpy(kernels_of(backend).matmul(qtype, raw, n_rows, n_cols, x, out=out))
+    assert not np.isnan(got).any()
+    norms = np.outer(np.linalg.norm(x.astype(np.float64), axis=1), np.linalg.norm(weights, axis=1))
+    if backend == "host" and activation_blocks(qtype):
+        x_q = quantized_activation(x, activation_blocks(qtype)).astype(np.float64)
+        assert_within(got, x_q @ weights.T, MATVEC_RTOL * norms, "quantized x")
+    else:
+        assert_within(got, x.astype(np.float64) @ weights.T, MATVEC_RTOL * norms, "x")
+    # and its rows are matvec's, group by group
+    first = to_numpy(kernels_of(backend).matvec(qtype, raw, n_rows, n_cols, x[:8]))
+    np.testing.assert_allclose(got[:8], first, rtol=1e-5, atol=1e-5 * max(np.abs(first).max(), 1e-30))
+
+
+def test_matmul_refuses_no_vectors(backend):
+    raw = make_raw(Q.Q8_0, 2, np.random.default_rng(3), "random")
+    with pytest.raises(InvalidArgumentError) as caught:
+        kernels_of(backend).matmul(Q.Q8_0, raw, 1, 64, np.ones((0, 64), np.float16))
+    assert names(str(caught.value), "pebble_matmul", "Q8_0", "n_vec must be at least 1"), str(caught.value)

@@ -12,6 +12,8 @@ from gguf import GGUFReader
 from helpers import store_backend_params
 from helpers import tiny_model, tiny_path
 from pyplugin.runtime import Generation, PebbledModel
+from pyplugin.runtime.generation import ResidentLayers
+from pyplugin.store import backend_named
 from pyplugin.runtime.layout import K_ID, V_ID, WEIGHT_IDS
 from pyplugin.model import QuantWeight
 from pyplugin.runtime.options import Options
@@ -47,17 +49,27 @@ MODELS = {
 STUB_MODELS = ("llama-Q4_K_M",)
 
 
-_references: dict[str, list[int]] = {}
+_references: dict[tuple[str, str], list[int]] = {}
 
 
-def reference_tokens(name: str) -> list[int]:
-    """Greedy tokens of the f16 form, every layer resident, no store."""
-    if name not in _references:
+def reference_tokens(name: str, backend: str = "stub") -> list[int]:
+    """Greedy tokens of the f16 form, every layer resident, no store. On the host library, whose matrix
+    kernels multiply the activation quantized to 8-bit blocks (pebble.h), those of the quantized form
+    resident on its own kernels: random-weight models have near-ties that this rounding can turn (as it
+    does llama.cpp's, which quantizes them alike), so the store's paths are held to the library's own
+    resident result; test_quant_kernels bounds the difference itself."""
+    key = (name, "host" if backend == "host" else "f16")
+    if key not in _references:
         arch, overrides = MODELS[name]
-        tokens = list(Generation(tiny_model(arch, weights="f16", **overrides), OPTIONS).tokens(PROMPT))
+        if key[1] == "host":
+            model = tiny_model(arch, weights="quantized", **overrides)
+            layers = ResidentLayers(model, OPTIONS.num_ctx, backend_named("host").kernels)
+            tokens = list(Generation(model, OPTIONS, layers=layers).tokens(PROMPT))
+        else:
+            tokens = list(Generation(tiny_model(arch, weights="f16", **overrides), OPTIONS).tokens(PROMPT))
         assert len(tokens) == OPTIONS.num_predict  # the comparison below means something
-        _references[name] = tokens
-    return _references[name]
+        _references[key] = tokens
+    return _references[key]
 
 
 @pytest.fixture(scope="module", params=[
@@ -84,14 +96,16 @@ def run(pebbled, strategy: str, limit: int | None = None):
 def test_quantized_tokens_equal_the_f16_tokens_for_every_strategy(pebbled, strategy):
     tokens, report, _ = run(pebbled, strategy)
     assert report["weights"] == "quantized"
-    assert tokens == reference_tokens(pebbled.case)
+    assert tokens == reference_tokens(pebbled.case, pebbled.backend.name)
 
 
 @pytest.mark.parametrize("name", MODELS)
 def test_the_resident_quantized_model_gives_the_f16_tokens(name):
+    """On kernels that multiply the activation as it is (the stub's; the GPU's alike)."""
     arch, overrides = MODELS[name]
     model = tiny_model(arch, weights="quantized", **overrides)
-    assert list(Generation(model, OPTIONS).tokens(PROMPT)) == reference_tokens(name)
+    layers = ResidentLayers(model, OPTIONS.num_ctx, backend_named("stub").kernels)
+    assert list(Generation(model, OPTIONS, layers=layers).tokens(PROMPT)) == reference_tokens(name)
 
 
 def test_pebbles_are_the_files_bytes_with_their_type_and_shape(pebbled):
@@ -139,11 +153,14 @@ def test_the_plan_counts_weights_in_their_stored_type(pebbled):
 
 def test_streaming_restores_the_stored_bytes_of_the_streamed_layers(pebbled):
     """bytes restored per decoded token = the streamed layers' weights as stored + the K and V rows
-    each decode step reads back, exactly."""
+    each decode step reads back, exactly; where the arrays are host memory (host, stub) the weights
+    are computed from the host tier in place, and only the K and V rows are copied."""
     tokens, report, layers = run(pebbled, "minimal")
     plan = layers.plan
     assert plan.streamed == tuple(range(pebbled.model.config.n_layer))
     weights = sum(t.nbytes for i in plan.streamed for t in pebbled.layouts[i])
+    if not pebbled.backend.arrays_on_device:
+        weights = 0
     kv_rows = 0
     steps = len(tokens) - 1  # the last token is sampled, not fed back
     for n in range(steps):
@@ -162,10 +179,13 @@ def test_kv_entries_stay_in_the_compute_type(pebbled):
 
 def test_prefill_expands_only_what_the_gemm_cannot_take_as_stored(pebbled):
     """A chunk past the fused kernels expands quantized matrices into the fp16 workspace, and the
-    estimate counts the largest; F16 (and, on the host, F32) are multiplied as they are stored."""
+    estimate counts the largest; F16 (and, on the host, F32) are multiplied as they are stored, and on
+    the host library every type is (pebble_matmul)."""
     _, overrides = MODELS[pebbled.case]
     as_stored = {"F16"} | ({"F32"} if pebbled.xp is np else set())
     types = {overrides["weight_type"], *overrides.get("tensor_types", {}).values()}
     largest = max(t.shape[0] * t.shape[1] for layout in pebbled.layouts for t in layout if t.qtype is not None)
     assert pebbled._expansion_elements(8) == 0  # the fused kernels take up to 8 rows
-    assert pebbled._expansion_elements(12) == (0 if types <= as_stored else largest)
+    # the host library's prefill multiplies the stored blocks in tiles: nothing is expanded there
+    expands = not (types <= as_stored or pebbled.backend.name == "host")
+    assert pebbled._expansion_elements(12) == (largest if expands else 0)

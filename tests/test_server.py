@@ -177,8 +177,14 @@ def test_pebbling_weights_picks_the_form_and_both_forms_give_the_same_tokens(url
     assert quantized["pebbling"]["weights"] == "quantized" and f16["pebbling"]["weights"] == "f16"
     assert quantized["response"] == f16["response"] and quantized["eval_count"] == 12
     assert f16["load_duration"] > 0  # another form is another load, as a load-time option in Ollama
-    # Q8_0 is 34 bytes per 32 weights: each decoded token restores far fewer bytes than float32's
-    assert quantized["pebbling"]["bytes_restored_per_token"] < f16["pebbling"]["bytes_restored_per_token"] / 2
+    # Q8_0 is 34 bytes per 32 weights: each decoded token restores far fewer bytes than float32's; on
+    # host memory streamed weights are computed from the host tier in place, and only the (same) KV
+    # rows are copied
+    restored = quantized["pebbling"]["bytes_restored_per_token"], f16["pebbling"]["bytes_restored_per_token"]
+    if quantized["pebbling"]["backend"] == "cuda":
+        assert restored[0] < restored[1] / 2
+    else:
+        assert restored[0] == restored[1] > 0
     assert quantized["pebbling"]["estimated_peak_bytes"] < f16["pebbling"]["estimated_peak_bytes"]
     again = generate(url, model="tiny-q8", options=options).json()
     assert again["load_duration"] == 0 and again["response"] == quantized["response"]

@@ -307,3 +307,74 @@ def test_a_refused_view_holds_no_lease(native_store):
     gc.collect()
     with pytest.raises(InvalidArgumentError, match="holds no lease"):
         release(lib, ptr)
+
+
+# ---------------------------------------------------------------------------------------------------
+# prefetched copies (on the host library, the host copy's own buffer)
+
+
+@pytest.mark.parametrize("how", ["set_strategy", "erase", "host save", "close"])
+def test_a_view_of_a_prefetched_copy_outlives_it(store_backend, make_store, how):
+    """A device copy made from the host tier (which on the host library is the host copy's own bytes,
+    not a second buffer) behaves as any device copy: once the store lets go of it, its view is
+    detached from the entry, whose bytes stay what they were."""
+    store = make_store()
+    first, second = pattern(11), pattern(12)
+    store.save(0, 0, first, tier=TIER_HOST)
+    store.save(0, 1, second, tier=TIER_HOST)
+    store.set_strategy("none", device_limit=4 * N)
+    assert store.entry_info(0, 0).on_device and store.entry_info(0, 0).on_host
+    view = store.device_array(0, 0, np.uint8, (N,))
+    changed = first
+    live = {(0, 1): second}
+    if how == "set_strategy":
+        store.set_strategy("minimal", device_limit=0)
+        live[(0, 0)] = changed
+    elif how == "erase":
+        store.erase(0, 0)
+    elif how == "host save":
+        third = pattern(13)
+        store.save(0, 0, third, tier=TIER_HOST)
+        live[(0, 0)] = third
+    else:
+        store.close()
+        live = {}
+    assert_stale(store_backend, view, changed, store if live else None, live)
+
+
+def test_on_the_host_library_a_prefetch_takes_no_second_copy(store_backend):
+    """The host library's device tier is host memory: a layer made resident from the host tier computes
+    from the host copy's bytes, so the process's resident memory does not grow by them."""
+    if store_backend != "host":
+        pytest.skip("the device tier is the host's own memory only on the host library")
+
+    def rss() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+    big = 64 << 20
+    with open_store(2 * big, 1, "minimal", backend=store_backend) as store:
+        store.save(0, 0, np.ones(big, np.uint8), tier=TIER_HOST)
+        before = rss()
+        store.set_strategy("none", device_limit=2 * big)
+        assert store.entry_info(0, 0).on_device
+        assert np.asarray(store.device_array(0, 0, np.uint8, (big,)))[::4096].all()  # every page read
+        assert rss() - before < big // 4, (rss() - before) / 2**20
+
+
+def test_a_host_view_reads_the_host_copy_and_outlives_it(store_backend, make_store):
+    """host_array: the host copy without copying (a streamed layer on host memory is computed from it);
+    an entry with no host copy is refused; once the entry is erased the view is detached."""
+    store = make_store()
+    first, second = pattern(21), pattern(22)
+    store.save(0, 0, first, tier=TIER_HOST)
+    store.save(0, 1, second, tier=TIER_DEVICE)
+    view = store.host_array(0, 0, np.uint8, (N,))
+    assert np.array_equal(view, first)
+    with pytest.raises(UnknownEntryError, match="no host copy"):
+        store.host_array(0, 1, np.uint8, (N,))
+    store.erase(0, 0)
+    assert np.array_equal(view, first)
+    if store_backend != "stub":  # the stub's view is its numpy array, kept alive by numpy itself
+        view[...] = 0xAB
+        assert np.array_equal(restored(store, 0, 1), second)

@@ -225,6 +225,9 @@ def print_verbose(final: dict[str, Any]) -> None:
             ("bytes restored/token", "n/a (no token decoded)" if report["bytes_restored_per_token"] is None
              else format_bytes(report["bytes_restored_per_token"])),
         ]
+        if report.get("process_rss_bytes") is not None:  # what the whole process holds, beside the accounting
+            lines.append(("process memory", f"{format_bytes(report['process_rss_bytes'])} resident, "
+                                            f"{format_bytes(report['process_peak_rss_bytes'])} peak (measured)"))
     for name, value in lines:
         print(f"{name + ':':22}{value}", file=sys.stderr)
     sys.stderr.flush()

@@ -1,11 +1,10 @@
-"""The header of a GGUF file (metadata and tensor table), parsed in one pass over a memory map.
+"""A GGUF file's header (metadata and tensor table), parsed from a buffer with struct and numpy.
 
-gguf-py's GGUFReader builds several numpy views for every element of every array: a 262144-token
-vocabulary (Gemma 3's) took it over 10 s and some 600 MB. Here a string array is a list of str
-decoded straight from the map, a numeric array one numpy read, so the same header reads in well under a
-second. Every read is bounds-checked against the file, so a damaged or crafted header fails with a
-message (ValueError, which the caller words for the user) instead of reading past the end or sizing a
-huge allocation.
+The format (gguf-py's and llama.cpp's, versions 2 and 3, little-endian): magic, version, tensor and
+key counts, then each key with a typed value (arrays of one type, strings as a 64-bit length and
+UTF-8), then each tensor's name, dimensions, type and offset, then the data at the next multiple of
+general.alignment (32 unless given). Values come out as gguf's ReaderField.contents() gives them:
+Python scalars, str, and lists.
 """
 
 from __future__ import annotations
@@ -16,101 +15,101 @@ from typing import Any
 
 import numpy as np
 
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+# GGUF value types: struct format (scalars), numpy dtype (arrays of them)
+_SCALARS = {0: ("<B", np.uint8), 1: ("<b", np.int8), 2: ("<H", np.uint16), 3: ("<h", np.int16),
+            4: ("<I", np.uint32), 5: ("<i", np.int32), 6: ("<f", np.float32), 7: ("<?", np.bool_),
+            10: ("<Q", np.uint64), 11: ("<q", np.int64), 12: ("<d", np.float64)}
 _STRING, _ARRAY = 8, 9
-_NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1", 10: "<u8", 11: "<i8",
-          12: "<f8"}
-_MAX_DIMS = 4  # GGML_MAX_DIMS
+_U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
 
 
-@dataclass(frozen=True)
-class RawTensor:
-    name: str
-    ggml_type: int
-    ne: tuple[int, ...]      # GGUF order: innermost dimension first
-    offset: int              # from the start of the data section
-
-
-@dataclass(frozen=True)
+@dataclass
 class Header:
-    version: int
     metadata: dict[str, Any]
-    tensors: list[RawTensor]
-    data_offset: int         # where the data section starts in the file
+    tensors: list[tuple[str, int, tuple[int, ...], int]]  # name, GGUF type id, ne (GGUF order), data offset
+    data_start: int
     alignment: int
 
 
 class _Cursor:
-    def __init__(self, buf: Any):
-        self.buf, self.pos, self.size = buf, 0, len(buf)
+    def __init__(self, buf):
+        self.buf, self.pos = memoryview(buf), 0
 
-    def take(self, n: int) -> int:
-        if n < 0 or self.pos + n > self.size:
-            raise ValueError(f"the header runs past the end of the file at byte {self.pos} (wanted {n} more)")
-        at, self.pos = self.pos, self.pos + n
-        return at
+    def take(self, n: int) -> memoryview:
+        if n < 0 or self.pos + n > len(self.buf):
+            raise ValueError(f"{n} bytes at byte {self.pos} run past the end ({len(self.buf)} bytes)")
+        view = self.buf[self.pos:self.pos + n]
+        self.pos += n
+        return view
 
-    def scalar(self, fmt: str) -> Any:
-        size = struct.calcsize(fmt)
-        return struct.unpack_from(fmt, self.buf, self.take(size))[0]
+    def u32(self) -> int:
+        return _U32.unpack(self.take(4))[0]
 
-    def count(self, each: int = 1) -> int:
-        n = self.scalar("<Q")
-        if n * each > self.size - self.pos:  # every element takes at least `each` bytes
-            raise ValueError(f"a count of {n} at byte {self.pos - 8} cannot fit in the file")
-        return n
+    def u64(self) -> int:
+        return _U64.unpack(self.take(8))[0]
 
     def string(self) -> str:
-        n = self.count()
-        at = self.take(n)
-        return bytes(self.buf[at:at + n]).decode("utf-8", errors="replace")
+        return str(self.take(self.u64()), "utf-8")
 
     def value(self, vtype: int) -> Any:
-        if vtype in _SCALARS:
-            return self.scalar(_SCALARS[vtype])
         if vtype == _STRING:
             return self.string()
         if vtype == _ARRAY:
-            item = self.scalar("<I")
-            if item in _NUMPY:
-                dtype = np.dtype(_NUMPY[item])
-                n = self.count(dtype.itemsize)
-                values = np.frombuffer(self.buf, dtype, n, self.take(n * dtype.itemsize))
-                return (values.astype(bool) if item == 7 else values).tolist()
-            if item == _STRING:
-                return [self.string() for _ in range(self.count(8))]
-            if item == _ARRAY:
-                return [self.value(_ARRAY) for _ in range(self.count(12))]
-            raise ValueError(f"unknown array element type {item}")
-        raise ValueError(f"unknown metadata value type {vtype}")
+            etype, count = self.u32(), self.u64()
+            if etype == _STRING:
+                return self.strings(count)
+            if etype not in _SCALARS:
+                raise ValueError(f"array of value type {etype}")
+            dtype = np.dtype(_SCALARS[etype][1])
+            return np.frombuffer(self.take(count * dtype.itemsize), dtype).tolist()
+        if vtype not in _SCALARS:
+            raise ValueError(f"value type {vtype}")
+        fmt = _SCALARS[vtype][0]
+        return struct.unpack(fmt, self.take(struct.calcsize(fmt)))[0]
+
+    def strings(self, count: int) -> list[str]:
+        # The hot loop of a large vocabulary: local names, one slice and one decode per string.
+        buf, pos, end, unpack = self.buf, self.pos, len(self.buf), _U64.unpack_from
+        out = []
+        append = out.append
+        for _ in range(count):
+            if pos + 8 > end:
+                raise ValueError(f"string {len(out)} of {count} runs past the end")
+            n = unpack(buf, pos)[0]
+            pos += 8
+            if pos + n > end:
+                raise ValueError(f"string {len(out)} of {count} runs past the end")
+            append(str(buf[pos:pos + n], "utf-8"))
+            pos += n
+        self.pos = pos
+        return out
 
 
-def read_header(buf: Any) -> Header:
-    """Parse the header in `buf` (bytes, mmap or memoryview of the whole file)."""
+def parse_header(buf) -> Header:
+    """The header of the GGUF file in `buf` (bytes, mmap...). Raises ValueError (or struct.error,
+    UnicodeDecodeError) on anything that is not a whole little-endian GGUF v2/v3 header."""
     c = _Cursor(buf)
-    at = c.take(4)
-    if bytes(buf[at:at + 4]) != b"GGUF":
-        raise ValueError("the file does not start with b'GGUF'")
-    version = c.scalar("<I")
+    if bytes(c.take(4)) != b"GGUF":
+        raise ValueError("no GGUF magic")
+    version = c.u32()
     if version not in (2, 3):
-        raise ValueError(f"GGUF version {version} is not supported (2 and 3 are)")
-    n_tensors, n_kv = c.count(24), c.count(12)
+        raise ValueError(f"GGUF version {version} (big-endian, or not 2 or 3)")
+    n_tensors, n_kv = c.u64(), c.u64()
     metadata: dict[str, Any] = {}
     for _ in range(n_kv):
         key = c.string()
-        if key in metadata:
-            raise ValueError(f"metadata key {key!r} appears twice")
-        metadata[key] = c.value(c.scalar("<I"))
+        metadata[key] = c.value(c.u32())
     tensors = []
     for _ in range(n_tensors):
         name = c.string()
-        n_dims = c.scalar("<I")
-        if not 1 <= n_dims <= _MAX_DIMS:
-            raise ValueError(f"tensor {name!r} has {n_dims} dimensions (1 to {_MAX_DIMS} are possible)")
-        ne = tuple(c.scalar("<Q") for _ in range(n_dims))
-        tensors.append(RawTensor(name, c.scalar("<I"), ne, c.scalar("<Q")))
+        n_dims = c.u32()
+        if not 1 <= n_dims <= 4:
+            raise ValueError(f"tensor {name} has {n_dims} dimensions")
+        ne = tuple(c.u64() for _ in range(n_dims))
+        ggml_type = c.u32()
+        tensors.append((name, ggml_type, ne, c.u64()))
     alignment = metadata.get("general.alignment", 32)
-    if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment < 1 or alignment & (alignment - 1):
-        raise ValueError(f"general.alignment is {alignment!r}; it must be a power of two")
-    data_offset = -(-c.pos // alignment) * alignment
-    return Header(version, metadata, tensors, data_offset, alignment)
+    if not isinstance(alignment, int) or alignment < 1 or alignment & (alignment - 1):
+        raise ValueError(f"general.alignment {alignment!r} is not a power of two")
+    data_start = -(-c.pos // alignment) * alignment
+    return Header(metadata, tensors, data_start, alignment)

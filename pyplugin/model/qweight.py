@@ -91,7 +91,8 @@ class QuantWeight:
 
     def matmul(self, x: Array) -> Array:
         """x @ W.T for x [T, cols] or [cols], in x's dtype: the fused kernel for T up to its vector
-        limit, else W expanded into the fp16 workspace and multiplied (cuBLAS on the GPU)."""
+        limit, else (on kernels with tiled_matmul) the stored blocks multiplied in tiles, else W
+        expanded into the fp16 workspace and multiplied (cuBLAS on the GPU)."""
         kernels = self._kernels()
         rows, cols = self.shape
         n_vec = 1 if x.ndim == 1 else x.shape[0]
@@ -100,6 +101,8 @@ class QuantWeight:
         dense = self.dense_view()
         if dense is not None:  # already a float matrix the GEMM takes as it is: no expansion
             return x @ dense.T
+        if getattr(kernels, "tiled_matmul", False):  # the host's kernels multiply the stored blocks in tiles
+            return kernels.matmul(self.qtype, self.data, rows, cols, x).astype(x.dtype, copy=False)
         w = kernels.dequantize(self.qtype, self.data, rows * cols, out=kernels.workspace(rows * cols))
         return x @ w.reshape(rows, cols).T
 

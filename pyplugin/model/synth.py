@@ -21,6 +21,7 @@ from .load import RANDOM_WEIGHTS_KEY, SUPPORTED_ARCHS
 from .synth_quant import quantize
 from .synth_vocab import (CHATML_TEMPLATE, CORPUS, LLAMA3_TEMPLATE, PHI3_TEMPLATE, Vocab,  # noqa: F401
                           build_vocab)  # (the templates and CORPUS: for the tests)
+from .tokenizer import UNUSED
 
 T = GGMLQuantizationType
 
@@ -37,7 +38,8 @@ class SynthSpec:
     vocab: str = "llama3"               # "llama3", "chatml", "qwen3" (byte-level BPE), "spm", "gemma" (SentencePiece)
     pre: str | None = None              # BPE pre-tokenizer name; by default the flavour's own
     n_merges: int = 300
-    vocab_size: int = 0                 # a Gemma vocabulary padded with unused pieces to this many (262144)
+    vocab_size: int = 0                 # pad the vocabulary with unused tokens to this many (Gemma's 262144,
+                                        # Qwen2's 151936): a real-sized embedding and output matrix
     weight_type: str = "F32"            # every matrix, unless tensor_types says otherwise
     tensor_types: dict[str, str] = field(default_factory=dict)  # role ("ffn_down", "token_embd"...) -> type
     tied_output: bool = False           # no output.weight: the output reuses token_embd
@@ -71,7 +73,11 @@ def write_gguf(path: str | os.PathLike, spec: SynthSpec | None = None, **overrid
     for name in {spec.weight_type, *spec.tensor_types.values()}:
         if name not in T.__members__:  # any GGUF type: tests write unsupported ones to see them refused
             raise ValueError(f"tensor type {name!r}: choose one of {', '.join(SUPPORTED_NAMES)}")
-    vocab = build_vocab(spec.vocab, spec.n_merges, spec.pre, spec.vocab_size)
+    vocab = build_vocab(spec.vocab, spec.n_merges, spec.pre, spec.vocab_size)  # a Gemma one pads itself
+    if spec.vocab_size > len(vocab.tokens):
+        pad = range(len(vocab.tokens), spec.vocab_size)
+        vocab = replace(vocab, tokens=vocab.tokens + [f"[PAD{i}]" for i in pad], types=vocab.types + [UNUSED] * len(pad),
+                        scores=None if vocab.scores is None else vocab.scores + [0.0] * len(pad))
     path = Path(path)
     writer = GGUFWriter(path, spec.arch)
     _add_hparams(writer, spec, len(vocab.tokens))

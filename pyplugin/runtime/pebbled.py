@@ -12,6 +12,7 @@ import numpy as np
 
 from ..errors import ClosedError
 from ..model import LayerWeights, Model, OuterWeights, QuantWeight, embed, layer_forward, output_logits
+from ..model.gguf_file import drop_file_pages
 from ..model.qweight import needs_expansion
 from ..store import Backend, select_backend
 from ..xp import to_numpy
@@ -73,6 +74,8 @@ class PebbledModel:
                     tensor = StoredTensor(WEIGHT_IDS[name], name, data.shape, data.nbytes)
                     desc = tensor_desc(self.dtype, data.shape)
                 self.store.save(i, tensor.tensor_id, data, tier="host", desc=desc)
+                if isinstance(array, QuantWeight):
+                    drop_file_pages(array.data)  # copied into the store: the file's pages go back
                 layout.append(tensor)
             self.layouts.append(layout)
             if not keep_host_weights:
@@ -105,8 +108,9 @@ class PebbledModel:
 
     def _expansion_elements(self, n_tokens: int) -> int:
         """fp16 elements of the workspace that a chunk of n_tokens expands quantized matrices into:
-        the largest such matrix when the chunk is past what the fused kernels take, else none."""
-        if n_tokens <= self.kernels.max_vec:
+        the largest such matrix when the chunk is past what the fused kernels take, else none (and
+        none on kernels that multiply prefill chunks from the stored blocks: tiled_matmul)."""
+        if n_tokens <= self.kernels.max_vec or self.kernels.tiled_matmul:
             return 0
         expanded = [t.shape[0] * t.shape[1] for layout in self.layouts for t in layout
                     if t.qtype is not None and needs_expansion(t.qtype, self.dtype)]

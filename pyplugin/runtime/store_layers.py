@@ -2,6 +2,8 @@
 
 Resident layers are computed in place from the store's device tier; streamed layers are restored into
 two working slots (the next one while the current one computes) and their new KV rows saved back.
+Where the arrays are host memory (the host and stub backends) a streamed layer's weights are computed
+from the host tier in place instead, so that streaming there costs no copy of them.
 A forward pass runs one sequence's prefill chunk, or one decode token of each sequence of a batch: a
 streamed layer's weights are restored once per pass, whatever the number of sequences in it, and each
 sequence's KV cache (entries of its own, `layout.kv_ids`) comes along with it. The backend's device
@@ -69,6 +71,7 @@ class StoreLayers:
         self.slot_bytes = slot_bytes
         self.in_slot: list[tuple | None] = [None] * plan.n_slots  # (weights, [(k, v) per sequence])
         self._views: dict[tuple[int, int, int], tuple] = {}
+        self.host_views: dict[int, LayerWeights] = {}  # streamed layers' weights in the host tier (host memory)
         self.copy_stream = backend.copy_stream()
         self.ready = [backend.event() for _ in self.slots]     # a slot's layer is restored
         self.computed = [backend.event() for _ in self.slots]  # a slot's layer has computed
@@ -177,10 +180,20 @@ class StoreLayers:
 
     def _restore(self, n: int) -> None:
         """Restores the n-th streamed layer, and the KV of every sequence in the pass, into slot n % slots
-        (queued on the copy stream)."""
+        (queued on the copy stream). Where the arrays are host memory (host, stub), the store's host tier
+        is memory the kernels read as well as a slot: the weights are computed from it in place
+        (host_array), only the KV rows copied."""
         i, slot = self.streamed[n], n % len(self.slots)
-        weights, caches = views = self._slot_views(slot, i, len(self.pass_seqs))
-        for t in self.pebbled.layouts[i]:
+        weights, caches = self._slot_views(slot, i, len(self.pass_seqs))
+        if not self.backend.arrays_on_device:
+            if i not in self.host_views:  # made once per plan: the host copies stay put while it runs
+                kernels = self.pebbled.kernels
+                self.host_views[i] = LayerWeights(**{
+                    t.name: t.view(self.store.host_array(i, t.tensor_id, np.uint8, (t.nbytes,)), self.dtype, kernels)
+                    for t in self.pebbled.layouts[i]})
+            weights = self.host_views[i]
+        views = (weights, caches)
+        for t in self.pebbled.layouts[i] if self.backend.arrays_on_device else ():
             self.store.restore(i, t.tensor_id, bytes_of(getattr(weights, t.name)), stream=self.copy_stream)
         for (seq, pos, _), (k, v) in zip(self.pass_seqs, caches):
             held = min(pos, self.kv_shapes[i][0])  # a sliding layer's ring holds its window at most
@@ -246,6 +259,9 @@ class StoreLayers:
             "batch": {"n_parallel": self.n_seqs,
                       "largest": max((n for _, n in decode), default=1),
                       "mean": round(sum(n for _, n in decode) / len(decode), 2) if decode else 1.0},
+            # What the whole process holds, beside the store's accounting above (which, on host memory,
+            # counts each tier's bytes and not the interpreter, the model's own arrays or the tokenizer).
+            **process_memory(),
         }
 
     def release(self) -> None:
@@ -291,6 +307,21 @@ def ring_rows(pos: int, n: int, rows: int) -> list[tuple[int, int]]:
     first = max(pos, pos + n - rows)  # older positions of the chunk were overwritten within it
     start, stop = first % rows, (pos + n - 1) % rows + 1
     return [(start, stop)] if start < stop else [(start, rows), (0, stop)]
+
+
+def process_memory() -> dict[str, int | None]:
+    """This process's resident memory now and at its peak (Linux's VmRSS and VmHWM), measured; None
+    where /proc does not say."""
+    out: dict[str, int | None] = {"process_rss_bytes": None, "process_peak_rss_bytes": None}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(("VmRSS:", "VmHWM:")):
+                    key = "process_rss_bytes" if line.startswith("VmRSS") else "process_peak_rss_bytes"
+                    out[key] = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return out
 
 
 def _strategy_name(strategy: Strategy) -> str:

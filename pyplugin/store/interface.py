@@ -210,6 +210,14 @@ class Store(abc.ABC):
         view is."""
 
     @abc.abstractmethod
+    def host_array(self, layer: int, tensor_id: int, dtype, shape: tuple[int, ...]) -> np.ndarray:
+        """The entry's host copy as a numpy array of `dtype` and `shape`, without copying, to compute
+        from in place where the kernels read host memory (host and stub: a streamed layer needs no
+        copy there). UnknownEntryError when it has no host copy; the view owns its memory as
+        device_array's does, and is detached once the store lets go of the host copy. Writes through
+        it reach the host copy only."""
+
+    @abc.abstractmethod
     def set_strategy(self, strategy, *, device_limit: int | None = None) -> None:
         """Changes the strategy (and the limit, when given) of the live store, then rebalances: device
         copies of layers now streamed move to the host tier, least-recently-used entries move there

@@ -74,6 +74,10 @@ class Kernels:
         self.lib, self.xp, self._stream = lib, xp, current_stream
         self.name = lib.backend
         self.max_vec: int = lib.MAX_VEC  # the most vectors one matvec call takes
+        # Whether a prefill chunk multiplies quantized weights as stored (matmul) rather than expanding
+        # them into the fp16 workspace for a GEMM: the host library's tiled kernels beat numpy's GEMM
+        # over an expanded matrix; cuBLAS on the GPU, and numpy on the stub, do better with the expansion.
+        self.tiled_matmul: bool = lib.backend == "host"
         self._local = threading.local()  # each thread's fp16 workspace and decode scratch
         self._scratch_bytes: dict[tuple, int] = {}  # (LayerShape, n_ctx) -> decode scratch bytes
 
@@ -121,6 +125,23 @@ class Kernels:
         else:
             _check_out("matvec", out, np.float32, shape)
         self.lib.matvec(ggml_type, self._bytes(w), n_rows, n_cols, x, n_vec, out, stream=self._stream())
+        return out
+
+    def matmul(self, ggml_type, w, n_rows: int, n_cols: int, x, *, out=None):
+        """As matvec for x [n_vec, n_cols] with any n_vec (pebble_matmul): a prefill chunk multiplied
+        from the weights as stored."""
+        xp = self.xp
+        n_rows, n_cols = as_int(n_rows, "n_rows"), as_int(n_cols, "n_cols")
+        x = xp.ascontiguousarray(xp.asarray(x), dtype=np.float16)
+        if x.ndim != 2 or x.shape[-1] != n_cols:
+            raise SizeMismatchError(f"matmul: x must be [n_vec, n_cols] with n_cols {n_cols}, got shape "
+                                    f"{tuple(x.shape)}")
+        shape = (x.shape[0], max(n_rows, 0))
+        if out is None:
+            out = xp.empty(shape, dtype=np.float32)
+        else:
+            _check_out("matmul", out, np.float32, shape)
+        self.lib.matmul(ggml_type, self._bytes(w), n_rows, n_cols, x, x.shape[0], out, stream=self._stream())
         return out
 
     def workspace(self, n_elements: int):

@@ -295,6 +295,16 @@ class NativeStore(Store):
         memory = cupy.cuda.UnownedMemory(int(ffi.cast("uintptr_t", leased)), nbytes, owner=leased)
         return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(memory, 0))
 
+    def host_array(self, layer, tensor_id, dtype, shape):
+        handle = self._live()
+        layer, tensor_id = self._layer(layer), self._tensor_id(tensor_id)
+        out, size = ffi.new("void **"), ffi.new("uint64_t *")
+        self._check(self._lib.pebble_host_acquire(handle, layer, tensor_id, out, size))
+        leased = ffi.gc(ffi.cast("char *", out[0]), self._lib.pebble_device_release)  # as device_array's
+        nbytes = int(size[0])
+        dtype, shape = check_view("host_array", layer, tensor_id, nbytes, dtype, shape)
+        return np.frombuffer(ffi.buffer(leased, nbytes), dtype).reshape(shape)
+
     def set_strategy(self, strategy, *, device_limit=None) -> None:
         handle = self._live()
         strategy = as_strategy(strategy)

@@ -49,24 +49,32 @@ class NativeKernels:
     def matvec(self, ggml_type, w, n_rows, n_cols, x, n_vec, out, *, stream=None) -> None:
         """out[v, r] = sum over c of W[r, c] * x[v, c]: W's GGUF bytes in `w`, x n_vec x n_cols fp16,
         out n_vec x n_rows float32."""
+        self._matvec("matvec", ggml_type, w, n_rows, n_cols, x, n_vec, out, stream, INT32_MIN, INT32_MAX)
+
+    def matmul(self, ggml_type, w, n_rows, n_cols, x, n_vec, out, *, stream=None) -> None:
+        """As matvec for any number of vectors (pebble_matmul)."""
+        self._matvec("matmul", ggml_type, w, n_rows, n_cols, x, n_vec, out, stream, INT64_MIN, INT64_MAX)
+
+    def _matvec(self, fn, ggml_type, w, n_rows, n_cols, x, n_vec, out, stream, vec_min, vec_max) -> None:
         ggml_type = _c_type(ggml_type)
         n_rows, n_cols = (_c_int(n, what, INT64_MIN, INT64_MAX, InvalidArgumentError,
                                  "does not fit in int64") for n, what in ((n_rows, "n_rows"), (n_cols, "n_cols")))
-        n_vec = _c_int(n_vec, "n_vec", INT32_MIN, INT32_MAX, InvalidArgumentError, "does not fit in int32")
-        w_ptr, w_bytes = _buffer(w, self.backend, writable=False, what="matvec w")
-        x_ptr, x_bytes = _buffer(x, self.backend, writable=False, what="matvec x")
-        y_ptr, y_bytes = _buffer(out, self.backend, writable=True, what="matvec out")
-        if 1 <= n_vec <= self.MAX_VEC and n_rows > 0 and n_cols > 0:  # else the library refuses the call
+        n_vec = _c_int(n_vec, "n_vec", vec_min, vec_max, InvalidArgumentError,
+                       f"does not fit in int{32 if vec_max == INT32_MAX else 64}")
+        w_ptr, w_bytes = _buffer(w, self.backend, writable=False, what=f"{fn} w")
+        x_ptr, x_bytes = _buffer(x, self.backend, writable=False, what=f"{fn} x")
+        y_ptr, y_bytes = _buffer(out, self.backend, writable=True, what=f"{fn} out")
+        limit = self.MAX_VEC if fn == "matvec" else vec_max
+        if 1 <= n_vec <= limit and n_rows > 0 and n_cols > 0:  # else the library refuses the call
             if x_bytes != 2 * n_vec * n_cols:
-                raise SizeMismatchError(f"matvec: x holds {x_bytes} bytes; {n_vec} fp16 vectors of {n_cols} "
+                raise SizeMismatchError(f"{fn}: x holds {x_bytes} bytes; {n_vec} fp16 vectors of {n_cols} "
                                         f"need {2 * n_vec * n_cols}")
             if y_bytes != 4 * n_vec * n_rows:
-                raise SizeMismatchError(f"matvec: out holds {y_bytes} bytes; {n_vec} float32 vectors of "
+                raise SizeMismatchError(f"{fn}: out holds {y_bytes} bytes; {n_vec} float32 vectors of "
                                         f"{n_rows} need {4 * n_vec * n_rows}")
-        _check(self._lib, self._lib.pebble_matvec(ggml_type, w_ptr, w_bytes, n_rows, n_cols,
-                                                  ffi.cast("uint16_t *", x_ptr), n_vec,
-                                                  ffi.cast("float *", y_ptr),
-                                                  ffi.cast("void *", stream_pointer(stream))))
+        call = self._lib.pebble_matvec if fn == "matvec" else self._lib.pebble_matmul
+        _check(self._lib, call(ggml_type, w_ptr, w_bytes, n_rows, n_cols, ffi.cast("uint16_t *", x_ptr), n_vec,
+                               ffi.cast("float *", y_ptr), ffi.cast("void *", stream_pointer(stream))))
 
     # -- the decode step
 

@@ -330,6 +330,16 @@ class StubStore(Store):
         return entry.device.view(dtype).reshape(shape)
 
     @_locked
+    def host_array(self, layer, tensor_id, dtype, shape):
+        key = self._key("host_array", layer, tensor_id)
+        entry = self._entry("host_array", key)
+        if entry.host is None:
+            raise UnknownEntryError(f"pebble_host_acquire: layer {key[0]} tensor {key[1]} has no host copy (it "
+                                    f"is in the device tier only)")
+        dtype, shape = check_view("host_array", *key, entry.nbytes, dtype, shape)
+        return entry.host.view(dtype).reshape(shape)
+
+    @_locked
     def entry_info(self, layer, tensor_id) -> EntryInfo:
         key = self._key("entry_info", layer, tensor_id)
         entry = self._entry("entry_info", key)

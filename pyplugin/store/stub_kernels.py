@@ -85,28 +85,37 @@ class StubKernels:
             halves[:] = self._decode(ggml_type, src, 1).reshape(-1)
 
     def matvec(self, ggml_type, w, n_rows, n_cols, x, n_vec, out, *, stream=None) -> None:
-        ggml_type, name, elements, block_bytes = self._type("pebble_matvec", ggml_type)
+        self._matvec("matvec", ggml_type, w, n_rows, n_cols, x, n_vec, out)
+
+    def matmul(self, ggml_type, w, n_rows, n_cols, x, n_vec, out, *, stream=None) -> None:
+        """pebble_matmul: matvec for any number of vectors."""
+        self._matvec("matmul", ggml_type, w, n_rows, n_cols, x, n_vec, out)
+
+    def _matvec(self, fn, ggml_type, w, n_rows, n_cols, x, n_vec, out) -> None:
+        ggml_type, name, elements, block_bytes = self._type(f"pebble_{fn}", ggml_type)
         n_rows, n_cols, n_vec = as_int(n_rows, "n_rows"), as_int(n_cols, "n_cols"), as_int(n_vec, "n_vec")
-        if not 1 <= n_vec <= MATVEC_MAX_VEC:
+        if fn == "matvec" and not 1 <= n_vec <= MATVEC_MAX_VEC:
             raise InvalidArgumentError(f"pebble_matvec: {name}: n_vec {n_vec} is outside 1..{MATVEC_MAX_VEC}")
+        if n_vec < 1:
+            raise InvalidArgumentError(f"pebble_{fn}: {name}: n_vec must be at least 1, got {n_vec}")
         if n_rows < 1 or n_cols < 1:
-            raise InvalidArgumentError(f"pebble_matvec: {name}: n_rows and n_cols must be at least 1, got "
+            raise InvalidArgumentError(f"pebble_{fn}: {name}: n_rows and n_cols must be at least 1, got "
                                        f"{n_rows} x {n_cols}")
-        w = np.frombuffer(host_buffer(w, writable=False, what="matvec w"), np.uint8)
-        x = np.frombuffer(host_buffer(x, writable=False, what="matvec x"), np.float16)
-        y = host_buffer(out, writable=True, what="matvec out")
+        w = np.frombuffer(host_buffer(w, writable=False, what=f"{fn} w"), np.uint8)
+        x = np.frombuffer(host_buffer(x, writable=False, what=f"{fn} x"), np.float16)
+        y = host_buffer(out, writable=True, what=f"{fn} out")
         if n_cols % elements:
-            raise SizeMismatchError(f"pebble_matvec: {name}: n_cols {n_cols} is not a multiple of the "
+            raise SizeMismatchError(f"pebble_{fn}: {name}: n_cols {n_cols} is not a multiple of the "
                                     f"{elements}-element block")
         row_bytes = n_cols // elements * block_bytes
         if w.nbytes != n_rows * row_bytes:
-            raise SizeMismatchError(f"pebble_matvec: {name}: {n_rows} rows of {n_cols} elements are {n_rows} x "
+            raise SizeMismatchError(f"pebble_{fn}: {name}: {n_rows} rows of {n_cols} elements are {n_rows} x "
                                     f"{row_bytes} = {n_rows * row_bytes} bytes, but w_bytes is {w.nbytes}")
         if x.size != n_vec * n_cols:
-            raise SizeMismatchError(f"matvec: x holds {x.nbytes} bytes; {n_vec} fp16 vectors of {n_cols} "
+            raise SizeMismatchError(f"{fn}: x holds {x.nbytes} bytes; {n_vec} fp16 vectors of {n_cols} "
                                     f"need {2 * n_vec * n_cols}")
         if y.nbytes != 4 * n_vec * n_rows:
-            raise SizeMismatchError(f"matvec: out holds {y.nbytes} bytes; {n_vec} float32 vectors of "
+            raise SizeMismatchError(f"{fn}: out holds {y.nbytes} bytes; {n_vec} float32 vectors of "
                                     f"{n_rows} need {4 * n_vec * n_rows}")
         weights = self._decode(ggml_type, w, n_rows)
         # One vector at a time, as the native kernels sum each vector alone: a BLAS GEMM over several would

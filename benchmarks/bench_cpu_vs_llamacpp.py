@@ -1,0 +1,232 @@
+"""pebbling's host backend beside llama.cpp on the same CPU, the same files, the same threads.
+
+    python benchmarks/bench_cpu_vs_llamacpp.py --llama-python PYTHON [--runs 5] [--prompt-tokens 128]
+        [--decode-tokens 64] [--threads 2] [--types Q4_K_M,Q8_0] [--n-layer 24] [--json FILE]
+
+Two random-weight files of Qwen2-0.5B's shape (24 layers of 1024, 16 heads of 64, 2 KV heads, a 4864
+feed-forward, a tied output over a vocabulary padded to 151936; 1024 rather than Qwen2-0.5B's 896 so
+that every row is whole 256-element blocks) are written with pyplugin.model.synth: a Q4_K_M-like one
+(Q4_K, with Q6_K for attn_v, ffn_down and the tied token_embd, as llama.cpp's Q4_K_M has for the
+output) and a Q8_0 one. Each run starts a fresh process per engine, the engines interleaved (llama.cpp,
+pebbling `none`, pebbling `minimal`, then again), and each process measures:
+
+  load     from nothing to ready to prefill: llama.cpp's Llama(...); pebbling's load_model, the
+           PebbledModel that saves the layers into the store, and the request's generation
+  prefill  the prompt (random token ids) in one batch, tokens/s
+  decode   --decode-tokens greedy tokens (argmax of the logits; end-of-generation does not stop),
+           tokens/s
+  RSS      the process's peak resident set (getrusage), the interpreter and numpy included on both
+           sides
+
+and the greedy tokens. The table gives medians over --runs, the ratios pebbling / llama.cpp, and
+whether the greedy tokens are equal. Every figure is measured here; the machine may be shared, which
+moves absolute figures between runs: the interleaving is there so that the ratios see the same
+conditions.
+
+llama-cpp-python is NOT a pebbling dependency: --llama-python names an interpreter that has it (built
+from its sdist, e.g. CMAKE_ARGS="-DGGML_NATIVE=OFF" pip install llama-cpp-python in its own virtual
+environment); only numpy and llama_cpp are imported there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+N_VOCAB = 151936
+SHAPE = dict(arch="qwen2", n_embd=1024, n_head=16, n_head_kv=2, n_ff=4864, vocab="chatml",
+             tied_output=True, vocab_size=N_VOCAB, n_ctx=4096)
+FILES = {
+    "Q4_K_M": dict(weight_type="Q4_K", tensor_types={"attn_v": "Q6_K", "ffn_down": "Q6_K", "token_embd": "Q6_K"}),
+    "Q8_0": dict(weight_type="Q8_0"),
+}
+
+
+# ---------------------------------------------------------------------------------------------------
+# children: one engine, one run, JSON on stdout
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set: VmHWM, which (unlike getrusage's maxrss, kept across exec)
+    is this program's own."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # elsewhere: KiB on Linux, bytes on macOS
+
+
+def llama_child(path: str, prompt: list[int], n_decode: int, threads: int) -> dict:
+    import llama_cpp  # noqa: PLC0415 - only in the interpreter that has it
+
+    n_ctx = len(prompt) + n_decode + 8
+    start = time.perf_counter()
+    llm = llama_cpp.Llama(model_path=path, n_ctx=n_ctx, n_batch=len(prompt), n_ubatch=len(prompt),
+                          n_threads=threads, n_threads_batch=threads, verbose=False)
+    load_s = time.perf_counter() - start
+    n_vocab = llm.n_vocab()
+
+    def last_logits() -> np.ndarray:
+        return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n_vocab,))
+
+    start = time.perf_counter()
+    llm.eval(prompt)
+    token = int(np.argmax(last_logits()))
+    prefill_s = time.perf_counter() - start
+    tokens = [token]
+    start = time.perf_counter()
+    for _ in range(n_decode - 1):
+        llm.eval([token])
+        token = int(np.argmax(last_logits()))
+        tokens.append(token)
+    decode_s = time.perf_counter() - start
+    return dict(load_s=load_s, prefill_s=prefill_s, decode_s=decode_s, tokens=tokens, rss=peak_rss_bytes())
+
+
+def pebbling_child(path: str, prompt: list[int], n_decode: int, strategy: str) -> dict:
+    from pyplugin.model import load_model  # noqa: PLC0415 - the child imports what it measures
+    from pyplugin.runtime import PebbledModel
+    from pyplugin.runtime.options import Options
+    from pyplugin.runtime.plan import PebblingOptions
+
+    start = time.perf_counter()
+    pebbled = PebbledModel(load_model(path, weights="quantized", progress=False), backend="host")
+    options = Options(temperature=0, num_ctx=len(prompt) + n_decode + 8, num_batch=len(prompt),
+                      num_predict=n_decode)
+    gen = pebbled.generation(options, PebblingOptions.from_options({"pebbling_strategy": strategy}), len(prompt))
+    load_s = time.perf_counter() - start
+    start = time.perf_counter()
+    token = int(np.argmax(gen.prefill(prompt)))
+    prefill_s = time.perf_counter() - start
+    tokens = [token]
+    start = time.perf_counter()
+    for _ in range(n_decode - 1):
+        token = int(np.argmax(gen.decode_one(token)))
+        tokens.append(token)
+    decode_s = time.perf_counter() - start
+    report = gen.report() or {}
+    return dict(load_s=load_s, prefill_s=prefill_s, decode_s=decode_s, tokens=tokens, rss=peak_rss_bytes(),
+                accounted=report.get("peak_memory_bytes") or report.get("measured_peak_bytes"))
+
+
+# ---------------------------------------------------------------------------------------------------
+# the parent
+
+def write_files(directory: Path, names: list[str], n_layer: int) -> dict[str, Path]:
+    from pyplugin.model.synth import write_gguf  # noqa: PLC0415
+
+    paths = {}
+    for name in names:
+        path = directory / f"qwen2-0.5b-shaped-{name}.gguf"
+        if not path.exists():
+            write_gguf(path, **SHAPE, n_layer=n_layer, **FILES[name])
+        paths[name] = path
+    return paths
+
+
+def run_child(python: str, engine: str, path: Path, prompt: list[int], args) -> dict:
+    job = json.dumps(dict(engine=engine, path=str(path), prompt=prompt, n_decode=args.decode_tokens,
+                          threads=args.threads))
+    env = {**os.environ, "PEBBLING_THREADS": str(args.threads)}
+    done = subprocess.run([python, __file__, "--child", job], capture_output=True, text=True, env=env,
+                          timeout=3600)
+    if done.returncode != 0:
+        raise SystemExit(f"{engine} on {path.name} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def summarize(runs: list[dict], n_prompt: int, n_decode: int) -> dict:
+    med = lambda key: statistics.median(r[key] for r in runs)  # noqa: E731
+    return dict(load_s=med("load_s"), prefill_tok_s=n_prompt / med("prefill_s"),
+                decode_tok_s=(n_decode - 1) / med("decode_s"), peak_rss=med("rss"),
+                accounted=runs[0].get("accounted"), tokens=runs[0]["tokens"],
+                tokens_stable=all(r["tokens"] == runs[0]["tokens"] for r in runs))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--llama-python", default=sys.executable, help="an interpreter with llama_cpp")
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--types", default="Q4_K_M,Q8_0")
+    parser.add_argument("--n-layer", type=int, default=24)
+    parser.add_argument("--dir", default=None, help="where the files are written (default: a temporary one)")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.child:
+        job = json.loads(args.child)
+        if job["engine"] == "llama.cpp":
+            out = llama_child(job["path"], job["prompt"], job["n_decode"], job["threads"])
+        else:
+            out = pebbling_child(job["path"], job["prompt"], job["n_decode"], job["engine"].split()[-1])
+        print(json.dumps(out))
+        return
+
+    names = [n for n in args.types.split(",") if n]
+    unknown = [n for n in names if n not in FILES]
+    if unknown:
+        parser.error(f"--types: {', '.join(unknown)} unknown; choose from {', '.join(FILES)}")
+    engines = ["llama.cpp", "pebbling none", "pebbling minimal"]
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = Path(args.dir or tmp)
+        paths = write_files(directory, names, args.n_layer)
+        prompt = [int(t) for t in np.random.default_rng(0).integers(0, 600, args.prompt_tokens)]
+        results: dict[str, dict] = {}
+        for name, path in paths.items():
+            runs: dict[str, list[dict]] = {e: [] for e in engines}
+            for i in range(args.runs):
+                for engine in engines:
+                    python = args.llama_python if engine == "llama.cpp" else sys.executable
+                    runs[engine].append(run_child(python, engine, path, prompt, args))
+                    r = runs[engine][-1]
+                    print(f"  {name} run {i + 1} {engine:17s} load {r['load_s']:.2f} s, prefill "
+                          f"{args.prompt_tokens / r['prefill_s']:.1f} tok/s, decode "
+                          f"{(args.decode_tokens - 1) / r['decode_s']:.1f} tok/s, peak RSS {r['rss'] / 2**20:.0f} MiB",
+                          file=sys.stderr, flush=True)
+            results[name] = {e: summarize(runs[e], args.prompt_tokens, args.decode_tokens) for e in engines}
+            results[name]["file_bytes"] = path.stat().st_size
+    print_table(results, args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(args=vars(args), results=results), indent=1))
+
+
+def print_table(results: dict, args) -> None:
+    print(f"\nmedians of {args.runs} interleaved runs, {args.threads} threads, prompt {args.prompt_tokens} tokens, "
+          f"{args.decode_tokens} greedy tokens, {args.n_layer} layers (all measured on this machine)")
+    for name, r in results.items():
+        base = r["llama.cpp"]
+        print(f"\n{name} ({r['file_bytes'] / 2**20:.0f} MiB file)")
+        print(f"  {'engine':17s} {'load s':>7s} {'prefill tok/s':>14s} {'decode tok/s':>13s} {'peak RSS MiB':>13s}"
+              f"  {'ratios (prefill, decode, load, RSS)':36s} greedy tokens")
+        for engine in ("llama.cpp", "pebbling none", "pebbling minimal"):
+            e = r[engine]
+            ratios = (f"{e['prefill_tok_s'] / base['prefill_tok_s']:.2f}x {e['decode_tok_s'] / base['decode_tok_s']:.2f}x "
+                      f"{e['load_s'] / base['load_s']:.2f}x {e['peak_rss'] / base['peak_rss']:.2f}x")
+            same = "" if engine == "llama.cpp" else (
+                "equal" if e["tokens"] == base["tokens"] else
+                f"differ from token {next(i for i, (a, b) in enumerate(zip(e['tokens'], base['tokens'])) if a != b)}")
+            print(f"  {engine:17s} {e['load_s']:7.2f} {e['prefill_tok_s']:14.1f} {e['decode_tok_s']:13.1f} "
+                  f"{e['peak_rss'] / 2**20:13.0f}  {ratios:36s} {same}")
+            if e.get("accounted"):
+                print(f"  {'':17s} (the store's accounted peak: {e['accounted'] / 2**20:.0f} MiB)")
+        none, minimal = r["pebbling none"], r["pebbling minimal"]
+        print(f"  minimal / none decode: {minimal['decode_tok_s'] / none['decode_tok_s']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

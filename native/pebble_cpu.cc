@@ -1,0 +1,869 @@
+// pebble_cpu.cc: the host library's CPU kernels (pebble_cpu.h).
+//
+// Decode on a CPU reads every weight once per token, so its speed is the speed of reading quantized
+// bytes and multiplying them without expanding them to float. As llama.cpp's CPU backend does, the
+// activation is quantized once per call to 8-bit blocks (per 256 elements for the K-quants, with sums
+// of each 16; per 32 for the 32-element types), and each weight block is multiplied by it with integer
+// SIMD dot products (AVX2's vpmaddubsw/vpmaddwd), its scales applied once per block. The instruction
+// set is chosen at run time (__builtin_cpu_supports), so the library runs on any x86-64 (and, through
+// the portable kernels, anywhere); the kernels are our own.
+//
+// Threads: one pool for the process, started on first use, its size the CPUs this process may run on
+// (sched_getaffinity) or PEBBLING_THREADS. Work is handed out in small ranges that any thread takes
+// from a shared counter, so a thread held up by a busy neighbour core delays one range, not a share;
+// idle workers spin briefly and then sleep on a condition variable, so they take no core from others.
+
+#include "pebble_cpu.h"
+
+#include "pebble_device.h"
+#include "pebble_internal.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cerrno>
+#include <cinttypes>
+#include <cmath>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <new>
+#include <thread>
+#include <vector>
+
+#include <pthread.h>
+#include <sched.h>
+#include <unistd.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#    define PEBBLE_X86 1
+#    include <immintrin.h>
+#endif
+
+using pebble_internal::fail;
+using pebble_internal::half_to_float;
+
+namespace pebble_cpu {
+namespace {
+
+// ---------------------------------------------------------------------------------------------------
+// the pool
+
+constexpr int max_threads = 256;
+
+// The threads to use and, for a malformed PEBBLING_THREADS, why it was refused (empty when accepted).
+struct thread_setting {
+    int  threads = 1;
+    char error[200] = {};
+};
+
+thread_setting read_thread_setting() {
+    thread_setting s;
+    const char * simd = std::getenv("PEBBLING_SIMD");
+    if (simd && *simd && std::strcmp(simd, "portable") != 0 && std::strcmp(simd, "auto") != 0) {
+        std::snprintf(s.error, sizeof s.error, "PEBBLING_SIMD is '%.40s'; 'auto' (the best this CPU has) or "
+                      "'portable' (no SIMD intrinsics) is accepted", simd);
+        return s;
+    }
+    const char * env = std::getenv("PEBBLING_THREADS");
+    if (env && *env) {
+        char * end = nullptr;
+        errno = 0;
+        const long n = std::strtol(env, &end, 10);
+        if (errno || *end || n < 1 || n > max_threads) {
+            std::snprintf(s.error, sizeof s.error, "PEBBLING_THREADS is '%.40s'; a whole number of threads from 1 "
+                          "to %d is accepted (unset: one per CPU this process may run on)", env, max_threads);
+            return s;
+        }
+        s.threads = static_cast<int>(n);
+        return s;
+    }
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    const int n = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set)
+                                                               : static_cast<int>(std::thread::hardware_concurrency());
+    s.threads = std::clamp(n, 1, max_threads);
+    return s;
+}
+
+// Ranges of one job are claimed from `state`, which packs the job's generation (16 bits), its number
+// of ranges (24) and the next range to claim (24): a worker that wakes late sees another generation,
+// or no range left, and touches nothing of a job it did not claim part of. The caller waits until
+// every range is done, not until every worker has looked.
+class pool {
+public:
+    explicit pool(int threads) {
+        for (int i = 0; i < threads - 1; i++) {
+            try {
+                workers_.emplace_back([this] { work(); });
+            } catch (...) { // std::system_error: no more threads; the ones started share the work
+                break;
+            }
+        }
+    }
+
+    int threads() const { return static_cast<int>(workers_.size()) + 1; }
+
+    // False when another call holds the pool: the caller then does the work itself.
+    bool run(int64_t n_ranges, void (*fn)(void *, int64_t), void * ctx) {
+        std::unique_lock<std::mutex> busy(submit_, std::try_to_lock);
+        if (!busy.owns_lock()) return false;
+        fn_ = fn;
+        ctx_ = ctx;
+        done_.store(0, std::memory_order_relaxed);
+        const uint64_t generation = (state_.load(std::memory_order_relaxed) >> 48) + 1;
+        {
+            std::lock_guard<std::mutex> lock(mutex_);
+            state_.store((generation & 0xffff) << 48 | static_cast<uint64_t>(n_ranges) << 24, std::memory_order_release);
+        }
+        wake_.notify_all();
+        drain(); // the calling thread takes ranges too
+        const auto spin_until = std::chrono::steady_clock::now() + spin_time;
+        for (int spin = 0; done_.load(std::memory_order_acquire) < n_ranges; spin++) {
+            if ((spin & 63) != 63 || std::chrono::steady_clock::now() < spin_until) {
+                pause();
+                continue;
+            }
+            std::unique_lock<std::mutex> lock(mutex_);
+            waiting_ = true;
+            finished_.wait(lock, [&] { return done_.load(std::memory_order_acquire) >= n_ranges; });
+            waiting_ = false;
+        }
+        return true;
+    }
+
+private:
+    // How long a thread waits by spinning before it sleeps: long enough to span the gap between the
+    // matrix products of one decode step (the calls come microseconds apart), short enough that an
+    // idle pool gives its cores back at once. Counted in time, as a pause lasts 10 to 150 cycles.
+    static constexpr std::chrono::microseconds spin_time{50};
+
+    static void pause() {
+#ifdef PEBBLE_X86
+        _mm_pause();
+#else
+        std::this_thread::yield();
+#endif
+    }
+
+    // Claims and runs ranges of the current job until none is left.
+    void drain() {
+        uint64_t s = state_.load(std::memory_order_acquire);
+        for (;;) {
+            const uint64_t n = (s >> 24) & 0xffffff, next = s & 0xffffff;
+            if (next >= n) return;
+            if (!state_.compare_exchange_weak(s, s + 1, std::memory_order_acq_rel, std::memory_order_acquire)) continue;
+            fn_(ctx_, static_cast<int64_t>(next));
+            if (done_.fetch_add(1, std::memory_order_acq_rel) + 1 == static_cast<int64_t>(n)) {
+                std::lock_guard<std::mutex> lock(mutex_);
+                if (waiting_) finished_.notify_one();
+            }
+            s = state_.load(std::memory_order_acquire);
+        }
+    }
+
+    void work() {
+        uint64_t seen = state_.load(std::memory_order_acquire) >> 48;
+        for (;;) {
+            const auto spin_until = std::chrono::steady_clock::now() + spin_time;
+            for (int spin = 1; (state_.load(std::memory_order_acquire) >> 48) == seen; spin++) {
+                if ((spin & 63) == 0 && std::chrono::steady_clock::now() >= spin_until) break;
+                pause();
+            }
+            if ((state_.load(std::memory_order_acquire) >> 48) == seen) {
+                std::unique_lock<std::mutex> lock(mutex_);
+                wake_.wait(lock, [&] { return (state_.load(std::memory_order_acquire) >> 48) != seen; });
+            }
+            seen = state_.load(std::memory_order_acquire) >> 48;
+            drain();
+        }
+    }
+
+    std::vector<std::thread> workers_;
+    std::mutex submit_, mutex_;
+    std::condition_variable wake_, finished_;
+    std::atomic<uint64_t> state_{0};
+    std::atomic<int64_t> done_{0};
+    bool waiting_ = false;
+    void (*fn_)(void *, int64_t) = nullptr;
+    void * ctx_ = nullptr;
+};
+
+// The process's pool, made on first use. After fork() the child has none of the parent's threads: the
+// parent's pool is forgotten there (not freed: its locks may be held) and the child makes its own.
+std::atomic<pool *> g_pool{nullptr};
+std::mutex g_pool_mutex;
+thread_setting g_setting;
+bool g_setting_read = false;
+
+void forget_pool_in_child() {
+    g_pool.store(nullptr);
+    new (&g_pool_mutex) std::mutex;
+}
+
+const thread_setting & setting() {
+    std::lock_guard<std::mutex> lock(g_pool_mutex);
+    if (!g_setting_read) {
+        g_setting = read_thread_setting();
+        g_setting_read = true;
+        pthread_atfork(nullptr, nullptr, forget_pool_in_child);
+    }
+    return g_setting;
+}
+
+pool * the_pool() {
+    pool * p = g_pool.load(std::memory_order_acquire);
+    if (p) return p;
+    const thread_setting & s = setting();
+    if (s.error[0] || s.threads <= 1) return nullptr;
+    std::lock_guard<std::mutex> lock(g_pool_mutex);
+    p = g_pool.load(std::memory_order_acquire);
+    if (!p) {
+        p = new (std::nothrow) pool(s.threads);
+        g_pool.store(p, std::memory_order_release);
+    }
+    return p;
+}
+
+// Work below this many multiply-adds is done on the calling thread: waking the pool costs more.
+constexpr int64_t min_parallel_work = 1 << 15;
+
+struct ranges_job {
+    int64_t n, per_range;
+    void (*fn)(void *, int64_t, int64_t);
+    void * ctx;
+};
+
+} // namespace
+
+void parallel_ranges(int64_t n, int64_t work, void (*fn)(void *, int64_t, int64_t), void * ctx) {
+    if (n <= 0) return;
+    pool * p = work >= min_parallel_work && n > 1 ? the_pool() : nullptr;
+    if (!p) {
+        fn(ctx, 0, n);
+        return;
+    }
+    // Several ranges per thread, so that a slow thread's share is taken by the others.
+    const int64_t ranges = std::min<int64_t>({n, int64_t(p->threads()) * 8, int64_t(1) << 23});
+    ranges_job job{n, (n + ranges - 1) / ranges, fn, ctx};
+    const int64_t n_ranges = (n + job.per_range - 1) / job.per_range;
+    const bool ran = p->run(n_ranges, [](void * c, int64_t i) {
+        const ranges_job & j = *static_cast<ranges_job *>(c);
+        j.fn(j.ctx, i * j.per_range, std::min(j.n, (i + 1) * j.per_range));
+    }, &job);
+    if (!ran) fn(ctx, 0, n);
+}
+
+pebble_status check_threads(const char * fn) {
+    const thread_setting & s = setting();
+    if (s.error[0]) return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: %s", fn, s.error);
+    return PEBBLE_OK;
+}
+
+namespace {
+
+// ---------------------------------------------------------------------------------------------------
+// activations: x quantized to 8-bit blocks, once per call
+
+// For the K-quants: 256 elements, d = max|x| / 127, q = round(x / d), and the sum of each 16 q.
+struct q8_256 {
+    float   d;
+    int16_t sums[16];
+    int8_t  qs[256];
+};
+
+// For the 32-element types: the same per 32 elements, with the sum of all 32.
+struct q8_32 {
+    float   d;
+    int32_t sum;
+    int8_t  qs[32];
+};
+
+// n elements of fp16 x into d and q (the rounding is nearest-even, as numpy's rint: the stub's
+// reference computes the very same q). A block with an infinity or NaN gets d = NaN and q = 0, so its
+// products are NaN, as float products with it would be.
+template <int N>
+void quantize_block(const uint16_t * x, float & d, int8_t * q) {
+    float v[N], amax = 0.0f;
+    bool finite = true;
+    for (int i = 0; i < N; i++) {
+        v[i] = half_to_float(x[i]);
+        finite = finite && std::isfinite(v[i]);
+        amax = std::max(amax, std::fabs(v[i]));
+    }
+    if (!finite) {
+        d = NAN;
+        std::memset(q, 0, N);
+        return;
+    }
+    d = amax / 127.0f;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    for (int i = 0; i < N; i++) q[i] = static_cast<int8_t>(std::nearbyint(v[i] * id));
+}
+
+void quantize_256(const uint16_t * x, int64_t n, q8_256 * out) {
+    for (int64_t b = 0; b < n / 256; b++) {
+        q8_256 & o = out[b];
+        quantize_block<256>(x + 256 * b, o.d, o.qs);
+        for (int g = 0; g < 16; g++) {
+            int s = 0;
+            for (int i = 0; i < 16; i++) s += o.qs[16 * g + i];
+            o.sums[g] = static_cast<int16_t>(s);
+        }
+    }
+}
+
+void quantize_32(const uint16_t * x, int64_t n, q8_32 * out) {
+    for (int64_t b = 0; b < n / 32; b++) {
+        q8_32 & o = out[b];
+        quantize_block<32>(x + 32 * b, o.d, o.qs);
+        int s = 0;
+        for (int i = 0; i < 32; i++) s += o.qs[i];
+        o.sum = s;
+    }
+}
+
+void to_float(const uint16_t * x, int64_t n, float * out) {
+    for (int64_t i = 0; i < n; i++) out[i] = half_to_float(x[i]);
+}
+
+inline uint16_t u16(const uint8_t * p) { return static_cast<uint16_t>(p[0] | p[1] << 8); }
+inline float f16(const uint8_t * p) { return half_to_float(u16(p)); }
+
+// Q4_K's and Q5_K's 6-bit scale and min of sub-block j (GGML's layout; see type_q4_k in pebble_quant.cu).
+inline void scale_min_k4(const uint8_t * s, int j, int & scale, int & min) {
+    if (j < 4) {
+        scale = s[j] & 63;
+        min   = s[j + 4] & 63;
+    } else {
+        scale = (s[j + 4] & 0xf) | ((s[j - 4] >> 6) << 4);
+        min   = (s[j + 4] >> 4)  | ((s[j] >> 6) << 4);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// row kernels: one weight row (nb blocks) times NV activations, each xs bytes after the last.
+// out[v] = the dot product with activation v. Portable versions first: each block is decoded once to
+// integers and multiplied by every activation.
+
+enum kind { k_q4_0, k_q4_1, k_q5_0, k_q5_1, k_q8_0, k_q4_k, k_q5_k, k_q6_k, k_f32, k_f16, k_bf16 };
+
+// A 32-element block as integers q and how its value follows: d * (q - offset) (+ m).
+template <int K>
+void decode_32(const uint8_t * b, int * q, float & d, float & m) {
+    m = 0.0f;
+    if constexpr (K == k_q8_0) {
+        d = f16(b);
+        for (int i = 0; i < 32; i++) q[i] = static_cast<int8_t>(b[2 + i]);
+    } else if constexpr (K == k_q4_0 || K == k_q4_1) {
+        d = f16(b);
+        const uint8_t * qs = b + (K == k_q4_0 ? 2 : 4);
+        if (K == k_q4_1) m = f16(b + 2);
+        for (int i = 0; i < 16; i++) {
+            q[i] = (qs[i] & 0xf) - (K == k_q4_0 ? 8 : 0);
+            q[i + 16] = (qs[i] >> 4) - (K == k_q4_0 ? 8 : 0);
+        }
+    } else {
+        d = f16(b);
+        const int o = K == k_q5_0 ? 2 : 4;
+        if (K == k_q5_1) m = f16(b + 2);
+        const uint32_t qh = b[o] | b[o + 1] << 8 | b[o + 2] << 16 | static_cast<uint32_t>(b[o + 3]) << 24;
+        const uint8_t * qs = b + o + 4;
+        for (int i = 0; i < 16; i++) {
+            q[i] = static_cast<int>((qs[i] & 0xf) | ((qh >> i) & 1) << 4) - (K == k_q5_0 ? 16 : 0);
+            q[i + 16] = static_cast<int>((qs[i] >> 4) | ((qh >> (i + 16)) & 1) << 4) - (K == k_q5_0 ? 16 : 0);
+        }
+    }
+}
+
+constexpr int block_bytes_32(int k) {
+    return k == k_q4_0 ? 18 : k == k_q4_1 ? 20 : k == k_q5_0 ? 22 : k == k_q5_1 ? 24 : 34;
+}
+
+template <int K, int NV>
+void dot_32_portable(const uint8_t * w, int64_t nb, const uint8_t * xq, int64_t xs, float * out) {
+    float acc[NV] = {};
+    for (int64_t i = 0; i < nb; i++) {
+        int q[32];
+        float d, m;
+        decode_32<K>(w + i * block_bytes_32(K), q, d, m);
+        for (int v = 0; v < NV; v++) {
+            const q8_32 & a = reinterpret_cast<const q8_32 *>(xq + v * xs)[i];
+            int s = 0;
+            for (int l = 0; l < 32; l++) s += q[l] * a.qs[l];
+            acc[v] += d * a.d * static_cast<float>(s);
+            if (K == k_q4_1 || K == k_q5_1) acc[v] += m * a.d * static_cast<float>(a.sum);
+        }
+    }
+    for (int v = 0; v < NV; v++) out[v] = acc[v];
+}
+
+// Q4_K / Q5_K: q in 0..15 (0..31), value d * scale_j * q - dmin * min_j per 32-element sub-block j.
+template <int K, int NV>
+void dot_k45_portable(const uint8_t * w, int64_t nb, const uint8_t * xq, int64_t xs, float * out) {
+    constexpr int bb = K == k_q4_k ? 144 : 176;
+    float acc[NV] = {};
+    for (int64_t i = 0; i < nb; i++) {
+        const uint8_t * b = w + i * bb;
+        const float d = f16(b), dmin = f16(b + 2);
+        int sc[8], mn[8];
+        for (int j = 0; j < 8; j++) scale_min_k4(b + 4, j, sc[j], mn[j]);
+        int8_t q[256];
+        const uint8_t * qs = b + (K == k_q4_k ? 16 : 48);
+        for (int j = 0; j < 8; j++) {
+            for (int l = 0; l < 32; l++) {
+                int v = (qs[32 * (j / 2) + l] >> (4 * (j % 2))) & 0xf;
+                if (K == k_q5_k) v |= ((b[16 + l] >> j) & 1) << 4;
+                q[32 * j + l] = static_cast<int8_t>(v);
+            }
+        }
+        for (int v = 0; v < NV; v++) {
+            const q8_256 & a = reinterpret_cast<const q8_256 *>(xq + v * xs)[i];
+            int sumi = 0, summ = 0;
+            for (int j = 0; j < 8; j++) {
+                int s = 0;
+                for (int l = 0; l < 32; l++) s += q[32 * j + l] * a.qs[32 * j + l];
+                sumi += sc[j] * s;
+                summ += mn[j] * (a.sums[2 * j] + a.sums[2 * j + 1]);
+            }
+            acc[v] += a.d * d * static_cast<float>(sumi) - a.d * dmin * static_cast<float>(summ);
+        }
+    }
+    for (int v = 0; v < NV; v++) out[v] = acc[v];
+}
+
+// Q6_K: q in -32..31, value d * scale_g * q per 16-element group g.
+template <int NV>
+void dot_q6_k_portable(const uint8_t * w, int64_t nb, const uint8_t * xq, int64_t xs, float * out) {
+    float acc[NV] = {};
+    for (int64_t i = 0; i < nb; i++) {
+        const uint8_t * b = w + i * 210;
+        const float d = f16(b + 208);
+        const int8_t * sc = reinterpret_cast<const int8_t *>(b + 192);
+        int8_t q[256];
+        for (int h = 0; h < 2; h++) {
+            for (int j = 0; j < 4; j++) {
+                for (int l = 0; l < 32; l++) {
+                    const int lo = (b[64 * h + 32 * (j % 2) + l] >> (4 * (j / 2))) & 0xf;
+                    const int hi = (b[128 + 32 * h + l] >> (2 * j)) & 3;
+                    q[128 * h + 32 * j + l] = static_cast<int8_t>((lo | hi << 4) - 32);
+                }
+            }
+        }
+        for (int v = 0; v < NV; v++) {
+            const q8_256 & a = reinterpret_cast<const q8_256 *>(xq + v * xs)[i];
+            int sumi = 0;
+            for (int g = 0; g < 16; g++) {
+                int s = 0;
+                for (int l = 0; l < 16; l++) s += q[16 * g + l] * a.qs[16 * g + l];
+                sumi += sc[g] * s;
+            }
+            acc[v] += a.d * d * static_cast<float>(sumi);
+        }
+    }
+    for (int v = 0; v < NV; v++) out[v] = acc[v];
+}
+
+template <int K>
+inline float float_weight(const uint8_t * w, int64_t c) {
+    if constexpr (K == k_f32) {
+        float f;
+        std::memcpy(&f, w + 4 * c, 4);
+        return f;
+    } else if constexpr (K == k_f16) {
+        return f16(w + 2 * c);
+    } else {
+        return pebble_internal::float_from_bits(static_cast<uint32_t>(u16(w + 2 * c)) << 16);
+    }
+}
+
+// F32 / F16 / BF16: x is float32 (nb = the row's elements).
+template <int K, int NV>
+void dot_float_portable(const uint8_t * w, int64_t nb, const uint8_t * xq, int64_t xs, float * out) {
+    float acc[NV] = {};
+    for (int64_t c = 0; c < nb; c++) {
+        const float wc = float_weight<K>(w, c);
+        for (int v = 0; v < NV; v++) acc[v] += wc * reinterpret_cast<const float *>(xq + v * xs)[c];
+    }
+    for (int v = 0; v < NV; v++) out[v] = acc[v];
+}
+
+// ---------------------------------------------------------------------------------------------------
+// AVX2 (+FMA, F16C) row kernels
+
+#ifdef PEBBLE_X86
+#    define AVX2 __attribute__((target("avx2,fma,f16c")))
+
+AVX2 inline float hsum_ps(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+AVX2 inline int hsum_epi32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    return _mm_cvtsi128_si32(s);
+}
+
+// Sums of 4 products of unsigned bytes u and signed bytes s, as 8 int32 (no pair can saturate here:
+// u <= 63 or, for the signed types, |u| <= 128 with |s| <= 127).
+AVX2 inline __m256i dot_u8_i8(__m256i u, __m256i s) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+
+// The same for two signed operands: |a| times s with a's sign.
+AVX2 inline __m256i dot_i8_i8(__m256i a, __m256i s) {
+    return dot_u8_i8(_mm256_sign_epi8(a, a), _mm256_sign_epi8(s, a));
+}
+
+// 32 bits into 32 bytes, byte i = 0x10 where bit i is set.
+AVX2 inline __m256i bits_to_0x10(uint32_t bits) {
+    const __m256i shuffle = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+    __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)), shuffle);
+    const __m256i mask = _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe);
+    v = _mm256_or_si256(v, mask);
+    v = _mm256_cmpeq_epi8(v, _mm256_set1_epi64x(-1));
+    return _mm256_and_si256(v, _mm256_set1_epi8(0x10));
+}
+
+// A 32-element block's quants as 32 signed bytes (Q4_0, Q5_0, Q8_0) or unsigned ones (Q4_1, Q5_1).
+template <int K>
+AVX2 inline __m256i decode_32_avx2(const uint8_t * b) {
+    if constexpr (K == k_q8_0) {
+        return _mm256_loadu_si256(reinterpret_cast<const __m256i *>(b + 2));
+    } else {
+        const int o = K == k_q4_0 ? 2 : K == k_q4_1 ? 4 : K == k_q5_0 ? 6 : 8;
+        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i *>(b + o));
+        const __m256i both = _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw);
+        __m256i q = _mm256_and_si256(both, _mm256_set1_epi8(0x0f));
+        if constexpr (K == k_q5_0 || K == k_q5_1) {
+            uint32_t qh;
+            std::memcpy(&qh, b + o - 4, 4);
+            q = _mm256_or_si256(q, bits_to_0x10(qh));
+        }
+        if constexpr (K == k_q4_0) q = _mm256_sub_epi8(q, _mm256_set1_epi8(8));
+        if constexpr (K == k_q5_0) q = _mm256_sub_epi8(q, _mm256_set1_epi8(16));
+        return q;
+    }
+}
+
+template <int K, int NV>
+AVX2 void dot_32_avx2(const uint8_t * w, int64_t nb, const uint8_t * xq, int64_t xs, float * out) {
+    constexpr bool has_min = K == k_q4_1 || K == k_q5_1;
+    __m256 acc[NV];
+    float macc[NV];
+    for (int v = 0; v < NV; v++) {
+        acc[v] = _mm256_setzero_ps();
+        macc[v] = 0.0f;
+    }
+    for (int64_t i = 0; i < nb; i++) {
+        const uint8_t * b = w + i * block_bytes_32(K);
+        const float d = f16(b);
+        const __m256i q = decode_32_avx2<K>(b);
+        for (int v = 0; v < NV; v++) {
+            const q8_32 & a = reinterpret_cast<const q8_32 *>(xq + v * xs)[i];
+            const __m256i y = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(a.qs));
+            const __m256i p = has_min ? dot_u8_i8(q, y) : dot_i8_i8(q, y);
+            acc[v] = _mm256_fmadd_ps(_mm256_set1_ps(d * a.d), _mm256_cvtepi32_ps(p), acc[v]);
+            if constexpr (has_min) macc[v] += f16(b + 2) * a.d * static_cast<float>(a.sum);
+        }
+    }
+    for (int v = 0; v < NV; v++) out[v] = hsum_ps(acc[v]) + macc[v];
+}
+
+// Q4_K's and Q5_K's twelve bytes of scales and mins as eight scales (bytes 0..7 of out) and eight
+// mins (bytes 8..15), with word operations rather than eight branches (the layout of scale_min_k4).
+inline void unpack_scales_k4(const uint8_t * s, uint32_t out[4]) {
+    uint32_t w[3];
+    std::memcpy(w, s, 12);
+    const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, top2 = 0x03030303;
+    out[0] = w[0] & low6;                                            // scales 0..3
+    out[1] = (w[2] & low4) | (((w[0] >> 6) & top2) << 4);            // scales 4..7
+    out[2] = w[1] & low6;                                            // mins 0..3
+    out[3] = ((w[2] >> 4) & low4) | (((w[1] >> 6) & top2) << 4);     // mins 4..7
+}
+
+template <int K, int NV>
+AVX2 void dot_k45_avx2(const uint8_t * w, int64_t nb, const uint8_t * xq, int64_t xs, float * out) {
+    constexpr int bb = K == k_q4_k ? 144 : 176;
+    __m256 acc[NV];
+    float macc[NV];
+    for (int v = 0; v < NV; v++) {
+        acc[v] = _mm256_setzero_ps();
+        macc[v] = 0.0f;
+    }
+    const __m256i m4 = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi8(1);
+    for (int64_t i = 0; i < nb; i++) {
+        const uint8_t * b = w + i * bb;
+        const float d = f16(b), dmin = f16(b + 2);
+        alignas(16) uint32_t sm[4];
+        unpack_scales_k4(b + 4, sm);
+        const uint8_t * scales = reinterpret_cast<const uint8_t *>(sm);
+        const __m128i mins16 = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(sm + 2)));
+        const uint8_t * qs = b + (K == k_q4_k ? 16 : 48);
+        __m256i qh = _mm256_setzero_si256();
+        if constexpr (K == k_q5_k) qh = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(b + 16));
+        __m256i sumi[NV];
+        for (int v = 0; v < NV; v++) sumi[v] = _mm256_setzero_si256();
+        for (int p = 0; p < 4; p++) {
+            const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(qs + 32 * p));
+            __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+            if constexpr (K == k_q5_k) {
+                lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(qh, one), 4));
+                hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 1), one), 4));
+                qh = _mm256_srli_epi16(qh, 2);
+            }
+            const __m256i s_lo = _mm256_set1_epi16(static_cast<int16_t>(scales[2 * p]));
+            const __m256i s_hi = _mm256_set1_epi16(static_cast<int16_t>(scales[2 * p + 1]));
+            for (int v = 0; v < NV; v++) {
+                const q8_256 & a = reinterpret_cast<const q8_256 *>(xq + v * xs)[i];
+                const __m256i y0 = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(a.qs + 64 * p));
+                const __m256i y1 = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(a.qs + 64 * p + 32));
+                sumi[v] = _mm256_add_epi32(sumi[v], _mm256_madd_epi16(_mm256_maddubs_epi16(lo, y0), s_lo));
+                sumi[v] = _mm256_add_epi32(sumi[v], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, y1), s_hi));
+            }
+        }
+        for (int v = 0; v < NV; v++) {
+            const q8_256 & a = reinterpret_cast<const q8_256 *>(xq + v * xs)[i];
+            // sum over sub-blocks j of min_j * (sum of x's 32 q): pairs of the 16-element sums, then madd
+            const __m128i s0 = _mm_loadu_si128(reinterpret_cast<const __m128i *>(a.sums));
+            const __m128i s1 = _mm_loadu_si128(reinterpret_cast<const __m128i *>(a.sums + 8));
+            const __m128i prod = _mm_madd_epi16(mins16, _mm_hadd_epi16(s0, s1));
+            __m128i t = _mm_add_epi32(prod, _mm_shuffle_epi32(prod, 0x4e));
+            t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+            const float ad = a.d;
+            acc[v] = _mm256_fmadd_ps(_mm256_set1_ps(ad * d), _mm256_cvtepi32_ps(sumi[v]), acc[v]);
+            macc[v] += ad * dmin * static_cast<float>(_mm_cvtsi128_si32(t));
+        }
+    }
+    for (int v = 0; v < NV; v++) out[v] = hsum_ps(acc[v]) - macc[v];
+}
+
+template <int NV>
+AVX2 void dot_q6_k_avx2(const uint8_t * w, int64_t nb, const uint8_t * xq, int64_t xs, float * out) {
+    __m256 acc[NV];
+    for (int v = 0; v < NV; v++) acc[v] = _mm256_setzero_ps();
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    for (int64_t i = 0; i < nb; i++) {
+        const uint8_t * b = w + i * 210;
+        const float d = f16(b + 208);
+        const int8_t * sc = reinterpret_cast<const int8_t *>(b + 192);
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i *>(sc)));
+        __m256i sumi[NV];
+        for (int v = 0; v < NV; v++) {
+            // the -32 of every q, through x's 16-element sums: -32 * sum_g scale_g * sums_g
+            const q8_256 & a = reinterpret_cast<const q8_256 *>(xq + v * xs)[i];
+            const __m256i corr = _mm256_madd_epi16(sc16, _mm256_loadu_si256(reinterpret_cast<const __m256i *>(a.sums)));
+            sumi[v] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(corr, 5));
+        }
+        for (int h = 0; h < 2; h++) {
+            const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(b + 64 * h));
+            const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(b + 64 * h + 32));
+            const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(b + 128 + 32 * h));
+            // unsigned 0..63; the -32 is taken off above
+            const __m256i q[4] = {
+                _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_slli_epi16(_mm256_and_si256(qh, _mm256_set1_epi8(0x03)), 4)),
+                _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_slli_epi16(_mm256_and_si256(qh, _mm256_set1_epi8(0x0c)), 2)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), _mm256_and_si256(qh, _mm256_set1_epi8(0x30))),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                                _mm256_srli_epi16(_mm256_and_si256(qh, _mm256_set1_epi8(static_cast<char>(0xc0))), 2)),
+            };
+            for (int j = 0; j < 4; j++) {
+                const __m256i s = _mm256_set_m128i(_mm_set1_epi16(sc[8 * h + 2 * j + 1]), _mm_set1_epi16(sc[8 * h + 2 * j]));
+                for (int v = 0; v < NV; v++) {
+                    const q8_256 & a = reinterpret_cast<const q8_256 *>(xq + v * xs)[i];
+                    const __m256i y = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(a.qs + 128 * h + 32 * j));
+                    sumi[v] = _mm256_add_epi32(sumi[v], _mm256_madd_epi16(_mm256_maddubs_epi16(q[j], y), s));
+                }
+            }
+        }
+        for (int v = 0; v < NV; v++) {
+            const q8_256 & a = reinterpret_cast<const q8_256 *>(xq + v * xs)[i];
+            acc[v] = _mm256_fmadd_ps(_mm256_set1_ps(a.d * d), _mm256_cvtepi32_ps(sumi[v]), acc[v]);
+        }
+    }
+    for (int v = 0; v < NV; v++) out[v] = hsum_ps(acc[v]);
+}
+
+template <int K>
+AVX2 inline __m256 load8_weights(const uint8_t * w, int64_t c) {
+    if constexpr (K == k_f32) {
+        return _mm256_loadu_ps(reinterpret_cast<const float *>(w + 4 * c));
+    } else if constexpr (K == k_f16) {
+        return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(w + 2 * c)));
+    } else {
+        const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(w + 2 * c)));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
+    }
+}
+
+template <int K, int NV>
+AVX2 void dot_float_avx2(const uint8_t * w, int64_t n, const uint8_t * xq, int64_t xs, float * out) {
+    __m256 acc[NV];
+    for (int v = 0; v < NV; v++) acc[v] = _mm256_setzero_ps();
+    int64_t c = 0;
+    for (; c + 8 <= n; c += 8) {
+        const __m256 wv = load8_weights<K>(w, c);
+        for (int v = 0; v < NV; v++) {
+            acc[v] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(reinterpret_cast<const float *>(xq + v * xs) + c), acc[v]);
+        }
+    }
+    for (int v = 0; v < NV; v++) {
+        float s = hsum_ps(acc[v]);
+        for (int64_t t = c; t < n; t++) s += float_weight<K>(w, t) * reinterpret_cast<const float *>(xq + v * xs)[t];
+        out[v] = s;
+    }
+}
+#endif // PEBBLE_X86
+
+// ---------------------------------------------------------------------------------------------------
+// dispatch
+
+using dot_fn = void (*)(const uint8_t *, int64_t, const uint8_t *, int64_t, float *);
+constexpr int max_nv = 4; // activations multiplied per pass over a row
+
+enum class act { q8_256, q8_32, f32 };
+
+struct kernel_set {
+    act     activation;
+    int     block_elements, block_bytes;
+    dot_fn  dot[max_nv]; // dot[nv - 1]
+};
+
+// PEBBLING_SIMD=portable turns the SIMD kernels off (to test the portable ones on any machine).
+bool use_avx2() {
+#ifdef PEBBLE_X86
+    static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                            __builtin_cpu_supports("f16c") &&
+                            !(std::getenv("PEBBLING_SIMD") && std::strcmp(std::getenv("PEBBLING_SIMD"), "portable") == 0);
+    return yes;
+#else
+    return false;
+#endif
+}
+
+#ifdef PEBBLE_X86
+#    define PICK(avx2, portable) (use_avx2() ? static_cast<dot_fn>(avx2) : static_cast<dot_fn>(portable))
+#else
+#    define PICK(avx2, portable) static_cast<dot_fn>(portable)
+#endif
+
+template <int K, int NV> dot_fn pick_32() { return PICK((dot_32_avx2<K, NV>), (dot_32_portable<K, NV>)); }
+template <int K, int NV> dot_fn pick_k45() { return PICK((dot_k45_avx2<K, NV>), (dot_k45_portable<K, NV>)); }
+template <int NV> dot_fn pick_q6_k() { return PICK((dot_q6_k_avx2<NV>), (dot_q6_k_portable<NV>)); }
+template <int K, int NV> dot_fn pick_float() { return PICK((dot_float_avx2<K, NV>), (dot_float_portable<K, NV>)); }
+
+// The kernels of a GGUF type id; block_elements 0 for a type without them (the callers have refused
+// those already).
+kernel_set kernels_for(int32_t type) {
+    switch (type) {
+        case 0:  return {act::f32, 1, 4, {pick_float<k_f32, 1>(), pick_float<k_f32, 2>(), pick_float<k_f32, 3>(), pick_float<k_f32, 4>()}};
+        case 1:  return {act::f32, 1, 2, {pick_float<k_f16, 1>(), pick_float<k_f16, 2>(), pick_float<k_f16, 3>(), pick_float<k_f16, 4>()}};
+        case 30: return {act::f32, 1, 2, {pick_float<k_bf16, 1>(), pick_float<k_bf16, 2>(), pick_float<k_bf16, 3>(), pick_float<k_bf16, 4>()}};
+        case 2:  return {act::q8_32, 32, 18, {pick_32<k_q4_0, 1>(), pick_32<k_q4_0, 2>(), pick_32<k_q4_0, 3>(), pick_32<k_q4_0, 4>()}};
+        case 3:  return {act::q8_32, 32, 20, {pick_32<k_q4_1, 1>(), pick_32<k_q4_1, 2>(), pick_32<k_q4_1, 3>(), pick_32<k_q4_1, 4>()}};
+        case 6:  return {act::q8_32, 32, 22, {pick_32<k_q5_0, 1>(), pick_32<k_q5_0, 2>(), pick_32<k_q5_0, 3>(), pick_32<k_q5_0, 4>()}};
+        case 7:  return {act::q8_32, 32, 24, {pick_32<k_q5_1, 1>(), pick_32<k_q5_1, 2>(), pick_32<k_q5_1, 3>(), pick_32<k_q5_1, 4>()}};
+        case 8:  return {act::q8_32, 32, 34, {pick_32<k_q8_0, 1>(), pick_32<k_q8_0, 2>(), pick_32<k_q8_0, 3>(), pick_32<k_q8_0, 4>()}};
+        case 12: return {act::q8_256, 256, 144, {pick_k45<k_q4_k, 1>(), pick_k45<k_q4_k, 2>(), pick_k45<k_q4_k, 3>(), pick_k45<k_q4_k, 4>()}};
+        case 13: return {act::q8_256, 256, 176, {pick_k45<k_q5_k, 1>(), pick_k45<k_q5_k, 2>(), pick_k45<k_q5_k, 3>(), pick_k45<k_q5_k, 4>()}};
+        case 14: return {act::q8_256, 256, 210, {pick_q6_k<1>(), pick_q6_k<2>(), pick_q6_k<3>(), pick_q6_k<4>()}};
+    }
+    return {act::f32, 0, 0, {}};
+}
+
+// One call's work: W (n_rows rows of row_bytes) times n_tok activations of xs bytes each.
+struct matmul_job {
+    const kernel_set * k;
+    const uint8_t *    w;
+    int64_t            row_bytes, nb, n_rows, n_tok;
+    const uint8_t *    xq;
+    int64_t            xs;
+    float *            y;
+    int64_t            tile_rows;
+};
+
+// Tiles [begin, end) of tile_rows rows each: every activation (max_nv at a time) through the tile's
+// rows, so that the tile stays in cache while they pass.
+void matmul_tiles(void * ctx, int64_t begin, int64_t end) {
+    const matmul_job & j = *static_cast<const matmul_job *>(ctx);
+    const int64_t r0 = begin * j.tile_rows, r1 = std::min(j.n_rows, end * j.tile_rows);
+    for (int64_t rt = r0; rt < r1; rt += j.tile_rows) {
+        const int64_t rt_end = std::min(r1, rt + j.tile_rows);
+        for (int64_t t = 0; t < j.n_tok; t += max_nv) {
+            const int nv = static_cast<int>(std::min<int64_t>(max_nv, j.n_tok - t));
+            for (int64_t r = rt; r < rt_end; r++) {
+                float out[max_nv];
+                j.k->dot[nv - 1](j.w + r * j.row_bytes, j.nb, j.xq + t * j.xs, j.xs, out);
+                for (int v = 0; v < nv; v++) j.y[(t + v) * j.n_rows + r] = out[v];
+            }
+        }
+    }
+}
+
+} // namespace
+
+const char * simd_level() { return use_avx2() ? "avx2" : "portable"; }
+
+pebble_status matmul(int32_t ggml_type, const uint8_t * w, int64_t n_rows, int64_t n_cols, const uint16_t * x,
+                     int64_t n_tok, float * y, const char * fn) {
+    TRY(check_threads(fn));
+    static const kernel_set sets[PEBBLE_TYPE_COUNT] = {
+        kernels_for(0), kernels_for(1), kernels_for(2), kernels_for(3), kernels_for(4), kernels_for(5),
+        kernels_for(6), kernels_for(7), kernels_for(8), kernels_for(9), kernels_for(10), kernels_for(11),
+        kernels_for(12), kernels_for(13), kernels_for(14), kernels_for(15), kernels_for(16), kernels_for(17),
+        kernels_for(18), kernels_for(19), kernels_for(20), kernels_for(21), kernels_for(22), kernels_for(23),
+        kernels_for(24), kernels_for(25), kernels_for(26), kernels_for(27), kernels_for(28), kernels_for(29),
+        kernels_for(30),
+    };
+    const kernel_set & k = sets[ggml_type];
+    if (k.block_elements == 0) {
+        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: %s has no CPU kernels", fn,
+                    pebble_internal::ggml_type_name(ggml_type));
+    }
+    const int64_t nb = n_cols / k.block_elements;
+    // The activations, quantized once for the whole call (one 64-byte aligned buffer).
+    int64_t xs = 0;
+    switch (k.activation) {
+        case act::q8_256: xs = (n_cols / 256) * static_cast<int64_t>(sizeof(q8_256)); break;
+        case act::q8_32:  xs = (n_cols / 32) * static_cast<int64_t>(sizeof(q8_32)); break;
+        case act::f32:    xs = n_cols * static_cast<int64_t>(sizeof(float)); break;
+    }
+    if (n_tok > INT64_MAX / xs) {
+        return fail(PEBBLE_ERR_SIZE_MISMATCH, "%s: %s: %" PRId64 " activations of %" PRId64 " take more than "
+                    "2^63 bytes", fn, pebble_internal::ggml_type_name(ggml_type), n_tok, n_cols);
+    }
+    uint8_t * xq = static_cast<uint8_t *>(std::malloc(static_cast<size_t>(n_tok * xs)));
+    if (!xq) {
+        return fail(PEBBLE_ERR_HOST_OOM, "%s: %s: no memory for %" PRId64 " quantized activations of %" PRId64
+                    " (%" PRId64 " bytes)", fn, pebble_internal::ggml_type_name(ggml_type), n_tok, n_cols, n_tok * xs);
+    }
+    struct quantize_ctx { act a; const uint16_t * x; int64_t n_cols, xs; uint8_t * xq; } qc{k.activation, x, n_cols, xs, xq};
+    parallel_for(n_tok, n_tok * n_cols * 4, [&qc](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; t++) {
+            const uint16_t * xt = qc.x + t * qc.n_cols;
+            uint8_t * o = qc.xq + t * qc.xs;
+            switch (qc.a) {
+                case act::q8_256: quantize_256(xt, qc.n_cols, reinterpret_cast<q8_256 *>(o)); break;
+                case act::q8_32:  quantize_32(xt, qc.n_cols, reinterpret_cast<q8_32 *>(o)); break;
+                case act::f32:    to_float(xt, qc.n_cols, reinterpret_cast<float *>(o)); break;
+            }
+        }
+    });
+    // Tiles of rows: small enough that the threads share decode's few rows evenly, large enough that a
+    // prefill tile is read once for many activations.
+    const int64_t row_bytes = nb * k.block_bytes;
+    int64_t tile_rows = n_tok > max_nv ? std::max<int64_t>(1, (32 << 10) / std::max<int64_t>(row_bytes, 1)) : 8;
+    tile_rows = std::clamp<int64_t>(tile_rows, 1, 64);
+    const int64_t tiles = (n_rows + tile_rows - 1) / tile_rows;
+    matmul_job job{&k, w, row_bytes, nb, n_rows, n_tok, xq, xs, y, tile_rows};
+    parallel_ranges(tiles, n_rows * n_cols * n_tok, matmul_tiles, &job);
+    std::free(xq);
+    return PEBBLE_OK;
+}
+
+} // namespace pebble_cpu

@@ -1,0 +1,39 @@
+// pebble_cpu.h: the host library's CPU kernels (native/pebble_cpu.cc): a persistent thread pool, and
+// products of GGUF-quantized weights with activations quantized once per call to 8-bit blocks, as
+// llama.cpp's CPU backend computes them. Only the host build (PEBBLE_HOST_BUILD) has them; not part of
+// the ABI.
+#pragma once
+
+#include "pebble.h"
+
+#include <cstdint>
+
+namespace pebble_cpu {
+
+// Calls fn(ctx, begin, end) over disjoint ranges that cover [0, n), on the pool's threads and the
+// calling one when `work` (about one unit per multiply-add) pays for waking them, else on the calling
+// thread alone. Returns when every range is done. Safe to call from several threads at once (a call
+// that finds the pool busy runs its work on its own thread).
+void parallel_ranges(int64_t n, int64_t work, void (*fn)(void * ctx, int64_t begin, int64_t end), void * ctx);
+
+template <typename F>
+void parallel_for(int64_t n, int64_t work, const F & f) {
+    parallel_ranges(n, work, [](void * ctx, int64_t begin, int64_t end) { (*static_cast<const F *>(ctx))(begin, end); },
+                    const_cast<void *>(static_cast<const void *>(&f)));
+}
+
+// PEBBLE_OK when the pool can be used, else the failure (a malformed PEBBLING_THREADS) through
+// pebble_internal::fail, naming `fn`.
+pebble_status check_threads(const char * fn);
+
+// y[t * n_rows + r] = sum over c of W[r][c] * x[t][c] for t < n_tok (x fp16, n_tok vectors one after
+// another), the arguments already checked. The quantized types multiply int8 blocks of x (see
+// pebble.h); F32, F16 and BF16 weights take x as float32. Rows are split among the pool's threads; a
+// tile of rows is multiplied by every vector before the next, so it is read from memory once.
+pebble_status matmul(int32_t ggml_type, const uint8_t * w, int64_t n_rows, int64_t n_cols, const uint16_t * x,
+                     int64_t n_tok, float * y, const char * fn);
+
+// The instruction set the kernels picked on this CPU: "avx512", "avx2" or "portable".
+const char * simd_level();
+
+} // namespace pebble_cpu
