@@ -30,8 +30,10 @@ from pyplugin.runtime import Generation
 from server_patch import create_app
 from server_patch.local import serving
 
-MODELS = ["pebbling-demo", *(f"tiny-{arch}" for arch in ARCHS)]
-NO_TOOLS = {"tiny-phi3"}  # Phi-3's template takes no tools: a 400 that says so, as Ollama answers
+CLIENT_ARCHS = (*ARCHS, "qwen3", "gemma3", "gemma2")  # every architecture pebbling serves
+MODELS = ["pebbling-demo", *(f"tiny-{arch}" for arch in CLIENT_ARCHS)]
+# Phi-3's and the Gemmas' templates take no tools: a 400 that says so, as Ollama answers.
+NO_TOOLS = {"tiny-phi3", "tiny-gemma3", "tiny-gemma2"}
 # The demo's template is tiny-llama's (Llama 3, calls in its JSON format), and a scripted reply does not
 # depend on the weights: the scripted cases and the streamed deltas run on the tiny models only, since
 # the demo's quantized 16 layers take seconds per prompt with tools in it on the CPU.
@@ -66,7 +68,7 @@ def get_weather(city: str) -> str:
 @pytest.fixture(scope="module")
 def models_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
-    for arch in ARCHS:
+    for arch in CLIENT_ARCHS:
         # A context long enough for a prompt with tools in it and a forced call after it.
         shutil.copy(tiny_path(arch, n_ctx=1024), root / f"tiny-{arch}.gguf")
     return root  # the demo model is written here on first use
@@ -268,7 +270,7 @@ def scripted(models_dir, monkeypatch):
 
 def tool_call_text(model: str) -> str:
     """A call to get_weather in the format the model's template names."""
-    if model == "tiny-qwen2":
+    if model in ("tiny-qwen2", "tiny-qwen3"):
         return '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     return '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}'  # Llama 3's
 
