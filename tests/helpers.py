@@ -89,3 +89,29 @@ def _load(spec: SynthSpec, weights: str) -> Model:
     if key not in _models:
         _models[key] = load_model(_write(spec), weights=weights, progress=False)
     return _models[key]
+
+
+def script_replies(monkeypatch, models_dir: Path):
+    """`write(model, text)`: the next generations on `model` (a file in models_dir) write `text` and end,
+    token by token through the real generation and streaming, for replies a tiny random model would not
+    write by itself (a tool call, a thinking part); returns the tokens it takes with the end."""
+    from pyplugin.model import GGUFFile, Tokenizer
+    from pyplugin.runtime.generation import Generation
+
+    script: dict = {}
+    real = Generation.sample
+
+    def sample(self, logits, history):
+        if "ids" not in script:
+            return real(self, logits, history)
+        n = len(self.generated)
+        return script["ids"][n] if n < len(script["ids"]) else min(self.model.tokenizer.eog_ids)
+
+    def write(model: str, text: str) -> int:
+        with GGUFFile(models_dir / f"{model}.gguf") as f:  # the tokenizer alone: no weights loaded
+            tokenizer = Tokenizer.from_metadata(f.metadata, model)
+        script["ids"] = tokenizer.encode_fragment(text)
+        return len(script["ids"]) + 1
+
+    monkeypatch.setattr(Generation, "sample", sample)
+    return write

@@ -23,10 +23,7 @@ from langchain_ollama import ChatOllama, OllamaEmbeddings
 from langchain_openai import ChatOpenAI, OpenAIEmbeddings
 from pydantic import BaseModel, Field, ValidationError
 
-from helpers import ARCHS, tiny_path
-from pyplugin.model import Tokenizer
-from pyplugin.model.gguf_file import GGUFFile
-from pyplugin.runtime import Generation
+from helpers import ARCHS, script_replies, tiny_path
 from server_patch import create_app
 from server_patch.local import serving
 
@@ -246,26 +243,9 @@ def test_validate_model_on_init(url, model):
 
 @pytest.fixture
 def scripted(models_dir, monkeypatch):
-    """`write(model, text)`: the model's next replies write `text` and end (the sampler made to), for a tool
-    call Ollama's API offers no way to force."""
-    script: dict = {}
-    real = Generation.sample
-
-    def sample(self, logits, history):
-        if "ids" not in script:
-            return real(self, logits, history)
-        n = len(self.generated)
-        return script["ids"][n] if n < len(script["ids"]) else min(self.model.tokenizer.eog_ids)
-
-    def write(model: str, text: str) -> int:
-        """Scripts `text`; returns how many tokens it takes (num_predict must leave room for them)."""
-        with GGUFFile(models_dir / f"{model}.gguf") as f:  # the tokenizer alone: no weights loaded
-            tokenizer = Tokenizer.from_metadata(f.metadata, model)
-        script["ids"] = tokenizer.encode_fragment(text)
-        return len(script["ids"]) + 1
-
-    monkeypatch.setattr(Generation, "sample", sample)
-    return write
+    """`write(model, text)`: the model's next replies write `text` and end, for a tool call Ollama's API
+    offers no way to force; returns the tokens it takes (num_predict must leave room for them)."""
+    return script_replies(monkeypatch, models_dir)
 
 
 def tool_call_text(model: str) -> str:

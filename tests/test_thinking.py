@@ -11,10 +11,9 @@ import pytest
 import requests
 
 from chat_templates import DROPS_THINKING, OPENS_THINKING, QWEN3_THINKING
-from helpers import tiny_spec
+from helpers import script_replies, tiny_spec
 from pyplugin.model import load_model
 from pyplugin.model.synth import write_gguf
-from pyplugin.runtime import Generation
 from pyplugin.serving import Engine, GenerationRequest
 from pyplugin.serving.reply import ThinkingParser
 from server_patch import create_app
@@ -81,19 +80,9 @@ def url(models):
 
 @pytest.fixture
 def scripted(monkeypatch, models):
-    """`write(text)`: the next generations write `text` (then end), token by token through the real
-    generation and streaming; for replies a tiny random model would not write by itself."""
-    script: dict = {}
-
-    def sample(self, logits, history):
-        n = len(self.generated)
-        return script["ids"][n] if n < len(script["ids"]) else min(self.model.tokenizer.eog_ids)
-
-    def write(text: str) -> None:
-        script["ids"] = load_model(models / "qwen3.gguf", progress=False).tokenizer.encode_fragment(text)
-
-    monkeypatch.setattr(Generation, "sample", sample)
-    return write
+    """`write(text)`: the next generations on the qwen3 model write `text` (then end)."""
+    write = script_replies(monkeypatch, models)
+    return lambda text: write("qwen3", text)
 
 
 def chat(url, model="qwen3", stream=False, **body):

@@ -11,11 +11,10 @@ import pytest
 import requests
 
 from chat_templates import OLLAMA_LLAMA32_GO, OLLAMA_QWEN3_GO, PHI3_TOOLS, QWEN3_THINKING
-from helpers import tiny_spec
+from helpers import script_replies, tiny_spec
 from pyplugin.errors import OptionsError
 from pyplugin.model import load_model
 from pyplugin.model.synth import CHATML_TEMPLATE, LLAMA3_TEMPLATE, PHI3_TEMPLATE, write_gguf
-from pyplugin.runtime import Generation
 from pyplugin.serving import Engine, GenerationRequest
 from pyplugin.serving.tool_calls import (GENERIC, LLAMA3, QWEN, ToolCall, ToolCallParser, call_grammar,
                                          forced_tools, tool_format)
@@ -136,22 +135,8 @@ def url(models):
 
 @pytest.fixture
 def scripted(monkeypatch, models):
-    """`write(model, text)`: the next generations write `text` (then end), token by token through the real
-    generation and streaming; for replies a tiny random model would not write by itself."""
-    script: dict = {}
-    real = Generation.sample
-
-    def sample(self, logits, history):
-        if "ids" not in script:
-            return real(self, logits, history)
-        n = len(self.generated)
-        return script["ids"][n] if n < len(script["ids"]) else min(self.model.tokenizer.eog_ids)
-
-    def write(model: str, text: str) -> None:
-        script["ids"] = load_model(models / f"{model}.gguf", progress=False).tokenizer.encode_fragment(text)
-
-    monkeypatch.setattr(Generation, "sample", sample)
-    return write
+    """`write(model, text)`: the next generations write `text` (then end)."""
+    return script_replies(monkeypatch, models)
 
 
 def openai(url, model, stream=False, **body):

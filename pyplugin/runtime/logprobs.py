@@ -50,16 +50,6 @@ def token_logprob(logits: np.ndarray, token: int, n_top: int) -> TokenLogprob:
     """The chosen token's logprob under the raw logits, and the n_top most likely tokens'."""
     lp = log_softmax(logits)
     top: tuple[tuple[int, float], ...] = ()
-
-    def json(self, tokenizer: Tokenizer) -> dict[str, Any]:
-        """As Ollama and OpenAI write it: the token as text (what it adds to the output, so control
-        tokens add nothing), its UTF-8 bytes (a character split across tokens is whole only there),
-        and the most likely tokens of its step in the same form."""
-        def one(token: int, logprob: float) -> dict[str, Any]:
-            raw = tokenizer.token_bytes(token)
-            return {"token": raw.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(raw)}
-
-        return {**one(self.token, self.logprob), "top_logprobs": [one(i, lp) for i, lp in self.top]}
     if n_top > 0:
         n = min(n_top, lp.size)
         ids = np.argpartition(-lp, n - 1)[:n]
