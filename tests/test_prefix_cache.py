@@ -148,3 +148,39 @@ def test_the_cached_prefix_gives_the_logits_of_a_full_prefill(strategy, weights)
     # re-prefill's by that rounding; dense weights take the same path both ways.
     rel = 1e-5 if weights == "f16" else 1e-3
     np.testing.assert_allclose(logits, full, rtol=rel, atol=rel * np.abs(full).max())
+
+
+def test_a_displaced_conversation_is_parked_on_the_host_and_comes_back(models_dir):
+    """One sequence: another conversation takes it, the first one's cache goes to the host tier, and its
+    next turn brings it back instead of prefilling its history again."""
+    parked, undisturbed = Engine(models_dir, num_parallel=1), Engine(models_dir, num_parallel=1)
+    try:
+        first = [{"role": "user", "content": "first conversation, first question"}]
+        _, answer, _ = chat(parked, first)
+        chat(parked, [{"role": "user", "content": "another conversation entirely"}])  # takes the sequence
+        first += [{"role": "assistant", "content": answer}, {"role": "user", "content": "and then?"}]
+        job, text, final = chat(parked, first)
+        restored, cached = final.report["cache_restored_tokens"], final.report["cached_tokens"]
+        assert restored == cached > 20 and final.prompt_eval_count == len(job.tokens) - cached
+        assert len(parked.running()) == 1
+        # The same turns with nothing between them (the cache never left): the same tokens, bit for bit.
+        assert chat(undisturbed, first[:1])[1] == answer
+        _, alone_text, alone = chat(undisturbed, first)
+        assert (alone_text, alone.report["cached_tokens"], alone.report["cache_restored_tokens"]) == (text, cached, 0)
+    finally:
+        parked.close()
+        undisturbed.close()
+
+
+def test_without_room_on_the_host_a_displaced_conversation_starts_over(models_dir):
+    engine = Engine(models_dir, num_parallel=1, parked_kv_bytes=1)
+    try:
+        first = [{"role": "user", "content": "first conversation, first question"}]
+        job1, answer, _ = chat(engine, first)
+        chat(engine, [{"role": "user", "content": "another conversation entirely"}])
+        first += [{"role": "assistant", "content": answer}, {"role": "user", "content": "and then?"}]
+        _, _, final = chat(engine, first)
+        assert final.report["cache_restored_tokens"] == 0
+        assert final.report["cached_tokens"] < len(job1.tokens) // 2  # at most the template's opening
+    finally:
+        engine.close()

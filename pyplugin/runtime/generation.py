@@ -76,6 +76,7 @@ class GenerationStats:
 
     prompt_tokens: int = 0             # the prompt tokens processed (not those found in the cache)
     cached_tokens: int = 0             # the prompt tokens whose K and V were already in the cache
+    cache_restored: int = 0            # ... of them, those brought back from the host tier (a parked conversation)
     prompt_ns: int = 0
     generated_tokens: int = 0
     generate_ns: int = 0

@@ -17,6 +17,7 @@ from ..model.qweight import needs_expansion
 from ..store import Backend, select_backend
 from ..xp import to_numpy
 from .constraint import Constraint
+from .conversations import ParkedConversations
 from .generation import Generation
 from .layout import WEIGHT_IDS, StoredTensor, aligned, bytes_of, kv_ids, tensor_desc
 from .options import Options
@@ -48,11 +49,12 @@ class PebbledModel:
     numpy elsewhere) and the kernels that compute from quantized pebbles."""
 
     def __init__(self, model: Model, *, backend: str | Backend | None = None, keep_host_weights: bool = True,
-                 fused_decode: bool | None = None):
+                 fused_decode: bool | None = None, parked_kv_bytes: int = 0):
         """`keep_host_weights=False` hands the model's host layers over to the store: they are
         released as they are saved, so a server holds each layer once, not twice. `fused_decode`: decode
         steps run each layer as one native call (pebble_decode_layer) instead of one array operation at
-        a time; None reads $PEBBLING_FUSED_DECODE (1 on, else off)."""
+        a time; None reads $PEBBLING_FUSED_DECODE (1 on, else off). `parked_kv_bytes`: host memory for the
+        caches of conversations a new request displaces (conversations.py; 0: none kept)."""
         cfg = model.config
         self.model = model
         self.backend = select_backend(backend)
@@ -88,6 +90,8 @@ class PebbledModel:
         self._kv_tokens: dict[int, list[int]] = {}  # per sequence: the tokens its KV entries hold, in order
         self._kv_used: dict[int, int] = {}      # per sequence: when a request last claimed it
         self._kv_clock = 0
+        self.parked = ParkedConversations(self, parked_kv_bytes)
+        self.restored: dict[int, int] = {}      # per sequence: tokens its last claim brought back from the host tier
         self._overhead: int | None = None
 
     def close(self) -> None:
@@ -246,14 +250,30 @@ class PebbledModel:
         with another conversation); else the least recently used, so that the conversations of the last
         requests keep their caches longest (whatever start of `tokens` that one holds is still used)."""
         order = sorted(free, key=lambda s: self._kv_used.get(s, -1))
-        if reuse:
-            found = {s: self.cached_prefix(tokens, n_ctx, s) for s in order}
-            going_on = [s for s in order if found[s] and 2 * found[s] >= len(self._kv_tokens.get(s, ()))]
-            if going_on:
-                best = max(going_on, key=found.get)  # the first of the longest
-                return best, found[best]
-            return order[0], found[order[0]]  # its cache goes anyway: what matches of it is kept
-        return order[0], 0
+        self.restored = {}
+        if not reuse:
+            self._park(order[0], n_ctx)
+            return order[0], 0
+        found = {s: self.cached_prefix(tokens, n_ctx, s) for s in order}
+        going_on = [s for s in order if found[s] and 2 * found[s] >= len(self._kv_tokens.get(s, ()))]
+        best = max(going_on, key=found.get) if going_on else None  # the first of the longest
+        key, parked = self.parked.best(tokens, n_ctx)
+        if key is not None and parked > (found[best] if best is not None else 0):
+            seq = order[0]  # the conversation comes back from the host tier into the least recently used
+            self._park(seq, n_ctx, keep=key)
+            self.ensure_kv(seq)
+            self._kv_tokens[seq] = self.parked.restore(key, seq)
+            self.restored[seq] = parked
+            return seq, self.cached_prefix(tokens, n_ctx, seq)
+        if best is not None:
+            return best, found[best]
+        self._park(order[0], n_ctx)  # the conversation it holds goes to the host tier, not away
+        return order[0], found[order[0]]  # what matches of its cache is still used
+
+    def _park(self, seq: int, n_ctx: int, keep: int | None = None) -> None:
+        held = self._kv_tokens.get(seq)
+        if held and self._kv_ctx == n_ctx and seq in self._kv_seqs:
+            self.parked.park(seq, held, n_ctx, keep)
 
     def claim(self, seq: int) -> None:
         """Sequence `seq`'s KV entries are about to be written by a new request."""

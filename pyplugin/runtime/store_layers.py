@@ -256,6 +256,7 @@ class StoreLayers:
             "restores": round(cost.restores),
             "bytes_restored_per_token": int(sum(s for s, _ in decode) // len(decode)) if decode else None,
             "cached_tokens": stats.cached_tokens,
+            "cache_restored_tokens": stats.cache_restored,
             "batch": {"n_parallel": self.n_seqs,
                       "largest": max((n for _, n in decode), default=1),
                       "mean": round(sum(n for _, n in decode) / len(decode), 2) if decode else 1.0},

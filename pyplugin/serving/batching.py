@@ -158,6 +158,7 @@ class Batcher:
             gen = Generation(pebbled.model, job.options, layers=self.source.sequence(seq),
                              should_stop=lambda: job.cancelled, constraint=job.constraint,
                              logprobs=job.request.logprobs)
+            gen.stats.cache_restored = min(pebbled.restored.get(seq, 0), cached)  # from the host tier
             gen.start(job.tokens, cached)
         except Exception as exc:
             self.finish(job, _failure(exc, job))

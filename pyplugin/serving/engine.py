@@ -33,8 +33,8 @@ from .jobs import DEFAULT_KEEP_ALIVE, FOREVER, Final, GenerationRequest, Job, js
 from .modelfile import ModelLayers, chat_renderer, show_fields, template_source, with_layers
 from .prompt import check_context, cut_note, embed_inputs, fit_messages, fit_tokens
 from .reply import ReplyPlan
-from .settings import (DEFAULT_MAX_CONTEXT, DEFAULT_MAX_QUEUE, MAX_CONTEXT_ENV, MAX_QUEUE_ENV, env_limit,
-                       parallel_limit)
+from .settings import (DEFAULT_MAX_CONTEXT, DEFAULT_MAX_QUEUE, DEFAULT_PARKED_KV_MIB, MAX_CONTEXT_ENV, MAX_QUEUE_ENV,
+                       PARKED_KV_ENV, env_limit, parallel_limit)
 
 logger = logging.getLogger("pebbling")
 
@@ -63,7 +63,8 @@ class Engine:
 
     def __init__(self, models_dir: str | Path | None = None, *,
                  default_keep_alive: float = DEFAULT_KEEP_ALIVE, backend: str | None = None,
-                 max_queue: int | None = None, max_context: int | None = None, num_parallel: int | None = None):
+                 max_queue: int | None = None, max_context: int | None = None, num_parallel: int | None = None,
+                 parked_kv_bytes: int | None = None):
         """`max_queue`: requests queued or running at once across models, past which a request is
         refused with ServerBusyError (default $PEBBLING_MAX_QUEUE, else 512, as OLLAMA_MAX_QUEUE);
         `max_context`: the largest num_ctx served whatever a model file allows (default
@@ -73,6 +74,9 @@ class Engine:
         self.max_queue = env_limit(MAX_QUEUE_ENV, DEFAULT_MAX_QUEUE) if max_queue is None else max_queue
         self.max_context = env_limit(MAX_CONTEXT_ENV, DEFAULT_MAX_CONTEXT) if max_context is None else max_context
         self.num_parallel = num_parallel if num_parallel is not None else parallel_limit()
+        # Host memory per model for the KV caches of conversations a new one displaces (runtime/conversations.py).
+        self.parked_kv_bytes = env_limit(PARKED_KV_ENV, DEFAULT_PARKED_KV_MIB) << 20 if parked_kv_bytes is None \
+            else parked_kv_bytes
         if self.num_parallel < 1:
             raise ValueError(f"num_parallel must be at least 1, got {self.num_parallel}")
         self.catalogue = Catalogue(models_dir)
@@ -259,7 +263,8 @@ class Engine:
             try:
                 with model_errors(name, path):
                     entry.model = load_model(path, weights=weights, progress=False)
-                entry.pebbled = PebbledModel(entry.model, backend=self.backend, keep_host_weights=False)
+                entry.pebbled = PebbledModel(entry.model, backend=self.backend, keep_host_weights=False,
+                                             parked_kv_bytes=self.parked_kv_bytes)
             except BaseException:
                 with self._lock:  # a request still waiting on load_lock tries again, and says why
                     entry.active -= 1

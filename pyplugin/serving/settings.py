@@ -12,11 +12,13 @@ ORIGINS_ENV = "PEBBLING_ORIGINS"          # more browser origins allowed, comma-
 MAX_QUEUE_ENV = "PEBBLING_MAX_QUEUE"      # requests queued or running at once (OLLAMA_MAX_QUEUE)
 MAX_CONTEXT_ENV = "PEBBLING_MAX_CONTEXT"  # the largest num_ctx served
 NUM_PARALLEL_ENV = "PEBBLING_NUM_PARALLEL"  # requests to one model decoding together (OLLAMA_NUM_PARALLEL)
+PARKED_KV_ENV = "PEBBLING_PARKED_KV_MIB"  # host memory per model for displaced conversations' KV caches
 OLLAMA_NUM_PARALLEL_ENV = "OLLAMA_NUM_PARALLEL"
 DEFAULT_MAX_QUEUE = 512
 # Ollama's own default where memory allows: 4 sequences share each streamed layer's transfer, each
 # holding a KV cache at num_ctx (a limit too small for 4 gets as many as fit).
 DEFAULT_NUM_PARALLEL = 4
+DEFAULT_PARKED_KV_MIB = 1024
 DEFAULT_MAX_CONTEXT = 1 << 17
 
 
