@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,6 +27,8 @@ from pathlib import Path
 import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import serve_for_bench  # noqa: E402
 from pyplugin.model.synth import write_gguf  # noqa: E402
 
 GOAL_ROOT_MS = 100.0
@@ -40,23 +40,7 @@ def rss_bytes(pid: int) -> int:
 
 
 def start_server(models: str, queue: int) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "PEBBLING_MAX_QUEUE": str(queue)}
-    server = subprocess.Popen([sys.executable, "-m", "pyplugin.cli", "serve", "--port", str(port), "--models", models],
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            requests.get(url, timeout=1)
-            return server, url
-        except requests.ConnectionError:
-            if time.monotonic() > deadline or server.poll() is not None:
-                server.kill()
-                raise RuntimeError("the server did not start")
-            time.sleep(0.1)
+    return serve_for_bench.start_server(models, {"PEBBLING_MAX_QUEUE": str(queue)})
 
 
 def big_prompts_vs_root(url: str, n_big: int, prompt_bytes: int) -> dict:

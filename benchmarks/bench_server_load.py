@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,8 @@ from pathlib import Path
 import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import serve_for_bench  # noqa: E402
 from pyplugin.model.synth import write_gguf  # noqa: E402
 
 GOAL = 4.0  # times the serial aggregate rate, on the host backend
@@ -39,26 +40,9 @@ PROMPTS = ("Why is the sky blue?", "Tell me a story about a fox.", "List three p
 
 
 def start_server(models: str, backend: str, parallel: int, blas_threads: int) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    root = str(Path(__file__).resolve().parent.parent)  # this tree's pyplugin, whatever is installed
-    env = {**os.environ, "PEBBLING_BACKEND": backend, "PEBBLING_NUM_PARALLEL": str(parallel),
-           "OPENBLAS_NUM_THREADS": str(blas_threads), "OMP_NUM_THREADS": str(blas_threads),
-           "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    server = subprocess.Popen([sys.executable, "-m", "pyplugin.cli", "serve", "--port", str(port), "--models", models],
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            requests.get(url, timeout=1)
-            return server, url
-        except requests.ConnectionError:
-            if time.monotonic() > deadline or server.poll() is not None:
-                server.kill()
-                raise RuntimeError("the server did not start")
-            time.sleep(0.1)
+    return serve_for_bench.start_server(models, {
+        "PEBBLING_BACKEND": backend, "PEBBLING_NUM_PARALLEL": str(parallel),
+        "OPENBLAS_NUM_THREADS": str(blas_threads), "OMP_NUM_THREADS": str(blas_threads)})
 
 
 def body(client: int, tokens: int) -> dict:
