@@ -28,7 +28,7 @@ from ..runtime.constraint import Constraint
 from ..runtime.embedding import check_pooling, normalize, pool
 from .catalogue import Catalogue, ModelListing, RunningModel, ServerBusyError, model_errors, with_tag
 from .batching import Batcher
-from .go_template import GoTemplate
+from .go_template import parsed
 from .jobs import DEFAULT_KEEP_ALIVE, FOREVER, Final, GenerationRequest, Job, json_ready, parse_keep_alive, since
 from .modelfile import ModelLayers, chat_renderer, show_fields, template_source, with_layers
 from .prompt import check_context, cut_note, embed_inputs, fit_messages, fit_tokens
@@ -203,7 +203,7 @@ class Engine:
             if request.raw:
                 text = prompt
             elif request.template is not None:  # a request's own Go template, run as Ollama runs it
-                text = GoTemplate(request.template).render_chat(turn)
+                text = parsed(request.template).render_chat(turn)
             else:
                 text = plan.finish_prompt(render(turn, **plan.template_args))
         tokens, cut = fit_tokens(model, text, context, options)

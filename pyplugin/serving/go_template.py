@@ -15,6 +15,7 @@ Templates come from model files, so rendering is bounded as the Jinja templates 
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from typing import Any, Iterable, Mapping, Sequence
@@ -24,7 +25,7 @@ from .go_functions import GoFields, GoMap, GoStruct, GoTemplateError, call as _c
 from .go_parse import Action, Branch, Command, Dot, Field, Identifier, Literal, Loop, Pipe, TemplateSyntaxError, \
     Variable, parse
 
-__all__ = ["GoTemplate", "GoTemplateError", "TemplateSyntaxError", "go_message", "render_go_template"]
+__all__ = ["GoTemplate", "GoTemplateError", "TemplateSyntaxError", "go_message", "parsed", "render_go_template"]
 
 
 # -- Ollama's values ------------------------------------------------------------------------------------
@@ -147,9 +148,15 @@ class GoTemplate:
         return _Run(self.nodes, data if isinstance(data, GoStruct) else GoMap(data)).text()
 
 
+@functools.lru_cache(maxsize=64)
+def parsed(source: str) -> GoTemplate:
+    """The template of `source`, parsed once (a model's or a client's template comes back every request)."""
+    return GoTemplate(source)
+
+
 def render_go_template(template: str, values: Mapping[str, str]) -> str:
     """A request's `template` with System, Prompt and Response given."""
-    return GoTemplate(template).render(values)
+    return parsed(template).render(values)
 
 
 def _identifiers(nodes: Iterable) -> Iterable[str]:

@@ -17,7 +17,7 @@ from typing import Any, Callable, Mapping
 from ..errors import OptionsError
 from ..runtime import Options
 from .catalogue import ModelLoadError
-from .go_template import GoTemplate
+from .go_template import parsed
 from .jobs import GenerationRequest
 from .ollama_store import ModelLayers
 from .reply import thinks
@@ -72,7 +72,7 @@ def chat_renderer(layers: ModelLayers, request: GenerationRequest) -> Callable[.
     or None where the GGUF's own template renders it."""
     if layers.template is None:
         return None
-    template = GoTemplate(layers.template)
+    template = parsed(layers.template)
     return lambda messages, **_: template.render_chat(messages, tools=request.tools, think=request.think)
 
 
