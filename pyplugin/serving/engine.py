@@ -122,11 +122,11 @@ class Engine:
         """
         if self._closed:
             raise RuntimeError("the engine is closed")
-        layers = self.find(request.model)[1]
+        path, layers = self.find(request.model)
         request = with_layers(request, layers)  # the Modelfile's params, system message and opening turns
         pebbling = PebblingOptions.from_options(request.options)
         keep_alive = parse_keep_alive(request.keep_alive, self.default_keep_alive)
-        entry, load_ns = self._acquire(request.model, pebbling.effective_weights)
+        entry, load_ns = self._acquire(request.model, path, pebbling.effective_weights)
         try:
             model = entry.model
             options = Options.from_dict(request.options, n_ctx_train=model.config.n_ctx_train,
@@ -243,11 +243,10 @@ class Engine:
 
     # -- loading and keep_alive ---------------------------------------------------------------------
 
-    def _acquire(self, name: str, weights: str) -> tuple[_Loaded, int]:
-        """The loaded entry for `name` with its weights in form `weights`, counted as active; (entry, ns
-        spent loading it here). Another form of the same file is another entry, as a load-time option
-        is in Ollama: loaded beside the first, each unloading on its own keep_alive."""
-        path = self.resolve(name)
+    def _acquire(self, name: str, path: Path, weights: str) -> tuple[_Loaded, int]:
+        """The loaded entry for `name` (the file at `path`) with its weights in form `weights`, counted as
+        active; (entry, ns spent loading it here). Another form of the same file is another entry, as a
+        load-time option is in Ollama: loaded beside the first, each unloading on its own keep_alive."""
         key = (path.resolve(), weights)
         with self._lock:
             waiting = sum(e.active for e in self._loaded.values())

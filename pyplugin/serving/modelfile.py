@@ -24,6 +24,7 @@ from .reply import thinks
 from .tool_calls import tool_format
 
 logger = logging.getLogger("pebbling")
+_warned: set[tuple] = set()  # (model, parameters) whose leaving out the log has said
 
 
 def usable_params(params: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
@@ -48,7 +49,9 @@ def with_layers(request: GenerationRequest, layers: ModelLayers) -> GenerationRe
     changes: dict[str, Any] = {}
     if layers.params and isinstance(request.options, Mapping):
         kept, left = usable_params(layers.params)
-        if left:
+        said = (request.model, tuple(sorted(left)))
+        if left and said not in _warned:  # once per model, not on every request
+            _warned.add(said)
             logger.warning("model=%s: parameters left out: %s", request.model, "; ".join(left.values()))
         changes["options"] = {**kept, **request.options}
     if request.messages is not None:
