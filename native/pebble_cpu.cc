@@ -61,9 +61,10 @@ struct thread_setting {
 thread_setting read_thread_setting() {
     thread_setting s;
     const char * simd = std::getenv("PEBBLING_SIMD");
-    if (simd && *simd && std::strcmp(simd, "portable") != 0 && std::strcmp(simd, "auto") != 0) {
-        std::snprintf(s.error, sizeof s.error, "PEBBLING_SIMD is '%.40s'; 'auto' (the best this CPU has) or "
-                      "'portable' (no SIMD intrinsics) is accepted", simd);
+    if (simd && *simd && std::strcmp(simd, "portable") != 0 && std::strcmp(simd, "auto") != 0 &&
+        std::strcmp(simd, "avx2") != 0) {
+        std::snprintf(s.error, sizeof s.error, "PEBBLING_SIMD is '%.40s'; 'auto' (the best this CPU has), 'avx2' "
+                      "(no AVX-512 even where the CPU has it) or 'portable' (no SIMD intrinsics) is accepted", simd);
         return s;
     }
     const char * env = std::getenv("PEBBLING_THREADS");
@@ -495,6 +496,9 @@ void dot_float_portable(const uint8_t * w, int64_t nb, const uint8_t * xq, int64
 #ifdef PEBBLE_X86
 #    define AVX2 __attribute__((target("avx2,fma,f16c")))
 
+// fp16 bits to float with F16C's conversion (pebble_internal::half_to_float's values, in one instruction).
+AVX2 inline float f16c(const uint8_t * p) { return _cvtsh_ss(u16(p)); }
+
 AVX2 inline float hsum_ps(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -562,14 +566,14 @@ AVX2 void dot_32_avx2(const uint8_t * w, int64_t nb, const uint8_t * xq, int64_t
     }
     for (int64_t i = 0; i < nb; i++) {
         const uint8_t * b = w + i * block_bytes_32(K);
-        const float d = f16(b);
+        const float d = f16c(b);
         const __m256i q = decode_32_avx2<K>(b);
         for (int v = 0; v < NV; v++) {
             const q8_32 & a = reinterpret_cast<const q8_32 *>(xq + v * xs)[i];
             const __m256i y = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(a.qs));
             const __m256i p = has_min ? dot_u8_i8(q, y) : dot_i8_i8(q, y);
             acc[v] = _mm256_fmadd_ps(_mm256_set1_ps(d * a.d), _mm256_cvtepi32_ps(p), acc[v]);
-            if constexpr (has_min) macc[v] += f16(b + 2) * a.d * static_cast<float>(a.sum);
+            if constexpr (has_min) macc[v] += f16c(b + 2) * a.d * static_cast<float>(a.sum);
         }
     }
     for (int v = 0; v < NV; v++) out[v] = hsum_ps(acc[v]) + macc[v];
@@ -599,7 +603,7 @@ AVX2 void dot_k45_avx2(const uint8_t * w, int64_t nb, const uint8_t * xq, int64_
     const __m256i m4 = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi8(1);
     for (int64_t i = 0; i < nb; i++) {
         const uint8_t * b = w + i * bb;
-        const float d = f16(b), dmin = f16(b + 2);
+        const float d = f16c(b), dmin = f16c(b + 2);
         alignas(16) uint32_t sm[4];
         unpack_scales_k4(b + 4, sm);
         const uint8_t * scales = reinterpret_cast<const uint8_t *>(sm);
@@ -650,7 +654,7 @@ AVX2 void dot_q6_k_avx2(const uint8_t * w, int64_t nb, const uint8_t * xq, int64
     const __m256i m4 = _mm256_set1_epi8(0x0f);
     for (int64_t i = 0; i < nb; i++) {
         const uint8_t * b = w + i * 210;
-        const float d = f16(b + 208);
+        const float d = f16c(b + 208);
         const int8_t * sc = reinterpret_cast<const int8_t *>(b + 192);
         const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i *>(sc)));
         __m256i sumi[NV];
@@ -718,62 +722,358 @@ AVX2 void dot_float_avx2(const uint8_t * w, int64_t n, const uint8_t * xq, int64
         out[v] = s;
     }
 }
+
+// ---------------------------------------------------------------------------------------------------
+// AVX-512 (F, BW, DQ, VL, VNNI) row kernels: 64 quants a register and VNNI's fused integer dot products
+// (vpdpbusd: bytes to int32 sums of 4; vpdpwssd: a sub-block's 16-bit sums times its scale, added).
+// Their activations are laid out for them (quantize_pairs, quantize_k512): the same d and q as the
+// other kernels', only arranged so that one load gives what a register of weights meets.
+
+#    define AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")))
+
+// Two 32-element blocks of x side by side, for the signed 32-element types. vpdpbusd multiplies
+// unsigned by signed bytes, so a weight q goes in as q + 128 (its bits xor 0x80) and corr, the
+// accumulator it starts from, takes the 128 off again: corr[i] = -128 * (q[4i] + ... + q[4i+3]).
+// d[i]: the d of the block lane i sums. A lone last block has zeros beside it.
+struct alignas(64) q8_pair {
+    int8_t  qs[64];
+    int32_t corr[16];
+    float   d[16];
+};
+
+// One 256-element block of x for the K-quants: its q in the order the weight type's registers hold
+// its quants (see quantize_k512), the sum of each 16 in natural order, and d.
+struct alignas(64) q8_k512 {
+    int8_t  qs[256];
+    int16_t sums[16];
+    float   d;
+};
+
+void quantize_pairs(const uint16_t * x, int64_t n, q8_pair * out) {
+    const int64_t nb = n / 32;
+    for (int64_t b = 0; b < nb; b++) {
+        q8_pair & o = out[b / 2];
+        const int h = static_cast<int>(b % 2);
+        float d;
+        quantize_block<32>(x + 32 * b, d, o.qs + 32 * h);
+        for (int i = 0; i < 8; i++) {
+            const int8_t * q = o.qs + 32 * h + 4 * i;
+            o.corr[8 * h + i] = -128 * (q[0] + q[1] + q[2] + q[3]);
+            o.d[8 * h + i] = d;
+        }
+    }
+    if (nb % 2) {
+        q8_pair & o = out[nb / 2];
+        std::memset(o.qs + 32, 0, 32);
+        for (int i = 8; i < 16; i++) {
+            o.corr[i] = 0;
+            o.d[i] = 0.0f;
+        }
+    }
+}
+
+// Q4_K's and Q5_K's 64 bytes of quants hold sub-blocks (0, 2) in their low nibbles and (1, 3) in their
+// high ones (then 4..7 likewise), so their x goes in as sub-blocks 0 2 1 3 4 6 5 7; Q6_K's in order.
+void quantize_k512(const uint16_t * x, int64_t n, bool paired, q8_k512 * out) {
+    static constexpr int order[8] = {0, 2, 1, 3, 4, 6, 5, 7};
+    for (int64_t b = 0; b < n / 256; b++) {
+        q8_k512 & o = out[b];
+        int8_t q[256];
+        quantize_block<256>(x + 256 * b, o.d, q);
+        for (int g = 0; g < 16; g++) {
+            int sum = 0;
+            for (int i = 0; i < 16; i++) sum += q[16 * g + i];
+            o.sums[g] = static_cast<int16_t>(sum);
+        }
+        for (int c = 0; c < 8; c++) std::memcpy(o.qs + 32 * c, q + 32 * (paired ? order[c] : c), 32);
+    }
+}
+
+AVX512 inline __m512i pair_256(__m256i lo, __m256i hi) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+
+// 32 words: the first 16 word a of v, the last 16 word b (an index for vpermw).
+AVX512 inline __m512i word_index(int a, int b) {
+    return pair_256(_mm256_set1_epi16(static_cast<int16_t>(a)), _mm256_set1_epi16(static_cast<int16_t>(b)));
+}
+
+template <int NV>
+AVX512 void dot_q8_0_avx512(const uint8_t * w, int64_t nb, const uint8_t * xq, int64_t xs, float * out) {
+    __m512 acc[NV];
+    for (int v = 0; v < NV; v++) acc[v] = _mm512_setzero_ps();
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    for (int64_t i = 0; i < nb; i += 2) {
+        const uint8_t * b = w + 34 * i;
+        const bool both = i + 1 < nb;
+        const __m256i q1 = both ? _mm256_loadu_si256(reinterpret_cast<const __m256i *>(b + 36)) : _mm256_setzero_si256();
+        const __m512i wq = _mm512_xor_si512(pair_256(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(b + 2)), q1),
+                                            flip);
+        const __m512 dw = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(_cvtsh_ss(u16(b)))),
+                                             _mm256_set1_ps(both ? _cvtsh_ss(u16(b + 34)) : 0.0f), 1);
+        for (int v = 0; v < NV; v++) {
+            const q8_pair & a = reinterpret_cast<const q8_pair *>(xq + v * xs)[i / 2];
+            const __m512i p = _mm512_dpbusd_epi32(_mm512_load_si512(a.corr), wq, _mm512_load_si512(a.qs));
+            acc[v] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_load_ps(a.d)), _mm512_cvtepi32_ps(p), acc[v]);
+        }
+    }
+    for (int v = 0; v < NV; v++) out[v] = _mm512_reduce_add_ps(acc[v]);
+}
+
+template <int K, int NV>
+AVX512 void dot_k45_avx512(const uint8_t * w, int64_t nb, const uint8_t * xq, int64_t xs, float * out) {
+    constexpr int bb = K == k_q4_k ? 144 : 176;
+    __m512 acc[NV];
+    float macc[NV];
+    for (int v = 0; v < NV; v++) {
+        acc[v] = _mm512_setzero_ps();
+        macc[v] = 0.0f;
+    }
+    const __m512i m4 = _mm512_set1_epi8(0x0f), one = _mm512_set1_epi8(1);
+    // the scale of each 16-bit sum: registers hold sub-blocks (4c, 4c+2) and (4c+1, 4c+3)
+    const __m512i index[4] = {word_index(0, 2), word_index(1, 3), word_index(4, 6), word_index(5, 7)};
+    for (int64_t i = 0; i < nb; i++) {
+        const uint8_t * b = w + i * bb;
+        const float d = _cvtsh_ss(u16(b)), dmin = _cvtsh_ss(u16(b + 2));
+        uint32_t sm[4];
+        unpack_scales_k4(b + 4, sm);
+        const __m128i scales_mins = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(sm)));
+        const __m512i scales = _mm512_castsi128_si512(scales_mins);
+        const __m128i mins16 = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(sm + 2)));
+        const uint8_t * qs = b + (K == k_q4_k ? 16 : 48);
+        __m512i qh = _mm512_setzero_si512();
+        if constexpr (K == k_q5_k) {
+            const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(b + 16));
+            qh = pair_256(h, _mm256_srli_epi16(h, 2));
+        }
+        __m512i sumi[NV];
+        for (int v = 0; v < NV; v++) sumi[v] = _mm512_setzero_si512();
+        for (int c = 0; c < 2; c++) {
+            const __m512i raw = _mm512_loadu_si512(qs + 64 * c);
+            __m512i lo = _mm512_and_si512(raw, m4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
+            if constexpr (K == k_q5_k) {
+                lo = _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_and_si512(qh, one), 4));
+                hi = _mm512_or_si512(hi, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh, 1), one), 4));
+                qh = _mm512_srli_epi16(qh, 4);
+            }
+            const __m512i s_lo = _mm512_permutexvar_epi16(index[2 * c], scales);
+            const __m512i s_hi = _mm512_permutexvar_epi16(index[2 * c + 1], scales);
+            for (int v = 0; v < NV; v++) {
+                const q8_k512 & a = reinterpret_cast<const q8_k512 *>(xq + v * xs)[i];
+                const __m512i y0 = _mm512_load_si512(a.qs + 128 * c), y1 = _mm512_load_si512(a.qs + 128 * c + 64);
+                sumi[v] = _mm512_dpwssd_epi32(sumi[v], _mm512_maddubs_epi16(lo, y0), s_lo);
+                sumi[v] = _mm512_dpwssd_epi32(sumi[v], _mm512_maddubs_epi16(hi, y1), s_hi);
+            }
+        }
+        for (int v = 0; v < NV; v++) {
+            const q8_k512 & a = reinterpret_cast<const q8_k512 *>(xq + v * xs)[i];
+            const __m128i s0 = _mm_load_si128(reinterpret_cast<const __m128i *>(a.sums));
+            const __m128i s1 = _mm_load_si128(reinterpret_cast<const __m128i *>(a.sums + 8));
+            const __m128i prod = _mm_madd_epi16(mins16, _mm_hadd_epi16(s0, s1));
+            __m128i t = _mm_add_epi32(prod, _mm_shuffle_epi32(prod, 0x4e));
+            t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+            acc[v] = _mm512_fmadd_ps(_mm512_set1_ps(a.d * d), _mm512_cvtepi32_ps(sumi[v]), acc[v]);
+            macc[v] += a.d * dmin * static_cast<float>(_mm_cvtsi128_si32(t));
+        }
+    }
+    for (int v = 0; v < NV; v++) out[v] = _mm512_reduce_add_ps(acc[v]) - macc[v];
+}
+
+template <int NV>
+AVX512 void dot_q6_k_avx512(const uint8_t * w, int64_t nb, const uint8_t * xq, int64_t xs, float * out) {
+    __m512 acc[NV];
+    for (int v = 0; v < NV; v++) acc[v] = _mm512_setzero_ps();
+    const __m512i m4 = _mm512_set1_epi8(0x0f), m2 = _mm512_set1_epi8(0x03);
+    // the scale of each 16-bit sum: a register holds 4 groups of 16, 8 sums each
+    const __m512i group = _mm512_srli_epi16(
+        _mm512_set_epi32(0x001f001e, 0x001d001c, 0x001b001a, 0x00190018, 0x00170016, 0x00150014, 0x00130012,
+                         0x00110010, 0x000f000e, 0x000d000c, 0x000b000a, 0x00090008, 0x00070006, 0x00050004,
+                         0x00030002, 0x00010000), 3);
+    for (int64_t i = 0; i < nb; i++) {
+        const uint8_t * b = w + i * 210;
+        const float d = _cvtsh_ss(u16(b + 208));
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i *>(b + 192)));
+        const __m512i scales = _mm512_castsi256_si512(sc16);
+        __m512i sumi[NV];
+        for (int v = 0; v < NV; v++) {
+            // the -32 of every q, through x's 16-element sums: -32 * sum_g scale_g * sums_g
+            const q8_k512 & a = reinterpret_cast<const q8_k512 *>(xq + v * xs)[i];
+            const __m256i corr = _mm256_madd_epi16(sc16, _mm256_load_si256(reinterpret_cast<const __m256i *>(a.sums)));
+            sumi[v] = _mm512_zextsi256_si512(_mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(corr, 5)));
+        }
+        for (int h = 0; h < 2; h++) {
+            const __m512i ql = _mm512_loadu_si512(b + 64 * h);
+            const __m256i qh256 = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(b + 128 + 32 * h));
+            const __m512i qh = pair_256(qh256, _mm256_srli_epi16(qh256, 2));
+            // unsigned 0..63, elements 128h + 0..63 and 128h + 64..127; the -32 is taken off above
+            const __m512i lo = _mm512_or_si512(_mm512_and_si512(ql, m4), _mm512_slli_epi16(_mm512_and_si512(qh, m2), 4));
+            const __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
+                                               _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh, 4), m2), 4));
+            const __m512i s_lo = _mm512_permutexvar_epi16(_mm512_add_epi16(group, _mm512_set1_epi16(static_cast<int16_t>(8 * h))), scales);
+            const __m512i s_hi = _mm512_permutexvar_epi16(_mm512_add_epi16(group, _mm512_set1_epi16(static_cast<int16_t>(8 * h + 4))), scales);
+            for (int v = 0; v < NV; v++) {
+                const q8_k512 & a = reinterpret_cast<const q8_k512 *>(xq + v * xs)[i];
+                const __m512i y0 = _mm512_load_si512(a.qs + 128 * h), y1 = _mm512_load_si512(a.qs + 128 * h + 64);
+                sumi[v] = _mm512_dpwssd_epi32(sumi[v], _mm512_maddubs_epi16(lo, y0), s_lo);
+                sumi[v] = _mm512_dpwssd_epi32(sumi[v], _mm512_maddubs_epi16(hi, y1), s_hi);
+            }
+        }
+        for (int v = 0; v < NV; v++) {
+            const q8_k512 & a = reinterpret_cast<const q8_k512 *>(xq + v * xs)[i];
+            acc[v] = _mm512_fmadd_ps(_mm512_set1_ps(a.d * d), _mm512_cvtepi32_ps(sumi[v]), acc[v]);
+        }
+    }
+    for (int v = 0; v < NV; v++) out[v] = _mm512_reduce_add_ps(acc[v]);
+}
 #endif // PEBBLE_X86
 
 // ---------------------------------------------------------------------------------------------------
 // dispatch
 
 using dot_fn = void (*)(const uint8_t *, int64_t, const uint8_t *, int64_t, float *);
-constexpr int max_nv = 4; // activations multiplied per pass over a row
+constexpr int max_nv = 8; // the most activations any kernel multiplies per pass over a row
 
-enum class act { q8_256, q8_32, f32 };
+// How x is laid out for a kernel set: q8_256 and q8_32 (every kernel but AVX-512's), q8_pair
+// (AVX-512's 32-element types), q8_k512 in natural order (Q6_K) or paired sub-blocks (Q4_K, Q5_K).
+enum class act { q8_256, q8_32, f32, q8_pair, q8_k512, q8_k512_paired };
 
 struct kernel_set {
     act     activation;
     int     block_elements, block_bytes;
-    dot_fn  dot[max_nv]; // dot[nv - 1]
+    int     nv;          // activations per pass: dot[0..nv-1] are set
+    dot_fn  dot[max_nv]; // dot[n - 1] multiplies n activations
 };
 
-// PEBBLING_SIMD=portable turns the SIMD kernels off (to test the portable ones on any machine).
-bool use_avx2() {
+enum class simd { portable, avx2, avx512 };
+
+// The best instruction set this CPU has that PEBBLING_SIMD allows: 'portable' turns the SIMD kernels
+// off and 'avx2' AVX-512's (to test each set on one machine); read_thread_setting refuses other values.
+simd simd_in_use() {
 #ifdef PEBBLE_X86
-    static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                            __builtin_cpu_supports("f16c") &&
-                            !(std::getenv("PEBBLING_SIMD") && std::strcmp(std::getenv("PEBBLING_SIMD"), "portable") == 0);
-    return yes;
+    static const simd level = [] {
+        const char * env = std::getenv("PEBBLING_SIMD");
+        const bool portable = env && std::strcmp(env, "portable") == 0, avx2_only = env && std::strcmp(env, "avx2") == 0;
+        const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+        const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
+                            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+        return portable || !avx2 ? simd::portable : avx512 && !avx2_only ? simd::avx512 : simd::avx2;
+    }();
+    return level;
 #else
-    return false;
+    return simd::portable;
 #endif
 }
 
+template <template <int> class D, int... NV>
+kernel_set make_set(act a, int elements, int bytes, std::integer_sequence<int, NV...>) {
+    kernel_set k{a, elements, bytes, static_cast<int>(sizeof...(NV)), {}};
+    ((k.dot[NV] = D<NV + 1>::fn), ...);
+    return k;
+}
+
+// Kernels with a fixed type K and every width up to N: wrappers that name the template's row function.
+template <int N> using upto = std::make_integer_sequence<int, N>;
+#define PEBBLE_DOT(name, fn_template)                                                  \
+    template <int K> struct name {                                                      \
+        template <int NV> struct at { static constexpr dot_fn fn = fn_template<K, NV>; }; \
+    };
+PEBBLE_DOT(dot32_portable, dot_32_portable)
+PEBBLE_DOT(k45_portable, dot_k45_portable)
+PEBBLE_DOT(float_portable, dot_float_portable)
+template <int K> struct q6_portable { template <int NV> struct at { static constexpr dot_fn fn = dot_q6_k_portable<NV>; }; };
 #ifdef PEBBLE_X86
-#    define PICK(avx2, portable) (use_avx2() ? static_cast<dot_fn>(avx2) : static_cast<dot_fn>(portable))
-#else
-#    define PICK(avx2, portable) static_cast<dot_fn>(portable)
+PEBBLE_DOT(dot32_avx2, dot_32_avx2)
+PEBBLE_DOT(k45_avx2, dot_k45_avx2)
+PEBBLE_DOT(float_avx2, dot_float_avx2)
+PEBBLE_DOT(k45_avx512, dot_k45_avx512)
+template <int K> struct q6_avx2 { template <int NV> struct at { static constexpr dot_fn fn = dot_q6_k_avx2<NV>; }; };
+template <int K> struct q6_avx512 { template <int NV> struct at { static constexpr dot_fn fn = dot_q6_k_avx512<NV>; }; };
+template <int K> struct q8_avx512 { template <int NV> struct at { static constexpr dot_fn fn = dot_q8_0_avx512<NV>; }; };
 #endif
+#undef PEBBLE_DOT
 
-template <int K, int NV> dot_fn pick_32() { return PICK((dot_32_avx2<K, NV>), (dot_32_portable<K, NV>)); }
-template <int K, int NV> dot_fn pick_k45() { return PICK((dot_k45_avx2<K, NV>), (dot_k45_portable<K, NV>)); }
-template <int NV> dot_fn pick_q6_k() { return PICK((dot_q6_k_avx2<NV>), (dot_q6_k_portable<NV>)); }
-template <int K, int NV> dot_fn pick_float() { return PICK((dot_float_avx2<K, NV>), (dot_float_portable<K, NV>)); }
+// The portable and AVX2 kernels take 4 activations a pass (AVX2 has 16 registers), AVX-512's 8.
+template <template <int> class D, int K> kernel_set set_of(act a, int elements, int bytes, int nv_count) {
+    return nv_count == 8 ? make_set<D<K>::template at>(a, elements, bytes, upto<8>{})
+                         : make_set<D<K>::template at>(a, elements, bytes, upto<4>{});
+}
 
-// The kernels of a GGUF type id; block_elements 0 for a type without them (the callers have refused
-// those already).
+// The kernels of a GGUF type id on this CPU; block_elements 0 for a type without them (the callers have
+// refused those already).
 kernel_set kernels_for(int32_t type) {
-    switch (type) {
-        case 0:  return {act::f32, 1, 4, {pick_float<k_f32, 1>(), pick_float<k_f32, 2>(), pick_float<k_f32, 3>(), pick_float<k_f32, 4>()}};
-        case 1:  return {act::f32, 1, 2, {pick_float<k_f16, 1>(), pick_float<k_f16, 2>(), pick_float<k_f16, 3>(), pick_float<k_f16, 4>()}};
-        case 30: return {act::f32, 1, 2, {pick_float<k_bf16, 1>(), pick_float<k_bf16, 2>(), pick_float<k_bf16, 3>(), pick_float<k_bf16, 4>()}};
-        case 2:  return {act::q8_32, 32, 18, {pick_32<k_q4_0, 1>(), pick_32<k_q4_0, 2>(), pick_32<k_q4_0, 3>(), pick_32<k_q4_0, 4>()}};
-        case 3:  return {act::q8_32, 32, 20, {pick_32<k_q4_1, 1>(), pick_32<k_q4_1, 2>(), pick_32<k_q4_1, 3>(), pick_32<k_q4_1, 4>()}};
-        case 6:  return {act::q8_32, 32, 22, {pick_32<k_q5_0, 1>(), pick_32<k_q5_0, 2>(), pick_32<k_q5_0, 3>(), pick_32<k_q5_0, 4>()}};
-        case 7:  return {act::q8_32, 32, 24, {pick_32<k_q5_1, 1>(), pick_32<k_q5_1, 2>(), pick_32<k_q5_1, 3>(), pick_32<k_q5_1, 4>()}};
-        case 8:  return {act::q8_32, 32, 34, {pick_32<k_q8_0, 1>(), pick_32<k_q8_0, 2>(), pick_32<k_q8_0, 3>(), pick_32<k_q8_0, 4>()}};
-        case 12: return {act::q8_256, 256, 144, {pick_k45<k_q4_k, 1>(), pick_k45<k_q4_k, 2>(), pick_k45<k_q4_k, 3>(), pick_k45<k_q4_k, 4>()}};
-        case 13: return {act::q8_256, 256, 176, {pick_k45<k_q5_k, 1>(), pick_k45<k_q5_k, 2>(), pick_k45<k_q5_k, 3>(), pick_k45<k_q5_k, 4>()}};
-        case 14: return {act::q8_256, 256, 210, {pick_q6_k<1>(), pick_q6_k<2>(), pick_q6_k<3>(), pick_q6_k<4>()}};
+    const simd level = simd_in_use();
+#ifdef PEBBLE_X86
+    if (level == simd::avx512) {
+        switch (type) {
+            case 8:  return set_of<q8_avx512, 0>(act::q8_pair, 32, 34, 8);
+            case 12: return set_of<k45_avx512, k_q4_k>(act::q8_k512_paired, 256, 144, 8);
+            case 13: return set_of<k45_avx512, k_q5_k>(act::q8_k512_paired, 256, 176, 8);
+            case 14: return set_of<q6_avx512, 0>(act::q8_k512, 256, 210, 8);
+        }
     }
-    return {act::f32, 0, 0, {}};
+    if (level != simd::portable) {
+        switch (type) {
+            case 0:  return set_of<float_avx2, k_f32>(act::f32, 1, 4, 4);
+            case 1:  return set_of<float_avx2, k_f16>(act::f32, 1, 2, 4);
+            case 30: return set_of<float_avx2, k_bf16>(act::f32, 1, 2, 4);
+            case 2:  return set_of<dot32_avx2, k_q4_0>(act::q8_32, 32, 18, 4);
+            case 3:  return set_of<dot32_avx2, k_q4_1>(act::q8_32, 32, 20, 4);
+            case 6:  return set_of<dot32_avx2, k_q5_0>(act::q8_32, 32, 22, 4);
+            case 7:  return set_of<dot32_avx2, k_q5_1>(act::q8_32, 32, 24, 4);
+            case 8:  return set_of<dot32_avx2, k_q8_0>(act::q8_32, 32, 34, 4);
+            case 12: return set_of<k45_avx2, k_q4_k>(act::q8_256, 256, 144, 4);
+            case 13: return set_of<k45_avx2, k_q5_k>(act::q8_256, 256, 176, 4);
+            case 14: return set_of<q6_avx2, 0>(act::q8_256, 256, 210, 4);
+        }
+    }
+#endif
+    (void)level;
+    switch (type) {
+        case 0:  return set_of<float_portable, k_f32>(act::f32, 1, 4, 4);
+        case 1:  return set_of<float_portable, k_f16>(act::f32, 1, 2, 4);
+        case 30: return set_of<float_portable, k_bf16>(act::f32, 1, 2, 4);
+        case 2:  return set_of<dot32_portable, k_q4_0>(act::q8_32, 32, 18, 4);
+        case 3:  return set_of<dot32_portable, k_q4_1>(act::q8_32, 32, 20, 4);
+        case 6:  return set_of<dot32_portable, k_q5_0>(act::q8_32, 32, 22, 4);
+        case 7:  return set_of<dot32_portable, k_q5_1>(act::q8_32, 32, 24, 4);
+        case 8:  return set_of<dot32_portable, k_q8_0>(act::q8_32, 32, 34, 4);
+        case 12: return set_of<k45_portable, k_q4_k>(act::q8_256, 256, 144, 4);
+        case 13: return set_of<k45_portable, k_q5_k>(act::q8_256, 256, 176, 4);
+        case 14: return set_of<q6_portable, 0>(act::q8_256, 256, 210, 4);
+    }
+    return {act::f32, 0, 0, 0, {}};
+}
+
+// Bytes of one activation of n_cols elements in layout a.
+int64_t activation_bytes(act a, int64_t n_cols) {
+    switch (a) {
+        case act::q8_256:         return (n_cols / 256) * static_cast<int64_t>(sizeof(q8_256));
+        case act::q8_32:          return (n_cols / 32) * static_cast<int64_t>(sizeof(q8_32));
+        case act::f32:            return n_cols * static_cast<int64_t>(sizeof(float));
+#ifdef PEBBLE_X86
+        case act::q8_pair:        return (n_cols / 32 + 1) / 2 * static_cast<int64_t>(sizeof(q8_pair));
+        case act::q8_k512:
+        case act::q8_k512_paired: return (n_cols / 256) * static_cast<int64_t>(sizeof(q8_k512));
+#else
+        default:                  break;
+#endif
+    }
+    return 0;
+}
+
+void quantize_activation(act a, const uint16_t * x, int64_t n_cols, uint8_t * out) {
+    switch (a) {
+        case act::q8_256: quantize_256(x, n_cols, reinterpret_cast<q8_256 *>(out)); break;
+        case act::q8_32:  quantize_32(x, n_cols, reinterpret_cast<q8_32 *>(out)); break;
+        case act::f32:    to_float(x, n_cols, reinterpret_cast<float *>(out)); break;
+#ifdef PEBBLE_X86
+        case act::q8_pair:        quantize_pairs(x, n_cols, reinterpret_cast<q8_pair *>(out)); break;
+        case act::q8_k512:        quantize_k512(x, n_cols, false, reinterpret_cast<q8_k512 *>(out)); break;
+        case act::q8_k512_paired: quantize_k512(x, n_cols, true, reinterpret_cast<q8_k512 *>(out)); break;
+#else
+        default: break;
+#endif
+    }
 }
 
 // One call's work: W (n_rows rows of row_bytes) times n_tok activations of xs bytes each.
@@ -787,15 +1087,15 @@ struct matmul_job {
     int64_t            tile_rows;
 };
 
-// Tiles [begin, end) of tile_rows rows each: every activation (max_nv at a time) through the tile's
-// rows, so that the tile stays in cache while they pass.
+// Tiles [begin, end) of tile_rows rows each: every activation (the kernel set's nv at a time) through the
+// tile's rows, so that the tile stays in cache while they pass.
 void matmul_tiles(void * ctx, int64_t begin, int64_t end) {
     const matmul_job & j = *static_cast<const matmul_job *>(ctx);
     const int64_t r0 = begin * j.tile_rows, r1 = std::min(j.n_rows, end * j.tile_rows);
     for (int64_t rt = r0; rt < r1; rt += j.tile_rows) {
         const int64_t rt_end = std::min(r1, rt + j.tile_rows);
-        for (int64_t t = 0; t < j.n_tok; t += max_nv) {
-            const int nv = static_cast<int>(std::min<int64_t>(max_nv, j.n_tok - t));
+        for (int64_t t = 0; t < j.n_tok; t += j.k->nv) {
+            const int nv = static_cast<int>(std::min<int64_t>(j.k->nv, j.n_tok - t));
             for (int64_t r = rt; r < rt_end; r++) {
                 float out[max_nv];
                 j.k->dot[nv - 1](j.w + r * j.row_bytes, j.nb, j.xq + t * j.xs, j.xs, out);
@@ -807,7 +1107,13 @@ void matmul_tiles(void * ctx, int64_t begin, int64_t end) {
 
 } // namespace
 
-const char * simd_level() { return use_avx2() ? "avx2" : "portable"; }
+const char * simd_level() {
+    switch (simd_in_use()) {
+        case simd::avx512: return "avx512";
+        case simd::avx2:   return "avx2";
+        default:           return "portable";
+    }
+}
 
 pebble_status matmul(int32_t ggml_type, const uint8_t * w, int64_t n_rows, int64_t n_cols, const uint16_t * x,
                      int64_t n_tok, float * y, const char * fn) {
@@ -827,17 +1133,12 @@ pebble_status matmul(int32_t ggml_type, const uint8_t * w, int64_t n_rows, int64
     }
     const int64_t nb = n_cols / k.block_elements;
     // The activations, quantized once for the whole call (one 64-byte aligned buffer).
-    int64_t xs = 0;
-    switch (k.activation) {
-        case act::q8_256: xs = (n_cols / 256) * static_cast<int64_t>(sizeof(q8_256)); break;
-        case act::q8_32:  xs = (n_cols / 32) * static_cast<int64_t>(sizeof(q8_32)); break;
-        case act::f32:    xs = n_cols * static_cast<int64_t>(sizeof(float)); break;
-    }
-    if (n_tok > INT64_MAX / xs) {
+    const int64_t xs = activation_bytes(k.activation, n_cols); // a multiple of 64 where a kernel needs it
+    if (n_tok > (INT64_MAX - 63) / xs) {
         return fail(PEBBLE_ERR_SIZE_MISMATCH, "%s: %s: %" PRId64 " activations of %" PRId64 " take more than "
                     "2^63 bytes", fn, pebble_internal::ggml_type_name(ggml_type), n_tok, n_cols);
     }
-    uint8_t * xq = static_cast<uint8_t *>(std::malloc(static_cast<size_t>(n_tok * xs)));
+    uint8_t * xq = static_cast<uint8_t *>(std::aligned_alloc(64, static_cast<size_t>((n_tok * xs + 63) / 64 * 64)));
     if (!xq) {
         return fail(PEBBLE_ERR_HOST_OOM, "%s: %s: no memory for %" PRId64 " quantized activations of %" PRId64
                     " (%" PRId64 " bytes)", fn, pebble_internal::ggml_type_name(ggml_type), n_tok, n_cols, n_tok * xs);
@@ -846,18 +1147,13 @@ pebble_status matmul(int32_t ggml_type, const uint8_t * w, int64_t n_rows, int64
     parallel_for(n_tok, n_tok * n_cols * 4, [&qc](int64_t begin, int64_t end) {
         for (int64_t t = begin; t < end; t++) {
             const uint16_t * xt = qc.x + t * qc.n_cols;
-            uint8_t * o = qc.xq + t * qc.xs;
-            switch (qc.a) {
-                case act::q8_256: quantize_256(xt, qc.n_cols, reinterpret_cast<q8_256 *>(o)); break;
-                case act::q8_32:  quantize_32(xt, qc.n_cols, reinterpret_cast<q8_32 *>(o)); break;
-                case act::f32:    to_float(xt, qc.n_cols, reinterpret_cast<float *>(o)); break;
-            }
+            quantize_activation(qc.a, xt, qc.n_cols, qc.xq + t * qc.xs);
         }
     });
     // Tiles of rows: small enough that the threads share decode's few rows evenly, large enough that a
     // prefill tile is read once for many activations.
     const int64_t row_bytes = nb * k.block_bytes;
-    int64_t tile_rows = n_tok > max_nv ? std::max<int64_t>(1, (32 << 10) / std::max<int64_t>(row_bytes, 1)) : 8;
+    int64_t tile_rows = n_tok > k.nv ? std::max<int64_t>(1, (32 << 10) / std::max<int64_t>(row_bytes, 1)) : 8;
     tile_rows = std::clamp<int64_t>(tile_rows, 1, 64);
     const int64_t tiles = (n_rows + tile_rows - 1) / tile_rows;
     matmul_job job{&k, w, row_bytes, nb, n_rows, n_tok, xq, xs, y, tile_rows};

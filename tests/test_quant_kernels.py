@@ -381,13 +381,14 @@ def test_stub_and_native_kernels_agree(qtype):
 
 
 @pytest.mark.parametrize("setting, error", [({"PEBBLING_SIMD": "portable"}, None),
+                                            ({"PEBBLING_SIMD": "avx2"}, None),
                                             ({"PEBBLING_THREADS": "1"}, None),
                                             ({"PEBBLING_THREADS": "3"}, None),
                                             ({"PEBBLING_THREADS": "lots"}, "PEBBLING_THREADS is 'lots'"),
                                             ({"PEBBLING_SIMD": "sse9"}, "PEBBLING_SIMD is 'sse9'")])
 def test_host_kernels_under_each_setting(setting, error):
-    """The portable kernels (what a CPU without AVX2 runs) and other pool sizes give results within the
-    same bounds: the matvec tests above, run in a process with the setting; a malformed setting is an
+    """The portable kernels (what a CPU without AVX2 runs), the AVX2 ones where the CPU has AVX-512, and
+    other pool sizes give results within the same bounds: the matvec tests above, run in a process with the setting; a malformed setting is an
     error naming it, not ignored."""
     if not probe("host").usable:
         pytest.skip("the host library is not built here (make host)")
