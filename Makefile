@@ -75,7 +75,7 @@ test-sanitized: venv host-asan
 	ASAN_OPTIONS=detect_leaks=0:abort_on_error=0:halt_on_error=1 \
 	UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
 	PEBBLING_LIB=build/libpebble_host_asan.so PEBBLING_TEST_BACKENDS=host \
-	$(PY) -m pytest -q -p no:cacheprovider tests/test_store_conformance.py tests/test_store_views.py \
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_store_conformance.py tests/test_store_views.py tests/test_store_borrowed.py \
 		tests/test_abi.py tests/test_quant_kernels.py \
 		tests/test_quantized_residency.py tests/test_decode_layer.py
 

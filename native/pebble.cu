@@ -139,10 +139,28 @@ struct lease {
 std::mutex                        g_leases_mu;
 std::unordered_map<void *, lease> g_leases;
 
+// Buffers entries use without owning them (pebble_save_borrowed), each with its count of users: freeing
+// one forgets it instead. Guarded by g_leases_mu, since a lease's release may meet one.
+std::unordered_map<void *, uint64_t> g_borrowed;
+
+// Forgets one user of `ptr` if it is borrowed; whether it was (the caller then must not free it).
+bool give_back_borrowed(void * ptr) { // g_leases_mu held
+    auto it = g_borrowed.find(ptr);
+    if (it == g_borrowed.end()) return false;
+    if (--it->second == 0) g_borrowed.erase(it);
+    return true;
+}
+
+bool borrowed(const void * ptr) {
+    std::lock_guard<std::mutex> lock(g_leases_mu);
+    return g_borrowed.count(const_cast<void *>(ptr)) != 0;
+}
+
 // Every device buffer the store gives up goes through here, so that none is freed under a lease.
 cudaError_t free_device_buffer(void * ptr) {
     {
         std::lock_guard<std::mutex> lock(g_leases_mu);
+        if (give_back_borrowed(ptr)) return cudaSuccess; // the caller's, whoever leases it
         auto it = g_leases.find(ptr);
         if (it != g_leases.end()) {
             it->second.detached = true;
@@ -177,6 +195,7 @@ bool leased(void * ptr) {
 cudaError_t free_host_buffer(void * ptr) {
     {
         std::lock_guard<std::mutex> lock(g_leases_mu);
+        if (give_back_borrowed(ptr)) return cudaSuccess;
         auto it = g_leases.find(ptr);
         if (it != g_leases.end()) {
             it->second.detached = true;
@@ -284,7 +303,10 @@ pebble_status alloc_host_copy(store & s, entry & e, int32_t layer, int32_t tenso
 // Moves the device copy of `victim` to the host tier; nothing is dropped.
 pebble_status evict(store & s, entry_key victim) {
     entry & e = s.entries.at(victim);
-    if (!e.host) {
+    if (!e.host && borrowed(e.dev)) { // the host library's: the borrowed bytes are the host copy too
+        e.host = e.dev;
+        note_host(s, static_cast<int64_t>(e.nbytes));
+    } else if (!e.host) {
         TRY(alloc_host_copy(s, e, static_cast<int32_t>(victim >> 32), static_cast<int32_t>(victim)));
         TRY(copy_async(e, e.host, e.dev, e.nbytes, s.evict_stream));
         s.stats.bytes_d2h += e.nbytes;
@@ -311,6 +333,29 @@ pebble_status alloc_device_copy(store & s, entry & e, entry_key key) {
     CUDA_CHECK(cudaMalloc(&e.dev, e.nbytes));
     e.lru = s.lru.insert(s.lru.end(), key);
     note_device(s, static_cast<int64_t>(e.nbytes));
+    return PEBBLE_OK;
+}
+
+// Before the store writes into an entry: a buffer of it that is borrowed (pebble_save_borrowed) is
+// replaced by a copy of its own, in both of its roles, so that the caller's bytes are never written.
+pebble_status own_bytes(store & s, entry & e, int32_t layer, int32_t tensor_id) {
+#ifdef PEBBLE_HOST_BUILD
+    void * lent = e.dev && borrowed(e.dev) ? e.dev : e.host && borrowed(e.host) ? e.host : nullptr;
+    if (!lent) return PEBBLE_OK;
+    void * fresh = nullptr;
+    if (cudaHostAlloc(&fresh, e.nbytes, cudaHostAllocPortable) != cudaSuccess) {
+        cudaGetLastError();
+        return fail(PEBBLE_ERR_HOST_OOM, "layer %d tensor %d: could not allocate %" PRIu64 " bytes for a copy of "
+                    "borrowed bytes about to be written (host tier holds %" PRIu64 " bytes)", layer, tensor_id,
+                    e.nbytes, s.stats.host_bytes);
+    }
+    std::memcpy(fresh, lent, e.nbytes);
+    if (e.dev == lent) e.dev = fresh;
+    if (e.host == lent) e.host = fresh;
+    CUDA_CHECK(free_host_buffer(lent)); // gives it back: the caller's, never freed here
+#else
+    (void)s, (void)e, (void)layer, (void)tensor_id; // the cuda library borrows nothing
+#endif
     return PEBBLE_OK;
 }
 
@@ -488,6 +533,7 @@ extern "C" pebble_status pebble_save(pebble_store_t handle, int32_t layer, int32
 
     const entry_key key = make_key(layer, tensor_id);
     auto found = s.entries.find(key);
+    if (found != s.entries.end() && found->second.nbytes == nbytes) TRY(own_bytes(s, found->second, layer, tensor_id));
     if (found != s.entries.end() && found->second.nbytes != nbytes) {
         // A different size replaces the entry outright.
         if (found->second.dev)  TRY(drop_device_copy(s, found->second));
@@ -545,6 +591,70 @@ extern "C" pebble_status pebble_save(pebble_store_t handle, int32_t layer, int32
     return PEBBLE_OK;
 }
 
+extern "C" pebble_status pebble_save_borrowed(pebble_store_t handle, int32_t layer, int32_t tensor_id, const void * src,
+                                              uint64_t nbytes, const pebble_tensor_desc * desc, int32_t * borrowed_out) {
+#ifdef PEBBLE_HOST_BUILD
+    {
+        OPEN_STORE(handle, s);
+        TRY(check_layer(s, layer, __func__));
+        if (tensor_id < 0 || !src || nbytes == 0) {
+            return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_save_borrowed: layer %d tensor %d: needs tensor id >= 0, "
+                        "a source and at least one byte (got %" PRIu64 " bytes%s)", layer, tensor_id, nbytes,
+                        src ? "" : ", no source");
+        }
+        if (desc && (desc->n_dims < 1 || desc->n_dims > PEBBLE_MAX_DIMS)) {
+            return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_save_borrowed: layer %d tensor %d: n_dims %d is not in "
+                        "1..%d", layer, tensor_id, desc->n_dims, PEBBLE_MAX_DIMS);
+        }
+        if (desc && (desc->ggml_type < PEBBLE_TYPE_BYTES || desc->ggml_type >= PEBBLE_TYPE_COUNT)) {
+            return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_save_borrowed: layer %d tensor %d: GGUF type %d is not -1 "
+                        "(bytes) or a GGUF type id 0..%d", layer, tensor_id, desc->ggml_type, PEBBLE_TYPE_COUNT - 1);
+        }
+        const entry_key key = make_key(layer, tensor_id);
+        auto found = s.entries.find(key);
+        if (found == s.entries.end()) {
+            entry fresh;
+            if (cudaEventCreateWithFlags(&fresh.last_use, cudaEventDisableTiming) != cudaSuccess) {
+                cudaGetLastError();
+                return fail(PEBBLE_ERR_CUDA, "pebble_save_borrowed: could not create an event for layer %d tensor %d",
+                            layer, tensor_id);
+            }
+            try {
+                found = s.entries.emplace(key, fresh).first;
+            } catch (const std::bad_alloc &) {
+                cudaEventDestroy(fresh.last_use);
+                return fail(PEBBLE_ERR_HOST_OOM, "pebble_save_borrowed: layer %d tensor %d: no memory for the entry",
+                            layer, tensor_id);
+            }
+        }
+        entry & e = found->second;
+        if (e.dev)  TRY(drop_device_copy(s, e));  // the borrowed bytes replace whatever it held
+        if (e.host) TRY(drop_host_copy(s, e));
+        try {
+            std::lock_guard<std::mutex> lock(g_leases_mu);
+            g_borrowed[const_cast<void *>(src)]++;
+        } catch (const std::bad_alloc &) {
+            release_all(e);
+            s.entries.erase(key);
+            return fail(PEBBLE_ERR_HOST_OOM, "pebble_save_borrowed: layer %d tensor %d: no memory to note the "
+                        "borrowed bytes", layer, tensor_id);
+        }
+        e.nbytes = nbytes;
+        e.host = const_cast<void *>(src);
+        note_host(s, static_cast<int64_t>(nbytes));
+        e.desc = desc ? *desc : pebble_tensor_desc{PEBBLE_TYPE_BYTES, 1, {static_cast<int64_t>(nbytes), 0, 0, 0}};
+        s.stats.entries = s.entries.size();
+        s.stats.saves++;
+    }
+    if (borrowed_out) *borrowed_out = 1;
+    return PEBBLE_OK;
+#else
+    TRY(pebble_save(handle, layer, tensor_id, src, nbytes, desc, PEBBLE_TIER_HOST, nullptr));
+    if (borrowed_out) *borrowed_out = 0;
+    return pebble_synchronize(handle); // the caller may let go of src once this returns
+#endif
+}
+
 namespace {
 
 pebble_status read_entry(store & s, int32_t layer, int32_t tensor_id, uint64_t offset, void * dst, uint64_t nbytes,
@@ -589,6 +699,7 @@ extern "C" pebble_status pebble_write(pebble_store_t handle, int32_t layer, int3
     TRY(find_entry(s, layer, tensor_id, __func__, &e));
     if (!src) return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_write: layer %d tensor %d: source is NULL", layer, tensor_id);
     TRY(check_range(*e, layer, tensor_id, offset, nbytes, __func__));
+    TRY(own_bytes(s, *e, layer, tensor_id));
     const bool src_dev = is_device_pointer(src);
     cudaStream_t cs = static_cast<cudaStream_t>(stream);
     if (e->dev) {

@@ -127,6 +127,17 @@ PEBBLE_API enum pebble_status pebble_save   (pebble_store_t store, int32_t layer
                                              const void * src, uint64_t nbytes,
                                              const struct pebble_tensor_desc * desc, // NULL: bytes
                                              int32_t tier, void * stream);
+// As pebble_save into the host tier (with its checks and errors), except that the host library keeps
+// `src` itself as the entry's host copy instead of copying it (a weight in a GGUF file's memory map
+// loads without a copy, as llama.cpp's mmap does): the caller keeps `src` valid and unchanged until the
+// entry is erased or replaced or the store freed, and writes through the entry's views reach it. A
+// write or a save to the entry first gives it a copy of its own, so the store never writes into `src`;
+// a device copy the host library makes of it is `src` too. The cuda library copies `src` as
+// pebble_save does (a GPU's host tier is pinned memory). *borrowed = whether `src` was kept (NULL: not
+// wanted).
+PEBBLE_API enum pebble_status pebble_save_borrowed(pebble_store_t store, int32_t layer, int32_t tensor_id,
+                                                   const void * src, uint64_t nbytes,
+                                                   const struct pebble_tensor_desc * desc, int32_t * borrowed);
 // Copies the whole entry into `dst`; `nbytes` must equal the entry's size.
 PEBBLE_API enum pebble_status pebble_restore(pebble_store_t store, int32_t layer, int32_t tensor_id,
                                              void * dst, uint64_t nbytes, void * stream);

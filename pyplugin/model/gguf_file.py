@@ -140,18 +140,45 @@ class GGUFFile:
         self._map.madvise(mmap.MADV_DONTNEED, start, offset + nbytes - start)
 
 
-def drop_file_pages(array: np.ndarray) -> None:
-    """Drops the pages of a view of a GGUF file's memory map (GGUFFile.raw) from this process's
-    resident memory, once its bytes are copied elsewhere (into a store): they are read from the file
-    again if the view is used later. Anything else (a copy, a CuPy array) is left as it is."""
+def _file_map_range(array: np.ndarray) -> tuple[mmap.mmap, int, int] | None:
+    """(the memory map `array` views, the first page's offset, the length to its end), or None where
+    `array` is no view of an open GGUF file's map."""
     base = array
     while base is not None and not isinstance(base, mmap.mmap):
         base = getattr(base, "base", None) if isinstance(base, np.ndarray) else getattr(base, "obj", None)
     if base is None or not hasattr(base, "madvise") or base.closed or array.nbytes == 0:
-        return
+        return None
     start = array.__array_interface__["data"][0] - np.frombuffer(base, np.uint8, 1).__array_interface__["data"][0]
     first = start - start % mmap.PAGESIZE
-    base.madvise(mmap.MADV_DONTNEED, first, start + array.nbytes - first)
+    return base, first, start + array.nbytes - first
+
+
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14+
+
+
+def map_file_pages(array: np.ndarray) -> None:
+    """Maps the pages of a view of a GGUF file's memory map into this process now, in one call, rather
+    than one page fault at a time when a kernel first reads them (as llama.cpp maps its files with
+    MAP_POPULATE): for weights the store computes from in place. Where the kernel cannot
+    (MADV_POPULATE_READ is Linux 5.14+), the pages are read ahead instead."""
+    found = _file_map_range(array)
+    if found is None:
+        return
+    base, first, length = found
+    try:
+        base.madvise(_MADV_POPULATE_READ, first, length)
+    except OSError:
+        base.madvise(mmap.MADV_WILLNEED, first, length)
+
+
+def drop_file_pages(array: np.ndarray) -> None:
+    """Drops the pages of a view of a GGUF file's memory map (GGUFFile.raw) from this process's
+    resident memory, once its bytes are copied elsewhere (into a store): they are read from the file
+    again if the view is used later. Anything else (a copy, a CuPy array) is left as it is."""
+    found = _file_map_range(array)
+    if found is not None:
+        base, first, length = found
+        base.madvise(mmap.MADV_DONTNEED, first, length)
 
 
 def _tensor_bytes(qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> int:

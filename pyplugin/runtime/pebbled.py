@@ -12,7 +12,7 @@ import numpy as np
 
 from ..errors import ClosedError
 from ..model import LayerWeights, Model, OuterWeights, QuantWeight, embed, layer_forward, output_logits
-from ..model.gguf_file import drop_file_pages
+from ..model.gguf_file import drop_file_pages, map_file_pages
 from ..model.qweight import needs_expansion
 from ..store import Backend, select_backend
 from ..xp import to_numpy
@@ -75,9 +75,15 @@ class PebbledModel:
                     data = np.ascontiguousarray(array, dtype=self.dtype)
                     tensor = StoredTensor(WEIGHT_IDS[name], name, data.shape, data.nbytes)
                     desc = tensor_desc(self.dtype, data.shape)
-                self.store.save(i, tensor.tensor_id, data, tier="host", desc=desc)
                 if isinstance(array, QuantWeight):
-                    drop_file_pages(array.data)  # copied into the store: the file's pages go back
+                    # The host library keeps the file's own bytes (no copy, as llama.cpp's mmap); a store
+                    # that copied them lets the file's pages go.
+                    if self.store.save_borrowed(i, tensor.tensor_id, data, desc=desc):
+                        map_file_pages(array.data)
+                    else:
+                        drop_file_pages(array.data)
+                else:
+                    self.store.save(i, tensor.tensor_id, data, tier="host", desc=desc)
                 layout.append(tensor)
             self.layouts.append(layout)
             if not keep_host_weights:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from ..errors import ClosedError, InvalidArgumentError, SizeMismatchError
-from .abi import MAX_DIMS, TIER_AUTO, TIER_NAMES, TYPE_BYTES
+from .abi import MAX_DIMS, TIER_AUTO, TIER_HOST, TIER_NAMES, TYPE_BYTES
 from .strategy import Strategy
 
 _TIER_BY_NAME = {name: code for code, name in TIER_NAMES.items()}
@@ -167,6 +167,15 @@ class Store(abc.ABC):
         """Saves `data` under (layer, tensor_id), replacing any entry there. TIER_AUTO places it on the
         device iff should_checkpoint(layer); saving to the device past the limit first moves the least
         recently used entries of other keys to the host tier."""
+
+    def save_borrowed(self, layer: int, tensor_id: int, data, *, desc: TensorDesc | None = None) -> bool:
+        """As save into the host tier, except that the store may keep `data` itself as the entry's host
+        copy instead of copying it (pebble_save_borrowed): a weight viewed in a GGUF file's memory map
+        then loads without a copy. Returns whether it did; then `data` must stay unchanged while the
+        store lives (the store keeps a reference to it, and never writes into it: a write to the entry
+        first gives it a copy of its own). This implementation copies."""
+        self.save(layer, tensor_id, data, desc=desc, tier=TIER_HOST)
+        return False
 
     @abc.abstractmethod
     def restore(self, layer: int, tensor_id: int, out, *, stream=None) -> None:

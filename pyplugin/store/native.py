@@ -154,6 +154,7 @@ class NativeStore(Store):
         device = _c_int(device, "device index", 0, INT32_MAX, InvalidArgumentError, "is not >= 0")
         self._close_lock = threading.Lock()
         self._handle = None
+        self._borrowed: list = []  # what pebble_save_borrowed kept: alive as long as this store
         out = ffi.new("pebble_store_t *")
         self._check(self._lib.pebble_init(self.device_limit, self.n_layers, *_c_strategy(self.strategy),
                                           device, out))
@@ -197,27 +198,44 @@ class NativeStore(Store):
 
     # -- the calls
 
+    @staticmethod
+    def _c_desc(layer: int, tensor_id: int, data, desc):
+        """struct pebble_tensor_desc of what is saved (NULL: plain bytes)."""
+        desc = default_desc(data, desc)
+        if desc is None:
+            return ffi.NULL
+        shape = tuple(desc.shape)
+        if len(shape) > MAX_DIMS:
+            raise InvalidArgumentError(f"save: layer {layer} tensor {tensor_id}: shape {shape} has "
+                                       f"more than {MAX_DIMS} dimensions")
+        c_desc = ffi.new("struct pebble_tensor_desc *")
+        c_desc.ggml_type = _c_int(desc.ggml_type, "ggml type", INT32_MIN, INT32_MAX,
+                                  InvalidArgumentError, "does not fit in int32")
+        c_desc.n_dims = len(shape)
+        c_desc.ne[0:len(shape)] = [_c_int(n, "dimension", INT64_MIN, INT64_MAX,
+                                          InvalidArgumentError, "does not fit in int64") for n in shape]
+        return c_desc
+
     def save(self, layer, tensor_id, data, *, desc=None, tier=TIER_AUTO, stream=None):
         handle = self._live()
         layer, tensor_id, tier = self._layer(layer), self._tensor_id(tensor_id), tier_code(tier)
         src, nbytes = self._buffer(data, writable=False, what="save data")
-        desc = default_desc(data, desc)
-        c_desc = ffi.NULL
-        if desc is not None:
-            shape = tuple(desc.shape)
-            if len(shape) > MAX_DIMS:
-                raise InvalidArgumentError(f"save: layer {layer} tensor {tensor_id}: shape {shape} has "
-                                           f"more than {MAX_DIMS} dimensions")
-            c_desc = ffi.new("struct pebble_tensor_desc *")
-            c_desc.ggml_type = _c_int(desc.ggml_type, "ggml type", INT32_MIN, INT32_MAX,
-                                      InvalidArgumentError, "does not fit in int32")
-            c_desc.n_dims = len(shape)
-            c_desc.ne[0:len(shape)] = [_c_int(n, "dimension", INT64_MIN, INT64_MAX,
-                                              InvalidArgumentError, "does not fit in int64") for n in shape]
+        c_desc = self._c_desc(layer, tensor_id, data, desc)
         tier = _c_int(tier, "tier", INT32_MIN, INT32_MAX, InvalidArgumentError, "is not a tier")
         self._check(self._lib.pebble_save(handle, layer, tensor_id, src, nbytes, c_desc, tier,
                                           self._stream(stream)))
         self._finish(stream)
+
+    def save_borrowed(self, layer, tensor_id, data, *, desc=None) -> bool:
+        handle = self._live()
+        layer, tensor_id = self._layer(layer), self._tensor_id(tensor_id)
+        src, nbytes = self._buffer(data, writable=False, what="save data")
+        kept = ffi.new("int32_t *")
+        self._check(self._lib.pebble_save_borrowed(handle, layer, tensor_id, src, nbytes,
+                                                   self._c_desc(layer, tensor_id, data, desc), kept))
+        if kept[0]:
+            self._borrowed.append(data)
+        return bool(kept[0])
 
     def restore(self, layer, tensor_id, out, *, stream=None):
         handle = self._live()

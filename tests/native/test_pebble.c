@@ -63,6 +63,30 @@ int main(void) {
     EXPECT(pebble_free(s) == PEBBLE_ERR_CLOSED);
     EXPECT(pebble_init(N, 4, PEBBLE_STRATEGY_EVERY, 0, 0, &s) == PEBBLE_ERR_STRATEGY && s == NULL);
 
+    // Borrowed bytes (here on the stack: freeing them would stop the sanitizer) are read, written only
+    // through a copy of the entry's own, and never freed, whether prefetched, evicted, erased or freed.
+    {
+        unsigned char lent[N], before[N];
+        int32_t kept = -1;
+        fill(lent, N, 7u);
+        memcpy(before, lent, N);
+        EXPECT(pebble_init(N, 2, PEBBLE_STRATEGY_NONE, 0, 0, &s) == PEBBLE_OK);
+        EXPECT(pebble_save_borrowed(s, 0, 0, lent, N, NULL, &kept) == PEBBLE_OK && kept == 1);
+        EXPECT(pebble_save_borrowed(s, 1, 0, lent, N, NULL, NULL) == PEBBLE_OK);
+        EXPECT(pebble_prefetch(s, 0, NULL) == PEBBLE_OK);
+        EXPECT(pebble_prefetch(s, 1, NULL) == PEBBLE_OK); // no room: layer 0's copy stays
+        EXPECT(pebble_set_strategy(s, N, PEBBLE_STRATEGY_MINIMAL, 0) == PEBBLE_OK); // evicted
+        EXPECT(pebble_restore(s, 0, 0, dst, N, NULL) == PEBBLE_OK && memcmp(dst, before, N) == 0);
+        EXPECT(pebble_write(s, 1, 0, 0, src, 64, NULL) == PEBBLE_OK);
+        EXPECT(memcmp(lent, before, N) == 0);
+        EXPECT(pebble_restore(s, 1, 0, dst, N, NULL) == PEBBLE_OK && memcmp(dst, src, 64) == 0);
+        EXPECT(pebble_erase(s, 0, 0) == PEBBLE_OK);
+        EXPECT(pebble_save_borrowed(s, 0, 0, NULL, N, NULL, NULL) == PEBBLE_ERR_INVALID_ARGUMENT);
+        EXPECT(pebble_save_borrowed(s, 5, 0, lent, N, NULL, NULL) == PEBBLE_ERR_LAYER_RANGE);
+        EXPECT(pebble_free(s) == PEBBLE_OK);
+        EXPECT(memcmp(lent, before, N) == 0);
+    }
+
     // leases: a leased device buffer outlives what frees its entry's copy (erase, pebble_free) and is freed
     // by its last release. Freed too early, the reads below are a use-after-free; never freed, a leak.
     {
