@@ -824,11 +824,7 @@ template <int K, int NV>
 AVX512 void dot_k45_avx512(const uint8_t * w, int64_t nb, const uint8_t * xq, int64_t xs, float * out) {
     constexpr int bb = K == k_q4_k ? 144 : 176;
     __m512 acc[NV];
-    float macc[NV];
-    for (int v = 0; v < NV; v++) {
-        acc[v] = _mm512_setzero_ps();
-        macc[v] = 0.0f;
-    }
+    for (int v = 0; v < NV; v++) acc[v] = _mm512_setzero_ps();
     const __m512i m4 = _mm512_set1_epi8(0x0f), one = _mm512_set1_epi8(1);
     // the scale of each 16-bit sum: registers hold sub-blocks (4c, 4c+2) and (4c+1, 4c+3)
     const __m512i index[4] = {word_index(0, 2), word_index(1, 3), word_index(4, 6), word_index(5, 7)};
@@ -837,9 +833,10 @@ AVX512 void dot_k45_avx512(const uint8_t * w, int64_t nb, const uint8_t * xq, in
         const float d = _cvtsh_ss(u16(b)), dmin = _cvtsh_ss(u16(b + 2));
         uint32_t sm[4];
         unpack_scales_k4(b + 4, sm);
-        const __m128i scales_mins = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(sm)));
-        const __m512i scales = _mm512_castsi128_si512(scales_mins);
+        const __m512i scales = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(sm))));
+        // each sub-block's min twice, beside x's two 16-element sums of that sub-block
         const __m128i mins16 = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(sm + 2)));
+        const __m256i mins = _mm256_set_m128i(_mm_unpackhi_epi16(mins16, mins16), _mm_unpacklo_epi16(mins16, mins16));
         const uint8_t * qs = b + (K == k_q4_k ? 16 : 48);
         __m512i qh = _mm512_setzero_si512();
         if constexpr (K == k_q5_k) {
@@ -867,16 +864,13 @@ AVX512 void dot_k45_avx512(const uint8_t * w, int64_t nb, const uint8_t * xq, in
         }
         for (int v = 0; v < NV; v++) {
             const q8_k512 & a = reinterpret_cast<const q8_k512 *>(xq + v * xs)[i];
-            const __m128i s0 = _mm_load_si128(reinterpret_cast<const __m128i *>(a.sums));
-            const __m128i s1 = _mm_load_si128(reinterpret_cast<const __m128i *>(a.sums + 8));
-            const __m128i prod = _mm_madd_epi16(mins16, _mm_hadd_epi16(s0, s1));
-            __m128i t = _mm_add_epi32(prod, _mm_shuffle_epi32(prod, 0x4e));
-            t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+            // min_j * (sum of x's 32 q of sub-block j), per j, taken off in the same accumulator
+            const __m256i m = _mm256_madd_epi16(mins, _mm256_load_si256(reinterpret_cast<const __m256i *>(a.sums)));
             acc[v] = _mm512_fmadd_ps(_mm512_set1_ps(a.d * d), _mm512_cvtepi32_ps(sumi[v]), acc[v]);
-            macc[v] += a.d * dmin * static_cast<float>(_mm_cvtsi128_si32(t));
+            acc[v] = _mm512_fmadd_ps(_mm512_set1_ps(-a.d * dmin), _mm512_zextps256_ps512(_mm256_cvtepi32_ps(m)), acc[v]);
         }
     }
-    for (int v = 0; v < NV; v++) out[v] = _mm512_reduce_add_ps(acc[v]) - macc[v];
+    for (int v = 0; v < NV; v++) out[v] = _mm512_reduce_add_ps(acc[v]);
 }
 
 template <int NV>

@@ -185,8 +185,13 @@ def rms_norm(x: Array, w: Array, eps: float) -> Array:
 
 
 def silu(x: Array) -> Array:
+    """x / (1 + exp(-x)), in one new array (a prefill's gate is large: each temporary costs a pass
+    and, on the host, the page faults of a fresh allocation)."""
     xp = get_array_module(x)
-    return x / (1.0 + xp.exp(-x))
+    t = -x
+    xp.exp(t, out=t)
+    t += 1.0
+    return xp.divide(x, t, out=t)
 
 
 _GELU_C = math.sqrt(2.0 / math.pi)
@@ -352,7 +357,9 @@ def layer_forward(cfg: ModelConfig, x: Array, lw: LayerWeights, k_cache: Array, 
 
     h = rms_norm(x, lw.ffn_norm, cfg.rms_eps)
     act = gelu_tanh if cfg.activation == "gelu" else silu
-    out = linear(act(linear(h, lw.w_gate)) * linear(h, lw.w_up), lw.w_down)    # [T, n_embd] gated FFN
+    gated = act(linear(h, lw.w_gate))                                           # [T, n_ff]
+    gated *= linear(h, lw.w_up)
+    out = linear(gated, lw.w_down)                                              # [T, n_embd] gated FFN
     if lw.post_ffn_norm is not None:
         out = rms_norm(out, lw.post_ffn_norm, cfg.rms_eps)
     return x + (out if cfg.residual_scale == 1.0 else out * cfg.residual_scale)
