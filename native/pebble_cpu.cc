@@ -1083,15 +1083,25 @@ struct matmul_job {
 
 // Tiles [begin, end) of tile_rows rows each: every activation (the kernel set's nv at a time) through the
 // tile's rows, so that the tile stays in cache while they pass.
+// How far ahead of the row multiplied its thread asks memory for the rows to come: a decode step reads
+// each weight once, from memory, and the hardware's prefetcher alone left half the bandwidth unused.
+constexpr int64_t prefetch_bytes = 8192;
+
+inline void prefetch_row(const uint8_t * row, int64_t nbytes) {
+    for (int64_t o = 0; o < nbytes; o += 64) __builtin_prefetch(row + o, 0, 3);
+}
+
 void matmul_tiles(void * ctx, int64_t begin, int64_t end) {
     const matmul_job & j = *static_cast<const matmul_job *>(ctx);
     const int64_t r0 = begin * j.tile_rows, r1 = std::min(j.n_rows, end * j.tile_rows);
+    const int64_t ahead = (prefetch_bytes + j.row_bytes - 1) / j.row_bytes;
     for (int64_t rt = r0; rt < r1; rt += j.tile_rows) {
         const int64_t rt_end = std::min(r1, rt + j.tile_rows);
         for (int64_t t = 0; t < j.n_tok; t += j.k->nv) {
             const int nv = static_cast<int>(std::min<int64_t>(j.k->nv, j.n_tok - t));
             for (int64_t r = rt; r < rt_end; r++) {
                 float out[max_nv];
+                if (t == 0 && r + ahead < r1) prefetch_row(j.w + (r + ahead) * j.row_bytes, j.row_bytes);
                 j.k->dot[nv - 1](j.w + r * j.row_bytes, j.nb, j.xq + t * j.xs, j.xs, out);
                 for (int v = 0; v < nv; v++) j.y[(t + v) * j.n_rows + r] = out[v];
             }
