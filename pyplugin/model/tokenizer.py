@@ -94,6 +94,17 @@ def _unicode_to_byte() -> dict[str, int]:
     return {c: b for b, c in bytes_to_unicode().items()}
 
 
+@lru_cache(maxsize=1)
+def _byte_level_table() -> dict[int, int]:
+    """str.translate's table from a byte-level token's characters to the bytes they stand for (as
+    latin-1 characters); a character below 256 that stands for no byte goes to U+FFFF, so that a
+    string holding one fails to encode as latin-1, as one holding any other stray character does."""
+    table = {ord(c): b for c, b in _unicode_to_byte().items()}
+    for code in range(256):
+        table.setdefault(code, 0xFFFF)
+    return table
+
+
 class Tokenizer:
     """Text <-> token ids for one model. ``kind`` is 'bpe' (byte-level) or 'spm' (SentencePiece)."""
 
@@ -130,10 +141,9 @@ class Tokenizer:
     # -- construction ------------------------------------------------------------------------------
 
     def _vocab(self) -> dict[str, int]:
-        vocab: dict[str, int] = {}
-        for i, t in enumerate(self.tokens):
-            vocab.setdefault(t, i)  # a duplicated string keeps its first id, as llama.cpp does
-        return vocab
+        # a duplicated string keeps its first id, as llama.cpp does: the first is the last one written
+        n = len(self.tokens)
+        return dict(zip(reversed(self.tokens), range(n - 1, -1, -1)))
 
     def _build_bpe(self, merges: Sequence[str]) -> _HFTokenizer:
         pairs = [tuple(m.split(" ", 1)) for m in merges]
@@ -188,10 +198,10 @@ class Tokenizer:
             return text.encode("utf-8")               # shown only when specials are asked for
         if self.kind == "spm":
             return text.replace(SPACE, " ").encode("utf-8")
-        table = _unicode_to_byte()
-        if all(c in table for c in text):
-            return bytes(table[c] for c in text)
-        return text.encode("utf-8")
+        try:  # every character a byte of the byte-level alphabet
+            return text.translate(_byte_level_table()).encode("latin-1")
+        except UnicodeEncodeError:
+            return text.encode("utf-8")
 
     # -- use ---------------------------------------------------------------------------------------
 
