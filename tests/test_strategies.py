@@ -93,12 +93,12 @@ def test_the_report_gives_the_process_memory_beside_the_accounted_peak(model, pe
 def test_streaming_strategies_restore_and_full_residency_does_not(model, pebbled):
     assert run(model, pebbled, "none")[1]["bytes_restored"] == 0
     _, report, plan = run(model, pebbled, "minimal")
-    assert report["restores"] > 0
     weights = sum(plan.memory.layer_weight_bytes)
     if pebbled.backend.arrays_on_device:
+        assert report["restores"] > 0
         assert report["bytes_restored_per_token"] >= 0.99 * weights  # every layer's weights, every token
-    else:  # host memory: weights computed from the host tier in place, only KV rows copied
-        assert 0 < report["bytes_restored_per_token"] < 0.5 * weights
+    else:  # host memory: weights and KV caches computed from the host tier in place, nothing copied
+        assert report["restores"] == 0 and report["bytes_restored"] == 0
 
 
 @pytest.mark.parametrize("fraction", [0.35, 0.6, 0.85])

@@ -72,6 +72,7 @@ class StoreLayers:
         self.in_slot: list[tuple | None] = [None] * plan.n_slots  # (weights, [(k, v) per sequence])
         self._views: dict[tuple[int, int, int], tuple] = {}
         self.host_views: dict[int, LayerWeights] = {}  # streamed layers' weights in the host tier (host memory)
+        self.host_kv: dict[tuple[int, int], tuple[Array, Array]] = {}  # ... and their KV caches, per sequence
         self.copy_stream = backend.copy_stream()
         self.ready = [backend.event() for _ in self.slots]     # a slot's layer is restored
         self.computed = [backend.event() for _ in self.slots]  # a slot's layer has computed
@@ -165,7 +166,7 @@ class StoreLayers:
             _, caches = self.in_slot[slot]
             self.backend.record(self.computed[slot])
             self.backend.wait(self.computed[slot], self.copy_stream)
-            for (seq, pos, n_tokens), (k, v) in zip(self.pass_seqs, caches):
+            for (seq, pos, n_tokens), (k, v) in zip(self.pass_seqs, caches if self.backend.arrays_on_device else ()):
                 k_id, v_id = kv_ids(seq)
                 for start, stop in ring_rows(pos, n_tokens, self.kv_shapes[i][0]):
                     offset = start * self.kv_row_bytes
@@ -181,19 +182,26 @@ class StoreLayers:
     def _restore(self, n: int) -> None:
         """Restores the n-th streamed layer, and the KV of every sequence in the pass, into slot n % slots
         (queued on the copy stream). Where the arrays are host memory (host, stub), the store's host tier
-        is memory the kernels read as well as a slot: the weights are computed from it in place
-        (host_array), only the KV rows copied."""
+        is memory the kernels read as well as a slot: the weights and the KV caches are computed from it
+        in place (host_array; new KV rows are written into the entries themselves), nothing copied."""
         i, slot = self.streamed[n], n % len(self.slots)
-        weights, caches = self._slot_views(slot, i, len(self.pass_seqs))
         if not self.backend.arrays_on_device:
-            if i not in self.host_views:  # made once per plan: the host copies stay put while it runs
+            # Made once per plan: the host copies stay put while it runs (an entry's KV is erased only by
+            # a plan of another num_ctx or fewer sequences, which makes new StoreLayers).
+            if i not in self.host_views:
                 kernels = self.pebbled.kernels
                 self.host_views[i] = LayerWeights(**{
                     t.name: t.view(self.store.host_array(i, t.tensor_id, np.uint8, (t.nbytes,)), self.dtype, kernels)
                     for t in self.pebbled.layouts[i]})
-            weights = self.host_views[i]
+            for seq, _, _ in self.pass_seqs:
+                if (i, seq) not in self.host_kv:
+                    self.host_kv[i, seq] = tuple(self.store.host_array(i, tid, self.dtype, self.kv_shapes[i])
+                                                 for tid in kv_ids(seq))
+            self.in_slot[slot] = (self.host_views[i], [self.host_kv[i, seq] for seq, _, _ in self.pass_seqs])
+            return
+        weights, caches = self._slot_views(slot, i, len(self.pass_seqs))
         views = (weights, caches)
-        for t in self.pebbled.layouts[i] if self.backend.arrays_on_device else ():
+        for t in self.pebbled.layouts[i]:
             self.store.restore(i, t.tensor_id, bytes_of(getattr(weights, t.name)), stream=self.copy_stream)
         for (seq, pos, _), (k, v) in zip(self.pass_seqs, caches):
             held = min(pos, self.kv_shapes[i][0])  # a sliding layer's ring holds its window at most
