@@ -1111,6 +1111,116 @@ void matmul_tiles(void * ctx, int64_t begin, int64_t end) {
 
 } // namespace
 
+namespace {
+
+// ---------------------------------------------------------------------------------------------------
+// attention of one query per (sequence, head)
+
+struct attend_job {
+    const float *        q;
+    bool                 f16;
+    void * const *       k, * const * v;
+    const int64_t *      n_pos;
+    int64_t              n_rows;
+    int32_t              n_head, n_head_kv, head_dim;
+    float                scale, softcap;
+    float *              out, * scratch;
+};
+
+inline float cache_value(const void * p, bool f16, int64_t i) {
+    return f16 ? half_to_float(static_cast<const uint16_t *>(p)[i]) : static_cast<const float *>(p)[i];
+}
+
+// The scores of row s: (q * scale) . k[s], soft-capped where asked; then softmax; then the weighted sum
+// of V. Written once for both instruction sets: `dot` and `axpy` are the SIMD or portable loops.
+template <typename Dot, typename Axpy>
+inline void attend_head(const attend_job & j, int64_t unit, Dot dot, Axpy axpy) {
+    const int64_t b = unit / j.n_head, h = unit % j.n_head;
+    const int64_t group = j.n_head / j.n_head_kv, row = int64_t(j.n_head_kv) * j.head_dim;
+    const int64_t kv = (h / group) * j.head_dim, n = j.n_pos[b];
+    const float * qh = j.q + (b * j.n_head + h) * j.head_dim;
+    float * sc = j.scratch + unit * j.n_rows;
+    float top = -INFINITY;
+    for (int64_t s = 0; s < n; s++) {
+        float d = dot(qh, j.k[b], s * row + kv);
+        if (j.softcap > 0.0f) d = std::tanh(d / j.softcap) * j.softcap;
+        sc[s] = d;
+        top = std::max(top, d);
+    }
+    float total = 0.0f;
+    for (int64_t s = 0; s < n; s++) {
+        sc[s] = std::exp(sc[s] - top);
+        total += sc[s];
+    }
+    for (int64_t s = 0; s < n; s++) sc[s] = sc[s] / total;
+    float * o = j.out + (b * j.n_head + h) * j.head_dim;
+    for (int32_t d = 0; d < j.head_dim; d++) o[d] = 0.0f;
+    for (int64_t s = 0; s < n; s++) axpy(o, sc[s], j.v[b], s * row + kv);
+}
+
+void attend_portable(void * ctx, int64_t begin, int64_t end) {
+    const attend_job & j = *static_cast<const attend_job *>(ctx);
+    const int32_t hd = j.head_dim;
+    for (int64_t u = begin; u < end; u++) {
+        attend_head(j, u, [&](const float * qh, const void * k, int64_t at) {
+            float acc = 0.0f;
+            for (int32_t d = 0; d < hd; d++) acc += (qh[d] * j.scale) * cache_value(k, j.f16, at + d);
+            return acc;
+        }, [&](float * o, float p, const void * v, int64_t at) {
+            for (int32_t d = 0; d < hd; d++) o[d] += p * cache_value(v, j.f16, at + d);
+        });
+    }
+}
+
+#ifdef PEBBLE_X86
+AVX2 inline __m256 load8_cache(const void * p, bool f16, int64_t i) {
+    return f16 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(static_cast<const uint16_t *>(p) + i)))
+               : _mm256_loadu_ps(static_cast<const float *>(p) + i);
+}
+
+AVX2 void attend_avx2(void * ctx, int64_t begin, int64_t end) {
+    const attend_job & j = *static_cast<const attend_job *>(ctx);
+    const int32_t hd = j.head_dim, whole = hd / 8 * 8;
+    const __m256 scale = _mm256_set1_ps(j.scale);
+    for (int64_t u = begin; u < end; u++) {
+        attend_head(j, u, [&](const float * qh, const void * k, int64_t at) AVX2 {
+            __m256 acc = _mm256_setzero_ps();
+            for (int32_t d = 0; d < whole; d += 8) {
+                acc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(qh + d), scale), load8_cache(k, j.f16, at + d), acc);
+            }
+            float sum = hsum_ps(acc);
+            for (int32_t d = whole; d < hd; d++) sum += (qh[d] * j.scale) * cache_value(k, j.f16, at + d);
+            return sum;
+        }, [&](float * o, float p, const void * v, int64_t at) AVX2 {
+            const __m256 pv = _mm256_set1_ps(p);
+            for (int32_t d = 0; d < whole; d += 8) {
+                _mm256_storeu_ps(o + d, _mm256_fmadd_ps(pv, load8_cache(v, j.f16, at + d), _mm256_loadu_ps(o + d)));
+            }
+            for (int32_t d = whole; d < hd; d++) o[d] += p * cache_value(v, j.f16, at + d);
+        });
+    }
+}
+#endif
+
+} // namespace
+
+pebble_status attend(int32_t n_seq, const float * q, bool f16, void * const * k_caches, void * const * v_caches,
+                     const int64_t * n_pos, int64_t n_rows, int32_t n_head, int32_t n_head_kv, int32_t head_dim,
+                     float scale, float softcap, float * out, float * scratch) {
+    TRY(check_threads("pebble_attend"));
+    attend_job job{q, f16, k_caches, v_caches, n_pos, n_rows, n_head, n_head_kv, head_dim, scale, softcap, out, scratch};
+    int64_t work = 0;
+    for (int32_t b = 0; b < n_seq; b++) work += 2 * n_pos[b] * n_head * head_dim;
+#ifdef PEBBLE_X86
+    if (simd_in_use() != simd::portable) {
+        parallel_ranges(int64_t(n_seq) * n_head, work, attend_avx2, &job);
+        return PEBBLE_OK;
+    }
+#endif
+    parallel_ranges(int64_t(n_seq) * n_head, work, attend_portable, &job);
+    return PEBBLE_OK;
+}
+
 const char * simd_level() {
     switch (simd_in_use()) {
         case simd::avx512: return "avx512";

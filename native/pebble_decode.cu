@@ -14,6 +14,9 @@
 
 #include "pebble_device.h"
 #include "pebble_internal.h"
+#ifdef PEBBLE_HOST_BUILD
+#    include "pebble_cpu.h"
+#endif
 
 #include <algorithm>
 #include <cinttypes>
@@ -130,6 +133,7 @@ struct attention_args {
     float scale, softcap;                 // softcap above 0: s -> c * tanh(s / c)
     float * scores;                       // n_head x n_ctx
     uint16_t * out;                       // n_head x head_dim, fp16
+    float * out_f32;                      // ... or float32 where this is not NULL (pebble_attend)
 };
 
 // One warp per query head, over the rows of its KV head: scores, softmax (probabilities normalised
@@ -161,7 +165,11 @@ __global__ void attention_kernel(attention_args a) {
         for (int64_t d = warp_lane(); d < a.head_dim; d += warp_lanes) {
             float acc = 0.0f;
             for (int64_t s = 0; s < a.n_pos; s++) acc += sc[s] * load_value(a.v_cache, a.kv_type, s * row + kv + d);
-            a.out[h * a.head_dim + d] = half_from_float(acc);
+            if (a.out_f32) {
+                a.out_f32[h * a.head_dim + d] = acc;
+            } else {
+                a.out[h * a.head_dim + d] = half_from_float(acc);
+            }
         }
     }
 }
@@ -410,7 +418,7 @@ extern "C" pebble_status pebble_decode_layer(const pebble_layer_shape * shape, c
     LAUNCH(qkv_kernel, grid_for(q + 2 * kv, threads), threads, stream, qa);
     TRY(launched());
     const attention_args aa{q_rot, k_cache, v_cache, kv_type, s.n_head, s.n_head_kv, s.head_dim, n_pos, n_ctx,
-                            attn_scale, s.attn_softcap, scores, h16};
+                            attn_scale, s.attn_softcap, scores, h16, nullptr};
     LAUNCH(attention_kernel, grid_for(s.n_head, heads_per_block), dim3(warp_lanes, heads_per_block), stream, aa);
     TRY(launched());
     TRY(matvec_one(w.wo.ggml_type, w.wo.data, e, q, h16, o, stream));
@@ -429,4 +437,80 @@ extern "C" pebble_status pebble_decode_layer(const pebble_layer_shape * shape, c
     TRY(launched());
     TRY(matvec_one(w.w_down.ggml_type, w.w_down.data, e, s.n_ff, h16, o, stream));
     return residual(x, o, e, w.post_ffn_norm, s, stream);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// attention of a batch of sequences, one query each
+
+extern "C" pebble_status pebble_attend_scratch_bytes(int32_t n_seq, int32_t n_head, int64_t n_rows, uint64_t * out) {
+    if (!out) return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_attend_scratch_bytes: out must not be NULL");
+    if (n_seq < 1 || n_head < 1 || n_rows < 1) {
+        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_attend_scratch_bytes: n_seq %d, n_head %d and n_rows %" PRId64
+                    " must each be at least 1", n_seq, n_head, n_rows);
+    }
+    if (n_rows > INT64_MAX / 4 / n_head / n_seq) {
+        return fail(PEBBLE_ERR_SIZE_MISMATCH, "pebble_attend_scratch_bytes: n_rows %" PRId64 " is too large", n_rows);
+    }
+    *out = 4 * uint64_t(n_seq) * uint64_t(n_head) * uint64_t(n_rows);
+    return PEBBLE_OK;
+}
+
+extern "C" pebble_status pebble_attend(int32_t n_seq, const float * q, int32_t kv_type, void * const * k_caches,
+                                       void * const * v_caches, const int64_t * n_pos, int64_t n_rows, int32_t n_head,
+                                       int32_t n_head_kv, int32_t head_dim, float scale, float softcap, float * out,
+                                       void * scratch, uint64_t scratch_bytes, void * stream_ptr) {
+    if (!q || !k_caches || !v_caches || !n_pos || !out || !scratch) {
+        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_attend: q, k_caches, v_caches, n_pos, out and scratch must "
+                    "not be NULL");
+    }
+    if (n_seq < 1 || n_head < 1 || n_head_kv < 1 || head_dim < 1 || n_rows < 1) {
+        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_attend: n_seq %d, n_head %d, n_head_kv %d, head_dim %d and "
+                    "n_rows %" PRId64 " must each be at least 1", n_seq, n_head, n_head_kv, head_dim, n_rows);
+    }
+    if (n_head % n_head_kv != 0) {
+        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_attend: %d query heads cannot share %d KV heads evenly",
+                    n_head, n_head_kv);
+    }
+    if (kv_type != f32_type && kv_type != f16_type) {
+        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_attend: kv_type %d (%s); the caches must be 0 F32 or 1 F16",
+                    kv_type, ggml_type_name(kv_type));
+    }
+    if (!(softcap >= 0.0f) || !std::isfinite(softcap) || !std::isfinite(scale)) {
+        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_attend: scale %g and softcap %g must be finite, softcap at "
+                    "least 0", static_cast<double>(scale), static_cast<double>(softcap));
+    }
+    uint64_t need = 0;
+    TRY(pebble_attend_scratch_bytes(n_seq, n_head, n_rows, &need));
+    if (scratch_bytes < need) {
+        return fail(PEBBLE_ERR_SIZE_MISMATCH, "pebble_attend: scratch holds %" PRIu64 " bytes; %d sequences of %d heads "
+                    "over %" PRId64 " rows need %" PRIu64 " (pebble_attend_scratch_bytes)", scratch_bytes, n_seq, n_head,
+                    n_rows, need);
+    }
+    for (int32_t b = 0; b < n_seq; b++) {
+        if (!k_caches[b] || !v_caches[b]) {
+            return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_attend: sequence %d has a NULL cache", b);
+        }
+        if (n_pos[b] < 1 || n_pos[b] > n_rows) {
+            return fail(PEBBLE_ERR_SIZE_MISMATCH, "pebble_attend: sequence %d attends over %" PRId64 " rows; 1..%" PRId64
+                        " are in its cache", b, n_pos[b], n_rows);
+        }
+    }
+#ifdef PEBBLE_HOST_BUILD
+    (void)stream_ptr;
+    return pebble_cpu::attend(n_seq, q, kv_type == f16_type, k_caches, v_caches, n_pos, n_rows, n_head, n_head_kv,
+                              head_dim, scale, softcap, out, static_cast<float *>(scratch));
+#else
+    cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+    const int64_t width = int64_t(n_head) * head_dim;
+    for (int32_t b = 0; b < n_seq; b++) {
+        TRY(check_device_pointer(k_caches[b], "k_caches[b]", "pebble_attend"));
+        TRY(check_device_pointer(v_caches[b], "v_caches[b]", "pebble_attend"));
+        const attention_args aa{q + b * width, k_caches[b], v_caches[b], kv_type, n_head, n_head_kv, head_dim, n_pos[b],
+                                n_rows, scale, softcap, static_cast<float *>(scratch) + int64_t(b) * n_head * n_rows,
+                                nullptr, out + b * width};
+        LAUNCH(attention_kernel, grid_for(n_head, heads_per_block), dim3(warp_lanes, heads_per_block), stream, aa);
+        TRY(launched());
+    }
+    return PEBBLE_OK;
+#endif
 }

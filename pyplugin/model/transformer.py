@@ -308,8 +308,11 @@ def embed(outer: OuterWeights, tokens: Any, xp: Any = np, scale: float = 1.0) ->
     return xp.asarray(rows, dtype=compute_dtype(xp))
 
 
+Attend = Callable[[ModelConfig, Array, list, list], Array]
+
+
 def layer_forward(cfg: ModelConfig, x: Array, lw: LayerWeights, k_cache: Array, v_cache: Array,
-                  pos: int, rope: tuple[Array, Array] | None = None) -> Array:
+                  pos: int, rope: tuple[Array, Array] | None = None, attend: Attend | None = None) -> Array:
     """One transformer block on x [T, n_embd] at positions pos..pos+T; `cfg` is the layer's own
     (ModelConfig.for_layer).
 
@@ -317,7 +320,10 @@ def layer_forward(cfg: ModelConfig, x: Array, lw: LayerWeights, k_cache: Array, 
     positions the layer sees. A cache of fewer rows than pos+T is a ring (a sliding layer's window):
     position p is row p % rows, and the keys still needed are read before the new ones are written.
     Returns the new x [T, n_embd]. `rope`: the (cos, sin) rows of these positions, each [T, 1, head_dim]
-    as ``rope_table`` lays them out; None takes them from ``rope_table``.
+    as ``rope_table`` lays them out; None takes them from ``rope_table``. `attend(cfg, q, caches, n_pos)`:
+    where given, the attention of one token (q [B, n_head, head_dim] rotated, caches B (K, V) pairs, n_pos
+    the rows each attends over; float32 [B, n_head * head_dim]) on a layer without a window, in place
+    of ``attention``: the kernels' own, which a batch of sequences calls once for all of them.
     """
     T = x.shape[0]
     xp = get_array_module(x)
@@ -349,7 +355,10 @@ def layer_forward(cfg: ModelConfig, x: Array, lw: LayerWeights, k_cache: Array, 
         attn = attention(cfg, apply_rope(cfg, q, cos, sin), keys, values, pos, lo)
     else:
         k_cache[pos:pos + T], v_cache[pos:pos + T] = k, v
-        attn = attention(cfg, apply_rope(cfg, q, cos, sin), k_cache[:pos + T], v_cache[:pos + T], pos)
+        if attend is not None and T == 1 and not cfg.window:
+            attn = attend(cfg, apply_rope(cfg, q, cos, sin), [(k_cache, v_cache)], [pos + 1])
+        else:
+            attn = attention(cfg, apply_rope(cfg, q, cos, sin), k_cache[:pos + T], v_cache[:pos + T], pos)
     out = linear(attn, lw.wo)                                                   # [T, n_embd]
     if lw.post_attn_norm is not None:
         out = rms_norm(out, lw.post_attn_norm, cfg.rms_eps)

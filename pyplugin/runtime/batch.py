@@ -16,10 +16,10 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..model import QuantWeight, embed, layer_forward, output_logits
-from ..model.transformer import ModelConfig, LayerWeights, apply_rope, attention, rms_norm, rope_table, silu
+from ..model.transformer import Attend, ModelConfig, LayerWeights, apply_rope, attention, rms_norm, rope_table, silu
 from ..store import fused_decode_computes
 from ..xp import compute_dtype, get_array_module, to_numpy
-from .generation import Generation
+from .generation import Generation, attend_through
 from .store_layers import StoreLayers
 
 Array = Any
@@ -37,9 +37,10 @@ def linear_rows(x: Array, w: Array | QuantWeight, b: Array | None = None) -> Arr
 
 
 def batched_layer(cfg: ModelConfig, x: Array, lw: LayerWeights, caches: Sequence[tuple[Array, Array]],
-                  positions: Sequence[int]) -> Array:
+                  positions: Sequence[int], attend: Attend | None = None) -> Array:
     """One transformer block on x [B, n_embd], row b the token of a sequence at positions[b] whose caches
-    are caches[b]: `transformer.layer_forward` for one token, B at a time."""
+    are caches[b]: `transformer.layer_forward` for one token, B at a time. `attend`: the kernels'
+    attention (layer_forward's), one call for every sequence, each computed as alone."""
     B = x.shape[0]
     h = rms_norm(x, lw.attn_norm, cfg.rms_eps)                                     # [B, n_embd]
     q = linear_rows(h, lw.wq, lw.bq).reshape(B, cfg.n_head, cfg.head_dim)          # [B, n_head, hd]
@@ -52,12 +53,15 @@ def batched_layer(cfg: ModelConfig, x: Array, lw: LayerWeights, caches: Sequence
     at = xp.asarray(positions)
     cos, sin = (table[at] for table in rope_table(cfg, n_ctx, xp))                 # [B, 1, hd]
     q, k = apply_rope(cfg, q, cos, sin), apply_rope(cfg, k, cos, sin)
-    out = []
     for b, ((k_cache, v_cache), pos) in enumerate(zip(caches, positions)):
         k_cache[pos:pos + 1] = k[b:b + 1]
         v_cache[pos:pos + 1] = v[b:b + 1]
-        out.append(attention(cfg, q[b:b + 1], k_cache[:pos + 1], v_cache[:pos + 1], pos))
-    x = x + linear_rows(xp.concatenate(out), lw.wo)                           # [B, n_embd]
+    if attend is not None:
+        attn = attend(cfg, q, list(caches), [pos + 1 for pos in positions])     # [B, n_head * hd]
+    else:
+        attn = xp.concatenate([attention(cfg, q[b:b + 1], k_cache[:pos + 1], v_cache[:pos + 1], pos)
+                               for b, ((k_cache, v_cache), pos) in enumerate(zip(caches, positions))])
+    x = x + linear_rows(attn, lw.wo)                                            # [B, n_embd]
     h = rms_norm(x, lw.ffn_norm, cfg.rms_eps)
     gated = silu(linear_rows(h, lw.w_gate)) * linear_rows(h, lw.w_up)             # [B, n_ff] SwiGLU
     return x + linear_rows(gated, lw.w_down)
@@ -92,13 +96,14 @@ def decode_batch(source: StoreLayers, generations: Sequence[Generation], tokens:
     seqs = [g.layers.seq for g in generations]
     positions = [g.pos for g in generations]
     source.begin_pass([(seq, pos, 1) for seq, pos in zip(seqs, positions)])
+    attend = attend_through(source.attend_kernels)
 
     def alone(lcfg: ModelConfig, weights: LayerWeights, seq: int, pos: int, x: Array) -> Array:
         """One sequence's row through layer_forward, as its own decode step would run it."""
         k_cache, v_cache = source.caches(i, seq)
         rope = tuple(t[pos:pos + 1] for t in rope_table(lcfg, source.n_ctx, xp))
         return layer_forward(lcfg, x[None].astype(compute_dtype(xp), copy=False), weights, k_cache, v_cache,
-                             pos, rope)[0]
+                             pos, rope, attend)[0]
 
     if source.decode_kernels is not None:  # each layer of each sequence one native call, as alone
         xs = [xp.ascontiguousarray(embed(outer, [t], xp, cfg.embd_scale)[0], dtype=np.float32) for t in tokens]
@@ -120,7 +125,7 @@ def decode_batch(source: StoreLayers, generations: Sequence[Generation], tokens:
         for i, lcfg in enumerate(first.layer_cfgs):
             weights = source.weights(i)
             if computes_alike(lcfg, weights):
-                x = batched_layer(lcfg, x, weights, [source.caches(i, seq) for seq in seqs], positions)
+                x = batched_layer(lcfg, x, weights, [source.caches(i, seq) for seq in seqs], positions, attend)
             else:
                 x = xp.stack([alone(lcfg, weights, seq, pos, x[b]) for b, (seq, pos) in enumerate(zip(seqs, positions))])
             source.done(i)

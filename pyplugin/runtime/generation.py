@@ -17,7 +17,7 @@ import numpy as np
 
 from ..errors import OptionsError
 from ..model import KVCache, LayerWeights, Model, OuterWeights, embed, layer_forward, output_logits
-from ..model.transformer import rms_norm, rope_table
+from ..model.transformer import Attend, rms_norm, rope_table
 from ..store import Kernels, LayerShape, fused_decode_computes, select_backend
 from ..xp import compute_dtype, to_numpy
 from .constraint import Constraint
@@ -35,6 +35,7 @@ class LayerSource(Protocol):
     xp: ModuleType                      # the array module the request computes in
     outer: OuterWeights                 # the weights outside the layer stack, placed for xp
     decode_kernels: Kernels | None      # run a decode step's layers one native call each, when given
+    attend_kernels: Kernels | None      # a decode step's attention through Kernels.attend, when given
 
     def begin(self, pos: int, n_tokens: int) -> None:
         """A forward pass over positions pos..pos+n_tokens is about to run through every layer."""
@@ -46,6 +47,14 @@ class LayerSource(Protocol):
         """Layer i has computed (its new KV rows are written in the arrays `layer` gave)."""
 
 
+def attend_through(kernels: Kernels | None) -> Attend | None:
+    """The model's `attend` (transformer.layer_forward) over `kernels`' attention, or None."""
+    if kernels is None:
+        return None
+    return lambda cfg, q, caches, n_pos: kernels.attend(q, caches, n_pos, cfg.n_head_kv, cfg.query_scale,
+                                                        cfg.attn_softcap)
+
+
 class ResidentLayers:
     """Every layer's weights and KV cache held in memory for the whole request (no store), computed
     by `kernels` in their array module (default: the selected backend's kernels for numpy arrays)."""
@@ -54,6 +63,7 @@ class ResidentLayers:
 
     def __init__(self, model: Model, n_ctx: int, kernels: Kernels | None = None):
         kernels = kernels or select_backend().host_kernels
+        self.attend_kernels = kernels if kernels.attends else None
         self.xp = kernels.xp
         self.weights = model.resident_layers(kernels)
         self.outer = model.outer_weights(kernels)
@@ -111,6 +121,7 @@ class Generation:
         self.decode_kernels = self.layers.decode_kernels
         self.layer_cfgs = [self.cfg.for_layer(i) for i in range(self.cfg.n_layer)]
         self.layer_shapes = [LayerShape.of(c) for c in self.layer_cfgs] if self.decode_kernels is not None else []
+        self.attend = attend_through(getattr(self.layers, "attend_kernels", None))
 
     def forward(self, tokens: Sequence[int]) -> np.ndarray:
         """Run tokens through every layer at the current position; float32 logits of the last one."""
@@ -125,7 +136,7 @@ class Generation:
         for i, cfg in enumerate(self.layer_cfgs):
             weights, k_cache, v_cache = self.layers.layer(i)
             rope = tuple(t[self.pos:self.pos + len(tokens)] for t in rope_table(cfg, self.layers.n_ctx, self.xp))
-            x = layer_forward(cfg, x, weights, k_cache, v_cache, self.pos, rope)
+            x = layer_forward(cfg, x, weights, k_cache, v_cache, self.pos, rope, self.attend)
             self.layers.done(i)
         self.pos += len(tokens)
         return x
@@ -156,7 +167,8 @@ class Generation:
                                                  cos[pos, 0], sin[pos, 0], lcfg.query_scale)
             else:
                 rope = tuple(t[pos:pos + 1] for t in rope_table(lcfg, self.layers.n_ctx, xp))
-                h = layer_forward(lcfg, x[None].astype(compute_dtype(xp)), weights, k_cache, v_cache, pos, rope)
+                h = layer_forward(lcfg, x[None].astype(compute_dtype(xp)), weights, k_cache, v_cache, pos, rope,
+                                  self.attend)
                 x[:] = h[0]
             self.layers.done(i)
         self.pos += 1

@@ -52,6 +52,7 @@ class StoreLayers:
         self.backend = backend = pebbled.backend
         self.store, self.xp, self.dtype, self.outer = pebbled.store, pebbled.xp, pebbled.dtype, pebbled.outer
         self.decode_kernels = pebbled.kernels if pebbled.fused_decode else None
+        self.attend_kernels = pebbled.kernels if pebbled.kernels.attends else None
         self.n_ctx = options.num_ctx
         self.n_seqs = plan.memory.n_seqs
         self.n_layers = plan.memory.n_layers
@@ -285,6 +286,7 @@ class SequenceLayers:
         self.shared, self.seq = shared, seq
         self.n_ctx, self.xp, self.outer = shared.n_ctx, shared.xp, shared.outer
         self.decode_kernels = shared.decode_kernels
+        self.attend_kernels = shared.attend_kernels
 
     @property
     def plan(self) -> Plan:

@@ -78,6 +78,10 @@ class Kernels:
         # them into the fp16 workspace for a GEMM: the host library's tiled kernels beat numpy's GEMM
         # over an expanded matrix; cuBLAS on the GPU, and numpy on the stub, do better with the expansion.
         self.tiled_matmul: bool = lib.backend == "host"
+        # Whether a decode step's attention runs through `attend` (one call for every sequence of a batch)
+        # rather than array operations per sequence: where the arrays are host memory. The cuda library's
+        # pebble_attend has not run on a GPU yet, so CuPy's operations stay there.
+        self.attends: bool = lib.backend in ("host", "stub")
         self._local = threading.local()  # each thread's fp16 workspace and decode scratch
         self._scratch_bytes: dict[tuple, int] = {}  # (LayerShape, n_ctx) -> decode scratch bytes
 
@@ -192,6 +196,29 @@ class Kernels:
                               float(np.float32(1.0 / math.sqrt(shape.head_dim) if attn_scale is None else attn_scale)),
                               x, scratch[:need],
                               stream=self._stream())
+
+
+    def attend(self, q, caches, n_pos, n_head_kv: int, scale: float, softcap: float = 0.0):
+        """Attention of one query per sequence over its own cache (pebble_attend): q [B, n_head, head_dim]
+        (rotated, not yet scaled), caches B (k, v) pairs [rows, n_head_kv, head_dim] of one dtype
+        (float32 or float16), n_pos the rows each attends over. Returns float32 [B, n_head * head_dim];
+        each row is the same whatever the others."""
+        xp = self.xp
+        q = xp.ascontiguousarray(q, dtype=np.float32)
+        n_seq, n_head, head_dim = q.shape
+        n_rows = caches[0][0].shape[0]
+        kv_type = DENSE_TYPES.get(caches[0][0].dtype)
+        if kv_type is None:
+            raise InvalidArgumentError(f"attend: caches of {caches[0][0].dtype}; float32 or float16 are accepted")
+        need = self.lib.attend_scratch_bytes(n_seq, n_head, n_rows)
+        scratch = getattr(self._local, "attend_scratch", None)
+        if scratch is None or scratch.nbytes < need:
+            scratch = self._local.attend_scratch = xp.empty(max(need, 1), dtype=np.uint8)
+        out = xp.empty((n_seq, n_head * head_dim), dtype=np.float32)
+        self.lib.attend(q.reshape(n_seq, n_head * head_dim), kv_type, [k for k, _ in caches], [v for _, v in caches],
+                        n_pos, n_rows, n_head, n_head_kv, head_dim, float(scale), float(softcap), out,
+                        scratch[:max(need, 1)], stream=self._stream())
+        return out
 
 
 def _check_out(call: str, out, dtype, shape: tuple) -> None:

@@ -135,6 +135,43 @@ class NativeKernels:
             ffi.cast("void *", stream_pointer(stream))))
 
 
+    # -- attention of a batch of sequences, one query each
+
+    def attend_scratch_bytes(self, n_seq: int, n_head: int, n_rows: int) -> int:
+        out = ffi.new("uint64_t *")
+        _check(self._lib, self._lib.pebble_attend_scratch_bytes(n_seq, n_head, n_rows, out))
+        return int(out[0])
+
+    def attend(self, q, kv_type: int, k_caches, v_caches, n_pos, n_rows: int, n_head: int, n_head_kv: int,
+               head_dim: int, scale: float, softcap: float, out, scratch, *, stream=None) -> None:
+        """pebble_attend: q and out [n_seq, n_head * head_dim] float32, a K and a V cache per sequence
+        (each n_rows x n_head_kv x head_dim of kv_type), n_pos rows attended in each."""
+        backend, n_seq = self.backend, len(k_caches)
+        q_ptr, q_bytes = _pointer(q, backend, False, "q")
+        out_ptr, out_bytes = _pointer(out, backend, True, "out")
+        want = 4 * n_seq * n_head * head_dim
+        for what, nbytes in (("q", q_bytes), ("out", out_bytes)):
+            if nbytes != want:
+                raise SizeMismatchError(f"attend: {what} holds {nbytes} bytes; {n_seq} sequences of {n_head} heads "
+                                        f"of {head_dim} float32 need {want}")
+        kv_item = _ITEMSIZE.get(kv_type)
+        cache_bytes = None if kv_item is None else n_rows * n_head_kv * head_dim * kv_item
+        pointers = []
+        for name, caches in (("k_cache", k_caches), ("v_cache", v_caches)):
+            row = []
+            for cache in caches:
+                ptr, nbytes = _pointer(cache, backend, False, name)
+                if cache_bytes is not None and nbytes != cache_bytes:
+                    raise SizeMismatchError(f"attend: a {name} holds {nbytes} bytes; {cache_bytes} are needed")
+                row.append(ptr)
+            pointers.append(ffi.new("void *[]", [ffi.cast("void *", p) for p in row]))
+        scratch_ptr, scratch_bytes = _pointer(scratch, backend, True, "scratch")
+        _check(self._lib, self._lib.pebble_attend(
+            n_seq, ffi.cast("const float *", q_ptr), kv_type, pointers[0], pointers[1],
+            ffi.new("int64_t[]", [int(n) for n in n_pos]), n_rows, n_head, n_head_kv, head_dim, scale, softcap,
+            ffi.cast("float *", out_ptr), scratch_ptr, scratch_bytes, ffi.cast("void *", stream_pointer(stream))))
+
+
 def _pointer(obj, backend: str, writable: bool, name: str):
     """`_buffer` for the decode step's buffers, with fast paths for C-contiguous numpy arrays (host) and
     CuPy arrays (cuda)."""

@@ -221,6 +221,33 @@ class StubKernels:
         rope = cos.reshape(1, 1, -1), sin.reshape(1, 1, -1)
         xs[:] = layer_forward(cfg, xs.reshape(1, e), lw, k_all, v_all, pos, rope)[0]
 
+    # -- attention of a batch of sequences (pebble_attend's semantics, each sequence on its own)
+
+    def attend_scratch_bytes(self, n_seq: int, n_head: int, n_rows: int) -> int:
+        if min(n_seq, n_head, n_rows) < 1:
+            raise InvalidArgumentError(f"pebble_attend_scratch_bytes: n_seq {n_seq}, n_head {n_head} and n_rows "
+                                       f"{n_rows} must each be at least 1")
+        return 0  # numpy allocates its own temporaries
+
+    def attend(self, q, kv_type: int, k_caches, v_caches, n_pos, n_rows: int, n_head: int, n_head_kv: int,
+               head_dim: int, scale: float, softcap: float, out, scratch, *, stream=None) -> None:
+        if min(len(k_caches), n_head, n_head_kv, head_dim, n_rows) < 1 or n_head % n_head_kv:
+            raise InvalidArgumentError(f"pebble_attend: n_seq {len(k_caches)}, n_head {n_head}, n_head_kv {n_head_kv}, "
+                                       f"head_dim {head_dim}, n_rows {n_rows}: each at least 1, the heads dividing")
+        group = n_head // n_head_kv
+        for b, (k, v, n) in enumerate(zip(k_caches, v_caches, n_pos)):
+            if not 1 <= n <= n_rows:
+                raise SizeMismatchError(f"pebble_attend: sequence {b} attends over {n} rows; 1..{n_rows} are in "
+                                        "its cache")
+            qh = (q[b].reshape(n_head_kv, group, head_dim) * np.float32(scale)).astype(np.float32)
+            keys = k[:n].astype(np.float32).transpose(1, 2, 0)                   # [n_kv, hd, n]
+            scores = qh @ keys                                                    # [n_kv, group, n]
+            if softcap > 0:
+                scores = np.tanh(scores / np.float32(softcap)) * np.float32(softcap)
+            scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
+            scores /= scores.sum(axis=-1, keepdims=True)
+            out[b] = (scores @ v[:n].astype(np.float32).transpose(1, 0, 2)).reshape(-1)
+
     @property
     def kernels(self):
         """These kernels behind the interface the model's QuantWeight computes with."""
