@@ -228,7 +228,7 @@ pool * the_pool() {
 }
 
 // Work below this many multiply-adds is done on the calling thread: waking the pool costs more.
-constexpr int64_t min_parallel_work = 1 << 15;
+constexpr int64_t min_parallel_work = 1 << 18;
 
 struct ranges_job {
     int64_t n, per_range;
@@ -284,8 +284,50 @@ struct q8_32 {
 // n elements of fp16 x into d and q (the rounding is nearest-even, as numpy's rint: the stub's
 // reference computes the very same q). A block with an infinity or NaN gets d = NaN and q = 0, so its
 // products are NaN, as float products with it would be.
+#ifdef PEBBLE_X86
+// Whether x is quantized with AVX2 and F16C (the same d and q as the loop below, 8 at a time).
+bool quantize_with_avx2() {
+    static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") &&
+                            !(std::getenv("PEBBLING_SIMD") && std::strcmp(std::getenv("PEBBLING_SIMD"), "portable") == 0);
+    return yes;
+}
+
+// quantize_block for N a multiple of 32, or false (nothing written) when the block holds an infinity or
+// a NaN, which the scalar loop then takes. The products v * id round to nearest even in
+// _mm256_cvtps_epi32, as std::nearbyint does.
+template <int N>
+__attribute__((target("avx2,fma,f16c"))) bool quantize_block_avx2(const uint16_t * x, float & d, int8_t * q) {
+    static_assert(N % 32 == 0, "whole groups of 32");
+    __m256 v[N / 8];
+    __m256 amax = _mm256_setzero_ps(), finite = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+    const __m256 sign = _mm256_set1_ps(-0.0f), zero = _mm256_setzero_ps();
+    for (int i = 0; i < N / 8; i++) {
+        v[i] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(x + 8 * i)));
+        finite = _mm256_and_ps(finite, _mm256_cmp_ps(_mm256_mul_ps(v[i], zero), zero, _CMP_EQ_OQ)); // inf*0, NaN*0: NaN
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+    }
+    if (_mm256_movemask_ps(finite) != 0xff) return false;
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    d = _mm_cvtss_f32(m) / 127.0f;
+    const __m256 id = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int i = 0; i < N / 8; i += 4) {
+        const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], id)), b = _mm256_cvtps_epi32(_mm256_mul_ps(v[i + 1], id));
+        const __m256i c = _mm256_cvtps_epi32(_mm256_mul_ps(v[i + 2], id)), e = _mm256_cvtps_epi32(_mm256_mul_ps(v[i + 3], id));
+        const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(a, b), _mm256_packs_epi32(c, e));
+        _mm256_storeu_si256(reinterpret_cast<__m256i *>(q + 8 * i), _mm256_permutevar8x32_epi32(bytes, order));
+    }
+    return true;
+}
+#endif
+
 template <int N>
 void quantize_block(const uint16_t * x, float & d, int8_t * q) {
+#ifdef PEBBLE_X86
+    if (quantize_with_avx2() && quantize_block_avx2<N>(x, d, q)) return;
+#endif
     float v[N], amax = 0.0f;
     bool finite = true;
     for (int i = 0; i < N; i++) {
