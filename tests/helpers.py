@@ -10,6 +10,7 @@ import os
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from pyplugin.ggml_types import SUPPORTED_NAMES
@@ -54,6 +55,23 @@ TINY = dict(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, n_ctx=256, n_
 TINY_256 = dict(TINY, n_layer=1, n_embd=256, n_ff=256)
 
 _DIR = tempfile.TemporaryDirectory(prefix="pebbling-model-tests-")
+
+
+def pattern(seed: int, nbytes: int) -> np.ndarray:
+    """nbytes of random bytes, the same for the same seed: what a store test saves and expects back."""
+    return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+
+
+def restored(store, layer: int, tensor_id: int) -> np.ndarray:
+    """The whole entry (layer, tensor_id) of `store`, restored into a new uint8 array."""
+    out = np.empty(store.entry_info(layer, tensor_id).nbytes, dtype=np.uint8)
+    store.restore(layer, tensor_id, out)
+    return out
+
+
+def to_host(array) -> np.ndarray:
+    """A numpy copy of a numpy or CuPy array."""
+    return array.get() if hasattr(array, "get") else np.asarray(array)
 
 
 def tiny_spec(arch: str = "llama", **overrides) -> SynthSpec:

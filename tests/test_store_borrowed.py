@@ -13,6 +13,8 @@ import mmap
 import numpy as np
 import pytest
 
+import helpers
+from helpers import restored, to_host
 from pyplugin.model.gguf_file import map_file_pages
 from pyplugin.store import TIER_DEVICE
 from pyplugin.store.backend import open_store
@@ -21,17 +23,7 @@ N = 4096  # bytes per entry
 
 
 def pattern(seed: int, nbytes: int = N) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
-
-
-def restored(store, layer: int, tensor_id: int) -> np.ndarray:
-    out = np.empty(store.entry_info(layer, tensor_id).nbytes, dtype=np.uint8)
-    store.restore(layer, tensor_id, out)
-    return out
-
-
-def to_host(array) -> np.ndarray:
-    return array.get() if hasattr(array, "get") else np.asarray(array)
+    return helpers.pattern(seed, nbytes)
 
 
 @pytest.fixture

@@ -18,6 +18,8 @@ import weakref
 import numpy as np
 import pytest
 
+import helpers
+from helpers import restored, to_host
 from pyplugin.errors import InvalidArgumentError, UnknownEntryError
 from pyplugin.store import TIER_DEVICE, TIER_HOST, native
 from pyplugin.store.backend import open_store
@@ -40,18 +42,8 @@ def make_store(store_backend):
         store.close()
 
 
-def to_host(array) -> np.ndarray:
-    return array.get() if hasattr(array, "get") else np.asarray(array)
-
-
 def pattern(seed: int, nbytes: int = N) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
-
-
-def restored(store, layer: int, tensor_id: int) -> np.ndarray:
-    out = np.empty(store.entry_info(layer, tensor_id).nbytes, dtype=np.uint8)
-    store.restore(layer, tensor_id, out)
-    return out
+    return helpers.pattern(seed, nbytes)
 
 
 def two_entries_and_a_view(store):
