@@ -12,7 +12,7 @@ import pytest
 from helpers import store_backend_params, tiny_model
 from pyplugin.model.synth import write_gguf
 from pyplugin.runtime import PebbledModel
-from pyplugin.runtime.batch import decode_batch
+from pyplugin.runtime.batch import decode_batch, prefill_batch, prefills_together
 from pyplugin.runtime.generation import Generation
 from pyplugin.runtime.options import Options
 from pyplugin.runtime.plan import PebblingOptions
@@ -67,6 +67,38 @@ def test_a_batch_of_eight_decodes_what_each_decodes_alone(backend, weights, stra
     assert got == expected
     assert all(len(tokens) == 10 for tokens in got)  # every sequence decoded in every step
     assert {r["batch"]["largest"] for r in reports} == {8}
+
+
+@pytest.mark.parametrize("backend", store_backend_params())
+@pytest.mark.parametrize("weights,cached", [("quantized", 0), ("quantized", 3), ("f16", 0)])
+def test_prompts_prefilled_together_give_exactly_what_each_prefill_gives_alone(backend, weights, cached):
+    """prefill_batch (the prompts of requests joining a batch, in one pass) where prefills_together says
+    each row is computed as alone: the host's kernels on stored blocks. Elsewhere (the stub's and a
+    GPU's GEMMs, the f16 form's dense products) each request prefills on its own."""
+    model = tiny_model("qwen2", weights=weights, n_layer=3, weight_type="Q8_0")
+    options = Options(temperature=0, num_predict=4, num_ctx=64)
+    pebbling = PebblingOptions.from_options({"pebbling_strategy": "minimal"})
+    prompts = [p for p in PROMPTS if len(p) > cached][:5]
+    pebbled = PebbledModel(model, backend=backend)
+    source = StoreLayers(pebbled, pebbled.plan(options, pebbling, n_seqs=len(prompts)), options, pebbling)
+    gens = [Generation(model, options, layers=source.sequence(s)) for s in range(len(prompts))]
+    if cached:  # a conversation going on: its first tokens are in the cache already
+        for g, p in zip(gens, prompts):
+            g.start(p[:cached])
+    chunks = [g.begin(p, cached) for g, p in zip(gens, prompts)]
+    if not prefills_together(source, gens):
+        assert (backend, weights) != ("host", "quantized")
+        pytest.skip(f"{backend} {weights}: each request prefills alone")
+    got = prefill_batch(source, gens, chunks)
+    for g, p, row in zip(gens, prompts, got):
+        solo = PebbledModel(model, backend=backend).generation(options, pebbling, len(p))
+        if cached:
+            solo.start(p[:cached])
+        expected = solo.prefill(p[cached:])
+        np.testing.assert_array_equal(row, expected)
+        assert g.pos == len(p)
+        g.logits, solo.logits = row, expected
+        assert g.next_token() == solo.next_token()
 
 
 @pytest.mark.parametrize("case", ["qwen3", "gemma3", "gemma2", "granite-scales"])

@@ -1,5 +1,6 @@
 """A decode step over a batch: one token of each of B sequences, each at its own position with its own
-KV cache, in one pass over the layers.
+KV cache, in one pass over the layers; and the prefills of sequences that join a batch together, in
+one pass too.
 
 The weight products take all B rows at once where that gives each row exactly what it gets alone:
 the fused dequantize-and-multiply kernel (a QuantWeight, the default form) sums each vector in the
@@ -16,6 +17,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..model import QuantWeight, embed, layer_forward, output_logits
+from ..model.qweight import needs_expansion
 from ..model.transformer import Attend, ModelConfig, LayerWeights, apply_rope, attention, rms_norm, rope_table, silu
 from ..store import fused_decode_computes
 from ..xp import compute_dtype, get_array_module, to_numpy
@@ -133,3 +135,86 @@ def decode_batch(source: StoreLayers, generations: Sequence[Generation], tokens:
         g.pos += 1
     return batched_logits(cfg, outer, x)
 
+
+
+def prefills_together(source: StoreLayers, generations: Sequence[Generation]) -> bool:
+    """Whether prefill_batch computes these generations' prompts as each one's own prefill does: every
+    layer the Llama-family block (computes_alike) without a window, and every matrix in stored blocks on
+    kernels that multiply them row by row whatever the number of rows beside them (tiled_matmul: the
+    host's), so that each row is computed as in a pass of its own."""
+    pebbled = source.pebbled
+    if len(generations) < 2 or not getattr(pebbled.kernels, "tiled_matmul", False):
+        return False
+    for lcfg, layout in zip(generations[0].layer_cfgs, pebbled.layouts):
+        names = {t.name: t for t in layout}
+        if lcfg.window or lcfg.activation != "silu" or lcfg.attn_softcap or lcfg.residual_scale != 1.0:
+            return False
+        if names.keys() & {"q_norm", "k_norm", "post_attn_norm", "post_ffn_norm"}:
+            return False
+        if not all(names[m].qtype is not None and needs_expansion(names[m].qtype, source.dtype) for m in MATRICES):
+            return False
+    output = source.outer.output
+    return isinstance(output, QuantWeight) and output.dense_view() is None
+
+
+MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
+
+def prefill_layer(cfg: ModelConfig, x: Array, lw: LayerWeights, caches: Sequence[tuple[Array, Array]],
+                  positions: Sequence[int], lengths: Sequence[int], n_ctx: int, attend: Attend | None) -> Array:
+    """One block on x [sum(lengths), n_embd]: lengths[b] rows of sequence b at positions[b].. in caches[b],
+    each segment as `transformer.layer_forward` computes it alone (the row-wise steps over every row, the
+    attention per segment)."""
+    n = x.shape[0]
+    xp = get_array_module(x)
+    h = rms_norm(x, lw.attn_norm, cfg.rms_eps)                                    # [n, n_embd]
+    q = linear_all(h, lw.wq, lw.bq).reshape(n, cfg.n_head, cfg.head_dim)
+    k = linear_all(h, lw.wk, lw.bk).reshape(n, cfg.n_head_kv, cfg.head_dim)
+    v = linear_all(h, lw.wv, lw.bv).reshape(n, cfg.n_head_kv, cfg.head_dim)
+    tables, parts, at = rope_table(cfg, n_ctx, xp), [], 0
+    for (k_cache, v_cache), pos, T in zip(caches, positions, lengths):
+        if pos + T > k_cache.shape[0]:
+            raise ValueError(f"positions {pos}..{pos + T} do not fit a KV cache of {k_cache.shape[0]}")
+        cos, sin = (t[pos:pos + T] for t in tables)
+        k_cache[pos:pos + T] = apply_rope(cfg, k[at:at + T], cos, sin).astype(k_cache.dtype, copy=False)
+        v_cache[pos:pos + T] = v[at:at + T].astype(v_cache.dtype, copy=False)
+        q_rot = apply_rope(cfg, q[at:at + T], cos, sin)
+        if attend is not None and T == 1:
+            parts.append(attend(cfg, q_rot, [(k_cache, v_cache)], [pos + 1]))
+        else:
+            parts.append(attention(cfg, q_rot, k_cache[:pos + T], v_cache[:pos + T], pos))
+        at += T
+    x = x + linear_all(xp.concatenate(parts), lw.wo)
+    h = rms_norm(x, lw.ffn_norm, cfg.rms_eps)
+    gated = silu(linear_all(h, lw.w_gate))
+    gated *= linear_all(h, lw.w_up)
+    return x + linear_all(gated, lw.w_down)
+
+
+def linear_all(x: Array, w: QuantWeight, b: Array | None = None) -> Array:
+    """x @ w.T (+ b) over every row at once: the kernels compute each row as alone (prefills_together)."""
+    y = w.matmul(x)
+    return y if b is None else y + b
+
+
+def prefill_batch(source: StoreLayers, generations: Sequence[Generation], chunks: Sequence[Sequence[int]]
+                  ) -> list[np.ndarray]:
+    """Runs chunks[b] (at most num_batch tokens) through the layers for generations[b], each at its own
+    position, in one pass (prefills_together must hold); float32 logits of each chunk's last token, in
+    order. Advances each generation's position."""
+    first, xp, outer = generations[0], source.xp, source.outer
+    cfg = first.cfg
+    seqs = [g.layers.seq for g in generations]
+    positions, lengths = [g.pos for g in generations], [len(c) for c in chunks]
+    source.begin_pass([(seq, pos, n) for seq, pos, n in zip(seqs, positions, lengths)])
+    attend = attend_through(source.attend_kernels)
+    x = embed(outer, [t for c in chunks for t in c], xp, cfg.embd_scale)         # [sum(lengths), n_embd]
+    for i, lcfg in enumerate(first.layer_cfgs):
+        weights = source.weights(i)
+        x = prefill_layer(lcfg, x, weights, [source.caches(i, seq) for seq in seqs], positions, lengths,
+                          source.n_ctx, attend)
+        source.done(i)
+    for g, n in zip(generations, lengths):
+        g.pos += n
+    last = np.cumsum(lengths) - 1
+    return batched_logits(cfg, outer, x[xp.asarray(last)])

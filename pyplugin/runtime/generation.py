@@ -201,6 +201,11 @@ class Generation:
     def start(self, prompt: Sequence[int], cached: int = 0) -> None:
         """Checks and prefills the prompt; `cached`: how many leading prompt tokens the layers' KV caches
         already hold (a conversation going on), so only the rest is prefilled."""
+        self.logits = self.prefill(self.begin(prompt, cached))
+
+    def begin(self, prompt: Sequence[int], cached: int = 0) -> list[int]:
+        """`start` without the prefill: checks the prompt and takes it as this generation's; returns the
+        tokens still to run (a batch prefills them together with other sequences': batch.prefill_batch)."""
         prompt = list(prompt)
         self._check_prompt(prompt)
         if not 0 <= cached < len(prompt):
@@ -208,7 +213,7 @@ class Generation:
                                "token must run")
         self.prompt, self.history = list(prompt), prompt
         self.pos = self.stats.cached_tokens = cached
-        self.logits = self.prefill(prompt[cached:])
+        return prompt[cached:]
 
     def next_token(self) -> int | None:
         """The next token sampled from the current logits, or None when the generation is over (its

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..errors import OptionsError, PebblingError
-from ..runtime.batch import decode_batch
+from ..runtime.batch import decode_batch, prefill_batch, prefills_together
 from ..runtime.generation import Generation, StopText
 from ..runtime.store_layers import StoreLayers
 from .jobs import Final, Job, Piece, json_ready, since
@@ -105,10 +105,9 @@ class Batcher:
                     self.finish(head, _failure(exc, head))
                     continue
                 self.round = {id(job) for job in waiting if batch_key(job) == self.key}
-            for job in self._joining(waiting, self.source.n_seqs - len(running)):
-                started = self._start(job, running)
-                if started is not None:
-                    running.append(started)
+            joining = self._joining(waiting, self.source.n_seqs - len(running))
+            if joining:
+                running.extend(self._start(joining, running))
             running = self._step(running)
 
     def _joining(self, waiting: deque[Job], room: int) -> list[Job]:
@@ -145,25 +144,56 @@ class Batcher:
             plan = pebbled.plan(head.options, head.pebbling, len(head.tokens), others)
         return StoreLayers(pebbled, plan, head.options, head.pebbling)
 
-    def _start(self, job: Job, running: list[_Running]) -> _Running | None:
-        """Prefills `job` on a free sequence of the plan; None if it ended there."""
-        if job.cancelled:
-            self.finish(job, None)
-            return None
-        pebbled, busy = self.entry.pebbled, {r.gen.layers.seq for r in running}
-        free = [s for s in range(self.source.n_seqs) if s not in busy]
-        try:
-            seq, cached = pebbled.best_sequence(job.tokens, job.options.num_ctx, free, job.pebbling.cache_prompt)
-            pebbled.claim(seq)
-            gen = Generation(pebbled.model, job.options, layers=self.source.sequence(seq),
-                             should_stop=lambda: job.cancelled, constraint=job.constraint,
-                             logprobs=job.request.logprobs)
-            gen.stats.cache_restored = min(pebbled.restored.get(seq, 0), cached)  # from the host tier
-            gen.start(job.tokens, cached)
-        except Exception as exc:
-            self.finish(job, _failure(exc, job))
-            return None
-        return _Running(job, gen, StopText(pebbled.model.tokenizer, job.options.stop))
+    def _start(self, jobs: list[Job], running: list[_Running]) -> list[_Running]:
+        """Prefills `jobs` on free sequences of the plan, together in one pass where batch.prefills_together
+        says each is then computed as alone, else one by one; those that started."""
+        pebbled, ready = self.entry.pebbled, []
+        for job in jobs:
+            if job.cancelled:
+                self.finish(job, None)
+                continue
+            busy = {r.gen.layers.seq for r in running} | {r.gen.layers.seq for r, _ in ready}
+            free = [s for s in range(self.source.n_seqs) if s not in busy]
+            try:
+                seq, cached = pebbled.best_sequence(job.tokens, job.options.num_ctx, free, job.pebbling.cache_prompt)
+                pebbled.claim(seq)
+                gen = Generation(pebbled.model, job.options, layers=self.source.sequence(seq),
+                                 should_stop=lambda job=job: job.cancelled, constraint=job.constraint,
+                                 logprobs=job.request.logprobs)
+                gen.stats.cache_restored = min(pebbled.restored.get(seq, 0), cached)  # from the host tier
+                chunk = gen.begin(job.tokens, cached)
+            except Exception as exc:
+                self.finish(job, _failure(exc, job))
+                continue
+            ready.append((_Running(job, gen, StopText(pebbled.model.tokenizer, job.options.stop)), chunk))
+        together = [(r, chunk) for r, chunk in ready if len(chunk) <= r.job.options.num_batch]
+        if not prefills_together(self.source, [r.gen for r, _ in together]):
+            together = []
+        started = []
+        if together:
+            start = time.perf_counter_ns()
+            try:
+                logits = prefill_batch(self.source, [r.gen for r, _ in together], [chunk for _, chunk in together])
+            except Exception as exc:
+                for r, _ in together:
+                    self.finish(r.job, _failure(exc, r.job))
+            else:
+                spent = time.perf_counter_ns() - start  # each waited for the whole pass
+                for (r, chunk), row in zip(together, logits):
+                    r.gen.logits = row
+                    r.gen.stats.prompt_tokens += len(chunk)
+                    r.gen.stats.prompt_ns += spent
+                    started.append(r)
+        for r, chunk in ready:
+            if any(r is t for t, _ in together):
+                continue
+            try:
+                r.gen.logits = r.gen.prefill(chunk)
+            except Exception as exc:
+                self.finish(r.job, _failure(exc, r.job))
+                continue
+            started.append(r)
+        return started
 
     def _step(self, running: list[_Running]) -> list[_Running]:
         """Samples a token for each running sequence, streams its text, and runs those that go on
