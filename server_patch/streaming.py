@@ -81,7 +81,7 @@ async def events(job: Job, request: Request | None = None) -> AsyncIterator[str 
         except RuntimeError:  # the loop has shut down; the job was cancelled with it
             pass
 
-    job.on_event(notify)
+    job.on_event(notify, final_only=request is not None)  # a response sent whole waits for its end only
     left = asyncio.ensure_future(_disconnected(request)) if request is not None else None
     try:
         while True:

@@ -165,7 +165,10 @@ def test_a_strategy_change_keeps_the_loaded_model_and_its_tokens(url):
         assert body["response"] == reference["response"], strategy
         assert body["pebbling"]["strategy"].split(":")[0] == strategy.split(":")[0]
     minimal = generate(url, options={**GREEDY, "pebbling_strategy": "minimal"}).json()["pebbling"]
-    assert minimal["resident_layers"] == 0 and minimal["bytes_restored"] > 0
+    # streamed layers are copied where the arrays live on a device; host memory computes them in place
+    from pyplugin.store import backend_named
+    copies = backend_named(minimal["backend"]).arrays_on_device
+    assert minimal["resident_layers"] == 0 and (minimal["bytes_restored"] > 0) == copies
     assert minimal["estimated_peak_bytes"] < reference["pebbling"]["estimated_peak_bytes"]
 
 
@@ -178,13 +181,13 @@ def test_pebbling_weights_picks_the_form_and_both_forms_give_the_same_tokens(url
     assert quantized["response"] == f16["response"] and quantized["eval_count"] == 12
     assert f16["load_duration"] > 0  # another form is another load, as a load-time option in Ollama
     # Q8_0 is 34 bytes per 32 weights: each decoded token restores far fewer bytes than float32's; on
-    # host memory streamed weights are computed from the host tier in place, and only the (same) KV
-    # rows are copied
+    # host memory streamed weights and KV caches are computed from the host tier in place: nothing is
+    # copied in either form
     restored = quantized["pebbling"]["bytes_restored_per_token"], f16["pebbling"]["bytes_restored_per_token"]
     if quantized["pebbling"]["backend"] == "cuda":
         assert restored[0] < restored[1] / 2
     else:
-        assert restored[0] == restored[1] > 0
+        assert restored[0] == restored[1] == 0
     assert quantized["pebbling"]["estimated_peak_bytes"] < f16["pebbling"]["estimated_peak_bytes"]
     again = generate(url, model="tiny-q8", options=options).json()
     assert again["load_duration"] == 0 and again["response"] == quantized["response"]

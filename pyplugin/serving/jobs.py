@@ -157,6 +157,7 @@ class Job:
         self._events: queue.Queue = queue.Queue()
         self._cancel = threading.Event()
         self._notify: Callable[[], None] | None = None
+        self._notify_final_only = False
         self._finished = False
         self._held: BaseException | None = None
 
@@ -168,15 +169,18 @@ class Job:
     def cancelled(self) -> bool:
         return self._cancel.is_set()
 
-    def on_event(self, notify: Callable[[], None]) -> None:
-        """``notify()`` is called from the worker thread after each event is queued."""
-        self._notify = notify
+    def on_event(self, notify: Callable[[], None], *, final_only: bool = False) -> None:
+        """``notify()`` is called from the worker thread after each event is queued; with `final_only`
+        (a response sent whole), only after the Final or an error, so that a batch of such requests does
+        not wake the server's event loop once a token each."""
+        self._notify, self._notify_final_only = notify, final_only
         if not self._events.empty():
             notify()
 
     def _put(self, item: Any) -> None:
         self._events.put(item)
-        if self._notify is not None:
+        if self._notify is not None and (not self._notify_final_only or item is self._END
+                                         or isinstance(item, (Final, BaseException))):
             self._notify()
 
     def drain(self) -> list[str | Final]:
