@@ -94,7 +94,12 @@ def test_one_layer_equals_the_forward_pass(kernels, case, pos):
     # The vectors entering the matrix kernels are rounded to fp16 on both sides; where the float32 sums
     # before them differ in the last bit a rounding can fall the other way: one fp16 unit (1e-3) of one
     # element, carried through a matrix. A wrong rotation, head or row is off by the values themselves.
-    tol = 1e-3 if xp is np else 5e-3  # the GPU also keeps its caches and norm vectors in fp16
+    # On the host library such a flip also moves x's 8-bit blocks (pebble.h): one fp16 unit of a block's
+    # largest element changes its scale, every q of it by up to half a step, about 1/127 of that block's
+    # share; seen up to 3.5e-3 of the output's largest value (Q5_K through the AVX-512 kernels).
+    quantized_x = kernels.name == "host" and any(isinstance(w, QuantWeight) and w.qtype not in (0, 1, 30)
+                                                 for _, w in lw.arrays())
+    tol = 5e-3 if xp is not np or quantized_x else 1e-3  # the GPU also keeps its caches and norms in fp16
     scale = np.abs(want).max()
     assert np.abs(got - want).max() <= tol * scale, (np.abs(got - want).max(), scale)
     np.testing.assert_allclose(k[pos], want_k[pos], rtol=tol, atol=tol * np.abs(want_k[pos]).max())
