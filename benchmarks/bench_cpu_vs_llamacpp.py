@@ -24,8 +24,9 @@ moves absolute figures between runs: the interleaving is there so that the ratio
 conditions.
 
 llama-cpp-python is NOT a pebbling dependency: --llama-python names an interpreter that has it (built
-from its sdist, e.g. CMAKE_ARGS="-DGGML_NATIVE=OFF" pip install llama-cpp-python in its own virtual
-environment); only numpy and llama_cpp are imported there.
+from its sdist as pip builds it, for the CPU it runs on: `python3 -m venv V && V/bin/pip install numpy
+llama-cpp-python`, which uses AVX-512 VNNI and its repacked Q4_K GEMMs where the CPU has them); only
+numpy and llama_cpp are imported there.
 """
 
 from __future__ import annotations
