@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Iterable, Sequence
 
+import numpy as np
 from tokenizers import AddedToken, Regex, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import models as _models
@@ -133,10 +134,9 @@ class Tokenizer:
         self.add_bos = default_add_bos if add_bos is None else bool(add_bos)
         self._add_special_tokens()
         self.rstrip_ids = self._phi3_rstrip_ids(name)
-        self._bytes = [self._piece_bytes(i) for i in range(len(self.tokens))]
+        self._bytes = self._all_piece_bytes()
         self.eog_ids = frozenset(i for i in (eos_id, eot_id, eom_id) if i is not None) | frozenset(
-            i for i, (t, ty) in enumerate(zip(self.tokens, self.types))
-            if ty in (CONTROL, USER_DEFINED) and t in _EOG_TEXTS)
+            i for i in self._ids_of_types(CONTROL, USER_DEFINED) if self.tokens[i] in _EOG_TEXTS)
 
     # -- construction ------------------------------------------------------------------------------
 
@@ -170,8 +170,8 @@ class Tokenizer:
         # llama.cpp matches control, user-defined and unknown tokens (<unk>) in the text as wholes.
         # No rstrip=True for Phi-3 here: tokenizers would strip Unicode whitespace (U+00A0, U+3000...)
         # where llama.cpp strips only isspace() bytes; ``_strip_after_specials`` does it instead.
-        special = [(i, t, ty) for i, (t, ty) in enumerate(zip(self.tokens, self.types))
-                   if ty in (CONTROL, USER_DEFINED, UNKNOWN) and t]
+        special = [(i, self.tokens[i], self.types[i]) for i in self._ids_of_types(CONTROL, USER_DEFINED, UNKNOWN)
+                   if self.tokens[i]]
         self._added_ids = frozenset(i for i, _, _ in special)
         self._hf.add_tokens([AddedToken(t, special=ty != USER_DEFINED, normalized=False)
                              for _, t, ty in special])
@@ -189,6 +189,26 @@ class Tokenizer:
         last_id = {t: i for i, t in enumerate(self.tokens)}  # llama.cpp's token_to_id: last one wins
         keep = {last_id.get(t) for t in ("<unk>", "<s>", "<|endoftext|>")}
         return frozenset(self._added_ids - keep)
+
+    def _ids_of_types(self, *types: int) -> list[int]:
+        """The ids whose token type is one of `types`, in order (one numpy pass: a vocabulary is 150k+)."""
+        return np.flatnonzero(np.isin(np.asarray(self.types), types)).tolist()
+
+    def _all_piece_bytes(self) -> list[bytes]:
+        """_piece_bytes of every id: a byte-level vocabulary's ordinary tokens in one loop of str calls."""
+        if self.kind != "bpe":
+            return [self._piece_bytes(i) for i in range(len(self.tokens))]
+        table, out = _byte_level_table(), []
+        append, shown_as_text = out.append, {USER_DEFINED, CONTROL, UNKNOWN, UNUSED}
+        for text, ty in zip(self.tokens, self.types):
+            if ty not in shown_as_text:
+                try:  # every character a byte of the byte-level alphabet
+                    append(text.translate(table).encode("latin-1"))
+                    continue
+                except UnicodeEncodeError:
+                    pass
+            append(text.encode("utf-8"))
+        return out
 
     def _piece_bytes(self, i: int) -> bytes:
         text, ty = self.tokens[i], self.types[i]
