@@ -1,7 +1,7 @@
 """pebbling's host backend beside llama.cpp on the same CPU, the same files, the same threads.
 
     python benchmarks/bench_cpu_vs_llamacpp.py --llama-python PYTHON [--runs 5] [--prompt-tokens 128]
-        [--decode-tokens 64] [--threads 2] [--types Q4_K_M,Q8_0] [--n-layer 24] [--json FILE]
+        [--decode-tokens 64] [--threads 2] [--types Q4_K_M,Q8_0] [--n-layer 24] [--busy-neighbour] [--json FILE]
 
 Two random-weight files of Qwen2-0.5B's shape (24 layers of 1024, 16 heads of 64, 2 KV heads, a 4864
 feed-forward, a tied output over a vocabulary padded to 151936; 1024 rather than Qwen2-0.5B's 896 so
@@ -18,7 +18,8 @@ pebbling `none`, pebbling `minimal`, then again), and each process measures:
   RSS      the process's peak resident set (getrusage), the interpreter and numpy included on both
            sides
 
-and the greedy tokens. The table gives medians over --runs, the ratios pebbling / llama.cpp, and
+and the greedy tokens. --busy-neighbour runs it all beside a process spinning on one core, as a
+shared machine is. The table gives medians over --runs, the ratios pebbling / llama.cpp, and
 whether the greedy tokens are equal. Every figure is measured here; the machine may be shared, which
 moves absolute figures between runs: the interleaving is there so that the ratios see the same
 conditions.
@@ -165,6 +166,9 @@ def main() -> None:
     parser.add_argument("--types", default="Q4_K_M,Q8_0")
     parser.add_argument("--n-layer", type=int, default=24)
     parser.add_argument("--dir", default=None, help="where the files are written (default: a temporary one)")
+    parser.add_argument("--busy-neighbour", action="store_true",
+                        help="run every measurement beside a process that spins on one core (a busy neighbour): "
+                             "a pool whose threads spin rather than share collapses there")
     parser.add_argument("--json", default=None)
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -183,6 +187,18 @@ def main() -> None:
     if unknown:
         parser.error(f"--types: {', '.join(unknown)} unknown; choose from {', '.join(FILES)}")
     engines = ["llama.cpp", "pebbling none", "pebbling minimal"]
+    neighbour = (subprocess.Popen([sys.executable, "-c", "while True: pass"]) if args.busy_neighbour else None)
+    try:
+        results = run_all(args, names, engines)
+    finally:
+        if neighbour is not None:
+            neighbour.kill()
+    print_table(results, args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(args=vars(args), results=results), indent=1))
+
+
+def run_all(args, names: list[str], engines: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(args.dir or tmp)
         paths = write_files(directory, names, args.n_layer)
@@ -201,14 +217,13 @@ def main() -> None:
                           file=sys.stderr, flush=True)
             results[name] = {e: summarize(runs[e], args.prompt_tokens, args.decode_tokens) for e in engines}
             results[name]["file_bytes"] = path.stat().st_size
-    print_table(results, args)
-    if args.json:
-        Path(args.json).write_text(json.dumps(dict(args=vars(args), results=results), indent=1))
+    return results
 
 
 def print_table(results: dict, args) -> None:
     print(f"\nmedians of {args.runs} interleaved runs, {args.threads} threads, prompt {args.prompt_tokens} tokens, "
-          f"{args.decode_tokens} greedy tokens, {args.n_layer} layers (all measured on this machine)")
+          f"{args.decode_tokens} greedy tokens, {args.n_layer} layers (all measured on this machine"
+          + (", beside a process spinning on one core" if args.busy_neighbour else "") + ")")
     for name, r in results.items():
         base = r["llama.cpp"]
         print(f"\n{name} ({r['file_bytes'] / 2**20:.0f} MiB file)")
