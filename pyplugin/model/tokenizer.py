@@ -91,19 +91,28 @@ def bytes_to_unicode() -> dict[int, str]:
 
 
 @lru_cache(maxsize=1)
-def _unicode_to_byte() -> dict[str, int]:
-    return {c: b for b, c in bytes_to_unicode().items()}
-
-
-@lru_cache(maxsize=1)
 def _byte_level_table() -> dict[int, int]:
     """str.translate's table from a byte-level token's characters to the bytes they stand for (as
     latin-1 characters); a character below 256 that stands for no byte goes to U+FFFF, so that a
     string holding one fails to encode as latin-1, as one holding any other stray character does."""
-    table = {ord(c): b for c, b in _unicode_to_byte().items()}
+    table = {ord(c): b for b, c in bytes_to_unicode().items()}
     for code in range(256):
         table.setdefault(code, 0xFFFF)
     return table
+
+
+def _piece_bytes(text: str, ty: int, kind: str, table: dict[int, int]) -> bytes:
+    """The bytes token `text` of type `ty` stands for in a `kind` vocabulary (table: _byte_level_table)."""
+    if ty == BYTE and kind == "spm":
+        return bytes([int(text[3:-1], 16)])       # '<0x0A>'
+    if ty == USER_DEFINED or ty in (CONTROL, UNKNOWN, UNUSED):
+        return text.encode("utf-8")               # shown only when specials are asked for
+    if kind == "spm":
+        return text.replace(SPACE, " ").encode("utf-8")
+    try:  # every character a byte of the byte-level alphabet
+        return text.translate(table).encode("latin-1")
+    except UnicodeEncodeError:
+        return text.encode("utf-8")
 
 
 class Tokenizer:
@@ -134,7 +143,8 @@ class Tokenizer:
         self.add_bos = default_add_bos if add_bos is None else bool(add_bos)
         self._add_special_tokens()
         self.rstrip_ids = self._phi3_rstrip_ids(name)
-        self._bytes = self._all_piece_bytes()
+        table = _byte_level_table()
+        self._bytes = [_piece_bytes(t, ty, kind, table) for t, ty in zip(self.tokens, self.types)]
         self.eog_ids = frozenset(i for i in (eos_id, eot_id, eom_id) if i is not None) | frozenset(
             i for i in self._ids_of_types(CONTROL, USER_DEFINED) if self.tokens[i] in _EOG_TEXTS)
 
@@ -193,35 +203,6 @@ class Tokenizer:
     def _ids_of_types(self, *types: int) -> list[int]:
         """The ids whose token type is one of `types`, in order (one numpy pass: a vocabulary is 150k+)."""
         return np.flatnonzero(np.isin(np.asarray(self.types), types)).tolist()
-
-    def _all_piece_bytes(self) -> list[bytes]:
-        """_piece_bytes of every id: a byte-level vocabulary's ordinary tokens in one loop of str calls."""
-        if self.kind != "bpe":
-            return [self._piece_bytes(i) for i in range(len(self.tokens))]
-        table, out = _byte_level_table(), []
-        append, shown_as_text = out.append, {USER_DEFINED, CONTROL, UNKNOWN, UNUSED}
-        for text, ty in zip(self.tokens, self.types):
-            if ty not in shown_as_text:
-                try:  # every character a byte of the byte-level alphabet
-                    append(text.translate(table).encode("latin-1"))
-                    continue
-                except UnicodeEncodeError:
-                    pass
-            append(text.encode("utf-8"))
-        return out
-
-    def _piece_bytes(self, i: int) -> bytes:
-        text, ty = self.tokens[i], self.types[i]
-        if ty == BYTE and self.kind == "spm":
-            return bytes([int(text[3:-1], 16)])       # '<0x0A>'
-        if ty == USER_DEFINED or ty in (CONTROL, UNKNOWN, UNUSED):
-            return text.encode("utf-8")               # shown only when specials are asked for
-        if self.kind == "spm":
-            return text.replace(SPACE, " ").encode("utf-8")
-        try:  # every character a byte of the byte-level alphabet
-            return text.translate(_byte_level_table()).encode("latin-1")
-        except UnicodeEncodeError:
-            return text.encode("utf-8")
 
     # -- use ---------------------------------------------------------------------------------------
 
