@@ -197,7 +197,6 @@ class Kernels:
                               x, scratch[:need],
                               stream=self._stream())
 
-
     def attend(self, q, caches, n_pos, n_head_kv: int, scale: float, softcap: float = 0.0):
         """Attention of one query per sequence over its own cache (pebble_attend): q [B, n_head, head_dim]
         (rotated, not yet scaled), caches B (k, v) pairs [rows, n_head_kv, head_dim] of one dtype
