@@ -28,10 +28,14 @@ Array = Any
 
 
 def linear_rows(x: Array, w: Array | QuantWeight, b: Array | None = None) -> Array:
-    """x @ w.T (+ b) for x [B, cols], each row exactly as `transformer.linear` computes it alone."""
+    """x @ w.T (+ b) for x [n, cols], each row exactly as `transformer.linear` computes it alone: stored
+    blocks in one call where the kernels multiply every row alike whatever the number beside it (up to
+    their vector limit, or any number on kernels with tiled_matmul), dense matrices a row at a time."""
     if isinstance(w, QuantWeight):
-        step = w.kernels.max_vec
-        parts = [w.matmul(x[i:i + step]) for i in range(0, x.shape[0], step)]
+        kernels, n = w.kernels, x.shape[0]
+        whole = n <= kernels.max_vec or (getattr(kernels, "tiled_matmul", False) and w.dense_view() is None)
+        step = n if whole else kernels.max_vec
+        parts = [w.matmul(x[i:i + step]) for i in range(0, n, step)]
     else:
         parts = [x[i:i + 1] @ w.T for i in range(x.shape[0])]
     y = parts[0] if len(parts) == 1 else get_array_module(x).concatenate(parts)
@@ -39,33 +43,43 @@ def linear_rows(x: Array, w: Array | QuantWeight, b: Array | None = None) -> Arr
 
 
 def batched_layer(cfg: ModelConfig, x: Array, lw: LayerWeights, caches: Sequence[tuple[Array, Array]],
-                  positions: Sequence[int], attend: Attend | None = None) -> Array:
-    """One transformer block on x [B, n_embd], row b the token of a sequence at positions[b] whose caches
-    are caches[b]: `transformer.layer_forward` for one token, B at a time. `attend`: the kernels'
-    attention (layer_forward's), one call for every sequence, each computed as alone."""
-    B = x.shape[0]
-    h = rms_norm(x, lw.attn_norm, cfg.rms_eps)                                     # [B, n_embd]
-    q = linear_rows(h, lw.wq, lw.bq).reshape(B, cfg.n_head, cfg.head_dim)          # [B, n_head, hd]
-    k = linear_rows(h, lw.wk, lw.bk).reshape(B, cfg.n_head_kv, cfg.head_dim)       # [B, n_head_kv, hd]
-    v = linear_rows(h, lw.wv, lw.bv).reshape(B, cfg.n_head_kv, cfg.head_dim)
-    xp, n_ctx = get_array_module(x), caches[0][0].shape[0]
-    if max(positions) >= n_ctx:
-        raise ValueError(f"position {max(positions)} does not fit a KV cache of {n_ctx}")
-    # Each row rotated by its own position's angles: elementwise, so row b is what it is alone.
-    at = xp.asarray(positions)
-    cos, sin = (table[at] for table in rope_table(cfg, n_ctx, xp))                 # [B, 1, hd]
-    q, k = apply_rope(cfg, q, cos, sin), apply_rope(cfg, k, cos, sin)
-    for b, ((k_cache, v_cache), pos) in enumerate(zip(caches, positions)):
-        k_cache[pos:pos + 1] = k[b:b + 1]
-        v_cache[pos:pos + 1] = v[b:b + 1]
-    if attend is not None:
-        attn = attend(cfg, q, list(caches), [pos + 1 for pos in positions])     # [B, n_head * hd]
+                  positions: Sequence[int], attend: Attend | None = None,
+                  lengths: Sequence[int] | None = None) -> Array:
+    """One transformer block on x [n, n_embd] holding lengths[b] rows (default 1) of the sequence at
+    positions[b].. whose caches are caches[b]: `transformer.layer_forward` for each sequence's rows, with
+    every row-wise step over all rows at once (a decode step's tokens, or the prompts of a batched prefill)
+    and the attention per sequence, or one `attend` call (the kernels' attention) where each has one row."""
+    lengths = list(lengths) if lengths is not None else [1] * len(positions)
+    n, xp, n_ctx = x.shape[0], get_array_module(x), caches[0][0].shape[0]
+    for pos, T in zip(positions, lengths):
+        if pos + T > n_ctx:
+            raise ValueError(f"positions {pos}..{pos + T} do not fit a KV cache of {n_ctx}")
+    h = rms_norm(x, lw.attn_norm, cfg.rms_eps)                                     # [n, n_embd]
+    q = linear_rows(h, lw.wq, lw.bq).reshape(n, cfg.n_head, cfg.head_dim)          # [n, n_head, hd]
+    k = linear_rows(h, lw.wk, lw.bk).reshape(n, cfg.n_head_kv, cfg.head_dim)       # [n, n_head_kv, hd]
+    v = linear_rows(h, lw.wv, lw.bv).reshape(n, cfg.n_head_kv, cfg.head_dim)
+    # Each row rotated by its own position's angles: elementwise, so row r is what it is alone.
+    if n == len(positions):  # a token each (a decode step): row b is sequence b's
+        rows, starts = positions, range(n)
     else:
-        attn = xp.concatenate([attention(cfg, q[b:b + 1], k_cache[:pos + 1], v_cache[:pos + 1], pos)
-                               for b, ((k_cache, v_cache), pos) in enumerate(zip(caches, positions))])
-    x = x + linear_rows(attn, lw.wo)                                            # [B, n_embd]
+        rows = np.concatenate([np.arange(pos, pos + T) for pos, T in zip(positions, lengths)])
+        starts = np.cumsum([0] + lengths[:-1]).tolist()
+    cos, sin = (table[xp.asarray(rows)] for table in rope_table(cfg, n_ctx, xp))  # [n, 1, hd]
+    q, k = apply_rope(cfg, q, cos, sin), apply_rope(cfg, k, cos, sin)
+    for (k_cache, v_cache), pos, T, s in zip(caches, positions, lengths, starts):
+        k_cache[pos:pos + T] = k[s:s + T]
+        v_cache[pos:pos + T] = v[s:s + T]
+    if attend is not None and n == len(positions):                                # a token each
+        attn = attend(cfg, q, list(caches), [pos + 1 for pos in positions])       # [n, n_head * hd]
+    else:
+        attn = xp.concatenate([
+            attend(cfg, q[s:s + T], [(k_cache, v_cache)], [pos + 1]) if attend is not None and T == 1 else
+            attention(cfg, q[s:s + T], k_cache[:pos + T], v_cache[:pos + T], pos)
+            for (k_cache, v_cache), pos, T, s in zip(caches, positions, lengths, starts)])
+    x = x + linear_rows(attn, lw.wo)                                               # [n, n_embd]
     h = rms_norm(x, lw.ffn_norm, cfg.rms_eps)
-    gated = silu(linear_rows(h, lw.w_gate)) * linear_rows(h, lw.w_up)             # [B, n_ff] SwiGLU
+    gated = silu(linear_rows(h, lw.w_gate))                                        # [n, n_ff] SwiGLU
+    gated *= linear_rows(h, lw.w_up)
     return x + linear_rows(gated, lw.w_down)
 
 
@@ -73,8 +87,15 @@ def computes_alike(cfg: ModelConfig, lw: LayerWeights) -> bool:
     """Whether batched_layer computes this layer (`cfg`: ModelConfig.for_layer) as layer_forward does: the
     Llama, Qwen 2 and Phi-3 block. Another (Q/K norms, the Gemmas' norms, GELU, a window's ring, capped
     scores, Granite's scales) runs layer_forward for each sequence, still in the one pass."""
-    return (cfg.activation == "silu" and not cfg.window and not cfg.attn_softcap and cfg.residual_scale == 1.0
-            and lw.q_norm is None and lw.k_norm is None and lw.post_attn_norm is None and lw.post_ffn_norm is None)
+    return block_alike(cfg) and all(getattr(lw, name) is None for name in EXTRA_NORMS)
+
+
+EXTRA_NORMS = ("q_norm", "k_norm", "post_attn_norm", "post_ffn_norm")  # what batched_layer does not compute
+
+
+def block_alike(cfg: ModelConfig) -> bool:
+    """computes_alike's test of the layer's config (its weights aside)."""
+    return cfg.activation == "silu" and not cfg.window and not cfg.attn_softcap and cfg.residual_scale == 1.0
 
 
 def batched_logits(cfg: ModelConfig, outer, x: Array) -> list[np.ndarray]:
@@ -136,65 +157,25 @@ def decode_batch(source: StoreLayers, generations: Sequence[Generation], tokens:
     return batched_logits(cfg, outer, x)
 
 
-
 def prefills_together(source: StoreLayers, generations: Sequence[Generation]) -> bool:
     """Whether prefill_batch computes these generations' prompts as each one's own prefill does: every
-    layer the Llama-family block (computes_alike) without a window, and every matrix in stored blocks on
-    kernels that multiply them row by row whatever the number of rows beside them (tiled_matmul: the
-    host's), so that each row is computed as in a pass of its own."""
+    layer one batched_layer computes alike, and every matrix in stored blocks on kernels that multiply
+    any number of rows alike (tiled_matmul: the host's), as a prefill alone multiplies its chunk."""
     pebbled = source.pebbled
     if len(generations) < 2 or not getattr(pebbled.kernels, "tiled_matmul", False):
         return False
-    for lcfg, layout in zip(generations[0].layer_cfgs, pebbled.layouts):
-        names = {t.name: t for t in layout}
-        if lcfg.window or lcfg.activation != "silu" or lcfg.attn_softcap or lcfg.residual_scale != 1.0:
+    for lcfg, layout in zip(generations[0].layer_cfgs, pebbled.layouts):  # the weights are not in view yet
+        tensors = {t.name: t for t in layout}
+        if not block_alike(lcfg) or tensors.keys() & set(EXTRA_NORMS):
             return False
-        if names.keys() & {"q_norm", "k_norm", "post_attn_norm", "post_ffn_norm"}:
-            return False
-        if not all(names[m].qtype is not None and needs_expansion(names[m].qtype, source.dtype) for m in MATRICES):
+        if not all(tensors[m].qtype is not None and needs_expansion(tensors[m].qtype, source.dtype)
+                   for m in MATRICES):
             return False
     output = source.outer.output
     return isinstance(output, QuantWeight) and output.dense_view() is None
 
 
 MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
-
-
-def prefill_layer(cfg: ModelConfig, x: Array, lw: LayerWeights, caches: Sequence[tuple[Array, Array]],
-                  positions: Sequence[int], lengths: Sequence[int], n_ctx: int, attend: Attend | None) -> Array:
-    """One block on x [sum(lengths), n_embd]: lengths[b] rows of sequence b at positions[b].. in caches[b],
-    each segment as `transformer.layer_forward` computes it alone (the row-wise steps over every row, the
-    attention per segment)."""
-    n = x.shape[0]
-    xp = get_array_module(x)
-    h = rms_norm(x, lw.attn_norm, cfg.rms_eps)                                    # [n, n_embd]
-    q = linear_all(h, lw.wq, lw.bq).reshape(n, cfg.n_head, cfg.head_dim)
-    k = linear_all(h, lw.wk, lw.bk).reshape(n, cfg.n_head_kv, cfg.head_dim)
-    v = linear_all(h, lw.wv, lw.bv).reshape(n, cfg.n_head_kv, cfg.head_dim)
-    tables, parts, at = rope_table(cfg, n_ctx, xp), [], 0
-    for (k_cache, v_cache), pos, T in zip(caches, positions, lengths):
-        if pos + T > k_cache.shape[0]:
-            raise ValueError(f"positions {pos}..{pos + T} do not fit a KV cache of {k_cache.shape[0]}")
-        cos, sin = (t[pos:pos + T] for t in tables)
-        k_cache[pos:pos + T] = apply_rope(cfg, k[at:at + T], cos, sin).astype(k_cache.dtype, copy=False)
-        v_cache[pos:pos + T] = v[at:at + T].astype(v_cache.dtype, copy=False)
-        q_rot = apply_rope(cfg, q[at:at + T], cos, sin)
-        if attend is not None and T == 1:
-            parts.append(attend(cfg, q_rot, [(k_cache, v_cache)], [pos + 1]))
-        else:
-            parts.append(attention(cfg, q_rot, k_cache[:pos + T], v_cache[:pos + T], pos))
-        at += T
-    x = x + linear_all(xp.concatenate(parts), lw.wo)
-    h = rms_norm(x, lw.ffn_norm, cfg.rms_eps)
-    gated = silu(linear_all(h, lw.w_gate))
-    gated *= linear_all(h, lw.w_up)
-    return x + linear_all(gated, lw.w_down)
-
-
-def linear_all(x: Array, w: QuantWeight, b: Array | None = None) -> Array:
-    """x @ w.T (+ b) over every row at once: the kernels compute each row as alone (prefills_together)."""
-    y = w.matmul(x)
-    return y if b is None else y + b
 
 
 def prefill_batch(source: StoreLayers, generations: Sequence[Generation], chunks: Sequence[Sequence[int]]
@@ -210,9 +191,8 @@ def prefill_batch(source: StoreLayers, generations: Sequence[Generation], chunks
     attend = attend_through(source.attend_kernels)
     x = embed(outer, [t for c in chunks for t in c], xp, cfg.embd_scale)         # [sum(lengths), n_embd]
     for i, lcfg in enumerate(first.layer_cfgs):
-        weights = source.weights(i)
-        x = prefill_layer(lcfg, x, weights, [source.caches(i, seq) for seq in seqs], positions, lengths,
-                          source.n_ctx, attend)
+        x = batched_layer(lcfg, x, source.weights(i), [source.caches(i, seq) for seq in seqs], positions, attend,
+                          lengths)
         source.done(i)
     for g, n in zip(generations, lengths):
         g.pos += n

@@ -167,6 +167,7 @@ class StoreLayers:
             _, caches = self.in_slot[slot]
             self.backend.record(self.computed[slot])
             self.backend.wait(self.computed[slot], self.copy_stream)
+            # On host memory the caches are the entries themselves (_restore): nothing to write back.
             for (seq, pos, n_tokens), (k, v) in zip(self.pass_seqs, caches if self.backend.arrays_on_device else ()):
                 k_id, v_id = kv_ids(seq)
                 for start, stop in ring_rows(pos, n_tokens, self.kv_shapes[i][0]):

@@ -171,21 +171,16 @@ class Batcher:
             together = []
         started = []
         if together:
-            start = time.perf_counter_ns()
-            try:
-                logits = prefill_batch(self.source, [r.gen for r, _ in together], [chunk for _, chunk in together])
-            except Exception as exc:
-                for r, _ in together:
-                    self.finish(r.job, _failure(exc, r.job))
-            else:
-                spent = time.perf_counter_ns() - start  # each waited for the whole pass
-                for (r, chunk), row in zip(together, logits):
-                    r.gen.logits = row
+            runs, chunks = [r for r, _ in together], [chunk for _, chunk in together]
+            spent = self._pass(runs, lambda: prefill_batch(self.source, [r.gen for r in runs], chunks))
+            if spent is not None:
+                for r, chunk in together:  # each waited for the whole pass
                     r.gen.stats.prompt_tokens += len(chunk)
                     r.gen.stats.prompt_ns += spent
-                    started.append(r)
+                started += runs
+        in_pass = {id(r) for r, _ in together}
         for r, chunk in ready:
-            if any(r is t for t, _ in together):
+            if id(r) in in_pass:
                 continue
             try:
                 r.gen.logits = r.gen.prefill(chunk)
@@ -194,6 +189,21 @@ class Batcher:
                 continue
             started.append(r)
         return started
+
+    def _pass(self, runs: list[_Running], compute: Callable[[], list]) -> int | None:
+        """Runs `compute()`, a forward pass of `runs`' sequences, and gives each its row of the logits it
+        returns; the pass's wall time in ns, or None when it failed (each of them then ends with the error)."""
+        start = time.perf_counter_ns()
+        try:
+            logits = compute()
+        except Exception as exc:
+            for r in runs:
+                self.finish(r.job, _failure(exc, r.job))
+            return None
+        spent = time.perf_counter_ns() - start
+        for r, row in zip(runs, logits):
+            r.gen.logits = row
+        return spent
 
     def _step(self, running: list[_Running]) -> list[_Running]:
         """Samples a token for each running sequence, streams its text, and runs those that go on
@@ -217,18 +227,13 @@ class Batcher:
                 self.finish(r.job, _failure(exc, r.job))
         if not forward:
             return []
-        start = time.perf_counter_ns()
-        try:
-            logits = decode_batch(self.source, [r.gen for r, _ in forward], [t for _, t in forward])
-        except Exception as exc:
-            for r, _ in forward:
-                self.finish(r.job, _failure(exc, r.job))
+        runs = [r for r, _ in forward]
+        spent = self._pass(runs, lambda: decode_batch(self.source, [r.gen for r in runs], [t for _, t in forward]))
+        if spent is None:
             return []
-        spent = time.perf_counter_ns() - start
-        for (r, _), row in zip(forward, logits):
-            r.gen.logits = row
+        for r in runs:
             r.gen.stats.generate_ns += spent
-        return [r for r, _ in forward]
+        return runs
 
     def _end(self, r: _Running) -> None:
         """A sequence is over: the rest of its text, what its KV entries hold, and its Final."""

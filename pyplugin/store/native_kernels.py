@@ -134,7 +134,6 @@ class NativeKernels:
             ffi.cast("const float *", sin_ptr), attn_scale, ffi.cast("float *", x_ptr), scratch_ptr, scratch_bytes,
             ffi.cast("void *", stream_pointer(stream))))
 
-
     # -- attention of a batch of sequences, one query each
 
     def attend_scratch_bytes(self, n_seq: int, n_head: int, n_rows: int) -> int:
