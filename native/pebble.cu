@@ -505,24 +505,36 @@ extern "C" pebble_status pebble_free(pebble_store_t handle) {
 // ---------------------------------------------------------------------------------------------------
 // entries
 
+namespace {
+
+// What pebble_save and pebble_save_borrowed both refuse: a layer out of range, a negative tensor id, no
+// source or no bytes, a desc of no dimensions or of a type that is no GGUF type.
+pebble_status check_save(const store & s, const char * fn, int32_t layer, int32_t tensor_id, const void * src,
+                         uint64_t nbytes, const pebble_tensor_desc * desc) {
+    TRY(check_layer(s, layer, fn));
+    if (tensor_id < 0 || !src || nbytes == 0) {
+        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: layer %d tensor %d: needs tensor id >= 0, a source and at least "
+                    "one byte (got %" PRIu64 " bytes%s)", fn, layer, tensor_id, nbytes, src ? "" : ", no source");
+    }
+    if (desc && (desc->n_dims < 1 || desc->n_dims > PEBBLE_MAX_DIMS)) {
+        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: layer %d tensor %d: n_dims %d is not in 1..%d", fn, layer,
+                    tensor_id, desc->n_dims, PEBBLE_MAX_DIMS);
+    }
+    if (desc && (desc->ggml_type < PEBBLE_TYPE_BYTES || desc->ggml_type >= PEBBLE_TYPE_COUNT)) {
+        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: layer %d tensor %d: GGUF type %d is not -1 (bytes) or a GGUF "
+                    "type id 0..%d", fn, layer, tensor_id, desc->ggml_type, PEBBLE_TYPE_COUNT - 1);
+    }
+    return PEBBLE_OK;
+}
+
+} // namespace
+
 extern "C" pebble_status pebble_save(pebble_store_t handle, int32_t layer, int32_t tensor_id, const void * src,
                                      uint64_t nbytes, const pebble_tensor_desc * desc, int32_t tier, void * stream) {
     OPEN_STORE(handle, s);
-    TRY(check_layer(s, layer, __func__));
-    if (tensor_id < 0 || !src || nbytes == 0) {
-        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_save: layer %d tensor %d: needs tensor id >= 0, a source "
-                    "and at least one byte (got %" PRIu64 " bytes%s)", layer, tensor_id, nbytes, src ? "" : ", no source");
-    }
+    TRY(check_save(s, __func__, layer, tensor_id, src, nbytes, desc));
     if (tier < PEBBLE_TIER_AUTO || tier > PEBBLE_TIER_HOST) {
         return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_save: tier %d is not 0 auto, 1 device or 2 host", tier);
-    }
-    if (desc && (desc->n_dims < 1 || desc->n_dims > PEBBLE_MAX_DIMS)) {
-        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_save: layer %d tensor %d: n_dims %d is not in 1..%d",
-                    layer, tensor_id, desc->n_dims, PEBBLE_MAX_DIMS);
-    }
-    if (desc && (desc->ggml_type < PEBBLE_TYPE_BYTES || desc->ggml_type >= PEBBLE_TYPE_COUNT)) {
-        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_save: layer %d tensor %d: GGUF type %d is not -1 (bytes) "
-                    "or a GGUF type id 0..%d", layer, tensor_id, desc->ggml_type, PEBBLE_TYPE_COUNT - 1);
     }
     const bool to_device = tier == PEBBLE_TIER_DEVICE ||
                            (tier == PEBBLE_TIER_AUTO && is_resident(s.strategy, s.arg, s.n_layers, layer));
@@ -596,20 +608,7 @@ extern "C" pebble_status pebble_save_borrowed(pebble_store_t handle, int32_t lay
 #ifdef PEBBLE_HOST_BUILD
     {
         OPEN_STORE(handle, s);
-        TRY(check_layer(s, layer, __func__));
-        if (tensor_id < 0 || !src || nbytes == 0) {
-            return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_save_borrowed: layer %d tensor %d: needs tensor id >= 0, "
-                        "a source and at least one byte (got %" PRIu64 " bytes%s)", layer, tensor_id, nbytes,
-                        src ? "" : ", no source");
-        }
-        if (desc && (desc->n_dims < 1 || desc->n_dims > PEBBLE_MAX_DIMS)) {
-            return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_save_borrowed: layer %d tensor %d: n_dims %d is not in "
-                        "1..%d", layer, tensor_id, desc->n_dims, PEBBLE_MAX_DIMS);
-        }
-        if (desc && (desc->ggml_type < PEBBLE_TYPE_BYTES || desc->ggml_type >= PEBBLE_TYPE_COUNT)) {
-            return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_save_borrowed: layer %d tensor %d: GGUF type %d is not -1 "
-                        "(bytes) or a GGUF type id 0..%d", layer, tensor_id, desc->ggml_type, PEBBLE_TYPE_COUNT - 1);
-        }
+        TRY(check_save(s, __func__, layer, tensor_id, src, nbytes, desc));
         const entry_key key = make_key(layer, tensor_id);
         auto found = s.entries.find(key);
         if (found == s.entries.end()) {

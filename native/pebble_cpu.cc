@@ -281,17 +281,27 @@ struct q8_32 {
     int8_t  qs[32];
 };
 
-// n elements of fp16 x into d and q (the rounding is nearest-even, as numpy's rint: the stub's
-// reference computes the very same q). A block with an infinity or NaN gets d = NaN and q = 0, so its
-// products are NaN, as float products with it would be.
+enum class simd { portable, avx2, avx512 };
+
+// The best instruction set this CPU has that PEBBLING_SIMD allows: 'portable' turns the SIMD kernels
+// off and 'avx2' AVX-512's (to test each set on one machine); read_thread_setting refuses other values.
+simd simd_in_use() {
 #ifdef PEBBLE_X86
-// Whether x is quantized with AVX2 and F16C (the same d and q as the loop below, 8 at a time).
-bool quantize_with_avx2() {
-    static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") &&
-                            !(std::getenv("PEBBLING_SIMD") && std::strcmp(std::getenv("PEBBLING_SIMD"), "portable") == 0);
-    return yes;
+    static const simd level = [] {
+        const char * env = std::getenv("PEBBLING_SIMD");
+        const bool portable = env && std::strcmp(env, "portable") == 0, avx2_only = env && std::strcmp(env, "avx2") == 0;
+        const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+        const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
+                            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+        return portable || !avx2 ? simd::portable : avx512 && !avx2_only ? simd::avx512 : simd::avx2;
+    }();
+    return level;
+#else
+    return simd::portable;
+#endif
 }
 
+#ifdef PEBBLE_X86
 // quantize_block for N a multiple of 32, or false (nothing written) when the block holds an infinity or
 // a NaN, which the scalar loop then takes. The products v * id round to nearest even in
 // _mm256_cvtps_epi32, as std::nearbyint does.
@@ -323,10 +333,13 @@ __attribute__((target("avx2,fma,f16c"))) bool quantize_block_avx2(const uint16_t
 }
 #endif
 
+// n elements of fp16 x into d and q (the rounding is nearest-even, as numpy's rint: the stub's
+// reference computes the very same q). A block with an infinity or NaN gets d = NaN and q = 0, so its
+// products are NaN, as float products with it would be.
 template <int N>
 void quantize_block(const uint16_t * x, float & d, int8_t * q) {
 #ifdef PEBBLE_X86
-    if (quantize_with_avx2() && quantize_block_avx2<N>(x, d, q)) return;
+    if (simd_in_use() != simd::portable && quantize_block_avx2<N>(x, d, q)) return;
 #endif
     float v[N], amax = 0.0f;
     bool finite = true;
@@ -862,6 +875,20 @@ AVX512 void dot_q8_0_avx512(const uint8_t * w, int64_t nb, const uint8_t * xq, i
     for (int v = 0; v < NV; v++) out[v] = _mm512_reduce_add_ps(acc[v]);
 }
 
+// 128 quants of block i, unsigned, as two registers of 64 (lo: x's q at `at`, hi: at `at` + 64), times
+// each of NV activations, each 16-bit pair sum times its scale (s_lo, s_hi), added to sumi[v].
+template <int NV>
+AVX512 __attribute__((always_inline)) inline void dot_128(__m512i * sumi, __m512i lo, __m512i hi, __m512i s_lo,
+                                                          __m512i s_hi, const uint8_t * xq, int64_t xs, int64_t i,
+                                                          int at) {
+    for (int v = 0; v < NV; v++) {
+        const q8_k512 & a = reinterpret_cast<const q8_k512 *>(xq + v * xs)[i];
+        const __m512i y0 = _mm512_load_si512(a.qs + at), y1 = _mm512_load_si512(a.qs + at + 64);
+        sumi[v] = _mm512_dpwssd_epi32(sumi[v], _mm512_maddubs_epi16(lo, y0), s_lo);
+        sumi[v] = _mm512_dpwssd_epi32(sumi[v], _mm512_maddubs_epi16(hi, y1), s_hi);
+    }
+}
+
 template <int K, int NV>
 AVX512 void dot_k45_avx512(const uint8_t * w, int64_t nb, const uint8_t * xq, int64_t xs, float * out) {
     constexpr int bb = K == k_q4_k ? 144 : 176;
@@ -897,12 +924,7 @@ AVX512 void dot_k45_avx512(const uint8_t * w, int64_t nb, const uint8_t * xq, in
             }
             const __m512i s_lo = _mm512_permutexvar_epi16(index[2 * c], scales);
             const __m512i s_hi = _mm512_permutexvar_epi16(index[2 * c + 1], scales);
-            for (int v = 0; v < NV; v++) {
-                const q8_k512 & a = reinterpret_cast<const q8_k512 *>(xq + v * xs)[i];
-                const __m512i y0 = _mm512_load_si512(a.qs + 128 * c), y1 = _mm512_load_si512(a.qs + 128 * c + 64);
-                sumi[v] = _mm512_dpwssd_epi32(sumi[v], _mm512_maddubs_epi16(lo, y0), s_lo);
-                sumi[v] = _mm512_dpwssd_epi32(sumi[v], _mm512_maddubs_epi16(hi, y1), s_hi);
-            }
+            dot_128<NV>(sumi, lo, hi, s_lo, s_hi, xq, xs, i, 128 * c);
         }
         for (int v = 0; v < NV; v++) {
             const q8_k512 & a = reinterpret_cast<const q8_k512 *>(xq + v * xs)[i];
@@ -947,12 +969,7 @@ AVX512 void dot_q6_k_avx512(const uint8_t * w, int64_t nb, const uint8_t * xq, i
                                                _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh, 4), m2), 4));
             const __m512i s_lo = _mm512_permutexvar_epi16(_mm512_add_epi16(group, _mm512_set1_epi16(static_cast<int16_t>(8 * h))), scales);
             const __m512i s_hi = _mm512_permutexvar_epi16(_mm512_add_epi16(group, _mm512_set1_epi16(static_cast<int16_t>(8 * h + 4))), scales);
-            for (int v = 0; v < NV; v++) {
-                const q8_k512 & a = reinterpret_cast<const q8_k512 *>(xq + v * xs)[i];
-                const __m512i y0 = _mm512_load_si512(a.qs + 128 * h), y1 = _mm512_load_si512(a.qs + 128 * h + 64);
-                sumi[v] = _mm512_dpwssd_epi32(sumi[v], _mm512_maddubs_epi16(lo, y0), s_lo);
-                sumi[v] = _mm512_dpwssd_epi32(sumi[v], _mm512_maddubs_epi16(hi, y1), s_hi);
-            }
+            dot_128<NV>(sumi, lo, hi, s_lo, s_hi, xq, xs, i, 128 * h);
         }
         for (int v = 0; v < NV; v++) {
             const q8_k512 & a = reinterpret_cast<const q8_k512 *>(xq + v * xs)[i];
@@ -979,26 +996,6 @@ struct kernel_set {
     int     nv;          // activations per pass: dot[0..nv-1] are set
     dot_fn  dot[max_nv]; // dot[n - 1] multiplies n activations
 };
-
-enum class simd { portable, avx2, avx512 };
-
-// The best instruction set this CPU has that PEBBLING_SIMD allows: 'portable' turns the SIMD kernels
-// off and 'avx2' AVX-512's (to test each set on one machine); read_thread_setting refuses other values.
-simd simd_in_use() {
-#ifdef PEBBLE_X86
-    static const simd level = [] {
-        const char * env = std::getenv("PEBBLING_SIMD");
-        const bool portable = env && std::strcmp(env, "portable") == 0, avx2_only = env && std::strcmp(env, "avx2") == 0;
-        const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-        const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
-                            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
-        return portable || !avx2 ? simd::portable : avx512 && !avx2_only ? simd::avx512 : simd::avx2;
-    }();
-    return level;
-#else
-    return simd::portable;
-#endif
-}
 
 template <template <int> class D, int... NV>
 kernel_set make_set(act a, int elements, int bytes, std::integer_sequence<int, NV...>) {
@@ -1034,6 +1031,25 @@ template <template <int> class D, int K> kernel_set set_of(act a, int elements, 
                          : make_set<D<K>::template at>(a, elements, bytes, upto<4>{});
 }
 
+// The AVX2 and the portable kernels of a type: one table, the families of row functions its arguments.
+template <template <int> class Float, template <int> class Dot32, template <int> class K45, template <int> class Q6>
+kernel_set four_at_a_time(int32_t type) {
+    switch (type) {
+        case 0:  return set_of<Float, k_f32>(act::f32, 1, 4, 4);
+        case 1:  return set_of<Float, k_f16>(act::f32, 1, 2, 4);
+        case 30: return set_of<Float, k_bf16>(act::f32, 1, 2, 4);
+        case 2:  return set_of<Dot32, k_q4_0>(act::q8_32, 32, 18, 4);
+        case 3:  return set_of<Dot32, k_q4_1>(act::q8_32, 32, 20, 4);
+        case 6:  return set_of<Dot32, k_q5_0>(act::q8_32, 32, 22, 4);
+        case 7:  return set_of<Dot32, k_q5_1>(act::q8_32, 32, 24, 4);
+        case 8:  return set_of<Dot32, k_q8_0>(act::q8_32, 32, 34, 4);
+        case 12: return set_of<K45, k_q4_k>(act::q8_256, 256, 144, 4);
+        case 13: return set_of<K45, k_q5_k>(act::q8_256, 256, 176, 4);
+        case 14: return set_of<Q6, 0>(act::q8_256, 256, 210, 4);
+    }
+    return {act::f32, 0, 0, 0, {}};
+}
+
 // The kernels of a GGUF type id on this CPU; block_elements 0 for a type without them (the callers have
 // refused those already).
 kernel_set kernels_for(int32_t type) {
@@ -1047,37 +1063,10 @@ kernel_set kernels_for(int32_t type) {
             case 14: return set_of<q6_avx512, 0>(act::q8_k512, 256, 210, 8);
         }
     }
-    if (level != simd::portable) {
-        switch (type) {
-            case 0:  return set_of<float_avx2, k_f32>(act::f32, 1, 4, 4);
-            case 1:  return set_of<float_avx2, k_f16>(act::f32, 1, 2, 4);
-            case 30: return set_of<float_avx2, k_bf16>(act::f32, 1, 2, 4);
-            case 2:  return set_of<dot32_avx2, k_q4_0>(act::q8_32, 32, 18, 4);
-            case 3:  return set_of<dot32_avx2, k_q4_1>(act::q8_32, 32, 20, 4);
-            case 6:  return set_of<dot32_avx2, k_q5_0>(act::q8_32, 32, 22, 4);
-            case 7:  return set_of<dot32_avx2, k_q5_1>(act::q8_32, 32, 24, 4);
-            case 8:  return set_of<dot32_avx2, k_q8_0>(act::q8_32, 32, 34, 4);
-            case 12: return set_of<k45_avx2, k_q4_k>(act::q8_256, 256, 144, 4);
-            case 13: return set_of<k45_avx2, k_q5_k>(act::q8_256, 256, 176, 4);
-            case 14: return set_of<q6_avx2, 0>(act::q8_256, 256, 210, 4);
-        }
-    }
+    if (level != simd::portable) return four_at_a_time<float_avx2, dot32_avx2, k45_avx2, q6_avx2>(type);
 #endif
     (void)level;
-    switch (type) {
-        case 0:  return set_of<float_portable, k_f32>(act::f32, 1, 4, 4);
-        case 1:  return set_of<float_portable, k_f16>(act::f32, 1, 2, 4);
-        case 30: return set_of<float_portable, k_bf16>(act::f32, 1, 2, 4);
-        case 2:  return set_of<dot32_portable, k_q4_0>(act::q8_32, 32, 18, 4);
-        case 3:  return set_of<dot32_portable, k_q4_1>(act::q8_32, 32, 20, 4);
-        case 6:  return set_of<dot32_portable, k_q5_0>(act::q8_32, 32, 22, 4);
-        case 7:  return set_of<dot32_portable, k_q5_1>(act::q8_32, 32, 24, 4);
-        case 8:  return set_of<dot32_portable, k_q8_0>(act::q8_32, 32, 34, 4);
-        case 12: return set_of<k45_portable, k_q4_k>(act::q8_256, 256, 144, 4);
-        case 13: return set_of<k45_portable, k_q5_k>(act::q8_256, 256, 176, 4);
-        case 14: return set_of<q6_portable, 0>(act::q8_256, 256, 210, 4);
-    }
-    return {act::f32, 0, 0, 0, {}};
+    return four_at_a_time<float_portable, dot32_portable, k45_portable, q6_portable>(type);
 }
 
 // Bytes of one activation of n_cols elements in layout a.
