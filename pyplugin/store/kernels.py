@@ -83,7 +83,7 @@ class Kernels:
         # pebble_attend has not run on a GPU yet, so CuPy's operations stay there.
         self.attends: bool = lib.backend in ("host", "stub")
         self._local = threading.local()  # each thread's fp16 workspace and decode scratch
-        self._scratch_bytes: dict[tuple, int] = {}  # (LayerShape, n_ctx) -> decode scratch bytes
+        self._scratch_bytes: dict[tuple, int] = {}  # (LayerShape, n_ctx) or ("attend", ...) -> scratch bytes
 
     def __repr__(self) -> str:
         return f"Kernels({self.name!r})"
@@ -209,7 +209,10 @@ class Kernels:
         kv_type = DENSE_TYPES.get(caches[0][0].dtype)
         if kv_type is None:
             raise InvalidArgumentError(f"attend: caches of {caches[0][0].dtype}; float32 or float16 are accepted")
-        need = self.lib.attend_scratch_bytes(n_seq, n_head, n_rows)
+        need = self._scratch_bytes.get(("attend", n_seq, n_head, n_rows))
+        if need is None:  # asked once per batch size and cache length: a decode step attends every layer
+            need = self._scratch_bytes["attend", n_seq, n_head, n_rows] = self.lib.attend_scratch_bytes(n_seq, n_head,
+                                                                                                          n_rows)
         scratch = getattr(self._local, "attend_scratch", None)
         if scratch is None or scratch.nbytes < need:
             scratch = self._local.attend_scratch = xp.empty(max(need, 1), dtype=np.uint8)
