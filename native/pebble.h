@@ -298,16 +298,20 @@ PEBBLE_API enum pebble_status pebble_decode_layer(const struct pebble_layer_shap
 // (rotated, not yet scaled; scale multiplies q before the dot products); sequence b attends over rows
 // 0..n_pos[b]-1 of k_caches[b] and v_caches[b], each n_rows x n_head_kv x head_dim of kv_type (F32 or
 // F16); query head h reads KV head h / (n_head / n_head_kv); softcap above 0 makes each score
-// c * tanh(s / c). out (n_seq x n_head x head_dim float32) = the softmax-weighted sum of V. Each
+// c * tanh(s / c). k_new and v_new (n_seq x n_head_kv x head_dim float32 each, or both NULL) are the new
+// tokens' K and V rows: sequence b's go into row n_pos[b]-1 of its caches (converted to kv_type, rounding
+// to nearest even) before it attends, so a decode step stores and attends in this one call.
+// out (n_seq x n_head x head_dim float32) = the softmax-weighted sum of V. Each
 // sequence's result is the same whatever the others in the call. scratch holds at least
 // pebble_attend_scratch_bytes. The host library splits (sequence, head) pairs among its threads with
 // SIMD dot products; the cuda library runs the decode step's attention kernel per sequence (not yet
-// run on a GPU). Errors: PEBBLE_ERR_INVALID_ARGUMENT for a NULL pointer, a count below 1, heads that
-// do not divide or another kv_type; PEBBLE_ERR_SIZE_MISMATCH for an n_pos outside 1..n_rows or scratch
-// too small.
+// run on a GPU). Errors: PEBBLE_ERR_INVALID_ARGUMENT for a NULL pointer (k_new without v_new or the
+// reverse included), a count below 1, heads that do not divide or another kv_type;
+// PEBBLE_ERR_SIZE_MISMATCH for an n_pos outside 1..n_rows or scratch too small.
 PEBBLE_API enum pebble_status pebble_attend_scratch_bytes(int32_t n_seq, int32_t n_head, int64_t n_rows,
                                                           uint64_t * out);
-PEBBLE_API enum pebble_status pebble_attend(int32_t n_seq, const float * q, int32_t kv_type,
+PEBBLE_API enum pebble_status pebble_attend(int32_t n_seq, const float * q, const float * k_new,
+                                            const float * v_new, int32_t kv_type,
                                             void * const * k_caches, void * const * v_caches,
                                             const int64_t * n_pos, int64_t n_rows, int32_t n_head,
                                             int32_t n_head_kv, int32_t head_dim, float scale, float softcap,

@@ -174,6 +174,11 @@ __global__ void attention_kernel(attention_args a) {
     }
 }
 
+// A float32 row into a cache row of `type` (pebble_attend's new K and V rows).
+__global__ void store_row_kernel(const float * __restrict__ src, void * dst, int32_t type, int64_t n) {
+    for (int64_t i = grid_thread(); i < n; i += grid_threads()) store_value(dst, type, i, src[i]);
+}
+
 // x += y * scale
 __global__ void add_kernel(float * __restrict__ x, const float * __restrict__ y, int64_t n, float scale) {
     for (int64_t i = grid_thread(); i < n; i += grid_threads()) {
@@ -455,13 +460,17 @@ extern "C" pebble_status pebble_attend_scratch_bytes(int32_t n_seq, int32_t n_he
     return PEBBLE_OK;
 }
 
-extern "C" pebble_status pebble_attend(int32_t n_seq, const float * q, int32_t kv_type, void * const * k_caches,
+extern "C" pebble_status pebble_attend(int32_t n_seq, const float * q, const float * k_new, const float * v_new,
+                                       int32_t kv_type, void * const * k_caches,
                                        void * const * v_caches, const int64_t * n_pos, int64_t n_rows, int32_t n_head,
                                        int32_t n_head_kv, int32_t head_dim, float scale, float softcap, float * out,
                                        void * scratch, uint64_t scratch_bytes, void * stream_ptr) {
     if (!q || !k_caches || !v_caches || !n_pos || !out || !scratch) {
         return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_attend: q, k_caches, v_caches, n_pos, out and scratch must "
                     "not be NULL");
+    }
+    if (!k_new != !v_new) {
+        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_attend: k_new and v_new go together (both rows, or both NULL)");
     }
     if (n_seq < 1 || n_head < 1 || n_head_kv < 1 || head_dim < 1 || n_rows < 1) {
         return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_attend: n_seq %d, n_head %d, n_head_kv %d, head_dim %d and "
@@ -495,16 +504,33 @@ extern "C" pebble_status pebble_attend(int32_t n_seq, const float * q, int32_t k
                         " are in its cache", b, n_pos[b], n_rows);
         }
     }
+    const int64_t kv_width = int64_t(n_head_kv) * head_dim, kv_item = kv_type == f16_type ? 2 : 4;
 #ifdef PEBBLE_HOST_BUILD
     (void)stream_ptr;
+    for (int32_t b = 0; k_new && b < n_seq; b++) {
+        const int64_t at = (n_pos[b] - 1) * kv_width * kv_item;
+        store_row_kernel(k_new + b * kv_width, static_cast<uint8_t *>(k_caches[b]) + at, kv_type, kv_width);
+        store_row_kernel(v_new + b * kv_width, static_cast<uint8_t *>(v_caches[b]) + at, kv_type, kv_width);
+    }
     return pebble_cpu::attend(n_seq, q, kv_type == f16_type, k_caches, v_caches, n_pos, n_rows, n_head, n_head_kv,
                               head_dim, scale, softcap, out, static_cast<float *>(scratch));
 #else
     cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
     const int64_t width = int64_t(n_head) * head_dim;
+    if (k_new) {
+        TRY(check_device_pointer(k_new, "k_new", "pebble_attend"));
+        TRY(check_device_pointer(v_new, "v_new", "pebble_attend"));
+    }
     for (int32_t b = 0; b < n_seq; b++) {
         TRY(check_device_pointer(k_caches[b], "k_caches[b]", "pebble_attend"));
         TRY(check_device_pointer(v_caches[b], "v_caches[b]", "pebble_attend"));
+        if (k_new) {
+            const int64_t at = (n_pos[b] - 1) * kv_width * kv_item;
+            LAUNCH(store_row_kernel, grid_for(kv_width, threads), threads, stream, k_new + b * kv_width,
+                   static_cast<uint8_t *>(k_caches[b]) + at, kv_type, kv_width);
+            LAUNCH(store_row_kernel, grid_for(kv_width, threads), threads, stream, v_new + b * kv_width,
+                   static_cast<uint8_t *>(v_caches[b]) + at, kv_type, kv_width);
+        }
         const attention_args aa{q + b * width, k_caches[b], v_caches[b], kv_type, n_head, n_head_kv, head_dim, n_pos[b],
                                 n_rows, scale, softcap, static_cast<float *>(scratch) + int64_t(b) * n_head * n_rows,
                                 nullptr, out + b * width};

@@ -72,3 +72,32 @@ def test_malformed_calls_are_refused_naming_what_was_wrong(kernels):
         kernels.attend(q, [three], [3], 3, 1.0)  # 8 query heads cannot share 3 KV heads
     with pytest.raises(InvalidArgumentError, match="int8"):
         kernels.attend(q, [tuple(c.astype(np.int8) for c in cache)], [3], N_KV, 1.0)
+    scratch = xp.zeros(1 << 16, np.uint8)
+    out = xp.zeros((1, N_HEAD * HEAD_DIM), np.float32)
+    row = xp.zeros((1, N_KV * HEAD_DIM), np.float32)
+    with pytest.raises(InvalidArgumentError, match="k_new and v_new go together"):
+        kernels.lib.attend(q.reshape(1, -1), 0, [cache[0]], [cache[1]], [3], N_ROWS, N_HEAD, N_KV, HEAD_DIM, 1.0,
+                           0.0, out, scratch, k_new=row)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_new_rows_are_stored_then_attended_in_the_same_call(kernels, dtype):
+    """A decode step's new K/V rows given to the call land in row n_pos - 1 of each sequence's caches,
+    rounded to the cache's type as numpy rounds them, and the result is what attending after writing
+    them gives, bit for bit; nothing else in the caches changes."""
+    rng = np.random.default_rng(2)
+    xp = kernels.xp
+    n_pos = [3, 1, N_ROWS]
+    q = xp.asarray(rng.standard_normal((len(n_pos), N_HEAD, HEAD_DIM)).astype(np.float32))
+    k_new, v_new = (rng.standard_normal((len(n_pos), N_KV, HEAD_DIM)).astype(np.float32) for _ in range(2))
+    before = [tuple(rng.standard_normal((N_ROWS, N_KV, HEAD_DIM)).astype(dtype) for _ in range(2)) for _ in n_pos]
+    written = [tuple(xp.asarray(c) for c in pair) for pair in before]
+    expected = [tuple(c.copy() for c in pair) for pair in before]
+    for b, n in enumerate(n_pos):
+        expected[b][0][n - 1], expected[b][1][n - 1] = k_new[b], v_new[b]  # numpy's rounding
+    got = to_host(kernels.attend(q, written, n_pos, N_KV, 0.2, 0.0, (xp.asarray(k_new), xp.asarray(v_new))))
+    for (k, v), (k_want, v_want) in zip(written, expected):
+        np.testing.assert_array_equal(to_host(k), k_want)
+        np.testing.assert_array_equal(to_host(v), v_want)
+    after = to_host(kernels.attend(q, [tuple(xp.asarray(c) for c in pair) for pair in expected], n_pos, N_KV, 0.2))
+    np.testing.assert_array_equal(got, after)

@@ -308,7 +308,7 @@ def embed(outer: OuterWeights, tokens: Any, xp: Any = np, scale: float = 1.0) ->
     return xp.asarray(rows, dtype=compute_dtype(xp))
 
 
-Attend = Callable[[ModelConfig, Array, list, list], Array]
+Attend = Callable[[ModelConfig, Array, list, list, tuple], Array]
 
 
 def layer_forward(cfg: ModelConfig, x: Array, lw: LayerWeights, k_cache: Array, v_cache: Array,
@@ -320,10 +320,11 @@ def layer_forward(cfg: ModelConfig, x: Array, lw: LayerWeights, k_cache: Array, 
     positions the layer sees. A cache of fewer rows than pos+T is a ring (a sliding layer's window):
     position p is row p % rows, and the keys still needed are read before the new ones are written.
     Returns the new x [T, n_embd]. `rope`: the (cos, sin) rows of these positions, each [T, 1, head_dim]
-    as ``rope_table`` lays them out; None takes them from ``rope_table``. `attend(cfg, q, caches, n_pos)`:
-    where given, the attention of one token (q [B, n_head, head_dim] rotated, caches B (K, V) pairs, n_pos
-    the rows each attends over; float32 [B, n_head * head_dim]) on a layer without a window, in place
-    of ``attention``: the kernels' own, which a batch of sequences calls once for all of them.
+    as ``rope_table`` lays them out; None takes them from ``rope_table``. `attend(cfg, q, caches, n_pos,
+    (k, v))`: where given, the attention of one token (q [B, n_head, head_dim] rotated, caches B (K, V)
+    pairs, n_pos the rows each attends over, k and v [B, n_head_kv, head_dim] the new rows it writes into
+    row n_pos[b] - 1 first; float32 [B, n_head * head_dim]) on a layer without a window, in place of
+    ``attention``: the kernels' own, which a batch of sequences calls once for all of them.
     """
     T = x.shape[0]
     xp = get_array_module(x)
@@ -354,10 +355,10 @@ def layer_forward(cfg: ModelConfig, x: Array, lw: LayerWeights, k_cache: Array, 
         k_cache[at], v_cache[at] = k[T - keep:], v[T - keep:]
         attn = attention(cfg, apply_rope(cfg, q, cos, sin), keys, values, pos, lo)
     else:
-        k_cache[pos:pos + T], v_cache[pos:pos + T] = k, v
-        if attend is not None and T == 1 and not cfg.window:
-            attn = attend(cfg, apply_rope(cfg, q, cos, sin), [(k_cache, v_cache)], [pos + 1])
+        if attend is not None and T == 1 and not cfg.window:  # the row written by the kernels' call
+            attn = attend(cfg, apply_rope(cfg, q, cos, sin), [(k_cache, v_cache)], [pos + 1], (k, v))
         else:
+            k_cache[pos:pos + T], v_cache[pos:pos + T] = k, v
             attn = attention(cfg, apply_rope(cfg, q, cos, sin), k_cache[:pos + T], v_cache[:pos + T], pos)
     out = linear(attn, lw.wo)                                                   # [T, n_embd]
     if lw.post_attn_norm is not None:

@@ -66,14 +66,14 @@ def batched_layer(cfg: ModelConfig, x: Array, lw: LayerWeights, caches: Sequence
         starts = np.cumsum([0] + lengths[:-1]).tolist()
     cos, sin = (table[xp.asarray(rows)] for table in rope_table(cfg, n_ctx, xp))  # [n, 1, hd]
     q, k = apply_rope(cfg, q, cos, sin), apply_rope(cfg, k, cos, sin)
-    for (k_cache, v_cache), pos, T, s in zip(caches, positions, lengths, starts):
-        k_cache[pos:pos + T] = k[s:s + T]
-        v_cache[pos:pos + T] = v[s:s + T]
-    if attend is not None and n == len(positions):                                # a token each
-        attn = attend(cfg, q, list(caches), [pos + 1 for pos in positions])       # [n, n_head * hd]
+    if attend is not None and n == len(positions):  # a token each: stored and attended in one call
+        attn = attend(cfg, q, list(caches), [pos + 1 for pos in positions], (k, v))  # [n, n_head * hd]
     else:
+        for (k_cache, v_cache), pos, T, s in zip(caches, positions, lengths, starts):
+            k_cache[pos:pos + T] = k[s:s + T]
+            v_cache[pos:pos + T] = v[s:s + T]
         attn = xp.concatenate([
-            attend(cfg, q[s:s + T], [(k_cache, v_cache)], [pos + 1]) if attend is not None and T == 1 else
+            attend(cfg, q[s:s + T], [(k_cache, v_cache)], [pos + 1], None) if attend is not None and T == 1 else
             attention(cfg, q[s:s + T], k_cache[:pos + T], v_cache[:pos + T], pos)
             for (k_cache, v_cache), pos, T, s in zip(caches, positions, lengths, starts)])
     x = x + linear_rows(attn, lw.wo)                                               # [n, n_embd]

@@ -51,8 +51,8 @@ def attend_through(kernels: Kernels | None) -> Attend | None:
     """The model's `attend` (transformer.layer_forward) over `kernels`' attention, or None."""
     if kernels is None:
         return None
-    return lambda cfg, q, caches, n_pos: kernels.attend(q, caches, n_pos, cfg.n_head_kv, cfg.query_scale,
-                                                        cfg.attn_softcap)
+    return lambda cfg, q, caches, n_pos, new: kernels.attend(q, caches, n_pos, cfg.n_head_kv, cfg.query_scale,
+                                                             cfg.attn_softcap, new)
 
 
 class ResidentLayers:

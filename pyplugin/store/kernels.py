@@ -197,11 +197,13 @@ class Kernels:
                               x, scratch[:need],
                               stream=self._stream())
 
-    def attend(self, q, caches, n_pos, n_head_kv: int, scale: float, softcap: float = 0.0):
+    def attend(self, q, caches, n_pos, n_head_kv: int, scale: float, softcap: float = 0.0, new=None):
         """Attention of one query per sequence over its own cache (pebble_attend): q [B, n_head, head_dim]
         (rotated, not yet scaled), caches B (k, v) pairs [rows, n_head_kv, head_dim] of one dtype
-        (float32 or float16), n_pos the rows each attends over. Returns float32 [B, n_head * head_dim];
-        each row is the same whatever the others."""
+        (float32 or float16), n_pos the rows each attends over. `new`: the new tokens' (k, v) rows
+        [B, n_head_kv, head_dim], written into row n_pos[b] - 1 of each sequence's caches first (None: the
+        rows are already there). Returns float32 [B, n_head * head_dim]; each row is the same whatever
+        the others."""
         xp = self.xp
         q = xp.ascontiguousarray(q, dtype=np.float32)
         n_seq, n_head, head_dim = q.shape
@@ -209,6 +211,10 @@ class Kernels:
         kv_type = DENSE_TYPES.get(caches[0][0].dtype)
         if kv_type is None:
             raise InvalidArgumentError(f"attend: caches of {caches[0][0].dtype}; float32 or float16 are accepted")
+        rows = {}
+        if new is not None:
+            rows = {name: xp.ascontiguousarray(a, dtype=np.float32).reshape(n_seq, -1)
+                    for name, a in zip(("k_new", "v_new"), new)}
         need = self._scratch_bytes.get(("attend", n_seq, n_head, n_rows))
         if need is None:  # asked once per batch size and cache length: a decode step attends every layer
             need = self._scratch_bytes["attend", n_seq, n_head, n_rows] = self.lib.attend_scratch_bytes(n_seq, n_head,
@@ -219,7 +225,7 @@ class Kernels:
         out = xp.empty((n_seq, n_head * head_dim), dtype=np.float32)
         self.lib.attend(q.reshape(n_seq, n_head * head_dim), kv_type, [k for k, _ in caches], [v for _, v in caches],
                         n_pos, n_rows, n_head, n_head_kv, head_dim, float(scale), float(softcap), out,
-                        scratch[:max(need, 1)], stream=self._stream())
+                        scratch[:max(need, 1)], stream=self._stream(), **rows)
         return out
 
 

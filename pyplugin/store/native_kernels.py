@@ -142,9 +142,11 @@ class NativeKernels:
         return int(out[0])
 
     def attend(self, q, kv_type: int, k_caches, v_caches, n_pos, n_rows: int, n_head: int, n_head_kv: int,
-               head_dim: int, scale: float, softcap: float, out, scratch, *, stream=None) -> None:
+               head_dim: int, scale: float, softcap: float, out, scratch, *, k_new=None, v_new=None,
+               stream=None) -> None:
         """pebble_attend: q and out [n_seq, n_head * head_dim] float32, a K and a V cache per sequence
-        (each n_rows x n_head_kv x head_dim of kv_type), n_pos rows attended in each."""
+        (each n_rows x n_head_kv x head_dim of kv_type), n_pos rows attended in each; k_new and v_new
+        (float32 [n_seq, n_head_kv * head_dim], or None) stored into row n_pos[b] - 1 first."""
         backend, n_seq = self.backend, len(k_caches)
         q_ptr, q_bytes = _pointer(q, backend, False, "q")
         out_ptr, out_bytes = _pointer(out, backend, True, "out")
@@ -153,22 +155,48 @@ class NativeKernels:
             if nbytes != want:
                 raise SizeMismatchError(f"attend: {what} holds {nbytes} bytes; {n_seq} sequences of {n_head} heads "
                                         f"of {head_dim} float32 need {want}")
+        new_ptrs = (ffi.NULL, ffi.NULL)
+        if (k_new is None) != (v_new is None):
+            raise InvalidArgumentError("attend: k_new and v_new go together (both rows, or both None)")
+        if k_new is not None:
+            new_ptrs = []
+            for what, rows in (("k_new", k_new), ("v_new", v_new)):
+                ptr, nbytes = _pointer(rows, backend, False, what)
+                if nbytes != 4 * n_seq * n_head_kv * head_dim:
+                    raise SizeMismatchError(f"attend: {what} holds {nbytes} bytes; {n_seq} rows of {n_head_kv} heads "
+                                            f"of {head_dim} float32 need {4 * n_seq * n_head_kv * head_dim}")
+                new_ptrs.append(ffi.cast("const float *", ptr))
+        k_array, v_array = self._cache_pointers(kv_type, k_caches, v_caches, n_rows * n_head_kv * head_dim)
+        scratch_ptr, scratch_bytes = _pointer(scratch, backend, True, "scratch")
+        _check(self._lib, self._lib.pebble_attend(
+            n_seq, ffi.cast("const float *", q_ptr), new_ptrs[0], new_ptrs[1], kv_type, k_array, v_array,
+            ffi.new("int64_t[]", [int(n) for n in n_pos]), n_rows, n_head, n_head_kv, head_dim, scale, softcap,
+            ffi.cast("float *", out_ptr), scratch_ptr, scratch_bytes, ffi.cast("void *", stream_pointer(stream))))
+
+    def _cache_pointers(self, kv_type: int, k_caches, v_caches, elements: int):
+        """The two pointer arrays pebble_attend takes for these caches, each cache's size checked. Made
+        once per set of caches: a decode step attends every layer of every step over the same arrays.
+        The entry keeps the arrays alive, so no other array can take their ids while it is kept."""
+        cache = self.__dict__.setdefault("_attend_pointers", {})
+        key = (kv_type, elements, *map(id, k_caches), *map(id, v_caches))
+        hit = cache.get(key)
+        if hit is not None:
+            return hit[0], hit[1]
         kv_item = _ITEMSIZE.get(kv_type)
-        cache_bytes = None if kv_item is None else n_rows * n_head_kv * head_dim * kv_item
-        pointers = []
+        cache_bytes = None if kv_item is None else elements * kv_item
+        arrays = []
         for name, caches in (("k_cache", k_caches), ("v_cache", v_caches)):
             row = []
-            for cache in caches:
-                ptr, nbytes = _pointer(cache, backend, False, name)
+            for c in caches:
+                ptr, nbytes = _pointer(c, self.backend, True, name)  # new rows are written into them
                 if cache_bytes is not None and nbytes != cache_bytes:
                     raise SizeMismatchError(f"attend: a {name} holds {nbytes} bytes; {cache_bytes} are needed")
                 row.append(ptr)
-            pointers.append(ffi.new("void *[]", [ffi.cast("void *", p) for p in row]))
-        scratch_ptr, scratch_bytes = _pointer(scratch, backend, True, "scratch")
-        _check(self._lib, self._lib.pebble_attend(
-            n_seq, ffi.cast("const float *", q_ptr), kv_type, pointers[0], pointers[1],
-            ffi.new("int64_t[]", [int(n) for n in n_pos]), n_rows, n_head, n_head_kv, head_dim, scale, softcap,
-            ffi.cast("float *", out_ptr), scratch_ptr, scratch_bytes, ffi.cast("void *", stream_pointer(stream))))
+            arrays.append(ffi.new("void *[]", [ffi.cast("void *", p) for p in row]))
+        if len(cache) >= 256:  # batches of other sequences, or a plan made again: start afresh
+            cache.clear()
+        cache[key] = (arrays[0], arrays[1], list(k_caches), list(v_caches))
+        return arrays[0], arrays[1]
 
 
 def _pointer(obj, backend: str, writable: bool, name: str):

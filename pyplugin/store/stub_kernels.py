@@ -230,15 +230,23 @@ class StubKernels:
         return 0  # numpy allocates its own temporaries
 
     def attend(self, q, kv_type: int, k_caches, v_caches, n_pos, n_rows: int, n_head: int, n_head_kv: int,
-               head_dim: int, scale: float, softcap: float, out, scratch, *, stream=None) -> None:
+               head_dim: int, scale: float, softcap: float, out, scratch, *, k_new=None, v_new=None,
+               stream=None) -> None:
         if min(len(k_caches), n_head, n_head_kv, head_dim, n_rows) < 1 or n_head % n_head_kv:
             raise InvalidArgumentError(f"pebble_attend: n_seq {len(k_caches)}, n_head {n_head}, n_head_kv {n_head_kv}, "
                                        f"head_dim {head_dim}, n_rows {n_rows}: each at least 1, the heads dividing")
-        group = n_head // n_head_kv
-        for b, (k, v, n) in enumerate(zip(k_caches, v_caches, n_pos)):
+        if (k_new is None) != (v_new is None):
+            raise InvalidArgumentError("pebble_attend: k_new and v_new go together (both rows, or both NULL)")
+        for b, n in enumerate(n_pos):
             if not 1 <= n <= n_rows:
                 raise SizeMismatchError(f"pebble_attend: sequence {b} attends over {n} rows; 1..{n_rows} are in "
                                         "its cache")
+        if k_new is not None:  # each new row into its cache, rounded to the cache's type as the library does
+            for b, (k, v, n) in enumerate(zip(k_caches, v_caches, n_pos)):
+                k[n - 1] = k_new[b].reshape(n_head_kv, head_dim)
+                v[n - 1] = v_new[b].reshape(n_head_kv, head_dim)
+        group = n_head // n_head_kv
+        for b, (k, v, n) in enumerate(zip(k_caches, v_caches, n_pos)):
             qh = (q[b].reshape(n_head_kv, group, head_dim) * np.float32(scale)).astype(np.float32)
             keys = k[:n].astype(np.float32).transpose(1, 2, 0)                   # [n_kv, hd, n]
             scores = qh @ keys                                                    # [n_kv, group, n]
