@@ -33,7 +33,7 @@ build/libpebble_cuda.so: $(NATIVE_DEPS)
 
 build/libpebble_host.so: $(NATIVE_DEPS)
 	@mkdir -p build
-	$(CXX) -O2 $(HOST_FLAGS) -o $@ $(HOST_SRC)
+	$(CXX) -O3 $(HOST_FLAGS) -o $@ $(HOST_SRC)
 
 build/libpebble_host_asan.so: $(NATIVE_DEPS)
 	@mkdir -p build

@@ -38,6 +38,12 @@
 
 #if defined(__x86_64__) || defined(__i386__)
 #    define PEBBLE_X86 1
+// GCC 12's AVX-512 headers start their undefined registers from themselves (GCC bug 105593), which
+// -Wuninitialized reports wherever such an intrinsic is inlined; GCC 13's headers do not.
+#    if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 13
+#        pragma GCC diagnostic ignored "-Wuninitialized"
+#        pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#    endif
 #    include <immintrin.h>
 #endif
 
@@ -853,6 +859,35 @@ AVX512 inline __m512i word_index(int a, int b) {
     return pair_256(_mm256_set1_epi16(static_cast<int16_t>(a)), _mm256_set1_epi16(static_cast<int16_t>(b)));
 }
 
+// out[v] = the sum of acc[v]'s 16 lanes, v < NV, in _mm512_reduce_add_ps's order (the halves added, then
+// the quarters, then lanes 0 + 2 and 1 + 3, then those two), so that a row's sum is the same whatever
+// NV. Several are reduced together, transposed: the shuffles and adds that one takes alone give 8.
+template <int NV>
+AVX512 inline void reduce_store(const __m512 * acc, float * out) {
+    if constexpr (NV == 1) {
+        out[0] = _mm512_reduce_add_ps(acc[0]);
+    } else {
+        __m512 a[8], s[4], t[2];
+        for (int v = 0; v < 8; v++) a[v] = v < NV ? acc[v] : _mm512_setzero_ps();
+        for (int p = 0; p < 4; p++) { // [a(2p) halves added | a(2p+1) halves added]
+            s[p] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+        }
+        for (int p = 0; p < 2; p++) { // quarter k: a(4p + k)'s quarters added
+            t[p] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * p], s[2 * p + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_f32x4(s[2 * p], s[2 * p + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+        }
+        // quarter k: (0 + 2, 1 + 3) of a(k), then of a(k + 4); then each pair added
+        const __m512 w = _mm512_add_ps(_mm512_shuffle_ps(t[0], t[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                       _mm512_shuffle_ps(t[0], t[1], _MM_SHUFFLE(3, 2, 3, 2)));
+        const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(w, w, _MM_SHUFFLE(2, 0, 2, 0)),
+                                       _mm512_shuffle_ps(w, w, _MM_SHUFFLE(3, 1, 3, 1)));
+        // lane 4k holds a(k)'s sum, lane 4k + 1 a(k + 4)'s
+        const __m512 sums = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0), z);
+        _mm256_mask_storeu_ps(out, static_cast<__mmask8>((1u << NV) - 1), _mm512_castps512_ps256(sums));
+    }
+}
+
 template <int NV>
 AVX512 void dot_q8_0_avx512(const uint8_t * w, int64_t nb, const uint8_t * xq, int64_t xs, float * out) {
     __m512 acc[NV];
@@ -872,7 +907,7 @@ AVX512 void dot_q8_0_avx512(const uint8_t * w, int64_t nb, const uint8_t * xq, i
             acc[v] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_load_ps(a.d)), _mm512_cvtepi32_ps(p), acc[v]);
         }
     }
-    for (int v = 0; v < NV; v++) out[v] = _mm512_reduce_add_ps(acc[v]);
+    reduce_store<NV>(acc, out);
 }
 
 // 128 quants of block i, unsigned, as two registers of 64 (lo: x's q at `at`, hi: at `at` + 64), times
@@ -934,7 +969,7 @@ AVX512 void dot_k45_avx512(const uint8_t * w, int64_t nb, const uint8_t * xq, in
             acc[v] = _mm512_fmadd_ps(_mm512_set1_ps(-a.d * dmin), _mm512_zextps256_ps512(_mm256_cvtepi32_ps(m)), acc[v]);
         }
     }
-    for (int v = 0; v < NV; v++) out[v] = _mm512_reduce_add_ps(acc[v]);
+    reduce_store<NV>(acc, out);
 }
 
 template <int NV>
@@ -976,7 +1011,7 @@ AVX512 void dot_q6_k_avx512(const uint8_t * w, int64_t nb, const uint8_t * xq, i
             acc[v] = _mm512_fmadd_ps(_mm512_set1_ps(a.d * d), _mm512_cvtepi32_ps(sumi[v]), acc[v]);
         }
     }
-    for (int v = 0; v < NV; v++) out[v] = _mm512_reduce_add_ps(acc[v]);
+    reduce_store<NV>(acc, out);
 }
 #endif // PEBBLE_X86
 
