@@ -559,6 +559,9 @@ void dot_float_portable(const uint8_t * w, int64_t nb, const uint8_t * xq, int64
 
 #ifdef PEBBLE_X86
 #    define AVX2 __attribute__((target("avx2,fma,f16c")))
+// Loops over a kernel's vectors, unrolled whole where they are written, so that each vector's accumulator is
+// a register of its own (left to the optimizer, an array of them went to the stack, zeroed per row).
+#    define UNROLL _Pragma("GCC unroll 16")
 
 // fp16 bits to float with F16C's conversion (pebble_internal::half_to_float's values, in one instruction).
 AVX2 inline float f16c(const uint8_t * p) { return _cvtsh_ss(u16(p)); }
@@ -624,7 +627,7 @@ AVX2 void dot_32_avx2(const uint8_t * w, int64_t nb, const uint8_t * xq, int64_t
     constexpr bool has_min = K == k_q4_1 || K == k_q5_1;
     __m256 acc[NV];
     float macc[NV];
-    for (int v = 0; v < NV; v++) {
+    UNROLL for (int v = 0; v < NV; v++) {
         acc[v] = _mm256_setzero_ps();
         macc[v] = 0.0f;
     }
@@ -632,7 +635,7 @@ AVX2 void dot_32_avx2(const uint8_t * w, int64_t nb, const uint8_t * xq, int64_t
         const uint8_t * b = w + i * block_bytes_32(K);
         const float d = f16c(b);
         const __m256i q = decode_32_avx2<K>(b);
-        for (int v = 0; v < NV; v++) {
+        UNROLL for (int v = 0; v < NV; v++) {
             const q8_32 & a = reinterpret_cast<const q8_32 *>(xq + v * xs)[i];
             const __m256i y = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(a.qs));
             const __m256i p = has_min ? dot_u8_i8(q, y) : dot_i8_i8(q, y);
@@ -640,7 +643,7 @@ AVX2 void dot_32_avx2(const uint8_t * w, int64_t nb, const uint8_t * xq, int64_t
             if constexpr (has_min) macc[v] += f16c(b + 2) * a.d * static_cast<float>(a.sum);
         }
     }
-    for (int v = 0; v < NV; v++) out[v] = hsum_ps(acc[v]) + macc[v];
+    UNROLL for (int v = 0; v < NV; v++) out[v] = hsum_ps(acc[v]) + macc[v];
 }
 
 // Q4_K's and Q5_K's twelve bytes of scales and mins as eight scales (bytes 0..7 of out) and eight
@@ -660,7 +663,7 @@ AVX2 void dot_k45_avx2(const uint8_t * w, int64_t nb, const uint8_t * xq, int64_
     constexpr int bb = K == k_q4_k ? 144 : 176;
     __m256 acc[NV];
     float macc[NV];
-    for (int v = 0; v < NV; v++) {
+    UNROLL for (int v = 0; v < NV; v++) {
         acc[v] = _mm256_setzero_ps();
         macc[v] = 0.0f;
     }
@@ -676,8 +679,8 @@ AVX2 void dot_k45_avx2(const uint8_t * w, int64_t nb, const uint8_t * xq, int64_
         __m256i qh = _mm256_setzero_si256();
         if constexpr (K == k_q5_k) qh = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(b + 16));
         __m256i sumi[NV];
-        for (int v = 0; v < NV; v++) sumi[v] = _mm256_setzero_si256();
-        for (int p = 0; p < 4; p++) {
+        UNROLL for (int v = 0; v < NV; v++) sumi[v] = _mm256_setzero_si256();
+        UNROLL for (int p = 0; p < 4; p++) {
             const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(qs + 32 * p));
             __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
             if constexpr (K == k_q5_k) {
@@ -687,7 +690,7 @@ AVX2 void dot_k45_avx2(const uint8_t * w, int64_t nb, const uint8_t * xq, int64_
             }
             const __m256i s_lo = _mm256_set1_epi16(static_cast<int16_t>(scales[2 * p]));
             const __m256i s_hi = _mm256_set1_epi16(static_cast<int16_t>(scales[2 * p + 1]));
-            for (int v = 0; v < NV; v++) {
+            UNROLL for (int v = 0; v < NV; v++) {
                 const q8_256 & a = reinterpret_cast<const q8_256 *>(xq + v * xs)[i];
                 const __m256i y0 = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(a.qs + 64 * p));
                 const __m256i y1 = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(a.qs + 64 * p + 32));
@@ -695,7 +698,7 @@ AVX2 void dot_k45_avx2(const uint8_t * w, int64_t nb, const uint8_t * xq, int64_
                 sumi[v] = _mm256_add_epi32(sumi[v], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, y1), s_hi));
             }
         }
-        for (int v = 0; v < NV; v++) {
+        UNROLL for (int v = 0; v < NV; v++) {
             const q8_256 & a = reinterpret_cast<const q8_256 *>(xq + v * xs)[i];
             // sum over sub-blocks j of min_j * (sum of x's 32 q): pairs of the 16-element sums, then madd
             const __m128i s0 = _mm_loadu_si128(reinterpret_cast<const __m128i *>(a.sums));
@@ -708,13 +711,13 @@ AVX2 void dot_k45_avx2(const uint8_t * w, int64_t nb, const uint8_t * xq, int64_
             macc[v] += ad * dmin * static_cast<float>(_mm_cvtsi128_si32(t));
         }
     }
-    for (int v = 0; v < NV; v++) out[v] = hsum_ps(acc[v]) - macc[v];
+    UNROLL for (int v = 0; v < NV; v++) out[v] = hsum_ps(acc[v]) - macc[v];
 }
 
 template <int NV>
 AVX2 void dot_q6_k_avx2(const uint8_t * w, int64_t nb, const uint8_t * xq, int64_t xs, float * out) {
     __m256 acc[NV];
-    for (int v = 0; v < NV; v++) acc[v] = _mm256_setzero_ps();
+    UNROLL for (int v = 0; v < NV; v++) acc[v] = _mm256_setzero_ps();
     const __m256i m4 = _mm256_set1_epi8(0x0f);
     for (int64_t i = 0; i < nb; i++) {
         const uint8_t * b = w + i * 210;
@@ -722,13 +725,13 @@ AVX2 void dot_q6_k_avx2(const uint8_t * w, int64_t nb, const uint8_t * xq, int64
         const int8_t * sc = reinterpret_cast<const int8_t *>(b + 192);
         const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i *>(sc)));
         __m256i sumi[NV];
-        for (int v = 0; v < NV; v++) {
+        UNROLL for (int v = 0; v < NV; v++) {
             // the -32 of every q, through x's 16-element sums: -32 * sum_g scale_g * sums_g
             const q8_256 & a = reinterpret_cast<const q8_256 *>(xq + v * xs)[i];
             const __m256i corr = _mm256_madd_epi16(sc16, _mm256_loadu_si256(reinterpret_cast<const __m256i *>(a.sums)));
             sumi[v] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(corr, 5));
         }
-        for (int h = 0; h < 2; h++) {
+        UNROLL for (int h = 0; h < 2; h++) {
             const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(b + 64 * h));
             const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(b + 64 * h + 32));
             const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(b + 128 + 32 * h));
@@ -740,21 +743,21 @@ AVX2 void dot_q6_k_avx2(const uint8_t * w, int64_t nb, const uint8_t * xq, int64
                 _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
                                 _mm256_srli_epi16(_mm256_and_si256(qh, _mm256_set1_epi8(static_cast<char>(0xc0))), 2)),
             };
-            for (int j = 0; j < 4; j++) {
+            UNROLL for (int j = 0; j < 4; j++) {
                 const __m256i s = _mm256_set_m128i(_mm_set1_epi16(sc[8 * h + 2 * j + 1]), _mm_set1_epi16(sc[8 * h + 2 * j]));
-                for (int v = 0; v < NV; v++) {
+                UNROLL for (int v = 0; v < NV; v++) {
                     const q8_256 & a = reinterpret_cast<const q8_256 *>(xq + v * xs)[i];
                     const __m256i y = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(a.qs + 128 * h + 32 * j));
                     sumi[v] = _mm256_add_epi32(sumi[v], _mm256_madd_epi16(_mm256_maddubs_epi16(q[j], y), s));
                 }
             }
         }
-        for (int v = 0; v < NV; v++) {
+        UNROLL for (int v = 0; v < NV; v++) {
             const q8_256 & a = reinterpret_cast<const q8_256 *>(xq + v * xs)[i];
             acc[v] = _mm256_fmadd_ps(_mm256_set1_ps(a.d * d), _mm256_cvtepi32_ps(sumi[v]), acc[v]);
         }
     }
-    for (int v = 0; v < NV; v++) out[v] = hsum_ps(acc[v]);
+    UNROLL for (int v = 0; v < NV; v++) out[v] = hsum_ps(acc[v]);
 }
 
 template <int K>
@@ -772,15 +775,15 @@ AVX2 inline __m256 load8_weights(const uint8_t * w, int64_t c) {
 template <int K, int NV>
 AVX2 void dot_float_avx2(const uint8_t * w, int64_t n, const uint8_t * xq, int64_t xs, float * out) {
     __m256 acc[NV];
-    for (int v = 0; v < NV; v++) acc[v] = _mm256_setzero_ps();
+    UNROLL for (int v = 0; v < NV; v++) acc[v] = _mm256_setzero_ps();
     int64_t c = 0;
     for (; c + 8 <= n; c += 8) {
         const __m256 wv = load8_weights<K>(w, c);
-        for (int v = 0; v < NV; v++) {
+        UNROLL for (int v = 0; v < NV; v++) {
             acc[v] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(reinterpret_cast<const float *>(xq + v * xs) + c), acc[v]);
         }
     }
-    for (int v = 0; v < NV; v++) {
+    UNROLL for (int v = 0; v < NV; v++) {
         float s = hsum_ps(acc[v]);
         for (int64_t t = c; t < n; t++) s += float_weight<K>(w, t) * reinterpret_cast<const float *>(xq + v * xs)[t];
         out[v] = s;
@@ -866,17 +869,17 @@ AVX512 inline __m512i word_index(int a, int b) {
 // the quarters, then lanes 0 + 2 and 1 + 3, then those two), so that a row's sum is the same whatever
 // NV. Several are reduced together, transposed: the shuffles and adds that one takes alone give 8.
 template <int NV>
-AVX512 inline void reduce_store(const __m512 * acc, float * out) {
+AVX512 __attribute__((always_inline)) inline void reduce_store(const __m512 * acc, float * out) {
     if constexpr (NV == 1) {
         out[0] = _mm512_reduce_add_ps(acc[0]);
     } else {
         __m512 a[8], s[4], t[2];
-        for (int v = 0; v < 8; v++) a[v] = v < NV ? acc[v] : _mm512_setzero_ps();
-        for (int p = 0; p < 4; p++) { // [a(2p) halves added | a(2p+1) halves added]
+        UNROLL for (int v = 0; v < 8; v++) a[v] = v < NV ? acc[v] : _mm512_setzero_ps();
+        UNROLL for (int p = 0; p < 4; p++) { // [a(2p) halves added | a(2p+1) halves added]
             s[p] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)),
                                  _mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)));
         }
-        for (int p = 0; p < 2; p++) { // quarter k: a(4p + k)'s quarters added
+        UNROLL for (int p = 0; p < 2; p++) { // quarter k: a(4p + k)'s quarters added
             t[p] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * p], s[2 * p + 1], _MM_SHUFFLE(2, 0, 2, 0)),
                                  _mm512_shuffle_f32x4(s[2 * p], s[2 * p + 1], _MM_SHUFFLE(3, 1, 3, 1)));
         }
@@ -894,7 +897,7 @@ AVX512 inline void reduce_store(const __m512 * acc, float * out) {
 template <int NV>
 AVX512 void dot_q8_0_avx512(const uint8_t * w, int64_t nb, const uint8_t * xq, int64_t xs, float * out) {
     __m512 acc[NV];
-    for (int v = 0; v < NV; v++) acc[v] = _mm512_setzero_ps();
+    UNROLL for (int v = 0; v < NV; v++) acc[v] = _mm512_setzero_ps();
     const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
     for (int64_t i = 0; i < nb; i += 2) {
         const uint8_t * b = w + 34 * i;
@@ -904,7 +907,7 @@ AVX512 void dot_q8_0_avx512(const uint8_t * w, int64_t nb, const uint8_t * xq, i
                                             flip);
         const __m512 dw = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(_cvtsh_ss(u16(b)))),
                                              _mm256_set1_ps(both ? _cvtsh_ss(u16(b + 34)) : 0.0f), 1);
-        for (int v = 0; v < NV; v++) {
+        UNROLL for (int v = 0; v < NV; v++) {
             const q8_pair & a = reinterpret_cast<const q8_pair *>(xq + v * xs)[i / 2];
             const __m512i p = _mm512_dpbusd_epi32(_mm512_load_si512(a.corr), wq, _mm512_load_si512(a.qs));
             acc[v] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_load_ps(a.d)), _mm512_cvtepi32_ps(p), acc[v]);
@@ -919,7 +922,7 @@ template <int NV>
 AVX512 __attribute__((always_inline)) inline void dot_128(__m512i * sumi, __m512i lo, __m512i hi, __m512i s_lo,
                                                           __m512i s_hi, const uint8_t * xq, int64_t xs, int64_t i,
                                                           int at) {
-    for (int v = 0; v < NV; v++) {
+    UNROLL for (int v = 0; v < NV; v++) {
         const q8_k512 & a = reinterpret_cast<const q8_k512 *>(xq + v * xs)[i];
         const __m512i y0 = _mm512_load_si512(a.qs + at), y1 = _mm512_load_si512(a.qs + at + 64);
         sumi[v] = _mm512_dpwssd_epi32(sumi[v], _mm512_maddubs_epi16(lo, y0), s_lo);
@@ -931,7 +934,7 @@ template <int K, int NV>
 AVX512 void dot_k45_avx512(const uint8_t * w, int64_t nb, const uint8_t * xq, int64_t xs, float * out) {
     constexpr int bb = K == k_q4_k ? 144 : 176;
     __m512 acc[NV];
-    for (int v = 0; v < NV; v++) acc[v] = _mm512_setzero_ps();
+    UNROLL for (int v = 0; v < NV; v++) acc[v] = _mm512_setzero_ps();
     const __m512i m4 = _mm512_set1_epi8(0x0f), one = _mm512_set1_epi8(1);
     // the scale of each 16-bit sum: registers hold sub-blocks (4c, 4c+2) and (4c+1, 4c+3)
     const __m512i index[4] = {word_index(0, 2), word_index(1, 3), word_index(4, 6), word_index(5, 7)};
@@ -951,8 +954,8 @@ AVX512 void dot_k45_avx512(const uint8_t * w, int64_t nb, const uint8_t * xq, in
             qh = pair_256(h, _mm256_srli_epi16(h, 2));
         }
         __m512i sumi[NV];
-        for (int v = 0; v < NV; v++) sumi[v] = _mm512_setzero_si512();
-        for (int c = 0; c < 2; c++) {
+        UNROLL for (int v = 0; v < NV; v++) sumi[v] = _mm512_setzero_si512();
+        UNROLL for (int c = 0; c < 2; c++) {
             const __m512i raw = _mm512_loadu_si512(qs + 64 * c);
             __m512i lo = _mm512_and_si512(raw, m4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
             if constexpr (K == k_q5_k) {
@@ -964,7 +967,7 @@ AVX512 void dot_k45_avx512(const uint8_t * w, int64_t nb, const uint8_t * xq, in
             const __m512i s_hi = _mm512_permutexvar_epi16(index[2 * c + 1], scales);
             dot_128<NV>(sumi, lo, hi, s_lo, s_hi, xq, xs, i, 128 * c);
         }
-        for (int v = 0; v < NV; v++) {
+        UNROLL for (int v = 0; v < NV; v++) {
             const q8_k512 & a = reinterpret_cast<const q8_k512 *>(xq + v * xs)[i];
             // min_j * (sum of x's 32 q of sub-block j), per j, taken off in the same accumulator
             const __m256i m = _mm256_madd_epi16(mins, _mm256_load_si256(reinterpret_cast<const __m256i *>(a.sums)));
@@ -978,7 +981,7 @@ AVX512 void dot_k45_avx512(const uint8_t * w, int64_t nb, const uint8_t * xq, in
 template <int NV>
 AVX512 void dot_q6_k_avx512(const uint8_t * w, int64_t nb, const uint8_t * xq, int64_t xs, float * out) {
     __m512 acc[NV];
-    for (int v = 0; v < NV; v++) acc[v] = _mm512_setzero_ps();
+    UNROLL for (int v = 0; v < NV; v++) acc[v] = _mm512_setzero_ps();
     const __m512i m4 = _mm512_set1_epi8(0x0f), m2 = _mm512_set1_epi8(0x03);
     // the scale of each 16-bit sum: a register holds 4 groups of 16, 8 sums each
     const __m512i group = _mm512_srli_epi16(
@@ -991,13 +994,13 @@ AVX512 void dot_q6_k_avx512(const uint8_t * w, int64_t nb, const uint8_t * xq, i
         const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i *>(b + 192)));
         const __m512i scales = _mm512_castsi256_si512(sc16);
         __m512i sumi[NV];
-        for (int v = 0; v < NV; v++) {
+        UNROLL for (int v = 0; v < NV; v++) {
             // the -32 of every q, through x's 16-element sums: -32 * sum_g scale_g * sums_g
             const q8_k512 & a = reinterpret_cast<const q8_k512 *>(xq + v * xs)[i];
             const __m256i corr = _mm256_madd_epi16(sc16, _mm256_load_si256(reinterpret_cast<const __m256i *>(a.sums)));
             sumi[v] = _mm512_zextsi256_si512(_mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(corr, 5)));
         }
-        for (int h = 0; h < 2; h++) {
+        UNROLL for (int h = 0; h < 2; h++) {
             const __m512i ql = _mm512_loadu_si512(b + 64 * h);
             const __m256i qh256 = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(b + 128 + 32 * h));
             const __m512i qh = pair_256(qh256, _mm256_srli_epi16(qh256, 2));
@@ -1009,7 +1012,7 @@ AVX512 void dot_q6_k_avx512(const uint8_t * w, int64_t nb, const uint8_t * xq, i
             const __m512i s_hi = _mm512_permutexvar_epi16(_mm512_add_epi16(group, _mm512_set1_epi16(static_cast<int16_t>(8 * h + 4))), scales);
             dot_128<NV>(sumi, lo, hi, s_lo, s_hi, xq, xs, i, 128 * h);
         }
-        for (int v = 0; v < NV; v++) {
+        UNROLL for (int v = 0; v < NV; v++) {
             const q8_k512 & a = reinterpret_cast<const q8_k512 *>(xq + v * xs)[i];
             acc[v] = _mm512_fmadd_ps(_mm512_set1_ps(a.d * d), _mm512_cvtepi32_ps(sumi[v]), acc[v]);
         }
