@@ -232,6 +232,13 @@ PEBBLE_API enum pebble_status pebble_matvec    (int32_t ggml_type, const void * 
 PEBBLE_API enum pebble_status pebble_matmul    (int32_t ggml_type, const void * w, uint64_t w_bytes,
                                                 int64_t n_rows, int64_t n_cols, const uint16_t * x_f16,
                                                 int64_t n_vec, float * y, void * stream);
+// As pebble_matmul with float32 vectors x: each element is rounded to fp16 first (to nearest even, as
+// numpy's astype(float16) does; out of range to +-inf), so y is what pebble_matmul gives for those fp16
+// vectors, bit for bit, without a conversion pass of the caller's over x. The cuda library rounds them on
+// `stream` into memory it allocates there for the call (not yet run on a GPU).
+PEBBLE_API enum pebble_status pebble_matmul_f32(int32_t ggml_type, const void * w, uint64_t w_bytes,
+                                                int64_t n_rows, int64_t n_cols, const float * x,
+                                                int64_t n_vec, float * y, void * stream);
 
 // ---------------------------------------------------------------------------------------------------
 // the decode step: one transformer layer for one token, in one call

@@ -27,6 +27,7 @@
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <new>
 #include <thread>
@@ -48,6 +49,7 @@
 #endif
 
 using pebble_internal::fail;
+using pebble_internal::half_from_float;
 using pebble_internal::half_to_float;
 
 namespace pebble_cpu {
@@ -387,6 +389,29 @@ void quantize_32(const uint16_t * x, int64_t n, q8_32 * out) {
         for (int i = 0; i < 32; i++) s += o.qs[i];
         o.sum = s;
     }
+}
+
+// float32 to fp16 bits, rounded to nearest even as numpy's astype(float16) and F16C's conversion round
+// (out of range: +-inf), with F16C where the CPU has it.
+#ifdef PEBBLE_X86
+__attribute__((target("avx2,f16c"))) void to_half_f16c(const float * x, int64_t n, uint16_t * out) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        _mm_storeu_si128(reinterpret_cast<__m128i *>(out + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+    for (; i < n; i++) out[i] = half_from_float(x[i]);
+}
+#endif
+
+void to_half(const float * x, int64_t n, uint16_t * out) {
+#ifdef PEBBLE_X86
+    if (simd_in_use() != simd::portable) {
+        to_half_f16c(x, n, out);
+        return;
+    }
+#endif
+    for (int64_t i = 0; i < n; i++) out[i] = half_from_float(x[i]);
 }
 
 void to_float(const uint16_t * x, int64_t n, float * out) {
@@ -1301,7 +1326,7 @@ const char * simd_level() {
     }
 }
 
-pebble_status matmul(int32_t ggml_type, const uint8_t * w, int64_t n_rows, int64_t n_cols, const uint16_t * x,
+pebble_status matmul(int32_t ggml_type, const uint8_t * w, int64_t n_rows, int64_t n_cols, const void * x, bool x_f32,
                      int64_t n_tok, float * y, const char * fn) {
     TRY(check_threads(fn));
     static const kernel_set sets[PEBBLE_TYPE_COUNT] = {
@@ -1329,13 +1354,30 @@ pebble_status matmul(int32_t ggml_type, const uint8_t * w, int64_t n_rows, int64
         return fail(PEBBLE_ERR_HOST_OOM, "%s: %s: no memory for %" PRId64 " quantized activations of %" PRId64
                     " (%" PRId64 " bytes)", fn, pebble_internal::ggml_type_name(ggml_type), n_tok, n_cols, n_tok * xs);
     }
-    struct quantize_ctx { act a; const uint16_t * x; int64_t n_cols, xs; uint8_t * xq; } qc{k.activation, x, n_cols, xs, xq};
-    parallel_for(n_tok, n_tok * n_cols * 4, [&qc](int64_t begin, int64_t end) {
+    struct quantize_ctx { act a; const void * x; bool f32; int64_t n_cols, xs; uint8_t * xq; } qc{k.activation, x, x_f32,
+                                                                                                n_cols, xs, xq};
+    std::atomic<bool> no_memory{false};
+    parallel_for(n_tok, n_tok * n_cols * 4, [&qc, &no_memory](int64_t begin, int64_t end) {
+        // float32 vectors: each rounded to fp16 here, then quantized as an fp16 vector is
+        std::unique_ptr<uint16_t[]> half(qc.f32 ? new (std::nothrow) uint16_t[qc.n_cols] : nullptr);
+        if (qc.f32 && !half) {
+            no_memory = true;
+            return;
+        }
         for (int64_t t = begin; t < end; t++) {
-            const uint16_t * xt = qc.x + t * qc.n_cols;
+            const uint16_t * xt = static_cast<const uint16_t *>(qc.x) + t * qc.n_cols;
+            if (qc.f32) {
+                to_half(static_cast<const float *>(qc.x) + t * qc.n_cols, qc.n_cols, half.get());
+                xt = half.get();
+            }
             quantize_activation(qc.a, xt, qc.n_cols, qc.xq + t * qc.xs);
         }
     });
+    if (no_memory) {
+        std::free(xq);
+        return fail(PEBBLE_ERR_HOST_OOM, "%s: %s: no memory for a vector of %" PRId64 " fp16 elements", fn,
+                    pebble_internal::ggml_type_name(ggml_type), n_cols);
+    }
     // Tiles of rows: small enough that the threads share decode's few rows evenly, large enough that a
     // prefill tile is read once for many activations.
     const int64_t row_bytes = nb * k.block_bytes;

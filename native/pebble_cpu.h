@@ -26,11 +26,12 @@ void parallel_for(int64_t n, int64_t work, const F & f) {
 // pebble_internal::fail, naming `fn`.
 pebble_status check_threads(const char * fn);
 
-// y[t * n_rows + r] = sum over c of W[r][c] * x[t][c] for t < n_tok (x fp16, n_tok vectors one after
-// another), the arguments already checked. The quantized types multiply int8 blocks of x (see
-// pebble.h); F32, F16 and BF16 weights take x as float32. Rows are split among the pool's threads; a
-// tile of rows is multiplied by every vector before the next, so it is read from memory once.
-pebble_status matmul(int32_t ggml_type, const uint8_t * w, int64_t n_rows, int64_t n_cols, const uint16_t * x,
+// y[t * n_rows + r] = sum over c of W[r][c] * x[t][c] for t < n_tok (x fp16, or float32 rounded to fp16
+// first where x_f32; n_tok vectors one after another), the arguments already checked. The quantized types
+// multiply int8 blocks of x (see pebble.h); F32, F16 and BF16 weights take x as float32. Rows are split
+// among the pool's threads; a tile of rows is multiplied by every vector before the next, so it is read
+// from memory once.
+pebble_status matmul(int32_t ggml_type, const uint8_t * w, int64_t n_rows, int64_t n_cols, const void * x, bool x_f32,
                      int64_t n_tok, float * y, const char * fn);
 
 // pebble_attend (pebble.h), the arguments already checked: each (sequence, head) pair on one thread,

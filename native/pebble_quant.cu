@@ -456,7 +456,7 @@ pebble_status launch_matvec_n(const uint8_t * w, int64_t n_rows, int64_t n_cols,
                               cudaStream_t stream) {
 #ifdef PEBBLE_HOST_BUILD
     (void)stream; // the host's kernels (pebble_cpu.cc): x quantized once, integer SIMD dot products
-    return pebble_cpu::matmul(T::id, w, n_rows, n_cols, x, NV, y, "pebble_matvec");
+    return pebble_cpu::matmul(T::id, w, n_rows, n_cols, x, false, NV, y, "pebble_matvec");
 #else
     const int64_t grid = std::min(max_grid, (n_rows + matvec_rows_per_block - 1) / matvec_rows_per_block);
     const dim3 block(warp_lanes, matvec_rows_per_block);
@@ -585,10 +585,22 @@ extern "C" pebble_status pebble_dequantize(int32_t ggml_type, const void * src, 
 
 namespace {
 
-// pebble_matvec's and pebble_matmul's checks and work: n_vec up to max_vec.
+#ifndef PEBBLE_HOST_BUILD
+// fp16 bits of float32 x, rounded to nearest even (pebble_matmul_f32 on the GPU)
+__global__ void to_half_kernel(const float * __restrict__ x, uint16_t * __restrict__ out, int64_t n) {
+    for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+         i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+        out[i] = half_from_float(x[i]);
+    }
+}
+#endif
+
+// pebble_matvec's, pebble_matmul's and pebble_matmul_f32's checks and work: n_vec up to max_vec; x fp16,
+// or float32 (x_f32) rounded to fp16 before it is multiplied.
 pebble_status matvec_call(const char * fn, int32_t ggml_type, const void * w, uint64_t w_bytes, int64_t n_rows,
-                          int64_t n_cols, const uint16_t * x_f16, int64_t n_vec, int64_t max_vec, float * y,
+                          int64_t n_cols, const void * x, bool x_f32, int64_t n_vec, int64_t max_vec, float * y,
                           void * stream) {
+    const char * x_name = x_f32 ? "x" : "x_f16";
     return with_type(ggml_type, fn, [&](auto t) {
         using T = decltype(t);
         const char * name = type_name(T::id);
@@ -605,9 +617,9 @@ pebble_status matvec_call(const char * fn, int32_t ggml_type, const void * w, ui
             return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: %s: n_rows and n_cols must be at least 1, "
                         "got %" PRId64 " x %" PRId64, fn, name, n_rows, n_cols);
         }
-        if (!w || !x_f16 || !y) {
-            return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: %s: w, x_f16 and y must not be NULL (w %p, "
-                        "x_f16 %p, y %p)", fn, name, w, static_cast<const void *>(x_f16), static_cast<void *>(y));
+        if (!w || !x || !y) {
+            return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: %s: w, %s and y must not be NULL (w %p, "
+                        "%s %p, y %p)", fn, name, x_name, w, x_name, x, static_cast<void *>(y));
         }
         if (n_cols % T::block_elements != 0) {
             return fail(PEBBLE_ERR_SIZE_MISMATCH, "%s: %s: n_cols %" PRId64 " is not a multiple of the "
@@ -629,17 +641,34 @@ pebble_status matvec_call(const char * fn, int32_t ggml_type, const void * w, ui
         }
 #ifdef PEBBLE_HOST_BUILD
         (void)stream;
-        return pebble_cpu::matmul(T::id, static_cast<const uint8_t *>(w), n_rows, n_cols, x_f16, n_vec, y, fn);
+        (void)x_name;
+        return pebble_cpu::matmul(T::id, static_cast<const uint8_t *>(w), n_rows, n_cols, x, x_f32, n_vec, y, fn);
 #else
         TRY(check_reachable(w, "w", fn, T::id));
-        TRY(check_reachable(x_f16, "x_f16", fn, T::id));
+        TRY(check_reachable(x, x_name, fn, T::id));
         TRY(check_reachable(y, "y", fn, T::id));
-        for (int64_t v = 0; v < n_vec; v += PEBBLE_MATVEC_MAX_VEC) {
-            const int32_t group = static_cast<int32_t>(std::min<int64_t>(PEBBLE_MATVEC_MAX_VEC, n_vec - v));
-            TRY(launch_matvec<T>(static_cast<const uint8_t *>(w), n_rows, n_cols, x_f16 + v * n_cols, group,
-                                 y + v * n_rows, static_cast<cudaStream_t>(stream)));
+        const cudaStream_t s = static_cast<cudaStream_t>(stream);
+        const uint16_t * x_f16 = static_cast<const uint16_t *>(x);
+        void * half = nullptr;
+        if (x_f32) { // rounded to fp16 on the stream, into memory that lives as long as the call's kernels
+            const int64_t n = n_vec * n_cols;
+            if (cudaMallocAsync(&half, static_cast<size_t>(n) * 2, s) != cudaSuccess) {
+                cudaGetLastError();
+                return fail(PEBBLE_ERR_DEVICE_OOM, "%s: %s: no device memory for %" PRId64 " fp16 elements of x", fn,
+                            name, n);
+            }
+            to_half_kernel<<<static_cast<unsigned>(std::min<int64_t>(max_grid, (n + 255) / 256)), 256, 0, s>>>(
+                static_cast<const float *>(x), static_cast<uint16_t *>(half), n);
+            x_f16 = static_cast<const uint16_t *>(half);
         }
-        return PEBBLE_OK;
+        pebble_status status = PEBBLE_OK;
+        for (int64_t v = 0; v < n_vec && status == PEBBLE_OK; v += PEBBLE_MATVEC_MAX_VEC) {
+            const int32_t group = static_cast<int32_t>(std::min<int64_t>(PEBBLE_MATVEC_MAX_VEC, n_vec - v));
+            status = launch_matvec<T>(static_cast<const uint8_t *>(w), n_rows, n_cols, x_f16 + v * n_cols, group,
+                                      y + v * n_rows, s);
+        }
+        if (half) cudaFreeAsync(half, s);
+        return status;
 #endif
     });
 }
@@ -649,12 +678,19 @@ pebble_status matvec_call(const char * fn, int32_t ggml_type, const void * w, ui
 extern "C" pebble_status pebble_matvec(int32_t ggml_type, const void * w, uint64_t w_bytes, int64_t n_rows,
                                        int64_t n_cols, const uint16_t * x_f16, int32_t n_vec, float * y,
                                        void * stream) {
-    return matvec_call("pebble_matvec", ggml_type, w, w_bytes, n_rows, n_cols, x_f16, n_vec, PEBBLE_MATVEC_MAX_VEC, y,
-                       stream);
+    return matvec_call("pebble_matvec", ggml_type, w, w_bytes, n_rows, n_cols, x_f16, false, n_vec,
+                       PEBBLE_MATVEC_MAX_VEC, y, stream);
 }
 
 extern "C" pebble_status pebble_matmul(int32_t ggml_type, const void * w, uint64_t w_bytes, int64_t n_rows,
                                        int64_t n_cols, const uint16_t * x_f16, int64_t n_vec, float * y,
                                        void * stream) {
-    return matvec_call("pebble_matmul", ggml_type, w, w_bytes, n_rows, n_cols, x_f16, n_vec, INT64_MAX, y, stream);
+    return matvec_call("pebble_matmul", ggml_type, w, w_bytes, n_rows, n_cols, x_f16, false, n_vec, INT64_MAX, y,
+                       stream);
+}
+
+extern "C" pebble_status pebble_matmul_f32(int32_t ggml_type, const void * w, uint64_t w_bytes, int64_t n_rows,
+                                           int64_t n_cols, const float * x, int64_t n_vec, float * y, void * stream) {
+    return matvec_call("pebble_matmul_f32", ggml_type, w, w_bytes, n_rows, n_cols, x, true, n_vec, INT64_MAX, y,
+                       stream);
 }

@@ -439,3 +439,30 @@ def test_matmul_refuses_no_vectors(backend):
     with pytest.raises(InvalidArgumentError) as caught:
         kernels_of(backend).matmul(Q.Q8_0, raw, 1, 64, np.ones((0, 64), np.float16))
     assert names(str(caught.value), "pebble_matmul", "Q8_0", "n_vec must be at least 1"), str(caught.value)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_float32_vectors_are_rounded_to_fp16_by_the_library(backend, qtype):
+    """pebble_matmul_f32 (what Kernels.matvec and matmul call with float32 vectors on the host and the
+    stub): each element rounded to fp16 as numpy rounds it (fp16's edges, overflow to inf and float32
+    subnormals included), then exactly what the fp16 call gives, bit for bit, for 1, 8 and 21 vectors."""
+    kernels = kernels_of(backend)
+    n_rows = 19
+    raw, n_cols = matvec_case(qtype, n_rows, 33 if qtype not in QUANTIZED else 3 if qtype in K_QUANTS else 9, seed=7)
+    rng, w = np.random.default_rng(8), kernels._bytes(raw)
+    for n_vec in (1, 8, 21):
+        x = (rng.standard_normal((n_vec, n_cols)) * 30).astype(np.float32)
+        x[0, :len(EDGE_FLOATS)] = EDGE_FLOATS
+        with np.errstate(over="ignore"):
+            halves = x.astype(np.float16)
+        want = kernels.xp.zeros((n_vec, n_rows), np.float32)
+        got = kernels.xp.full((n_vec, n_rows), 7.0, np.float32)
+        kernels.lib.matmul(qtype, w, n_rows, n_cols, kernels.xp.asarray(halves), n_vec, want)
+        kernels.lib.matmul_f32(qtype, w, n_rows, n_cols, kernels.xp.asarray(x), n_vec, got)
+        np.testing.assert_array_equal(to_numpy(got), to_numpy(want))
+    x = rng.standard_normal((3, n_cols)).astype(np.float32)
+    np.testing.assert_array_equal(to_numpy(kernels.matvec(qtype, raw, n_rows, n_cols, x)),
+                                  to_numpy(kernels.matvec(qtype, raw, n_rows, n_cols, x.astype(np.float16))))
+    with pytest.raises(SizeMismatchError, match="float32 vectors"):
+        kernels.lib.matmul_f32(qtype, w, n_rows, n_cols, kernels.xp.asarray(x[:, :-1].copy()), 3,
+                               kernels.xp.zeros((3, n_rows), np.float32))

@@ -92,8 +92,8 @@ class QuantWeight:
     def matmul(self, x: Array, dtype: Any = None) -> Array:
         """x @ W.T for x [T, cols] or [cols], in `dtype` (default x's): the fused kernel for T up to its
         vector limit, else (on kernels with tiled_matmul) the stored blocks multiplied in tiles, else W
-        expanded into the fp16 workspace and multiplied (cuBLAS on the GPU). The kernels take x as fp16:
-        an x already fp16 is what they multiply, so several products of one vector convert it once."""
+        expanded into the fp16 workspace and multiplied (cuBLAS on the GPU). The kernels round x to fp16:
+        an x as Kernels.kernel_input gives it goes in as it is, so several products of one x convert it once."""
         kernels = self._kernels()
         rows, cols = self.shape
         n_vec = 1 if x.ndim == 1 else x.shape[0]

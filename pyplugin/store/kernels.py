@@ -82,6 +82,9 @@ class Kernels:
         # rather than array operations per sequence: where the arrays are host memory. The cuda library's
         # pebble_attend has not run on a GPU yet, so CuPy's operations stay there.
         self.attends: bool = lib.backend in ("host", "stub")
+        # Whether float32 vectors go to the library as they are (pebble_matmul_f32 rounds them to fp16 itself,
+        # with F16C: numpy's own conversion is a scalar loop); CuPy converts them on the GPU.
+        self.takes_float32: bool = lib.backend in ("host", "stub")
         self._local = threading.local()  # each thread's fp16 workspace and decode scratch
         self._scratch_bytes: dict[tuple, int] = {}  # (LayerShape, n_ctx) or ("attend", ...) -> scratch bytes
 
@@ -111,6 +114,14 @@ class Kernels:
         self.lib.dequantize(ggml_type, self._bytes(raw), n_elements, out, stream=self._stream())
         return out
 
+    def kernel_input(self, x):
+        """x as the kernels multiply it, C-contiguous: rounded to float16 (by the library where it takes
+        float32 vectors, else here). Made once, it serves every product of x."""
+        x = self.xp.asarray(x)
+        if self.takes_float32 and x.dtype == np.float32:
+            return self.xp.ascontiguousarray(x)
+        return self.xp.ascontiguousarray(x, dtype=np.float16)
+
     def matvec(self, ggml_type, w, n_rows: int, n_cols: int, x, *, out=None):
         """W @ x for the n_rows x n_cols weight whose GGUF bytes are `w` (rows contiguous, as GGUF
         stores them): x is [n_cols] or [n_vec, n_cols] with n_vec in 1..8, cast to float16; returns
@@ -118,7 +129,7 @@ class Kernels:
         float32."""
         xp = self.xp
         n_rows, n_cols = as_int(n_rows, "n_rows"), as_int(n_cols, "n_cols")
-        x = xp.ascontiguousarray(xp.asarray(x), dtype=np.float16)
+        x = self.kernel_input(x)
         if x.ndim not in (1, 2) or x.shape[-1] != n_cols:
             raise SizeMismatchError(f"matvec: x must be [n_cols] or [n_vec, n_cols] with n_cols {n_cols}, "
                                     f"got shape {tuple(x.shape)}")
@@ -128,7 +139,11 @@ class Kernels:
             out = xp.empty(shape, dtype=np.float32)
         else:
             _check_out("matvec", out, np.float32, shape)
-        self.lib.matvec(ggml_type, self._bytes(w), n_rows, n_cols, x, n_vec, out, stream=self._stream())
+        if x.dtype == np.float32 and 1 <= n_vec <= self.max_vec:  # rounded to fp16 by the library
+            self.lib.matmul_f32(ggml_type, self._bytes(w), n_rows, n_cols, x, n_vec, out, stream=self._stream())
+        else:
+            self.lib.matvec(ggml_type, self._bytes(w), n_rows, n_cols, x.astype(np.float16, copy=False), n_vec, out,
+                            stream=self._stream())
         return out
 
     def matmul(self, ggml_type, w, n_rows: int, n_cols: int, x, *, out=None):
@@ -136,7 +151,7 @@ class Kernels:
         from the weights as stored."""
         xp = self.xp
         n_rows, n_cols = as_int(n_rows, "n_rows"), as_int(n_cols, "n_cols")
-        x = xp.ascontiguousarray(xp.asarray(x), dtype=np.float16)
+        x = self.kernel_input(x)
         if x.ndim != 2 or x.shape[-1] != n_cols:
             raise SizeMismatchError(f"matmul: x must be [n_vec, n_cols] with n_cols {n_cols}, got shape "
                                     f"{tuple(x.shape)}")
@@ -145,7 +160,8 @@ class Kernels:
             out = xp.empty(shape, dtype=np.float32)
         else:
             _check_out("matmul", out, np.float32, shape)
-        self.lib.matmul(ggml_type, self._bytes(w), n_rows, n_cols, x, x.shape[0], out, stream=self._stream())
+        call = self.lib.matmul_f32 if x.dtype == np.float32 else self.lib.matmul  # float32: rounded by the library
+        call(ggml_type, self._bytes(w), n_rows, n_cols, x, x.shape[0], out, stream=self._stream())
         return out
 
     def workspace(self, n_elements: int):

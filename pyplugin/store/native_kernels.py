@@ -55,6 +55,10 @@ class NativeKernels:
         """As matvec for any number of vectors (pebble_matmul)."""
         self._matvec("matmul", ggml_type, w, n_rows, n_cols, x, n_vec, out, stream, INT64_MIN, INT64_MAX)
 
+    def matmul_f32(self, ggml_type, w, n_rows, n_cols, x, n_vec, out, *, stream=None) -> None:
+        """As matmul for float32 vectors, each element rounded to fp16 by the library (pebble_matmul_f32)."""
+        self._matvec("matmul_f32", ggml_type, w, n_rows, n_cols, x, n_vec, out, stream, INT64_MIN, INT64_MAX)
+
     def _matvec(self, fn, ggml_type, w, n_rows, n_cols, x, n_vec, out, stream, vec_min, vec_max) -> None:
         ggml_type = _c_type(ggml_type)
         n_rows, n_cols = (_c_int(n, what, INT64_MIN, INT64_MAX, InvalidArgumentError,
@@ -65,15 +69,18 @@ class NativeKernels:
         x_ptr, x_bytes = _buffer(x, self.backend, writable=False, what=f"{fn} x")
         y_ptr, y_bytes = _buffer(out, self.backend, writable=True, what=f"{fn} out")
         limit = self.MAX_VEC if fn == "matvec" else vec_max
+        item, kind = (4, "float32") if fn == "matmul_f32" else (2, "fp16")
         if 1 <= n_vec <= limit and n_rows > 0 and n_cols > 0:  # else the library refuses the call
-            if x_bytes != 2 * n_vec * n_cols:
-                raise SizeMismatchError(f"{fn}: x holds {x_bytes} bytes; {n_vec} fp16 vectors of {n_cols} "
-                                        f"need {2 * n_vec * n_cols}")
+            if x_bytes != item * n_vec * n_cols:
+                raise SizeMismatchError(f"{fn}: x holds {x_bytes} bytes; {n_vec} {kind} vectors of {n_cols} "
+                                        f"need {item * n_vec * n_cols}")
             if y_bytes != 4 * n_vec * n_rows:
                 raise SizeMismatchError(f"{fn}: out holds {y_bytes} bytes; {n_vec} float32 vectors of "
                                         f"{n_rows} need {4 * n_vec * n_rows}")
-        call = self._lib.pebble_matvec if fn == "matvec" else self._lib.pebble_matmul
-        _check(self._lib, call(ggml_type, w_ptr, w_bytes, n_rows, n_cols, ffi.cast("uint16_t *", x_ptr), n_vec,
+        call = {"matvec": self._lib.pebble_matvec, "matmul": self._lib.pebble_matmul,
+                "matmul_f32": self._lib.pebble_matmul_f32}[fn]
+        _check(self._lib, call(ggml_type, w_ptr, w_bytes, n_rows, n_cols,
+                               ffi.cast("float *" if fn == "matmul_f32" else "uint16_t *", x_ptr), n_vec,
                                ffi.cast("float *", y_ptr), ffi.cast("void *", stream_pointer(stream))))
 
     # -- the decode step

@@ -91,6 +91,10 @@ class StubKernels:
         """pebble_matmul: matvec for any number of vectors."""
         self._matvec("matmul", ggml_type, w, n_rows, n_cols, x, n_vec, out)
 
+    def matmul_f32(self, ggml_type, w, n_rows, n_cols, x, n_vec, out, *, stream=None) -> None:
+        """pebble_matmul_f32: matmul of float32 vectors, each element rounded to fp16 first."""
+        self._matvec("matmul_f32", ggml_type, w, n_rows, n_cols, x, n_vec, out)
+
     def _matvec(self, fn, ggml_type, w, n_rows, n_cols, x, n_vec, out) -> None:
         ggml_type, name, elements, block_bytes = self._type(f"pebble_{fn}", ggml_type)
         n_rows, n_cols, n_vec = as_int(n_rows, "n_rows"), as_int(n_cols, "n_cols"), as_int(n_vec, "n_vec")
@@ -102,7 +106,7 @@ class StubKernels:
             raise InvalidArgumentError(f"pebble_{fn}: {name}: n_rows and n_cols must be at least 1, got "
                                        f"{n_rows} x {n_cols}")
         w = np.frombuffer(host_buffer(w, writable=False, what=f"{fn} w"), np.uint8)
-        x = np.frombuffer(host_buffer(x, writable=False, what=f"{fn} x"), np.float16)
+        x = np.frombuffer(host_buffer(x, writable=False, what=f"{fn} x"), np.float32 if fn == "matmul_f32" else np.float16)
         y = host_buffer(out, writable=True, what=f"{fn} out")
         if n_cols % elements:
             raise SizeMismatchError(f"pebble_{fn}: {name}: n_cols {n_cols} is not a multiple of the "
@@ -112,8 +116,11 @@ class StubKernels:
             raise SizeMismatchError(f"pebble_{fn}: {name}: {n_rows} rows of {n_cols} elements are {n_rows} x "
                                     f"{row_bytes} = {n_rows * row_bytes} bytes, but w_bytes is {w.nbytes}")
         if x.size != n_vec * n_cols:
-            raise SizeMismatchError(f"{fn}: x holds {x.nbytes} bytes; {n_vec} fp16 vectors of {n_cols} "
-                                    f"need {2 * n_vec * n_cols}")
+            raise SizeMismatchError(f"{fn}: x holds {x.nbytes} bytes; {n_vec} {x.dtype.name} vectors of {n_cols} "
+                                    f"need {x.itemsize * n_vec * n_cols}")
+        if x.dtype == np.float32:
+            with np.errstate(over="ignore"):  # beyond fp16's range: +-inf, as the library rounds
+                x = x.astype(np.float16)
         if y.nbytes != 4 * n_vec * n_rows:
             raise SizeMismatchError(f"{fn}: out holds {y.nbytes} bytes; {n_vec} float32 vectors of "
                                     f"{n_rows} need {4 * n_vec * n_rows}")
@@ -121,8 +128,9 @@ class StubKernels:
         # One vector at a time, as the native kernels sum each vector alone: a BLAS GEMM over several would
         # round each differently from its own product, and a batch's rows must not depend on each other.
         xs, ys = x.reshape(n_vec, n_cols).astype(np.float32), np.frombuffer(y, np.float32).reshape(n_vec, n_rows)
-        for v in range(n_vec):
-            np.matmul(xs[v:v + 1], weights.T, out=ys[v:v + 1])
+        with np.errstate(invalid="ignore", over="ignore"):  # inf in x gives inf or NaN, as the library does
+            for v in range(n_vec):
+                np.matmul(xs[v:v + 1], weights.T, out=ys[v:v + 1])
 
     # -- the decode step: pebble_decode_layer's semantics, as the model's forward pass over these kernels
 
