@@ -156,6 +156,14 @@ int main(void) {
     EXPECT(pebble_matvec(8, q8, sizeof q8, 1, 48, ones, 1, y, NULL) == PEBBLE_ERR_SIZE_MISMATCH);
     EXPECT(pebble_matvec(8, q8, sizeof q8, 1, 64, ones, 9, y, NULL) == PEBBLE_ERR_INVALID_ARGUMENT);
     EXPECT(pebble_matvec(8, q8, sizeof q8, 1, 64, NULL, 1, y, NULL) == PEBBLE_ERR_INVALID_ARGUMENT);
+    // float32 vectors, rounded to fp16 by the library: 1 + 2^-12 rounds to 1, so the products are the same
+    float ones_f32[2 * 32], y32[4] = {0, 0, 0, 0};
+    for (int i = 0; i < 64; i++) ones_f32[i] = 1.0f + 1.0f / 4096;
+    EXPECT(pebble_matmul_f32(8, q8, sizeof q8, 2, 32, ones_f32, 2, y32, NULL) == PEBBLE_OK &&
+           memcmp(y32, y, sizeof y) == 0);
+    EXPECT(pebble_matmul_f32(8, q8, sizeof q8, 2, 32, NULL, 2, y32, NULL) == PEBBLE_ERR_INVALID_ARGUMENT &&
+           strstr(pebble_last_error(), "x") != NULL);
+    EXPECT(pebble_matmul_f32(8, q8, sizeof q8, 2, 32, ones_f32, 0, y32, NULL) == PEBBLE_ERR_INVALID_ARGUMENT);
 
     // the decode step: q = k = 0 makes attention a plain mean of the V rows; wv and wo are identities,
     // the feed-forward's gate is 0. With x = 1 (unit RMS) and row 0 of V at 3: V row 1 becomes x, the
