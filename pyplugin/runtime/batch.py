@@ -159,7 +159,7 @@ def decode_batch(source: StoreLayers, generations: Sequence[Generation], tokens:
         for i, lcfg in enumerate(first.layer_cfgs):
             weights = source.weights(i)
             if computes_alike(lcfg, weights):
-                x = batched_layer(lcfg, x, weights, [source.caches(i, seq) for seq in seqs], positions, attend)
+                x = batched_layer(lcfg, x, weights, source.pass_caches(i), positions, attend)
             else:
                 x = xp.stack([alone(lcfg, weights, seq, pos, x[b]) for b, (seq, pos) in enumerate(zip(seqs, positions))])
             source.done(i)
@@ -202,7 +202,7 @@ def prefill_batch(source: StoreLayers, generations: Sequence[Generation], chunks
     attend = attend_through(source.attend_kernels)
     x = embed(outer, [t for c in chunks for t in c], xp, cfg.embd_scale)         # [sum(lengths), n_embd]
     for i, lcfg in enumerate(first.layer_cfgs):
-        x = batched_layer(lcfg, x, source.weights(i), [source.caches(i, seq) for seq in seqs], positions, attend,
+        x = batched_layer(lcfg, x, source.weights(i), source.pass_caches(i), positions, attend,
                           lengths)
         source.done(i)
     for g, n in zip(generations, lengths):

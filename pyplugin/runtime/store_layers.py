@@ -160,6 +160,12 @@ class StoreLayers:
             return views
         return self.in_slot[self.order[i] % len(self.slots)][1][self.batch_index[seq]]
 
+    def pass_caches(self, i: int) -> list[tuple[Array, Array]]:
+        """`caches(i, seq)` of every sequence of the pass, in its order (a streamed layer's slot holds them so)."""
+        if i in self.resident:
+            return [self.caches(i, seq) for seq, _, _ in self.pass_seqs]
+        return self.in_slot[self.order[i] % len(self.slots)][1]
+
     def done(self, i: int) -> None:
         if i in self.order:
             n = self.order[i]
