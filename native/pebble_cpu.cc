@@ -1228,6 +1228,16 @@ inline float cache_value(const void * p, bool f16, int64_t i) {
     return f16 ? half_to_float(static_cast<const uint16_t *>(p)[i]) : static_cast<const float *>(p)[i];
 }
 
+// The n scores, whose largest is top, as their softmax: exp(s - top) over the sum of them all.
+inline void softmax_scores(float * sc, int64_t n, float top) {
+    float total = 0.0f;
+    for (int64_t s = 0; s < n; s++) {
+        sc[s] = std::exp(sc[s] - top);
+        total += sc[s];
+    }
+    for (int64_t s = 0; s < n; s++) sc[s] = sc[s] / total;
+}
+
 // The scores of row s: (q * scale) . k[s], soft-capped where asked; then softmax; then the weighted sum
 // of V. Written once for both instruction sets: `dot` and `axpy` are the SIMD or portable loops.
 template <typename Dot, typename Axpy>
@@ -1244,12 +1254,7 @@ inline void attend_head(const attend_job & j, int64_t unit, Dot dot, Axpy axpy) 
         sc[s] = d;
         top = std::max(top, d);
     }
-    float total = 0.0f;
-    for (int64_t s = 0; s < n; s++) {
-        sc[s] = std::exp(sc[s] - top);
-        total += sc[s];
-    }
-    for (int64_t s = 0; s < n; s++) sc[s] = sc[s] / total;
+    softmax_scores(sc, n, top);
     float * o = j.out + (b * j.n_head + h) * j.head_dim;
     for (int32_t d = 0; d < j.head_dim; d++) o[d] = 0.0f;
     for (int64_t s = 0; s < n; s++) axpy(o, sc[s], j.v[b], s * row + kv);
@@ -1334,12 +1339,7 @@ AVX2 void attend_avx2(void * ctx, int64_t begin, int64_t end) {
             }
             tail(s, hsum_ps(acc));
         }
-        float total = 0.0f;
-        for (int64_t t = 0; t < n; t++) {
-            sc[t] = std::exp(sc[t] - top);
-            total += sc[t];
-        }
-        for (int64_t t = 0; t < n; t++) sc[t] = sc[t] / total;
+        softmax_scores(sc, n, top);
         float * o = j.out + (b * j.n_head + h) * j.head_dim;
         int32_t d = 0;
         for (; d + 64 <= whole; d += 64) { // 8 registers over every row
