@@ -89,24 +89,22 @@ class QuantWeight:
         rows = to_numpy(self.data[np.asarray(ids, dtype=np.int64)])
         return dequantize_bytes(np.ascontiguousarray(rows), self.qtype, (rows.shape[0], self.shape[1]))
 
-    def matmul(self, x: Array, dtype: Any = None) -> Array:
-        """x @ W.T for x [T, cols] or [cols], in `dtype` (default x's): the fused kernel for T up to its
-        vector limit, else (on kernels with tiled_matmul) the stored blocks multiplied in tiles, else W
-        expanded into the fp16 workspace and multiplied (cuBLAS on the GPU). The kernels round x to fp16:
-        an x as Kernels.kernel_input gives it goes in as it is, so several products of one x convert it once."""
+    def matmul(self, x: Array) -> Array:
+        """x @ W.T for x [T, cols] or [cols], in x's dtype: the fused kernel for T up to its vector
+        limit, else (on kernels with tiled_matmul) the stored blocks multiplied in tiles, else W
+        expanded into the fp16 workspace and multiplied (cuBLAS on the GPU)."""
         kernels = self._kernels()
         rows, cols = self.shape
         n_vec = 1 if x.ndim == 1 else x.shape[0]
-        dtype = x.dtype if dtype is None else dtype
         if n_vec <= kernels.max_vec:
-            return kernels.matvec(self.qtype, self.data, rows, cols, x).astype(dtype, copy=False)
+            return kernels.matvec(self.qtype, self.data, rows, cols, x).astype(x.dtype, copy=False)
         dense = self.dense_view()
         if dense is not None:  # already a float matrix the GEMM takes as it is: no expansion
-            return (x @ dense.T).astype(dtype, copy=False)
+            return x @ dense.T
         if getattr(kernels, "tiled_matmul", False):  # the host's kernels multiply the stored blocks in tiles
-            return kernels.matmul(self.qtype, self.data, rows, cols, x).astype(dtype, copy=False)
+            return kernels.matmul(self.qtype, self.data, rows, cols, x).astype(x.dtype, copy=False)
         w = kernels.dequantize(self.qtype, self.data, rows * cols, out=kernels.workspace(rows * cols))
-        return (x @ w.reshape(rows, cols).T).astype(dtype, copy=False)
+        return x @ w.reshape(rows, cols).T
 
     def dense_view(self) -> Array | None:
         """The bytes as a float matrix of the compute side, where they already are one: F16 anywhere,

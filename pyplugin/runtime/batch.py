@@ -27,28 +27,19 @@ from .store_layers import StoreLayers
 Array = Any
 
 
-def linear_rows(x: Array, w: Array | QuantWeight, b: Array | None = None, kx: Array | None = None) -> Array:
+def linear_rows(x: Array, w: Array | QuantWeight, b: Array | None = None) -> Array:
     """x @ w.T (+ b) for x [n, cols], each row exactly as `transformer.linear` computes it alone: stored
     blocks in one call where the kernels multiply every row alike whatever the number beside it (up to
-    their vector limit, or any number on kernels with tiled_matmul), dense matrices a row at a time.
-    `kx`: x as the kernels take it (kernel_input), made once for the products that share x."""
+    their vector limit, or any number on kernels with tiled_matmul), dense matrices a row at a time."""
     if isinstance(w, QuantWeight):
         kernels, n = w.kernels, x.shape[0]
         whole = n <= kernels.max_vec or (getattr(kernels, "tiled_matmul", False) and w.dense_view() is None)
-        if whole:  # one call, through the kernels: kx is what they multiply
-            y = w.matmul(x if kx is None else kx, x.dtype)
-            return y if b is None else y + b
-        parts = [w.matmul(x[i:i + kernels.max_vec]) for i in range(0, n, kernels.max_vec)]
+        step = n if whole else kernels.max_vec
+        parts = [w.matmul(x[i:i + step]) for i in range(0, n, step)]
     else:
         parts = [x[i:i + 1] @ w.T for i in range(x.shape[0])]
     y = parts[0] if len(parts) == 1 else get_array_module(x).concatenate(parts)
     return y if b is None else y + b
-
-
-def kernel_input(x: Array, w: Array | QuantWeight) -> Array | None:
-    """x as w's kernels take it for linear_rows (Kernels.kernel_input) where w is stored blocks, else None:
-    made once for every product of x (Q, K and V; gate and up)."""
-    return w.kernels.kernel_input(x) if isinstance(w, QuantWeight) else None
 
 
 def batched_layer(cfg: ModelConfig, x: Array, lw: LayerWeights, caches: Sequence[tuple[Array, Array]],
@@ -64,10 +55,9 @@ def batched_layer(cfg: ModelConfig, x: Array, lw: LayerWeights, caches: Sequence
         if pos + T > n_ctx:
             raise ValueError(f"positions {pos}..{pos + T} do not fit a KV cache of {n_ctx}")
     h = rms_norm(x, lw.attn_norm, cfg.rms_eps)                                     # [n, n_embd]
-    hk = kernel_input(h, lw.wq)
-    q = linear_rows(h, lw.wq, lw.bq, hk).reshape(n, cfg.n_head, cfg.head_dim)     # [n, n_head, hd]
-    k = linear_rows(h, lw.wk, lw.bk, hk).reshape(n, cfg.n_head_kv, cfg.head_dim)  # [n, n_head_kv, hd]
-    v = linear_rows(h, lw.wv, lw.bv, hk).reshape(n, cfg.n_head_kv, cfg.head_dim)
+    q = linear_rows(h, lw.wq, lw.bq).reshape(n, cfg.n_head, cfg.head_dim)          # [n, n_head, hd]
+    k = linear_rows(h, lw.wk, lw.bk).reshape(n, cfg.n_head_kv, cfg.head_dim)       # [n, n_head_kv, hd]
+    v = linear_rows(h, lw.wv, lw.bv).reshape(n, cfg.n_head_kv, cfg.head_dim)
     # Each row rotated by its own position's angles: elementwise, so row r is what it is alone.
     if n == len(positions):  # a token each (a decode step): row b is sequence b's
         rows, starts = positions, range(n)
@@ -88,9 +78,8 @@ def batched_layer(cfg: ModelConfig, x: Array, lw: LayerWeights, caches: Sequence
             for (k_cache, v_cache), pos, T, s in zip(caches, positions, lengths, starts)])
     x = x + linear_rows(attn, lw.wo)                                               # [n, n_embd]
     h = rms_norm(x, lw.ffn_norm, cfg.rms_eps)
-    hk = kernel_input(h, lw.w_gate)
-    gated = silu(linear_rows(h, lw.w_gate, None, hk))                             # [n, n_ff] SwiGLU
-    gated *= linear_rows(h, lw.w_up, None, hk)
+    gated = silu(linear_rows(h, lw.w_gate))                                        # [n, n_ff] SwiGLU
+    gated *= linear_rows(h, lw.w_up)
     return x + linear_rows(gated, lw.w_down)
 
 

@@ -114,9 +114,9 @@ class Kernels:
         self.lib.dequantize(ggml_type, self._bytes(raw), n_elements, out, stream=self._stream())
         return out
 
-    def kernel_input(self, x):
-        """x as the kernels multiply it, C-contiguous: rounded to float16 (by the library where it takes
-        float32 vectors, else here). Made once, it serves every product of x."""
+    def _vectors(self, x):
+        """x as the library takes it, C-contiguous: float32 where it rounds float32 vectors to fp16 itself
+        (takes_float32), else rounded to fp16 here."""
         x = self.xp.asarray(x)
         if self.takes_float32 and x.dtype == np.float32:
             return self.xp.ascontiguousarray(x)
@@ -129,7 +129,7 @@ class Kernels:
         float32."""
         xp = self.xp
         n_rows, n_cols = as_int(n_rows, "n_rows"), as_int(n_cols, "n_cols")
-        x = self.kernel_input(x)
+        x = self._vectors(x)
         if x.ndim not in (1, 2) or x.shape[-1] != n_cols:
             raise SizeMismatchError(f"matvec: x must be [n_cols] or [n_vec, n_cols] with n_cols {n_cols}, "
                                     f"got shape {tuple(x.shape)}")
@@ -151,7 +151,7 @@ class Kernels:
         from the weights as stored."""
         xp = self.xp
         n_rows, n_cols = as_int(n_rows, "n_rows"), as_int(n_cols, "n_cols")
-        x = self.kernel_input(x)
+        x = self._vectors(x)
         if x.ndim != 2 or x.shape[-1] != n_cols:
             raise SizeMismatchError(f"matmul: x must be [n_vec, n_cols] with n_cols {n_cols}, got shape "
                                     f"{tuple(x.shape)}")
