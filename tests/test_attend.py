@@ -101,3 +101,15 @@ def test_new_rows_are_stored_then_attended_in_the_same_call(kernels, dtype):
         np.testing.assert_array_equal(to_host(v), v_want)
     after = to_host(kernels.attend(q, [tuple(xp.asarray(c) for c in pair) for pair in expected], n_pos, N_KV, 0.2))
     np.testing.assert_array_equal(got, after)
+
+
+def test_new_rows_of_the_wrong_size_are_refused(kernels):
+    xp = kernels.xp
+    q = xp.zeros((1, N_HEAD * HEAD_DIM), np.float32)
+    cache = (xp.zeros((N_ROWS, N_KV, HEAD_DIM), np.float32), xp.zeros((N_ROWS, N_KV, HEAD_DIM), np.float32))
+    short = xp.zeros((1, N_KV * HEAD_DIM - 1), np.float32)
+    with pytest.raises(SizeMismatchError, match="k_new"):
+        kernels.lib.attend(q, 0, [cache[0]], [cache[1]], [3], N_ROWS, N_HEAD, N_KV, HEAD_DIM, 1.0, 0.0,
+                           xp.zeros((1, N_HEAD * HEAD_DIM), np.float32), xp.zeros(1 << 16, np.uint8),
+                           k_new=short, v_new=short)
+    assert not to_host(cache[0]).any()  # nothing written

@@ -249,6 +249,10 @@ class StubKernels:
             if not 1 <= n <= n_rows:
                 raise SizeMismatchError(f"pebble_attend: sequence {b} attends over {n} rows; 1..{n_rows} are in "
                                         "its cache")
+        for what, rows in (("k_new", k_new), ("v_new", v_new)):
+            if rows is not None and np.asarray(rows).size != len(k_caches) * n_head_kv * head_dim:
+                raise SizeMismatchError(f"pebble_attend: {what} holds {np.asarray(rows).size} values; "
+                                        f"{len(k_caches)} rows of {n_head_kv} heads of {head_dim} are needed")
         if k_new is not None:  # each new row into its cache, rounded to the cache's type as the library does
             for b, (k, v, n) in enumerate(zip(k_caches, v_caches, n_pos)):
                 k[n - 1] = k_new[b].reshape(n_head_kv, head_dim)
