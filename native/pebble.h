@@ -241,27 +241,19 @@ PEBBLE_API enum pebble_status pebble_matmul_f32(int32_t ggml_type, const void * 
                                                 int64_t n_vec, float * y, void * stream);
 
 // ---------------------------------------------------------------------------------------------------
-// the decode step: one transformer layer for one token, in one call
+// a transformer layer as the decode step computes it (native/pebble_decode.cu)
 //
-// At batch 1 a layer is a dozen small operations; launched one by one from Python each costs more
-// than the GPU's work. pebble_decode_layer runs them all from C on `stream` (native/pebble_decode.cu):
 // RMS norm, the Q/K/V projections (+ biases), per-head Q/K RMS norms where given (qwen3, gemma3), RoPE,
-// the new K/V row into the caches, attention over rows 0..pos (soft-capped where asked: gemma2), the
+// the new K/V row into the caches, attention over the rows filled (soft-capped where asked: gemma2), the
 // output projection, its norm where given (the Gemmas), the residual (scaled where asked: Granite), RMS
 // norm, the SwiGLU or GELU-tanh gated feed-forward, its norm where given, and its residual. A cache may be
-// a ring (shape.ring): a sliding-window layer's n_ctx rows hold its last n_ctx positions, position p in
-// row p % n_ctx, and attention covers the rows filled so far, its window.
-// Weight matrices may be of any type with kernels (the quantized bytes as stored, or F16/F32/BF16);
-// vectors (norms, biases) and the caches are F32 or F16. The residual stream `x` is float32, the
-// vectors handed to the matrix kernels fp16, sums float32. Layouts are llama.cpp's, as in
-// pyplugin.model: a matrix is [out][in] rows, a cache is [n_ctx][n_head_kv][head_dim].
-//
-// Errors: PEBBLE_ERR_INVALID_ARGUMENT for a NULL pointer (only the biases and the extra norms may be NULL),
-// Q/K norms together with Q/K biases (no model has both; their order would be a guess), a count below
-// 1, heads that do not divide, an odd or too large rope_dims, a type without kernels or a vector/cache
-// type other than F32 and F16, pageable host memory on the cuda library; PEBBLE_ERR_SIZE_MISMATCH for
-// rows that are not whole blocks, pos outside [0, n_ctx) (pos >= 0 on a ring) or scratch smaller than
-// pebble_decode_scratch_bytes says; PEBBLE_ERR_CUDA when a kernel cannot be launched.
+// a ring (shape.ring): a sliding-window layer's rows hold its last positions, position p in row p % rows,
+// and attention covers the rows filled so far, its window. Weight matrices may be of any type with
+// kernels (the quantized bytes as stored, or F16/F32/BF16); vectors (norms, biases) and the caches are F32
+// or F16. The residual stream is float32, the vectors handed to the matrix kernels fp16, sums float32.
+// Layouts are llama.cpp's, as in pyplugin.model: a matrix is [out][in] rows, a cache is
+// [rows][n_head_kv][head_dim]. Q/K norms together with Q/K biases are refused (no model has both; their
+// order would be a guess), as are heads that do not divide and an odd or too large rope_dims.
 
 struct pebble_layer_shape {
     int32_t n_embd, n_head, n_head_kv, head_dim, n_ff;
@@ -284,21 +276,6 @@ struct pebble_layer_weights {
     struct pebble_tensor_ref q_norm, k_norm;                 // [head_dim] each, or NULL (qwen3, gemma3)
     struct pebble_tensor_ref post_attn_norm, post_ffn_norm;  // [n_embd] each, or NULL (the Gemmas)
 };
-
-// *out = the bytes of scratch pebble_decode_layer needs for this shape and n_ctx.
-PEBBLE_API enum pebble_status pebble_decode_scratch_bytes(const struct pebble_layer_shape * shape, int64_t n_ctx,
-                                                          uint64_t * out);
-// x (n_embd float32, in and out) through one layer at position pos: writes K/V row pos of the caches
-// (kv_type F32 or F16; row pos % n_ctx of a ring) and attends over rows 0..pos (a ring's filled rows).
-// rope_cos and rope_sin are head_dim float32 each,
-// for this position, in the form x' = x * cos + partner(x) * sin (sin signed; dims past rope_dims with
-// cos 1, sin 0); attn_scale multiplies q before the dot products (1/sqrt(head_dim)).
-PEBBLE_API enum pebble_status pebble_decode_layer(const struct pebble_layer_shape * shape,
-                                                  const struct pebble_layer_weights * weights,
-                                                  int32_t kv_type, void * k_cache, void * v_cache, int64_t n_ctx,
-                                                  int64_t pos, const float * rope_cos, const float * rope_sin,
-                                                  float attn_scale, float * x, void * scratch,
-                                                  uint64_t scratch_bytes, void * stream);
 
 // The attention of one new query in each of n_seq sequences, each over a cache of its own: what a
 // decode step over a batch computes per sequence, in one call. q is n_seq x n_head x head_dim float32
@@ -323,6 +300,68 @@ PEBBLE_API enum pebble_status pebble_attend(int32_t n_seq, const float * q, cons
                                             const int64_t * n_pos, int64_t n_rows, int32_t n_head,
                                             int32_t n_head_kv, int32_t head_dim, float scale, float softcap,
                                             float * out, void * scratch, uint64_t scratch_bytes, void * stream);
+
+// ---------------------------------------------------------------------------------------------------
+// the decode step of a whole model: one call per generated token
+//
+// A decoder holds, for as long as a plan runs, what every step reads: each layer's shape, weights, RoPE
+// tables and the K/V caches of each of its n_seq sequences, and the output norm and matrix. The caller
+// keeps every buffer it names valid until pebble_decoder_free; nothing is copied. A step then runs one
+// token of each of 1..n_seq sequences (each at its own position, over its own caches) through every layer
+// and the output: per layer, the weights are read once for the whole batch (pebble_matmul's kernels), each
+// sequence's new K/V row is written (row pos % kv_rows of a ring) and it attends over its own rows
+// (pebble_attend's arithmetic). Every operation is pebble_decode_layer's, in its order; each sequence's
+// result is the same whatever the others in the step.
+//
+// Errors: those of pebble_decode_layer for a layer's shape, weights and caches, named by layer, when the
+// decoder is made; at a step, PEBBLE_ERR_INVALID_ARGUMENT for a count outside 1..n_seq, a sequence outside
+// 0..n_seq-1 or twice in one step, a NULL x; PEBBLE_ERR_SIZE_MISMATCH for a position outside a layer's
+// RoPE table or past a full cache; PEBBLE_ERR_CLOSED for a freed decoder.
+
+struct pebble_step_layer {
+    struct pebble_layer_shape   shape;
+    struct pebble_layer_weights weights;
+    const float * rope_cos;     // [rope_rows][head_dim] float32: rotations of every position (pebble_decode_layer)
+    const float * rope_sin;
+    int64_t       rope_rows;
+    int64_t       kv_rows;      // rows of each of this layer's caches (a ring's window where shape.ring)
+    float         attn_scale;   // multiplies q before the dot products
+};
+
+struct pebble_step_model {
+    int32_t n_layer, n_embd, n_vocab;
+    int32_t n_seq;              // sequences the decoder holds caches for
+    int32_t kv_type;            // 0 F32 or 1 F16, every cache
+    float   rms_eps;            // the output norm's
+    float   logit_scale;        // multiplies the logits (1: none)
+    float   final_softcap;      // above 0: each logit becomes c * tanh(l / c)
+    struct pebble_tensor_ref output_norm, output; // [n_embd]; [n_vocab][n_embd] of any type with kernels
+};
+
+struct pebble_decoder_stats {
+    uint64_t steps;             // steps run
+    uint64_t tokens;            // sequences summed over steps
+    uint64_t layer_passes;      // layers computed, one per layer per step
+};
+
+typedef struct pebble_decoder * pebble_decoder_t;
+
+#define PEBBLE_DECODER_MAX_BATCH 64 // sequences one decoder holds
+
+// layers: n_layer entries; k_caches, v_caches: n_layer * n_seq pointers, layer i's cache of sequence s at
+// [i * n_seq + s], each kv_rows x n_head_kv x head_dim of kv_type.
+PEBBLE_API enum pebble_status pebble_decoder_create(const struct pebble_step_model * model,
+                                                    const struct pebble_step_layer * layers,
+                                                    void * const * k_caches, void * const * v_caches,
+                                                    pebble_decoder_t * out);
+// Token b of the step is sequence seqs[b] at position pos[b]: x (n x n_embd float32) holds their embeddings
+// and comes out as their last hidden states, before the output norm; logits (n x n_vocab float32), where
+// not NULL, receives the output's logits (scaled and capped as the model says).
+PEBBLE_API enum pebble_status pebble_decoder_step (pebble_decoder_t decoder, int32_t n, const int32_t * seqs,
+                                                   const int64_t * pos, float * x, float * logits, void * stream);
+PEBBLE_API enum pebble_status pebble_decoder_stats(pebble_decoder_t decoder, struct pebble_decoder_stats * out);
+// Frees the decoder (not the buffers it names); NULL is a no-op.
+PEBBLE_API enum pebble_status pebble_decoder_free (pebble_decoder_t decoder);
 
 // ---------------------------------------------------------------------------------------------------
 // strategy, stats, errors

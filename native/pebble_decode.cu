@@ -22,7 +22,13 @@
 #include <cinttypes>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <initializer_list>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
 
 using namespace pebble_internal;
 
@@ -44,17 +50,6 @@ __host__ __device__ inline void store_value(void * p, int32_t type, int64_t i, f
 
 // ---------------------------------------------------------------------------------------------------
 // kernels
-
-// One warp: out = fp16(x * (1 / sqrt(mean(x^2) + eps)) * w).
-__global__ void rms_norm_kernel(const float * __restrict__ x, int64_t n, const void * w, int32_t w_type, float eps,
-                                uint16_t * __restrict__ out) {
-    if (grid_warp() != 0) return;
-    float sum = 0.0f;
-    for (int64_t i = warp_lane(); i < n; i += warp_lanes) sum += x[i] * x[i];
-    sum = warp_sum(sum);
-    const float scale = 1.0f / sqrtf(sum / static_cast<float>(n) + eps);
-    for (int64_t i = warp_lane(); i < n; i += warp_lanes) out[i] = half_from_float(x[i] * scale * load_value(w, w_type, i));
-}
 
 // One warp per head of y [n_heads][head_dim], in place: y = y / sqrt(mean(y^2) + eps) * w (float32).
 __global__ void head_norm_kernel(float * __restrict__ y, int32_t n_heads, int32_t head_dim, const void * w,
@@ -138,7 +133,7 @@ struct attention_args {
 
 // One warp per query head, over the rows of its KV head: scores, softmax (probabilities normalised
 // first), then each lane takes dims of the weighted sum of V.
-__global__ void attention_kernel(attention_args a) {
+[[maybe_unused]] __global__ void attention_kernel(attention_args a) {
     const int32_t group = a.n_head / a.n_head_kv;
     const int64_t row = static_cast<int64_t>(a.n_head_kv) * a.head_dim;
     for (int64_t h = grid_warp(); h < a.n_head; h += grid_warps()) {
@@ -216,7 +211,7 @@ pebble_status launched() { return PEBBLE_OK; }
 pebble_status launched() {
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) {
-        return fail(PEBBLE_ERR_CUDA, "pebble_decode_layer: a kernel could not be launched: %s", cudaGetErrorString(err));
+        return fail(PEBBLE_ERR_CUDA, "a kernel could not be launched: %s", cudaGetErrorString(err));
     }
     return PEBBLE_OK;
 }
@@ -230,61 +225,37 @@ constexpr int64_t max_grid = int64_t(1) << 20;
     return static_cast<unsigned>(std::max<int64_t>(1, std::min(max_grid, (n + per_block - 1) / per_block)));
 }
 
-// Scratch: the fp16 vector a matrix kernel reads, and the float32 vectors between the steps.
-struct scratch_layout {
-    uint64_t h16, q, k, v, q_rot, scores, o, gate, up, bytes; // byte offsets, then the total
-};
-
 uint64_t aligned(uint64_t n) { return (n + 255) / 256 * 256; }
 
-scratch_layout layout_of(const pebble_layer_shape & s, int64_t n_ctx) {
-    const uint64_t q = uint64_t(s.n_head) * s.head_dim, kv = uint64_t(s.n_head_kv) * s.head_dim;
-    const uint64_t widest = std::max<uint64_t>({uint64_t(s.n_embd), q, uint64_t(s.n_ff)});
-    scratch_layout l{};
-    uint64_t at = 0;
-    auto take = [&at](uint64_t bytes) { const uint64_t here = at; at += aligned(bytes); return here; };
-    l.h16 = take(2 * widest);
-    l.q = take(4 * q);
-    l.k = take(4 * kv);
-    l.v = take(4 * kv);
-    l.q_rot = take(4 * q);
-    l.scores = take(4 * uint64_t(s.n_head) * uint64_t(n_ctx));
-    l.o = take(4 * uint64_t(s.n_embd));
-    l.gate = take(4 * uint64_t(s.n_ff));
-    l.up = take(4 * uint64_t(s.n_ff));
-    l.bytes = at;
-    return l;
-}
-
 pebble_status check_shape(const pebble_layer_shape * s, int64_t n_ctx) {
-    if (!s) return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_decode_layer: shape must not be NULL");
+    if (!s) return fail(PEBBLE_ERR_INVALID_ARGUMENT, "shape must not be NULL");
     if (s->n_embd < 1 || s->n_head < 1 || s->n_head_kv < 1 || s->head_dim < 1 || s->n_ff < 1 || n_ctx < 1) {
-        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_decode_layer: n_embd %d, n_head %d, n_head_kv %d, head_dim %d, "
+        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "n_embd %d, n_head %d, n_head_kv %d, head_dim %d, "
                     "n_ff %d and n_ctx %" PRId64 " must each be at least 1", s->n_embd, s->n_head, s->n_head_kv,
                     s->head_dim, s->n_ff, n_ctx);
     }
     if (s->n_head % s->n_head_kv != 0) {
-        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_decode_layer: %d query heads cannot share %d KV heads evenly",
+        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%d query heads cannot share %d KV heads evenly",
                     s->n_head, s->n_head_kv);
     }
     if (s->rope_dims < 0 || s->rope_dims > s->head_dim || s->rope_dims % 2 != 0) {
-        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_decode_layer: rope_dims %d must be even and within 0..head_dim "
+        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "rope_dims %d must be even and within 0..head_dim "
                     "(%d)", s->rope_dims, s->head_dim);
     }
     if (s->gelu != 0 && s->gelu != 1) {
-        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_decode_layer: gelu is %d; 0 (SwiGLU) or 1 (GELU) are accepted",
+        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "gelu is %d; 0 (SwiGLU) or 1 (GELU) are accepted",
                     s->gelu);
     }
     if (s->ring != 0 && s->ring != 1) {
-        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_decode_layer: ring is %d; 0 or 1 are accepted", s->ring);
+        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "ring is %d; 0 or 1 are accepted", s->ring);
     }
     if (!(s->attn_softcap >= 0.0f) || !std::isfinite(s->attn_softcap) || !std::isfinite(s->residual_scale)) {
-        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_decode_layer: attn_softcap %g must be finite and at least 0, "
+        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "attn_softcap %g must be finite and at least 0, "
                     "residual_scale %g finite", static_cast<double>(s->attn_softcap),
                     static_cast<double>(s->residual_scale));
     }
     if (n_ctx > INT64_MAX / 4 / s->n_head) {
-        return fail(PEBBLE_ERR_SIZE_MISMATCH, "pebble_decode_layer: n_ctx %" PRId64 " is too large", n_ctx);
+        return fail(PEBBLE_ERR_SIZE_MISMATCH, "n_ctx %" PRId64 " is too large", n_ctx);
     }
     return PEBBLE_OK;
 }
@@ -304,145 +275,21 @@ pebble_status residual(float * x, const float * o, int64_t e, const pebble_tenso
 pebble_status check_vector(const char * what, const pebble_tensor_ref & t, bool optional) {
     if (!t.data) {
         return optional ? PEBBLE_OK
-                        : fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_decode_layer: %s must not be NULL", what);
+                        : fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s must not be NULL", what);
     }
     if (t.ggml_type != f32_type && t.ggml_type != f16_type) {
-        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_decode_layer: %s has GGUF type %d (%s); vectors must be "
+        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s has GGUF type %d (%s); vectors must be "
                     "0 F32 or 1 F16", what, t.ggml_type, ggml_type_name(t.ggml_type));
     }
     return PEBBLE_OK;
 }
 
 pebble_status check_weight(const char * what, const pebble_tensor_ref & t, int64_t rows, int64_t cols) {
-    if (!t.data) return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_decode_layer: %s must not be NULL", what);
-    return check_matrix("pebble_decode_layer", what, t.ggml_type, rows, cols);
+    if (!t.data) return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s must not be NULL", what);
+    return check_matrix("weight", what, t.ggml_type, rows, cols);
 }
 
 } // namespace
-
-extern "C" pebble_status pebble_decode_scratch_bytes(const pebble_layer_shape * shape, int64_t n_ctx, uint64_t * out) {
-    TRY(check_shape(shape, n_ctx));
-    if (!out) return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_decode_scratch_bytes: out must not be NULL");
-    *out = layout_of(*shape, n_ctx).bytes;
-    return PEBBLE_OK;
-}
-
-extern "C" pebble_status pebble_decode_layer(const pebble_layer_shape * shape, const pebble_layer_weights * weights,
-                                             int32_t kv_type, void * k_cache, void * v_cache, int64_t n_ctx,
-                                             int64_t pos, const float * rope_cos, const float * rope_sin,
-                                             float attn_scale, float * x, void * scratch, uint64_t scratch_bytes,
-                                             void * stream_ptr) {
-    TRY(check_shape(shape, n_ctx));
-    const pebble_layer_shape & s = *shape;
-    if (!weights) return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_decode_layer: weights must not be NULL");
-    const pebble_layer_weights & w = *weights;
-    const int64_t e = s.n_embd, q = int64_t(s.n_head) * s.head_dim, kv = int64_t(s.n_head_kv) * s.head_dim;
-    TRY(check_vector("attn_norm", w.attn_norm, false));
-    TRY(check_vector("ffn_norm", w.ffn_norm, false));
-    TRY(check_vector("bq", w.bq, true));
-    TRY(check_vector("bk", w.bk, true));
-    TRY(check_vector("bv", w.bv, true));
-    TRY(check_vector("q_norm", w.q_norm, true));
-    TRY(check_vector("k_norm", w.k_norm, true));
-    TRY(check_vector("post_attn_norm", w.post_attn_norm, true));
-    TRY(check_vector("post_ffn_norm", w.post_ffn_norm, true));
-    if ((w.q_norm.data || w.k_norm.data) && (w.bq.data || w.bk.data)) {
-        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_decode_layer: Q/K norms together with Q/K biases are not "
-                    "supported");
-    }
-    TRY(check_weight("wq", w.wq, q, e));
-    TRY(check_weight("wk", w.wk, kv, e));
-    TRY(check_weight("wv", w.wv, kv, e));
-    TRY(check_weight("wo", w.wo, e, q));
-    TRY(check_weight("w_gate", w.w_gate, s.n_ff, e));
-    TRY(check_weight("w_up", w.w_up, s.n_ff, e));
-    TRY(check_weight("w_down", w.w_down, e, s.n_ff));
-    if (kv_type != f32_type && kv_type != f16_type) {
-        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_decode_layer: kv_type %d (%s); the caches must be 0 F32 or "
-                    "1 F16", kv_type, ggml_type_name(kv_type));
-    }
-    if (!k_cache || !v_cache || !rope_cos || !rope_sin || !x || !scratch) {
-        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_decode_layer: k_cache, v_cache, rope_cos, rope_sin, x and "
-                    "scratch must not be NULL");
-    }
-    if (pos < 0 || (pos >= n_ctx && !s.ring)) {
-        return fail(PEBBLE_ERR_SIZE_MISMATCH, "pebble_decode_layer: position %" PRId64 " is outside the cache's "
-                    "0..%" PRId64, pos, n_ctx - 1);
-    }
-    const scratch_layout l = layout_of(s, n_ctx);
-    if (scratch_bytes < l.bytes) {
-        return fail(PEBBLE_ERR_SIZE_MISMATCH, "pebble_decode_layer: scratch holds %" PRIu64 " bytes; n_ctx %" PRId64
-                    " needs %" PRIu64 " (pebble_decode_scratch_bytes)", scratch_bytes, n_ctx, l.bytes);
-    }
-#ifndef PEBBLE_HOST_BUILD
-    const void * pointers[] = {x, scratch, k_cache, v_cache, rope_cos, rope_sin, w.attn_norm.data, w.ffn_norm.data,
-                               w.wq.data, w.wk.data, w.wv.data, w.wo.data, w.w_gate.data, w.w_up.data, w.w_down.data};
-    const char * names[] = {"x", "scratch", "k_cache", "v_cache", "rope_cos", "rope_sin", "attn_norm", "ffn_norm",
-                            "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"};
-    for (size_t i = 0; i < sizeof pointers / sizeof pointers[0]; i++) {
-        TRY(check_device_pointer(pointers[i], names[i], "pebble_decode_layer"));
-    }
-    for (const pebble_tensor_ref * b : {&w.bq, &w.bk, &w.bv}) {
-        if (b->data) TRY(check_device_pointer(b->data, "a bias", "pebble_decode_layer"));
-    }
-    for (const pebble_tensor_ref * b : {&w.q_norm, &w.k_norm, &w.post_attn_norm, &w.post_ffn_norm}) {
-        if (b->data) TRY(check_device_pointer(b->data, "a norm", "pebble_decode_layer"));
-    }
-#endif
-    cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
-    uint8_t * base = static_cast<uint8_t *>(scratch);
-    uint16_t * h16 = reinterpret_cast<uint16_t *>(base + l.h16);
-    float * fq = reinterpret_cast<float *>(base + l.q), * fk = reinterpret_cast<float *>(base + l.k);
-    float * fv = reinterpret_cast<float *>(base + l.v), * q_rot = reinterpret_cast<float *>(base + l.q_rot);
-    float * scores = reinterpret_cast<float *>(base + l.scores), * o = reinterpret_cast<float *>(base + l.o);
-    float * gate = reinterpret_cast<float *>(base + l.gate), * up = reinterpret_cast<float *>(base + l.up);
-    const size_t kv_item = kv_type == f32_type ? 4 : 2;
-    const int64_t row = s.ring ? pos % n_ctx : pos;             // a ring keeps position p in row p % n_ctx
-    const int64_t n_pos = std::min(pos + 1, n_ctx);            // its filled rows: the window
-    void * k_row = static_cast<uint8_t *>(k_cache) + row * kv * kv_item;
-    void * v_row = static_cast<uint8_t *>(v_cache) + row * kv * kv_item;
-
-    // attention
-    LAUNCH(rms_norm_kernel, 1, dim3(warp_lanes, 1), stream, x, e, w.attn_norm.data, w.attn_norm.ggml_type, s.rms_eps, h16);
-    TRY(launched());
-    TRY(matvec_one(w.wq.ggml_type, w.wq.data, q, e, h16, fq, stream));
-    TRY(matvec_one(w.wk.ggml_type, w.wk.data, kv, e, h16, fk, stream));
-    TRY(matvec_one(w.wv.ggml_type, w.wv.data, kv, e, h16, fv, stream));
-    if (w.q_norm.data) {
-        LAUNCH(head_norm_kernel, grid_for(s.n_head, heads_per_block), dim3(warp_lanes, heads_per_block), stream, fq,
-               s.n_head, s.head_dim, w.q_norm.data, w.q_norm.ggml_type, s.rms_eps);
-        TRY(launched());
-    }
-    if (w.k_norm.data) {
-        LAUNCH(head_norm_kernel, grid_for(s.n_head_kv, heads_per_block), dim3(warp_lanes, heads_per_block), stream,
-               fk, s.n_head_kv, s.head_dim, w.k_norm.data, w.k_norm.ggml_type, s.rms_eps);
-        TRY(launched());
-    }
-    const qkv_args qa{fq, fk, fv, w.bq, w.bk, w.bv, static_cast<int32_t>(q), static_cast<int32_t>(kv), s.head_dim,
-                      s.rope_dims, s.rope_neox, kv_type, rope_cos, rope_sin, q_rot, k_row, v_row};
-    LAUNCH(qkv_kernel, grid_for(q + 2 * kv, threads), threads, stream, qa);
-    TRY(launched());
-    const attention_args aa{q_rot, k_cache, v_cache, kv_type, s.n_head, s.n_head_kv, s.head_dim, n_pos, n_ctx,
-                            attn_scale, s.attn_softcap, scores, h16, nullptr};
-    LAUNCH(attention_kernel, grid_for(s.n_head, heads_per_block), dim3(warp_lanes, heads_per_block), stream, aa);
-    TRY(launched());
-    TRY(matvec_one(w.wo.ggml_type, w.wo.data, e, q, h16, o, stream));
-    TRY(residual(x, o, e, w.post_attn_norm, s, stream));
-
-    // feed-forward
-    LAUNCH(rms_norm_kernel, 1, dim3(warp_lanes, 1), stream, x, e, w.ffn_norm.data, w.ffn_norm.ggml_type, s.rms_eps, h16);
-    TRY(launched());
-    TRY(matvec_one(w.w_gate.ggml_type, w.w_gate.data, s.n_ff, e, h16, gate, stream));
-    TRY(matvec_one(w.w_up.ggml_type, w.w_up.data, s.n_ff, e, h16, up, stream));
-    if (s.gelu) {
-        LAUNCH(geglu_kernel, grid_for(s.n_ff, threads), threads, stream, gate, up, s.n_ff, h16);
-    } else {
-        LAUNCH(swiglu_kernel, grid_for(s.n_ff, threads), threads, stream, gate, up, s.n_ff, h16);
-    }
-    TRY(launched());
-    TRY(matvec_one(w.w_down.ggml_type, w.w_down.data, e, s.n_ff, h16, o, stream));
-    return residual(x, o, e, w.post_ffn_norm, s, stream);
-}
 
 // ---------------------------------------------------------------------------------------------------
 // attention of a batch of sequences, one query each
@@ -539,4 +386,379 @@ extern "C" pebble_status pebble_attend(int32_t n_seq, const float * q, const flo
     }
     return PEBBLE_OK;
 #endif
+}
+
+// ---------------------------------------------------------------------------------------------------
+// the decode step of a whole model (pebble_decoder_*)
+
+namespace {
+
+// One warp per row of x [n_rows][n]: out = fp16(x * (1 / sqrt(mean(x^2) + eps)) * w).
+__global__ void rms_rows_kernel(const float * __restrict__ x, int64_t n_rows, int64_t n, const void * w, int32_t w_type,
+                                float eps, uint16_t * __restrict__ out) {
+    for (int64_t r = grid_warp(); r < n_rows; r += grid_warps()) {
+        const float * xr = x + r * n;
+        float sum = 0.0f;
+        for (int64_t i = warp_lane(); i < n; i += warp_lanes) sum += xr[i] * xr[i];
+        sum = warp_sum(sum);
+        const float scale = 1.0f / sqrtf(sum / static_cast<float>(n) + eps);
+        for (int64_t i = warp_lane(); i < n; i += warp_lanes) out[r * n + i] = half_from_float(xr[i] * scale * load_value(w, w_type, i));
+    }
+}
+
+// out = fp16(x), elementwise (the attention's float32 output into the output projection)
+__global__ void half_kernel(const float * __restrict__ x, uint16_t * __restrict__ out, int64_t n) {
+    for (int64_t i = grid_thread(); i < n; i += grid_threads()) out[i] = half_from_float(x[i]);
+}
+
+// logits *= scale, then c * tanh(l / c) where cap > 0
+__global__ void logits_kernel(float * __restrict__ y, int64_t n, float scale, float cap) {
+    for (int64_t i = grid_thread(); i < n; i += grid_threads()) {
+        float l = scale == 1.0f ? y[i] : y[i] * scale;
+        if (cap > 0.0f) l = tanhf(l / cap) * cap;
+        y[i] = l;
+    }
+}
+
+
+struct step_scratch {
+    uint64_t h16, q, k, v, att, scores, o, gate, up, bytes;
+};
+
+} // namespace
+
+struct pebble_decoder {
+    pebble_step_model model{};
+    std::vector<pebble_step_layer> layers;
+    std::vector<void *> k, v;          // [layer * n_seq + s]
+    step_scratch at{};
+    int64_t widest = 0, max_q = 0, max_kv = 0, max_ff = 0, max_heads = 0, max_rows = 0;
+    uint8_t * scratch = nullptr;
+    std::mutex lock;                   // one step at a time
+    struct pebble_decoder_stats stats{};
+};
+
+namespace {
+
+// The last failure's message again, after `where` (the message is copied first: fail writes the same buffer).
+pebble_status with_place(pebble_status st, const char * where) {
+    char message[512];
+    snprintf(message, sizeof message, "%s", pebble_last_error());
+    return fail(st, "%s: %s", where, message);
+}
+
+pebble_status check_layer(const char * fn, int32_t i, const pebble_layer_shape & s, const pebble_layer_weights & w,
+                          int64_t kv_rows) {
+    // The layer's own checks name pebble_decode_layer; which layer failed is added here.
+    char where[64];
+    snprintf(where, sizeof where, "%s: layer %d", fn, i);
+    pebble_status st = check_shape(&s, kv_rows);
+    if (st != PEBBLE_OK) return with_place(st, where);
+    const int64_t e = s.n_embd, q = int64_t(s.n_head) * s.head_dim, kv = int64_t(s.n_head_kv) * s.head_dim;
+    const struct { const char * name; const pebble_tensor_ref & t; bool optional; } vectors[] = {
+        {"attn_norm", w.attn_norm, false}, {"ffn_norm", w.ffn_norm, false}, {"bq", w.bq, true}, {"bk", w.bk, true},
+        {"bv", w.bv, true}, {"q_norm", w.q_norm, true}, {"k_norm", w.k_norm, true},
+        {"post_attn_norm", w.post_attn_norm, true}, {"post_ffn_norm", w.post_ffn_norm, true}};
+    for (const auto & vec : vectors) {
+        if ((st = check_vector(vec.name, vec.t, vec.optional)) != PEBBLE_OK) {
+            return with_place(st, where);
+        }
+    }
+    if ((w.q_norm.data || w.k_norm.data) && (w.bq.data || w.bk.data)) {
+        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: Q/K norms together with Q/K biases are not supported", where);
+    }
+    const struct { const char * name; const pebble_tensor_ref & t; int64_t rows, cols; } matrices[] = {
+        {"wq", w.wq, q, e}, {"wk", w.wk, kv, e}, {"wv", w.wv, kv, e}, {"wo", w.wo, e, q},
+        {"w_gate", w.w_gate, s.n_ff, e}, {"w_up", w.w_up, s.n_ff, e}, {"w_down", w.w_down, e, s.n_ff}};
+    for (const auto & m : matrices) {
+        if ((st = check_weight(m.name, m.t, m.rows, m.cols)) != PEBBLE_OK) {
+            return with_place(st, where);
+        }
+    }
+    return PEBBLE_OK;
+}
+
+pebble_status alloc_scratch(uint8_t ** out, uint64_t bytes) {
+#ifdef PEBBLE_HOST_BUILD
+    *out = static_cast<uint8_t *>(std::malloc(bytes));
+    if (!*out) return fail(PEBBLE_ERR_HOST_OOM, "pebble_decoder_create: no memory for %" PRIu64 " bytes of scratch", bytes);
+#else
+    void * p = nullptr;
+    if (cudaMalloc(&p, bytes) != cudaSuccess) {
+        cudaGetLastError();
+        return fail(PEBBLE_ERR_DEVICE_OOM, "pebble_decoder_create: no device memory for %" PRIu64 " bytes of scratch",
+                    bytes);
+    }
+    *out = static_cast<uint8_t *>(p);
+#endif
+    return PEBBLE_OK;
+}
+
+void free_scratch(uint8_t * p) {
+#ifdef PEBBLE_HOST_BUILD
+    std::free(p);
+#else
+    if (p) cudaFree(p);
+#endif
+}
+
+template <typename T> T * at_offset(uint8_t * base, uint64_t offset) { return reinterpret_cast<T *>(base + offset); }
+
+// One layer for the n tokens of a step (the arguments checked).
+pebble_status step_layer(pebble_decoder & d, int32_t i, int32_t n, const int32_t * seqs, const int64_t * pos, float * x,
+                         cudaStream_t stream) {
+    const pebble_step_layer & L = d.layers[size_t(i)];
+    const pebble_layer_shape & s = L.shape;
+    const pebble_layer_weights & w = L.weights;
+    const int32_t kv_type = d.model.kv_type, n_seq = d.model.n_seq;
+    const int64_t e = s.n_embd, q = int64_t(s.n_head) * s.head_dim, kv = int64_t(s.n_head_kv) * s.head_dim;
+    const size_t kv_item = kv_type == f32_type ? 4 : 2;
+    uint16_t * h16 = at_offset<uint16_t>(d.scratch, d.at.h16);
+    float * fq = at_offset<float>(d.scratch, d.at.q), * fk = at_offset<float>(d.scratch, d.at.k);
+    float * fv = at_offset<float>(d.scratch, d.at.v), * att = at_offset<float>(d.scratch, d.at.att);
+    float * scores = at_offset<float>(d.scratch, d.at.scores), * o = at_offset<float>(d.scratch, d.at.o);
+    float * gate = at_offset<float>(d.scratch, d.at.gate), * up = at_offset<float>(d.scratch, d.at.up);
+    float * q_rot = att + int64_t(n) * q; // the rotated queries beside the attention's output (att holds 2n x q)
+
+    // attention
+    LAUNCH(rms_rows_kernel, grid_for(n, heads_per_block), dim3(warp_lanes, heads_per_block), stream, x, n, e,
+           w.attn_norm.data, w.attn_norm.ggml_type, s.rms_eps, h16);
+    TRY(launched());
+    TRY(matvec_many(w.wq.ggml_type, w.wq.data, q, e, h16, n, fq, stream));
+    TRY(matvec_many(w.wk.ggml_type, w.wk.data, kv, e, h16, n, fk, stream));
+    TRY(matvec_many(w.wv.ggml_type, w.wv.data, kv, e, h16, n, fv, stream));
+    if (w.q_norm.data) {
+        LAUNCH(head_norm_kernel, grid_for(int64_t(n) * s.n_head, heads_per_block), dim3(warp_lanes, heads_per_block),
+               stream, fq, n * s.n_head, s.head_dim, w.q_norm.data, w.q_norm.ggml_type, s.rms_eps);
+        TRY(launched());
+    }
+    if (w.k_norm.data) {
+        LAUNCH(head_norm_kernel, grid_for(int64_t(n) * s.n_head_kv, heads_per_block), dim3(warp_lanes, heads_per_block),
+               stream, fk, n * s.n_head_kv, s.head_dim, w.k_norm.data, w.k_norm.ggml_type, s.rms_eps);
+        TRY(launched());
+    }
+    void * k_of[PEBBLE_DECODER_MAX_BATCH], * v_of[PEBBLE_DECODER_MAX_BATCH];
+    int64_t n_pos[PEBBLE_DECODER_MAX_BATCH];
+    for (int32_t b = 0; b < n; b++) {
+        k_of[b] = d.k[size_t(i) * n_seq + seqs[b]];
+        v_of[b] = d.v[size_t(i) * n_seq + seqs[b]];
+        const int64_t row = s.ring ? pos[b] % L.kv_rows : pos[b];   // a ring keeps position p in row p % rows
+        n_pos[b] = std::min(pos[b] + 1, L.kv_rows);                 // its filled rows: the window
+        const qkv_args qa{fq + b * q, fk + b * kv, fv + b * kv, w.bq, w.bk, w.bv, static_cast<int32_t>(q),
+                          static_cast<int32_t>(kv), s.head_dim, s.rope_dims, s.rope_neox, kv_type,
+                          L.rope_cos + pos[b] * s.head_dim, L.rope_sin + pos[b] * s.head_dim, q_rot + b * q,
+                          static_cast<uint8_t *>(k_of[b]) + row * kv * kv_item,
+                          static_cast<uint8_t *>(v_of[b]) + row * kv * kv_item};
+        LAUNCH(qkv_kernel, grid_for(q + 2 * kv, threads), threads, stream, qa);
+        TRY(launched());
+    }
+#ifdef PEBBLE_HOST_BUILD
+    TRY(pebble_cpu::attend(n, q_rot, kv_type == f16_type, k_of, v_of, n_pos, L.kv_rows, s.n_head, s.n_head_kv,
+                           s.head_dim, L.attn_scale, s.attn_softcap, att, scores));
+    half_kernel(att, h16, int64_t(n) * q);
+#else
+    for (int32_t b = 0; b < n; b++) {
+        const attention_args aa{q_rot + b * q, k_of[b], v_of[b], kv_type, s.n_head, s.n_head_kv, s.head_dim, n_pos[b],
+                                L.kv_rows, L.attn_scale, s.attn_softcap, scores + int64_t(b) * s.n_head * L.kv_rows,
+                                h16 + b * q, nullptr};
+        LAUNCH(attention_kernel, grid_for(s.n_head, heads_per_block), dim3(warp_lanes, heads_per_block), stream, aa);
+        TRY(launched());
+    }
+#endif
+    TRY(matvec_many(w.wo.ggml_type, w.wo.data, e, q, h16, n, o, stream));
+    for (int32_t b = 0; b < n && w.post_attn_norm.data; b++) TRY(residual(x + b * e, o + b * e, e, w.post_attn_norm, s, stream));
+    if (!w.post_attn_norm.data) TRY(residual(x, o, int64_t(n) * e, w.post_attn_norm, s, stream));
+
+    // feed-forward
+    LAUNCH(rms_rows_kernel, grid_for(n, heads_per_block), dim3(warp_lanes, heads_per_block), stream, x, n, e,
+           w.ffn_norm.data, w.ffn_norm.ggml_type, s.rms_eps, h16);
+    TRY(launched());
+    TRY(matvec_many(w.w_gate.ggml_type, w.w_gate.data, s.n_ff, e, h16, n, gate, stream));
+    TRY(matvec_many(w.w_up.ggml_type, w.w_up.data, s.n_ff, e, h16, n, up, stream));
+    const int64_t ff = int64_t(n) * s.n_ff;
+    if (s.gelu) {
+        LAUNCH(geglu_kernel, grid_for(ff, threads), threads, stream, gate, up, ff, h16);
+    } else {
+        LAUNCH(swiglu_kernel, grid_for(ff, threads), threads, stream, gate, up, ff, h16);
+    }
+    TRY(launched());
+    TRY(matvec_many(w.w_down.ggml_type, w.w_down.data, e, s.n_ff, h16, n, o, stream));
+    for (int32_t b = 0; b < n && w.post_ffn_norm.data; b++) TRY(residual(x + b * e, o + b * e, e, w.post_ffn_norm, s, stream));
+    if (!w.post_ffn_norm.data) TRY(residual(x, o, int64_t(n) * e, w.post_ffn_norm, s, stream));
+    return PEBBLE_OK;
+}
+
+// Handles are ids, never reused, so that a freed decoder is detected rather than dereferenced.
+std::mutex                                                    g_decoders_mu;
+std::unordered_map<uintptr_t, std::shared_ptr<pebble_decoder>> g_decoders;
+uintptr_t                                                     g_next_decoder = 1;
+
+std::shared_ptr<pebble_decoder> find_decoder(pebble_decoder_t handle) {
+    std::lock_guard<std::mutex> hold(g_decoders_mu);
+    auto it = g_decoders.find(reinterpret_cast<uintptr_t>(handle));
+    return it == g_decoders.end() ? nullptr : it->second;
+}
+
+pebble_status closed(const char * fn) { return fail(PEBBLE_ERR_CLOSED, "%s: the decoder was freed or never made", fn); }
+
+} // namespace
+
+extern "C" pebble_status pebble_decoder_create(const pebble_step_model * model, const pebble_step_layer * layers,
+                                               void * const * k_caches, void * const * v_caches, pebble_decoder_t * out) {
+    const char * fn = "pebble_decoder_create";
+    if (!model || !layers || !k_caches || !v_caches || !out) {
+        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: model, layers, k_caches, v_caches and out must not be NULL", fn);
+    }
+    *out = nullptr;
+    const pebble_step_model & m = *model;
+    if (m.n_layer < 1 || m.n_embd < 1 || m.n_vocab < 1 || m.n_seq < 1 || m.n_seq > PEBBLE_DECODER_MAX_BATCH) {
+        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: n_layer %d, n_embd %d and n_vocab %d must each be at least 1, "
+                    "n_seq %d within 1..%d", fn, m.n_layer, m.n_embd, m.n_vocab, m.n_seq, PEBBLE_DECODER_MAX_BATCH);
+    }
+    if (m.kv_type != f32_type && m.kv_type != f16_type) {
+        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: kv_type %d (%s); the caches must be 0 F32 or 1 F16", fn, m.kv_type,
+                    ggml_type_name(m.kv_type));
+    }
+    if (!std::isfinite(m.logit_scale) || !(m.final_softcap >= 0.0f) || !std::isfinite(m.final_softcap)) {
+        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: logit_scale %g must be finite, final_softcap %g finite and at "
+                    "least 0", fn, static_cast<double>(m.logit_scale), static_cast<double>(m.final_softcap));
+    }
+    pebble_status st = check_vector("output_norm", m.output_norm, false);
+    if (st == PEBBLE_OK) st = check_weight("output", m.output, m.n_vocab, m.n_embd);
+    if (st != PEBBLE_OK) return with_place(st, fn);
+    auto d = std::make_shared<pebble_decoder>();
+    d->model = m;
+    d->layers.assign(layers, layers + m.n_layer);
+    const size_t n_caches = size_t(m.n_layer) * size_t(m.n_seq);
+    d->k.assign(k_caches, k_caches + n_caches);
+    d->v.assign(v_caches, v_caches + n_caches);
+    for (int32_t i = 0; i < m.n_layer; i++) {
+        const pebble_step_layer & L = layers[i];
+        TRY(check_layer(fn, i, L.shape, L.weights, L.kv_rows));
+        if (L.shape.n_embd != m.n_embd) {
+            return fail(PEBBLE_ERR_SIZE_MISMATCH, "%s: layer %d is %d wide; the model is %d", fn, i, L.shape.n_embd,
+                        m.n_embd);
+        }
+        if (!L.rope_cos || !L.rope_sin || L.rope_rows < 1) {
+            return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: layer %d: rope_cos and rope_sin must not be NULL, rope_rows "
+                        "(%" PRId64 ") at least 1", fn, i, L.rope_rows);
+        }
+        if (!std::isfinite(L.attn_scale)) {
+            return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: layer %d: attn_scale %g must be finite", fn, i,
+                        static_cast<double>(L.attn_scale));
+        }
+        for (int32_t s = 0; s < m.n_seq; s++) {
+            if (!d->k[size_t(i) * m.n_seq + s] || !d->v[size_t(i) * m.n_seq + s]) {
+                return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: layer %d: sequence %d has a NULL cache", fn, i, s);
+            }
+        }
+        const int64_t q = int64_t(L.shape.n_head) * L.shape.head_dim, kv = int64_t(L.shape.n_head_kv) * L.shape.head_dim;
+        d->widest = std::max<int64_t>({d->widest, L.shape.n_embd, q, L.shape.n_ff});
+        d->max_q = std::max(d->max_q, q);
+        d->max_kv = std::max(d->max_kv, kv);
+        d->max_ff = std::max<int64_t>(d->max_ff, L.shape.n_ff);
+        d->max_heads = std::max<int64_t>(d->max_heads, L.shape.n_head);
+        d->max_rows = std::max(d->max_rows, L.kv_rows);
+    }
+#ifndef PEBBLE_HOST_BUILD
+    for (size_t c = 0; c < n_caches; c++) {
+        TRY(check_device_pointer(d->k[c], "a K cache", fn));
+        TRY(check_device_pointer(d->v[c], "a V cache", fn));
+    }
+#endif
+    const uint64_t B = uint64_t(m.n_seq);
+    uint64_t at = 0;
+    auto take = [&at](uint64_t bytes) { const uint64_t here = at; at += aligned(bytes); return here; };
+    step_scratch & l = d->at;
+    l.h16 = take(2 * B * uint64_t(std::max<int64_t>(d->widest, m.n_embd)));
+    l.q = take(4 * B * uint64_t(d->max_q));
+    l.k = take(4 * B * uint64_t(d->max_kv));
+    l.v = take(4 * B * uint64_t(d->max_kv));
+    l.att = take(4 * 2 * B * uint64_t(d->max_q));
+    l.scores = take(4 * B * uint64_t(d->max_heads) * uint64_t(d->max_rows));
+    l.o = take(4 * B * uint64_t(m.n_embd));
+    l.gate = take(4 * B * uint64_t(d->max_ff));
+    l.up = take(4 * B * uint64_t(d->max_ff));
+    l.bytes = at;
+    TRY(alloc_scratch(&d->scratch, l.bytes));
+    std::lock_guard<std::mutex> hold(g_decoders_mu);
+    const uintptr_t id = g_next_decoder++;
+    g_decoders.emplace(id, std::move(d));
+    *out = reinterpret_cast<pebble_decoder_t>(id);
+    return PEBBLE_OK;
+}
+
+extern "C" pebble_status pebble_decoder_step(pebble_decoder_t handle, int32_t n, const int32_t * seqs, const int64_t * pos,
+                                             float * x, float * logits, void * stream_ptr) {
+    const char * fn = "pebble_decoder_step";
+    const std::shared_ptr<pebble_decoder> d = find_decoder(handle);
+    if (!d) return closed(fn);
+    std::lock_guard<std::mutex> hold(d->lock);
+    const pebble_step_model & m = d->model;
+    if (n < 1 || n > m.n_seq) {
+        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: %d tokens; the decoder holds 1..%d sequences", fn, n, m.n_seq);
+    }
+    if (!seqs || !pos || !x) return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: seqs, pos and x must not be NULL", fn);
+    uint64_t seen = 0;
+    for (int32_t b = 0; b < n; b++) {
+        if (seqs[b] < 0 || seqs[b] >= m.n_seq || (seen >> seqs[b] & 1)) {
+            return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: token %d is of sequence %d; each of 0..%d at most once a step",
+                        fn, b, seqs[b], m.n_seq - 1);
+        }
+        seen |= uint64_t(1) << seqs[b];
+        for (int32_t i = 0; i < m.n_layer; i++) {
+            const pebble_step_layer & L = d->layers[size_t(i)];
+            if (pos[b] < 0 || pos[b] >= L.rope_rows || (pos[b] >= L.kv_rows && !L.shape.ring)) {
+                return fail(PEBBLE_ERR_SIZE_MISMATCH, "%s: sequence %d at position %" PRId64 " is outside layer %d's "
+                            "0..%" PRId64, fn, seqs[b], pos[b], i, std::min(L.rope_rows, L.shape.ring ? INT64_MAX : L.kv_rows) - 1);
+            }
+        }
+    }
+#ifndef PEBBLE_HOST_BUILD
+    TRY(check_device_pointer(x, "x", fn));
+    if (logits) TRY(check_device_pointer(logits, "logits", fn));
+#endif
+    cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+    for (int32_t i = 0; i < m.n_layer; i++) TRY(step_layer(*d, i, n, seqs, pos, x, stream));
+    if (logits) {
+        uint16_t * h16 = at_offset<uint16_t>(d->scratch, d->at.h16);
+        LAUNCH(rms_rows_kernel, grid_for(n, heads_per_block), dim3(warp_lanes, heads_per_block), stream, x, n, m.n_embd,
+               m.output_norm.data, m.output_norm.ggml_type, m.rms_eps, h16);
+        TRY(launched());
+        TRY(matvec_many(m.output.ggml_type, m.output.data, m.n_vocab, m.n_embd, h16, n, logits, stream));
+        if (m.logit_scale != 1.0f || m.final_softcap > 0.0f) {
+            const int64_t total = int64_t(n) * m.n_vocab;
+            LAUNCH(logits_kernel, grid_for(total, threads), threads, stream, logits, total, m.logit_scale, m.final_softcap);
+            TRY(launched());
+        }
+    }
+    d->stats.steps++;
+    d->stats.tokens += uint64_t(n);
+    d->stats.layer_passes += uint64_t(m.n_layer);
+    return PEBBLE_OK;
+}
+
+extern "C" pebble_status pebble_decoder_stats(pebble_decoder_t handle, struct pebble_decoder_stats * out) {
+    const std::shared_ptr<pebble_decoder> d = find_decoder(handle);
+    if (!d) return closed("pebble_decoder_stats");
+    if (!out) return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_decoder_stats: out must not be NULL");
+    std::lock_guard<std::mutex> hold(d->lock);
+    *out = d->stats;
+    return PEBBLE_OK;
+}
+
+extern "C" pebble_status pebble_decoder_free(pebble_decoder_t handle) {
+    if (!handle) return PEBBLE_OK;
+    std::shared_ptr<pebble_decoder> d;
+    {
+        std::lock_guard<std::mutex> hold(g_decoders_mu);
+        auto it = g_decoders.find(reinterpret_cast<uintptr_t>(handle));
+        if (it == g_decoders.end()) return closed("pebble_decoder_free");
+        d = std::move(it->second);
+        g_decoders.erase(it);
+    }
+    std::lock_guard<std::mutex> hold(d->lock); // a step in flight on another thread ends first
+    free_scratch(d->scratch);
+    d->scratch = nullptr;
+    return PEBBLE_OK;
 }

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from ..runtime.pebbled import fused_decode_default
 from ..store import available_backends, choose_backend
 from ..store import gpu
 from .common import plain
@@ -21,9 +20,9 @@ def run(args) -> int:
     print(f"backend: {choice.backend.name}")
     print(f"  why: {choice.reason}")
     print(f"  library: {choice.backend.library_path or 'none (pure Python)'}")
-    fused = fused_decode_default()
-    print(f"decode step: {'one native call per layer' if fused else 'array operations'} "
-          f"(PEBBLING_FUSED_DECODE={'1' if fused else 'unset or not 1'})")
+    native = choice.backend.name != "stub"
+    print(f"decode step: {'one native call per token, every layer' if native else 'the Python forward pass'}"
+          f"{'' if native else ' (the stub backend)'}")
     print("weights: quantized by default (their GGUF types); pebbling_weights: f16 expands them at load")
     print("backends available:")
     for found in available_backends():

@@ -19,7 +19,6 @@ import numpy as np
 from ..model import QuantWeight, embed, layer_forward, output_logits
 from ..model.qweight import needs_expansion
 from ..model.transformer import Attend, ModelConfig, LayerWeights, apply_rope, attention, rms_norm, rope_table, silu
-from ..store import fused_decode_computes
 from ..xp import compute_dtype, get_array_module, to_numpy
 from .generation import Generation, attend_through
 from .store_layers import StoreLayers
@@ -112,46 +111,34 @@ def batched_logits(cfg: ModelConfig, outer, x: Array) -> list[np.ndarray]:
 
 def decode_batch(source: StoreLayers, generations: Sequence[Generation], tokens: Sequence[int]) -> list[np.ndarray]:
     """Runs token b through the layers for generations[b] (each a sequence of `source`, at its own
-    position), restoring each streamed layer once for all of them; float32 logits of each, in order.
-    Advances each generation's position."""
+    position): one call of the plan's decoder where it has one, else layer by layer, restoring each
+    streamed layer once for all of them; float32 logits of each, in order. Advances each generation's
+    position."""
     first, xp, outer = generations[0], source.xp, source.outer
     cfg = first.cfg
     seqs = [g.layers.seq for g in generations]
     positions = [g.pos for g in generations]
+    x = embed(outer, list(tokens), xp, cfg.embd_scale)                               # [B, n_embd]
+    logits = source.decode_step(seqs, positions, xp.ascontiguousarray(x, dtype=np.float32))
+    if logits is not None:
+        for g in generations:
+            g.pos += 1
+        return list(to_numpy(logits))
     source.begin_pass([(seq, pos, 1) for seq, pos in zip(seqs, positions)])
     attend = attend_through(source.attend_kernels)
-
-    def alone(lcfg: ModelConfig, weights: LayerWeights, seq: int, pos: int, x: Array) -> Array:
-        """One sequence's row through layer_forward, as its own decode step would run it."""
-        k_cache, v_cache = source.caches(i, seq)
-        rope = tuple(t[pos:pos + 1] for t in rope_table(lcfg, source.n_ctx, xp))
-        return layer_forward(lcfg, x[None].astype(compute_dtype(xp), copy=False), weights, k_cache, v_cache,
-                             pos, rope, attend)[0]
-
-    if source.decode_kernels is not None:  # each layer of each sequence one native call, as alone
-        xs = [xp.ascontiguousarray(embed(outer, [t], xp, cfg.embd_scale)[0], dtype=np.float32) for t in tokens]
-        for i, lcfg in enumerate(first.layer_cfgs):
-            weights = source.weights(i)
-            fused = fused_decode_computes(lcfg, weights)
-            cos, sin = rope_table(lcfg, source.n_ctx, xp, np.float32)
-            for seq, pos, x in zip(seqs, positions, xs):
-                if fused:
-                    k_cache, v_cache = source.caches(i, seq)
-                    source.decode_kernels.decode_layer(first.layer_shapes[i], weights, k_cache, v_cache, pos, x,
-                                                       cos[pos, 0], sin[pos, 0], lcfg.query_scale)
-                else:
-                    x[:] = alone(lcfg, weights, seq, pos, x)
-            source.done(i)
-        x = xp.stack([x.astype(compute_dtype(xp), copy=False) for x in xs])
-    else:
-        x = embed(outer, list(tokens), xp, cfg.embd_scale)                           # [B, n_embd]
-        for i, lcfg in enumerate(first.layer_cfgs):
-            weights = source.weights(i)
-            if computes_alike(lcfg, weights):
-                x = batched_layer(lcfg, x, weights, source.pass_caches(i), positions, attend)
-            else:
-                x = xp.stack([alone(lcfg, weights, seq, pos, x[b]) for b, (seq, pos) in enumerate(zip(seqs, positions))])
-            source.done(i)
+    for i, lcfg in enumerate(first.layer_cfgs):
+        weights = source.weights(i)
+        if computes_alike(lcfg, weights):
+            x = batched_layer(lcfg, x, weights, source.pass_caches(i), positions, attend)
+        else:  # each sequence's row through layer_forward, as its own decode step would run it
+            rows = []
+            for b, (seq, pos) in enumerate(zip(seqs, positions)):
+                k_cache, v_cache = source.caches(i, seq)
+                rope = tuple(t[pos:pos + 1] for t in rope_table(lcfg, source.n_ctx, xp))
+                rows.append(layer_forward(lcfg, x[b][None].astype(compute_dtype(xp), copy=False), weights, k_cache,
+                                          v_cache, pos, rope, attend)[0])
+            x = xp.stack(rows)
+        source.done(i)
     for g in generations:
         g.pos += 1
     return batched_logits(cfg, outer, x)

@@ -18,8 +18,8 @@ import numpy as np
 from ..errors import OptionsError
 from ..model import KVCache, LayerWeights, Model, OuterWeights, embed, layer_forward, output_logits
 from ..model.transformer import Attend, rms_norm, rope_table
-from ..store import Kernels, LayerShape, fused_decode_computes, select_backend
-from ..xp import compute_dtype, to_numpy
+from ..store import Decoder, Kernels, select_backend
+from ..xp import to_numpy
 from .constraint import Constraint
 from .logprobs import TokenLogprob, token_logprob
 from .options import Options
@@ -34,8 +34,7 @@ class LayerSource(Protocol):
     n_ctx: int
     xp: ModuleType                      # the array module the request computes in
     outer: OuterWeights                 # the weights outside the layer stack, placed for xp
-    decode_kernels: Kernels | None      # run a decode step's layers one native call each, when given
-    attend_kernels: Kernels | None      # a decode step's attention through Kernels.attend, when given
+    attend_kernels: Kernels | None      # attention of one-token rows through Kernels.attend, when given
 
     def begin(self, pos: int, n_tokens: int) -> None:
         """A forward pass over positions pos..pos+n_tokens is about to run through every layer."""
@@ -45,6 +44,11 @@ class LayerSource(Protocol):
 
     def done(self, i: int) -> None:
         """Layer i has computed (its new KV rows are written in the arrays `layer` gave)."""
+
+    def decode_step(self, positions: Sequence[int], x: Array) -> np.ndarray | None:
+        """One token of this source's sequence at each of `positions` (one) through every layer and the
+        output in one native call (x: float32 [1, n_embd], its embedding): float32 logits [1, n_vocab], or
+        None where the source has no decoder (the layers then run one by one)."""
 
 
 def attend_through(kernels: Kernels | None) -> Attend | None:
@@ -59,16 +63,22 @@ class ResidentLayers:
     """Every layer's weights and KV cache held in memory for the whole request (no store), computed
     by `kernels` in their array module (default: the selected backend's kernels for numpy arrays)."""
 
-    decode_kernels = None
-
     def __init__(self, model: Model, n_ctx: int, kernels: Kernels | None = None):
         kernels = kernels or select_backend().host_kernels
+        self.kernels, self.cfg = kernels, model.config
         self.attend_kernels = kernels if kernels.attends else None
         self.xp = kernels.xp
         self.weights = model.resident_layers(kernels)
         self.outer = model.outer_weights(kernels)
         self.kv = KVCache.allocate(model.config, n_ctx, self.xp)
         self.n_ctx = n_ctx
+        self._decoder: Decoder | None = None
+
+    def decode_step(self, positions: Sequence[int], x: Array) -> np.ndarray:
+        if self._decoder is None:
+            self._decoder = self.kernels.decoder(self.cfg, self.weights, [[kv] for kv in zip(self.kv.k, self.kv.v)],
+                                                 self.outer, self.n_ctx)
+        return self._decoder.step([0], positions, x)
 
     def begin(self, pos: int, n_tokens: int) -> None:
         pass
@@ -116,17 +126,18 @@ class Generation:
         self.logits: np.ndarray | None = None  # what the next token is sampled from
         self.pos = 0
         self.stats = GenerationStats()
-        # Kernels that run a whole layer per call at decode (pebble_decode_layer), where the source has them;
-        # a layer they cannot compute (fused_decode_computes) goes through the array path instead.
-        self.decode_kernels = self.layers.decode_kernels
         self.layer_cfgs = [self.cfg.for_layer(i) for i in range(self.cfg.n_layer)]
-        self.layer_shapes = [LayerShape.of(c) for c in self.layer_cfgs] if self.decode_kernels is not None else []
         self.attend = attend_through(getattr(self.layers, "attend_kernels", None))
 
     def forward(self, tokens: Sequence[int]) -> np.ndarray:
-        """Run tokens through every layer at the current position; float32 logits of the last one."""
-        if len(tokens) == 1 and self.decode_kernels is not None:
-            return self._decode_step(tokens[0])
+        """Run tokens through every layer at the current position; float32 logits of the last one. A single
+        token (a decode step) is one call of the source's decoder, where it has one."""
+        if len(tokens) == 1:
+            x = self.xp.ascontiguousarray(embed(self.outer, tokens, self.xp, self.cfg.embd_scale), dtype=np.float32)
+            logits = self.layers.decode_step([self.pos], x)
+            if logits is not None:
+                self.pos += 1
+                return to_numpy(logits[0])
         x = self._through_layers(tokens)                                           # [T, n_embd]
         return to_numpy(output_logits(self.cfg, self.outer, x[-1]))               # [n_vocab]
 
@@ -152,27 +163,6 @@ class Generation:
         self.stats.prompt_tokens += len(tokens)
         self.stats.prompt_ns += time.perf_counter_ns() - start
         return np.concatenate(states)
-
-    def _decode_step(self, token: int) -> np.ndarray:
-        """One token through every layer, each layer one native call where the fused step computes it (else
-        the array path, in place); the residual stream stays float32."""
-        xp, cfg, pos = self.xp, self.cfg, self.pos
-        x = xp.ascontiguousarray(embed(self.outer, [token], xp, cfg.embd_scale)[0], dtype=np.float32)  # [n_embd]
-        self.layers.begin(pos, 1)
-        for i, lcfg in enumerate(self.layer_cfgs):
-            weights, k_cache, v_cache = self.layers.layer(i)
-            if fused_decode_computes(lcfg, weights):
-                cos, sin = rope_table(lcfg, self.layers.n_ctx, xp, np.float32)
-                self.decode_kernels.decode_layer(self.layer_shapes[i], weights, k_cache, v_cache, pos, x,
-                                                 cos[pos, 0], sin[pos, 0], lcfg.query_scale)
-            else:
-                rope = tuple(t[pos:pos + 1] for t in rope_table(lcfg, self.layers.n_ctx, xp))
-                h = layer_forward(lcfg, x[None].astype(compute_dtype(xp)), weights, k_cache, v_cache, pos, rope,
-                                  self.attend)
-                x[:] = h[0]
-            self.layers.done(i)
-        self.pos += 1
-        return to_numpy(output_logits(cfg, self.outer, x.astype(compute_dtype(xp), copy=False)))
 
     def report(self) -> dict[str, Any] | None:
         """The pebbling report when the layers come from a store, else None."""

@@ -5,7 +5,6 @@ changes which of them are resident, and `generation()` turns options into a runn
 
 from __future__ import annotations
 
-import os
 from typing import Callable, Sequence
 
 import numpy as np
@@ -23,11 +22,6 @@ from .layout import WEIGHT_IDS, StoredTensor, aligned, bytes_of, kv_ids, tensor_
 from .options import Options
 from .plan import MemoryModel, PebblingOptions, Plan, make_plan, workspace_bytes
 from .store_layers import StoreLayers
-
-
-def fused_decode_default() -> bool:
-    """Whether decode steps run each layer as one native call unless told: $PEBBLING_FUSED_DECODE=1."""
-    return os.environ.get("PEBBLING_FUSED_DECODE", "").strip() == "1"
 
 
 def adaptive_budget(free: int | None, used, others: int, reserve: float = 0.05) -> int | None:
@@ -49,11 +43,9 @@ class PebbledModel:
     numpy elsewhere) and the kernels that compute from quantized pebbles."""
 
     def __init__(self, model: Model, *, backend: str | Backend | None = None, keep_host_weights: bool = True,
-                 fused_decode: bool | None = None, parked_kv_bytes: int = 0):
+                 parked_kv_bytes: int = 0):
         """`keep_host_weights=False` hands the model's host layers over to the store: they are
-        released as they are saved, so a server holds each layer once, not twice. `fused_decode`: decode
-        steps run each layer as one native call (pebble_decode_layer) instead of one array operation at
-        a time; None reads $PEBBLING_FUSED_DECODE (1 on, else off). `parked_kv_bytes`: host memory for the
+        released as they are saved, so a server holds each layer once, not twice. `parked_kv_bytes`: host memory for the
         caches of conversations a new request displaces (conversations.py; 0: none kept)."""
         cfg = model.config
         self.model = model
@@ -62,7 +54,6 @@ class PebbledModel:
         self.xp, self.dtype = self.backend.xp, self.backend.compute_dtype
         self.weights = model.weights
         self.kernels = self.backend.kernels
-        self.fused_decode = fused_decode_default() if fused_decode is None else fused_decode
         self.layouts: list[list[StoredTensor]] = []
         for i in range(cfg.n_layer):
             lw, layout = model.layers[i], []

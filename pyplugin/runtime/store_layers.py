@@ -19,7 +19,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..model import LayerWeights
-from ..store import Strategy
+from ..store import Decoder, Strategy
 from .options import Options
 from .layout import aligned, bytes_of, kv_ids
 from .plan import PebblingOptions, Plan
@@ -51,7 +51,6 @@ class StoreLayers:
         self.pebbled, self.plan, self.pebbling = pebbled, plan, pebbling
         self.backend = backend = pebbled.backend
         self.store, self.xp, self.dtype, self.outer = pebbled.store, pebbled.xp, pebbled.dtype, pebbled.outer
-        self.decode_kernels = pebbled.kernels if pebbled.fused_decode else None
         self.attend_kernels = pebbled.kernels if pebbled.kernels.attends else None
         self.n_ctx = options.num_ctx
         self.n_seqs = plan.memory.n_seqs
@@ -81,6 +80,7 @@ class StoreLayers:
         self.costs: dict[int, SequenceCost] = {}
         self.pass_seqs: list[tuple[int, int, int]] = []   # (sequence, position, tokens) of the pass running
         self._pass_start = (0, 0)
+        self._decoder: Decoder | None = None
         self._sample_memory()
 
     def sequence(self, seq: int) -> "SequenceLayers":
@@ -194,18 +194,7 @@ class StoreLayers:
         in place (host_array; new KV rows are written into the entries themselves), nothing copied."""
         i, slot = self.streamed[n], n % len(self.slots)
         if not self.backend.arrays_on_device:
-            # Made once per plan: the host copies stay put while it runs (an entry's KV is erased only by
-            # a plan of another num_ctx or fewer sequences, which makes new StoreLayers).
-            if i not in self.host_views:
-                kernels = self.pebbled.kernels
-                self.host_views[i] = LayerWeights(**{
-                    t.name: t.view(self.store.host_array(i, t.tensor_id, np.uint8, (t.nbytes,)), self.dtype, kernels)
-                    for t in self.pebbled.layouts[i]})
-            for seq, _, _ in self.pass_seqs:
-                if (i, seq) not in self.host_kv:
-                    self.host_kv[i, seq] = tuple(self.store.host_array(i, tid, self.dtype, self.kv_shapes[i])
-                                                 for tid in kv_ids(seq))
-            self.in_slot[slot] = (self.host_views[i], [self.host_kv[i, seq] for seq, _, _ in self.pass_seqs])
+            self.in_slot[slot] = (self._host_weights(i), [self._host_caches(i, seq) for seq, _, _ in self.pass_seqs])
             return
         weights, caches = self._slot_views(slot, i, len(self.pass_seqs))
         views = (weights, caches)
@@ -220,6 +209,24 @@ class StoreLayers:
         self.backend.record(self.ready[slot], self.copy_stream)
         self.in_slot[slot] = views
 
+    def _host_weights(self, i: int) -> LayerWeights:
+        """Streamed layer i's weights in the host tier, computed from in place (host memory). Made once per
+        plan: the host copies stay put while it runs."""
+        if i not in self.host_views:
+            kernels = self.pebbled.kernels
+            self.host_views[i] = LayerWeights(**{
+                t.name: t.view(self.store.host_array(i, t.tensor_id, np.uint8, (t.nbytes,)), self.dtype, kernels)
+                for t in self.pebbled.layouts[i]})
+        return self.host_views[i]
+
+    def _host_caches(self, i: int, seq: int) -> tuple[Array, Array]:
+        """... and sequence `seq`'s caches of it (an entry's KV is erased only by a plan of another num_ctx or
+        fewer sequences, which makes new StoreLayers)."""
+        if (i, seq) not in self.host_kv:
+            self.host_kv[i, seq] = tuple(self.store.host_array(i, tid, self.dtype, self.kv_shapes[i])
+                                         for tid in kv_ids(seq))
+        return self.host_kv[i, seq]
+
     def _charge(self) -> None:
         """Divides what the pass restored equally among its sequences."""
         stats, (bytes_before, restores_before) = self.store.stats(), self._pass_start
@@ -229,6 +236,45 @@ class StoreLayers:
             cost.bytes_restored += (stats.bytes_restored - bytes_before) * share
             cost.restores += (stats.restores - restores_before) * share
             cost.passes.append((pos, (stats.bytes_restored - bytes_before) * share, len(self.pass_seqs)))
+
+    # -- a decode step in one native call
+
+    def steps_natively(self) -> bool:
+        """Whether the decoder can name every layer's weights and caches up front: where the arrays are host
+        memory (streamed layers computed from the host tier in place), or every layer is resident. A plan
+        that streams layers through device slots runs its layers one by one (the restores are not yet in
+        the native step)."""
+        return not self.backend.arrays_on_device or not self.streamed
+
+    def decoder(self) -> Decoder | None:
+        """This plan's decoder over every layer and every sequence's caches (made at its first step)."""
+        if self._decoder is None and self.steps_natively():
+            weights, caches = [], []
+            for seq in range(self.n_seqs):
+                self.pebbled.ensure_kv(seq)
+            for i in range(self.n_layers):
+                if i in self.resident:
+                    weights.append(self.resident[i])
+                    caches.append([self.caches(i, seq) for seq in range(self.n_seqs)])
+                else:
+                    weights.append(self._host_weights(i))
+                    caches.append([self._host_caches(i, seq) for seq in range(self.n_seqs)])
+            self._decoder = self.pebbled.kernels.decoder(self.pebbled.model.config, weights, caches, self.outer,
+                                                         self.n_ctx)
+        return self._decoder
+
+    def decode_step(self, seqs: Sequence[int], positions: Sequence[int], x: Array):
+        """One token of each of `seqs` at `positions` through every layer and the output in one call: float32
+        logits [len(seqs), n_vocab], or None where this plan has no decoder (steps_natively)."""
+        decoder = self.decoder()
+        if decoder is None:
+            return None
+        self.pass_seqs = [(seq, pos, 1) for seq, pos in zip(seqs, positions)]
+        stats = self.store.stats()
+        self._pass_start = (stats.bytes_restored, stats.restores)
+        logits = decoder.step(seqs, positions, x)
+        self._charge()
+        return logits
 
     # -- what it cost
 
@@ -260,7 +306,8 @@ class StoreLayers:
             "strategy": _strategy_name(plan.strategy),
             "enabled": self.pebbling.enabled is not False,
             "weights": self.pebbled.weights,
-            "fused_decode": self.decode_kernels is not None,
+            "decode_step": "native" if self._decoder is not None and self.backend.name != "stub" else
+                           "python" if self._decoder is not None else "layer by layer",
             "backend": self.backend.name,
             "resident_layers": len(plan.resident),
             "n_layers": memory.n_layers,
@@ -292,7 +339,6 @@ class SequenceLayers:
     def __init__(self, shared: StoreLayers, seq: int):
         self.shared, self.seq = shared, seq
         self.n_ctx, self.xp, self.outer = shared.n_ctx, shared.xp, shared.outer
-        self.decode_kernels = shared.decode_kernels
         self.attend_kernels = shared.attend_kernels
 
     @property
@@ -311,6 +357,9 @@ class SequenceLayers:
 
     def done(self, i: int) -> None:
         self.shared.done(i)
+
+    def decode_step(self, positions: Sequence[int], x: Array):
+        return self.shared.decode_step([self.seq], positions, x)
 
     def report(self, stats) -> dict[str, Any]:
         report = self.shared.report(stats, self.seq)

@@ -11,11 +11,11 @@ from .abi import TIER_AUTO, TIER_DEVICE, TIER_HOST
 from .backend import (BACKENDS, Backend, available_backends, backend_named, choose_backend, open_store, probe,
                       select_backend)
 from .interface import EntryInfo, Store, StoreStats, TensorDesc
-from .kernels import Kernels, LayerShape, fused_decode_computes
+from .kernels import Decoder, Kernels, LayerShape
 from .strategy import VALID_STRATEGIES, Strategy
 
 __all__ = [
     "BACKENDS", "Backend", "EntryInfo", "Kernels", "LayerShape", "Store", "StoreStats", "Strategy",
     "TIER_AUTO", "TIER_DEVICE", "TIER_HOST", "TensorDesc", "VALID_STRATEGIES", "available_backends",
-    "backend_named", "choose_backend", "fused_decode_computes", "open_store", "probe", "select_backend",
+    "Decoder", "backend_named", "choose_backend", "open_store", "probe", "select_backend",
 ]

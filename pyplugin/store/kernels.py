@@ -1,5 +1,5 @@
 """Computing from quantized GGUF tensors: dequantize to fp16 (prefill), fused dequantize-and-multiply
-matrix-vector products (decode), and the whole decode step of one layer.
+matrix-vector products, and the decode step of a whole model in one call.
 
 `Kernels` puts one library of kernels behind the interface the model computes with: the native
 library's (native/pebble_quant.cu, pebble_decode.cu) on `cuda` and `host`, numpy with gguf-py's
@@ -12,7 +12,6 @@ current stream.
 
 from __future__ import annotations
 
-import math
 import threading
 from dataclasses import dataclass
 from types import ModuleType
@@ -57,13 +56,65 @@ class LayerShape:
                    cfg.attn_softcap, cfg.residual_scale)
 
 
-def fused_decode_computes(cfg, weights) -> bool:
-    """Whether pebble_decode_layer computes this layer (`cfg`: its ModelConfig.for_layer, `weights` its
-    LayerWeights): every block pyplugin.model computes (biases, Q/K norms, sandwich norms, SwiGLU or GELU,
-    a window's ring, soft-capped scores, Granite's scales), except Q/K norms together with Q/K biases,
-    which no architecture has and the step refuses; such a layer takes the array path."""
-    has_norms = weights.q_norm is not None or weights.k_norm is not None
-    return cfg.activation in ("silu", "gelu") and not (has_norms and (weights.bq is not None or weights.bk is not None))
+@dataclass(frozen=True)
+class StepLayer:
+    """struct pebble_step_layer: one layer as a decoder holds it. `weights` maps pebble_layer_weights fields
+    to (GGUF type, buffer), absent ones left out; rope_cos and rope_sin are float32 [rope_rows, head_dim]."""
+
+    shape: LayerShape
+    weights: dict
+    rope_cos: Any
+    rope_sin: Any
+    kv_rows: int
+    attn_scale: float
+
+
+@dataclass(frozen=True)
+class StepModel:
+    """struct pebble_step_model: what a decoder holds beside its layers."""
+
+    n_layer: int
+    n_embd: int
+    n_vocab: int
+    n_seq: int
+    kv_type: int
+    rms_eps: float
+    logit_scale: float
+    final_softcap: float
+    output_norm: tuple   # (GGUF type, buffer)
+    output: tuple
+
+
+def tensor_ref(name: str, t) -> tuple:
+    """(GGUF type, buffer) of a QuantWeight or a dense float32/float16 array, as the decoder takes them."""
+    if hasattr(t, "qtype"):  # a QuantWeight
+        return t.qtype, t.data
+    if t.dtype in DENSE_TYPES:
+        return DENSE_TYPES[t.dtype], t
+    raise InvalidArgumentError(f"decoder: {name} is {t.dtype}; dense weights must be float32 or float16")
+
+
+class Decoder:
+    """A model's decode step as one call (pebble_decoder_*): made once over a plan's weights and caches,
+    then `step` runs one token of each of up to n_seq sequences through every layer and the output."""
+
+    def __init__(self, lib_decoder, xp, n_embd: int, n_vocab: int, stream: Callable[[], Any]):
+        self._decoder, self.xp, self.n_embd, self.n_vocab, self._stream = lib_decoder, xp, n_embd, n_vocab, stream
+        self.calls = 0  # native calls made by steps: one each
+
+    def step(self, seqs, positions, x, logits: bool = True):
+        """Token b is sequence seqs[b] at positions[b]; x (float32 [n, n_embd], their embeddings) becomes
+        their last hidden states in place. Returns float32 logits [n, n_vocab], or None when not wanted."""
+        out = self.xp.empty((len(seqs), self.n_vocab), dtype=np.float32) if logits else None
+        self._decoder.step(seqs, positions, x, out, stream=self._stream())
+        self.calls += 1
+        return out
+
+    def stats(self) -> dict:
+        return self._decoder.stats()
+
+    def close(self) -> None:
+        self._decoder.close()
 
 
 class Kernels:
@@ -177,41 +228,33 @@ class Kernels:
         """Drops this thread's workspace (a request that needs one allocates it again)."""
         self._local.buffer = None
 
-    def decode_layer(self, shape: LayerShape, weights, k_cache, v_cache, pos: int, x, rope_cos, rope_sin,
-                     attn_scale: float | None = None) -> None:
-        """One transformer layer for one token, in place (pebble_decode_layer): x, float32 [n_embd], goes
-        in and comes out; K/V row `pos` of the caches [n_ctx, n_head_kv, head_dim] is written and rows
-        0..pos attended. `weights` is a LayerWeights of QuantWeight matrices or dense float32/float16
-        arrays; rope_cos and rope_sin are float32 [head_dim] for this position (model.rope_table). A ring
-        (shape.ring) holds position p in row p % rows. `attn_scale` multiplies q (None: 1/sqrt(head_dim))."""
-        refs = {}
-        for name in DECODE_WEIGHTS:
-            t = getattr(weights, name)
-            if t is None:
-                continue
-            if hasattr(t, "qtype"):  # a QuantWeight
-                refs[name] = (t.qtype, t.data)
-            elif t.dtype in DENSE_TYPES:
-                refs[name] = (DENSE_TYPES[t.dtype], t)
-            else:
-                raise InvalidArgumentError(f"decode_layer: {name} is {t.dtype}; dense weights must be float32 "
-                                           "or float16")
-        kv_type = DENSE_TYPES.get(k_cache.dtype)
-        if kv_type is None or v_cache.dtype != k_cache.dtype:
-            raise InvalidArgumentError(f"decode_layer: caches of {k_cache.dtype} and {v_cache.dtype}; both must "
-                                       "be float32 or both float16")
-        n_ctx = k_cache.shape[0]
-        scratch = getattr(self._local, "scratch", None)
-        need = self._scratch_bytes.get((shape, n_ctx))
-        if need is None:
-            need = self._scratch_bytes[shape, n_ctx] = self.lib.decode_scratch_bytes(shape, n_ctx)
-        if scratch is None or scratch.nbytes < need:
-            self._local.scratch = None
-            scratch = self._local.scratch = self.xp.empty(need, dtype=np.uint8)
-        self.lib.decode_layer(shape, refs, kv_type, k_cache, v_cache, n_ctx, pos, rope_cos, rope_sin,
-                              float(np.float32(1.0 / math.sqrt(shape.head_dim) if attn_scale is None else attn_scale)),
-                              x, scratch[:need],
-                              stream=self._stream())
+    def decoder(self, cfg, layers, caches, outer, n_ctx: int) -> Decoder:
+        """The decode step of a model over these weights and caches (pebble_decoder_create): `cfg` its
+        ModelConfig, `layers` each layer's LayerWeights, caches[i][s] layer i's (K, V) of sequence s (each
+        [rows, n_head_kv, head_dim], float32 or float16), `outer` its OuterWeights, `n_ctx` the context its
+        RoPE tables cover. Every array must live as long as the decoder; the Decoder keeps them."""
+        from ..model.transformer import rope_table  # noqa: PLC0415 - the store sits below the model
+
+        kv_type = DENSE_TYPES.get(caches[0][0][0].dtype)
+        if kv_type is None:
+            raise InvalidArgumentError(f"decoder: caches of {caches[0][0][0].dtype}; float32 or float16 are accepted")
+        step_layers = []
+        for i, lw in enumerate(layers):
+            lcfg = cfg.for_layer(i)
+            cos, sin = (self.xp.ascontiguousarray(t.reshape(n_ctx, -1)) for t in rope_table(lcfg, n_ctx, self.xp,
+                                                                                           np.float32))
+            step_layers.append(StepLayer(LayerShape.of(lcfg), {name: tensor_ref(name, getattr(lw, name))
+                                                               for name in DECODE_WEIGHTS
+                                                               if getattr(lw, name) is not None},
+                                         cos, sin, cfg.kv_rows(i, n_ctx), float(np.float32(lcfg.query_scale))))
+        output_norm = self.xp.ascontiguousarray(outer.output_norm, dtype=np.float32)
+        model = StepModel(cfg.n_layer, cfg.n_embd, cfg.n_vocab, len(caches[0]), kv_type, cfg.rms_eps,
+                          float(cfg.logit_scale), float(cfg.final_softcap), tensor_ref("output_norm", output_norm),
+                          tensor_ref("output", outer.output))
+        k_caches = [k for per_layer in caches for k, _ in per_layer]
+        v_caches = [v for per_layer in caches for _, v in per_layer]
+        return Decoder(self.lib.decoder(model, step_layers, k_caches, v_caches), self.xp, cfg.n_embd, cfg.n_vocab,
+                       self._stream)
 
     def attend(self, q, caches, n_pos, n_head_kv: int, scale: float, softcap: float = 0.0, new=None):
         """Attention of one query per sequence over its own cache (pebble_attend): q [B, n_head, head_dim]

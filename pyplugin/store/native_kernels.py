@@ -83,63 +83,13 @@ class NativeKernels:
                                ffi.cast("float *" if fn == "matmul_f32" else "uint16_t *", x_ptr), n_vec,
                                ffi.cast("float *", y_ptr), ffi.cast("void *", stream_pointer(stream))))
 
-    # -- the decode step
+    # -- the decode step of a whole model
 
-    def decode_scratch_bytes(self, shape, n_ctx: int) -> int:
-        """Bytes of scratch `decode_layer` needs (shape: a pyplugin.store.kernels.LayerShape)."""
-        out = ffi.new("uint64_t *")
-        _check(self._lib, self._lib.pebble_decode_scratch_bytes(self._decode_plan(shape)[0], n_ctx, out))
-        return int(out[0])
-
-    def _decode_plan(self, shape):
-        """(struct pebble_layer_shape, {(field, ggml_type): bytes its buffer must hold or None}), made once
-        per shape: a decode step runs every layer of every token through here."""
-        plans = self.__dict__.setdefault("_decode_plans", {})
-        plan = plans.get(shape)
-        if plan is None:
-            c = ffi.new("struct pebble_layer_shape *")
-            for name in ("n_embd", "n_head", "n_head_kv", "head_dim", "n_ff", "rope_dims", "rope_neox", "rms_eps",
-                         "gelu", "ring", "attn_softcap", "residual_scale"):
-                setattr(c, name, getattr(shape, name))
-            plan = plans[shape] = (c, decode_buffer_sizes(shape, self.type_block), {})
-        return plan
-
-    def decode_layer(self, shape, weights: dict, kv_type: int, k_cache, v_cache, n_ctx: int, pos: int,
-                     rope_cos, rope_sin, attn_scale: float, x, scratch, *, stream=None) -> None:
-        """One layer for one token (pebble_decode_layer). `weights` maps pebble_layer_weights fields to
-        (ggml_type, buffer), absent biases left out; every buffer's size is checked here against the
-        shape, since the library cannot see it."""
-        c_shape, sizes, wanted = self._decode_plan(shape)
-        fields = {}
-        backend = self.backend
-        for name, (ggml_type, buffer) in weights.items():
-            ptr, nbytes = _pointer(buffer, backend, False, name)
-            key = (name, ggml_type)
-            if key not in wanted:  # None: a type the library refuses, with its own message
-                wanted[key] = sizes[name](_c_type(ggml_type)) if name in sizes else None
-            want = wanted[key]
-            if want is not None and nbytes != want:
-                raise SizeMismatchError(f"decode_layer: {name} holds {nbytes} bytes; GGUF type {ggml_type} "
-                                        f"needs {want} for this shape")
-            fields[name] = (ggml_type, ptr)
-        c_weights = ffi.new("struct pebble_layer_weights *", fields)
-        kv_item = _ITEMSIZE.get(kv_type)
-        cache_bytes = None if kv_item is None else n_ctx * shape.n_head_kv * shape.head_dim * kv_item
-        k_ptr, k_bytes = _pointer(k_cache, backend, True, "k_cache")
-        v_ptr, v_bytes = _pointer(v_cache, backend, True, "v_cache")
-        cos_ptr, cos_bytes = _pointer(rope_cos, backend, False, "rope_cos")
-        sin_ptr, sin_bytes = _pointer(rope_sin, backend, False, "rope_sin")
-        x_ptr, x_bytes = _pointer(x, backend, True, "x")
-        for what, nbytes, want in (("k_cache", k_bytes, cache_bytes), ("v_cache", v_bytes, cache_bytes),
-                                   ("rope_cos", cos_bytes, 4 * shape.head_dim),
-                                   ("rope_sin", sin_bytes, 4 * shape.head_dim), ("x", x_bytes, 4 * shape.n_embd)):
-            if want is not None and nbytes != want:
-                raise SizeMismatchError(f"decode_layer: {what} holds {nbytes} bytes; {want} are needed")
-        scratch_ptr, scratch_bytes = _pointer(scratch, backend, True, "scratch")
-        _check(self._lib, self._lib.pebble_decode_layer(
-            c_shape, c_weights, kv_type, k_ptr, v_ptr, n_ctx, pos, ffi.cast("const float *", cos_ptr),
-            ffi.cast("const float *", sin_ptr), attn_scale, ffi.cast("float *", x_ptr), scratch_ptr, scratch_bytes,
-            ffi.cast("void *", stream_pointer(stream))))
+    def decoder(self, model, layers, k_caches, v_caches) -> "NativeDecoder":
+        """pebble_decoder_create over a StepModel, its StepLayers and every cache (layer i's of sequence s at
+        i * n_seq + s); each buffer's size is checked here against the shapes, since the library cannot
+        see it."""
+        return NativeDecoder(self, model, layers, k_caches, v_caches)
 
     # -- attention of a batch of sequences, one query each
 
@@ -206,6 +156,114 @@ class NativeKernels:
         return arrays[0], arrays[1]
 
 
+class NativeDecoder:
+    """A pebble_decoder_t and every buffer it names, kept alive with it."""
+
+    def __init__(self, kernels: NativeKernels, model, layers, k_caches, v_caches):
+        lib, backend = kernels._lib, kernels.backend
+        self._lib, self._backend, self._keep = lib, backend, []
+        if len(layers) != model.n_layer or len(k_caches) != model.n_layer * model.n_seq or \
+                len(v_caches) != len(k_caches):
+            raise SizeMismatchError(f"decoder: {len(layers)} layers and {len(k_caches)} K / {len(v_caches)} V caches; "
+                                    f"{model.n_layer} layers of {model.n_seq} sequences need "
+                                    f"{model.n_layer * model.n_seq} of each")
+        kv_item = _ITEMSIZE.get(model.kv_type)
+        c_layers = ffi.new("struct pebble_step_layer[]", len(layers))
+        for i, (layer, c) in enumerate(zip(layers, c_layers)):
+            shape = layer.shape
+            for name in ("n_embd", "n_head", "n_head_kv", "head_dim", "n_ff", "rope_dims", "rope_neox", "rms_eps",
+                         "gelu", "ring", "attn_softcap", "residual_scale"):
+                setattr(c.shape, name, getattr(shape, name))
+            sizes = decode_buffer_sizes(shape, kernels.type_block)
+            for name, (ggml_type, buffer) in layer.weights.items():
+                ptr, nbytes = self._pointer(buffer, False, f"layer {i} {name}")
+                want = sizes[name](_c_type(ggml_type)) if name in sizes else None
+                if want is not None and nbytes != want:
+                    raise SizeMismatchError(f"decoder: layer {i}: {name} holds {nbytes} bytes; GGUF type {ggml_type} "
+                                            f"needs {want} for this shape")
+                field = getattr(c.weights, name)
+                field.ggml_type, field.data = _c_type(ggml_type), ptr
+            for what, table in (("rope_cos", layer.rope_cos), ("rope_sin", layer.rope_sin)):
+                ptr, nbytes = self._pointer(table, False, f"layer {i} {what}")
+                if nbytes % (4 * shape.head_dim) or nbytes == 0:
+                    raise SizeMismatchError(f"decoder: layer {i}: {what} holds {nbytes} bytes; whole rows of "
+                                            f"{shape.head_dim} float32 are needed")
+                setattr(c, what, ffi.cast("const float *", ptr))
+                c.rope_rows = nbytes // (4 * shape.head_dim)
+            c.kv_rows, c.attn_scale = layer.kv_rows, layer.attn_scale
+        caches = []
+        for name, arrays in (("k_cache", k_caches), ("v_cache", v_caches)):
+            pointers = []
+            for n, cache in enumerate(arrays):
+                i = n // model.n_seq
+                ptr, nbytes = self._pointer(cache, True, f"layer {i} {name}")
+                want = None if kv_item is None else layers[i].kv_rows * layers[i].shape.n_head_kv * \
+                    layers[i].shape.head_dim * kv_item
+                if want is not None and nbytes != want:
+                    raise SizeMismatchError(f"decoder: layer {i}: a {name} holds {nbytes} bytes; {want} are needed")
+                pointers.append(ffi.cast("void *", ptr))
+            caches.append(ffi.new("void *[]", pointers))
+        c_model = ffi.new("struct pebble_step_model *")
+        for name in ("n_layer", "n_embd", "n_vocab", "n_seq", "kv_type", "rms_eps", "logit_scale", "final_softcap"):
+            setattr(c_model, name, getattr(model, name))
+        norm_type, norm = model.output_norm
+        ptr, nbytes = self._pointer(norm, False, "output_norm")
+        if norm_type in _ITEMSIZE and nbytes != model.n_embd * _ITEMSIZE[norm_type]:
+            raise SizeMismatchError(f"decoder: output_norm holds {nbytes} bytes; {model.n_embd} elements are needed")
+        c_model.output_norm.ggml_type, c_model.output_norm.data = _c_type(norm_type), ptr
+        out_type, output = model.output
+        ptr, nbytes = self._pointer(output, False, "output")
+        try:
+            elements, block_bytes = kernels.type_block(out_type)
+        except PebblingError:
+            elements = block_bytes = None  # the library refuses the type, with its own message
+        if elements and model.n_embd % elements == 0 and nbytes != model.n_vocab * model.n_embd // elements * block_bytes:
+            raise SizeMismatchError(f"decoder: output holds {nbytes} bytes; {model.n_vocab} rows of {model.n_embd} "
+                                    f"of GGUF type {out_type} need {model.n_vocab * model.n_embd // elements * block_bytes}")
+        c_model.output.ggml_type, c_model.output.data = _c_type(out_type), ptr
+        handle = ffi.new("pebble_decoder_t *")
+        _check(lib, lib.pebble_decoder_create(c_model, c_layers, caches[0], caches[1], handle))
+        self._handle = ffi.gc(handle[0], lib.pebble_decoder_free)
+        self._keep += [c_layers, caches, c_model, layers, list(k_caches), list(v_caches), model]
+        self._stats = ffi.new("struct pebble_decoder_stats *")
+
+    def _pointer(self, obj, writable: bool, name: str):
+        ptr, nbytes = _pointer(obj, self._backend, writable, name)
+        self._keep.append(obj)
+        return ptr, nbytes
+
+    def step(self, seqs, positions, x, logits, *, stream=None) -> None:
+        n = len(seqs)
+        if len(positions) != n:
+            raise SizeMismatchError(f"decoder step: {n} sequences but {len(positions)} positions")
+        x_ptr, x_bytes = _pointer(x, self._backend, True, "x")
+        model = self._keep[-1]
+        if x_bytes != 4 * n * model.n_embd:
+            raise SizeMismatchError(f"decoder step: x holds {x_bytes} bytes; {n} float32 rows of {model.n_embd} "
+                                    f"need {4 * n * model.n_embd}")
+        out_ptr = ffi.NULL
+        if logits is not None:
+            out_ptr, out_bytes = _pointer(logits, self._backend, True, "logits")
+            if out_bytes != 4 * n * model.n_vocab:
+                raise SizeMismatchError(f"decoder step: logits hold {out_bytes} bytes; {n} float32 rows of "
+                                        f"{model.n_vocab} need {4 * n * model.n_vocab}")
+        _check(self._lib, self._lib.pebble_decoder_step(
+            self._handle, n, ffi.new("int32_t[]", [int(s) for s in seqs]),
+            ffi.new("int64_t[]", [int(p) for p in positions]), ffi.cast("float *", x_ptr),
+            ffi.cast("float *", out_ptr), ffi.cast("void *", stream_pointer(stream))))
+
+    def stats(self) -> dict:
+        _check(self._lib, self._lib.pebble_decoder_stats(self._handle, self._stats))
+        return {name: int(getattr(self._stats, name)) for name in ("steps", "tokens", "layer_passes")}
+
+    def close(self) -> None:
+        """Frees the decoder now (the buffers it named are the caller's)."""
+        handle, self._handle = getattr(self, "_handle", None), None
+        if handle is not None:
+            _check(self._lib, self._lib.pebble_decoder_free(ffi.gc(handle, None)))
+        self._keep = []
+
+
 def _pointer(obj, backend: str, writable: bool, name: str):
     """`_buffer` for the decode step's buffers, with fast paths for C-contiguous numpy arrays (host) and
     CuPy arrays (cuda)."""
@@ -213,7 +271,7 @@ def _pointer(obj, backend: str, writable: bool, name: str):
         return ffi.from_buffer(obj, require_writable=writable), obj.nbytes
     if _DEVICE_MEMORY[backend] and type(obj).__module__.startswith("cupy") and obj.flags.c_contiguous:
         return ffi.cast("void *", obj.data.ptr), obj.nbytes
-    return _buffer(obj, backend, writable=writable, what=f"decode_layer {name}")
+    return _buffer(obj, backend, writable=writable, what=f"decoder {name}")
 
 
 _ITEMSIZE = {ggml_type: dtype.itemsize for dtype, ggml_type in DENSE_TYPES.items()}  # F32 4, F16 2

@@ -1,5 +1,5 @@
 """The stub backend's kernels: the reference semantics of pebble_type_block, pebble_dequantize,
-pebble_matvec and pebble_decode_layer, in numpy.
+pebble_matvec, pebble_attend and the decode step (pebble_decoder_*), in numpy.
 
 Elements are decoded by gguf-py's own dequantize (float32), products and sums are float32, and the
 same arguments are accepted and refused as by native/pebble_quant.cu and pebble_decode.cu, with the
@@ -14,15 +14,123 @@ import math
 
 import numpy as np
 
-from ..errors import InvalidArgumentError, SizeMismatchError
+from ..errors import ClosedError, InvalidArgumentError, SizeMismatchError
 from ..ggml_types import DENSE_TYPES, SUPPORTED_TEXT, SUPPORTED_TYPES, block, type_name
 from ..model.qweight import QuantWeight
-from ..model.transformer import ROPE_NEOX, ROPE_NORMAL, LayerWeights, ModelConfig, layer_forward
-from .abi import MATVEC_MAX_VEC
+from ..model.transformer import (ROPE_NEOX, ROPE_NORMAL, LayerWeights, ModelConfig, OuterWeights, layer_forward,
+                                 output_logits)
+from .abi import DECODER_MAX_BATCH, MATVEC_MAX_VEC
 from .interface import as_int, host_buffer
 from .kernels import Kernels
 
 _DTYPE_OF = {ggml_type: dtype for dtype, ggml_type in DENSE_TYPES.items()}  # F32, F16 -> numpy dtype
+
+
+class StubDecoder:
+    """pebble_decoder_*'s semantics: the model's forward pass (transformer.layer_forward, then the output
+    norm and projection) for each token of a step, over the weights and caches named once, with the same
+    arguments accepted and refused as native/pebble_decode.cu."""
+
+    def __init__(self, kernels: "StubKernels", model, layers, k_caches, v_caches):
+        fn = "pebble_decoder_create"
+        if min(model.n_layer, model.n_embd, model.n_vocab, model.n_seq) < 1 or model.n_seq > DECODER_MAX_BATCH:
+            raise InvalidArgumentError(f"{fn}: n_layer {model.n_layer}, n_embd {model.n_embd} and n_vocab "
+                                       f"{model.n_vocab} must each be at least 1, n_seq {model.n_seq} within "
+                                       f"1..{DECODER_MAX_BATCH}")
+        if len(layers) != model.n_layer or len(k_caches) != model.n_layer * model.n_seq or \
+                len(v_caches) != len(k_caches):
+            raise SizeMismatchError(f"decoder: {len(layers)} layers and {len(k_caches)} K / {len(v_caches)} V caches; "
+                                    f"{model.n_layer} layers of {model.n_seq} sequences need "
+                                    f"{model.n_layer * model.n_seq} of each")
+        if model.kv_type not in _DTYPE_OF:
+            raise InvalidArgumentError(f"{fn}: kv_type {model.kv_type}; the caches must be 0 F32 or 1 F16")
+        self.model, self.layers, self.stats_ = model, [], {"steps": 0, "tokens": 0, "layer_passes": 0}
+        for i, layer in enumerate(layers):
+            where, s = f"{fn}: layer {i}", layer.shape
+            kernels._check_shape(where, s, layer.kv_rows)
+            e, q_rows, kv_rows = s.n_embd, s.n_head * s.head_dim, s.n_head_kv * s.head_dim
+            w = layer.weights
+            vec, mat = (lambda *a, **k: kernels._vector(where, w, *a, **k)), (lambda *a: kernels._matrix(where, w, *a))
+            lw = LayerWeights(
+                attn_norm=vec("attn_norm", e), wq=mat("wq", q_rows, e), wk=mat("wk", kv_rows, e),
+                wv=mat("wv", kv_rows, e), wo=mat("wo", e, q_rows), ffn_norm=vec("ffn_norm", e),
+                w_gate=mat("w_gate", s.n_ff, e), w_up=mat("w_up", s.n_ff, e), w_down=mat("w_down", e, s.n_ff),
+                bq=vec("bq", q_rows, optional=True), bk=vec("bk", kv_rows, optional=True),
+                bv=vec("bv", kv_rows, optional=True), q_norm=vec("q_norm", s.head_dim, optional=True),
+                k_norm=vec("k_norm", s.head_dim, optional=True), post_attn_norm=vec("post_attn_norm", e, optional=True),
+                post_ffn_norm=vec("post_ffn_norm", e, optional=True))
+            if (lw.q_norm is not None or lw.k_norm is not None) and (lw.bq is not None or lw.bk is not None):
+                raise InvalidArgumentError(f"{where}: Q/K norms together with Q/K biases are not supported")
+            if s.n_embd != model.n_embd:
+                raise SizeMismatchError(f"{fn}: layer {i} is {s.n_embd} wide; the model is {model.n_embd}")
+            cos, sin = (np.frombuffer(host_buffer(t, writable=False, what="decoder rope"), np.float32)
+                        .reshape(-1, 1, s.head_dim) for t in (layer.rope_cos, layer.rope_sin))
+            caches = [tuple(np.frombuffer(host_buffer(c[i * model.n_seq + seq], writable=True, what="decoder cache"),
+                                          _DTYPE_OF[model.kv_type]).reshape(layer.kv_rows, s.n_head_kv, s.head_dim)
+                            for c in (k_caches, v_caches)) for seq in range(model.n_seq)]
+            cfg = ModelConfig(arch="decoder", n_layer=1, n_embd=e, n_head=s.n_head, n_head_kv=s.n_head_kv,
+                              head_dim=s.head_dim, n_ff=s.n_ff, n_vocab=0, n_ctx_train=layer.kv_rows,
+                              rms_eps=s.rms_eps, rope_mode=ROPE_NEOX if s.rope_neox else ROPE_NORMAL,
+                              rope_dims=s.rope_dims, attn_scale=float(layer.attn_scale),
+                              activation="gelu" if s.gelu else "silu", window=layer.kv_rows if s.ring else 0,
+                              attn_softcap=float(s.attn_softcap), residual_scale=float(s.residual_scale))
+            self.layers.append((cfg, lw, caches, (cos, sin), layer))
+        self.output_norm = kernels._vector(fn, {"output_norm": model.output_norm}, "output_norm", model.n_embd)
+        self.output = kernels._matrix(fn, {"output": model.output}, "output", model.n_vocab, model.n_embd)
+        self.out_cfg = ModelConfig(arch="decoder", n_layer=0, n_embd=model.n_embd, n_head=1, n_head_kv=1, head_dim=1,
+                                   n_ff=1, n_vocab=model.n_vocab, n_ctx_train=1, rms_eps=model.rms_eps,
+                                   rope_mode=ROPE_NORMAL, rope_dims=0, logit_scale=model.logit_scale,
+                                   final_softcap=model.final_softcap)
+        self.closed = False
+
+    def step(self, seqs, positions, x, logits, *, stream=None) -> None:
+        fn, model = "pebble_decoder_step", self.model
+        if self.closed:
+            raise ClosedError(f"{fn}: the decoder was freed or never made")
+        n = len(seqs)
+        if not 1 <= n <= model.n_seq:
+            raise InvalidArgumentError(f"{fn}: {n} tokens; the decoder holds 1..{model.n_seq} sequences")
+        if len(positions) != n:
+            raise SizeMismatchError(f"decoder step: {n} sequences but {len(positions)} positions")
+        xs = np.frombuffer(host_buffer(x, writable=True, what="decoder x"), np.float32)
+        if xs.size != n * model.n_embd:
+            raise SizeMismatchError(f"decoder step: x holds {xs.nbytes} bytes; {n} float32 rows of {model.n_embd} "
+                                    f"need {4 * n * model.n_embd}")
+        xs = xs.reshape(n, model.n_embd)
+        seen = set()
+        for b, (seq, pos) in enumerate(zip(seqs, positions)):
+            if not 0 <= seq < model.n_seq or seq in seen:
+                raise InvalidArgumentError(f"{fn}: token {b} is of sequence {seq}; each of 0..{model.n_seq - 1} at "
+                                           "most once a step")
+            seen.add(seq)
+            for i, (_, _, _, (cos, _), layer) in enumerate(self.layers):
+                if pos < 0 or pos >= len(cos) or (pos >= layer.kv_rows and not layer.shape.ring):
+                    top = min(len(cos), len(cos) if layer.shape.ring else layer.kv_rows) - 1
+                    raise SizeMismatchError(f"{fn}: sequence {seq} at position {pos} is outside layer {i}'s 0..{top}")
+        for b, (seq, pos) in enumerate(zip(seqs, positions)):
+            h = xs[b:b + 1]
+            for cfg, lw, caches, (cos, sin), _ in self.layers:
+                k, v = caches[seq]
+                h = layer_forward(cfg, h, lw, k, v, pos, (cos[pos:pos + 1], sin[pos:pos + 1]))
+            xs[b] = h[0]
+        if logits is not None:
+            out = np.frombuffer(host_buffer(logits, writable=True, what="decoder logits"), np.float32)
+            if out.size != n * model.n_vocab:
+                raise SizeMismatchError(f"decoder step: logits hold {out.nbytes} bytes; {n} float32 rows of "
+                                        f"{model.n_vocab} need {4 * n * model.n_vocab}")
+            outer = OuterWeights(token_embd=None, output_norm=self.output_norm, output=self.output)
+            out.reshape(n, model.n_vocab)[:] = [output_logits(self.out_cfg, outer, row) for row in xs]
+        self.stats_["steps"] += 1
+        self.stats_["tokens"] += n
+        self.stats_["layer_passes"] += len(self.layers)
+
+    def stats(self) -> dict:
+        if self.closed:
+            raise ClosedError("pebble_decoder_stats: the decoder was freed or never made")
+        return dict(self.stats_)
+
+    def close(self) -> None:
+        self.closed = True
 
 
 class StubKernels:
@@ -132,102 +240,60 @@ class StubKernels:
             for v in range(n_vec):
                 np.matmul(xs[v:v + 1], weights.T, out=ys[v:v + 1])
 
-    # -- the decode step: pebble_decode_layer's semantics, as the model's forward pass over these kernels
+    # -- the decode step: pebble_decoder_*'s semantics, as the model's forward pass over these kernels
 
-    def decode_scratch_bytes(self, shape, n_ctx: int) -> int:
-        self._check_shape(shape, n_ctx)
-        return 0  # numpy allocates its own temporaries
+    def decoder(self, model, layers, k_caches, v_caches) -> "StubDecoder":
+        return StubDecoder(self, model, layers, k_caches, v_caches)
 
     @staticmethod
-    def _check_shape(shape, n_ctx: int) -> None:
-        s = shape
-        if min(s.n_embd, s.n_head, s.n_head_kv, s.head_dim, s.n_ff, n_ctx) < 1:
-            raise InvalidArgumentError(f"pebble_decode_layer: n_embd {s.n_embd}, n_head {s.n_head}, n_head_kv "
-                                       f"{s.n_head_kv}, head_dim {s.head_dim}, n_ff {s.n_ff} and n_ctx {n_ctx} "
-                                       "must each be at least 1")
+    def _check_shape(where: str, s, n_rows: int) -> None:
+        if min(s.n_embd, s.n_head, s.n_head_kv, s.head_dim, s.n_ff, n_rows) < 1:
+            raise InvalidArgumentError(f"{where}: n_embd {s.n_embd}, n_head {s.n_head}, n_head_kv {s.n_head_kv}, "
+                                       f"head_dim {s.head_dim}, n_ff {s.n_ff} and n_ctx {n_rows} must each be at least 1")
         if s.n_head % s.n_head_kv:
-            raise InvalidArgumentError(f"pebble_decode_layer: {s.n_head} query heads cannot share {s.n_head_kv} KV "
-                                       "heads evenly")
+            raise InvalidArgumentError(f"{where}: {s.n_head} query heads cannot share {s.n_head_kv} KV heads evenly")
         if not 0 <= s.rope_dims <= s.head_dim or s.rope_dims % 2:
-            raise InvalidArgumentError(f"pebble_decode_layer: rope_dims {s.rope_dims} must be even and within "
-                                       f"0..head_dim ({s.head_dim})")
+            raise InvalidArgumentError(f"{where}: rope_dims {s.rope_dims} must be even and within 0..head_dim "
+                                       f"({s.head_dim})")
         if s.gelu not in (0, 1):
-            raise InvalidArgumentError(f"pebble_decode_layer: gelu is {s.gelu}; 0 (SwiGLU) or 1 (GELU) are accepted")
+            raise InvalidArgumentError(f"{where}: gelu is {s.gelu}; 0 (SwiGLU) or 1 (GELU) are accepted")
         if s.ring not in (0, 1):
-            raise InvalidArgumentError(f"pebble_decode_layer: ring is {s.ring}; 0 or 1 are accepted")
+            raise InvalidArgumentError(f"{where}: ring is {s.ring}; 0 or 1 are accepted")
         if not (math.isfinite(s.attn_softcap) and s.attn_softcap >= 0 and math.isfinite(s.residual_scale)):
-            raise InvalidArgumentError(f"pebble_decode_layer: attn_softcap {s.attn_softcap:g} must be finite and at "
-                                       f"least 0, residual_scale {s.residual_scale:g} finite")
+            raise InvalidArgumentError(f"{where}: attn_softcap {s.attn_softcap:g} must be finite and at least 0, "
+                                       f"residual_scale {s.residual_scale:g} finite")
 
-    def decode_layer(self, shape, weights: dict, kv_type: int, k_cache, v_cache, n_ctx: int, pos: int,
-                     rope_cos, rope_sin, attn_scale: float, x, scratch, *, stream=None) -> None:
-        s = shape
-        self._check_shape(s, n_ctx)
-        e, q_rows, kv_rows = s.n_embd, s.n_head * s.head_dim, s.n_head_kv * s.head_dim
+    def _vector(self, where: str, weights: dict, name: str, n: int, optional: bool = False):
+        ref = weights.get(name)
+        if ref is None:
+            if optional:
+                return None
+            raise InvalidArgumentError(f"{where}: {name} must not be NULL")
+        ggml_type, data = ref
+        if ggml_type not in _DTYPE_OF:
+            raise InvalidArgumentError(f"{where}: {name} has GGUF type {ggml_type}; vectors must be 0 F32 or 1 F16")
+        values = np.frombuffer(host_buffer(data, writable=False, what=f"decoder {name}"), _DTYPE_OF[ggml_type])
+        if values.size != n:
+            raise SizeMismatchError(f"decoder: {where}: {name} holds {values.nbytes} bytes; GGUF type {ggml_type} "
+                                    f"needs {n * values.itemsize} for this shape")
+        return values.astype(np.float32)
 
-        def vector(name: str, n: int, optional: bool = False):
-            ref = weights.get(name)
-            if ref is None:
-                if optional:
-                    return None
-                raise InvalidArgumentError(f"pebble_decode_layer: {name} must not be NULL")
-            ggml_type, data = ref
-            if ggml_type not in _DTYPE_OF:
-                raise InvalidArgumentError(f"pebble_decode_layer: {name} has GGUF type {ggml_type}; vectors must be "
-                                           "0 F32 or 1 F16")
-            values = np.frombuffer(host_buffer(data, writable=False, what=f"decode_layer {name}"),
-                                   _DTYPE_OF[ggml_type])
-            if values.size != n:
-                raise SizeMismatchError(f"decode_layer: {name} holds {values.nbytes} bytes; GGUF type {ggml_type} "
-                                        f"needs {n * values.itemsize} for this shape")
-            return values.astype(np.float32)
-
-        def matrix(name: str, rows: int, cols: int) -> QuantWeight:
-            ref = weights.get(name)
-            if ref is None:
-                raise InvalidArgumentError(f"pebble_decode_layer: {name} must not be NULL")
-            ggml_type, data = ref
-            _, name_of_type, elements, block_bytes = self._type("pebble_decode_layer", ggml_type)
-            if cols % elements:
-                raise SizeMismatchError(f"pebble_decode_layer: {name}: {name_of_type} {rows} x {cols}: rows of "
-                                        f"whole {elements}-element blocks are needed")
-            raw = np.frombuffer(host_buffer(data, writable=False, what=f"decode_layer {name}"), np.uint8)
-            if raw.nbytes != rows * (cols // elements) * block_bytes:
-                raise SizeMismatchError(f"decode_layer: {name} holds {raw.nbytes} bytes; GGUF type {ggml_type} "
-                                        f"needs {rows * (cols // elements) * block_bytes} for this shape")
-            # Every matrix, dense ones too, through these kernels: the vector entering it is rounded to
-            # fp16, as the native step hands fp16 vectors to its matrix kernels.
-            return QuantWeight(ggml_type, (rows, cols), raw.reshape(rows, -1), self.kernels)
-
-        lw = LayerWeights(
-            attn_norm=vector("attn_norm", e), wq=matrix("wq", q_rows, e), wk=matrix("wk", kv_rows, e),
-            wv=matrix("wv", kv_rows, e), wo=matrix("wo", e, q_rows), ffn_norm=vector("ffn_norm", e),
-            w_gate=matrix("w_gate", s.n_ff, e), w_up=matrix("w_up", s.n_ff, e), w_down=matrix("w_down", e, s.n_ff),
-            bq=vector("bq", q_rows, True), bk=vector("bk", kv_rows, True), bv=vector("bv", kv_rows, True),
-            q_norm=vector("q_norm", s.head_dim, True), k_norm=vector("k_norm", s.head_dim, True),
-            post_attn_norm=vector("post_attn_norm", e, True), post_ffn_norm=vector("post_ffn_norm", e, True))
-        if (lw.q_norm is not None or lw.k_norm is not None) and (lw.bq is not None or lw.bk is not None):
-            raise InvalidArgumentError("pebble_decode_layer: Q/K norms together with Q/K biases are not supported")
-        if kv_type not in _DTYPE_OF:
-            raise InvalidArgumentError(f"pebble_decode_layer: kv_type {kv_type}; the caches must be 0 F32 or 1 F16")
-        if pos < 0 or (pos >= n_ctx and not s.ring):
-            raise SizeMismatchError(f"pebble_decode_layer: position {pos} is outside the cache's 0..{n_ctx - 1}")
-        k_all, v_all = (np.frombuffer(host_buffer(c, writable=True, what="decode_layer cache"), _DTYPE_OF[kv_type])
-                        .reshape(n_ctx, s.n_head_kv, s.head_dim) for c in (k_cache, v_cache))
-        cos, sin = (np.frombuffer(host_buffer(t, writable=False, what="decode_layer rope"), np.float32)
-                    for t in (rope_cos, rope_sin))
-        xs = np.frombuffer(host_buffer(x, writable=True, what="decode_layer x"), np.float32)
-        if xs.size != e or cos.size != s.head_dim or sin.size != s.head_dim:
-            raise SizeMismatchError(f"decode_layer: x holds {xs.size} floats (n_embd {e}); rope rows "
-                                    f"{cos.size} and {sin.size} (head_dim {s.head_dim})")
-        cfg = ModelConfig(arch="decode_layer", n_layer=1, n_embd=e, n_head=s.n_head, n_head_kv=s.n_head_kv,
-                          head_dim=s.head_dim, n_ff=s.n_ff, n_vocab=0, n_ctx_train=n_ctx, rms_eps=s.rms_eps,
-                          rope_mode=ROPE_NEOX if s.rope_neox else ROPE_NORMAL, rope_dims=s.rope_dims,
-                          attn_scale=float(attn_scale), activation="gelu" if s.gelu else "silu",
-                          window=n_ctx if s.ring else 0, attn_softcap=float(s.attn_softcap),
-                          residual_scale=float(s.residual_scale))
-        rope = cos.reshape(1, 1, -1), sin.reshape(1, 1, -1)
-        xs[:] = layer_forward(cfg, xs.reshape(1, e), lw, k_all, v_all, pos, rope)[0]
+    def _matrix(self, where: str, weights: dict, name: str, rows: int, cols: int) -> QuantWeight:
+        ref = weights.get(name)
+        if ref is None:
+            raise InvalidArgumentError(f"{where}: {name} must not be NULL")
+        ggml_type, data = ref
+        _, name_of_type, elements, block_bytes = self._type(where, ggml_type)
+        if cols % elements:
+            raise SizeMismatchError(f"{where}: weight: {name}: {name_of_type} {rows} x {cols}: rows of whole "
+                                    f"{elements}-element blocks are needed")
+        raw = np.frombuffer(host_buffer(data, writable=False, what=f"decoder {name}"), np.uint8)
+        if raw.nbytes != rows * (cols // elements) * block_bytes:
+            raise SizeMismatchError(f"decoder: {where}: {name} holds {raw.nbytes} bytes; GGUF type {ggml_type} needs "
+                                    f"{rows * (cols // elements) * block_bytes} for this shape")
+        # Every matrix, dense ones too, through these kernels: the vector entering it is rounded to fp16, as
+        # the native step hands fp16 vectors to its matrix kernels.
+        return QuantWeight(ggml_type, (rows, cols), raw.reshape(rows, -1), self.kernels)
 
     # -- attention of a batch of sequences (pebble_attend's semantics, each sequence on its own)
 
