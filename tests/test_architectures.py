@@ -172,7 +172,7 @@ def test_configs_read_as_llama_cpp_reads_them():
 
 
 # ---------------------------------------------------------------------------------------------------
-# strategies, backends, weight forms, the fused decode step
+# strategies, backends, weight forms, the decode step
 
 
 @pytest.mark.parametrize("backend", store_backend_params())
@@ -184,28 +184,31 @@ def test_every_strategy_gives_the_tokens_of_none(backend, case):
         model = load_model(path_of(case, weight_type="Q8_0"), weights=weights, progress=False)
         expected = list(Generation(model, options).tokens(tokens))
         assert len(expected) == 8
-        for fused in (False, True):
-            pebbled = PebbledModel(model, backend=backend, fused_decode=fused)
-            try:
-                for strategy in ("none", "sqrt", "minimal", "every:2", "adaptive"):
-                    pebbling = PebblingOptions.from_options({"pebbling_strategy": strategy})
-                    got = list(pebbled.generation(options, pebbling, len(tokens)).tokens(tokens))
-                    assert got == expected, (case, weights, fused, strategy)
-            finally:
-                pebbled.close()
+        pebbled = PebbledModel(model, backend=backend)
+        try:
+            for strategy in ("none", "sqrt", "minimal", "every:2", "adaptive"):
+                pebbling = PebblingOptions.from_options({"pebbling_strategy": strategy})
+                got = list(pebbled.generation(options, pebbling, len(tokens)).tokens(tokens))
+                assert got == expected, (case, weights, strategy)
+        finally:
+            pebbled.close()
 
 
-def test_the_fused_step_takes_every_layer_but_qk_norms_with_biases():
+def test_the_decoder_refuses_qk_norms_with_biases_by_name():
+    """No architecture has both, and their order would be a guess: the decoder refuses such a layer."""
     from dataclasses import replace
 
-    from pyplugin.store import fused_decode_computes
-    for case in ("gemma3", "gemma2", "qwen3", "granite-scales", "mistral-nemo"):
-        model = load_model(path_of(case), progress=False)
-        for i in range(model.config.n_layer):
-            assert fused_decode_computes(model.config.for_layer(i), model.layers[i])
+    from pyplugin.errors import InvalidArgumentError
+    from pyplugin.model import KVCache
+    from pyplugin.store import backend_named
     qwen3 = load_model(path_of("qwen3"), progress=False)
-    biased = replace(qwen3.layers[0], bq=np.zeros(qwen3.config.n_head * qwen3.config.head_dim, np.float32))
-    assert not fused_decode_computes(qwen3.config.for_layer(0), biased)  # such a layer: the array path
+    for name in ("host", "stub"):
+        kernels = backend_named(name).kernels
+        layers = qwen3.resident_layers(kernels)
+        layers[0] = replace(layers[0], bq=np.zeros(qwen3.config.n_head * qwen3.config.head_dim, np.float32))
+        kv = KVCache.allocate(qwen3.config, 16)
+        with pytest.raises(InvalidArgumentError, match="layer 0: Q/K norms together with Q/K biases"):
+            kernels.decoder(qwen3.config, layers, [[pair] for pair in zip(kv.k, kv.v)], qwen3.outer_weights(kernels), 16)
 
 
 # ---------------------------------------------------------------------------------------------------

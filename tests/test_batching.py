@@ -23,15 +23,15 @@ PROMPTS = ([5, 17, 42, 8], [99, 3], [61, 7, 250, 12, 33, 71, 4], [150], [9, 28, 
            [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [40], [300, 301])
 
 
-def alone(model, backend, options, pebbling, prompt, fused=False):
-    pebbled = PebbledModel(model, backend=backend, fused_decode=fused)
+def alone(model, backend, options, pebbling, prompt):
+    pebbled = PebbledModel(model, backend=backend)
     gen = pebbled.generation(options, pebbling, len(prompt))
     return list(gen.tokens(prompt)), gen.report()
 
 
-def together(model, backend, options, pebbling, prompts, fused=False):
+def together(model, backend, options, pebbling, prompts):
     """Every prompt prefilled, then decoded in steps over all the sequences still going."""
-    pebbled = PebbledModel(model, backend=backend, fused_decode=fused)
+    pebbled = PebbledModel(model, backend=backend)
     source = StoreLayers(pebbled, pebbled.plan(options, pebbling, n_seqs=len(prompts)), options, pebbling)
     gens = [Generation(model, options, layers=source.sequence(s)) for s in range(len(prompts))]
     out = [[] for _ in prompts]
@@ -56,14 +56,13 @@ def together(model, backend, options, pebbling, prompts, fused=False):
 
 @pytest.mark.parametrize("backend", store_backend_params())
 @pytest.mark.parametrize("weights", ["quantized", "f16"])
-@pytest.mark.parametrize("strategy,fused", [("minimal", False), ("every:2", False), ("none", False),
-                                            ("minimal", True)])
-def test_a_batch_of_eight_decodes_what_each_decodes_alone(backend, weights, strategy, fused):
+@pytest.mark.parametrize("strategy", ["minimal", "every:2", "none"])
+def test_a_batch_of_eight_decodes_what_each_decodes_alone(backend, weights, strategy):
     model = tiny_model("qwen2", weights=weights, n_layer=3)
     options = Options(temperature=0, num_predict=10, num_ctx=96)
     pebbling = PebblingOptions.from_options({"pebbling_strategy": strategy})
-    expected = [alone(model, backend, options, pebbling, p, fused)[0] for p in PROMPTS]
-    got, reports = together(model, backend, options, pebbling, PROMPTS, fused)
+    expected = [alone(model, backend, options, pebbling, p)[0] for p in PROMPTS]
+    got, reports = together(model, backend, options, pebbling, PROMPTS)
     assert got == expected
     assert all(len(tokens) == 10 for tokens in got)  # every sequence decoded in every step
     assert {r["batch"]["largest"] for r in reports} == {8}
@@ -102,18 +101,17 @@ def test_prompts_prefilled_together_give_exactly_what_each_prefill_gives_alone(b
 
 
 @pytest.mark.parametrize("case", ["qwen3", "gemma3", "gemma2", "granite-scales"])
-@pytest.mark.parametrize("fused", [False, True])
-def test_every_architecture_decodes_in_a_batch_what_it_decodes_alone(case, fused):
-    """Layers the batched block does not compute (Q/K norms, the Gemmas' norms and GELU, a window's ring
-    crossed on the way, capped scores and logits, Granite's scales) run each sequence as alone, in the pass."""
+def test_every_architecture_decodes_in_a_batch_what_it_decodes_alone(case):
+    """Q/K norms, the Gemmas' norms and GELU, a window's ring crossed on the way, capped scores and logits,
+    Granite's scales: each sequence of a batched step (one native call) gets its tokens alone."""
     from test_architectures import path_of
     from pyplugin.model import load_model
     model = load_model(path_of(case), weights="quantized", progress=False)
     options = Options(temperature=0, num_predict=9, num_ctx=64)  # gemma3's window (5) is crossed
     pebbling = PebblingOptions.from_options({"pebbling_strategy": "minimal"})
     prompts = [p[:6] for p in PROMPTS[:4]]
-    expected = [alone(model, "host", options, pebbling, p, fused)[0] for p in prompts]
-    got, _ = together(model, "host", options, pebbling, prompts, fused)
+    expected = [alone(model, "host", options, pebbling, p)[0] for p in prompts]
+    got, _ = together(model, "host", options, pebbling, prompts)
     assert got == expected and all(len(tokens) == 9 for tokens in got)
 
 

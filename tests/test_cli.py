@@ -274,10 +274,11 @@ def test_bad_flags_give_one_clear_error(model, capsys, args, code, message):
 
 
 def test_info_says_which_backend_and_which_decode_step(capsys, monkeypatch):
-    monkeypatch.delenv("PEBBLING_FUSED_DECODE", raising=False)
+    monkeypatch.setenv("PEBBLING_BACKEND", "host")
     assert cli("info") == 0
     out = capsys.readouterr().out
-    assert out.startswith("backend: ") and "decode step: array operations" in out and "weights: quantized" in out
-    monkeypatch.setenv("PEBBLING_FUSED_DECODE", "1")
+    assert out.startswith("backend: host") and "decode step: one native call per token, every layer" in out
+    assert "weights: quantized" in out
+    monkeypatch.setenv("PEBBLING_BACKEND", "stub")
     assert cli("info") == 0
-    assert "decode step: one native call per layer (PEBBLING_FUSED_DECODE=1)" in capsys.readouterr().out
+    assert "decode step: the Python forward pass (the stub backend)" in capsys.readouterr().out

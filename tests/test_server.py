@@ -196,16 +196,11 @@ def test_pebbling_weights_picks_the_form_and_both_forms_give_the_same_tokens(url
     assert forms == ["f16", "quantized"]
 
 
-def test_fused_decode_serves_the_same_tokens(url, models_dir, monkeypatch):
-    options = {**GREEDY, "num_predict": 10, "pebbling_strategy": "every:2"}
-    reference = generate(url, options=options).json()
-    assert reference["pebbling"]["fused_decode"] is False  # off unless asked for
-    monkeypatch.setenv("PEBBLING_FUSED_DECODE", "1")
-    with serving(create_app(models_dir=models_dir)) as fused_url:
-        fused = generate(fused_url, options=options).json()
-    assert fused["pebbling"]["fused_decode"] is True
-    assert fused["response"] == reference["response"] and fused["eval_count"] == 10
-
+def test_a_response_says_its_decode_steps_were_one_native_call_each(url):
+    reply = generate(url, options={**GREEDY, "num_predict": 10, "pebbling_strategy": "every:2"}).json()
+    backend = reply["pebbling"]["backend"]
+    assert reply["pebbling"]["decode_step"] == ("python" if backend == "stub" else "native")
+    assert reply["eval_count"] == 10
 
 def test_keep_alive_zero_unloads_and_negative_keeps_forever(url):
     generate(url, keep_alive=0)

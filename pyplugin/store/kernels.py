@@ -243,10 +243,14 @@ class Kernels:
             lcfg = cfg.for_layer(i)
             cos, sin = (self.xp.ascontiguousarray(t.reshape(n_ctx, -1)) for t in rope_table(lcfg, n_ctx, self.xp,
                                                                                            np.float32))
+            rows = caches[i][0][0].shape[0]
+            if lcfg.window and rows > lcfg.window:
+                raise InvalidArgumentError(f"decoder: layer {i} slides over {lcfg.window} positions, so its caches "
+                                           f"hold that many rows (a ring), not {rows}")
             step_layers.append(StepLayer(LayerShape.of(lcfg), {name: tensor_ref(name, getattr(lw, name))
                                                                for name in DECODE_WEIGHTS
                                                                if getattr(lw, name) is not None},
-                                         cos, sin, cfg.kv_rows(i, n_ctx), float(np.float32(lcfg.query_scale))))
+                                         cos, sin, rows, float(np.float32(lcfg.query_scale))))
         output_norm = self.xp.ascontiguousarray(outer.output_norm, dtype=np.float32)
         model = StepModel(cfg.n_layer, cfg.n_embd, cfg.n_vocab, len(caches[0]), kv_type, cfg.rms_eps,
                           float(cfg.logit_scale), float(cfg.final_softcap), tensor_ref("output_norm", output_norm),

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import InvalidArgumentError, PebblingError, SizeMismatchError
+from ..errors import ClosedError, InvalidArgumentError, PebblingError, SizeMismatchError
 from ..ggml_types import DENSE_TYPES
 from .abi import INT32_MAX, INT32_MIN, INT64_MAX, INT64_MIN
 from .interface import stream_pointer
@@ -168,13 +168,17 @@ class NativeDecoder:
                                     f"{model.n_layer} layers of {model.n_seq} sequences need "
                                     f"{model.n_layer * model.n_seq} of each")
         kv_item = _ITEMSIZE.get(model.kv_type)
-        c_layers = ffi.new("struct pebble_step_layer[]", len(layers))
+        c_layers, checked = ffi.new("struct pebble_step_layer[]", len(layers)), []
         for i, (layer, c) in enumerate(zip(layers, c_layers)):
             shape = layer.shape
             for name in ("n_embd", "n_head", "n_head_kv", "head_dim", "n_ff", "rope_dims", "rope_neox", "rms_eps",
                          "gelu", "ring", "attn_softcap", "residual_scale"):
                 setattr(c.shape, name, getattr(shape, name))
-            sizes = decode_buffer_sizes(shape, kernels.type_block)
+            # Sizes follow from a shape the library takes; another it refuses by name, with its own message.
+            valid = min(shape.n_embd, shape.n_head, shape.n_head_kv, shape.head_dim, shape.n_ff) >= 1 and \
+                shape.n_head % shape.n_head_kv == 0
+            sizes = decode_buffer_sizes(shape, kernels.type_block) if valid else {}
+            checked.append(valid)
             for name, (ggml_type, buffer) in layer.weights.items():
                 ptr, nbytes = self._pointer(buffer, False, f"layer {i} {name}")
                 want = sizes[name](_c_type(ggml_type)) if name in sizes else None
@@ -197,8 +201,8 @@ class NativeDecoder:
             for n, cache in enumerate(arrays):
                 i = n // model.n_seq
                 ptr, nbytes = self._pointer(cache, True, f"layer {i} {name}")
-                want = None if kv_item is None else layers[i].kv_rows * layers[i].shape.n_head_kv * \
-                    layers[i].shape.head_dim * kv_item
+                want = None if kv_item is None or not checked[i] else \
+                    layers[i].kv_rows * layers[i].shape.n_head_kv * layers[i].shape.head_dim * kv_item
                 if want is not None and nbytes != want:
                     raise SizeMismatchError(f"decoder: layer {i}: a {name} holds {nbytes} bytes; {want} are needed")
                 pointers.append(ffi.cast("void *", ptr))
@@ -233,12 +237,14 @@ class NativeDecoder:
         return ptr, nbytes
 
     def step(self, seqs, positions, x, logits, *, stream=None) -> None:
+        if self._handle is None:
+            raise ClosedError("pebble_decoder_step: the decoder was freed or never made")
         n = len(seqs)
         if len(positions) != n:
             raise SizeMismatchError(f"decoder step: {n} sequences but {len(positions)} positions")
         x_ptr, x_bytes = _pointer(x, self._backend, True, "x")
         model = self._keep[-1]
-        if x_bytes != 4 * n * model.n_embd:
+        if 1 <= n <= model.n_seq and x_bytes != 4 * n * model.n_embd:  # another count: the library's refusal
             raise SizeMismatchError(f"decoder step: x holds {x_bytes} bytes; {n} float32 rows of {model.n_embd} "
                                     f"need {4 * n * model.n_embd}")
         out_ptr = ffi.NULL
@@ -253,6 +259,8 @@ class NativeDecoder:
             ffi.cast("float *", out_ptr), ffi.cast("void *", stream_pointer(stream))))
 
     def stats(self) -> dict:
+        if self._handle is None:
+            raise ClosedError("pebble_decoder_stats: the decoder was freed or never made")
         _check(self._lib, self._lib.pebble_decoder_stats(self._handle, self._stats))
         return {name: int(getattr(self._stats, name)) for name in ("steps", "tokens", "layer_passes")}
 
@@ -260,7 +268,7 @@ class NativeDecoder:
         """Frees the decoder now (the buffers it named are the caller's)."""
         handle, self._handle = getattr(self, "_handle", None), None
         if handle is not None:
-            _check(self._lib, self._lib.pebble_decoder_free(ffi.gc(handle, None)))
+            ffi.release(handle)  # runs its destructor, pebble_decoder_free, now
         self._keep = []
 
 

@@ -65,9 +65,18 @@ class StubDecoder:
                 raise SizeMismatchError(f"{fn}: layer {i} is {s.n_embd} wide; the model is {model.n_embd}")
             cos, sin = (np.frombuffer(host_buffer(t, writable=False, what="decoder rope"), np.float32)
                         .reshape(-1, 1, s.head_dim) for t in (layer.rope_cos, layer.rope_sin))
-            caches = [tuple(np.frombuffer(host_buffer(c[i * model.n_seq + seq], writable=True, what="decoder cache"),
-                                          _DTYPE_OF[model.kv_type]).reshape(layer.kv_rows, s.n_head_kv, s.head_dim)
-                            for c in (k_caches, v_caches)) for seq in range(model.n_seq)]
+            caches = []
+            for seq in range(model.n_seq):
+                pair = []
+                for name, arrays in (("k_cache", k_caches), ("v_cache", v_caches)):
+                    c = np.frombuffer(host_buffer(arrays[i * model.n_seq + seq], writable=True, what="decoder cache"),
+                                      _DTYPE_OF[model.kv_type])
+                    want = layer.kv_rows * s.n_head_kv * s.head_dim
+                    if c.size != want:
+                        raise SizeMismatchError(f"decoder: layer {i}: a {name} holds {c.nbytes} bytes; "
+                                                f"{want * c.itemsize} are needed")
+                    pair.append(c.reshape(layer.kv_rows, s.n_head_kv, s.head_dim))
+                caches.append(tuple(pair))
             cfg = ModelConfig(arch="decoder", n_layer=1, n_embd=e, n_head=s.n_head, n_head_kv=s.n_head_kv,
                               head_dim=s.head_dim, n_ff=s.n_ff, n_vocab=0, n_ctx_train=layer.kv_rows,
                               rms_eps=s.rms_eps, rope_mode=ROPE_NEOX if s.rope_neox else ROPE_NORMAL,

@@ -167,52 +167,78 @@ int main(void) {
 
     // the decode step: q = k = 0 makes attention a plain mean of the V rows; wv and wo are identities,
     // the feed-forward's gate is 0. With x = 1 (unit RMS) and row 0 of V at 3: V row 1 becomes x, the
-    // mean of rows 0..1 is 2, and x comes out 1 + 2 = 3.
+    // mean of rows 0..1 is 2, and x comes out 1 + 2 = 3. The output's norm and identity matrix then give
+    // logits of 1 (3 at unit RMS).
     {
         enum { E = 4 };
-        float zero[E * E] = {0}, eye[E * E] = {0}, ones_f[E], cos_[E], sin_[E] = {0}, x[E];
-        float k_cache[2 * E], v_cache[2 * E];
+        float zero[E * E] = {0}, eye[E * E] = {0}, ones_f[E], cos_[3 * E], sin_[3 * E] = {0}, x[2 * E], logits[2 * E];
+        float k0[2 * E], v0[2 * E], k1[2 * E] = {0}, v1[2 * E] = {0};
         for (int i = 0; i < E; i++) {
             eye[i * E + i] = 1.0f;
-            ones_f[i] = cos_[i] = x[i] = 1.0f;
-            k_cache[i] = k_cache[E + i] = 5.0f;
-            v_cache[i] = 3.0f;
-            v_cache[E + i] = 5.0f;
+            ones_f[i] = cos_[i] = cos_[E + i] = cos_[2 * E + i] = x[i] = x[E + i] = 1.0f;
+            k0[i] = k0[E + i] = 5.0f;
+            v0[i] = 3.0f;
+            v0[E + i] = 5.0f;
         }
-        struct pebble_layer_shape shape = {E, 1, 1, E, E, 0, 0, 0.0f, 0, 0, 0.0f, 1.0f}; // SwiGLU, no ring
         struct pebble_tensor_ref f32_zero = {0, zero}, f32_eye = {0, eye}, f32_ones = {0, ones_f};
-        struct pebble_layer_weights w = {f32_ones, f32_zero, f32_zero, f32_eye, f32_eye, f32_ones,
-                                         f32_zero, f32_zero, f32_zero, {0, NULL}, {0, NULL}, {0, NULL}};
-        uint64_t scratch_bytes = 0;
-        EXPECT(pebble_decode_scratch_bytes(&shape, 2, &scratch_bytes) == PEBBLE_OK && scratch_bytes > 0);
-        void * scratch = malloc(scratch_bytes);
-        EXPECT(pebble_decode_layer(&shape, &w, 0, k_cache, v_cache, 2, 1, cos_, sin_, 0.5f, x, scratch,
-                                   scratch_bytes, NULL) == PEBBLE_OK);
+        struct pebble_step_layer layer = {
+            {E, 1, 1, E, E, 0, 0, 0.0f, 0, 0, 0.0f, 1.0f}, // SwiGLU, no ring
+            {f32_ones, f32_zero, f32_zero, f32_eye, f32_eye, f32_ones, f32_zero, f32_zero, f32_zero,
+             {0, NULL}, {0, NULL}, {0, NULL}, {0, NULL}, {0, NULL}, {0, NULL}, {0, NULL}},
+            cos_, sin_, 3, 2, 0.5f};
+        struct pebble_step_model model = {1, E, E, 2, 0, 0.0f, 1.0f, 0.0f, f32_ones, f32_eye};
+        void * ks[2] = {k0, k1}, * vs[2] = {v0, v1};
+        pebble_decoder_t d = NULL;
+        EXPECT(pebble_decoder_create(&model, &layer, ks, vs, &d) == PEBBLE_OK && d != NULL);
+        int32_t seqs[2] = {0, 1};
+        int64_t pos[2] = {1, 0};
+        EXPECT(pebble_decoder_step(d, 2, seqs, pos, x, logits, NULL) == PEBBLE_OK);
         for (int i = 0; i < E; i++) {
-            EXPECT(x[i] == 3.0f);
-            EXPECT(k_cache[E + i] == 0.0f && v_cache[E + i] == 1.0f); // row 1 written
-            EXPECT(k_cache[i] == 5.0f && v_cache[i] == 3.0f);         // row 0 untouched
+            EXPECT(x[i] == 3.0f && logits[i] == 1.0f);
+            EXPECT(x[E + i] == 2.0f);                       // sequence 1 attends over its own row 0 alone
+            EXPECT(k0[E + i] == 0.0f && v0[E + i] == 1.0f); // row 1 written
+            EXPECT(k0[i] == 5.0f && v0[i] == 3.0f);         // row 0 untouched
+            EXPECT(v1[i] == 1.0f && v1[E + i] == 0.0f);
         }
-        EXPECT(pebble_decode_layer(&shape, &w, 0, k_cache, v_cache, 2, 2, cos_, sin_, 0.5f, x, scratch,
-                                   scratch_bytes, NULL) == PEBBLE_ERR_SIZE_MISMATCH);
-        EXPECT(pebble_decode_layer(&shape, &w, 0, k_cache, v_cache, 2, 1, cos_, sin_, 0.5f, x, scratch,
-                                   scratch_bytes - 1, NULL) == PEBBLE_ERR_SIZE_MISMATCH);
-        EXPECT(pebble_decode_layer(&shape, &w, 5, k_cache, v_cache, 2, 1, cos_, sin_, 0.5f, x, scratch,
-                                   scratch_bytes, NULL) == PEBBLE_ERR_INVALID_ARGUMENT);
-        shape.ring = 1; // a ring of 2 rows: position 2 is row 0, and rows 0 and 1 are attended
-        EXPECT(pebble_decode_layer(&shape, &w, 0, k_cache, v_cache, 2, 2, cos_, sin_, 0.5f, x, scratch,
-                                   scratch_bytes, NULL) == PEBBLE_OK);
-        for (int i = 0; i < E; i++) EXPECT(k_cache[i] == 0.0f && v_cache[i] == 1.0f); // row 0 rewritten
-        shape.ring = 2;
-        EXPECT(pebble_decode_layer(&shape, &w, 0, k_cache, v_cache, 2, 2, cos_, sin_, 0.5f, x, scratch,
-                                   scratch_bytes, NULL) == PEBBLE_ERR_INVALID_ARGUMENT &&
-               strstr(pebble_last_error(), "ring") != NULL);
-        shape.ring = 0;
-        w.wq.data = NULL;
-        EXPECT(pebble_decode_layer(&shape, &w, 0, k_cache, v_cache, 2, 1, cos_, sin_, 0.5f, x, scratch,
-                                   scratch_bytes, NULL) == PEBBLE_ERR_INVALID_ARGUMENT &&
+        struct pebble_decoder_stats stats;
+        EXPECT(pebble_decoder_stats(d, &stats) == PEBBLE_OK && stats.steps == 1 && stats.tokens == 2 &&
+               stats.layer_passes == 1);
+        pos[0] = 2; // past the cache
+        EXPECT(pebble_decoder_step(d, 1, seqs, pos, x, NULL, NULL) == PEBBLE_ERR_SIZE_MISMATCH);
+        pos[0] = 1;
+        seqs[1] = 0;
+        EXPECT(pebble_decoder_step(d, 2, seqs, pos, x, NULL, NULL) == PEBBLE_ERR_INVALID_ARGUMENT &&
+               strstr(pebble_last_error(), "at most once") != NULL);
+        seqs[1] = 2;
+        EXPECT(pebble_decoder_step(d, 2, seqs, pos, x, NULL, NULL) == PEBBLE_ERR_INVALID_ARGUMENT);
+        EXPECT(pebble_decoder_step(d, 0, seqs, pos, x, NULL, NULL) == PEBBLE_ERR_INVALID_ARGUMENT);
+        EXPECT(pebble_decoder_step(d, 3, seqs, pos, x, NULL, NULL) == PEBBLE_ERR_INVALID_ARGUMENT);
+        EXPECT(pebble_decoder_free(d) == PEBBLE_OK);
+        EXPECT(pebble_decoder_step(d, 1, seqs, pos, x, NULL, NULL) == PEBBLE_ERR_CLOSED);
+        EXPECT(pebble_decoder_free(d) == PEBBLE_ERR_CLOSED);
+        EXPECT(pebble_decoder_free(NULL) == PEBBLE_OK);
+
+        layer.shape.ring = 1; // a ring of 2 rows: position 2 is row 0, and rows 0 and 1 are attended
+        EXPECT(pebble_decoder_create(&model, &layer, ks, vs, &d) == PEBBLE_OK);
+        seqs[0] = 0;
+        pos[0] = 2;
+        EXPECT(pebble_decoder_step(d, 1, seqs, pos, x, NULL, NULL) == PEBBLE_OK);
+        for (int i = 0; i < E; i++) EXPECT(k0[i] == 0.0f && v0[i] == 1.0f); // row 0 rewritten
+        EXPECT(pebble_decoder_free(d) == PEBBLE_OK);
+        layer.shape.ring = 2;
+        EXPECT(pebble_decoder_create(&model, &layer, ks, vs, &d) == PEBBLE_ERR_INVALID_ARGUMENT &&
+               strstr(pebble_last_error(), "ring") != NULL && strstr(pebble_last_error(), "layer 0") != NULL);
+        layer.shape.ring = 0;
+        layer.weights.wq.data = NULL;
+        EXPECT(pebble_decoder_create(&model, &layer, ks, vs, &d) == PEBBLE_ERR_INVALID_ARGUMENT &&
                strstr(pebble_last_error(), "wq") != NULL);
-        free(scratch);
+        layer.weights.wq.data = zero;
+        ks[1] = NULL;
+        EXPECT(pebble_decoder_create(&model, &layer, ks, vs, &d) == PEBBLE_ERR_INVALID_ARGUMENT &&
+               strstr(pebble_last_error(), "sequence 1") != NULL);
+        ks[1] = k1;
+        model.n_seq = 0;
+        EXPECT(pebble_decoder_create(&model, &layer, ks, vs, &d) == PEBBLE_ERR_INVALID_ARGUMENT);
     }
 
     if (failures) {

@@ -1,0 +1,256 @@
+"""The decode step (pebble_decoder_*, native/pebble_decode.cu): a whole model for a batch of tokens in one
+call; one layer of it against the model's own forward pass on every backend present; its refusals; and
+generation through it against the Python forward pass, and batched against alone."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from helpers import store_backend_params, tiny_model
+from pyplugin.errors import ClosedError, InvalidArgumentError, SizeMismatchError
+from pyplugin.runtime import PebbledModel
+from pyplugin.model import QuantWeight, layer_forward
+from pyplugin.runtime.options import Options
+from pyplugin.runtime.plan import PebblingOptions
+from pyplugin.runtime.generation import Generation, ResidentLayers
+from pyplugin.store import backend_named
+
+N_CTX = 24
+CASES = {  # name: (arch, overrides); partial RoPE, NeoX, biases, GQA, every type
+    "llama-Q4_K_M": ("llama", dict(weight_type="Q4_K", n_embd=256, n_ff=512, n_head=4, n_head_kv=2,
+                                   tensor_types={"attn_v": "Q6_K", "ffn_down": "Q6_K"})),
+    "qwen2-Q8_0-bias": ("qwen2", dict(weight_type="Q8_0")),
+    "phi3-Q4_0-neox": ("phi3", dict(weight_type="Q4_0")),
+    "llama-F16-partial-rope": ("llama", dict(weight_type="F16", rope_dims=8)),
+    "llama-BF16-mha": ("llama", dict(weight_type="BF16", n_head_kv=4)),
+    "llama-Q5_K-Q5_1": ("llama", dict(weight_type="Q5_K", n_embd=256, n_ff=256, tensor_types={"attn_output": "Q5_1"})),
+    "qwen2-Q5_0-Q4_1": ("qwen2", dict(weight_type="Q5_0", tensor_types={"ffn_down": "Q4_1"})),
+    # Q/K norms and a head size of its own; the Gemmas' sandwich norms and GELU; gemma2's soft cap (low, so
+    # that it bends the scores); Granite's residual and attention scales
+    "qwen3-Q8_0-qk-norm": ("qwen3", dict(weight_type="Q8_0", key_length=32)),
+    "gemma3-Q4_0-sandwich": ("gemma3", dict(weight_type="Q4_0", key_length=32, sliding_window=8)),
+    "gemma2-F16-softcap": ("gemma2", dict(weight_type="F16", sliding_window=8, attn_softcap=0.5)),
+    "llama-Q8_0-granite": ("llama", dict(weight_type="Q8_0", metadata={"llama.residual_scale": 0.5,
+                                                                       "llama.attention.scale": 0.3})),
+}
+
+
+@pytest.fixture(params=store_backend_params())
+def kernels(request):
+    return backend_named(request.param).kernels
+
+
+def host(a):
+    return a.get() if type(a).__module__.partition(".")[0] == "cupy" else a
+
+
+def setup(kernels, arch, overrides, form, pos, seed=0):
+    """(cfg, weights on the kernels' side, caches with rows 0..pos-1 filled, x float32)."""
+    model = tiny_model(arch, weights=form, n_layer=1, **overrides)
+    cfg, xp = model.config.for_layer(0), kernels.xp
+    setup.outer = model.outer_weights(kernels)
+    dtype = np.float32 if xp is np else np.float16
+    lw = model.layers[0].map(lambda a: a.to(xp, kernels) if isinstance(a, QuantWeight) else xp.asarray(a, dtype))
+    rng = np.random.default_rng(seed)
+    shape = (cfg.kv_rows(0, N_CTX), cfg.n_head_kv, cfg.head_dim)  # a sliding layer: a ring of its window
+    k, v = (xp.asarray(rng.standard_normal(shape).astype(dtype)) for _ in range(2))
+    x = rng.standard_normal(cfg.n_embd).astype(np.float32)
+    return cfg, lw, k, v, x
+
+
+def reference(cfg, lw, k, v, x, pos, kernels):
+    """The model's forward pass on numpy, float32, weights as the decode step sees them: quantized or
+    dense matrices through the same fp16-vector matvec (dense ones wrapped as F32/F16 QuantWeights).
+    The matvec is the stub's (x as it is), or on the host library its own, which quantizes x to 8-bit
+    blocks for the quantized types (pebble.h; test_quant_kernels holds it to its documented bound)."""
+    stub = kernels if kernels.name == "host" else backend_named("stub").kernels
+
+    def as_numpy(a):
+        if isinstance(a, QuantWeight):
+            return QuantWeight(a.qtype, a.shape, host(a.data), stub)
+        a = host(a).astype(np.float32)
+        if a.ndim == 2:  # a dense matrix: its float32 bytes, so the matvec rounds x to fp16 as the step does
+            return QuantWeight(0, a.shape, a.view(np.uint8).reshape(a.shape[0], -1), stub)
+        return a
+
+    lw = lw.map(as_numpy)
+    k, v = host(k).astype(np.float32), host(v).astype(np.float32)
+    out = layer_forward(cfg, x[None, :], lw, k, v, pos)[0]
+    return out, k, v
+
+
+def step_one(kernels, cfg, lw, k, v, x, pos, n_ctx):
+    """x through the one layer at `pos` by a decoder over it (its hidden state, no logits)."""
+    decoder = kernels.decoder(cfg, [lw], [[(k, v)]], setup.outer, n_ctx)
+    got = kernels.xp.asarray(x[None, :])
+    assert decoder.step([0], [pos], got, logits=False) is None
+    return got[0]
+
+
+@pytest.mark.parametrize("pos", [0, 5, N_CTX - 1])
+@pytest.mark.parametrize("case", list(CASES))
+def test_one_layer_equals_the_forward_pass(kernels, case, pos):
+    arch, overrides = CASES[case]
+    cfg, lw, k, v, x = setup(kernels, arch, overrides, "quantized" if "F16" not in case else "f16", pos)
+    want, want_k, want_v = reference(cfg, lw, k, v, x, pos, kernels)
+    before_k, before_v = host(k).astype(np.float32), host(v).astype(np.float32)
+    got = step_one(kernels, cfg, lw, k, v, x, pos, N_CTX)
+    got, k, v = host(got), host(k).astype(np.float32), host(v).astype(np.float32)
+    # The vectors entering the matrix kernels are rounded to fp16 on both sides; where the float32 sums
+    # before them differ in the last bit a rounding can fall the other way: one fp16 unit (1e-3) of one
+    # element, carried through a matrix. A wrong rotation, head or row is off by the values themselves.
+    # On the host library such a flip also moves x's 8-bit blocks (pebble.h): one fp16 unit of a block's
+    # largest element changes its scale, every q of it by up to half a step, about 1/127 of that block's
+    # share; seen up to 3.5e-3 of the output's largest value (Q5_K through the AVX-512 kernels).
+    quantized_x = kernels.name == "host" and any(isinstance(w, QuantWeight) and w.qtype not in (0, 1, 30)
+                                                 for _, w in lw.arrays())
+    xp = kernels.xp
+    tol = 5e-3 if xp is not np or quantized_x else 1e-3  # the GPU also keeps its caches and norms in fp16
+    scale = np.abs(want).max()
+    assert np.abs(got - want).max() <= tol * scale, (np.abs(got - want).max(), scale)
+    np.testing.assert_allclose(v[pos % k.shape[0]], want_v[pos % k.shape[0]], rtol=tol,
+                               atol=tol * np.abs(want_v[pos % k.shape[0]]).max())
+    # every other row of the caches is untouched
+    row = pos % k.shape[0]
+    np.testing.assert_allclose(k[row], want_k[row], rtol=tol, atol=tol * np.abs(want_k[row]).max())
+    rest = [r for r in range(k.shape[0]) if r != row]
+    np.testing.assert_array_equal(k[rest], before_k[rest])
+    np.testing.assert_array_equal(v[rest], before_v[rest])
+
+
+@pytest.mark.parametrize("pos", [3, 13, 21])
+def test_a_sliding_layer_keeps_a_ring_of_its_window(kernels, pos):
+    """A window of 8: the caches hold 8 rows, position p in row p % 8, and attention covers the rows filled
+    (past the window's edge, the last 8 positions), as the forward pass's ring does."""
+    arch, overrides = CASES["gemma3-Q4_0-sandwich"]
+    cfg, lw, k, v, x = setup(kernels, arch, overrides, "quantized", pos)
+    assert cfg.window == 8 and cfg.rope_theta == 10000.0 and k.shape[0] == 8
+    want, want_k, want_v = reference(cfg, lw, k, v, x, pos, kernels)
+    got = step_one(kernels, cfg, lw, k, v, x, pos, N_CTX)
+    got, k = host(got), host(k).astype(np.float32)
+    tol = 1e-3 if kernels.xp is np else 5e-3
+    assert np.abs(got - want).max() <= tol * np.abs(want).max()
+    np.testing.assert_allclose(k[pos % 8], want_k[pos % 8], rtol=tol, atol=tol * np.abs(want_k[pos % 8]).max())
+
+
+def test_refusals_name_what_was_wrong_and_the_kernels_stay_usable(kernels):
+    from dataclasses import replace
+
+    arch, overrides = CASES["qwen2-Q8_0-bias"]
+    cfg, lw, k, v, x = setup(kernels, arch, overrides, "quantized", 3)
+    xp = kernels.xp
+    half_rows = xp.ascontiguousarray(lw.wq.data[:, :lw.wq.data.shape[1] // 2])  # a matrix of half the columns
+    wrong_q = QuantWeight(lw.wq.qtype, (cfg.n_embd, cfg.n_embd // 2), half_rows)
+    made = [
+        (dict(cfg=replace(cfg, n_head_kv=3)), InvalidArgumentError, "layer 0: 4 query heads cannot share 3 KV heads"),
+        (dict(cfg=replace(cfg, n_ff=0)), InvalidArgumentError, "must each be at least 1"),
+        (dict(lw=replace(lw, wq=wrong_q)), SizeMismatchError, "wq"),
+        (dict(lw=replace(lw, attn_norm=xp.asarray(host(lw.attn_norm)[:10]))), SizeMismatchError, "attn_norm"),
+        (dict(lw=replace(lw, attn_norm=xp.asarray(host(lw.attn_norm).astype(np.float64)))), InvalidArgumentError,
+         "float64"),
+        (dict(k=k.astype(np.float64), v=v.astype(np.float64)), InvalidArgumentError, "float32"),
+        (dict(k=k[:N_CTX - 1]), SizeMismatchError, "a v_cache holds"),  # K says the rows: V disagrees
+    ]
+    good = dict(cfg=cfg, lw=lw, k=k, v=v)
+    for change, error, message in made:
+        args = {**good, **change}
+        with pytest.raises(error, match=message):
+            kernels.decoder(args["cfg"], [args["lw"]], [[(args["k"], args["v"])]], setup.outer, N_CTX)
+    decoder = kernels.decoder(cfg, [lw], [[(k, v)]], setup.outer, N_CTX)
+    row = xp.asarray(x[None, :])
+    for seqs, positions, error, message in [([0], [N_CTX], SizeMismatchError, f"position {N_CTX} is outside"),
+                                            ([0], [-1], SizeMismatchError, "position -1"),
+                                            ([1], [3], InvalidArgumentError, "sequence 1; each of 0..0"),
+                                            ([], [], InvalidArgumentError, "0 tokens")]:
+        with pytest.raises(error, match=message):
+            decoder.step(seqs, positions, row)
+    before = host(row).copy()
+    logits = decoder.step([0], [3], row)  # still works, and the refused calls changed nothing
+    assert not np.array_equal(host(row), before) and host(logits).shape == (1, cfg.n_vocab)
+    decoder.close()
+    with pytest.raises(ClosedError):
+        decoder.step([0], [3], row)
+
+
+def test_the_native_library_refuses_malformed_calls_by_status(kernels):
+    if kernels.name == "stub":
+        pytest.skip("the stub takes arrays, not pointers")
+    from pyplugin.store import native
+
+    lib, ffi = kernels.lib._lib, native.ffi
+    model = ffi.new("struct pebble_step_model *", dict(n_layer=1, n_embd=32, n_vocab=8, n_seq=1, kv_type=0))
+    layer = ffi.new("struct pebble_step_layer[]", 1)  # every pointer NULL
+    layer[0].shape = dict(n_embd=32, n_head=2, n_head_kv=1, head_dim=16, n_ff=32, rope_dims=16, rms_eps=1e-5)
+    layer[0].kv_rows = 8
+    caches = ffi.new("void *[]", 1)
+    out = ffi.new("pebble_decoder_t *")
+    assert lib.pebble_decoder_create(model, layer, caches, caches, out) == -1
+    assert "output_norm must not be NULL" in ffi.string(lib.pebble_last_error()).decode()
+    assert lib.pebble_decoder_create(ffi.NULL, layer, caches, caches, out) == -1
+    assert lib.pebble_decoder_step(ffi.NULL, 1, ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL) == -9  # closed
+
+
+# A near-tie: the reference's two best logits closer than this share of its largest. The host's matrix
+# kernels multiply activations quantized to 8-bit blocks (pebble.h bounds it: 0.022 of |W||x| per block
+# of 32, far less in practice), the stub's multiply them as they are, so where the reference hesitates
+# this much either token is right; past the first such step the two go on from different tokens.
+NEAR_TIE = 0.02
+
+
+def reference_steps(model, options, prompt):
+    """Greedy tokens of the Python forward pass (the stub backend), with each step's top-two gap."""
+    gen = Generation(model, options, layers=ResidentLayers(model, options.num_ctx, backend_named("stub").kernels))
+    tokens, gaps = [], []
+    gen.start(prompt)
+    while True:
+        top = np.sort(gen.logits)[-2:]
+        token = gen.next_token()
+        if token is None:
+            return tokens, gaps
+        tokens.append(token)
+        gaps.append((top[1] - top[0]) / np.abs(gen.logits).max())
+        if not gen.wants_forward():
+            return tokens, gaps
+        gen.logits = gen.decode_one(token)
+
+
+def agrees(got, reference):
+    """got equals the reference's tokens up to its first near-tie, where either token is right."""
+    tokens, gaps = reference
+    for j, (a, b) in enumerate(zip(got, tokens)):
+        if a != b:
+            return gaps[j] <= NEAR_TIE
+    return len(got) == len(tokens)
+
+
+@pytest.mark.parametrize("case", ["llama-Q4_K_M", "qwen2-Q8_0-bias", "phi3-Q4_0-neox", "qwen3-Q8_0-qk-norm",
+                                  "gemma3-Q4_0-sandwich", "gemma2-F16-softcap", "llama-Q8_0-granite"])
+@pytest.mark.parametrize("backend", store_backend_params())
+def test_generation_through_the_decoder_gives_the_forward_pass_tokens(backend, case):
+    """Every strategy through one native call per token gives the Python forward pass's tokens (tie-tolerant
+    on the host library, whose kernels quantize activations), one call per step whatever the layers."""
+    arch, overrides = CASES[case]
+    model = tiny_model(arch, weights="quantized" if "F16" not in case else "f16", n_layer=4, **overrides)
+    options = Options(temperature=0, num_predict=12, num_ctx=48, num_batch=16)
+    prompt = [5, 17, 42, 8, 99, 3, 61]
+    reference = reference_steps(model, options, prompt)
+    assert len(reference[0]) == 12
+    pebbled = PebbledModel(model, backend=backend)
+    try:
+        tokens = {}
+        for strategy in ("none", "minimal", "every:3"):
+            gen = pebbled.generation(options, PebblingOptions.from_options({"pebbling_strategy": strategy}),
+                                     len(prompt))
+            tokens[strategy] = list(gen.tokens(prompt))
+            decoder = gen.layers.shared.decoder()
+            if backend != "cuda":  # the host tier is computed in place: every plan steps in one call
+                assert decoder is not None and decoder.calls == len(tokens[strategy]) - 1
+                assert gen.report()["decode_step"] == ("python" if backend == "stub" else "native")
+        assert len(set(map(tuple, tokens.values()))) == 1, tokens  # strategies never change a token
+        if backend == "stub":
+            assert tokens["none"] == reference[0]
+        else:
+            assert agrees(tokens["none"], reference), (tokens["none"], reference)
+    finally:
+        pebbled.close()
