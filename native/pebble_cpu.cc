@@ -1395,7 +1395,7 @@ const char * simd_level() {
 }
 
 pebble_status matmul(int32_t ggml_type, const uint8_t * w, int64_t n_rows, int64_t n_cols, const void * x, bool x_f32,
-                     int64_t n_tok, float * y, const char * fn) {
+                     int64_t n_tok, float * y, const char * fn, bool exact_f32) {
     TRY(check_threads(fn));
     static const kernel_set sets[PEBBLE_TYPE_COUNT] = {
         kernels_for(0), kernels_for(1), kernels_for(2), kernels_for(3), kernels_for(4), kernels_for(5),
@@ -1422,10 +1422,13 @@ pebble_status matmul(int32_t ggml_type, const uint8_t * w, int64_t n_rows, int64
         return fail(PEBBLE_ERR_HOST_OOM, "%s: %s: no memory for %" PRId64 " quantized activations of %" PRId64
                     " (%" PRId64 " bytes)", fn, pebble_internal::ggml_type_name(ggml_type), n_tok, n_cols, n_tok * xs);
     }
+    // Dense weights take float32 vectors as they are where asked (exact_f32): nothing to quantize.
+    const bool as_they_are = x_f32 && exact_f32 && k.activation == act::f32;
+    if (as_they_are) std::memcpy(xq, x, static_cast<size_t>(n_tok * n_cols) * sizeof(float));
     struct quantize_ctx { act a; const void * x; bool f32; int64_t n_cols, xs; uint8_t * xq; } qc{k.activation, x, x_f32,
                                                                                                 n_cols, xs, xq};
     std::atomic<bool> no_memory{false};
-    parallel_for(n_tok, n_tok * n_cols * 4, [&qc, &no_memory](int64_t begin, int64_t end) {
+    parallel_for(as_they_are ? 0 : n_tok, n_tok * n_cols * 4, [&qc, &no_memory](int64_t begin, int64_t end) {
         // float32 vectors: each rounded to fp16 here, then quantized as an fp16 vector is
         std::unique_ptr<uint16_t[]> half(qc.f32 ? new (std::nothrow) uint16_t[qc.n_cols] : nullptr);
         if (qc.f32 && !half) {

@@ -31,8 +31,10 @@ pebble_status check_threads(const char * fn);
 // multiply int8 blocks of x (see pebble.h); F32, F16 and BF16 weights take x as float32. Rows are split
 // among the pool's threads; a tile of rows is multiplied by every vector before the next, so it is read
 // from memory once.
+// With exact_f32, float32 vectors reach F32, F16 and BF16 weights as they are, not rounded to fp16 first (the
+// decode step's dense weights, multiplied as numpy multiplies them).
 pebble_status matmul(int32_t ggml_type, const uint8_t * w, int64_t n_rows, int64_t n_cols, const void * x, bool x_f32,
-                     int64_t n_tok, float * y, const char * fn);
+                     int64_t n_tok, float * y, const char * fn, bool exact_f32 = false);
 
 // pebble_attend (pebble.h), the arguments already checked: each (sequence, head) pair on one thread,
 // scores in scratch (n_seq x n_head x n_rows floats), dot products and the weighted sum of V with SIMD.

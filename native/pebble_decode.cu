@@ -181,22 +181,33 @@ __global__ void add_kernel(float * __restrict__ x, const float * __restrict__ y,
     }
 }
 
-// out = fp16(silu(gate) * up), silu(g) = g / (1 + exp(-g))
+// The decode step's activations, what its matrix products read: float32 in the host build (whose kernels
+// round them to fp16 for quantized weights and take them as they are for dense ones, as the forward pass
+// does), fp16 on the GPU.
+#ifdef PEBBLE_HOST_BUILD
+using act_t = float;
+__host__ __device__ inline void put(float * p, int64_t i, float v) { p[i] = v; }
+#else
+using act_t = uint16_t;
+__host__ __device__ inline void put(uint16_t * p, int64_t i, float v) { p[i] = half_from_float(v); }
+#endif
+
+// out = silu(gate) * up, silu(g) = g / (1 + exp(-g))
 __global__ void swiglu_kernel(const float * __restrict__ gate, const float * __restrict__ up, int64_t n,
-                              uint16_t * __restrict__ out) {
+                              act_t * __restrict__ out) {
     for (int64_t i = grid_thread(); i < n; i += grid_threads()) {
         const float g = gate[i];
-        out[i] = half_from_float(g / (1.0f + expf(-g)) * up[i]);
+        put(out, i, g / (1.0f + expf(-g)) * up[i]);
     }
 }
 
-// out = fp16(gelu(gate) * up), GELU's tanh approximation as pyplugin.model computes it
+// out = gelu(gate) * up, GELU's tanh approximation as pyplugin.model computes it
 __global__ void geglu_kernel(const float * __restrict__ gate, const float * __restrict__ up, int64_t n,
-                             uint16_t * __restrict__ out) {
+                             act_t * __restrict__ out) {
     for (int64_t i = grid_thread(); i < n; i += grid_threads()) {
         const float g = gate[i];
         const float t = tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g));
-        out[i] = half_from_float(0.5f * g * (1.0f + t) * up[i]);
+        put(out, i, 0.5f * g * (1.0f + t) * up[i]);
     }
 }
 
@@ -393,23 +404,20 @@ extern "C" pebble_status pebble_attend(int32_t n_seq, const float * q, const flo
 
 namespace {
 
-// One warp per row of x [n_rows][n]: out = fp16(x * (1 / sqrt(mean(x^2) + eps)) * w).
+// One warp per row of x [n_rows][n]: out = x * (1 / sqrt(mean(x^2) + eps)) * w.
 __global__ void rms_rows_kernel(const float * __restrict__ x, int64_t n_rows, int64_t n, const void * w, int32_t w_type,
-                                float eps, uint16_t * __restrict__ out) {
+                                float eps, act_t * __restrict__ out) {
     for (int64_t r = grid_warp(); r < n_rows; r += grid_warps()) {
         const float * xr = x + r * n;
         float sum = 0.0f;
         for (int64_t i = warp_lane(); i < n; i += warp_lanes) sum += xr[i] * xr[i];
         sum = warp_sum(sum);
         const float scale = 1.0f / sqrtf(sum / static_cast<float>(n) + eps);
-        for (int64_t i = warp_lane(); i < n; i += warp_lanes) out[r * n + i] = half_from_float(xr[i] * scale * load_value(w, w_type, i));
+        for (int64_t i = warp_lane(); i < n; i += warp_lanes) put(out, r * n + i, xr[i] * scale * load_value(w, w_type, i));
     }
 }
 
-// out = fp16(x), elementwise (the attention's float32 output into the output projection)
-__global__ void half_kernel(const float * __restrict__ x, uint16_t * __restrict__ out, int64_t n) {
-    for (int64_t i = grid_thread(); i < n; i += grid_threads()) out[i] = half_from_float(x[i]);
-}
+
 
 // logits *= scale, then c * tanh(l / c) where cap > 0
 __global__ void logits_kernel(float * __restrict__ y, int64_t n, float scale, float cap) {
@@ -422,7 +430,7 @@ __global__ void logits_kernel(float * __restrict__ y, int64_t n, float scale, fl
 
 
 struct step_scratch {
-    uint64_t h16, q, k, v, att, scores, o, gate, up, bytes;
+    uint64_t h16, q, k, v, q_rot, scores, o, gate, up, bytes;
 };
 
 } // namespace
@@ -513,12 +521,11 @@ pebble_status step_layer(pebble_decoder & d, int32_t i, int32_t n, const int32_t
     const int32_t kv_type = d.model.kv_type, n_seq = d.model.n_seq;
     const int64_t e = s.n_embd, q = int64_t(s.n_head) * s.head_dim, kv = int64_t(s.n_head_kv) * s.head_dim;
     const size_t kv_item = kv_type == f32_type ? 4 : 2;
-    uint16_t * h16 = at_offset<uint16_t>(d.scratch, d.at.h16);
+    act_t * h16 = at_offset<act_t>(d.scratch, d.at.h16);
     float * fq = at_offset<float>(d.scratch, d.at.q), * fk = at_offset<float>(d.scratch, d.at.k);
-    float * fv = at_offset<float>(d.scratch, d.at.v), * att = at_offset<float>(d.scratch, d.at.att);
+    float * fv = at_offset<float>(d.scratch, d.at.v), * q_rot = at_offset<float>(d.scratch, d.at.q_rot);
     float * scores = at_offset<float>(d.scratch, d.at.scores), * o = at_offset<float>(d.scratch, d.at.o);
     float * gate = at_offset<float>(d.scratch, d.at.gate), * up = at_offset<float>(d.scratch, d.at.up);
-    float * q_rot = att + int64_t(n) * q; // the rotated queries beside the attention's output (att holds 2n x q)
 
     // attention
     LAUNCH(rms_rows_kernel, grid_for(n, heads_per_block), dim3(warp_lanes, heads_per_block), stream, x, n, e,
@@ -554,8 +561,7 @@ pebble_status step_layer(pebble_decoder & d, int32_t i, int32_t n, const int32_t
     }
 #ifdef PEBBLE_HOST_BUILD
     TRY(pebble_cpu::attend(n, q_rot, kv_type == f16_type, k_of, v_of, n_pos, L.kv_rows, s.n_head, s.n_head_kv,
-                           s.head_dim, L.attn_scale, s.attn_softcap, att, scores));
-    half_kernel(att, h16, int64_t(n) * q);
+                           s.head_dim, L.attn_scale, s.attn_softcap, h16, scores)); // act_t is float here
 #else
     for (int32_t b = 0; b < n; b++) {
         const attention_args aa{q_rot + b * q, k_of[b], v_of[b], kv_type, s.n_head, s.n_head_kv, s.head_dim, n_pos[b],
@@ -670,11 +676,11 @@ extern "C" pebble_status pebble_decoder_create(const pebble_step_model * model, 
     uint64_t at = 0;
     auto take = [&at](uint64_t bytes) { const uint64_t here = at; at += aligned(bytes); return here; };
     step_scratch & l = d->at;
-    l.h16 = take(2 * B * uint64_t(std::max<int64_t>(d->widest, m.n_embd)));
+    l.h16 = take(sizeof(act_t) * B * uint64_t(std::max<int64_t>(d->widest, m.n_embd)));
     l.q = take(4 * B * uint64_t(d->max_q));
     l.k = take(4 * B * uint64_t(d->max_kv));
     l.v = take(4 * B * uint64_t(d->max_kv));
-    l.att = take(4 * 2 * B * uint64_t(d->max_q));
+    l.q_rot = take(4 * B * uint64_t(d->max_q));
     l.scores = take(4 * B * uint64_t(d->max_heads) * uint64_t(d->max_rows));
     l.o = take(4 * B * uint64_t(m.n_embd));
     l.gate = take(4 * B * uint64_t(d->max_ff));
@@ -721,7 +727,7 @@ extern "C" pebble_status pebble_decoder_step(pebble_decoder_t handle, int32_t n,
     cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
     for (int32_t i = 0; i < m.n_layer; i++) TRY(step_layer(*d, i, n, seqs, pos, x, stream));
     if (logits) {
-        uint16_t * h16 = at_offset<uint16_t>(d->scratch, d->at.h16);
+        act_t * h16 = at_offset<act_t>(d->scratch, d->at.h16);
         LAUNCH(rms_rows_kernel, grid_for(n, heads_per_block), dim3(warp_lanes, heads_per_block), stream, x, n, m.n_embd,
                m.output_norm.data, m.output_norm.ggml_type, m.rms_eps, h16);
         TRY(launched());

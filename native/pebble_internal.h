@@ -29,8 +29,10 @@ pebble_status check_matrix(const char * fn, const char * what, int32_t ggml_type
 // y = W x for one fp16 vector, arguments already checked, enqueued on `stream`;
 pebble_status matvec_one(int32_t ggml_type, const void * w, int64_t n_rows, int64_t n_cols, const uint16_t * x,
                          float * y, cudaStream_t stream);
-// Y = W X for n_vec fp16 vectors one after another (y likewise), arguments already checked, on `stream`;
-pebble_status matvec_many(int32_t ggml_type, const void * w, int64_t n_rows, int64_t n_cols, const uint16_t * x,
+// Y = W X for n_vec vectors one after another (y likewise), arguments already checked, on `stream`: the decode
+// step's activations, float32 in the host build (rounded to fp16 for quantized weights, as they are for dense
+// ones: pebble_cpu::matmul's exact_f32) and fp16 in the CUDA build;
+pebble_status matvec_many(int32_t ggml_type, const void * w, int64_t n_rows, int64_t n_cols, const void * x,
                           int64_t n_vec, float * y, cudaStream_t stream);
 #ifndef PEBBLE_HOST_BUILD
 // PEBBLE_OK unless `ptr` is pageable host memory, which a kernel cannot read.

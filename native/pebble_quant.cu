@@ -512,18 +512,19 @@ pebble_status matvec_one(int32_t ggml_type, const void * w, int64_t n_rows, int6
     });
 }
 
-pebble_status matvec_many(int32_t ggml_type, const void * w, int64_t n_rows, int64_t n_cols, const uint16_t * x,
+pebble_status matvec_many(int32_t ggml_type, const void * w, int64_t n_rows, int64_t n_cols, const void * x,
                           int64_t n_vec, float * y, cudaStream_t stream) {
     return with_type(ggml_type, "pebble_decoder_step", [&](auto t) {
         using T = decltype(t);
 #ifdef PEBBLE_HOST_BUILD
         (void)stream;
-        return pebble_cpu::matmul(T::id, static_cast<const uint8_t *>(w), n_rows, n_cols, x, false, n_vec, y,
-                                  "pebble_decoder_step");
+        return pebble_cpu::matmul(T::id, static_cast<const uint8_t *>(w), n_rows, n_cols, x, true, n_vec, y,
+                                  "pebble_decoder_step", true);
 #else
+        const uint16_t * x16 = static_cast<const uint16_t *>(x);
         for (int64_t v = 0; v < n_vec; v += PEBBLE_MATVEC_MAX_VEC) {
             const int32_t group = static_cast<int32_t>(std::min<int64_t>(PEBBLE_MATVEC_MAX_VEC, n_vec - v));
-            TRY(launch_matvec<T>(static_cast<const uint8_t *>(w), n_rows, n_cols, x + v * n_cols, group,
+            TRY(launch_matvec<T>(static_cast<const uint8_t *>(w), n_rows, n_cols, x16 + v * n_cols, group,
                                  y + v * n_rows, stream));
         }
         return PEBBLE_OK;
