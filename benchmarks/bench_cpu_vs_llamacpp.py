@@ -1,7 +1,8 @@
 """pebbling's host backend beside llama.cpp on the same CPU, the same files, the same threads.
 
     python benchmarks/bench_cpu_vs_llamacpp.py --llama-python PYTHON [--runs 5] [--prompt-tokens 128]
-        [--decode-tokens 64] [--threads 2] [--types Q4_K_M,Q8_0] [--n-layer 24] [--busy-neighbour] [--json FILE]
+        [--decode-tokens 64] [--threads 2] [--types Q4_K_M,Q8_0,Q4_1] [--shape NAME] [--n-layer N]
+        [--busy-neighbour] [--json FILE]
 
 Two random-weight files of Qwen2-0.5B's shape (24 layers of 1024, 16 heads of 64, 2 KV heads, a 4864
 feed-forward, a tied output over a vocabulary padded to 151936; 1024 rather than Qwen2-0.5B's 896 so
@@ -46,11 +47,46 @@ from pathlib import Path
 import numpy as np
 
 N_VOCAB = 151936
-SHAPE = dict(arch="qwen2", n_embd=1024, n_head=16, n_head_kv=2, n_ff=4864, vocab="chatml",
-             tied_output=True, vocab_size=N_VOCAB, n_ctx=4096)
+# Shapes of real models (--shape), random weights. Where a row is not whole 256-element blocks llama.cpp's
+# Q4_K_M falls back to Q5_0 for Q4_K and Q8_0 for Q6_K, and so do these files; Q6_K goes to attn_v and
+# ffn_down on half the layers (every other one here) and to the output, as its mix does.
+SHAPES = {
+    "qwen2-0.5b": dict(arch="qwen2", n_layer=24, n_embd=1024, n_head=16, n_head_kv=2, n_ff=4864, vocab="chatml",
+                       tied_output=True, vocab_size=N_VOCAB),
+    "smollm2-135m": dict(arch="llama", n_layer=30, n_embd=576, n_head=9, n_head_kv=3, n_ff=1536, vocab="llama3",
+                         tied_output=True, vocab_size=49152),
+    "gemma3-270m": dict(arch="gemma3", n_layer=18, n_embd=640, n_head=4, n_head_kv=1, key_length=256, n_ff=2048,
+                        vocab="gemma", vocab_size=262144, sliding_window=512),
+    "qwen3-0.6b": dict(arch="qwen3", n_layer=28, n_embd=1024, n_head=16, n_head_kv=8, key_length=128, n_ff=3072,
+                       vocab="qwen3", tied_output=True, vocab_size=N_VOCAB),
+    "qwen2.5-1.5b": dict(arch="qwen2", n_layer=28, n_embd=1536, n_head=12, n_head_kv=2, n_ff=8960, vocab="chatml",
+                         tied_output=True, vocab_size=N_VOCAB),
+}
+SHAPE = SHAPES["qwen2-0.5b"]
+
+
+def q4_k_m(shape: dict) -> dict:
+    """llama.cpp's Q4_K_M mix for a shape, with its fallbacks for rows that are not whole K-blocks."""
+    whole = shape["n_embd"] % 256 == 0
+    base, high = ("Q4_K", "Q6_K") if whole else ("Q5_0", "Q8_0")
+    types = {"attn_v": high, "token_embd": high}
+    head = shape.get("key_length") or shape["n_embd"] // shape["n_head"]
+    ff_whole, q_whole = shape["n_ff"] % 256 == 0, (shape["n_head"] * head) % 256 == 0
+    types["ffn_down"] = "Q4_K" if ff_whole else base
+    if q_whole and not whole:
+        types["attn_output"] = "Q4_K"
+    for i in range(0, shape["n_layer"], 2):
+        types[f"blk.{i}.attn_v"] = high
+        types[f"blk.{i}.ffn_down"] = "Q6_K" if ff_whole else high
+    for i in range(1, shape["n_layer"], 2):
+        types[f"blk.{i}.attn_v"] = base
+    return dict(weight_type=base, tensor_types=types)
+
+
 FILES = {
-    "Q4_K_M": dict(weight_type="Q4_K", tensor_types={"attn_v": "Q6_K", "ffn_down": "Q6_K", "token_embd": "Q6_K"}),
-    "Q8_0": dict(weight_type="Q8_0"),
+    "Q4_K_M": q4_k_m,
+    "Q8_0": lambda shape: dict(weight_type="Q8_0"),
+    "Q4_1": lambda shape: dict(weight_type="Q4_1", tensor_types={"token_embd": "Q8_0"}),
 }
 
 
@@ -125,14 +161,15 @@ def pebbling_child(path: str, prompt: list[int], n_decode: int, strategy: str) -
 # ---------------------------------------------------------------------------------------------------
 # the parent
 
-def write_files(directory: Path, names: list[str], n_layer: int) -> dict[str, Path]:
+def write_files(directory: Path, names: list[str], shape_name: str, n_layer: int | None) -> dict[str, Path]:
     from pyplugin.model.synth import write_gguf  # noqa: PLC0415
 
+    shape = {**SHAPES[shape_name], **({"n_layer": n_layer} if n_layer else {})}
     paths = {}
     for name in names:
-        path = directory / f"qwen2-0.5b-shaped-{name}.gguf"
+        path = directory / f"{shape_name}-{shape['n_layer']}L-shaped-{name}.gguf"
         if not path.exists():
-            write_gguf(path, **SHAPE, n_layer=n_layer, **FILES[name])
+            write_gguf(path, **shape, n_ctx=4096, **FILES[name](shape))
         paths[name] = path
     return paths
 
@@ -164,7 +201,9 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--types", default="Q4_K_M,Q8_0")
-    parser.add_argument("--n-layer", type=int, default=24)
+    parser.add_argument("--shape", default="qwen2-0.5b", choices=sorted(SHAPES),
+                        help="the real model whose shape the random-weight files take")
+    parser.add_argument("--n-layer", type=int, default=None, help="fewer (or more) layers than the shape's")
     parser.add_argument("--dir", default=None, help="where the files are written (default: a temporary one)")
     parser.add_argument("--busy-neighbour", action="store_true",
                         help="run every measurement beside a process that spins on one core (a busy neighbour): "
@@ -195,13 +234,13 @@ def main() -> None:
             neighbour.kill()
     print_table(results, args)
     if args.json:
-        Path(args.json).write_text(json.dumps(dict(args=vars(args), results=results), indent=1))
+        Path(args.json).write_text(json.dumps(dict(args=vars(args), cpu=cpu_model(), results=results), indent=1))
 
 
 def run_all(args, names: list[str], engines: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(args.dir or tmp)
-        paths = write_files(directory, names, args.n_layer)
+        paths = write_files(directory, names, args.shape, args.n_layer)
         prompt = [int(t) for t in np.random.default_rng(0).integers(0, 600, args.prompt_tokens)]
         results: dict[str, dict] = {}
         for name, path in paths.items():
@@ -220,9 +259,22 @@ def run_all(args, names: list[str], engines: list[str]) -> dict:
     return results
 
 
+def cpu_model() -> str:
+    """The CPU's name and its vector extensions that the kernels use, from /proc/cpuinfo."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown"
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    simd = [f for f in ("avx2", "avx512f", "avx512_vnni") if f in flags]
+    return f"{name} ({', '.join(simd) or 'no AVX2'})"
+
+
 def print_table(results: dict, args) -> None:
     print(f"\nmedians of {args.runs} interleaved runs, {args.threads} threads, prompt {args.prompt_tokens} tokens, "
-          f"{args.decode_tokens} greedy tokens, {args.n_layer} layers (all measured on this machine"
+          f"{args.decode_tokens} greedy tokens, {args.shape} shape, "
+          f"{args.n_layer or SHAPES[args.shape]['n_layer']} layers, CPU: {cpu_model()} (all measured on this machine"
           + (", beside a process spinning on one core" if args.busy_neighbour else "") + ")")
     for name, r in results.items():
         base = r["llama.cpp"]

@@ -41,7 +41,8 @@ class SynthSpec:
     vocab_size: int = 0                 # pad the vocabulary with unused tokens to this many (Gemma's 262144,
                                         # Qwen2's 151936): a real-sized embedding and output matrix
     weight_type: str = "F32"            # every matrix, unless tensor_types says otherwise
-    tensor_types: dict[str, str] = field(default_factory=dict)  # role ("ffn_down", "token_embd"...) -> type
+    tensor_types: dict[str, str] = field(default_factory=dict)  # role ("ffn_down", "token_embd"...) or a
+                                                                # tensor ("blk.3.ffn_down") -> type
     tied_output: bool = False           # no output.weight: the output reuses token_embd
     rope_theta: float = 10000.0
     rope_dims: int | None = None        # default: the whole head
@@ -173,7 +174,8 @@ def _tensors(spec: SynthSpec, n_vocab: int) -> Iterable[tuple[str, np.ndarray, G
     q_rows, kv_rows = spec.n_head * hd, spec.n_head_kv * hd
 
     def matrix(role: str, name: str, rows: int, cols: int, scale: float | None = None):
-        qtype = T[spec.tensor_types.get(role, spec.weight_type)]
+        # a tensor's own name ("blk.3.ffn_down") over its role's type, over the file's
+        qtype = T[spec.tensor_types.get(name.removesuffix(".weight"), spec.tensor_types.get(role, spec.weight_type))]
         return name, _random(spec.seed, name, (rows, cols), scale or cols ** -0.5), qtype
 
     def vector(name: str, n: int, mean: float, scale: float):
