@@ -16,9 +16,8 @@ expanded at load), and the file deleted. For each form, with every layer residen
                           the store's byte accounting on host and stub (labelled so); beside the
                           stored bytes of those tensors
   decode                  greedy tokens/s at batch 1 after a --prompt-tokens prefill (a fixed count
-                          of --decode-tokens), and the tokens themselves, which must agree; once
-                          with each layer's operations launched one by one from Python ("ops"), once
-                          with each layer one native call (pebble_decode_layer, "fused")
+                          of --decode-tokens), and the tokens themselves, which must agree; each
+                          step one native call (pebble_decoder_step)
 
 Then, on the quantized model's first layer, each distinct matrix (type and shape) through the fused
 kernel (pebble_matvec, one vector), timed with CUDA events over --repeats calls: bytes read (weights,
@@ -55,7 +54,7 @@ from pyplugin.store.strategy import Strategy
 from pyplugin.model.synth import write_gguf
 
 Q4_K_M = {"attn_v": "Q6_K", "ffn_down": "Q6_K", "output": "Q6_K"}  # the rest Q4_K
-DECODE_MODES = ("ops", "fused")  # one array operation at a time, or each layer one native call
+DECODE_MODES = ("step",)  # the decode step: one native call per token (pebble_decoder_step)
 GOAL_WEIGHTS_VS_STORED = 0.02   # device memory for weights within 2% of their stored bytes
 GOAL_DECODE_RATIO = 2.5         # quantized decode tokens/s over f16's
 GOAL_KERNEL_BANDWIDTH = 0.70    # fused kernels' bytes / time over the device bandwidth
@@ -103,11 +102,10 @@ def device_weight_bytes(pebbled: PebbledModel) -> tuple[int, str]:
     return after.bytes - before.bytes, f"measured (NVML, {'this process' if after.this_process else 'whole device'})"
 
 
-def decode_run(pebbled: PebbledModel, prompt: list[int], args, fused: bool) -> dict:
-    """Prefill, then a timed greedy decode, all layers resident; `fused`: each layer one native call."""
+def decode_run(pebbled: PebbledModel, prompt: list[int], args) -> dict:
+    """Prefill, then a timed greedy decode, all layers resident."""
     options = Options(temperature=0, num_ctx=args.num_ctx, num_batch=len(prompt), num_predict=args.decode_tokens)
     pebbling = PebblingOptions(strategy=Strategy.parse("none"))
-    pebbled.fused_decode = fused
     best = None
     for _ in range(2):  # the first run warms up: kernels load, the allocator grows
         gen = pebbled.generation(options, pebbling, len(prompt))
@@ -126,7 +124,7 @@ def form_row(form: str, model, backend: Backend, prompt: list[int], args) -> dic
     try:
         device, how = device_weight_bytes(pebbled)
         stored = pebbled.weight_bytes
-        runs = {mode: decode_run(pebbled, prompt, args, mode == "fused") for mode in DECODE_MODES}
+        runs = {mode: decode_run(pebbled, prompt, args) for mode in DECODE_MODES}
     finally:
         pebbled.close()
     return {"weights": form, "stored_weight_bytes": stored, "device_weight_bytes": device,
@@ -220,13 +218,13 @@ def print_result(r: dict) -> None:
     gib = 2**30
     print(f"\n{r['model']}; backend {r['backend']}; device bandwidth {r['device_bandwidth_bytes_per_s'] / 1e9:.1f} "
           f"GB/s (device-to-device copy, this run)")
-    print(f"{'weights':10} {'stored':>10} {'on device':>10} {'ratio':>6} {'decode tok/s':>13} {'fused':>8} "
+    print(f"{'weights':10} {'stored':>10} {'on device':>10} {'ratio':>6} {'decode tok/s':>13} "
           f"{'prefill tok/s':>14}  how")
     for f in r["forms"].values():
-        ops, fused = f["decode"]["ops"], f["decode"]["fused"]
+        step = f["decode"]["step"]
         print(f"{f['weights']:10} {f['stored_weight_bytes'] / gib:9.3f}G {f['device_weight_bytes'] / gib:9.3f}G "
-              f"{f['device_over_stored']:6.3f} {ops['decode_tokens_per_s']:13.1f} {fused['decode_tokens_per_s']:8.1f} "
-              f"{ops['prefill_tokens_per_s']:14.1f}  {f['device_weight_how']}")
+              f"{f['device_over_stored']:6.3f} {step['decode_tokens_per_s']:13.1f} "
+              f"{step['prefill_tokens_per_s']:14.1f}  {f['device_weight_how']}")
     print(f"\n{'fused matvec':12} {'type':5} {'shape':>14} {'us':>9} {'GB/s':>8} {'of device':>9}")
     for k in r["kernels"]:
         print(f"{k['tensor']:12} {k['type']:5} {str(tuple(k['shape'])):>14} {k['seconds'] * 1e6:9.1f} "
