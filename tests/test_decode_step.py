@@ -254,3 +254,46 @@ def test_generation_through_the_decoder_gives_the_forward_pass_tokens(backend, c
             assert agrees(tokens["none"], reference), (tokens["none"], reference)
     finally:
         pebbled.close()
+
+
+class _Counting:
+    """A native library whose pebble_* calls are counted."""
+
+    def __init__(self, lib):
+        self._lib, self.calls = lib, 0
+
+    def __getattr__(self, name):
+        if name.startswith("pebble_"):
+            self.calls += 1
+        return getattr(self._lib, name)
+
+
+def test_a_decode_step_makes_the_same_few_native_calls_whatever_the_layer_count(capsys):
+    """Python pays per token, not per layer: the calls into the library during decode steps (after the first,
+    which makes the plan's decoder), counted, are as many for 8 layers as for 2."""
+    per_step = {}
+    for n_layer in (2, 8):
+        model = tiny_model("qwen3", weights="quantized", n_layer=n_layer, weight_type="Q8_0", key_length=32)
+        pebbled = PebbledModel(model, backend="host")
+        try:
+            options = Options(temperature=0, num_predict=6, num_ctx=48, num_batch=16)
+            gen = pebbled.generation(options, PebblingOptions.from_options({"pebbling_strategy": "every:2"}), 5)
+            gen.start([5, 17, 42, 8, 99])
+            token = gen.next_token()
+            gen.logits = gen.decode_one(token)  # the first step makes the plan's decoder: once per plan
+            kernels_lib, store = pebbled.kernels.lib, pebbled.store
+            counting = _Counting(kernels_lib._lib)
+            kernels_lib._lib = counting
+            store_counting = _Counting(store._lib)
+            store._lib = store_counting
+            token = gen.next_token()
+            for _ in range(4):
+                gen.logits = gen.decode_one(token)
+                token = gen.next_token()
+            kernels_lib._lib, store._lib = counting._lib, store_counting._lib
+            per_step[n_layer] = (counting.calls + store_counting.calls) / 4
+        finally:
+            pebbled.close()
+    with capsys.disabled():
+        print(f"\nnative calls per decode step: {per_step[2]:g} at 2 layers, {per_step[8]:g} at 8 layers")
+    assert per_step[2] == per_step[8] <= 4
