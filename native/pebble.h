@@ -336,17 +336,23 @@ struct pebble_step_model {
     float   logit_scale;        // multiplies the logits (1: none)
     float   final_softcap;      // above 0: each logit becomes c * tanh(l / c)
     struct pebble_tensor_ref output_norm, output; // [n_embd]; [n_vocab][n_embd] of any type with kernels
+    int32_t graphs;             // 1: a batch stepped twice running is captured as a CUDA graph and replayed
 };
 
 struct pebble_decoder_stats {
     uint64_t steps;             // steps run
     uint64_t tokens;            // sequences summed over steps
     uint64_t layer_passes;      // layers computed, one per layer per step
+    // CUDA graphs (where the model asks for them): batches captured, steps replayed, graphs dropped (the
+    // least recently used past PEBBLE_DECODER_GRAPHS, or all where a capture failed). The host build makes the same decisions
+    // and counts them, and runs every step directly: it has no graphs.
+    uint64_t graphs_captured, graph_replays, graphs_dropped;
 };
 
 typedef struct pebble_decoder * pebble_decoder_t;
 
 #define PEBBLE_DECODER_MAX_BATCH 64 // sequences one decoder holds
+#define PEBBLE_DECODER_GRAPHS    8  // CUDA graphs one decoder keeps
 
 // layers: n_layer entries; k_caches, v_caches: n_layer * n_seq pointers, layer i's cache of sequence s at
 // [i * n_seq + s], each kv_rows x n_head_kv x head_dim of kv_type.

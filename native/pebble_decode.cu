@@ -88,9 +88,12 @@ struct qkv_args {
     const float * q, * k, * v;            // the projections
     pebble_tensor_ref bq, bk, bv;         // biases, data NULL when absent
     int32_t n_q, n_kv, head_dim, rope_dims, rope_neox, kv_type;
-    const float * cos, * sin;
+    const float * cos, * sin;             // the RoPE tables, a row of head_dim per position
+    const int64_t * pos;                  // the token's position, read where the kernel runs (so a graph replays)
+    int64_t kv_rows;                      // rows of the caches; a ring keeps position p in row p % kv_rows
+    int32_t ring;
     float * q_out;                        // q with biases, rotated
-    void * k_row, * v_row;                // row pos of the caches
+    void * k_cache, * v_cache;            // the new K and V rows go to the token's row of these
 };
 
 __host__ __device__ inline float with_bias(const float * y, const pebble_tensor_ref & b, int64_t i) {
@@ -100,6 +103,11 @@ __host__ __device__ inline float with_bias(const float * y, const pebble_tensor_
 // One thread per element of q, k and v: biases, RoPE on q and k, k and v into the caches.
 __global__ void qkv_kernel(qkv_args a) {
     const int64_t total = static_cast<int64_t>(a.n_q) + 2 * static_cast<int64_t>(a.n_kv);
+    const int64_t p = *a.pos, row = a.ring ? p % a.kv_rows : p;
+    const float * cos = a.cos + p * a.head_dim, * sin = a.sin + p * a.head_dim;
+    const int64_t row_bytes = static_cast<int64_t>(a.n_kv) * (a.kv_type == f32_type ? 4 : 2);
+    void * k_row = static_cast<uint8_t *>(a.k_cache) + row * row_bytes;
+    void * v_row = static_cast<uint8_t *>(a.v_cache) + row * row_bytes;
     for (int64_t i = grid_thread(); i < total; i += grid_threads()) {
         if (i < a.n_q + a.n_kv) {
             const bool is_q = i < a.n_q;
@@ -107,15 +115,15 @@ __global__ void qkv_kernel(qkv_args a) {
             const float * y = is_q ? a.q : a.k;
             const pebble_tensor_ref & b = is_q ? a.bq : a.bk;
             const int64_t d = j % a.head_dim, partner = j - d + rope_partner(d, a.rope_dims, a.rope_neox);
-            const float rotated = with_bias(y, b, j) * a.cos[d] + with_bias(y, b, partner) * a.sin[d];
+            const float rotated = with_bias(y, b, j) * cos[d] + with_bias(y, b, partner) * sin[d];
             if (is_q) {
                 a.q_out[j] = rotated;
             } else {
-                store_value(a.k_row, a.kv_type, j, rotated);
+                store_value(k_row, a.kv_type, j, rotated);
             }
         } else {
             const int64_t j = i - a.n_q - a.n_kv;
-            store_value(a.v_row, a.kv_type, j, with_bias(a.v, a.bv, j));
+            store_value(v_row, a.kv_type, j, with_bias(a.v, a.bv, j));
         }
     }
 }
@@ -129,6 +137,7 @@ struct attention_args {
     float * scores;                       // n_head x n_ctx
     uint16_t * out;                       // n_head x head_dim, fp16
     float * out_f32;                      // ... or float32 where this is not NULL (pebble_attend)
+    const int64_t * pos;                  // where not NULL, n_pos is min(*pos + 1, n_ctx), read on the device
 };
 
 // One warp per query head, over the rows of its KV head: scores, softmax (probabilities normalised
@@ -136,6 +145,7 @@ struct attention_args {
 [[maybe_unused]] __global__ void attention_kernel(attention_args a) {
     const int32_t group = a.n_head / a.n_head_kv;
     const int64_t row = static_cast<int64_t>(a.n_head_kv) * a.head_dim;
+    if (a.pos) a.n_pos = *a.pos + 1 < a.n_ctx ? *a.pos + 1 : a.n_ctx;
     for (int64_t h = grid_warp(); h < a.n_head; h += grid_warps()) {
         const float * qh = a.q + h * a.head_dim;
         const int64_t kv = (h / group) * a.head_dim;
@@ -430,7 +440,100 @@ __global__ void logits_kernel(float * __restrict__ y, int64_t n, float scale, fl
 
 
 struct step_scratch {
-    uint64_t h16, q, k, v, q_rot, scores, o, gate, up, bytes;
+    uint64_t h16, q, k, v, q_rot, scores, o, gate, up, pos, x, logits, bytes;
+};
+
+// When a step is run as a CUDA graph. A step's launches depend on its batch (which sequences, in which
+// order) and on whether it makes logits; positions are read from device memory and the hidden states and
+// logits pass through the decoder's own buffers, so that a graph captured once replays for every later
+// step of the same batch. A batch seen twice running is captured; one that has a graph replays it; any
+// other runs directly (its launches enqueued one by one). Up to graph_slots graphs are kept, the least
+// recently used dropped first. The host build makes the same decisions and counts them; it has no graphs,
+// so it runs every step directly.
+constexpr int graph_slots = PEBBLE_DECODER_GRAPHS;
+
+struct step_key {
+    int32_t n = 0;
+    bool    logits = false;
+    int32_t seqs[PEBBLE_DECODER_MAX_BATCH] = {};
+
+    bool operator==(const step_key & o) const {
+        return n == o.n && logits == o.logits && std::equal(seqs, seqs + n, o.seqs);
+    }
+};
+
+enum class step_mode { direct, capture, replay };
+
+struct graph_policy {
+    bool     enabled = false;
+    bool     seen_once = false;  // last_direct holds the last step run directly
+    step_key last_direct;
+    struct slot {
+        bool     used = false;
+        step_key key;
+        uint64_t last_use = 0;
+#ifndef PEBBLE_HOST_BUILD
+        cudaGraphExec_t exec = nullptr;
+#endif
+    } slots[graph_slots];
+    uint64_t clock = 0;
+    uint64_t captured = 0, replays = 0, dropped = 0;
+
+    // What to do with a step of this key; *at is the slot to replay or capture into.
+    step_mode decide(const step_key & k, int * at) {
+        clock++;
+        if (!enabled) return step_mode::direct;
+        for (int i = 0; i < graph_slots; i++) {
+            if (slots[i].used && slots[i].key == k) {
+                slots[i].last_use = clock;
+                replays++;
+                *at = i;
+                return step_mode::replay;
+            }
+        }
+        if (seen_once && last_direct == k) {
+            int victim = 0;
+            for (int i = 0; i < graph_slots; i++) {
+                if (!slots[i].used) {
+                    victim = i;
+                    break;
+                }
+                if (slots[i].last_use < slots[victim].last_use) victim = i;
+            }
+            if (slots[victim].used) drop(victim);
+            seen_once = false;
+            *at = victim;
+            return step_mode::capture;
+        }
+        last_direct = k;
+        seen_once = true;
+        return step_mode::direct;
+    }
+
+    // The capture into slot i succeeded: its key replays from now on.
+    void keep(int i, const step_key & k) {
+        slots[i].used = true;
+        slots[i].key = k;
+        slots[i].last_use = clock;
+        captured++;
+    }
+
+    void drop(int i) {
+#ifndef PEBBLE_HOST_BUILD
+        if (slots[i].exec) cudaGraphExecDestroy(slots[i].exec);
+        slots[i].exec = nullptr;
+#endif
+        slots[i].used = false;
+        dropped++;
+    }
+
+    // Graphs cannot be made here (a capture or an instantiation failed): every step runs directly.
+    void give_up() {
+        for (int i = 0; i < graph_slots; i++) {
+            if (slots[i].used) drop(i);
+        }
+        enabled = false;
+    }
 };
 
 } // namespace
@@ -442,6 +545,12 @@ struct pebble_decoder {
     step_scratch at{};
     int64_t widest = 0, max_q = 0, max_kv = 0, max_ff = 0, max_heads = 0, max_rows = 0;
     uint8_t * scratch = nullptr;
+    graph_policy graphs;
+#ifndef PEBBLE_HOST_BUILD
+    int64_t *    pos_host = nullptr;   // pinned: the positions a step (or its graph) copies to the device
+    cudaStream_t own = nullptr;        // where steps run and graphs are captured (never the legacy stream)
+    cudaEvent_t  ready = nullptr, done = nullptr;
+#endif
     std::mutex lock;                   // one step at a time
     struct pebble_decoder_stats stats{};
 };
@@ -513,14 +622,13 @@ void free_scratch(uint8_t * p) {
 template <typename T> T * at_offset(uint8_t * base, uint64_t offset) { return reinterpret_cast<T *>(base + offset); }
 
 // One layer for the n tokens of a step (the arguments checked).
-pebble_status step_layer(pebble_decoder & d, int32_t i, int32_t n, const int32_t * seqs, const int64_t * pos, float * x,
-                         cudaStream_t stream) {
+pebble_status step_layer(pebble_decoder & d, int32_t i, int32_t n, const int32_t * seqs,
+                         [[maybe_unused]] const int64_t * host_pos, float * x, cudaStream_t stream) {
     const pebble_step_layer & L = d.layers[size_t(i)];
     const pebble_layer_shape & s = L.shape;
     const pebble_layer_weights & w = L.weights;
     const int32_t kv_type = d.model.kv_type, n_seq = d.model.n_seq;
     const int64_t e = s.n_embd, q = int64_t(s.n_head) * s.head_dim, kv = int64_t(s.n_head_kv) * s.head_dim;
-    const size_t kv_item = kv_type == f32_type ? 4 : 2;
     act_t * h16 = at_offset<act_t>(d.scratch, d.at.h16);
     float * fq = at_offset<float>(d.scratch, d.at.q), * fk = at_offset<float>(d.scratch, d.at.k);
     float * fv = at_offset<float>(d.scratch, d.at.v), * q_rot = at_offset<float>(d.scratch, d.at.q_rot);
@@ -545,28 +653,26 @@ pebble_status step_layer(pebble_decoder & d, int32_t i, int32_t n, const int32_t
         TRY(launched());
     }
     void * k_of[PEBBLE_DECODER_MAX_BATCH], * v_of[PEBBLE_DECODER_MAX_BATCH];
-    int64_t n_pos[PEBBLE_DECODER_MAX_BATCH];
+    const int64_t * dev_pos = at_offset<int64_t>(d.scratch, d.at.pos); // the step's positions, on the device
     for (int32_t b = 0; b < n; b++) {
         k_of[b] = d.k[size_t(i) * n_seq + seqs[b]];
         v_of[b] = d.v[size_t(i) * n_seq + seqs[b]];
-        const int64_t row = s.ring ? pos[b] % L.kv_rows : pos[b];   // a ring keeps position p in row p % rows
-        n_pos[b] = std::min(pos[b] + 1, L.kv_rows);                 // its filled rows: the window
         const qkv_args qa{fq + b * q, fk + b * kv, fv + b * kv, w.bq, w.bk, w.bv, static_cast<int32_t>(q),
-                          static_cast<int32_t>(kv), s.head_dim, s.rope_dims, s.rope_neox, kv_type,
-                          L.rope_cos + pos[b] * s.head_dim, L.rope_sin + pos[b] * s.head_dim, q_rot + b * q,
-                          static_cast<uint8_t *>(k_of[b]) + row * kv * kv_item,
-                          static_cast<uint8_t *>(v_of[b]) + row * kv * kv_item};
+                          static_cast<int32_t>(kv), s.head_dim, s.rope_dims, s.rope_neox, kv_type, L.rope_cos,
+                          L.rope_sin, dev_pos + b, L.kv_rows, s.ring, q_rot + b * q, k_of[b], v_of[b]};
         LAUNCH(qkv_kernel, grid_for(q + 2 * kv, threads), threads, stream, qa);
         TRY(launched());
     }
 #ifdef PEBBLE_HOST_BUILD
+    int64_t n_pos[PEBBLE_DECODER_MAX_BATCH];
+    for (int32_t b = 0; b < n; b++) n_pos[b] = std::min(host_pos[b] + 1, L.kv_rows); // a ring's filled rows: its window
     TRY(pebble_cpu::attend(n, q_rot, kv_type == f16_type, k_of, v_of, n_pos, L.kv_rows, s.n_head, s.n_head_kv,
                            s.head_dim, L.attn_scale, s.attn_softcap, h16, scores)); // act_t is float here
 #else
     for (int32_t b = 0; b < n; b++) {
-        const attention_args aa{q_rot + b * q, k_of[b], v_of[b], kv_type, s.n_head, s.n_head_kv, s.head_dim, n_pos[b],
+        const attention_args aa{q_rot + b * q, k_of[b], v_of[b], kv_type, s.n_head, s.n_head_kv, s.head_dim, 0,
                                 L.kv_rows, L.attn_scale, s.attn_softcap, scores + int64_t(b) * s.n_head * L.kv_rows,
-                                h16 + b * q, nullptr};
+                                h16 + b * q, nullptr, dev_pos + b};
         LAUNCH(attention_kernel, grid_for(s.n_head, heads_per_block), dim3(warp_lanes, heads_per_block), stream, aa);
         TRY(launched());
     }
@@ -594,6 +700,111 @@ pebble_status step_layer(pebble_decoder & d, int32_t i, int32_t n, const int32_t
     return PEBBLE_OK;
 }
 
+// The whole step enqueued on `stream`: every layer, then the output norm and logits where asked. The
+// positions are in the scratch's pos (device memory) already; host_pos is the same, for the host build's
+// attention.
+pebble_status enqueue_step(pebble_decoder & d, int32_t n, const int32_t * seqs, const int64_t * host_pos, float * x,
+                           float * logits, cudaStream_t stream) {
+    const pebble_step_model & m = d.model;
+    for (int32_t i = 0; i < m.n_layer; i++) TRY(step_layer(d, i, n, seqs, host_pos, x, stream));
+    if (logits) {
+        act_t * h16 = at_offset<act_t>(d.scratch, d.at.h16);
+        LAUNCH(rms_rows_kernel, grid_for(n, heads_per_block), dim3(warp_lanes, heads_per_block), stream, x, n, m.n_embd,
+               m.output_norm.data, m.output_norm.ggml_type, m.rms_eps, h16);
+        TRY(launched());
+        TRY(matvec_many(m.output.ggml_type, m.output.data, m.n_vocab, m.n_embd, h16, n, logits, stream));
+        if (m.logit_scale != 1.0f || m.final_softcap > 0.0f) {
+            const int64_t total = int64_t(n) * m.n_vocab;
+            LAUNCH(logits_kernel, grid_for(total, threads), threads, stream, logits, total, m.logit_scale, m.final_softcap);
+            TRY(launched());
+        }
+    }
+    return PEBBLE_OK;
+}
+
+#ifndef PEBBLE_HOST_BUILD
+pebble_status cuda_failed(cudaError_t err, const char * what) {
+    cudaGetLastError();
+    return fail(PEBBLE_ERR_CUDA, "pebble_decoder_step: %s: %s", what, cudaGetErrorString(err));
+}
+
+#    define CUDA_TRY(call, what)                              \
+        do {                                                  \
+            const cudaError_t err_ = (call);                  \
+            if (err_ != cudaSuccess) return cuda_failed(err_, what); \
+        } while (0)
+
+// The positions' copy and the step, enqueued on the decoder's stream; captured into the graph of `slot`
+// first where mode is capture (a capture that fails turns graphs off for this decoder: the step then runs
+// directly).
+pebble_status enqueue_or_capture(pebble_decoder & d, step_mode mode, int slot, const step_key & key,
+                                 const int64_t * pos) {
+    const int32_t n = key.n;
+    float * x = at_offset<float>(d.scratch, d.at.x);
+    float * logits = key.logits ? at_offset<float>(d.scratch, d.at.logits) : nullptr;
+    auto body = [&]() -> pebble_status {
+        CUDA_TRY(cudaMemcpyAsync(at_offset<int64_t>(d.scratch, d.at.pos), d.pos_host, sizeof(int64_t) * size_t(n),
+                                 cudaMemcpyDefault, d.own), "copying the positions");
+        return enqueue_step(d, n, key.seqs, pos, x, logits, d.own);
+    };
+    if (mode == step_mode::replay) {
+        CUDA_TRY(cudaGraphLaunch(d.graphs.slots[slot].exec, d.own), "replaying the step's graph");
+        return PEBBLE_OK;
+    }
+    if (mode == step_mode::capture) {
+        cudaGraph_t graph = nullptr;
+        if (cudaStreamBeginCapture(d.own, cudaStreamCaptureModeThreadLocal) == cudaSuccess) {
+            const pebble_status st = body();
+            const cudaError_t ended = cudaStreamEndCapture(d.own, &graph);
+            if (st != PEBBLE_OK) {
+                if (graph) cudaGraphDestroy(graph);
+                return st;
+            }
+            cudaGraphExec_t exec = nullptr;
+            if (ended == cudaSuccess && graph && cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess) {
+                cudaGraphDestroy(graph);
+                d.graphs.slots[slot].exec = exec;
+                d.graphs.keep(slot, key);
+                CUDA_TRY(cudaGraphLaunch(exec, d.own), "launching the step's graph");
+                return PEBBLE_OK;
+            }
+            if (graph) cudaGraphDestroy(graph);
+        }
+        cudaGetLastError();
+        d.graphs.give_up();
+    }
+    return body();
+}
+
+// A step on the GPU: ordered after the caller's stream, x in and out of the decoder's own buffer (a graph
+// names fixed addresses), the caller's stream ordered after it.
+pebble_status run_on_device(pebble_decoder & d, step_mode mode, int slot, const step_key & key, const int64_t * pos,
+                            float * x, float * logits, cudaStream_t caller) {
+    const int32_t n = key.n;
+    const size_t x_bytes = sizeof(float) * size_t(n) * size_t(d.model.n_embd);
+    CUDA_TRY(cudaEventSynchronize(d.done), "waiting for the previous step"); // its graph may still read pos_host
+    std::memcpy(d.pos_host, pos, sizeof(int64_t) * size_t(n));
+    CUDA_TRY(cudaEventRecord(d.ready, caller), "ordering the step after its stream");
+    CUDA_TRY(cudaStreamWaitEvent(d.own, d.ready, 0), "ordering the step after its stream");
+    CUDA_TRY(cudaMemcpyAsync(at_offset<float>(d.scratch, d.at.x), x, x_bytes, cudaMemcpyDefault, d.own),
+             "copying x in");
+    const pebble_status st = enqueue_or_capture(d, mode, slot, key, pos);
+    if (st == PEBBLE_OK) {
+        CUDA_TRY(cudaMemcpyAsync(x, at_offset<float>(d.scratch, d.at.x), x_bytes, cudaMemcpyDefault, d.own),
+                 "copying x out");
+        if (logits) {
+            CUDA_TRY(cudaMemcpyAsync(logits, at_offset<float>(d.scratch, d.at.logits),
+                                     sizeof(float) * size_t(n) * size_t(d.model.n_vocab), cudaMemcpyDefault,
+                                     d.own), "copying the logits out");
+        }
+    }
+    CUDA_TRY(cudaEventRecord(d.done, d.own), "ordering the stream after the step");
+    CUDA_TRY(cudaStreamWaitEvent(caller, d.done, 0), "ordering the stream after the step");
+    return st;
+}
+#    undef CUDA_TRY
+#endif
+
 // Handles are ids, never reused, so that a freed decoder is detected rather than dereferenced.
 std::mutex                                                    g_decoders_mu;
 std::unordered_map<uintptr_t, std::shared_ptr<pebble_decoder>> g_decoders;
@@ -606,6 +817,26 @@ std::shared_ptr<pebble_decoder> find_decoder(pebble_decoder_t handle) {
 }
 
 pebble_status closed(const char * fn) { return fail(PEBBLE_ERR_CLOSED, "%s: the decoder was freed or never made", fn); }
+
+// What a decoder holds beside its description: scratch, graphs and, on the GPU, its stream, events and
+// pinned positions (its last step finished first).
+void release_device(pebble_decoder & d) {
+#ifndef PEBBLE_HOST_BUILD
+    if (d.done) cudaEventSynchronize(d.done);
+#endif
+    d.graphs.give_up();
+#ifndef PEBBLE_HOST_BUILD
+    if (d.ready) cudaEventDestroy(d.ready);
+    if (d.done) cudaEventDestroy(d.done);
+    if (d.own) cudaStreamDestroy(d.own);
+    if (d.pos_host) cudaFreeHost(d.pos_host);
+    d.ready = d.done = nullptr;
+    d.own = nullptr;
+    d.pos_host = nullptr;
+#endif
+    free_scratch(d.scratch);
+    d.scratch = nullptr;
+}
 
 } // namespace
 
@@ -685,8 +916,25 @@ extern "C" pebble_status pebble_decoder_create(const pebble_step_model * model, 
     l.o = take(4 * B * uint64_t(m.n_embd));
     l.gate = take(4 * B * uint64_t(d->max_ff));
     l.up = take(4 * B * uint64_t(d->max_ff));
+    l.pos = take(8 * B);
+#ifndef PEBBLE_HOST_BUILD
+    l.x = take(4 * B * uint64_t(m.n_embd));       // x and the logits in and out of fixed addresses (a graph's)
+    l.logits = take(4 * B * uint64_t(m.n_vocab));
+#endif
     l.bytes = at;
+    d->graphs.enabled = m.graphs != 0;
     TRY(alloc_scratch(&d->scratch, l.bytes));
+#ifndef PEBBLE_HOST_BUILD
+    if (cudaHostAlloc(reinterpret_cast<void **>(&d->pos_host), 8 * B, cudaHostAllocPortable) != cudaSuccess ||
+        cudaStreamCreateWithFlags(&d->own, cudaStreamNonBlocking) != cudaSuccess ||
+        cudaEventCreateWithFlags(&d->ready, cudaEventDisableTiming) != cudaSuccess ||
+        cudaEventCreateWithFlags(&d->done, cudaEventDisableTiming) != cudaSuccess) {
+        const cudaError_t err = cudaGetLastError();
+        release_device(*d);
+        return fail(PEBBLE_ERR_CUDA, "%s: the decoder's stream, events or pinned positions could not be made: %s", fn,
+                    cudaGetErrorString(err));
+    }
+#endif
     std::lock_guard<std::mutex> hold(g_decoders_mu);
     const uintptr_t id = g_next_decoder++;
     g_decoders.emplace(id, std::move(d));
@@ -724,23 +972,26 @@ extern "C" pebble_status pebble_decoder_step(pebble_decoder_t handle, int32_t n,
     TRY(check_device_pointer(x, "x", fn));
     if (logits) TRY(check_device_pointer(logits, "logits", fn));
 #endif
-    cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
-    for (int32_t i = 0; i < m.n_layer; i++) TRY(step_layer(*d, i, n, seqs, pos, x, stream));
-    if (logits) {
-        act_t * h16 = at_offset<act_t>(d->scratch, d->at.h16);
-        LAUNCH(rms_rows_kernel, grid_for(n, heads_per_block), dim3(warp_lanes, heads_per_block), stream, x, n, m.n_embd,
-               m.output_norm.data, m.output_norm.ggml_type, m.rms_eps, h16);
-        TRY(launched());
-        TRY(matvec_many(m.output.ggml_type, m.output.data, m.n_vocab, m.n_embd, h16, n, logits, stream));
-        if (m.logit_scale != 1.0f || m.final_softcap > 0.0f) {
-            const int64_t total = int64_t(n) * m.n_vocab;
-            LAUNCH(logits_kernel, grid_for(total, threads), threads, stream, logits, total, m.logit_scale, m.final_softcap);
-            TRY(launched());
-        }
-    }
+    step_key key;
+    key.n = n;
+    key.logits = logits != nullptr;
+    std::copy(seqs, seqs + n, key.seqs);
+    int slot = 0;
+    const step_mode mode = d->graphs.decide(key, &slot);
+#ifdef PEBBLE_HOST_BUILD
+    (void)stream_ptr;
+    std::memcpy(at_offset<int64_t>(d->scratch, d->at.pos), pos, sizeof(int64_t) * size_t(n));
+    TRY(enqueue_step(*d, n, seqs, pos, x, logits, nullptr));
+    if (mode == step_mode::capture) d->graphs.keep(slot, key);
+#else
+    TRY(run_on_device(*d, mode, slot, key, pos, x, logits, static_cast<cudaStream_t>(stream_ptr)));
+#endif
     d->stats.steps++;
     d->stats.tokens += uint64_t(n);
     d->stats.layer_passes += uint64_t(m.n_layer);
+    d->stats.graphs_captured = d->graphs.captured;
+    d->stats.graph_replays = d->graphs.replays;
+    d->stats.graphs_dropped = d->graphs.dropped;
     return PEBBLE_OK;
 }
 
@@ -764,7 +1015,6 @@ extern "C" pebble_status pebble_decoder_free(pebble_decoder_t handle) {
         g_decoders.erase(it);
     }
     std::lock_guard<std::mutex> hold(d->lock); // a step in flight on another thread ends first
-    free_scratch(d->scratch);
-    d->scratch = nullptr;
+    release_device(*d);
     return PEBBLE_OK;
 }

@@ -297,3 +297,60 @@ def test_a_decode_step_makes_the_same_few_native_calls_whatever_the_layer_count(
     with capsys.disabled():
         print(f"\nnative calls per decode step: {per_step[2]:g} at 2 layers, {per_step[8]:g} at 8 layers")
     assert per_step[2] == per_step[8] <= 4
+
+
+def test_cuda_graph_decisions_follow_the_batch(kernels, monkeypatch):
+    """When a step would be captured as a CUDA graph and replayed (pebble_decode.cu's graph_policy, the stub's
+    GraphPolicy): a batch stepped twice running is captured, then replayed for as long as it recurs, whatever
+    its positions (read from device memory); another batch, or the same one without logits, is another
+    graph; past PEBBLE_DECODER_GRAPHS graphs the least recently used is dropped. The host build and the stub
+    make and count the same decisions (they run every step directly); every step's result is the one it
+    gives with graphs off."""
+    from pyplugin.store.abi import DECODER_GRAPHS
+
+    arch, overrides = CASES["gemma3-Q4_0-sandwich"]  # a ring: positions past its window wrap
+    cfg, lw, _, _, x = setup(kernels, arch, overrides, "quantized", 0)
+    xp, n_seq = kernels.xp, DECODER_GRAPHS + 2
+
+    def run(graphs: bool):
+        monkeypatch.setenv("PEBBLING_CUDA_GRAPHS", "1" if graphs else "0")
+        rows = cfg.kv_rows(0, N_CTX)
+        dtype = np.float32 if xp is np else np.float16
+        caches = [[(xp.zeros((rows, cfg.n_head_kv, cfg.head_dim), dtype),
+                    xp.zeros((rows, cfg.n_head_kv, cfg.head_dim), dtype)) for _ in range(n_seq)]]
+        decoder = kernels.decoder(cfg, [lw], caches, setup.outer, N_CTX)
+        pos = [0] * n_seq
+        outs, seen = [], []
+
+        def step(seqs, logits=True):
+            h = xp.asarray(np.tile(x, (len(seqs), 1)))
+            out = decoder.step(seqs, [pos[s] for s in seqs], h, logits=logits)
+            for s in seqs:
+                pos[s] += 1
+            outs.append(host(h).copy())
+            if out is not None:
+                outs.append(host(out).copy())
+            stats = decoder.stats()
+            seen.append((stats["graphs_captured"], stats["graph_replays"], stats["graphs_dropped"]))
+
+        for _ in range(12):          # direct, captured, then replayed past the ring's edge (window 8)
+            step([0, 1])
+        step([1, 0])                 # another order: another batch, run directly
+        step([0, 1], logits=False)   # without logits: another batch
+        step([0, 1])                 # its graph kept: replayed
+        for s in range(2, 2 + DECODER_GRAPHS):  # eight more batches, each captured: the ninth graph drops one
+            step([s])
+            step([s])
+        step([0, 1])                 # the least recently used was [0, 1]: dropped, so run directly again
+        decoder.close()
+        return outs, seen
+
+    outs, seen = run(True)
+    assert seen[0] == (0, 0, 0) and seen[1] == (1, 0, 0) and seen[11] == (1, 10, 0)
+    assert seen[12] == (1, 10, 0) and seen[13] == (1, 10, 0) and seen[14] == (1, 11, 0)
+    assert seen[-2] == (1 + DECODER_GRAPHS, 11, 1)
+    assert seen[-1] == (1 + DECODER_GRAPHS, 11, 1)
+    plain, none = run(False)
+    assert all(s == (0, 0, 0) for s in none)
+    for got, want in zip(outs, plain, strict=True):
+        np.testing.assert_array_equal(got, want)

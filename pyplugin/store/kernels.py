@@ -12,6 +12,7 @@ current stream.
 
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass
 from types import ModuleType
@@ -21,6 +22,7 @@ import numpy as np
 
 from ..errors import InvalidArgumentError, SizeMismatchError
 from ..ggml_types import DENSE_TYPES
+from .abi import DECODER_GRAPHS
 from .interface import as_int
 
 DECODE_WEIGHTS = ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down", "bq", "bk", "bv",
@@ -83,6 +85,41 @@ class StepModel:
     final_softcap: float
     output_norm: tuple   # (GGUF type, buffer)
     output: tuple
+    graphs: bool = True  # capture a batch stepped twice running as a CUDA graph (see pebble_decoder_stats)
+
+
+DECODER_STATS = ("steps", "tokens", "layer_passes", "graphs_captured", "graph_replays", "graphs_dropped")
+
+
+class GraphPolicy:
+    """When a decode step runs as a CUDA graph (pebble_decode.cu's graph_policy, for the backends that have
+    no graphs and for the tests): a batch (its sequences in order, and whether it makes logits) stepped twice
+    running is captured; a batch that has a graph replays it; any other runs directly. Up to DECODER_GRAPHS
+    graphs are kept, the least recently used dropped first."""
+
+    def __init__(self, enabled: bool):
+        self.enabled, self.last_direct, self.slots = enabled, None, {}  # slots: key -> last use
+        self.clock = self.captured = self.replays = self.dropped = 0
+
+    def decide(self, key) -> str:
+        """'direct', 'capture' or 'replay' for a step of this key."""
+        self.clock += 1
+        if not self.enabled:
+            return "direct"
+        if key in self.slots:
+            self.slots[key] = self.clock
+            self.replays += 1
+            return "replay"
+        if self.last_direct == key:
+            if len(self.slots) == DECODER_GRAPHS:
+                del self.slots[min(self.slots, key=self.slots.get)]
+                self.dropped += 1
+            self.last_direct = None
+            self.slots[key] = self.clock
+            self.captured += 1
+            return "capture"
+        self.last_direct = key
+        return "direct"
 
 
 def tensor_ref(name: str, t) -> tuple:
@@ -254,7 +291,8 @@ class Kernels:
         output_norm = self.xp.ascontiguousarray(outer.output_norm, dtype=np.float32)
         model = StepModel(cfg.n_layer, cfg.n_embd, cfg.n_vocab, len(caches[0]), kv_type, cfg.rms_eps,
                           float(cfg.logit_scale), float(cfg.final_softcap), tensor_ref("output_norm", output_norm),
-                          tensor_ref("output", outer.output))
+                          tensor_ref("output", outer.output),
+                          graphs=os.environ.get("PEBBLING_CUDA_GRAPHS", "1") != "0")
         k_caches = [k for per_layer in caches for k, _ in per_layer]
         v_caches = [v for per_layer in caches for _, v in per_layer]
         return Decoder(self.lib.decoder(model, step_layers, k_caches, v_caches), self.xp, cfg.n_embd, cfg.n_vocab,

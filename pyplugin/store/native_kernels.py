@@ -10,6 +10,7 @@ from ..errors import ClosedError, InvalidArgumentError, PebblingError, SizeMisma
 from ..ggml_types import DENSE_TYPES
 from .abi import INT32_MAX, INT32_MIN, INT64_MAX, INT64_MIN
 from .interface import stream_pointer
+from .kernels import DECODER_STATS
 from .native import _DEVICE_MEMORY, _buffer, _c_int, _check, ffi, load_library
 
 
@@ -210,6 +211,7 @@ class NativeDecoder:
         c_model = ffi.new("struct pebble_step_model *")
         for name in ("n_layer", "n_embd", "n_vocab", "n_seq", "kv_type", "rms_eps", "logit_scale", "final_softcap"):
             setattr(c_model, name, getattr(model, name))
+        c_model.graphs = 1 if model.graphs else 0
         norm_type, norm = model.output_norm
         ptr, nbytes = self._pointer(norm, False, "output_norm")
         if norm_type in _ITEMSIZE and nbytes != model.n_embd * _ITEMSIZE[norm_type]:
@@ -262,7 +264,7 @@ class NativeDecoder:
         if self._handle is None:
             raise ClosedError("pebble_decoder_stats: the decoder was freed or never made")
         _check(self._lib, self._lib.pebble_decoder_stats(self._handle, self._stats))
-        return {name: int(getattr(self._stats, name)) for name in ("steps", "tokens", "layer_passes")}
+        return {name: int(getattr(self._stats, name)) for name in DECODER_STATS}
 
     def close(self) -> None:
         """Frees the decoder now (the buffers it named are the caller's)."""

@@ -21,7 +21,7 @@ from ..model.transformer import (ROPE_NEOX, ROPE_NORMAL, LayerWeights, ModelConf
                                  output_logits)
 from .abi import DECODER_MAX_BATCH, MATVEC_MAX_VEC
 from .interface import as_int, host_buffer
-from .kernels import Kernels
+from .kernels import DECODER_STATS, GraphPolicy, Kernels
 
 _DTYPE_OF = {ggml_type: dtype for dtype, ggml_type in DENSE_TYPES.items()}  # F32, F16 -> numpy dtype
 
@@ -44,7 +44,8 @@ class StubDecoder:
                                     f"{model.n_layer * model.n_seq} of each")
         if model.kv_type not in _DTYPE_OF:
             raise InvalidArgumentError(f"{fn}: kv_type {model.kv_type}; the caches must be 0 F32 or 1 F16")
-        self.model, self.layers, self.stats_ = model, [], {"steps": 0, "tokens": 0, "layer_passes": 0}
+        self.model, self.layers, self.stats_ = model, [], dict.fromkeys(DECODER_STATS, 0)
+        self.graphs = GraphPolicy(bool(model.graphs))
         for i, layer in enumerate(layers):
             where, s = f"{fn}: layer {i}", layer.shape
             kernels._check_shape(where, s, layer.kv_rows)
@@ -132,6 +133,9 @@ class StubDecoder:
         self.stats_["steps"] += 1
         self.stats_["tokens"] += n
         self.stats_["layer_passes"] += len(self.layers)
+        self.graphs.decide((tuple(int(s) for s in seqs), logits is not None))  # no graphs here: counted only
+        self.stats_.update(graphs_captured=self.graphs.captured, graph_replays=self.graphs.replays,
+                           graphs_dropped=self.graphs.dropped)
 
     def stats(self) -> dict:
         if self.closed:

@@ -225,6 +225,16 @@ int main(void) {
         EXPECT(pebble_decoder_step(d, 1, seqs, pos, x, NULL, NULL) == PEBBLE_OK);
         for (int i = 0; i < E; i++) EXPECT(k0[i] == 0.0f && v0[i] == 1.0f); // row 0 rewritten
         EXPECT(pebble_decoder_free(d) == PEBBLE_OK);
+        model.graphs = 1; // the same batch twice running is captured, then replayed (counted on the host)
+        EXPECT(pebble_decoder_create(&model, &layer, ks, vs, &d) == PEBBLE_OK);
+        for (int step = 0; step < 4; step++) {
+            pos[0] = step % 3; // positions change; the batch does not
+            EXPECT(pebble_decoder_step(d, 1, seqs, pos, x, NULL, NULL) == PEBBLE_OK);
+        }
+        EXPECT(pebble_decoder_stats(d, &stats) == PEBBLE_OK && stats.steps == 4 && stats.graphs_captured == 1 &&
+               stats.graph_replays == 2 && stats.graphs_dropped == 0);
+        EXPECT(pebble_decoder_free(d) == PEBBLE_OK);
+        model.graphs = 0;
         layer.shape.ring = 2;
         EXPECT(pebble_decoder_create(&model, &layer, ks, vs, &d) == PEBBLE_ERR_INVALID_ARGUMENT &&
                strstr(pebble_last_error(), "ring") != NULL && strstr(pebble_last_error(), "layer 0") != NULL);
