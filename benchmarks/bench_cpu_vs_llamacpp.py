@@ -166,6 +166,7 @@ def write_files(directory: Path, names: list[str], shape_name: str, n_layer: int
 
     shape = {**SHAPES[shape_name], **({"n_layer": n_layer} if n_layer else {})}
     paths = {}
+    directory.mkdir(parents=True, exist_ok=True)
     for name in names:
         path = directory / f"{shape_name}-{shape['n_layer']}L-shaped-{name}.gguf"
         if not path.exists():

@@ -218,7 +218,7 @@ PEBBLE_API enum pebble_status pebble_dequantize(int32_t ggml_type, const void * 
 // 32, 0.063 for 256; about twenty times less on random data) beyond float32 rounding. F32, F16 and
 // BF16 weights take x as it is. The cuda library multiplies x as it is. The host library splits rows
 // among a pool of threads started once per process: one per CPU the process may run on, or
-// PEBBLING_THREADS (1..256); its kernels use AVX-512 (F, BW, DQ, VL and VNNI) for Q8_0, Q4_K, Q5_K and
+// PEBBLING_THREADS (1..256); its kernels use AVX-512 (F, BW, DQ, VL and VNNI) for Q4_0..Q8_0, Q4_K, Q5_K and
 // Q6_K where the CPU has it, else AVX2 (with FMA and F16C), else portable C++; PEBBLING_SIMD=avx2 or
 // PEBBLING_SIMD=portable holds them to that set. Another value of either makes every matvec call fail with
 // PEBBLE_ERR_INVALID_ARGUMENT, naming it.

@@ -919,23 +919,38 @@ AVX512 __attribute__((always_inline)) inline void reduce_store(const __m512 * ac
     }
 }
 
-template <int NV>
-AVX512 void dot_q8_0_avx512(const uint8_t * w, int64_t nb, const uint8_t * xq, int64_t xs, float * out) {
+// Two 32-element blocks a register. The signed types (Q4_0, Q5_0, Q8_0) go in as q + 128 (their bits xor
+// 0x80), which x's corr takes off again; the unsigned ones (Q4_1, Q5_1) as they are, their min added as
+// m * d_x * (the sum of x's q: -corr / 128, exact in float).
+template <int K, int NV>
+AVX512 void dot_32_avx512(const uint8_t * w, int64_t nb, const uint8_t * xq, int64_t xs, float * out) {
+    constexpr bool has_min = K == k_q4_1 || K == k_q5_1;
+    constexpr int  bb = block_bytes_32(K);
     __m512 acc[NV];
     UNROLL for (int v = 0; v < NV; v++) acc[v] = _mm512_setzero_ps();
     const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
     for (int64_t i = 0; i < nb; i += 2) {
-        const uint8_t * b = w + 34 * i;
+        const uint8_t * b = w + bb * i;
         const bool both = i + 1 < nb;
-        const __m256i q1 = both ? _mm256_loadu_si256(reinterpret_cast<const __m256i *>(b + 36)) : _mm256_setzero_si256();
-        const __m512i wq = _mm512_xor_si512(pair_256(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(b + 2)), q1),
-                                            flip);
+        __m512i wq = pair_256(decode_32_avx2<K>(b), both ? decode_32_avx2<K>(b + bb) : _mm256_setzero_si256());
+        if constexpr (!has_min) wq = _mm512_xor_si512(wq, flip);
         const __m512 dw = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(_cvtsh_ss(u16(b)))),
-                                             _mm256_set1_ps(both ? _cvtsh_ss(u16(b + 34)) : 0.0f), 1);
+                                             _mm256_set1_ps(both ? _cvtsh_ss(u16(b + bb)) : 0.0f), 1);
+        __m512 mw = _mm512_setzero_ps();
+        if constexpr (has_min) {
+            mw = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(_cvtsh_ss(u16(b + 2)))),
+                                    _mm256_set1_ps(both ? _cvtsh_ss(u16(b + bb + 2)) : 0.0f), 1);
+        }
         UNROLL for (int v = 0; v < NV; v++) {
             const q8_pair & a = reinterpret_cast<const q8_pair *>(xq + v * xs)[i / 2];
-            const __m512i p = _mm512_dpbusd_epi32(_mm512_load_si512(a.corr), wq, _mm512_load_si512(a.qs));
-            acc[v] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_load_ps(a.d)), _mm512_cvtepi32_ps(p), acc[v]);
+            const __m512i corr = _mm512_load_si512(a.corr);
+            const __m512i p = _mm512_dpbusd_epi32(has_min ? _mm512_setzero_si512() : corr, wq, _mm512_load_si512(a.qs));
+            const __m512 dx = _mm512_load_ps(a.d);
+            acc[v] = _mm512_fmadd_ps(_mm512_mul_ps(dw, dx), _mm512_cvtepi32_ps(p), acc[v]);
+            if constexpr (has_min) {
+                const __m512 sum_x = _mm512_mul_ps(_mm512_cvtepi32_ps(corr), _mm512_set1_ps(-1.0f / 128.0f));
+                acc[v] = _mm512_fmadd_ps(_mm512_mul_ps(mw, dx), sum_x, acc[v]);
+            }
         }
     }
     reduce_store<NV>(acc, out);
@@ -1087,7 +1102,7 @@ PEBBLE_DOT(float_avx2, dot_float_avx2)
 PEBBLE_DOT(k45_avx512, dot_k45_avx512)
 template <int K> struct q6_avx2 { template <int NV> struct at { static constexpr dot_fn fn = dot_q6_k_avx2<NV>; }; };
 template <int K> struct q6_avx512 { template <int NV> struct at { static constexpr dot_fn fn = dot_q6_k_avx512<NV>; }; };
-template <int K> struct q8_avx512 { template <int NV> struct at { static constexpr dot_fn fn = dot_q8_0_avx512<NV>; }; };
+PEBBLE_DOT(dot32_avx512, dot_32_avx512)
 #endif
 #undef PEBBLE_DOT
 
@@ -1123,7 +1138,11 @@ kernel_set kernels_for(int32_t type) {
 #ifdef PEBBLE_X86
     if (level == simd::avx512) {
         switch (type) {
-            case 8:  return set_of<q8_avx512, 0>(act::q8_pair, 32, 34, 8);
+            case 2:  return set_of<dot32_avx512, k_q4_0>(act::q8_pair, 32, 18, 8);
+            case 3:  return set_of<dot32_avx512, k_q4_1>(act::q8_pair, 32, 20, 8);
+            case 6:  return set_of<dot32_avx512, k_q5_0>(act::q8_pair, 32, 22, 8);
+            case 7:  return set_of<dot32_avx512, k_q5_1>(act::q8_pair, 32, 24, 8);
+            case 8:  return set_of<dot32_avx512, k_q8_0>(act::q8_pair, 32, 34, 8);
             case 12: return set_of<k45_avx512, k_q4_k>(act::q8_k512_paired, 256, 144, 8);
             case 13: return set_of<k45_avx512, k_q5_k>(act::q8_k512_paired, 256, 176, 8);
             case 14: return set_of<q6_avx512, 0>(act::q8_k512, 256, 210, 8);
