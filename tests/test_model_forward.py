@@ -9,6 +9,8 @@ rotate-half RoPE. Agreement therefore also checks our GGML "normal" RoPE on perm
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache
 
 import numpy as np
 import pytest
@@ -17,7 +19,7 @@ from gguf.quants import dequantize
 
 from helpers import tiny_model, tiny_path
 from pyplugin.runtime import Generation, ResidentLayers
-from pyplugin.model import KVCache, embed, layer_forward, output_logits
+from pyplugin.model import KVCache, ModelConfig, embed, layer_forward, output_logits
 from pyplugin.runtime.options import Options
 
 PROMPT = [3, 17, 42, 99, 7, 150, 8, 61, 5]
@@ -212,3 +214,25 @@ def test_layer_source_is_what_the_loop_reads():
 
     Generation(model, Options(num_ctx=32), layers=Recording(model, 32)).prefill(PROMPT[:4])
     assert seen == [(step, i) for i in range(model.config.n_layer) for step in ("layer", "done")]
+
+
+@pytest.mark.parametrize("window, k_pos, pos", [(0, 0, 0), (0, 0, 37), (16, 0, 0), (16, 20, 40)])
+def test_a_long_prompt_s_attention_split_among_threads_equals_it_whole(monkeypatch, window, k_pos, pos):
+    """A prompt's queries cut into parts of about equal work, each over the keys it sees (the causal edge,
+    a sliding window, keys that start past 0 as a ring's do), give the attention of the whole."""
+    from pyplugin.model import transformer
+
+    cfg = ModelConfig(arch="llama", n_layer=1, n_embd=64, n_head=4, n_head_kv=2, head_dim=16, n_ff=64, n_vocab=8,
+                      n_ctx_train=256, rms_eps=1e-6, rope_mode=0, rope_dims=16, window=window)
+    rng = np.random.default_rng(3)
+    T, S = 50, pos + 50 - k_pos
+    q = rng.standard_normal((T, 4, 16)).astype(np.float32)
+    k, v = (rng.standard_normal((S, 2, 16)).astype(np.float32) for _ in range(2))
+    whole = transformer.attention(cfg, q, k, v, pos, k_pos)
+    for threads in (2, 3):
+        monkeypatch.setattr(transformer, "_attention_threads", lambda n=threads: n)
+        monkeypatch.setattr(transformer, "_SPLIT_SCORES", 0)
+        monkeypatch.setattr(transformer, "_attention_pool", lru_cache(maxsize=1)(
+            lambda: ThreadPoolExecutor(max_workers=2)))
+        split = transformer.attention(cfg, q, k, v, pos, k_pos)
+        np.testing.assert_allclose(split, whole, rtol=1e-5, atol=1e-6)
