@@ -2,6 +2,11 @@
 one at a time, on a model streamed with `minimal` (every layer restored for every decode step).
 
     python benchmarks/bench_server_load.py [--clients 8] [--tokens 64] [--backend host] [--json FILE]
+        [--shape NAME --type Q4_K_M] [--strategy minimal]
+
+--shape writes a random-weight file of a real model's shape (bench_cpu_vs_llamacpp's: SmolLM2-135M,
+Gemma-3-270M, Qwen3-0.6B, Qwen2.5-1.5B, ...) in --type (Q4_K_M: llama.cpp's mix with its fallbacks,
+Q8_0 or Q4_1) in place of the small llama of --n-layer/--n-embd/--n-ff/--weight-type.
 
 Runs `pebbling serve` in a process of its own on loopback (so that the clients' threads do not share its
 interpreter) with PEBBLING_NUM_PARALLEL set to the number of clients, OPENBLAS_NUM_THREADS to
@@ -31,6 +36,7 @@ import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_cpu_vs_llamacpp as bench_cpu  # noqa: E402
 import serve_for_bench  # noqa: E402
 from pyplugin.model.synth import write_gguf  # noqa: E402
 
@@ -45,9 +51,9 @@ def start_server(models: str, backend: str, parallel: int, blas_threads: int) ->
         "OPENBLAS_NUM_THREADS": str(blas_threads), "OMP_NUM_THREADS": str(blas_threads)})
 
 
-def body(client: int, tokens: int) -> dict:
+def body(client: int, tokens: int, strategy: str = "minimal") -> dict:
     return {"model": "bench", "prompt": PROMPTS[client % len(PROMPTS)], "raw": True, "stream": False,
-            "options": {"temperature": 0, "num_predict": tokens, "pebbling_strategy": "minimal",
+            "options": {"temperature": 0, "num_predict": tokens, "pebbling_strategy": strategy,
                         "pebbling_cache_prompt": False}}
 
 
@@ -91,6 +97,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--n-embd", type=int, default=128)
     parser.add_argument("--n-ff", type=int, default=384)
     parser.add_argument("--weight-type", default="Q8_0")
+    parser.add_argument("--shape", choices=sorted(bench_cpu.SHAPES),
+                        help="a real model's shape (random weights) in place of the small llama above")
+    parser.add_argument("--type", default="Q4_K_M", choices=sorted(bench_cpu.FILES),
+                        help="the weights' types with --shape")
+    parser.add_argument("--strategy", default="minimal", help="pebbling_strategy of every request")
     parser.add_argument("--blas-threads", type=int, default=1,
                         help="OPENBLAS_NUM_THREADS for the server (prefill's GEMMs): on a few shared cores "
                              "OpenBLAS's spinning threads made a 20 x 256 x 768 product 100x slower")
@@ -100,13 +111,20 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
 
     with tempfile.TemporaryDirectory(prefix="pebbling-bench-") as models:
-        write_gguf(Path(models) / "bench.gguf", arch="llama", n_layer=args.n_layer, n_embd=args.n_embd,
-                   n_head=max(1, args.n_embd // 64), n_head_kv=max(1, args.n_embd // 128), n_ff=args.n_ff,
-                   n_ctx=512, weight_type=args.weight_type, n_merges=200)
+        if args.shape:
+            shape = bench_cpu.SHAPES[args.shape]
+            write_gguf(Path(models) / "bench.gguf", **shape, n_ctx=4096, **bench_cpu.FILES[args.type](shape))
+            model = {"shape": args.shape, **{k: v for k, v in shape.items() if k != "vocab"}, "types": args.type}
+        else:
+            write_gguf(Path(models) / "bench.gguf", arch="llama", n_layer=args.n_layer, n_embd=args.n_embd,
+                       n_head=max(1, args.n_embd // 64), n_head_kv=max(1, args.n_embd // 128), n_ff=args.n_ff,
+                       n_ctx=512, weight_type=args.weight_type, n_merges=200)
+            model = {"arch": "llama", "n_layer": args.n_layer, "n_embd": args.n_embd, "n_ff": args.n_ff,
+                     "weight_type": args.weight_type}
         server, url = start_server(models, args.backend, args.clients, args.blas_threads)
         try:
-            bodies = [body(c, args.tokens) for c in range(args.clients)]
-            ask(url, body(0, 2))  # loaded and warm
+            bodies = [body(c, args.tokens, args.strategy) for c in range(args.clients)]
+            ask(url, body(0, 2, args.strategy))  # loaded and warm
             runs = []
             for n in range(args.repeats):  # alternating, so that a busy moment does not favour one side
                 done = {c: phase(url, bodies, concurrent=c, pid=server.pid)
@@ -126,8 +144,7 @@ def main(argv: list[str] | None = None) -> dict:
                       if serial["bytes_restored_per_generated_token"] else None)
     report = batched["answers"][0]["pebbling"]
     result = {
-        "model": {"arch": "llama", "n_layer": args.n_layer, "n_embd": args.n_embd, "n_ff": args.n_ff,
-                  "weight_type": args.weight_type, "weights": "random"},
+        "model": {**model, "weights": "random"},
         "backend": report["backend"], "strategy": report["strategy"], "clients": args.clients,
         "num_predict": args.tokens, "num_parallel": args.clients, "blas_threads": args.blas_threads,
         "serial": {k: v for k, v in serial.items() if k != "answers"},
@@ -138,8 +155,9 @@ def main(argv: list[str] | None = None) -> dict:
         "cpu_speedup": (batched["tok_per_server_cpu_s"] / serial["tok_per_server_cpu_s"]
                         if batched["tok_per_server_cpu_s"] and serial["tok_per_server_cpu_s"] else None),
     }
-    print(f"model: llama, {args.n_layer} layers, n_embd {args.n_embd}, n_ff {args.n_ff}, {args.weight_type} "
-          f"(random weights); backend {result['backend']}, strategy {result['strategy']}, OPENBLAS_NUM_THREADS "
+    described = (f"{args.shape} shape, {args.type}" if args.shape else
+                 f"llama, {args.n_layer} layers, n_embd {args.n_embd}, n_ff {args.n_ff}, {args.weight_type}")
+    print(f"model: {described} (random weights); backend {result['backend']}, strategy {result['strategy']}, OPENBLAS_NUM_THREADS "
           f"{args.blas_threads}; {args.clients} clients x "
           f"{args.tokens} tokens (measured; the fastest of {args.repeats} runs of each phase)")
     for name, p in (("one at a time", serial), ("concurrent", batched)):

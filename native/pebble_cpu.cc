@@ -826,11 +826,13 @@ AVX2 void dot_float_avx2(const uint8_t * w, int64_t n, const uint8_t * xq, int64
 // Two 32-element blocks of x side by side, for the signed 32-element types. vpdpbusd multiplies
 // unsigned by signed bytes, so a weight q goes in as q + 128 (its bits xor 0x80) and corr, the
 // accumulator it starts from, takes the 128 off again: corr[i] = -128 * (q[4i] + ... + q[4i+3]).
-// d[i]: the d of the block lane i sums. A lone last block has zeros beside it.
+// d[i]: the d of the block lane i sums; dsum[i] = d[i] * (the sum of those four q), what the unsigned
+// types' min multiplies. A lone last block has zeros beside it.
 struct alignas(64) q8_pair {
     int8_t  qs[64];
     int32_t corr[16];
     float   d[16];
+    float   dsum[16];
 };
 
 // One 256-element block of x for the K-quants: its q in the order the weight type's registers hold
@@ -852,6 +854,7 @@ void quantize_pairs(const uint16_t * x, int64_t n, q8_pair * out) {
             const int8_t * q = o.qs + 32 * h + 4 * i;
             o.corr[8 * h + i] = -128 * (q[0] + q[1] + q[2] + q[3]);
             o.d[8 * h + i] = d;
+            o.dsum[8 * h + i] = d * static_cast<float>(q[0] + q[1] + q[2] + q[3]);
         }
     }
     if (nb % 2) {
@@ -860,6 +863,7 @@ void quantize_pairs(const uint16_t * x, int64_t n, q8_pair * out) {
         for (int i = 8; i < 16; i++) {
             o.corr[i] = 0;
             o.d[i] = 0.0f;
+            o.dsum[i] = 0.0f;
         }
     }
 }
@@ -921,7 +925,7 @@ AVX512 __attribute__((always_inline)) inline void reduce_store(const __m512 * ac
 
 // Two 32-element blocks a register. The signed types (Q4_0, Q5_0, Q8_0) go in as q + 128 (their bits xor
 // 0x80), which x's corr takes off again; the unsigned ones (Q4_1, Q5_1) as they are, their min added as
-// m * d_x * (the sum of x's q: -corr / 128, exact in float).
+// m * (x's d times the sum of its q: dsum).
 template <int K, int NV>
 AVX512 void dot_32_avx512(const uint8_t * w, int64_t nb, const uint8_t * xq, int64_t xs, float * out) {
     constexpr bool has_min = K == k_q4_1 || K == k_q5_1;
@@ -943,14 +947,10 @@ AVX512 void dot_32_avx512(const uint8_t * w, int64_t nb, const uint8_t * xq, int
         }
         UNROLL for (int v = 0; v < NV; v++) {
             const q8_pair & a = reinterpret_cast<const q8_pair *>(xq + v * xs)[i / 2];
-            const __m512i corr = _mm512_load_si512(a.corr);
-            const __m512i p = _mm512_dpbusd_epi32(has_min ? _mm512_setzero_si512() : corr, wq, _mm512_load_si512(a.qs));
-            const __m512 dx = _mm512_load_ps(a.d);
-            acc[v] = _mm512_fmadd_ps(_mm512_mul_ps(dw, dx), _mm512_cvtepi32_ps(p), acc[v]);
-            if constexpr (has_min) {
-                const __m512 sum_x = _mm512_mul_ps(_mm512_cvtepi32_ps(corr), _mm512_set1_ps(-1.0f / 128.0f));
-                acc[v] = _mm512_fmadd_ps(_mm512_mul_ps(mw, dx), sum_x, acc[v]);
-            }
+            const __m512i p = _mm512_dpbusd_epi32(has_min ? _mm512_setzero_si512() : _mm512_load_si512(a.corr), wq,
+                                                  _mm512_load_si512(a.qs));
+            acc[v] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_load_ps(a.d)), _mm512_cvtepi32_ps(p), acc[v]);
+            if constexpr (has_min) acc[v] = _mm512_fmadd_ps(mw, _mm512_load_ps(a.dsum), acc[v]);
         }
     }
     reduce_store<NV>(acc, out);
