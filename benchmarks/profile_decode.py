@@ -1,0 +1,125 @@
+"""Where a decode step's time goes on the host backend: inside the native step (pebble_decoder_step) or in
+the Python around it (embedding, sampling, accounting), on a random-weight file of a real model's shape.
+
+    python benchmarks/profile_decode.py [--shape smollm2-135m] [--type Q4_K_M] [--context 300] [--tokens 64]
+        [--runs 3] [--n-layer N] [--dir DIR] [--json FILE]
+
+Each run prefills --context random tokens, then decodes --tokens greedy tokens through Generation.decode_one
+(what the server calls), timing every call into the library's decode step with a wrapper around
+NativeDecoder.step. It prints, per run, the decode rate, the share of decode time spent inside the native
+step, the Python time per token outside it, and the Python-to-native calls per step (counted on the
+library's handle; they do not grow with the layer count: tests/test_decode_step.py). The wrapper's own
+cost (a few microseconds a step) is counted as native time. Every figure is measured in this run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_cpu_vs_llamacpp as bench_cpu  # noqa: E402
+
+
+class _Counting:
+    """The library's handle, with its pebble_* calls counted."""
+
+    def __init__(self, lib):
+        self._lib, self.calls = lib, 0
+
+    def __getattr__(self, name):
+        if name.startswith("pebble_"):
+            self.calls += 1
+        return getattr(self._lib, name)
+
+
+def profile(path: Path, context: int, tokens: int, runs: int) -> list[dict]:
+    from pyplugin.model import load_model  # noqa: PLC0415 - imported where measured
+    from pyplugin.runtime import PebbledModel
+    from pyplugin.runtime.options import Options
+    from pyplugin.runtime.plan import PebblingOptions
+    from pyplugin.store import native_kernels
+
+    pebbled = PebbledModel(load_model(path, weights="quantized", progress=False), backend="host")
+    inside = [0.0]
+    step = native_kernels.NativeDecoder.step
+
+    def timed(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return step(self, *args, **kwargs)
+        finally:
+            inside[0] += time.perf_counter() - start
+
+    native_kernels.NativeDecoder.step = timed
+    prompt = [int(t) for t in np.random.default_rng(0).integers(100, 30000, context)]
+    results = []
+    try:
+        for _ in range(runs):
+            options = Options(temperature=0, num_ctx=context + tokens + 8, num_batch=context, num_predict=tokens)
+            gen = pebbled.generation(options, PebblingOptions.from_options({"pebbling_strategy": "none"}), context)
+            token = int(np.argmax(gen.prefill(prompt)))
+            token = int(np.argmax(gen.decode_one(token)))  # the first step makes the plan's decoder
+            counting = _Counting(pebbled.kernels.lib._lib)
+            store_counting = _Counting(pebbled.store._lib)
+            pebbled.kernels.lib._lib, pebbled.store._lib = counting, store_counting
+            inside[0] = 0.0
+            start = time.perf_counter()
+            for _ in range(tokens - 1):
+                token = int(np.argmax(gen.decode_one(token)))
+            total = time.perf_counter() - start
+            pebbled.kernels.lib._lib, pebbled.store._lib = counting._lib, store_counting._lib
+            n = tokens - 1
+            results.append({"decode_tok_per_s": n / total, "native_share": inside[0] / total,
+                            "python_ms_per_token": 1e3 * (total - inside[0]) / n,
+                            "native_calls_per_step": (counting.calls + store_counting.calls) / n})
+    finally:
+        native_kernels.NativeDecoder.step = step
+        pebbled.close()
+    return results
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="smollm2-135m", choices=sorted(bench_cpu.SHAPES))
+    parser.add_argument("--type", default="Q4_K_M", choices=sorted(bench_cpu.FILES))
+    parser.add_argument("--context", type=int, default=300, help="prompt tokens before the decode")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--n-layer", type=int, help="fewer layers than the shape has (a quick run)")
+    parser.add_argument("--dir", help="where the GGUF file is written and kept (default: a temporary folder)")
+    parser.add_argument("--json", help="also write the results to this file")
+    args = parser.parse_args(argv)
+
+    with tempfile.TemporaryDirectory(prefix="pebbling-profile-") as tmp:
+        directory = Path(args.dir) if args.dir else Path(tmp)
+        path = bench_cpu.write_files(directory, [args.type], args.shape, args.n_layer)[args.type]
+        runs = profile(path, args.context, args.tokens, args.runs)
+    n_layer = args.n_layer or bench_cpu.SHAPES[args.shape]["n_layer"]
+    result = {"shape": args.shape, "type": args.type, "n_layer": n_layer, "context": args.context,
+              "tokens": args.tokens, "runs": runs, "cpu": bench_cpu.cpu_model(),
+              "median": {k: statistics.median(r[k] for r in runs) for k in runs[0]}}
+    print(f"{args.shape} shape, {n_layer} layers, {args.type} (random weights), host backend, a {args.context}-token "
+          f"context, {args.tokens} greedy tokens; CPU: {result['cpu']} (all measured here)")
+    for i, r in enumerate(runs):
+        print(f"  run {i + 1}: decode {r['decode_tok_per_s']:.1f} tok/s, {100 * r['native_share']:.1f}% of it inside "
+              f"pebble_decoder_step, Python outside it {r['python_ms_per_token']:.2f} ms/token, "
+              f"{r['native_calls_per_step']:g} native calls per step")
+    m = result["median"]
+    print(f"  median: {100 * m['native_share']:.1f}% native, {100 * (1 - m['native_share']):.1f}% Python "
+          f"({m['python_ms_per_token']:.2f} ms/token), {m['native_calls_per_step']:g} native calls per step")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,27 @@
+"""benchmarks/profile_decode.py at a tiny size: the share of decode time inside the native step and the calls
+per step are measured and reported (the figures themselves come from a full run)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import profile_decode  # noqa: E402
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_tiny_profile_reports_where_decode_time_goes(tmp_path, capsys):
+    out = tmp_path / "profile.json"
+    result = profile_decode.main(["--n-layer", "2", "--context", "12", "--tokens", "6", "--runs", "2",
+                                  "--dir", str(tmp_path), "--json", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    assert result["n_layer"] == 2 and len(result["runs"]) == 2
+    for run in result["runs"]:
+        assert 0 < run["native_share"] < 1 and run["decode_tok_per_s"] > 0 and run["python_ms_per_token"] > 0
+        assert 1 <= run["native_calls_per_step"] <= 4
+    assert "native calls per step" in capsys.readouterr().out
