@@ -271,6 +271,8 @@ struct pebble_tensor_ref {
     const void * data;   // NULL: absent (biases only)
 };
 
+#define PEBBLE_LAYER_WEIGHTS 16 // the fields of pebble_layer_weights
+
 struct pebble_layer_weights {
     struct pebble_tensor_ref attn_norm, wq, wk, wv, wo, ffn_norm, w_gate, w_up, w_down, bq, bk, bv;
     struct pebble_tensor_ref q_norm, k_norm;                 // [head_dim] each, or NULL (qwen3, gemma3)
@@ -326,6 +328,15 @@ struct pebble_step_layer {
     int64_t       rope_rows;
     int64_t       kv_rows;      // rows of each of this layer's caches (a ring's window where shape.ring)
     float         attn_scale;   // multiplies q before the dot products
+    // 1: the layer is streamed. Its weights and each sequence's K and V are entries of the model's store,
+    // weight_ids[f] the entry of field f of pebble_layer_weights in its order (-1: absent; the refs give
+    // each one's type, their data is not read) and kv_ids the caches'. Every step copies them into one of
+    // two slots of the decoder's (device memory) before the layer computes, on a copy stream of its own
+    // ordered by events, the next streamed layer's while this one computes, and writes each new K and V
+    // row back after; k_caches and v_caches are not read for it. Graphs are not captured where a layer
+    // is streamed (the store's copies are not).
+    int32_t       streamed;
+    int32_t       weight_ids[PEBBLE_LAYER_WEIGHTS];
 };
 
 struct pebble_step_model {
@@ -337,6 +348,13 @@ struct pebble_step_model {
     float   final_softcap;      // above 0: each logit becomes c * tanh(l / c)
     struct pebble_tensor_ref output_norm, output; // [n_embd]; [n_vocab][n_embd] of any type with kernels
     int32_t graphs;             // 1: a batch stepped twice running is captured as a CUDA graph and replayed
+    pebble_store_t store;       // the streamed layers' entries (NULL where none is streamed)
+    const int32_t * kv_ids;     // [n_seq][2]: the K and V entries of each sequence, the same in every layer
+    // The streamed layers' two slots (device memory of slot_bytes each, the caller's until the decoder is
+    // freed), or NULL for the decoder to make its own. A slot holds a layer's weights, then each sequence's
+    // K and V cache, each at a multiple of 256 bytes; slot_bytes must cover the largest streamed layer.
+    void *   slots[2];
+    uint64_t slot_bytes;
 };
 
 struct pebble_decoder_stats {

@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <array>
 #include <initializer_list>
 #include <memory>
 #include <mutex>
@@ -546,6 +547,18 @@ struct pebble_decoder {
     int64_t widest = 0, max_q = 0, max_kv = 0, max_ff = 0, max_heads = 0, max_rows = 0;
     uint8_t * scratch = nullptr;
     graph_policy graphs;
+    // streamed layers (pebble_step_layer.streamed): their order, and per layer where each weight and each
+    // sequence's caches lie in its slot (the n-th streamed layer's is slot n % 2)
+    std::vector<int32_t> streamed;                 // layer of the n-th streamed layer
+    std::vector<int32_t> stream_order;             // per layer: n, or -1 where resident
+    std::vector<std::array<uint64_t, PEBBLE_LAYER_WEIGHTS>> weight_bytes; // per layer and field: entry size
+    uint8_t * slots[2] = {nullptr, nullptr};         // made here (freed with the decoder) ...
+    uint8_t * slots_given[2] = {nullptr, nullptr};   // ... or the caller's
+    uint64_t  slot_bytes = 0;
+#ifndef PEBBLE_HOST_BUILD
+    cudaStream_t copy = nullptr;       // the slots' copies
+    cudaEvent_t  slot_ready[2] = {nullptr, nullptr}, slot_free[2] = {nullptr, nullptr}, copied = nullptr;
+#endif
 #ifndef PEBBLE_HOST_BUILD
     int64_t *    pos_host = nullptr;   // pinned: the positions a step (or its graph) copies to the device
     cudaStream_t own = nullptr;        // where steps run and graphs are captured (never the legacy stream)
@@ -700,13 +713,137 @@ pebble_status step_layer(pebble_decoder & d, int32_t i, int32_t n, const int32_t
     return PEBBLE_OK;
 }
 
+// The fields of pebble_layer_weights in their order (pebble_step_layer.weight_ids).
+pebble_tensor_ref pebble_layer_weights::* const weight_fields[PEBBLE_LAYER_WEIGHTS] = {
+    &pebble_layer_weights::attn_norm, &pebble_layer_weights::wq, &pebble_layer_weights::wk,
+    &pebble_layer_weights::wv, &pebble_layer_weights::wo, &pebble_layer_weights::ffn_norm,
+    &pebble_layer_weights::w_gate, &pebble_layer_weights::w_up, &pebble_layer_weights::w_down,
+    &pebble_layer_weights::bq, &pebble_layer_weights::bk, &pebble_layer_weights::bv,
+    &pebble_layer_weights::q_norm, &pebble_layer_weights::k_norm, &pebble_layer_weights::post_attn_norm,
+    &pebble_layer_weights::post_ffn_norm};
+const char * const weight_names[PEBBLE_LAYER_WEIGHTS] = {
+    "attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down", "bq", "bk", "bv", "q_norm",
+    "k_norm", "post_attn_norm", "post_ffn_norm"};
+
+uint64_t kv_cache_bytes(const pebble_decoder & d, int32_t i) {
+    const pebble_step_layer & L = d.layers[size_t(i)];
+    return uint64_t(L.kv_rows) * uint64_t(L.shape.n_head_kv) * uint64_t(L.shape.head_dim) *
+           (d.model.kv_type == f32_type ? 4 : 2);
+}
+
+#ifdef PEBBLE_HOST_BUILD
+#    define COPY_STREAM(d) nullptr
+#else
+#    define COPY_STREAM(d) static_cast<void *>((d).copy)
+#endif
+
+// The n-th streamed layer's weights, and the rows each token of the step has written before its
+// position, copied from the store into its slot (on the copy stream, after the slot's last layer
+// computed); the slot's ready event recorded after them.
+pebble_status restore_streamed(pebble_decoder & d, int32_t n, int32_t n_tok, const int32_t * seqs, const int64_t * pos) {
+    const int32_t i = d.streamed[size_t(n)];
+    [[maybe_unused]] const int32_t slot = n % 2;
+    const pebble_step_layer & L = d.layers[size_t(i)];
+    char where[96];
+#ifndef PEBBLE_HOST_BUILD
+    if (cudaStreamWaitEvent(d.copy, d.slot_free[slot], 0) != cudaSuccess) {
+        cudaGetLastError();
+        return fail(PEBBLE_ERR_CUDA, "pebble_decoder_step: layer %d: the copy stream could not wait for slot %d", i,
+                    slot);
+    }
+#endif
+    for (int f = 0; f < PEBBLE_LAYER_WEIGHTS; f++) {
+        if (L.weight_ids[f] < 0) continue;
+        const pebble_tensor_ref & ref = L.weights.*weight_fields[f];
+        pebble_status st = pebble_restore(d.model.store, i, L.weight_ids[f], const_cast<void *>(ref.data),
+                                          d.weight_bytes[size_t(i)][size_t(f)], COPY_STREAM(d));
+        if (st != PEBBLE_OK) {
+            snprintf(where, sizeof where, "pebble_decoder_step: layer %d: %s", i, weight_names[f]);
+            return with_place(st, where);
+        }
+    }
+    const uint64_t row_bytes = kv_cache_bytes(d, i) / uint64_t(L.kv_rows);
+    for (int32_t b = 0; b < n_tok; b++) {
+        const uint64_t held = uint64_t(std::min(pos[b], L.kv_rows)); // a ring holds its window at most
+        for (int kv = 0; kv < 2 && held; kv++) {
+            void * cache = (kv ? d.v : d.k)[size_t(i) * d.model.n_seq + seqs[b]];
+            pebble_status st = pebble_read(d.model.store, i, d.model.kv_ids[2 * seqs[b] + kv], 0, cache,
+                                           held * row_bytes, COPY_STREAM(d));
+            if (st != PEBBLE_OK) {
+                snprintf(where, sizeof where, "pebble_decoder_step: layer %d: sequence %d's %s cache", i, seqs[b],
+                         kv ? "V" : "K");
+                return with_place(st, where);
+            }
+        }
+    }
+#ifndef PEBBLE_HOST_BUILD
+    if (cudaEventRecord(d.slot_ready[slot], d.copy) != cudaSuccess) {
+        cudaGetLastError();
+        return fail(PEBBLE_ERR_CUDA, "pebble_decoder_step: layer %d: slot %d's ready event", i, slot);
+    }
+#endif
+    return PEBBLE_OK;
+}
+
+// After the n-th streamed layer computed on `stream`: each token's new K and V row written back to the
+// store (on the copy stream, after the compute), then the streamed layer two on restored into the slot.
+pebble_status after_streamed(pebble_decoder & d, int32_t n, int32_t n_tok, const int32_t * seqs, const int64_t * pos,
+                             [[maybe_unused]] cudaStream_t stream) {
+    const int32_t i = d.streamed[size_t(n)];
+    [[maybe_unused]] const int32_t slot = n % 2;
+    const pebble_step_layer & L = d.layers[size_t(i)];
+#ifndef PEBBLE_HOST_BUILD
+    if (cudaEventRecord(d.slot_free[slot], stream) != cudaSuccess ||
+        cudaStreamWaitEvent(d.copy, d.slot_free[slot], 0) != cudaSuccess) {
+        cudaGetLastError();
+        return fail(PEBBLE_ERR_CUDA, "pebble_decoder_step: layer %d: the copy stream could not wait for its compute", i);
+    }
+#endif
+    const uint64_t row_bytes = kv_cache_bytes(d, i) / uint64_t(L.kv_rows);
+    for (int32_t b = 0; b < n_tok; b++) {
+        const uint64_t row = uint64_t(L.shape.ring ? pos[b] % L.kv_rows : pos[b]);
+        for (int kv = 0; kv < 2; kv++) {
+            const uint8_t * cache = static_cast<const uint8_t *>((kv ? d.v : d.k)[size_t(i) * d.model.n_seq + seqs[b]]);
+            pebble_status st = pebble_write(d.model.store, i, d.model.kv_ids[2 * seqs[b] + kv], row * row_bytes,
+                                            cache + row * row_bytes, row_bytes, COPY_STREAM(d));
+            if (st != PEBBLE_OK) {
+                char where[96];
+                snprintf(where, sizeof where, "pebble_decoder_step: layer %d: writing back sequence %d's %s row", i,
+                         seqs[b], kv ? "V" : "K");
+                return with_place(st, where);
+            }
+        }
+    }
+    if (size_t(n) + 2 < d.streamed.size()) TRY(restore_streamed(d, n + 2, n_tok, seqs, pos));
+    return PEBBLE_OK;
+}
+
 // The whole step enqueued on `stream`: every layer, then the output norm and logits where asked. The
 // positions are in the scratch's pos (device memory) already; host_pos is the same, for the host build's
 // attention.
 pebble_status enqueue_step(pebble_decoder & d, int32_t n, const int32_t * seqs, const int64_t * host_pos, float * x,
                            float * logits, cudaStream_t stream) {
     const pebble_step_model & m = d.model;
-    for (int32_t i = 0; i < m.n_layer; i++) TRY(step_layer(d, i, n, seqs, host_pos, x, stream));
+    for (int32_t k = 0; k < 2 && size_t(k) < d.streamed.size(); k++) TRY(restore_streamed(d, k, n, seqs, host_pos));
+    for (int32_t i = 0; i < m.n_layer; i++) {
+        const int32_t order = d.stream_order[size_t(i)];
+#ifndef PEBBLE_HOST_BUILD
+        if (order >= 0 && cudaStreamWaitEvent(stream, d.slot_ready[order % 2], 0) != cudaSuccess) {
+            cudaGetLastError();
+            return fail(PEBBLE_ERR_CUDA, "pebble_decoder_step: layer %d could not wait for its slot", i);
+        }
+#endif
+        TRY(step_layer(d, i, n, seqs, host_pos, x, stream));
+        if (order >= 0) TRY(after_streamed(d, order, n, seqs, host_pos, stream));
+    }
+#ifndef PEBBLE_HOST_BUILD
+    // The step ends after its write-backs too, so that whoever waits for it may reuse the slots.
+    if (!d.streamed.empty() && (cudaEventRecord(d.copied, d.copy) != cudaSuccess ||
+                                cudaStreamWaitEvent(stream, d.copied, 0) != cudaSuccess)) {
+        cudaGetLastError();
+        return fail(PEBBLE_ERR_CUDA, "pebble_decoder_step: the step could not wait for its write-backs");
+    }
+#endif
     if (logits) {
         act_t * h16 = at_offset<act_t>(d.scratch, d.at.h16);
         LAUNCH(rms_rows_kernel, grid_for(n, heads_per_block), dim3(warp_lanes, heads_per_block), stream, x, n, m.n_embd,
@@ -805,6 +942,119 @@ pebble_status run_on_device(pebble_decoder & d, step_mode mode, int slot, const 
 #    undef CUDA_TRY
 #endif
 
+// A streamed layer as the store holds it: each weight's entry size, checked against its type and shape,
+// and a stand-in pointer for the checks until its slot is placed (place_streamed).
+pebble_status describe_streamed(pebble_decoder & d, const char * fn, int32_t i) {
+    pebble_step_layer & L = d.layers[size_t(i)];
+    const pebble_step_model & m = d.model;
+    if (!m.store || !m.kv_ids) {
+        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: layer %d is streamed: the model's store and kv_ids must not be "
+                    "NULL", fn, i);
+    }
+    const pebble_layer_shape & s = L.shape;
+    const int64_t e = s.n_embd, q = int64_t(s.n_head) * s.head_dim, kv = int64_t(s.n_head_kv) * s.head_dim;
+    const int64_t rows[PEBBLE_LAYER_WEIGHTS] = {1, q, kv, kv, e, 1, s.n_ff, s.n_ff, e, 1, 1, 1, 1, 1, 1, 1};
+    const int64_t cols[PEBBLE_LAYER_WEIGHTS] = {e, e, e, e, q, e, e, e, s.n_ff, q, kv, kv, s.head_dim, s.head_dim, e, e};
+    for (int f = 0; f < PEBBLE_LAYER_WEIGHTS; f++) {
+        pebble_tensor_ref & ref = L.weights.*weight_fields[f];
+        ref.data = nullptr;
+        if (L.weight_ids[f] < 0) continue;
+        struct pebble_entry_info info{};
+        const pebble_status st = pebble_entry_info(m.store, i, L.weight_ids[f], &info);
+        if (st != PEBBLE_OK) {
+            char where[96];
+            snprintf(where, sizeof where, "%s: layer %d: %s", fn, i, weight_names[f]);
+            return with_place(st, where);
+        }
+        int64_t elements = 0, block = 0;
+        if (pebble_type_block(ref.ggml_type, &elements, &block) != PEBBLE_OK || cols[f] % elements != 0 ||
+            info.nbytes != uint64_t(rows[f]) * uint64_t(cols[f] / elements) * uint64_t(block)) {
+            return fail(PEBBLE_ERR_SIZE_MISMATCH, "%s: layer %d: %s's entry (tensor %d) holds %" PRIu64 " bytes, not "
+                        "%" PRId64 " x %" PRId64 " of GGUF type %d (%s)", fn, i, weight_names[f], L.weight_ids[f],
+                        info.nbytes, rows[f], cols[f], ref.ggml_type, ggml_type_name(ref.ggml_type));
+        }
+        d.weight_bytes[size_t(i)][size_t(f)] = info.nbytes;
+        ref.data = &d; // a stand-in until the slot is placed: never read
+    }
+    for (int32_t seq = 0; seq < m.n_seq; seq++) {
+        for (int kv_i = 0; kv_i < 2; kv_i++) {
+            struct pebble_entry_info info{};
+            const int32_t id = m.kv_ids[2 * seq + kv_i];
+            if (pebble_entry_info(m.store, i, id, &info) != PEBBLE_OK || info.nbytes != kv_cache_bytes(d, i)) {
+                return fail(PEBBLE_ERR_SIZE_MISMATCH, "%s: layer %d: sequence %d's %s cache (tensor %d) is not an "
+                            "entry of %" PRIu64 " bytes", fn, i, seq, kv_i ? "V" : "K", id, kv_cache_bytes(d, i));
+            }
+        }
+    }
+    d.stream_order[size_t(i)] = static_cast<int32_t>(d.streamed.size());
+    d.streamed.push_back(i);
+    return PEBBLE_OK;
+}
+
+// Each streamed layer's weights and caches at their places in its slot (weights first, then each
+// sequence's K and V), and the slots (as large as the largest layer) made.
+pebble_status place_streamed(pebble_decoder & d, const char * fn) {
+    const int32_t n_seq = d.model.n_seq;
+    std::vector<std::vector<uint64_t>> offsets(d.streamed.size());
+    for (size_t n = 0; n < d.streamed.size(); n++) {
+        const int32_t i = d.streamed[n];
+        uint64_t at = 0;
+        for (int f = 0; f < PEBBLE_LAYER_WEIGHTS; f++) {
+            offsets[n].push_back(at);
+            at += aligned(d.weight_bytes[size_t(i)][size_t(f)]);
+        }
+        for (int32_t seq = 0; seq < 2 * n_seq; seq++) {
+            offsets[n].push_back(at);
+            at += aligned(kv_cache_bytes(d, i));
+        }
+        d.slot_bytes = std::max(d.slot_bytes, at);
+    }
+    const size_t n_slots = std::min<size_t>(2, d.streamed.size());
+    if (d.model.slots[0]) { // the caller's
+        for (size_t k = 0; k < n_slots; k++) {
+            if (!d.model.slots[k] || d.model.slot_bytes < d.slot_bytes) {
+                return fail(PEBBLE_ERR_SIZE_MISMATCH, "%s: %zu slots of at least %" PRIu64 " bytes are needed for the "
+                            "streamed layers; slot %zu is %s of %" PRIu64, fn, n_slots, d.slot_bytes, k,
+                            d.model.slots[k] ? "one" : "NULL, the other", d.model.slot_bytes);
+            }
+#ifndef PEBBLE_HOST_BUILD
+            TRY(check_device_pointer(d.model.slots[k], "a slot", fn));
+#endif
+            d.slots_given[k] = static_cast<uint8_t *>(d.model.slots[k]);
+        }
+    } else {
+        for (size_t k = 0; k < n_slots; k++) TRY(alloc_scratch(&d.slots[k], d.slot_bytes));
+    }
+    for (size_t n = 0; n < d.streamed.size(); n++) {
+        const int32_t i = d.streamed[n];
+        uint8_t * base = d.slots_given[0] ? d.slots_given[n % 2] : d.slots[n % 2];
+        pebble_step_layer & L = d.layers[size_t(i)];
+        for (int f = 0; f < PEBBLE_LAYER_WEIGHTS; f++) {
+            pebble_tensor_ref & ref = L.weights.*weight_fields[f];
+            if (ref.data) ref.data = base + offsets[n][size_t(f)];
+        }
+        for (int32_t seq = 0; seq < n_seq; seq++) {
+            d.k[size_t(i) * n_seq + seq] = base + offsets[n][PEBBLE_LAYER_WEIGHTS + 2 * seq];
+            d.v[size_t(i) * n_seq + seq] = base + offsets[n][PEBBLE_LAYER_WEIGHTS + 2 * seq + 1];
+        }
+    }
+#ifndef PEBBLE_HOST_BUILD
+    if (cudaStreamCreateWithFlags(&d.copy, cudaStreamNonBlocking) != cudaSuccess ||
+        cudaEventCreateWithFlags(&d.slot_ready[0], cudaEventDisableTiming) != cudaSuccess ||
+        cudaEventCreateWithFlags(&d.slot_ready[1], cudaEventDisableTiming) != cudaSuccess ||
+        cudaEventCreateWithFlags(&d.slot_free[0], cudaEventDisableTiming) != cudaSuccess ||
+        cudaEventCreateWithFlags(&d.slot_free[1], cudaEventDisableTiming) != cudaSuccess ||
+        cudaEventCreateWithFlags(&d.copied, cudaEventDisableTiming) != cudaSuccess) {
+        const cudaError_t err = cudaGetLastError();
+        return fail(PEBBLE_ERR_CUDA, "%s: the slots' copy stream or events could not be made: %s", fn,
+                    cudaGetErrorString(err));
+    }
+#else
+    (void)fn;
+#endif
+    return PEBBLE_OK;
+}
+
 // Handles are ids, never reused, so that a freed decoder is detected rather than dereferenced.
 std::mutex                                                    g_decoders_mu;
 std::unordered_map<uintptr_t, std::shared_ptr<pebble_decoder>> g_decoders;
@@ -823,6 +1073,7 @@ pebble_status closed(const char * fn) { return fail(PEBBLE_ERR_CLOSED, "%s: the 
 void release_device(pebble_decoder & d) {
 #ifndef PEBBLE_HOST_BUILD
     if (d.done) cudaEventSynchronize(d.done);
+    if (d.copy) cudaStreamSynchronize(d.copy);
 #endif
     d.graphs.give_up();
 #ifndef PEBBLE_HOST_BUILD
@@ -836,6 +1087,21 @@ void release_device(pebble_decoder & d) {
 #endif
     free_scratch(d.scratch);
     d.scratch = nullptr;
+    for (uint8_t *& slot : d.slots) {
+        free_scratch(slot);
+        slot = nullptr;
+    }
+#ifndef PEBBLE_HOST_BUILD
+    for (int k = 0; k < 2; k++) {
+        if (d.slot_ready[k]) cudaEventDestroy(d.slot_ready[k]);
+        if (d.slot_free[k]) cudaEventDestroy(d.slot_free[k]);
+        d.slot_ready[k] = d.slot_free[k] = nullptr;
+    }
+    if (d.copied) cudaEventDestroy(d.copied);
+    if (d.copy) cudaStreamDestroy(d.copy);
+    d.copied = nullptr;
+    d.copy = nullptr;
+#endif
 }
 
 } // namespace
@@ -869,8 +1135,13 @@ extern "C" pebble_status pebble_decoder_create(const pebble_step_model * model, 
     const size_t n_caches = size_t(m.n_layer) * size_t(m.n_seq);
     d->k.assign(k_caches, k_caches + n_caches);
     d->v.assign(v_caches, v_caches + n_caches);
+    d->stream_order.assign(size_t(m.n_layer), -1);
+    d->weight_bytes.assign(size_t(m.n_layer), {});
     for (int32_t i = 0; i < m.n_layer; i++) {
-        const pebble_step_layer & L = layers[i];
+        if (layers[i].streamed) TRY(describe_streamed(*d, fn, i));
+    }
+    for (int32_t i = 0; i < m.n_layer; i++) {
+        const pebble_step_layer & L = d->layers[size_t(i)];
         TRY(check_layer(fn, i, L.shape, L.weights, L.kv_rows));
         if (L.shape.n_embd != m.n_embd) {
             return fail(PEBBLE_ERR_SIZE_MISMATCH, "%s: layer %d is %d wide; the model is %d", fn, i, L.shape.n_embd,
@@ -884,7 +1155,7 @@ extern "C" pebble_status pebble_decoder_create(const pebble_step_model * model, 
             return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: layer %d: attn_scale %g must be finite", fn, i,
                         static_cast<double>(L.attn_scale));
         }
-        for (int32_t s = 0; s < m.n_seq; s++) {
+        for (int32_t s = 0; s < m.n_seq && !L.streamed; s++) {
             if (!d->k[size_t(i) * m.n_seq + s] || !d->v[size_t(i) * m.n_seq + s]) {
                 return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: layer %d: sequence %d has a NULL cache", fn, i, s);
             }
@@ -899,6 +1170,7 @@ extern "C" pebble_status pebble_decoder_create(const pebble_step_model * model, 
     }
 #ifndef PEBBLE_HOST_BUILD
     for (size_t c = 0; c < n_caches; c++) {
+        if (d->layers[c / size_t(m.n_seq)].streamed) continue; // a slot's, placed below
         TRY(check_device_pointer(d->k[c], "a K cache", fn));
         TRY(check_device_pointer(d->v[c], "a V cache", fn));
     }
@@ -922,8 +1194,15 @@ extern "C" pebble_status pebble_decoder_create(const pebble_step_model * model, 
     l.logits = take(4 * B * uint64_t(m.n_vocab));
 #endif
     l.bytes = at;
-    d->graphs.enabled = m.graphs != 0;
+    d->graphs.enabled = m.graphs != 0 && d->streamed.empty(); // the store's copies are not captured
     TRY(alloc_scratch(&d->scratch, l.bytes));
+    if (!d->streamed.empty()) {
+        pebble_status st = place_streamed(*d, fn);
+        if (st != PEBBLE_OK) {
+            release_device(*d);
+            return st;
+        }
+    }
 #ifndef PEBBLE_HOST_BUILD
     if (cudaHostAlloc(reinterpret_cast<void **>(&d->pos_host), 8 * B, cudaHostAllocPortable) != cudaSuccess ||
         cudaStreamCreateWithFlags(&d->own, cudaStreamNonBlocking) != cudaSuccess ||

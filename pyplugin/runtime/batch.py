@@ -16,10 +16,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..model import QuantWeight, embed, layer_forward, output_logits
+from ..model import QuantWeight, embed, output_logits
 from ..model.qweight import needs_expansion
 from ..model.transformer import Attend, ModelConfig, LayerWeights, apply_rope, attention, rms_norm, rope_table, silu
-from ..xp import compute_dtype, get_array_module, to_numpy
+from ..xp import get_array_module, to_numpy
 from .generation import Generation, attend_through
 from .store_layers import StoreLayers
 
@@ -82,18 +82,13 @@ def batched_layer(cfg: ModelConfig, x: Array, lw: LayerWeights, caches: Sequence
     return x + linear_rows(gated, lw.w_down)
 
 
-def computes_alike(cfg: ModelConfig, lw: LayerWeights) -> bool:
-    """Whether batched_layer computes this layer (`cfg`: ModelConfig.for_layer) as layer_forward does: the
-    Llama, Qwen 2 and Phi-3 block. Another (Q/K norms, the Gemmas' norms, GELU, a window's ring, capped
-    scores, Granite's scales) runs layer_forward for each sequence, still in the one pass."""
-    return block_alike(cfg) and all(getattr(lw, name) is None for name in EXTRA_NORMS)
-
-
 EXTRA_NORMS = ("q_norm", "k_norm", "post_attn_norm", "post_ffn_norm")  # what batched_layer does not compute
 
 
 def block_alike(cfg: ModelConfig) -> bool:
-    """computes_alike's test of the layer's config (its weights aside)."""
+    """Whether batched_layer computes a layer of this config (ModelConfig.for_layer) as layer_forward does,
+    where its weights have none of EXTRA_NORMS: the Llama, Qwen 2 and Phi-3 block (not GELU, a window's
+    ring, capped scores or Granite's scales)."""
     return cfg.activation == "silu" and not cfg.window and not cfg.attn_softcap and cfg.residual_scale == 1.0
 
 
@@ -111,37 +106,15 @@ def batched_logits(cfg: ModelConfig, outer, x: Array) -> list[np.ndarray]:
 
 def decode_batch(source: StoreLayers, generations: Sequence[Generation], tokens: Sequence[int]) -> list[np.ndarray]:
     """Runs token b through the layers for generations[b] (each a sequence of `source`, at its own
-    position): one call of the plan's decoder where it has one, else layer by layer, restoring each
-    streamed layer once for all of them; float32 logits of each, in order. Advances each generation's
-    position."""
+    position) in one call of the plan's decoder; float32 logits of each, in order. Advances each
+    generation's position."""
     first, xp, outer = generations[0], source.xp, source.outer
-    cfg = first.cfg
-    seqs = [g.layers.seq for g in generations]
-    positions = [g.pos for g in generations]
-    x = embed(outer, list(tokens), xp, cfg.embd_scale)                               # [B, n_embd]
-    logits = source.decode_step(seqs, positions, xp.ascontiguousarray(x, dtype=np.float32))
-    if logits is not None:
-        for g in generations:
-            g.pos += 1
-        return list(to_numpy(logits))
-    source.begin_pass([(seq, pos, 1) for seq, pos in zip(seqs, positions)])
-    attend = attend_through(source.attend_kernels)
-    for i, lcfg in enumerate(first.layer_cfgs):
-        weights = source.weights(i)
-        if computes_alike(lcfg, weights):
-            x = batched_layer(lcfg, x, weights, source.pass_caches(i), positions, attend)
-        else:  # each sequence's row through layer_forward, as its own decode step would run it
-            rows = []
-            for b, (seq, pos) in enumerate(zip(seqs, positions)):
-                k_cache, v_cache = source.caches(i, seq)
-                rope = tuple(t[pos:pos + 1] for t in rope_table(lcfg, source.n_ctx, xp))
-                rows.append(layer_forward(lcfg, x[b][None].astype(compute_dtype(xp), copy=False), weights, k_cache,
-                                          v_cache, pos, rope, attend)[0])
-            x = xp.stack(rows)
-        source.done(i)
+    x = embed(outer, list(tokens), xp, first.cfg.embd_scale)                         # [B, n_embd]
+    logits = source.decode_step([g.layers.seq for g in generations], [g.pos for g in generations],
+                                xp.ascontiguousarray(x, dtype=np.float32))
     for g in generations:
         g.pos += 1
-    return batched_logits(cfg, outer, x)
+    return list(to_numpy(logits))
 
 
 def prefills_together(source: StoreLayers, generations: Sequence[Generation]) -> bool:

@@ -45,10 +45,9 @@ class LayerSource(Protocol):
     def done(self, i: int) -> None:
         """Layer i has computed (its new KV rows are written in the arrays `layer` gave)."""
 
-    def decode_step(self, positions: Sequence[int], x: Array) -> np.ndarray | None:
+    def decode_step(self, positions: Sequence[int], x: Array) -> np.ndarray:
         """One token of this source's sequence at each of `positions` (one) through every layer and the
-        output in one native call (x: float32 [1, n_embd], its embedding): float32 logits [1, n_vocab], or
-        None where the source has no decoder (the layers then run one by one)."""
+        output in one native call (x: float32 [1, n_embd], its embedding): float32 logits [1, n_vocab]."""
 
 
 def attend_through(kernels: Kernels | None) -> Attend | None:
@@ -131,13 +130,12 @@ class Generation:
 
     def forward(self, tokens: Sequence[int]) -> np.ndarray:
         """Run tokens through every layer at the current position; float32 logits of the last one. A single
-        token (a decode step) is one call of the source's decoder, where it has one."""
+        token (a decode step) is one call of the source's decoder."""
         if len(tokens) == 1:
             x = self.xp.ascontiguousarray(embed(self.outer, tokens, self.xp, self.cfg.embd_scale), dtype=np.float32)
             logits = self.layers.decode_step([self.pos], x)
-            if logits is not None:
-                self.pos += 1
-                return to_numpy(logits[0])
+            self.pos += 1
+            return to_numpy(logits[0])
         x = self._through_layers(tokens)                                           # [T, n_embd]
         return to_numpy(output_logits(self.cfg, self.outer, x[-1]))               # [n_vocab]
 

@@ -81,6 +81,7 @@ class StoreLayers:
         self.pass_seqs: list[tuple[int, int, int]] = []   # (sequence, position, tokens) of the pass running
         self._pass_start = (0, 0)
         self._decoder: Decoder | None = None
+        self._slots_user = "python"
         self._sample_memory()
 
     def sequence(self, seq: int) -> "SequenceLayers":
@@ -136,6 +137,7 @@ class StoreLayers:
             raise ValueError(f"a pass runs 1..{self.n_seqs} sequences, got {len(seqs)}")
         self.pass_seqs = list(seqs)
         self.batch_index = {seq: b for b, (seq, _, _) in enumerate(seqs)}
+        self._slots_shared("python")
         if max(n for _, _, n in seqs) <= self.pebbled.kernels.max_vec:
             self.pebbled.kernels.release_workspace()  # the fused kernels take it all: no expanded matrix
         stats = self.store.stats()
@@ -239,36 +241,50 @@ class StoreLayers:
 
     # -- a decode step in one native call
 
-    def steps_natively(self) -> bool:
-        """Whether the decoder can name every layer's weights and caches up front: where the arrays are host
-        memory (streamed layers computed from the host tier in place), or every layer is resident. A plan
-        that streams layers through device slots runs its layers one by one (the restores are not yet in
-        the native step)."""
-        return not self.backend.arrays_on_device or not self.streamed
+    # Streamed layers go through the decoder's slots (this plan's own, copied into by the native step) where
+    # the arrays are device memory; where they are host memory each is computed from the host tier in place.
+    # The tests set this to take the slots' path on the host too.
+    slots_everywhere = False
 
-    def decoder(self) -> Decoder | None:
+    def _slots_shared(self, user: str) -> None:
+        """The slots pass between this plan's layer-by-layer passes (prefill) and the decoder's steps, which
+        copy on streams of their own: on the device, each waits for the other's copies to end first."""
+        if user != self._slots_user and self.streamed and self._decoder is not None and \
+                self.backend.arrays_on_device:
+            self.backend.synchronize()
+        self._slots_user = user
+
+    def decoder(self) -> Decoder:
         """This plan's decoder over every layer and every sequence's caches (made at its first step)."""
-        if self._decoder is None and self.steps_natively():
-            weights, caches = [], []
+        if self._decoder is None:
+            weights, caches, streamed = [], [], {}
+            through_slots = self.backend.arrays_on_device or self.slots_everywhere
             for seq in range(self.n_seqs):
                 self.pebbled.ensure_kv(seq)
             for i in range(self.n_layers):
                 if i in self.resident:
                     weights.append(self.resident[i])
                     caches.append([self.caches(i, seq) for seq in range(self.n_seqs)])
+                elif through_slots:  # the views give the types and shapes; the decoder places its own
+                    slot_weights, slot_caches = self._slot_views(self.order[i] % len(self.slots), i, self.n_seqs)
+                    weights.append(slot_weights)
+                    caches.append(slot_caches)
+                    streamed[i] = {t.name: t.tensor_id for t in self.pebbled.layouts[i]}
                 else:
                     weights.append(self._host_weights(i))
                     caches.append([self._host_caches(i, seq) for seq in range(self.n_seqs)])
-            self._decoder = self.pebbled.kernels.decoder(self.pebbled.model.config, weights, caches, self.outer,
-                                                         self.n_ctx)
+            self.in_slot = [None] * len(self.slots)  # the decoder writes into the slots: the next pass restores
+            self._decoder = self.pebbled.kernels.decoder(
+                self.pebbled.model.config, weights, caches, self.outer, self.n_ctx, streamed=streamed or None,
+                store=self.store if streamed else None, kv_ids=[kv_ids(seq) for seq in range(self.n_seqs)],
+                slots=self.slots if streamed else ())
         return self._decoder
 
     def decode_step(self, seqs: Sequence[int], positions: Sequence[int], x: Array):
         """One token of each of `seqs` at `positions` through every layer and the output in one call: float32
-        logits [len(seqs), n_vocab], or None where this plan has no decoder (steps_natively)."""
+        logits [len(seqs), n_vocab]."""
         decoder = self.decoder()
-        if decoder is None:
-            return None
+        self._slots_shared("native")
         self.pass_seqs = [(seq, pos, 1) for seq, pos in zip(seqs, positions)]
         stats = self.store.stats()
         self._pass_start = (stats.bytes_restored, stats.restores)
@@ -306,8 +322,7 @@ class StoreLayers:
             "strategy": _strategy_name(plan.strategy),
             "enabled": self.pebbling.enabled is not False,
             "weights": self.pebbled.weights,
-            "decode_step": "native" if self._decoder is not None and self.backend.name != "stub" else
-                           "python" if self._decoder is not None else "layer by layer",
+            "decode_step": "python" if self.backend.name == "stub" else "native",
             "backend": self.backend.name,
             "resident_layers": len(plan.resident),
             "n_layers": memory.n_layers,

@@ -69,6 +69,9 @@ class StepLayer:
     rope_sin: Any
     kv_rows: int
     attn_scale: float
+    # A streamed layer: field name -> the store entry of that weight (its `weights` give the types; their
+    # buffers are not read), its caches the entries kv_ids names; copied into the decoder's slots each step.
+    streamed: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,9 @@ class StepModel:
     output_norm: tuple   # (GGUF type, buffer)
     output: tuple
     graphs: bool = True  # capture a batch stepped twice running as a CUDA graph (see pebble_decoder_stats)
+    store: Any = None    # the streamed layers' entries (a Store of this library's backend)
+    kv_ids: tuple = ()   # per sequence, the (K, V) entry ids of its caches in every layer
+    slots: tuple = ()    # the streamed layers' two slots (buffers of the library's memory), or () for its own
 
 
 DECODER_STATS = ("steps", "tokens", "layer_passes", "graphs_captured", "graph_replays", "graphs_dropped")
@@ -265,11 +271,16 @@ class Kernels:
         """Drops this thread's workspace (a request that needs one allocates it again)."""
         self._local.buffer = None
 
-    def decoder(self, cfg, layers, caches, outer, n_ctx: int) -> Decoder:
+    def decoder(self, cfg, layers, caches, outer, n_ctx: int, *, streamed=None, store=None, kv_ids=(),
+                slots=()) -> Decoder:
         """The decode step of a model over these weights and caches (pebble_decoder_create): `cfg` its
         ModelConfig, `layers` each layer's LayerWeights, caches[i][s] layer i's (K, V) of sequence s (each
         [rows, n_head_kv, head_dim], float32 or float16), `outer` its OuterWeights, `n_ctx` the context its
-        RoPE tables cover. Every array must live as long as the decoder; the Decoder keeps them."""
+        RoPE tables cover. Every array must live as long as the decoder; the Decoder keeps them.
+        `streamed`: {layer: {field: entry id}} for the layers copied from `store` into the decoder's slots
+        each step (their `layers` and `caches` give types and shapes only), each sequence's caches the
+        entries kv_ids[s] = (K id, V id); `slots` the two buffers they are copied into (equal sizes), or ()
+        for the decoder to make its own."""
         from ..model.transformer import rope_table  # noqa: PLC0415 - the store sits below the model
 
         kv_type = DENSE_TYPES.get(caches[0][0][0].dtype)
@@ -287,12 +298,14 @@ class Kernels:
             step_layers.append(StepLayer(LayerShape.of(lcfg), {name: tensor_ref(name, getattr(lw, name))
                                                                for name in DECODE_WEIGHTS
                                                                if getattr(lw, name) is not None},
-                                         cos, sin, rows, float(np.float32(lcfg.query_scale))))
+                                         cos, sin, rows, float(np.float32(lcfg.query_scale)),
+                                         (streamed or {}).get(i)))
         output_norm = self.xp.ascontiguousarray(outer.output_norm, dtype=np.float32)
         model = StepModel(cfg.n_layer, cfg.n_embd, cfg.n_vocab, len(caches[0]), kv_type, cfg.rms_eps,
                           float(cfg.logit_scale), float(cfg.final_softcap), tensor_ref("output_norm", output_norm),
                           tensor_ref("output", outer.output),
-                          graphs=os.environ.get("PEBBLING_CUDA_GRAPHS", "1") != "0")
+                          graphs=os.environ.get("PEBBLING_CUDA_GRAPHS", "1") != "0", store=store,
+                          kv_ids=tuple(tuple(pair) for pair in kv_ids), slots=tuple(slots))
         k_caches = [k for per_layer in caches for k, _ in per_layer]
         v_caches = [v for per_layer in caches for _, v in per_layer]
         return Decoder(self.lib.decoder(model, step_layers, k_caches, v_caches), self.xp, cfg.n_embd, cfg.n_vocab,

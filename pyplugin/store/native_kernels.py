@@ -10,7 +10,7 @@ from ..errors import ClosedError, InvalidArgumentError, PebblingError, SizeMisma
 from ..ggml_types import DENSE_TYPES
 from .abi import INT32_MAX, INT32_MIN, INT64_MAX, INT64_MIN
 from .interface import stream_pointer
-from .kernels import DECODER_STATS
+from .kernels import DECODE_WEIGHTS, DECODER_STATS
 from .native import _DEVICE_MEMORY, _buffer, _c_int, _check, ffi, load_library
 
 
@@ -180,7 +180,16 @@ class NativeDecoder:
                 shape.n_head % shape.n_head_kv == 0
             sizes = decode_buffer_sizes(shape, kernels.type_block) if valid else {}
             checked.append(valid)
+            if layer.streamed is not None:  # types here; the entries' sizes are the library's to check
+                c.streamed = 1
+                ids = dict.fromkeys(DECODE_WEIGHTS, -1) | dict(layer.streamed)
+                for f, name in enumerate(DECODE_WEIGHTS):
+                    c.weight_ids[f] = _c_int(ids[name], f"layer {i} {name}'s entry", INT32_MIN, INT32_MAX,
+                                             InvalidArgumentError, "does not fit in int32")
             for name, (ggml_type, buffer) in layer.weights.items():
+                if layer.streamed is not None:
+                    getattr(c.weights, name).ggml_type = _c_type(ggml_type)
+                    continue
                 ptr, nbytes = self._pointer(buffer, False, f"layer {i} {name}")
                 want = sizes[name](_c_type(ggml_type)) if name in sizes else None
                 if want is not None and nbytes != want:
@@ -201,6 +210,9 @@ class NativeDecoder:
             pointers = []
             for n, cache in enumerate(arrays):
                 i = n // model.n_seq
+                if layers[i].streamed is not None:  # in a slot of the decoder's
+                    pointers.append(ffi.NULL)
+                    continue
                 ptr, nbytes = self._pointer(cache, True, f"layer {i} {name}")
                 want = None if kv_item is None or not checked[i] else \
                     layers[i].kv_rows * layers[i].shape.n_head_kv * layers[i].shape.head_dim * kv_item
@@ -212,6 +224,19 @@ class NativeDecoder:
         for name in ("n_layer", "n_embd", "n_vocab", "n_seq", "kv_type", "rms_eps", "logit_scale", "final_softcap"):
             setattr(c_model, name, getattr(model, name))
         c_model.graphs = 1 if model.graphs else 0
+        if any(layer.streamed is not None for layer in layers):
+            if model.store is None or len(model.kv_ids) != model.n_seq:
+                raise InvalidArgumentError(f"decoder: streamed layers need the store and the (K, V) entries of each "
+                                           f"of {model.n_seq} sequences; got {len(model.kv_ids)}")
+            c_model.store = model.store._live()
+            kv_ids = ffi.new("int32_t[]", [_c_int(t, "a KV entry", INT32_MIN, INT32_MAX, InvalidArgumentError,
+                                                  "does not fit in int32") for pair in model.kv_ids for t in pair])
+            c_model.kv_ids = kv_ids
+            self._keep += [kv_ids, model.store]
+            for k, slot in enumerate(model.slots[:2]):
+                ptr, nbytes = self._pointer(slot, True, f"slot {k}")
+                c_model.slots[k] = ffi.cast("void *", ptr)
+                c_model.slot_bytes = nbytes if k == 0 else min(c_model.slot_bytes, nbytes)
         norm_type, norm = model.output_norm
         ptr, nbytes = self._pointer(norm, False, "output_norm")
         if norm_type in _ITEMSIZE and nbytes != model.n_embd * _ITEMSIZE[norm_type]:

@@ -45,21 +45,37 @@ class StubDecoder:
         if model.kv_type not in _DTYPE_OF:
             raise InvalidArgumentError(f"{fn}: kv_type {model.kv_type}; the caches must be 0 F32 or 1 F16")
         self.model, self.layers, self.stats_ = model, [], dict.fromkeys(DECODER_STATS, 0)
-        self.graphs = GraphPolicy(bool(model.graphs))
+        self.streamed = {}  # layer -> (buffers by field, entries by field, caches by sequence): pebble.h's slots
+        if any(layer.streamed is not None for layer in layers):
+            if model.store is None or len(model.kv_ids) != model.n_seq:
+                raise InvalidArgumentError(f"decoder: streamed layers need the store and the (K, V) entries of each "
+                                           f"of {model.n_seq} sequences; got {len(model.kv_ids)}")
+        self.graphs = GraphPolicy(bool(model.graphs) and not any(layer.streamed is not None for layer in layers))
         for i, layer in enumerate(layers):
             where, s = f"{fn}: layer {i}", layer.shape
             kernels._check_shape(where, s, layer.kv_rows)
             e, q_rows, kv_rows = s.n_embd, s.n_head * s.head_dim, s.n_head_kv * s.head_dim
             w = layer.weights
-            vec, mat = (lambda *a, **k: kernels._vector(where, w, *a, **k)), (lambda *a: kernels._matrix(where, w, *a))
-            lw = LayerWeights(
-                attn_norm=vec("attn_norm", e), wq=mat("wq", q_rows, e), wk=mat("wk", kv_rows, e),
-                wv=mat("wv", kv_rows, e), wo=mat("wo", e, q_rows), ffn_norm=vec("ffn_norm", e),
-                w_gate=mat("w_gate", s.n_ff, e), w_up=mat("w_up", s.n_ff, e), w_down=mat("w_down", e, s.n_ff),
-                bq=vec("bq", q_rows, optional=True), bk=vec("bk", kv_rows, optional=True),
-                bv=vec("bv", kv_rows, optional=True), q_norm=vec("q_norm", s.head_dim, optional=True),
-                k_norm=vec("k_norm", s.head_dim, optional=True), post_attn_norm=vec("post_attn_norm", e, optional=True),
-                post_ffn_norm=vec("post_ffn_norm", e, optional=True))
+            if layer.streamed is not None:  # buffers the step restores the entries into
+                w, entries = {}, {}
+                for name, tensor_id in layer.streamed.items():
+                    nbytes = model.store.entry_info(i, tensor_id).nbytes
+                    w[name] = (layer.weights[name][0], np.zeros(nbytes, np.uint8))
+                    entries[name] = tensor_id
+            def build(w, where=where, s=s, e=e, q_rows=q_rows, kv_rows=kv_rows) -> LayerWeights:
+                vec = lambda *a, **k: kernels._vector(where, w, *a, **k)  # noqa: E731
+                mat = lambda *a: kernels._matrix(where, w, *a)  # noqa: E731
+                return LayerWeights(
+                    attn_norm=vec("attn_norm", e), wq=mat("wq", q_rows, e), wk=mat("wk", kv_rows, e),
+                    wv=mat("wv", kv_rows, e), wo=mat("wo", e, q_rows), ffn_norm=vec("ffn_norm", e),
+                    w_gate=mat("w_gate", s.n_ff, e), w_up=mat("w_up", s.n_ff, e), w_down=mat("w_down", e, s.n_ff),
+                    bq=vec("bq", q_rows, optional=True), bk=vec("bk", kv_rows, optional=True),
+                    bv=vec("bv", kv_rows, optional=True), q_norm=vec("q_norm", s.head_dim, optional=True),
+                    k_norm=vec("k_norm", s.head_dim, optional=True),
+                    post_attn_norm=vec("post_attn_norm", e, optional=True),
+                    post_ffn_norm=vec("post_ffn_norm", e, optional=True))
+
+            lw = build(w)
             if (lw.q_norm is not None or lw.k_norm is not None) and (lw.bq is not None or lw.bk is not None):
                 raise InvalidArgumentError(f"{where}: Q/K norms together with Q/K biases are not supported")
             if s.n_embd != model.n_embd:
@@ -69,6 +85,15 @@ class StubDecoder:
             caches = []
             for seq in range(model.n_seq):
                 pair = []
+                if layer.streamed is not None:
+                    for kind, tensor_id in zip("KV", model.kv_ids[seq]):
+                        want = layer.kv_rows * s.n_head_kv * s.head_dim * np.dtype(_DTYPE_OF[model.kv_type]).itemsize
+                        if model.store.entry_info(i, tensor_id).nbytes != want:
+                            raise SizeMismatchError(f"{fn}: layer {i}: sequence {seq}'s {kind} cache (tensor "
+                                                    f"{tensor_id}) is not an entry of {want} bytes")
+                        pair.append(np.zeros((layer.kv_rows, s.n_head_kv, s.head_dim), _DTYPE_OF[model.kv_type]))
+                    caches.append(tuple(pair))
+                    continue
                 for name, arrays in (("k_cache", k_caches), ("v_cache", v_caches)):
                     c = np.frombuffer(host_buffer(arrays[i * model.n_seq + seq], writable=True, what="decoder cache"),
                                       _DTYPE_OF[model.kv_type])
@@ -85,6 +110,8 @@ class StubDecoder:
                               activation="gelu" if s.gelu else "silu", window=layer.kv_rows if s.ring else 0,
                               attn_softcap=float(s.attn_softcap), residual_scale=float(s.residual_scale))
             self.layers.append((cfg, lw, caches, (cos, sin), layer))
+            if layer.streamed is not None:
+                self.streamed[i] = ({name: buf for name, (_, buf) in w.items()}, entries, caches, build, w)
         self.output_norm = kernels._vector(fn, {"output_norm": model.output_norm}, "output_norm", model.n_embd)
         self.output = kernels._matrix(fn, {"output": model.output}, "output", model.n_vocab, model.n_embd)
         self.out_cfg = ModelConfig(arch="decoder", n_layer=0, n_embd=model.n_embd, n_head=1, n_head_kv=1, head_dim=1,
@@ -117,12 +144,30 @@ class StubDecoder:
                 if pos < 0 or pos >= len(cos) or (pos >= layer.kv_rows and not layer.shape.ring):
                     top = min(len(cos), len(cos) if layer.shape.ring else layer.kv_rows) - 1
                     raise SizeMismatchError(f"{fn}: sequence {seq} at position {pos} is outside layer {i}'s 0..{top}")
+        store = model.store
+        for i, (buffers, entries, caches, build, w) in self.streamed.items():  # into the "slots"
+            rows = self.layers[i][4].kv_rows
+            for name, tensor_id in entries.items():
+                store.restore(i, tensor_id, buffers[name])
+            cfg, _, _, rope, layer = self.layers[i]
+            self.layers[i] = (cfg, build(w), caches, rope, layer)
+            for seq, pos in zip(seqs, positions):
+                held = min(pos, rows)
+                for cache, tensor_id in zip(caches[seq], model.kv_ids[seq]):
+                    if held:
+                        store.read(i, tensor_id, 0, cache[:held])
         for b, (seq, pos) in enumerate(zip(seqs, positions)):
             h = xs[b:b + 1]
             for cfg, lw, caches, (cos, sin), _ in self.layers:
                 k, v = caches[seq]
                 h = layer_forward(cfg, h, lw, k, v, pos, (cos[pos:pos + 1], sin[pos:pos + 1]))
             xs[b] = h[0]
+        for i, (_, _, caches, _, _) in self.streamed.items():  # each new row back into its entry
+            layer = self.layers[i][4]
+            for seq, pos in zip(seqs, positions):
+                row = pos % layer.kv_rows if layer.shape.ring else pos
+                for cache, tensor_id in zip(caches[seq], model.kv_ids[seq]):
+                    store.write(i, tensor_id, row * cache[0].nbytes, cache[row:row + 1])
         if logits is not None:
             out = np.frombuffer(host_buffer(logits, writable=True, what="decoder logits"), np.float32)
             if out.size != n * model.n_vocab:

@@ -235,6 +235,66 @@ int main(void) {
                stats.graph_replays == 2 && stats.graphs_dropped == 0);
         EXPECT(pebble_decoder_free(d) == PEBBLE_OK);
         model.graphs = 0;
+
+        // streamed: the same layer's weights and caches as entries of a store, copied into the decoder's
+        // slot for the step and the new K/V rows written back; the same results as resident
+        layer.shape.ring = 0;
+        pebble_store_t st = NULL;
+        EXPECT(pebble_init(1 << 20, 1, PEBBLE_STRATEGY_NONE, 0, 0, &st) == PEBBLE_OK);
+        const float * srcs[9] = {ones_f, zero, zero, eye, eye, ones_f, zero, zero, zero};
+        for (int f = 0; f < 9; f++) {
+            const uint64_t bytes = (f == 0 || f == 5 ? E : E * E) * sizeof(float);
+            EXPECT(pebble_save(st, 0, f, srcs[f], bytes, NULL, PEBBLE_TIER_HOST, NULL) == PEBBLE_OK);
+        }
+        float kv_init[4][2 * E];
+        memset(kv_init, 0, sizeof kv_init);
+        for (int i = 0; i < E; i++) kv_init[0][i] = 5.0f, kv_init[1][i] = 3.0f; // sequence 0's row 0
+        int32_t kv_ids[4] = {100, 101, 102, 103};
+        for (int c = 0; c < 4; c++) EXPECT(pebble_save(st, 0, kv_ids[c], kv_init[c], sizeof kv_init[c], NULL,
+                                                       PEBBLE_TIER_HOST, NULL) == PEBBLE_OK);
+        struct pebble_step_layer streamed = layer;
+        streamed.streamed = 1;
+        for (int f = 0; f < PEBBLE_LAYER_WEIGHTS; f++) streamed.weight_ids[f] = f < 9 ? f : -1;
+        struct pebble_step_model smodel = model;
+        smodel.store = st;
+        smodel.kv_ids = kv_ids;
+        smodel.graphs = 1;
+        void * no_caches[2] = {NULL, NULL};
+        EXPECT(pebble_decoder_create(&smodel, &streamed, no_caches, no_caches, &d) == PEBBLE_OK);
+        for (int i = 0; i < 2 * E; i++) x[i] = 1.0f;
+        seqs[0] = 0, seqs[1] = 1, pos[0] = 1, pos[1] = 0;
+        EXPECT(pebble_decoder_step(d, 2, seqs, pos, x, logits, NULL) == PEBBLE_OK);
+        float row[E];
+        for (int i = 0; i < E; i++) EXPECT(x[i] == 3.0f && logits[i] == 1.0f && x[E + i] == 2.0f);
+        EXPECT(pebble_read(st, 0, 100, E * sizeof(float), row, sizeof row, NULL) == PEBBLE_OK && row[0] == 0.0f);
+        EXPECT(pebble_read(st, 0, 101, E * sizeof(float), row, sizeof row, NULL) == PEBBLE_OK && row[0] == 1.0f);
+        EXPECT(pebble_read(st, 0, 101, 0, row, sizeof row, NULL) == PEBBLE_OK && row[0] == 3.0f); // row 0 kept
+        EXPECT(pebble_read(st, 0, 103, 0, row, sizeof row, NULL) == PEBBLE_OK && row[0] == 1.0f);
+        EXPECT(pebble_decoder_step(d, 2, seqs, pos, x, logits, NULL) == PEBBLE_OK);
+        EXPECT(pebble_decoder_stats(d, &stats) == PEBBLE_OK && stats.graphs_captured == 0 && stats.graph_replays == 0);
+        EXPECT(pebble_decoder_free(d) == PEBBLE_OK);
+        static uint8_t given[4096]; // the caller's slot: used as it is, or refused where too small
+        smodel.slots[0] = given;
+        smodel.slot_bytes = sizeof given;
+        EXPECT(pebble_decoder_create(&smodel, &streamed, no_caches, no_caches, &d) == PEBBLE_OK);
+        for (int i = 0; i < 2 * E; i++) x[i] = 1.0f;
+        pos[0] = 1, pos[1] = 0;
+        EXPECT(pebble_decoder_step(d, 2, seqs, pos, x, logits, NULL) == PEBBLE_OK);
+        for (int i = 0; i < E; i++) EXPECT(x[i] == 3.0f && x[E + i] == 2.0f);
+        EXPECT(pebble_decoder_free(d) == PEBBLE_OK);
+        smodel.slot_bytes = 64;
+        EXPECT(pebble_decoder_create(&smodel, &streamed, no_caches, no_caches, &d) == PEBBLE_ERR_SIZE_MISMATCH &&
+               strstr(pebble_last_error(), "slot") != NULL);
+        smodel.slots[0] = NULL;
+        smodel.slot_bytes = 0;
+        streamed.weight_ids[1] = 5; // the entry of a vector where a matrix belongs
+        EXPECT(pebble_decoder_create(&smodel, &streamed, no_caches, no_caches, &d) == PEBBLE_ERR_SIZE_MISMATCH &&
+               strstr(pebble_last_error(), "wq") != NULL);
+        streamed.weight_ids[1] = 1;
+        smodel.store = NULL;
+        EXPECT(pebble_decoder_create(&smodel, &streamed, no_caches, no_caches, &d) == PEBBLE_ERR_INVALID_ARGUMENT &&
+               strstr(pebble_last_error(), "store") != NULL);
+        EXPECT(pebble_free(st) == PEBBLE_OK);
         layer.shape.ring = 2;
         EXPECT(pebble_decoder_create(&model, &layer, ks, vs, &d) == PEBBLE_ERR_INVALID_ARGUMENT &&
                strstr(pebble_last_error(), "ring") != NULL && strstr(pebble_last_error(), "layer 0") != NULL);
