@@ -220,7 +220,7 @@ def test_layer_source_is_what_the_loop_reads():
 def test_a_long_prompt_s_attention_split_among_threads_equals_it_whole(monkeypatch, window, k_pos, pos):
     """A prompt's queries cut into parts of about equal work, each over the keys it sees (the causal edge,
     a sliding window, keys that start past 0 as a ring's do), give the attention of the whole."""
-    from pyplugin.model import transformer
+    import pyplugin.model.attention as transformer
 
     cfg = ModelConfig(arch="llama", n_layer=1, n_embd=64, n_head=4, n_head_kv=2, head_dim=16, n_ff=64, n_vocab=8,
                       n_ctx_train=256, rms_eps=1e-6, rope_mode=0, rope_dims=16, window=window)

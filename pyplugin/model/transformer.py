@@ -21,8 +21,6 @@ window's rows: position p lives in row p % rows, so a 32k context keeps only the
 from __future__ import annotations
 
 import math
-import os
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields, replace
 from functools import cached_property, lru_cache
 from typing import Any, Callable, Iterator
@@ -30,6 +28,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from ..xp import compute_dtype, get_array_module
+from .attention import attention, softcap
 from .qweight import QuantWeight
 
 Array = Any  # numpy.ndarray or cupy.ndarray
@@ -205,14 +204,6 @@ def gelu_tanh(x: Array) -> Array:
     return 0.5 * x * (1.0 + xp.tanh(_GELU_C * (x + 0.044715 * x * x * x)))
 
 
-def softcap(x: Array, cap: float) -> Array:
-    """c * tanh(x / c): gemma2's soft cap (identity when cap is 0)."""
-    if cap <= 0:
-        return x
-    xp = get_array_module(x)
-    return xp.tanh(x / cap) * cap
-
-
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     """Angle per position of each rotated pair, as GGML computes it: scale * theta^(-2i/n) / factor."""
     i = np.arange(cfg.rope_dims // 2, dtype=np.float64)
@@ -263,82 +254,6 @@ def apply_rope(cfg: ModelConfig, x: Array, cos: Array, sin: Array) -> Array:
     else:                             # swap the two halves of the rotated dims
         partner = xp.concatenate([x[..., n // 2:n], x[..., :n // 2], x[..., n:]], axis=-1)
     return x * cos + partner * sin
-
-
-def attention(cfg: ModelConfig, q: Array, k: Array, v: Array, pos: int, k_pos: int = 0) -> Array:
-    """Causal grouped-query attention of T queries at positions pos.. over S keys at k_pos..k_pos+S.
-
-    q [T, n_head, head_dim]; k, v [S, n_head_kv, head_dim]. A query at p sees the keys at p and before,
-    and on a sliding layer (cfg.window) only the last window of them, as llama.cpp masks them. Query
-    head h reads KV head h // n_group, as GGML broadcasts it. Returns [T, n_head * head_dim].
-
-    Host arrays of a long prompt are split by queries among threads (numpy releases the GIL in its
-    products and ufuncs; its BLAS is held to one thread beside the host library's pool): each part
-    gets the keys its queries see, the parts cut so that each has about as many scores to compute.
-    """
-    xp = get_array_module(q)
-    T, S = q.shape[0], k.shape[0]
-    threads = _attention_threads() if xp is np else 1
-    if threads < 2 or T < 2 * threads or T * S * cfg.n_head < _SPLIT_SCORES:
-        return _attention(cfg, q, k, v, pos, k_pos)
-    p = pos + np.arange(T)
-    first = np.maximum(k_pos, p - cfg.window + 1) if cfg.window else np.full(T, k_pos)
-    cost = np.cumsum(np.minimum(p + 1, k_pos + S) - first)
-    cuts = [0, *np.searchsorted(cost, cost[-1] * np.arange(1, threads) / threads).tolist(), T]
-    parts = [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
-
-    def part(a: int, b: int) -> Array:
-        lo, hi = int(first[a]), min(pos + b, k_pos + S)  # the keys that queries a..b-1 see
-        return _attention(cfg, q[a:b], k[lo - k_pos:hi - k_pos], v[lo - k_pos:hi - k_pos], pos + a, lo)
-
-    futures = [_attention_pool().submit(part, a, b) for a, b in parts[1:]]
-    out = [part(*parts[0]), *(f.result() for f in futures)]
-    return np.concatenate(out)
-
-
-_SPLIT_SCORES = 1 << 20  # below this many scores, one thread: a split costs more than it saves
-
-
-@lru_cache(maxsize=1)
-def _attention_threads() -> int:
-    """The host library's thread count (PEBBLING_THREADS, else the CPUs this process may run on)."""
-    try:
-        return max(1, min(256, int(os.environ.get("PEBBLING_THREADS", "")) or 1))
-    except ValueError:
-        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
-@lru_cache(maxsize=1)
-def _attention_pool() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=max(1, _attention_threads() - 1), thread_name_prefix="pebbling-attention")
-
-
-def _attention(cfg: ModelConfig, q: Array, k: Array, v: Array, pos: int, k_pos: int) -> Array:
-    xp = get_array_module(q)
-    T, S, G = q.shape[0], k.shape[0], cfg.n_group
-    q = q * cfg.query_scale
-    qg = q.reshape(T, cfg.n_head_kv, G, cfg.head_dim).transpose(1, 2, 0, 3)    # [n_kv, G, T, hd]
-    qg = qg.reshape(cfg.n_head_kv, G * T, cfg.head_dim)                         # [n_kv, G*T, hd]
-    scores = qg @ k.transpose(1, 2, 0)                                          # [n_kv, G*T, S]
-    scores = softcap(scores.astype(np.float32, copy=False), cfg.attn_softcap).reshape(cfg.n_head_kv, G, T, S)
-    q_at, k_at = pos + xp.arange(T)[:, None], k_pos + xp.arange(S)[None, :]
-    hidden = k_at > q_at if T > 1 or k_pos + S > pos + T else None             # [T, S]: the future
-    if cfg.window and (T > 1 or S > cfg.window):
-        outside = q_at - k_at >= cfg.window                                     # out of the window
-        hidden = outside if hidden is None else hidden | outside
-    if hidden is not None:
-        xp.copyto(scores, -np.inf, where=hidden)
-    scores -= scores.max(axis=-1, keepdims=True)
-    probs = xp.exp(scores, out=scores)
-    probs /= probs.sum(axis=-1, keepdims=True)
-    probs = probs.astype(v.dtype, copy=False).reshape(cfg.n_head_kv, G * T, S)
-    out = probs @ v.transpose(1, 0, 2)                                          # [n_kv, G*T, hd]
-    out = out.reshape(cfg.n_head_kv, G, T, cfg.head_dim).transpose(2, 0, 1, 3)  # [T, n_kv, G, hd]
-    return out.reshape(T, cfg.n_head * cfg.head_dim)
-
-
-# ---------------------------------------------------------------------------------------------------
-# the three steps of a forward pass
 
 
 def embed(outer: OuterWeights, tokens: Any, xp: Any = np, scale: float = 1.0) -> Array:

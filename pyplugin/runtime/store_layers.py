@@ -21,7 +21,7 @@ import numpy as np
 from ..model import LayerWeights
 from ..store import Decoder, Strategy
 from .options import Options
-from .layout import aligned, bytes_of, kv_ids
+from .layout import aligned, bytes_of, kv_ids, process_memory, ring_rows
 from .plan import PebblingOptions, Plan
 
 Array = Any
@@ -381,29 +381,6 @@ class SequenceLayers:
         if self.shared.n_seqs == 1:
             self.shared.release()  # alone: the request is over
         return report
-
-
-def ring_rows(pos: int, n: int, rows: int) -> list[tuple[int, int]]:
-    """The row ranges [start, stop) that positions pos..pos+n occupy in a cache of `rows` rows, position p
-    in row p % rows (a full cache's rows are its positions; a sliding layer's ring keeps the last ones)."""
-    first = max(pos, pos + n - rows)  # older positions of the chunk were overwritten within it
-    start, stop = first % rows, (pos + n - 1) % rows + 1
-    return [(start, stop)] if start < stop else [(start, rows), (0, stop)]
-
-
-def process_memory() -> dict[str, int | None]:
-    """This process's resident memory now and at its peak (Linux's VmRSS and VmHWM), measured; None
-    where /proc does not say."""
-    out: dict[str, int | None] = {"process_rss_bytes": None, "process_peak_rss_bytes": None}
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(("VmRSS:", "VmHWM:")):
-                    key = "process_rss_bytes" if line.startswith("VmRSS") else "process_peak_rss_bytes"
-                    out[key] = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return out
 
 
 def _strategy_name(strategy: Strategy) -> str:

@@ -3,7 +3,7 @@ interface with three backends (the cuda and host builds of the native library, a
 stub), and the kernels that compute from quantized entries.
 
 Modules, bottom up: `abi` (the C ABI's facts, a leaf), `strategy`, `interface` (the Store contract),
-`kernels`, `native` (cffi over native/pebble.h), `stub` and `stub_kernels` (the reference semantics),
+`kernels`, `native` (cffi over native/pebble.h), `stub`, `stub_kernels` and `stub_decoder` (the reference semantics),
 `gpu` (NVML), and `backend` (backends as objects, and which one to use).
 """
 

@@ -1,5 +1,5 @@
 """The stub backend's kernels: the reference semantics of pebble_type_block, pebble_dequantize,
-pebble_matvec, pebble_attend and the decode step (pebble_decoder_*), in numpy.
+pebble_matvec, pebble_attend, in numpy; the decode step (pebble_decoder_*) is stub_decoder's.
 
 Elements are decoded by gguf-py's own dequantize (float32), products and sums are float32, and the
 same arguments are accepted and refused as by native/pebble_quant.cu and pebble_decode.cu, with the
@@ -14,181 +14,14 @@ import math
 
 import numpy as np
 
-from ..errors import ClosedError, InvalidArgumentError, SizeMismatchError
-from ..ggml_types import DENSE_TYPES, SUPPORTED_TEXT, SUPPORTED_TYPES, block, type_name
+from ..errors import InvalidArgumentError, SizeMismatchError
+from ..ggml_types import SUPPORTED_TEXT, SUPPORTED_TYPES, block, type_name
 from ..model.qweight import QuantWeight
-from ..model.transformer import (ROPE_NEOX, ROPE_NORMAL, LayerWeights, ModelConfig, OuterWeights, layer_forward,
-                                 output_logits)
-from .abi import DECODER_MAX_BATCH, MATVEC_MAX_VEC
+from .abi import MATVEC_MAX_VEC
 from .interface import as_int, host_buffer
-from .kernels import DECODER_STATS, GraphPolicy, Kernels
+from .kernels import Kernels
+from .stub_decoder import _DTYPE_OF, StubDecoder
 
-_DTYPE_OF = {ggml_type: dtype for dtype, ggml_type in DENSE_TYPES.items()}  # F32, F16 -> numpy dtype
-
-
-class StubDecoder:
-    """pebble_decoder_*'s semantics: the model's forward pass (transformer.layer_forward, then the output
-    norm and projection) for each token of a step, over the weights and caches named once, with the same
-    arguments accepted and refused as native/pebble_decode.cu."""
-
-    def __init__(self, kernels: "StubKernels", model, layers, k_caches, v_caches):
-        fn = "pebble_decoder_create"
-        if min(model.n_layer, model.n_embd, model.n_vocab, model.n_seq) < 1 or model.n_seq > DECODER_MAX_BATCH:
-            raise InvalidArgumentError(f"{fn}: n_layer {model.n_layer}, n_embd {model.n_embd} and n_vocab "
-                                       f"{model.n_vocab} must each be at least 1, n_seq {model.n_seq} within "
-                                       f"1..{DECODER_MAX_BATCH}")
-        if len(layers) != model.n_layer or len(k_caches) != model.n_layer * model.n_seq or \
-                len(v_caches) != len(k_caches):
-            raise SizeMismatchError(f"decoder: {len(layers)} layers and {len(k_caches)} K / {len(v_caches)} V caches; "
-                                    f"{model.n_layer} layers of {model.n_seq} sequences need "
-                                    f"{model.n_layer * model.n_seq} of each")
-        if model.kv_type not in _DTYPE_OF:
-            raise InvalidArgumentError(f"{fn}: kv_type {model.kv_type}; the caches must be 0 F32 or 1 F16")
-        self.model, self.layers, self.stats_ = model, [], dict.fromkeys(DECODER_STATS, 0)
-        self.streamed = {}  # layer -> (buffers by field, entries by field, caches by sequence): pebble.h's slots
-        if any(layer.streamed is not None for layer in layers):
-            if model.store is None or len(model.kv_ids) != model.n_seq:
-                raise InvalidArgumentError(f"decoder: streamed layers need the store and the (K, V) entries of each "
-                                           f"of {model.n_seq} sequences; got {len(model.kv_ids)}")
-        self.graphs = GraphPolicy(bool(model.graphs) and not any(layer.streamed is not None for layer in layers))
-        for i, layer in enumerate(layers):
-            where, s = f"{fn}: layer {i}", layer.shape
-            kernels._check_shape(where, s, layer.kv_rows)
-            e, q_rows, kv_rows = s.n_embd, s.n_head * s.head_dim, s.n_head_kv * s.head_dim
-            w = layer.weights
-            if layer.streamed is not None:  # buffers the step restores the entries into
-                w, entries = {}, {}
-                for name, tensor_id in layer.streamed.items():
-                    nbytes = model.store.entry_info(i, tensor_id).nbytes
-                    w[name] = (layer.weights[name][0], np.zeros(nbytes, np.uint8))
-                    entries[name] = tensor_id
-            def build(w, where=where, s=s, e=e, q_rows=q_rows, kv_rows=kv_rows) -> LayerWeights:
-                vec = lambda *a, **k: kernels._vector(where, w, *a, **k)  # noqa: E731
-                mat = lambda *a: kernels._matrix(where, w, *a)  # noqa: E731
-                return LayerWeights(
-                    attn_norm=vec("attn_norm", e), wq=mat("wq", q_rows, e), wk=mat("wk", kv_rows, e),
-                    wv=mat("wv", kv_rows, e), wo=mat("wo", e, q_rows), ffn_norm=vec("ffn_norm", e),
-                    w_gate=mat("w_gate", s.n_ff, e), w_up=mat("w_up", s.n_ff, e), w_down=mat("w_down", e, s.n_ff),
-                    bq=vec("bq", q_rows, optional=True), bk=vec("bk", kv_rows, optional=True),
-                    bv=vec("bv", kv_rows, optional=True), q_norm=vec("q_norm", s.head_dim, optional=True),
-                    k_norm=vec("k_norm", s.head_dim, optional=True),
-                    post_attn_norm=vec("post_attn_norm", e, optional=True),
-                    post_ffn_norm=vec("post_ffn_norm", e, optional=True))
-
-            lw = build(w)
-            if (lw.q_norm is not None or lw.k_norm is not None) and (lw.bq is not None or lw.bk is not None):
-                raise InvalidArgumentError(f"{where}: Q/K norms together with Q/K biases are not supported")
-            if s.n_embd != model.n_embd:
-                raise SizeMismatchError(f"{fn}: layer {i} is {s.n_embd} wide; the model is {model.n_embd}")
-            cos, sin = (np.frombuffer(host_buffer(t, writable=False, what="decoder rope"), np.float32)
-                        .reshape(-1, 1, s.head_dim) for t in (layer.rope_cos, layer.rope_sin))
-            caches = []
-            for seq in range(model.n_seq):
-                pair = []
-                if layer.streamed is not None:
-                    for kind, tensor_id in zip("KV", model.kv_ids[seq]):
-                        want = layer.kv_rows * s.n_head_kv * s.head_dim * np.dtype(_DTYPE_OF[model.kv_type]).itemsize
-                        if model.store.entry_info(i, tensor_id).nbytes != want:
-                            raise SizeMismatchError(f"{fn}: layer {i}: sequence {seq}'s {kind} cache (tensor "
-                                                    f"{tensor_id}) is not an entry of {want} bytes")
-                        pair.append(np.zeros((layer.kv_rows, s.n_head_kv, s.head_dim), _DTYPE_OF[model.kv_type]))
-                    caches.append(tuple(pair))
-                    continue
-                for name, arrays in (("k_cache", k_caches), ("v_cache", v_caches)):
-                    c = np.frombuffer(host_buffer(arrays[i * model.n_seq + seq], writable=True, what="decoder cache"),
-                                      _DTYPE_OF[model.kv_type])
-                    want = layer.kv_rows * s.n_head_kv * s.head_dim
-                    if c.size != want:
-                        raise SizeMismatchError(f"decoder: layer {i}: a {name} holds {c.nbytes} bytes; "
-                                                f"{want * c.itemsize} are needed")
-                    pair.append(c.reshape(layer.kv_rows, s.n_head_kv, s.head_dim))
-                caches.append(tuple(pair))
-            cfg = ModelConfig(arch="decoder", n_layer=1, n_embd=e, n_head=s.n_head, n_head_kv=s.n_head_kv,
-                              head_dim=s.head_dim, n_ff=s.n_ff, n_vocab=0, n_ctx_train=layer.kv_rows,
-                              rms_eps=s.rms_eps, rope_mode=ROPE_NEOX if s.rope_neox else ROPE_NORMAL,
-                              rope_dims=s.rope_dims, attn_scale=float(layer.attn_scale),
-                              activation="gelu" if s.gelu else "silu", window=layer.kv_rows if s.ring else 0,
-                              attn_softcap=float(s.attn_softcap), residual_scale=float(s.residual_scale))
-            self.layers.append((cfg, lw, caches, (cos, sin), layer))
-            if layer.streamed is not None:
-                self.streamed[i] = ({name: buf for name, (_, buf) in w.items()}, entries, caches, build, w)
-        self.output_norm = kernels._vector(fn, {"output_norm": model.output_norm}, "output_norm", model.n_embd)
-        self.output = kernels._matrix(fn, {"output": model.output}, "output", model.n_vocab, model.n_embd)
-        self.out_cfg = ModelConfig(arch="decoder", n_layer=0, n_embd=model.n_embd, n_head=1, n_head_kv=1, head_dim=1,
-                                   n_ff=1, n_vocab=model.n_vocab, n_ctx_train=1, rms_eps=model.rms_eps,
-                                   rope_mode=ROPE_NORMAL, rope_dims=0, logit_scale=model.logit_scale,
-                                   final_softcap=model.final_softcap)
-        self.closed = False
-
-    def step(self, seqs, positions, x, logits, *, stream=None) -> None:
-        fn, model = "pebble_decoder_step", self.model
-        if self.closed:
-            raise ClosedError(f"{fn}: the decoder was freed or never made")
-        n = len(seqs)
-        if not 1 <= n <= model.n_seq:
-            raise InvalidArgumentError(f"{fn}: {n} tokens; the decoder holds 1..{model.n_seq} sequences")
-        if len(positions) != n:
-            raise SizeMismatchError(f"decoder step: {n} sequences but {len(positions)} positions")
-        xs = np.frombuffer(host_buffer(x, writable=True, what="decoder x"), np.float32)
-        if xs.size != n * model.n_embd:
-            raise SizeMismatchError(f"decoder step: x holds {xs.nbytes} bytes; {n} float32 rows of {model.n_embd} "
-                                    f"need {4 * n * model.n_embd}")
-        xs = xs.reshape(n, model.n_embd)
-        seen = set()
-        for b, (seq, pos) in enumerate(zip(seqs, positions)):
-            if not 0 <= seq < model.n_seq or seq in seen:
-                raise InvalidArgumentError(f"{fn}: token {b} is of sequence {seq}; each of 0..{model.n_seq - 1} at "
-                                           "most once a step")
-            seen.add(seq)
-            for i, (_, _, _, (cos, _), layer) in enumerate(self.layers):
-                if pos < 0 or pos >= len(cos) or (pos >= layer.kv_rows and not layer.shape.ring):
-                    top = min(len(cos), len(cos) if layer.shape.ring else layer.kv_rows) - 1
-                    raise SizeMismatchError(f"{fn}: sequence {seq} at position {pos} is outside layer {i}'s 0..{top}")
-        store = model.store
-        for i, (buffers, entries, caches, build, w) in self.streamed.items():  # into the "slots"
-            rows = self.layers[i][4].kv_rows
-            for name, tensor_id in entries.items():
-                store.restore(i, tensor_id, buffers[name])
-            cfg, _, _, rope, layer = self.layers[i]
-            self.layers[i] = (cfg, build(w), caches, rope, layer)
-            for seq, pos in zip(seqs, positions):
-                held = min(pos, rows)
-                for cache, tensor_id in zip(caches[seq], model.kv_ids[seq]):
-                    if held:
-                        store.read(i, tensor_id, 0, cache[:held])
-        for b, (seq, pos) in enumerate(zip(seqs, positions)):
-            h = xs[b:b + 1]
-            for cfg, lw, caches, (cos, sin), _ in self.layers:
-                k, v = caches[seq]
-                h = layer_forward(cfg, h, lw, k, v, pos, (cos[pos:pos + 1], sin[pos:pos + 1]))
-            xs[b] = h[0]
-        for i, (_, _, caches, _, _) in self.streamed.items():  # each new row back into its entry
-            layer = self.layers[i][4]
-            for seq, pos in zip(seqs, positions):
-                row = pos % layer.kv_rows if layer.shape.ring else pos
-                for cache, tensor_id in zip(caches[seq], model.kv_ids[seq]):
-                    store.write(i, tensor_id, row * cache[0].nbytes, cache[row:row + 1])
-        if logits is not None:
-            out = np.frombuffer(host_buffer(logits, writable=True, what="decoder logits"), np.float32)
-            if out.size != n * model.n_vocab:
-                raise SizeMismatchError(f"decoder step: logits hold {out.nbytes} bytes; {n} float32 rows of "
-                                        f"{model.n_vocab} need {4 * n * model.n_vocab}")
-            outer = OuterWeights(token_embd=None, output_norm=self.output_norm, output=self.output)
-            out.reshape(n, model.n_vocab)[:] = [output_logits(self.out_cfg, outer, row) for row in xs]
-        self.stats_["steps"] += 1
-        self.stats_["tokens"] += n
-        self.stats_["layer_passes"] += len(self.layers)
-        self.graphs.decide((tuple(int(s) for s in seqs), logits is not None))  # no graphs here: counted only
-        self.stats_.update(graphs_captured=self.graphs.captured, graph_replays=self.graphs.replays,
-                           graphs_dropped=self.graphs.dropped)
-
-    def stats(self) -> dict:
-        if self.closed:
-            raise ClosedError("pebble_decoder_stats: the decoder was freed or never made")
-        return dict(self.stats_)
-
-    def close(self) -> None:
-        self.closed = True
 
 
 class StubKernels:
@@ -300,7 +133,8 @@ class StubKernels:
 
     # -- the decode step: pebble_decoder_*'s semantics, as the model's forward pass over these kernels
 
-    def decoder(self, model, layers, k_caches, v_caches) -> "StubDecoder":
+    def decoder(self, model, layers, k_caches, v_caches):
+        """A StubDecoder (stub_decoder.py) over these kernels."""
         return StubDecoder(self, model, layers, k_caches, v_caches)
 
     @staticmethod
