@@ -319,6 +319,7 @@ class Engine:
                     wait = min(min(deadlines, default=FOREVER) - now, self._REAP_WAKE)
                 except Exception:
                     logger.exception("the keep_alive reaper failed on one pass; it goes on")
+                    wait = 1.0  # soon again: what failed may have been passing
                 self._lock.wait(timeout=max(wait, 0.01))
 
     def close(self) -> None:
