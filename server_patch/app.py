@@ -15,6 +15,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -210,6 +211,10 @@ class BodyLimit:
                                                           f"of {limit}; send a shorter prompt")
             return await response(scope, receive, send)
 
+        if json_too_deep(bytes(body)):
+            return await error_response(scope["path"], 400, f"the request body's JSON nests arrays and objects "
+                                                            f"more than {MAX_JSON_DEPTH} deep; send at most "
+                                                            f"{MAX_JSON_DEPTH} levels")(scope, receive, send)
         if _SURROGATE_ESCAPE.search(body):
             body = _without_lone_surrogates(bytes(body))
         replayed = False
@@ -228,30 +233,33 @@ class BodyLimit:
 
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+# An escaped backslash, a valid surrogate pair, or a lone surrogate: matched left to right, so the escape
+# after an escaped backslash ("\\\\ud800" is a backslash and the text "ud800") is never taken for one.
+_ESCAPE_OR_SURROGATE = re.compile(rb"\\\\|\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}"
+                                  rb"|\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
 def _without_lone_surrogates(body: bytes) -> bytes:
     """The body with each lone UTF-16 surrogate escape (\\ud800 without its pair) read as U+FFFD, as
     Go's JSON decoder (and so Ollama) reads it: Python would keep it, and no text can be encoded with
-    one in it. Valid pairs are one character by the time they are decoded."""
-    try:
-        value = json.loads(body)
-    except ValueError:
-        return body  # not JSON: the validation error says so
-    return json.dumps(_replace_surrogates(value)).encode()
+    one in it. Rewritten in the text itself, so no nesting depth can make it recurse."""
+    return _ESCAPE_OR_SURROGATE.sub(lambda m: m[0] if len(m[0]) in (2, 12) else rb"\ufffd", body)
 
 
-def _replace_surrogates(value: Any) -> Any:
-    if isinstance(value, str):
-        return _LONE_SURROGATE.sub("\ufffd", value)
-    if isinstance(value, list):
-        return [_replace_surrogates(v) for v in value]
-    if isinstance(value, dict):
-        return {_replace_surrogates(k): _replace_surrogates(v) for k, v in value.items()}
-    return value
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+MAX_JSON_DEPTH = 256  # arrays and objects in a request body: far past any schema, tool or message list
 
 
-_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+def json_too_deep(body: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether the JSON text nests arrays and objects more than `limit` deep (brackets inside strings are
+    not counted). Counted with numpy over the bytes, so an 8 MiB body costs milliseconds."""
+    if body.count(b"[") + body.count(b"{") <= limit:
+        return False
+    structure = np.frombuffer(_JSON_STRING.sub(b"", body), dtype=np.uint8)
+    steps = np.zeros(structure.shape, dtype=np.int32)
+    steps[(structure == ord("[")) | (structure == ord("{"))] = 1
+    steps[(structure == ord("]")) | (structure == ord("}"))] = -1
+    return bool(steps.size) and int(np.cumsum(steps).max()) > limit
 
 
 # ---------------------------------------------------------------------------------------------------

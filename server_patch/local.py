@@ -10,15 +10,20 @@ from typing import Iterator
 
 import uvicorn
 
+from .connections import limited
+
 
 @contextmanager
-def serving(app, *, start_timeout: float = 20.0) -> Iterator[str]:
-    """Runs `app` with uvicorn on 127.0.0.1 and a free port; yields its base URL."""
+def serving(app, *, start_timeout: float = 20.0, header_timeout: float | None = None,
+            body_timeout: float | None = None, max_connections: int | None = None) -> Iterator[str]:
+    """Runs `app` with uvicorn on 127.0.0.1 and a free port, with `pebbling serve`'s connection limits
+    (connections.py; each None: its default); yields its base URL."""
     # IPPROTO_TCP spelled out: asyncio sets TCP_NODELAY only on sockets that say so, and without
     # it every keep-alive request waits out a delayed ACK (~40 ms).
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    protocol = limited(header_timeout, body_timeout, max_connections)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", http=protocol))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + start_timeout

@@ -26,6 +26,9 @@ from .streaming import (BadRequest, collect, collect_output, dumps, engine_of, e
 from .schemas import ChatCompletionRequest, CompletionRequest, OpenAIEmbeddingsRequest
 
 router = APIRouter(prefix="/v1", tags=["openai"])
+# /v1/completions without max_tokens writes this many tokens per choice, OpenAI's documented default for
+# the legacy endpoint (its clients expect a short answer, not one that runs to the end of the context).
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 _FINISH = {"stop": "stop", "length": "length"}
 
 
@@ -140,7 +143,10 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     if body.echo:
         raise BadRequest("'echo' is not supported by pebbling")
     # A completion continues the prompt as written: no chat template.
-    options = _options(body, body.max_tokens)
+    max_tokens = body.max_tokens
+    if max_tokens is None and "num_predict" not in (body.options or {}):
+        max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
+    options = _options(body, max_tokens)
     top = _legacy_logprobs_wanted(body)
     job = await submit(request, GenerationRequest(model=body.model, prompt=body.prompt, raw=True, options=options,
                                                   keep_alive=body.keep_alive, logprobs=top))

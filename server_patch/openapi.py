@@ -1,6 +1,7 @@
 """The OpenAPI document as the server answers: FastAPI documents a 422 for every body it validates, but
 pebbling answers bad requests with 400 (as Ollama does), refused origins with 403, unknown models with
-404, oversized bodies with 413, a full queue with 503 and a bug with a JSON 500."""
+404, oversized bodies with 413, a full queue or too many connections with 503 and a bug with a JSON 500;
+the streaming routes document their NDJSON or event-stream 200 beside the JSON one."""
 
 from __future__ import annotations
 
@@ -19,7 +20,15 @@ ERROR_SCHEMA = {
     }},
 }
 EVERY_ROUTE = {"403": "the request's Origin or Host is not allowed (see PEBBLING_ORIGINS, PEBBLING_HOST)",
-               "500": "a bug; the message carries a request id the server log has the details under"}
+               "500": "a bug; the message carries a request id the server log has the details under",
+               "503": "the server is busy: too many requests queued (PEBBLING_MAX_QUEUE) or connections open "
+                      "(PEBBLING_MAX_CONNECTIONS); try again later"}
+WITH_A_NAME = {"400": "the name in the path is not a valid model name",  # GET /v1/models/{model}
+               "404": "no model has that name"}
+# Routes that stream: with "stream" (Ollama's default on its routes), the 200 is one JSON object per line,
+# or OpenAI's server-sent events.
+STREAMS = {"/api/generate": "application/x-ndjson", "/api/chat": "application/x-ndjson",
+           "/v1/chat/completions": "text/event-stream", "/v1/completions": "text/event-stream"}
 WITH_A_BODY = {"400": "the request is invalid: JSON, a field, an option, a model name, a prompt longer than "
                       "num_ctx, a model that cannot be served; the message says which and what is accepted",
                "404": "no model has that name",
@@ -39,11 +48,16 @@ def install(app: FastAPI) -> None:
         components.pop("ValidationError", None)
         components["Error"] = ERROR_SCHEMA
         error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
-        for operations in schema.get("paths", {}).values():
+        for path, operations in schema.get("paths", {}).items():
             for method, operation in operations.items():
                 responses = operation.setdefault("responses", {})
                 responses.pop("422", None)
-                codes = {**EVERY_ROUTE, **(WITH_A_BODY if method in ("post", "put") else {})}
+                named = any(p.get("in") == "path" for p in operation.get("parameters", []))
+                codes = {**EVERY_ROUTE, **(WITH_A_BODY if method in ("post", "put") else {}),
+                         **(WITH_A_NAME if named else {})}
+                if path in STREAMS and "200" in responses:
+                    responses["200"].setdefault("content", {})[STREAMS[path]] = {"schema": {
+                        "type": "string", "description": "the response in pieces as it is generated (with stream)"}}
                 for code, description in codes.items():
                     responses.setdefault(code, {"description": description, **error})
         app.openapi_schema = schema

@@ -337,3 +337,20 @@ def test_the_demo_model_takes_tools(url):
     r = openai(url, "pebbling-demo", tool_choice={"type": "function", "function": {"name": "add"}}, max_tokens=60)
     (call,) = r["choices"][0]["message"]["tool_calls"]
     check_openai_call(call, "add")
+
+
+# Parameters as Pydantic writes them for a nested model: the nested one under "$defs", reached by "$ref".
+ORDER = {"type": "function", "function": {"name": "place_order", "description": "Order one item", "parameters": {
+    "$defs": {"Item": {"title": "Item", "type": "object", "required": ["sku", "qty"], "properties": {
+        "sku": {"type": "string", "enum": ["a1", "b2"]}, "qty": {"type": "integer", "minimum": 1, "maximum": 9}}}},
+    "title": "Order", "type": "object", "properties": {"item": {"$ref": "#/$defs/Item"}}, "required": ["item"]}}}
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "place_order"}}])
+def test_tool_parameters_with_defs_and_refs_can_be_forced(url, model, choice):
+    schemas = {**PARAMS, "place_order": ORDER["function"]["parameters"]}
+    r = openai(url, model, tools=[ORDER, ADD], tool_choice=choice)
+    (call,) = r["choices"][0]["message"]["tool_calls"]
+    assert choice == "required" or call["function"]["name"] == "place_order"
+    jsonschema.validate(json.loads(call["function"]["arguments"]), schemas[call["function"]["name"]])

@@ -16,6 +16,9 @@ from .common import plain
 # pyplugin never imports the server (server_patch uses pyplugin, not the other way round); uvicorn
 # imports the app factory by name. The factory reads the models directory from $PEBBLING_MODELS.
 APP_FACTORY = "server_patch.app:create_app"
+# uvicorn's h11 protocol with header and body read timeouts and a connection cap (named, as the app is).
+HTTP_PROTOCOL = "server_patch.connections:LimitedH11Protocol"
+SWITCH_INTERVAL = 0.001  # seconds
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -59,8 +62,13 @@ def run(args: argparse.Namespace) -> int:
     os.environ[HOST_ENV] = args.host  # the app answers Host names by where it listens
     _fewer_malloc_arenas()
     level = "debug" if os.environ.get("PEBBLING_DEBUG") else args.log_level
+    _more_open_files()
+    # Python hands the interpreter between threads every 5 ms by default; a template rendering or a decode
+    # step on a worker thread would then hold the event loop (GET /, new connections) for 5 ms at a time,
+    # several times per request. 1 ms keeps the loop answering within milliseconds under that load.
+    sys.setswitchinterval(SWITCH_INTERVAL)
     uvicorn.run(APP_FACTORY, factory=True, host=args.host, port=args.port, log_level=level,
-                log_config=log_config(level))
+                log_config=log_config(level), http=HTTP_PROTOCOL)
     return 0
 
 
@@ -78,6 +86,19 @@ def log_config(level: str) -> dict:
         "loggers": {name: {"handlers": ["default"], "level": level.upper(), "propagate": False}
                     for name in ("uvicorn", "uvicorn.error", "uvicorn.access", "pebbling")},
     }
+
+
+def _more_open_files(wanted: int = 8192) -> None:
+    """Raises the soft limit on open files toward the hard one, so that the connection cap
+    (PEBBLING_MAX_CONNECTIONS, default 4096), not the file limit (often 1024), is what refuses clients."""
+    try:
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        if soft != resource.RLIM_INFINITY and soft < target:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ImportError, ValueError, OSError):  # not on this system, or not allowed: keep what there is
+        pass
 
 
 def _fewer_malloc_arenas(arenas: int = 2) -> None:

@@ -49,6 +49,11 @@ def closed_objects(schema: Any) -> Any:
     return out
 
 
+def _first_line(error: str) -> str:
+    """llguidance's error without the parser state it appends (its internals, not the client's business)."""
+    return error.split("\n<state>", 1)[0].split("\n", 1)[0].strip()
+
+
 class _Vocabulary:
     """What llguidance asks of a tokenizer: each token's bytes, the specials, and encoding."""
 
@@ -87,7 +92,7 @@ class Constraint:
         except (ValueError, RuntimeError) as exc:
             raise OptionsError(f"{what}: the grammar cannot be built: {exc}") from None
         if self.matcher.is_error():
-            raise OptionsError(f"{what}: {self.matcher.get_error()}")
+            raise OptionsError(f"{what}: {_first_line(self.matcher.get_error())}")
         self._bits = np.zeros((ll.vocab_size + 31) // 32, dtype=np.int32)
         self.ns = 0  # time spent in the grammar (masks and steps), for measurements
 
@@ -131,7 +136,9 @@ class Constraint:
         accepted = self.matcher.consume_token(int(token))
         self.ns += time.perf_counter_ns() - start
         if not accepted:
-            raise OptionsError(f"{self.what}: token {token} breaks the grammar: {self.matcher.get_error()}")
+            raise OptionsError(f"{self.what}: token {token} breaks the grammar: "
+                               f"{_first_line(self.matcher.get_error())} (a recursive or very large schema "
+                               f"can do this: simplify it)")
 
     @property
     def stopped(self) -> bool:

@@ -301,16 +301,26 @@ class Engine:
             entry.pebbled = None
         entry.jobs.put(None)
 
+    # The reaper wakes at least this often, so no deadline is ever handed to a timer as one huge wait.
+    _REAP_WAKE = 60.0
+
     def _reap(self) -> None:
+        """Unloads idle models whose keep_alive has run out; one failure is logged and the next pass goes on,
+        so that no request can stop every model from unloading."""
         with self._lock:
             while not self._closed:
-                now = time.monotonic()
-                for entry in list(self._loaded.values()):
-                    if entry.active == 0 and entry.model is not None and entry.expires_at <= now:
-                        self._unload(entry)
-                deadlines = [e.expires_at for e in self._loaded.values() if e.active == 0]
-                wait = min(deadlines, default=FOREVER) - now
-                self._lock.wait(timeout=None if wait == FOREVER else max(wait, 0.01))
+                wait = self._REAP_WAKE
+                try:
+                    now = time.monotonic()
+                    for entry in list(self._loaded.values()):
+                        if entry.active == 0 and entry.model is not None and entry.expires_at <= now:
+                            self._unload(entry)
+                    deadlines = [e.expires_at for e in self._loaded.values() if e.active == 0]
+                    wait = min(min(deadlines, default=FOREVER) - now, self._REAP_WAKE)
+                except Exception:
+                    logger.exception("the keep_alive reaper failed on one pass; it goes on")
+                    wait = 1.0  # soon again: what failed may have been passing
+                self._lock.wait(timeout=max(wait, 0.01))
 
     def close(self) -> None:
         """Stop taking requests; each model unloads once the requests it has queued are done."""

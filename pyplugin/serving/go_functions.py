@@ -7,6 +7,9 @@ import re
 from typing import Any, Callable, Mapping
 
 from ..errors import OptionsError
+from ..model.chat import MAX_OUTPUT
+
+MAX_TEXT = MAX_OUTPUT  # the longest text one function may return: what a whole rendering may write
 
 
 class GoTemplateError(OptionsError):
@@ -64,6 +67,8 @@ def text(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, float):
+        if value != value or value in (float("inf"), float("-inf")):
+            return "NaN" if value != value else "+Inf" if value > 0 else "-Inf"  # as Go prints them
         return repr(value) if value != int(value) or abs(value) >= 1e21 else str(int(value))
     if isinstance(value, (list, tuple)):
         return "[" + " ".join(text(v) for v in value) + "]"
@@ -81,9 +86,17 @@ def call(name: str, args: list) -> Any:
     if function is None:
         raise GoTemplateError(f"template: function {name!r} is not defined; functions: {', '.join(sorted(FUNCTIONS))}")
     try:
-        return function(*args)
+        value = function(*args)
     except TypeError:
         raise GoTemplateError(f"template: wrong number of arguments for {name}: {len(args)}") from None
+    except GoTemplateError:
+        raise
+    except (ValueError, OverflowError) as exc:  # chr of a huge number, a float past int's range...
+        raise GoTemplateError(f"template: {name}: {exc}") from None
+    if isinstance(value, str) and len(value) > MAX_TEXT:
+        raise GoTemplateError(f"template: {name} made a text of {len(value)} characters, more than a rendering "
+                              f"may write ({MAX_TEXT}); it was stopped")
+    return value
 
 
 def _len(value: Any) -> int:
@@ -159,6 +172,8 @@ def _sprintf(form: str, *args: Any) -> str:
 
     def one(m: re.Match) -> str:
         flags, width, precision, verb = m.groups()
+        if len(width) > 7 or len(precision or "") > 7:  # a width such as %0999999999d would be built first
+            raise GoTemplateError(f"template: printf {m.group()!r}: width and precision go up to 9999999")
         if verb == "%":
             return "%"
         value = next(values, None)

@@ -181,13 +181,24 @@ def _tokens(body: str) -> list[tuple[str, str]]:
 # -- parser --------------------------------------------------------------------------------------------
 
 _UNSUPPORTED = {"define", "template", "block"}
+# if/range/with (else-if chains included) and parentheses nest at most this deep: far past any template a
+# model ships (Ollama's nest five or six), and the parser and executor recurse once per level.
+MAX_DEPTH = 100
+_INT64 = 1 << 63
+
+
+def _deeper(depth: int, what: str) -> int:
+    if depth >= MAX_DEPTH:
+        raise TemplateSyntaxError(f"template: {what} nested more than {MAX_DEPTH} deep; "
+                                  f"a template may nest at most {MAX_DEPTH} levels")
+    return depth + 1
 
 
 def parse(source: str) -> list[Node]:
     """The template's node list; TemplateSyntaxError naming what is wrong."""
-    stack: list[tuple[Branch | None, list]] = [(None, [])]
+    stack: list[tuple[Branch | None, list, int]] = [(None, [], 0)]  # (branch, its open list, depth)
     for kind, body in _pieces(source):
-        nodes = stack[-1][1]
+        nodes, depth = stack[-1][1], stack[-1][2]
         if kind == "text":
             if body:
                 nodes.append(body)
@@ -201,7 +212,7 @@ def parse(source: str) -> list[Node]:
         if word in ("if", "range", "with"):
             branch = Branch(word, _pipe(tokens[1:], allow_decl=True))
             nodes.append(branch)
-            stack.append((branch, branch.body))
+            stack.append((branch, branch.body, _deeper(depth, "{{ if }}, {{ range }} and {{ with }} are")))
         elif word == "else":
             branch = stack[-1][0]
             if branch is None or branch.otherwise is not None:
@@ -213,9 +224,9 @@ def parse(source: str) -> list[Node]:
                     raise TemplateSyntaxError(f"template: {{{{ else {inner_word} }}}} in a {branch.kind}")
                 inner = Branch(inner_word, _pipe(tokens[2:], allow_decl=True))
                 branch.otherwise.append(inner)
-                stack[-1] = (inner, inner.body)
+                stack[-1] = (inner, inner.body, _deeper(depth, "{{ else if }} chains are"))
             else:
-                stack[-1] = (branch, branch.otherwise)
+                stack[-1] = (branch, branch.otherwise, depth)
         elif word == "end":
             if len(stack) == 1:
                 raise TemplateSyntaxError("template: {{ end }} without an if, range or with")
@@ -245,6 +256,8 @@ def _pipe(tokens: list[tuple[str, str]], allow_decl: bool) -> Pipe:
     for token in tokens:
         if token == ("punct", "("):
             depth += 1
+            if depth > MAX_DEPTH:
+                _deeper(depth, "parentheses are")
         elif token == ("punct", ")"):
             depth -= 1
         if token == ("punct", "|") and depth == 0:
@@ -256,6 +269,26 @@ def _pipe(tokens: list[tuple[str, str]], allow_decl: bool) -> Pipe:
             raise TemplateSyntaxError("template: an empty command in a pipeline")
         commands.append(Command(_operands(group)))
     return Pipe(commands, decl, assign)
+
+
+def _number(text: str) -> int | float:
+    """A number literal: an int where it fits Go's int64, else a float (as Go reads 1e20), never infinite."""
+    clean = text.replace("_", "")
+    is_hex = clean.lower().lstrip("+-").startswith("0x")
+    if len(clean) > 400:  # past any float's digits; int() of thousands of digits is slow and refused
+        raise TemplateSyntaxError(f"template: number {text[:20]}... is out of range")
+    try:
+        value: int | float = float(clean) if re.search(r"[.eE]", clean) and not is_hex else int(clean, 0)
+    except ValueError:
+        raise TemplateSyntaxError(f"template: bad number syntax: {text[:40]!r}") from None
+    try:
+        if isinstance(value, int) and not -_INT64 <= value < _INT64:
+            value = float(value)
+    except OverflowError:
+        value = float("inf")
+    if value in (float("inf"), float("-inf")):
+        raise TemplateSyntaxError(f"template: number {text[:40]} is out of range")
+    return value
 
 
 def _operands(tokens: list[tuple[str, str]]) -> list:
@@ -293,9 +326,7 @@ def _operands(tokens: list[tuple[str, str]]) -> list:
         elif kind == "char":
             out.append(Literal(ord(_unquote(text[1:-1]))))
         elif kind == "number":
-            clean = text.replace("_", "")
-            out.append(Literal(float(clean) if re.search(r"[.eE]", clean) and not clean.lower().startswith(("0x", "-0x", "+0x"))
-                               else int(clean, 0)))
+            out.append(Literal(_number(text)))
         elif kind == "ident":
             out.append(Literal({"true": True, "false": False}[text]) if text in ("true", "false") else
                        Literal(None) if text == "nil" else Identifier(text))

@@ -10,7 +10,10 @@ cut where `.Response` would be written. Values have Go's field names (`.Role`, `
 JSON, as Ollama's String methods write them. The functions are Go's (and, or, not, len, index, slice,
 eq, ne, lt, le, gt, ge, print, printf, println) and Ollama's `json`.
 
-Templates come from model files, so rendering is bounded as the Jinja templates are (chat.py).
+Templates come from model files and from requests, so a rendering is bounded: at most MAX_OUTPUT
+characters written, MAX_ITERATIONS passes through range bodies in all, MAX_SECONDS of time (checked in
+every loop), and MAX_DEPTH levels of nesting (go_parse.py). A `{{range N}}` counts as it goes and never
+builds its N items; one that could not finish within the iterations left is refused before it starts.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from ..model.chat import MAX_OUTPUT, MAX_SECONDS
 from .go_functions import GoFields, GoMap, GoStruct, GoTemplateError, call as _call, go_json, text as _text, truth
 from .go_parse import Action, Branch, Command, Dot, Field, Identifier, Literal, Loop, Pipe, TemplateSyntaxError, \
     Variable, parse
+
+MAX_ITERATIONS = 1_000_000  # range bodies run per rendering, all loops together
 
 __all__ = ["GoTemplate", "GoTemplateError", "TemplateSyntaxError", "go_message", "parsed", "render_go_template"]
 
@@ -213,6 +218,7 @@ class _Run:
         self.nodes, self.data = nodes, data
         self.out: list[str] = []
         self.size = 0
+        self.iterations = 0
         self.deadline = time.monotonic() + MAX_SECONDS
         self.scopes: list[dict[str, Any]] = [{"$": data}]
 
@@ -231,9 +237,12 @@ class _Run:
             raise GoTemplateError(f"template wrote more than {MAX_OUTPUT} characters; it was stopped")
         self.out.append(text)
 
-    def run(self, nodes: list, dot: Any) -> None:
+    def check_time(self) -> None:
         if time.monotonic() > self.deadline:
             raise GoTemplateError(f"template rendering took more than {MAX_SECONDS:g} s; it was stopped")
+
+    def run(self, nodes: list, dot: Any) -> None:
+        self.check_time()
         for node in nodes:
             if isinstance(node, str):
                 self.write(node)
@@ -263,22 +272,33 @@ class _Run:
     def range(self, node: Branch, dot: Any) -> None:
         pipe = Pipe(node.pipe.commands)
         value = self.pipe(pipe, dot)
+        items: Iterable[tuple[Any, Any]]
         if value is None:
-            items: list = []
+            count, items = 0, ()
         elif isinstance(value, dict):
-            items = [(k, value[k]) for k in sorted(value)]
+            count, items = len(value), ((k, value[k]) for k in sorted(value))
         elif isinstance(value, int) and not isinstance(value, bool):
-            items = [(i, i) for i in range(value)]
+            count, items = max(value, 0), ((i, i) for i in range(value))  # counted, never built
         elif isinstance(value, (list, tuple)):
-            items = list(enumerate(value))
+            count, items = len(value), enumerate(value)
         else:
             raise GoTemplateError(f"template: range can't iterate over {_text(value)[:40]!r}")
-        if not items:
+        left = MAX_ITERATIONS - self.iterations
+        if count > left and not _may_break(node.body):
+            raise GoTemplateError(f"template: range over {count} items is more than the {left} iterations this "
+                                  f"rendering has left (at most {MAX_ITERATIONS} in all); it was refused")
+        if not count:
             if node.otherwise is not None:
                 self.run(node.otherwise, dot)
             return
         names = node.pipe.decl
         for key, item in items:
+            self.iterations += 1
+            if self.iterations > MAX_ITERATIONS:
+                raise GoTemplateError(f"template: ranges ran more than {MAX_ITERATIONS} iterations; "
+                                      "the rendering was stopped")
+            if not self.iterations & 1023:
+                self.check_time()
             scope = self.scopes[-1]
             if len(names) == 1:
                 scope[names[0]] = item
@@ -350,6 +370,17 @@ class _Run:
                 value = _field(value, name)
             return value
         raise GoTemplateError(f"template: cannot evaluate {node!r}")
+
+
+def _may_break(nodes: list) -> bool:
+    """Whether a range body holds a {{break}} of its own (one in a nested range ends that range only)."""
+    for node in nodes:
+        if isinstance(node, Loop) and node.kind == "break":
+            return True
+        if isinstance(node, Branch) and node.kind != "range" and \
+                (_may_break(node.body) or _may_break(node.otherwise or [])):
+            return True
+    return False
 
 
 def _field(value: Any, name: str) -> Any:

@@ -19,6 +19,9 @@ from ..runtime.logprobs import MAX_TOP_LOGPROBS
 
 DEFAULT_KEEP_ALIVE = 300.0  # seconds; Ollama's default
 FOREVER = math.inf
+# Go's longest time.Duration (2^63 - 1 ns, about 292 years): a longer keep_alive is kept for good, as a
+# negative one is, rather than overflowing a clock or a timer.
+MAX_KEEP_ALIVE = (2**63 - 1) / 1e9
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -31,7 +34,8 @@ KEEP_ALIVE_HELP = 'seconds as a number, or a duration such as "10m", "1h30m" or 
 
 
 def parse_keep_alive(value: Any, default: float = DEFAULT_KEEP_ALIVE) -> float:
-    """Seconds to keep a model loaded after a request: None -> default, negative -> forever.
+    """Seconds to keep a model loaded after a request: None -> default, negative or past MAX_KEEP_ALIVE
+    (1e10, 1e308, "3000000h") -> forever.
 
     Strings are Go durations as Ollama takes them ("5m", "1h30m", "0"), or a bare number of seconds.
     """
@@ -50,7 +54,7 @@ def parse_keep_alive(value: Any, default: float = DEFAULT_KEEP_ALIVE) -> float:
         raise OptionsError(f"keep_alive: got {type(value).__name__}; accepted: {KEEP_ALIVE_HELP}")
     if math.isnan(seconds):
         raise OptionsError(f"keep_alive: got {value!r}; accepted: {KEEP_ALIVE_HELP}")
-    return FOREVER if seconds < 0 else seconds
+    return FOREVER if seconds < 0 or seconds > MAX_KEEP_ALIVE else seconds
 
 
 def _go_duration(text: str) -> float | None:

@@ -103,17 +103,45 @@ def forced_tools(tools: list[dict[str, Any]], tool_choice: Any) -> list[dict[str
 def call_grammar(fmt: ToolFormat, tools: list[dict[str, Any]]) -> str:
     """A Lark grammar (llguidance's) for exactly one call, in `fmt`, of one of `tools`, its arguments
     following the tool's parameters schema."""
-    schemas = [{"type": "object", "properties": {
-        "name": {"const": t["function"]["name"]},
-        fmt.arguments: closed_objects(t["function"].get("parameters") or {"type": "object"})},
-        "required": ["name", fmt.arguments], "additionalProperties": False} for t in tools]
+    defs: dict[str, Any] = {}
+    schemas = []
+    for n, t in enumerate(tools):
+        arguments = closed_objects(t["function"].get("parameters") or {"type": "object"})
+        if _has_ref(arguments):  # its "#/..." references are to its own root: kept there, under the call's
+            defs[f"tool{n}"] = _rebased(arguments, f"#/$defs/tool{n}")
+            arguments = {"$ref": f"#/$defs/tool{n}"}
+        schemas.append({"type": "object", "properties": {"name": {"const": t["function"]["name"]},
+                                                         fmt.arguments: arguments},
+                        "required": ["name", fmt.arguments], "additionalProperties": False})
     schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    if defs:
+        schema = {**schema, "$defs": defs}
     schema = {**schema, "x-guidance": {"whitespace_flexible": False}}
     if fmt.open:
         body = f"{json.dumps(fmt.open + chr(10))} call {json.dumps(chr(10) + fmt.close)}"
     else:
         body = "call"
     return f"start: {body}\ncall: %json {json.dumps(schema)}\n"
+
+
+def _has_ref(schema: Any) -> bool:
+    if isinstance(schema, dict):
+        return isinstance(schema.get("$ref"), str) or any(_has_ref(v) for v in schema.values())
+    return isinstance(schema, list) and any(_has_ref(v) for v in schema)
+
+
+def _rebased(schema: Any, root: str) -> Any:
+    """The schema with each local reference ("#", "#/$defs/P", ...) pointing below `root` instead: a tool's
+    parameters (Pydantic's, with their "$defs") nested in the call's schema keep meaning what they meant."""
+    if isinstance(schema, list):
+        return [_rebased(v, root) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _rebased(v, root) for k, v in schema.items()}
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+        out["$ref"] = root + ref[1:]
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------
