@@ -2,7 +2,7 @@
 the Python around it (embedding, sampling, accounting), on a random-weight file of a real model's shape.
 
     python benchmarks/profile_decode.py [--shape smollm2-135m] [--type Q4_K_M] [--context 300] [--tokens 64]
-        [--runs 3] [--n-layer N] [--dir DIR] [--json FILE]
+        [--runs 3] [--n-layer N] [--dir DIR] [--json FILE] [--attention-contexts 1000,4000]
 
 Each run prefills --context random tokens, then decodes --tokens greedy tokens through Generation.decode_one
 (what the server calls), timing every call into the library's decode step with a wrapper around
@@ -10,6 +10,10 @@ NativeDecoder.step. It prints, per run, the decode rate, the share of decode tim
 step, the Python time per token outside it, and the Python-to-native calls per step (counted on the
 library's handle; they do not grow with the layer count: tests/test_decode_step.py). The wrapper's own
 cost (a few microseconds a step) is counted as native time. Every figure is measured in this run.
+
+It also times the decode step's attention alone (pebble_attend, the same code the step runs per layer) for
+one token over caches of the shape's heads filled to each of --attention-contexts rows: milliseconds per
+layer and per token (all layers), and nanoseconds per cached row per KV head.
 """
 
 from __future__ import annotations
@@ -87,6 +91,29 @@ def profile(path: Path, context: int, tokens: int, runs: int) -> list[dict]:
     return results
 
 
+def attention_cost(shape: dict, contexts: list[int], repeats: int = 20) -> list[dict]:
+    """pebble_attend of one token over `context` cached rows, timed (the median of `repeats` calls)."""
+    from pyplugin.store import backend_named  # noqa: PLC0415
+
+    kernels = backend_named("host").kernels
+    n_head, n_head_kv = shape["n_head"], shape["n_head_kv"]
+    head_dim = shape.get("key_length") or shape["n_embd"] // n_head
+    rng, out = np.random.default_rng(0), []
+    for context in contexts:
+        q = rng.standard_normal((1, n_head, head_dim)).astype(np.float32)
+        caches = [tuple(rng.standard_normal((context, n_head_kv, head_dim)).astype(np.float32) for _ in range(2))]
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            kernels.attend(q, caches, [context], n_head_kv, 1.0 / head_dim ** 0.5)
+            times.append(time.perf_counter() - start)
+        per_layer = statistics.median(times)
+        out.append({"context": context, "ms_per_layer": 1e3 * per_layer,
+                    "ms_per_token": 1e3 * per_layer * shape["n_layer"],
+                    "ns_per_row_per_kv_head": 1e9 * per_layer / context / n_head_kv})
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="smollm2-135m", choices=sorted(bench_cpu.SHAPES))
@@ -97,6 +124,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--n-layer", type=int, help="fewer layers than the shape has (a quick run)")
     parser.add_argument("--dir", help="where the GGUF file is written and kept (default: a temporary folder)")
     parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--attention-contexts", default="1000,4000",
+                        help="cached rows the attention alone is timed over (comma-separated; empty: none)")
     args = parser.parse_args(argv)
 
     with tempfile.TemporaryDirectory(prefix="pebbling-profile-") as tmp:
@@ -104,9 +133,11 @@ def main(argv: list[str] | None = None) -> dict:
         path = bench_cpu.write_files(directory, [args.type], args.shape, args.n_layer)[args.type]
         runs = profile(path, args.context, args.tokens, args.runs)
     n_layer = args.n_layer or bench_cpu.SHAPES[args.shape]["n_layer"]
+    contexts = [int(c) for c in args.attention_contexts.split(",") if c.strip()]
+    attention = attention_cost({**bench_cpu.SHAPES[args.shape], "n_layer": n_layer}, contexts)
     result = {"shape": args.shape, "type": args.type, "n_layer": n_layer, "context": args.context,
               "tokens": args.tokens, "runs": runs, "cpu": bench_cpu.cpu_model(),
-              "median": {k: statistics.median(r[k] for r in runs) for k in runs[0]}}
+              "median": {k: statistics.median(r[k] for r in runs) for k in runs[0]}, "attention": attention}
     print(f"{args.shape} shape, {n_layer} layers, {args.type} (random weights), host backend, a {args.context}-token "
           f"context, {args.tokens} greedy tokens; CPU: {result['cpu']} (all measured here)")
     for i, r in enumerate(runs):
@@ -116,6 +147,10 @@ def main(argv: list[str] | None = None) -> dict:
     m = result["median"]
     print(f"  median: {100 * m['native_share']:.1f}% native, {100 * (1 - m['native_share']):.1f}% Python "
           f"({m['python_ms_per_token']:.2f} ms/token), {m['native_calls_per_step']:g} native calls per step")
+    for a in attention:
+        print(f"  attention alone over {a['context']} cached rows: {a['ms_per_layer']:.3f} ms a layer, "
+              f"{a['ms_per_token']:.2f} ms a token ({n_layer} layers), {a['ns_per_row_per_kv_head']:.2f} ns per "
+              f"row per KV head")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     return result
