@@ -308,14 +308,14 @@ PEBBLE_API enum pebble_status pebble_attend(int32_t n_seq, const float * q, cons
 //
 // A decoder holds, for as long as a plan runs, what every step reads: each layer's shape, weights, RoPE
 // tables and the K/V caches of each of its n_seq sequences, and the output norm and matrix. The caller
-// keeps every buffer it names valid until pebble_decoder_free; nothing is copied. A step then runs one
-// token of each of 1..n_seq sequences (each at its own position, over its own caches) through every layer
-// and the output: per layer, the weights are read once for the whole batch (pebble_matmul's kernels), each
-// sequence's new K/V row is written (row pos % kv_rows of a ring) and it attends over its own rows
-// (pebble_attend's arithmetic). Every operation is pebble_decode_layer's, in its order; each sequence's
-// result is the same whatever the others in the step.
+// keeps every buffer it names valid until pebble_decoder_free; nothing is copied (streamed layers aside:
+// pebble_step_layer.streamed). A step then runs one token of each of 1..n_seq sequences (each at its own
+// position, over its own caches) through every layer and the output: per layer, the weights are read once
+// for the whole batch (pebble_matmul's kernels), each sequence's new K/V row is written (row pos % kv_rows
+// of a ring) and it attends over its own rows (pebble_attend's arithmetic), every operation as the layer
+// above describes, in its order; each sequence's result is the same whatever the others in the step.
 //
-// Errors: those of pebble_decode_layer for a layer's shape, weights and caches, named by layer, when the
+// Errors: the layer's (its shape, weights and caches as above), named by layer, when the
 // decoder is made; at a step, PEBBLE_ERR_INVALID_ARGUMENT for a count outside 1..n_seq, a sequence outside
 // 0..n_seq-1 or twice in one step, a NULL x; PEBBLE_ERR_SIZE_MISMATCH for a position outside a layer's
 // RoPE table or past a full cache; PEBBLE_ERR_CLOSED for a freed decoder.
@@ -323,7 +323,7 @@ PEBBLE_API enum pebble_status pebble_attend(int32_t n_seq, const float * q, cons
 struct pebble_step_layer {
     struct pebble_layer_shape   shape;
     struct pebble_layer_weights weights;
-    const float * rope_cos;     // [rope_rows][head_dim] float32: rotations of every position (pebble_decode_layer)
+    const float * rope_cos;     // [rope_rows][head_dim] float32: cos and sin of every position's rotations
     const float * rope_sin;
     int64_t       rope_rows;
     int64_t       kv_rows;      // rows of each of this layer's caches (a ring's window where shape.ring)

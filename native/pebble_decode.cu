@@ -579,7 +579,7 @@ pebble_status with_place(pebble_status st, const char * where) {
 
 pebble_status check_layer(const char * fn, int32_t i, const pebble_layer_shape & s, const pebble_layer_weights & w,
                           int64_t kv_rows) {
-    // The layer's own checks name pebble_decode_layer; which layer failed is added here.
+    // Which layer failed is added to the message of the layer's own checks here.
     char where[64];
     snprintf(where, sizeof where, "%s: layer %d", fn, i);
     pebble_status st = check_shape(&s, kv_rows);

@@ -51,7 +51,7 @@ class LayerShape:
         """From a pyplugin.model.ModelConfig: a layer's own (ModelConfig.for_layer), whose window says
         whether its caches are rings (they hold min(n_ctx, window) rows: ModelConfig.kv_rows)."""
         if cfg.activation not in ("silu", "gelu"):
-            raise InvalidArgumentError(f"pebble_decode_layer: activation {cfg.activation!r}; silu and gelu are "
+            raise InvalidArgumentError(f"decoder: activation {cfg.activation!r}; silu and gelu are "
                                        "computed")
         return cls(cfg.n_embd, cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.n_ff, cfg.rope_dims,
                    int(cfg.rope_mode == "neox"), cfg.rms_eps, int(cfg.activation == "gelu"), int(cfg.window > 0),
