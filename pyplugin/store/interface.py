@@ -269,3 +269,12 @@ class Store(abc.ABC):
         state = "closed" if self.closed else f"{self.device_limit} device bytes"
         return (f"<{type(self).__name__} backend={self.backend} layers={self.n_layers} "
                 f"strategy={self.strategy} {state}>")
+
+
+def check_attend_counts(k_caches, v_caches, n_pos) -> None:
+    """pebble_attend reads n_seq entries of each of these, so they come in equal numbers (n_seq, the
+    sequences, at least 1): refused here, before the library reads past the end of a shorter one."""
+    counts = (len(k_caches), len(v_caches), len(n_pos))
+    if counts[0] < 1 or len(set(counts)) > 1:
+        raise SizeMismatchError(f"attend: {counts[0]} K caches, {counts[1]} V caches and {counts[2]} n_pos; one of "
+                                "each per sequence (at least one sequence) is needed")
