@@ -507,8 +507,55 @@ extern "C" pebble_status pebble_free(pebble_store_t handle) {
 
 namespace {
 
+// A desc's shape describes the bytes saved: no dimension is negative; a type with kernels has rows of whole
+// blocks (ne[0]) and exactly its elements' bytes; untyped bytes a whole number of bytes per element. (A type
+// without kernels is taken as described: its block size is not this library's to know.)
+pebble_status check_desc_bytes(const char * fn, int32_t layer, int32_t tensor_id, uint64_t nbytes,
+                               const pebble_tensor_desc & desc) {
+    char shape[4 * 24 + 8] = "[";
+    for (int32_t d = 0; d < desc.n_dims; d++) {
+        const size_t used = std::strlen(shape);
+        std::snprintf(shape + used, sizeof shape - used, "%s%" PRId64, d ? ", " : "", desc.ne[d]);
+    }
+    std::strncat(shape, "]", sizeof shape - std::strlen(shape) - 1);
+    uint64_t elements = 1;
+    bool overflow = false;
+    for (int32_t d = 0; d < desc.n_dims; d++) {
+        if (desc.ne[d] < 0) {
+            return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: layer %d tensor %d: shape %s has a negative dimension; each "
+                        "must be at least 0", fn, layer, tensor_id, shape);
+        }
+        const uint64_t n = uint64_t(desc.ne[d]);
+        overflow = overflow || (n != 0 && elements > UINT64_MAX / n);
+        elements *= n;
+    }
+    int64_t block_elements = 1, block_bytes = 0;
+    if (desc.ggml_type == PEBBLE_TYPE_BYTES) {
+        if (overflow || elements == 0 || nbytes % elements != 0) {
+            return fail(PEBBLE_ERR_SIZE_MISMATCH, "%s: layer %d tensor %d: %" PRIu64 " bytes are not a whole number of "
+                        "bytes for each element of shape %s", fn, layer, tensor_id, nbytes, shape);
+        }
+    } else if (pebble_internal::type_block(desc.ggml_type, &block_elements, &block_bytes)) {
+        const char * type = pebble_internal::ggml_type_name(desc.ggml_type);
+        if (desc.ne[0] % block_elements != 0) {
+            return fail(PEBBLE_ERR_SIZE_MISMATCH, "%s: layer %d tensor %d: %s shape %s: the first dimension must be a "
+                        "multiple of the type's %" PRId64 "-element blocks", fn, layer, tensor_id, type, shape,
+                        block_elements);
+        }
+        const uint64_t blocks = elements / uint64_t(block_elements);
+        overflow = overflow || blocks > UINT64_MAX / uint64_t(block_bytes);
+        if (overflow || blocks * uint64_t(block_bytes) != nbytes) {
+            char need[32] = "more than 2^64";
+            if (!overflow) std::snprintf(need, sizeof need, "%" PRIu64, blocks * uint64_t(block_bytes));
+            return fail(PEBBLE_ERR_SIZE_MISMATCH, "%s: layer %d tensor %d holds %" PRIu64 " bytes; %s shape %s needs "
+                        "%s", fn, layer, tensor_id, nbytes, type, shape, need);
+        }
+    }
+    return PEBBLE_OK;
+}
+
 // What pebble_save and pebble_save_borrowed both refuse: a layer out of range, a negative tensor id, no
-// source or no bytes, a desc of no dimensions or of a type that is no GGUF type.
+// source or no bytes, a desc of no dimensions, of a type that is no GGUF type or of a shape other than the bytes'.
 pebble_status check_save(const store & s, const char * fn, int32_t layer, int32_t tensor_id, const void * src,
                          uint64_t nbytes, const pebble_tensor_desc * desc) {
     TRY(check_layer(s, layer, fn));
@@ -524,7 +571,7 @@ pebble_status check_save(const store & s, const char * fn, int32_t layer, int32_
         return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: layer %d tensor %d: GGUF type %d is not -1 (bytes) or a GGUF "
                     "type id 0..%d", fn, layer, tensor_id, desc->ggml_type, PEBBLE_TYPE_COUNT - 1);
     }
-    return PEBBLE_OK;
+    return desc ? check_desc_bytes(fn, layer, tensor_id, nbytes, *desc) : PEBBLE_OK;
 }
 
 } // namespace

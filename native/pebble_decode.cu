@@ -357,6 +357,12 @@ extern "C" pebble_status pebble_attend(int32_t n_seq, const float * q, const flo
         return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_attend: scale %g and softcap %g must be finite, softcap at "
                     "least 0", static_cast<double>(scale), static_cast<double>(softcap));
     }
+    // Every offset below fits in int64: q and out of n_seq x n_head x head_dim float32, each cache's rows.
+    const int64_t q_width = int64_t(n_head) * head_dim, kv_row = int64_t(n_head_kv) * head_dim;
+    if (q_width > INT64_MAX / 4 / n_seq || n_rows > INT64_MAX / 4 / kv_row) {
+        return fail(PEBBLE_ERR_SIZE_MISMATCH, "pebble_attend: %d sequences of %d x %d heads, caches of %" PRId64 " rows of "
+                    "%d x %d: too large to address", n_seq, n_head, head_dim, n_rows, n_head_kv, head_dim);
+    }
     uint64_t need = 0;
     TRY(pebble_attend_scratch_bytes(n_seq, n_head, n_rows, &need));
     if (scratch_bytes < need) {
@@ -1150,6 +1156,12 @@ extern "C" pebble_status pebble_decoder_create(const pebble_step_model * model, 
         if (!L.rope_cos || !L.rope_sin || L.rope_rows < 1) {
             return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: layer %d: rope_cos and rope_sin must not be NULL, rope_rows "
                         "(%" PRId64 ") at least 1", fn, i, L.rope_rows);
+        }
+        const int64_t kv_row = int64_t(L.shape.n_head_kv) * L.shape.head_dim;  // a cache row's elements
+        if (L.kv_rows > INT64_MAX / 4 / m.n_seq / std::max<int64_t>(L.shape.n_head, kv_row) ||
+            L.rope_rows > INT64_MAX / 4 / L.shape.head_dim) {
+            return fail(PEBBLE_ERR_SIZE_MISMATCH, "%s: layer %d: kv_rows %" PRId64 " or rope_rows %" PRId64 " is too "
+                        "large to address", fn, i, L.kv_rows, L.rope_rows);
         }
         if (!std::isfinite(L.attn_scale)) {
             return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: layer %d: attn_scale %g must be finite", fn, i,

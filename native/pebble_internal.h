@@ -23,6 +23,8 @@ pebble_status fail(pebble_status status, const char * fmt, ...);
 // From pebble_quant.cu, for the decode step (pebble_decode.cu):
 // the GGUF name of a type id ("?" for ids without a type);
 const char * ggml_type_name(int32_t ggml_type);
+// the elements and bytes of one block of a type with kernels (false, nothing written, for another type);
+bool type_block(int32_t ggml_type, int64_t * block_elements, int64_t * block_bytes);
 // PEBBLE_OK when `ggml_type` has kernels and n_rows x n_cols are whole rows of its blocks, else a failure
 // naming `fn` and `what`;
 pebble_status check_matrix(const char * fn, const char * what, int32_t ggml_type, int64_t n_rows, int64_t n_cols);

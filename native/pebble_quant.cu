@@ -381,22 +381,31 @@ const char * type_name(int32_t ggml_type) {
 
 #define SUPPORTED_TYPES "0 F32, 1 F16, 2 Q4_0, 3 Q4_1, 6 Q5_0, 7 Q5_1, 8 Q8_0, 12 Q4_K, 13 Q5_K, 14 Q6_K, 30 BF16"
 
-// Calls f(T{}) with the block type of `ggml_type`; the one list of the types with kernels.
+// Calls f(T{}) with the block type of `ggml_type` and returns true, or false for a type without kernels;
+// the one list of the types with kernels.
+template <typename F>
+bool visit_type(int32_t ggml_type, F && f) {
+    switch (ggml_type) {
+        case type_f32::id:  f(type_f32{});  return true;
+        case type_f16::id:  f(type_f16{});  return true;
+        case type_bf16::id: f(type_bf16{}); return true;
+        case type_q4_0::id: f(type_q4_0{}); return true;
+        case type_q8_0::id: f(type_q8_0{}); return true;
+        case type_q4_k::id: f(type_q4_k{}); return true;
+        case type_q6_k::id: f(type_q6_k{}); return true;
+        case type_q4_1::id: f(type_q4_1{}); return true;
+        case type_q5_0::id: f(type_q5_0{}); return true;
+        case type_q5_1::id: f(type_q5_1{}); return true;
+        case type_q5_k::id: f(type_q5_k{}); return true;
+    }
+    return false;
+}
+
+// f(T{}) for the block type of `ggml_type`, or a failure naming `fn` for a type without kernels.
 template <typename F>
 pebble_status with_type(int32_t ggml_type, const char * fn, F && f) {
-    switch (ggml_type) {
-        case type_f32::id:  return f(type_f32{});
-        case type_f16::id:  return f(type_f16{});
-        case type_bf16::id: return f(type_bf16{});
-        case type_q4_0::id: return f(type_q4_0{});
-        case type_q8_0::id: return f(type_q8_0{});
-        case type_q4_k::id: return f(type_q4_k{});
-        case type_q6_k::id: return f(type_q6_k{});
-        case type_q4_1::id: return f(type_q4_1{});
-        case type_q5_0::id: return f(type_q5_0{});
-        case type_q5_1::id: return f(type_q5_1{});
-        case type_q5_k::id: return f(type_q5_k{});
-    }
+    pebble_status st = PEBBLE_OK;
+    if (visit_type(ggml_type, [&](auto t) { st = f(t); })) return st;
     if (ggml_type >= 0 && ggml_type < PEBBLE_TYPE_COUNT && type_name(ggml_type)[0] != '?') {
         return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: GGUF type %d (%s) has no kernels; supported: " SUPPORTED_TYPES,
                     fn, ggml_type, type_name(ggml_type));
@@ -492,6 +501,13 @@ pebble_status launch_matvec(const uint8_t * w, int64_t n_rows, int64_t n_cols, c
 namespace pebble_internal {
 
 const char * ggml_type_name(int32_t ggml_type) { return type_name(ggml_type); }
+
+bool type_block(int32_t ggml_type, int64_t * block_elements, int64_t * block_bytes) {
+    return visit_type(ggml_type, [&](auto t) {
+        *block_elements = decltype(t)::block_elements;
+        *block_bytes    = decltype(t)::block_bytes;
+    });
+}
 
 pebble_status check_matrix(const char * fn, const char * what, int32_t ggml_type, int64_t n_rows, int64_t n_cols) {
     return with_type(ggml_type, fn, [&](auto t) {

@@ -113,3 +113,44 @@ def test_new_rows_of_the_wrong_size_are_refused(kernels):
                            xp.zeros((1, N_HEAD * HEAD_DIM), np.float32), xp.zeros(1 << 16, np.uint8),
                            k_new=short, v_new=short)
     assert not to_host(cache[0]).any()  # nothing written
+
+
+@pytest.mark.parametrize("counts", [(2, 1, 2), (1, 2, 1), (2, 2, 1), (1, 1, 3), (0, 0, 0)],
+                         ids=["fewer V caches", "fewer K caches", "fewer n_pos", "more n_pos", "no sequence"])
+def test_unequal_numbers_of_caches_and_positions_are_refused_before_the_library_reads(kernels, counts):
+    """pebble_attend reads n_seq entries of k_caches, v_caches and n_pos: a shorter list once made it read
+    past its end (ASan: heap-buffer-overflow in pebble_attend). Now the call is refused naming the counts."""
+    xp = kernels.xp
+    n_k, n_v, n_n = counts
+    n_seq = max(n_k, 1)
+    pair = lambda: xp.zeros((N_ROWS, N_KV, HEAD_DIM), np.float32)  # noqa: E731
+    q = xp.zeros((n_seq, N_HEAD * HEAD_DIM), np.float32)
+    out = xp.zeros((n_seq, N_HEAD * HEAD_DIM), np.float32)
+    with pytest.raises(SizeMismatchError, match=f"{n_k} K caches, {n_v} V caches and {n_n} n_pos"):
+        kernels.lib.attend(q, 0, [pair() for _ in range(n_k)], [pair() for _ in range(n_v)], [3] * n_n, N_ROWS,
+                           N_HEAD, N_KV, HEAD_DIM, 1.0, 0.0, out, xp.zeros(1 << 16, np.uint8))
+
+
+def test_caches_attended_over_die_with_their_owner(kernels):
+    """The kernels (one object per backend, shared by every model) keep nothing of the caches they attended
+    over: dropped by their sequence, they are freed. A table of cache pointers once held every set attended
+    (up to 256), so a model's KV caches outlived it (+256 MB a request at num_ctx 16384)."""
+    import gc
+    import weakref
+
+    xp = kernels.xp
+    q = xp.zeros((1, N_HEAD, HEAD_DIM), np.float32)
+    cache = (xp.zeros((N_ROWS, N_KV, HEAD_DIM), np.float32), xp.zeros((N_ROWS, N_KV, HEAD_DIM), np.float32))
+    for _ in range(2):  # the second call over the same caches takes any table's entry
+        kernels.attend(q, [cache], [3], N_KV, 1.0)
+    refs = [weakref.ref(c) for c in cache]
+    del cache
+    gc.collect()
+    assert [r() for r in refs] == [None, None]
+    # new arrays (which may take the freed ones' ids) are attended over as themselves, not through a stale entry
+    k, v = (xp.asarray(np.random.default_rng(3).standard_normal((N_ROWS, N_KV, HEAD_DIM)).astype(np.float32))
+            for _ in range(2))
+    q1 = xp.asarray(np.random.default_rng(4).standard_normal((1, N_HEAD, HEAD_DIM)).astype(np.float32))
+    got = to_host(kernels.attend(q1, [(k, v)], [5], N_KV, 0.5))[0]
+    np.testing.assert_allclose(got, reference(to_host(q1)[0], to_host(k), to_host(v), 5, 0.5, 0.0), rtol=1e-5,
+                               atol=1e-5)

@@ -131,3 +131,99 @@ def test_the_linux_services_store_is_searched_after_the_users(tmp_path, monkeypa
     assert [m.name for m in list_models()] == ["both:latest", "only-there:latest"]
     monkeypatch.setenv("OLLAMA_MODELS", str(tmp_path / "elsewhere"))  # set: the only store
     assert resolve("only-there") is None and list_models() == []
+
+
+# ---------------------------------------------------------------------------------------------------
+# broken manifests and links out of the store: refused, naming the model and never a path
+
+
+def _manifest(root: Path, model: str) -> Path:
+    return root / "manifests" / "registry.ollama.ai" / "library" / model / "latest"
+
+
+@pytest.fixture
+def broken_store(tmp_path, monkeypatch):
+    """Ollama's store holding a working model and every kind of broken one; a GGUF model and a secret
+    outside it, which links in the store point to."""
+    from pyplugin.model.synth import write_gguf
+
+    store, outside = tmp_path / "ollama-store", tmp_path / "outside"
+    outside.mkdir()
+    gguf = write_gguf(outside / "real.gguf", n_layer=1, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, n_ctx=64)
+    secret = outside / "secret.txt"
+    secret.write_text("s3cr3t:x:0:0")
+    add_model(store, "registry.ollama.ai", "library", "good", "latest", gguf.read_bytes())
+    add_model(store, "registry.ollama.ai", "library", "not-json", "latest")
+    _manifest(store, "not-json").write_text("{not json")
+    add_model(store, "registry.ollama.ai", "library", "no-layer", "latest",
+              media_type="application/vnd.ollama.image.adapter")
+    add_model(store, "registry.ollama.ai", "library", "bad-digest", "latest")
+    _manifest(store, "bad-digest").write_text(json.dumps({"layers": [
+        {"mediaType": ollama_store.MODEL_MEDIA_TYPE, "digest": "sha256:xyz"}]}))
+    add_model(store, "registry.ollama.ai", "library", "no-blob", "latest", b"absent", write_blob=False)
+    # a model blob that links to a GGUF file outside the store
+    digest = hashlib.sha256(b"linked model").hexdigest()
+    add_model(store, "registry.ollama.ai", "library", "blob-link", "latest", b"linked model", write_blob=False)
+    (store / "blobs" / f"sha256-{digest}").symlink_to(gguf)
+    # a license layer that links to a secret outside the store
+    blob = add_model(store, "registry.ollama.ai", "library", "license-link", "latest", gguf.read_bytes() + b"\0",
+                     layers={"license": "placeholder"})
+    license_blob = store / "blobs" / f"sha256-{hashlib.sha256(b'placeholder').hexdigest()}"
+    license_blob.unlink()
+    license_blob.symlink_to(secret)
+    assert blob.is_file()
+    # a manifest that links to one outside the store (naming the good model's blob)
+    outside_manifest = outside / "manifest.json"
+    outside_manifest.write_text(_manifest(store, "good").read_text())
+    _manifest(store, "manifest-link").parent.mkdir(parents=True)
+    _manifest(store, "manifest-link").symlink_to(outside_manifest)
+    monkeypatch.setenv("OLLAMA_MODELS", str(store))
+    return store, tmp_path
+
+
+BROKEN = {"not-json": "names no model layer", "no-layer": "names no model layer", "bad-digest": "sha256:<64 hex>",
+          "no-blob": "ollama pull no-blob:latest", "blob-link": "outside the store",
+          "license-link": "outside the store", "manifest-link": "outside the store"}
+
+
+@pytest.mark.parametrize("model", list(BROKEN))
+def test_a_broken_or_linked_out_model_is_an_error_naming_it_and_no_path(broken_store, model):
+    store, tmp_path = broken_store
+    with pytest.raises(ModelError) as caught:
+        resolve(model)
+    message = str(caught.value)
+    assert f"model '{model}:latest'" in message and BROKEN[model] in message, message
+    assert str(tmp_path) not in message and str(tmp_path.resolve()) not in message and "/manifests" not in message
+    assert model not in [m.name.split(":")[0] for m in list_models()]  # not listed either
+    assert resolve("good").name == "good:latest"
+
+
+@pytest.fixture
+def broken_server(broken_store, tmp_path_factory):
+    from server_patch import create_app
+    from server_patch.local import serving
+
+    app = create_app(models_dir=tmp_path_factory.mktemp("models"))
+    with serving(app) as url:
+        yield url, broken_store[1]
+    app.state.engine.close()
+
+
+@pytest.mark.parametrize("model", list(BROKEN))
+def test_the_server_answers_a_broken_or_linked_out_model_naming_it_and_no_path(broken_server, model):
+    import requests
+
+    url, tmp_path = broken_server
+    for method, path, body in (("post", "/api/generate", {"model": model, "prompt": "hi", "stream": False}),
+                               ("post", "/api/show", {"model": model}),
+                               ("post", "/api/chat", {"model": model, "messages": [], "stream": False}),
+                               ("get", f"/v1/models/{model}", None)):
+        r = getattr(requests, method)(url + path, json=body, timeout=60)
+        assert r.status_code == 400, (path, r.status_code, r.text[:300])
+        assert str(tmp_path) not in r.text and str(tmp_path.resolve()) not in r.text, (path, r.text)
+        assert "s3cr3t" not in r.text and "/manifests" not in r.text and BROKEN[model] in r.text, (path, r.text)
+    names = [m["name"] for m in requests.get(url + "/api/tags", timeout=60).json()["models"]]
+    assert "good:latest" in names and f"{model}:latest" not in names
+    r = requests.post(url + "/api/generate", json={"model": "good", "prompt": "hi", "stream": False,
+                                                   "options": {"num_predict": 1}}, timeout=60)
+    assert r.status_code == 200 and r.json()["eval_count"] == 1

@@ -64,6 +64,11 @@ class GGUFFile:
                 raise ModelError(f"{self.path}: tensor {name} has type id {ggml_type}, which is not a GGUF "
                                  "type") from None
             shape = tuple(reversed(ne))
+            problem = _shape_problem(qtype, shape)
+            if problem:
+                self.close()
+                raise ModelError(f"{self.path}: tensor {name} ({qtype.name}, shape {list(ne)} in GGUF order) "
+                                 f"{problem}")
             self.tensors[name] = TensorInfo(name, qtype, shape, header.data_start + offset,
                                             _tensor_bytes(qtype, shape))
         self._check_sizes()
@@ -179,6 +184,19 @@ def drop_file_pages(array: np.ndarray) -> None:
     if found is not None:
         base, first, length = found
         base.madvise(mmap.MADV_DONTNEED, first, length)
+
+
+def _shape_problem(qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> str | None:
+    """What is wrong with a tensor of `shape` (numpy order) in blocks of `qtype`, or None: as llama.cpp's
+    loader, every row (the innermost dimension) must be whole blocks; a dimension of 0 describes no tensor
+    a model can use, and would divide by zero where rows are counted."""
+    if any(d < 1 for d in shape):
+        return "has a dimension of 0; every dimension must be at least 1"
+    block = GGML_QUANT_SIZES[qtype][0]
+    if shape and shape[-1] % block:
+        return (f"has rows of {shape[-1]} elements, not a whole number of the type's {block}-element blocks; "
+                f"the first dimension must be a multiple of {block}")
+    return None
 
 
 def _tensor_bytes(qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> int:

@@ -159,24 +159,37 @@ def list_models(root: Path | None = None) -> list[OllamaModel]:
 
 
 def _read_manifest(manifest: Path, root: Path, display: str) -> OllamaModel:
+    # Errors name the model, never a path: where the store lies is the server's own business.
+    _check_inside(manifest, root, display, "manifest")
     try:
         data = json.loads(manifest.read_text())
         layer = next(layer for layer in data.get("layers", [])
                      if isinstance(layer, dict) and layer.get("mediaType") == MODEL_MEDIA_TYPE)
     except (OSError, ValueError, StopIteration, AttributeError) as exc:
-        raise ModelError(f"Ollama manifest {manifest} names no model layer "
-                         f"({MODEL_MEDIA_TYPE}): {exc or 'none found'}") from None
+        why = exc.strerror if isinstance(exc, OSError) else str(exc)
+        raise ModelError(f"model '{display}': its Ollama manifest names no model layer "
+                         f"({MODEL_MEDIA_TYPE}): {why or 'none found'}") from None
     digest = str(layer.get("digest", ""))
     match = _DIGEST.fullmatch(digest)
     if not match:
-        raise ModelError(f"Ollama manifest {manifest}: model layer digest {digest!r} is not sha256:<64 hex>")
+        raise ModelError(f"model '{display}': its Ollama manifest's model layer digest {digest!r} is not "
+                         "sha256:<64 hex>")
     blob = root / "blobs" / f"sha256-{match.group(1)}"
     if not blob.is_file():
-        raise ModelError(f"Ollama manifest {manifest} names blob {blob.name}, which is missing; "
+        raise ModelError(f"model '{display}': its Ollama manifest names blob {blob.name}, which is missing; "
                          f"run `ollama pull {display}` again")
+    _check_inside(blob, root, display, "model blob")
     size = int(layer.get("size") or blob.stat().st_size)
     return OllamaModel(display, blob, f"sha256:{match.group(1)}", size, manifest.stat().st_mtime,
                        _read_layers(data.get("layers", []), root, display))
+
+
+def _check_inside(path: Path, root: Path, display: str, what: str) -> None:
+    """A file of the store that is a link to a file outside it is not followed (as a link in the models
+    directory is not): the store's files are Ollama's, written by its pulls, never links out of it."""
+    if not path.resolve().is_relative_to(root.resolve()):
+        raise ModelError(f"model '{display}': its {what} in Ollama's store is a link to a file outside the "
+                         f"store, which is not followed; run `ollama pull {display}` again")
 
 
 def _read_layers(layers: list, root: Path, display: str) -> ModelLayers:
@@ -210,6 +223,8 @@ def _layer_text(layer: dict, root: Path, display: str, kind: str) -> str:
     if not match:
         raise ModelError(f"model '{display}': its {kind} layer's digest is not sha256:<64 hex>")
     blob = root / "blobs" / f"sha256-{match.group(1)}"
+    if blob.exists():
+        _check_inside(blob, root, display, f"{kind} layer")
     try:
         with open(blob, "rb") as f:
             data = f.read(MAX_LAYER_BYTES + 1)

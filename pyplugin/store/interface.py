@@ -14,12 +14,14 @@ caller's buffers when it returns; with a stream, the caller keeps them alive unt
 from __future__ import annotations
 
 import abc
+import math
 import operator
 from dataclasses import dataclass, fields
 
 import numpy as np
 
 from ..errors import ClosedError, InvalidArgumentError, SizeMismatchError
+from ..ggml_types import SUPPORTED_TYPES, block, type_name
 from .abi import MAX_DIMS, TIER_AUTO, TIER_HOST, TIER_NAMES, TYPE_BYTES
 from .strategy import Strategy
 
@@ -105,9 +107,36 @@ def default_desc(data, desc: TensorDesc | None) -> TensorDesc | None:
     return TensorDesc(TYPE_BYTES, tuple(int(n) for n in reversed(data.shape)))
 
 
+def check_desc_bytes(call: str, key, ggml_type: int, shape: tuple, nbytes: int) -> None:
+    """The stub's pebble_save check that a desc's shape describes the bytes saved (pebble.cu's
+    check_desc_bytes): no negative dimension; a type with kernels, rows of whole blocks and exactly its
+    elements' bytes; untyped bytes, a whole number of bytes per element. A type without kernels is taken as
+    described."""
+    where, dims = f"{call}: layer {key[0]} tensor {key[1]}", "[" + ", ".join(map(str, shape)) + "]"
+    if any(n < 0 for n in shape):
+        raise InvalidArgumentError(f"{where}: shape {dims} has a negative dimension; each must be at least 0")
+    elements = math.prod(shape)
+    if ggml_type == TYPE_BYTES:
+        if elements == 0 or elements >= 1 << 64 or nbytes % elements:
+            raise SizeMismatchError(f"{where}: {nbytes} bytes are not a whole number of bytes for each element of "
+                                    f"shape {dims}")
+    elif ggml_type in SUPPORTED_TYPES:
+        block_elements, block_bytes = block(ggml_type)
+        if shape[0] % block_elements:
+            raise SizeMismatchError(f"{where}: {type_name(ggml_type)} shape {dims}: the first dimension must be a "
+                                    f"multiple of the type's {block_elements}-element blocks")
+        need = elements // block_elements * block_bytes
+        if elements >= 1 << 64 or need >= 1 << 64 or need != nbytes:
+            raise SizeMismatchError(f"{where} holds {nbytes} bytes; {type_name(ggml_type)} shape {dims} needs "
+                                    f"{need if need < 1 << 64 else 'more than 2^64'}")
+
+
 def check_view(call: str, layer: int, tensor_id: int, nbytes: int, dtype, shape) -> tuple[np.dtype, tuple]:
     """dtype and shape of a view over an entry of `nbytes`, which they must cover exactly."""
     dtype, shape = np.dtype(dtype), tuple(int(n) for n in shape)
+    if any(n < 0 for n in shape):
+        raise InvalidArgumentError(f"{call}: layer {layer} tensor {tensor_id}: shape {shape} has a negative "
+                                   "dimension; each must be at least 0")
     want = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     if want != nbytes:
         raise SizeMismatchError(f"{call}: layer {layer} tensor {tensor_id} holds {nbytes} bytes; "
@@ -269,3 +298,12 @@ class Store(abc.ABC):
         state = "closed" if self.closed else f"{self.device_limit} device bytes"
         return (f"<{type(self).__name__} backend={self.backend} layers={self.n_layers} "
                 f"strategy={self.strategy} {state}>")
+
+
+def check_attend_counts(k_caches, v_caches, n_pos) -> None:
+    """pebble_attend reads n_seq entries of each of these, so they come in equal numbers (n_seq, the
+    sequences, at least 1): refused here, before the library reads past the end of a shorter one."""
+    counts = (len(k_caches), len(v_caches), len(n_pos))
+    if counts[0] < 1 or len(set(counts)) > 1:
+        raise SizeMismatchError(f"attend: {counts[0]} K caches, {counts[1]} V caches and {counts[2]} n_pos; one of "
+                                "each per sequence (at least one sequence) is needed")

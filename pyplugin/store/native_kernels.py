@@ -4,12 +4,14 @@ and "decode step" sections of native/pebble.h), over the declarations native.py 
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 
 from ..errors import ClosedError, InvalidArgumentError, PebblingError, SizeMismatchError
 from ..ggml_types import DENSE_TYPES
 from .abi import INT32_MAX, INT32_MIN, INT64_MAX, INT64_MIN
-from .interface import stream_pointer
+from .interface import check_attend_counts, stream_pointer
 from .kernels import DECODE_WEIGHTS, DECODER_STATS
 from .native import _DEVICE_MEMORY, _buffer, _c_int, _check, ffi, load_library
 
@@ -106,6 +108,7 @@ class NativeKernels:
         (each n_rows x n_head_kv x head_dim of kv_type), n_pos rows attended in each; k_new and v_new
         (float32 [n_seq, n_head_kv * head_dim], or None) stored into row n_pos[b] - 1 first."""
         backend, n_seq = self.backend, len(k_caches)
+        check_attend_counts(k_caches, v_caches, n_pos)
         q_ptr, q_bytes = _pointer(q, backend, False, "q")
         out_ptr, out_bytes = _pointer(out, backend, True, "out")
         want = 4 * n_seq * n_head * head_dim
@@ -134,12 +137,16 @@ class NativeKernels:
     def _cache_pointers(self, kv_type: int, k_caches, v_caches, elements: int):
         """The two pointer arrays pebble_attend takes for these caches, each cache's size checked. Made
         once per set of caches: a decode step attends every layer of every step over the same arrays.
-        The entry keeps the arrays alive, so no other array can take their ids while it is kept."""
+        An entry holds its arrays by weak reference only, so the caches die with their sequence and
+        model; one whose arrays have gone (and whose ids another array may have taken) is made again."""
         cache = self.__dict__.setdefault("_attend_pointers", {})
         key = (kv_type, elements, *map(id, k_caches), *map(id, v_caches))
         hit = cache.get(key)
         if hit is not None:
-            return hit[0], hit[1]
+            arrays, refs = hit
+            if all(ref() is c for ref, c in zip(refs, (*k_caches, *v_caches))):
+                return arrays
+            del cache[key]
         kv_item = _ITEMSIZE.get(kv_type)
         cache_bytes = None if kv_item is None else elements * kv_item
         arrays = []
@@ -151,9 +158,13 @@ class NativeKernels:
                     raise SizeMismatchError(f"attend: a {name} holds {nbytes} bytes; {cache_bytes} are needed")
                 row.append(ptr)
             arrays.append(ffi.new("void *[]", [ffi.cast("void *", p) for p in row]))
+        try:
+            refs = [weakref.ref(c) for c in (*k_caches, *v_caches)]
+        except TypeError:  # an array type that cannot be weakly referenced: not kept, made at each call
+            return arrays[0], arrays[1]
         if len(cache) >= 256:  # batches of other sequences, or a plan made again: start afresh
             cache.clear()
-        cache[key] = (arrays[0], arrays[1], list(k_caches), list(v_caches))
+        cache[key] = ((arrays[0], arrays[1]), refs)
         return arrays[0], arrays[1]
 
 

@@ -48,7 +48,8 @@ from ..errors import (
 )
 from .abi import INT32_MAX, MAX_DIMS, TIER_AUTO, TIER_DEVICE, TIER_NAMES, TYPE_BYTES, TYPE_COUNT
 from .interface import (
-    EntryInfo, Store, StoreStats, TensorDesc, as_int, as_strategy, check_view, default_desc, host_buffer,
+    EntryInfo, Store, StoreStats, TensorDesc, as_int, as_strategy, check_desc_bytes, check_view, default_desc,
+    host_buffer,
     stream_pointer, tier_code,
 )
 from .strategy import is_resident, resident_count
@@ -151,6 +152,7 @@ class StubStore(Store):
         if not 1 <= len(shape) <= MAX_DIMS:
             raise InvalidArgumentError(f"{call}: layer {key[0]} tensor {key[1]}: shape {shape} has "
                                        f"{len(shape)} dimensions; valid: 1..{MAX_DIMS}")
+        check_desc_bytes(call, key, ggml_type, shape, nbytes)
         return TensorDesc(ggml_type, shape)
 
     # -- tier bookkeeping

@@ -18,7 +18,7 @@ from ..errors import InvalidArgumentError, SizeMismatchError
 from ..ggml_types import SUPPORTED_TEXT, SUPPORTED_TYPES, block, type_name
 from ..model.qweight import QuantWeight
 from .abi import MATVEC_MAX_VEC
-from .interface import as_int, host_buffer
+from .interface import as_int, check_attend_counts, host_buffer
 from .kernels import Kernels
 from .stub_decoder import _DTYPE_OF, StubDecoder
 
@@ -198,6 +198,7 @@ class StubKernels:
     def attend(self, q, kv_type: int, k_caches, v_caches, n_pos, n_rows: int, n_head: int, n_head_kv: int,
                head_dim: int, scale: float, softcap: float, out, scratch, *, k_new=None, v_new=None,
                stream=None) -> None:
+        check_attend_counts(k_caches, v_caches, n_pos)
         if min(len(k_caches), n_head, n_head_kv, head_dim, n_rows) < 1 or n_head % n_head_kv:
             raise InvalidArgumentError(f"pebble_attend: n_seq {len(k_caches)}, n_head {n_head}, n_head_kv {n_head_kv}, "
                                        f"head_dim {head_dim}, n_rows {n_rows}: each at least 1, the heads dividing")

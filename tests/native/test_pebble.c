@@ -3,6 +3,7 @@
 // (Python's own would drown it out).
 #include "pebble.h"
 
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <math.h>
@@ -309,6 +310,83 @@ int main(void) {
         ks[1] = k1;
         model.n_seq = 0;
         EXPECT(pebble_decoder_create(&model, &layer, ks, vs, &d) == PEBBLE_ERR_INVALID_ARGUMENT);
+    }
+
+    // pebble_attend: one query over a cache of 3 rows whose V rows are 1, 2, 3 and K rows 0 (a plain mean:
+    // 2); then every malformed call refused before anything is read or written.
+    {
+        enum { ROWS = 3, HD = 4 };
+        float q[HD] = {0}, k[ROWS * HD] = {0}, v[ROWS * HD], out[HD] = {0}, scratch[16];
+        for (int r = 0; r < ROWS; r++) for (int i = 0; i < HD; i++) v[r * HD + i] = (float)(r + 1);
+        void * kc[1] = {k}, * vc[1] = {v}, * none[1] = {NULL};
+        int64_t n_pos[1] = {ROWS};
+        uint64_t need = 0;
+        EXPECT(pebble_attend_scratch_bytes(1, 1, ROWS, &need) == PEBBLE_OK && need <= sizeof scratch);
+        EXPECT(pebble_attend(1, q, NULL, NULL, 0, kc, vc, n_pos, ROWS, 1, 1, HD, 1.0f, 0.0f, out, scratch,
+                             sizeof scratch, NULL) == PEBBLE_OK && NEAR(out[0], 2.0f) && NEAR(out[3], 2.0f));
+        EXPECT(pebble_attend(1, q, NULL, NULL, 0, none, vc, n_pos, ROWS, 1, 1, HD, 1.0f, 0.0f, out, scratch,
+                             sizeof scratch, NULL) == PEBBLE_ERR_INVALID_ARGUMENT &&
+               strstr(pebble_last_error(), "NULL cache") != NULL);
+        EXPECT(pebble_attend(1, q, NULL, NULL, 0, kc, NULL, n_pos, ROWS, 1, 1, HD, 1.0f, 0.0f, out, scratch,
+                             sizeof scratch, NULL) == PEBBLE_ERR_INVALID_ARGUMENT);
+        n_pos[0] = ROWS + 1;
+        EXPECT(pebble_attend(1, q, NULL, NULL, 0, kc, vc, n_pos, ROWS, 1, 1, HD, 1.0f, 0.0f, out, scratch,
+                             sizeof scratch, NULL) == PEBBLE_ERR_SIZE_MISMATCH);
+        n_pos[0] = ROWS;
+        EXPECT(pebble_attend(1, q, NULL, NULL, 0, kc, vc, n_pos, ROWS, 1, 1, HD, 1.0f, 0.0f, out, scratch, 4,
+                             NULL) == PEBBLE_ERR_SIZE_MISMATCH && strstr(pebble_last_error(), "scratch") != NULL);
+        EXPECT(pebble_attend(0, q, NULL, NULL, 0, kc, vc, n_pos, ROWS, 1, 1, HD, 1.0f, 0.0f, out, scratch,
+                             sizeof scratch, NULL) == PEBBLE_ERR_INVALID_ARGUMENT);
+        // sizes whose byte offsets would overflow int64 are refused, not wrapped around into small ones
+        EXPECT(pebble_attend(1, q, NULL, NULL, 0, kc, vc, n_pos, INT64_MAX / 8, 1, 1, 1 << 30, 1.0f, 0.0f,
+                             out, scratch, UINT64_MAX, NULL) == PEBBLE_ERR_SIZE_MISMATCH &&
+               strstr(pebble_last_error(), "too large") != NULL);
+        EXPECT(pebble_attend(64, q, NULL, NULL, 0, kc, vc, n_pos, ROWS, 1 << 30, 1, 1 << 30, 1.0f, 0.0f, out,
+                             scratch, UINT64_MAX, NULL) == PEBBLE_ERR_SIZE_MISMATCH);
+        EXPECT(NEAR(out[0], 2.0f) && v[0] == 1.0f); // nothing written by a refused call
+    }
+
+    // a decoder whose caches or RoPE tables would be past what an int64 addresses is refused at create
+    {
+        enum { E = 4 };
+        float w[E * E] = {0}, vec[E] = {1, 1, 1, 1}, rope[E] = {1, 1, 1, 1}, k[E], v[E];
+        struct pebble_tensor_ref f32_w = {0, w}, f32_vec = {0, vec};
+        struct pebble_step_layer layer = {
+            {E, 1, 1, E, E, 0, 0, 0.0f, 0, 0, 0.0f, 1.0f},
+            {f32_vec, f32_w, f32_w, f32_w, f32_w, f32_vec, f32_w, f32_w, f32_w,
+             {0, NULL}, {0, NULL}, {0, NULL}, {0, NULL}, {0, NULL}, {0, NULL}, {0, NULL}},
+            rope, rope, 1, INT64_MAX / 8, 1.0f};
+        struct pebble_step_model model = {1, E, E, 64, 0, 0.0f, 1.0f, 0.0f, f32_vec, f32_w};
+        void * ks[64], * vs[64];
+        for (int i = 0; i < 64; i++) { ks[i] = k; vs[i] = v; }
+        pebble_decoder_t d = NULL;
+        EXPECT(pebble_decoder_create(&model, &layer, ks, vs, &d) == PEBBLE_ERR_SIZE_MISMATCH && d == NULL &&
+               strstr(pebble_last_error(), "kv_rows") != NULL);
+        layer.kv_rows = 1;
+        layer.rope_rows = INT64_MAX / 4;
+        EXPECT(pebble_decoder_create(&model, &layer, ks, vs, &d) == PEBBLE_ERR_SIZE_MISMATCH && d == NULL);
+    }
+
+    // a tensor description must describe the bytes saved (once kept as given)
+    {
+        pebble_store_t t = NULL;
+        unsigned char b[68] = {0};
+        EXPECT(pebble_init(1024, 1, PEBBLE_STRATEGY_NONE, 0, 0, &t) == PEBBLE_OK);
+        struct pebble_tensor_desc f32_8 = {0, 1, {8, 0, 0, 0}}, q8_33 = {8, 2, {33, 2, 0, 0}},
+                                  q8_17 = {8, 1, {17, 0, 0, 0}}, negative = {0, 2, {-4, -2, 0, 0}},
+                                  zero = {0, 2, {4, 0, 0, 0}}, q8_ok = {8, 2, {32, 2, 0, 0}};
+        EXPECT(pebble_save(t, 0, 0, b, 16, &f32_8, PEBBLE_TIER_AUTO, NULL) == PEBBLE_ERR_SIZE_MISMATCH &&
+               strstr(pebble_last_error(), "32") != NULL && strstr(pebble_last_error(), "16") != NULL);
+        EXPECT(pebble_save(t, 0, 0, b, 68, &q8_33, PEBBLE_TIER_AUTO, NULL) == PEBBLE_ERR_SIZE_MISMATCH &&
+               strstr(pebble_last_error(), "Q8_0") != NULL);
+        EXPECT(pebble_save(t, 0, 0, b, 34, &q8_17, PEBBLE_TIER_AUTO, NULL) == PEBBLE_ERR_SIZE_MISMATCH);
+        EXPECT(pebble_save(t, 0, 0, b, 32, &negative, PEBBLE_TIER_AUTO, NULL) == PEBBLE_ERR_INVALID_ARGUMENT);
+        EXPECT(pebble_save(t, 0, 0, b, 16, &zero, PEBBLE_TIER_AUTO, NULL) == PEBBLE_ERR_SIZE_MISMATCH);
+        EXPECT(pebble_save_borrowed(t, 0, 0, b, 16, &f32_8, NULL) == PEBBLE_ERR_SIZE_MISMATCH);
+        EXPECT(pebble_save(t, 0, 0, b, 68, &q8_ok, PEBBLE_TIER_AUTO, NULL) == PEBBLE_OK);
+        struct pebble_stats ts;
+        EXPECT(pebble_stats(t, &ts) == PEBBLE_OK && ts.entries == 1 && ts.saves == 1);
+        EXPECT(pebble_free(t) == PEBBLE_OK);
     }
 
     if (failures) {
