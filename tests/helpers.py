@@ -7,11 +7,13 @@ import it as ``from helpers import ...``. Files and loaded models are cached for
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
+from gguf import GGUFReader
 
 from pyplugin.ggml_types import SUPPORTED_NAMES
 from pyplugin.model import Model, load_model
@@ -133,3 +135,24 @@ def script_replies(monkeypatch, models_dir: Path):
 
     monkeypatch.setattr(Generation, "sample", sample)
     return write
+
+
+def craft(base: Path, path: Path, tensor: str, qtype: int | None, ne: tuple[int, ...]) -> Path:
+    """A copy of `base` whose tensor `tensor` claims type `qtype` and shape `ne`, written into its header in
+    place (the data section stays as it was)."""
+    shutil.copy(base, path)
+    reader = GGUFReader(path, "r+")
+    parts = next(t for t in reader.tensors if t.name == tensor).field.parts
+    assert len(parts[3]) == len(ne), "the crafted shape keeps the number of dimensions"
+    parts[3][:] = ne
+    if qtype is not None:
+        parts[4][:] = qtype
+    reader.data.flush()
+    del reader
+    return path
+
+
+def rss_bytes(pid: int | str = "self") -> int:
+    """A process's resident set size, from /proc (Linux)."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))

@@ -2,15 +2,23 @@
 OpenAPI document lists, in JSON, never a 5xx, and still serves a correct request afterwards.
 
 Requests come from hypothesis: about half are near-valid generations on a real loaded model (every
-option drawn from its valid range or just outside it, a few tokens each), the rest anything at all
-(wrong types, huge and non-finite numbers, odd strings, unknown fields and paths). `make fuzz` sends
-PEBBLING_FUZZ_EXAMPLES=10000 and prints the count; `make test` sends a few hundred.
+option drawn from its valid range or just outside it, a few tokens each; Go template bodies with huge and
+nested ranges, deep nesting, huge literals and recursion; keep_alive at and past its edges; crafted GGUF
+files whose shapes do not fit their types), the rest anything at all (wrong types, huge and non-finite
+numbers, odd strings, unknown fields and paths). The server is its own process, as `pebbling serve` runs,
+so that its resident memory is measured alone: at the end it must be within 64 MiB of where it was after
+its first generation. `make fuzz` sends PEBBLING_FUZZ_EXAMPLES=10000 and prints the figures; `make test`
+sends a few hundred.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import socket
+import subprocess
+import sys
+import time
 from collections import Counter
 
 import pytest
@@ -18,14 +26,19 @@ import requests
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from helpers import craft, rss_bytes
 from pyplugin.model.synth import write_gguf
-from server_patch import create_app
-from server_patch.local import serving
 
 EXAMPLES = int(os.environ.get("PEBBLING_FUZZ_EXAMPLES", "300"))
 TINY = dict(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, n_ctx=128)
 POSTS = ("/api/generate", "/api/chat", "/api/show", "/v1/chat/completions", "/v1/completions", "/api/embed",
          "/api/embeddings", "/v1/embeddings")
+RSS_SLACK = 64 * 2**20
+# Files whose header lies about a tensor's shape (tests/test_gguf_shapes.py), one cut short, one not GGUF.
+CRAFTED = {"zero-dimension": ("blk.0.attn_q.weight", None, (64, 0)),
+           "q8_0-33-columns": ("blk.0.attn_q.weight", 8, (33, 64)),
+           "q8_0-17-element-vector": ("blk.0.attn_norm.weight", 8, (17,))}
+MODELS = ("tiny", "tiny:latest", "tiny", "tiny", "tiny", "absent", *CRAFTED, "truncated", "not-gguf")
 GETS = ("/", "/api/version", "/api/tags", "/api/ps", "/v1/models", "/api/nothing", "/v1/../api/tags")
 
 # Strings a careless client or an attacker sends.
@@ -34,6 +47,28 @@ odd_text = st.one_of(
                                            "../../etc/passwd", "/etc/shadow", "tiny:latest", "tiny", "pebbling-demo",
                                            "registry.ollama.ai/library/tiny:latest", "{{ .Prompt }}", "\x00", "1e400",
                                            "6GiB", "-1", "NaN", "<|im_start|>", "x" * 2000]))
+# Go template bodies: ranges small to huge and nested, deep ifs, huge literals, recursion, broken syntax.
+range_counts = st.sampled_from([0, 1, 7, 1000, 10**6, 10**6 + 1, 10**8, 2**63, 10**30, -1])
+template_parts = st.one_of(
+    st.sampled_from(["{{ .Prompt }}", "{{ .System }}", "{{range .Messages}}{{.Content}}{{end}}", "{{", "}}",
+                     "{{end}}", "{{range}}", "{{if}}", "{{break}}", "{{.Nothing.Deeper}}", "{{len 3}}",
+                     '{{printf "%999999999d" 1}}', '{{printf "%.999999999f" 1.0}}', "{{1e400}}",
+                     '{{define "r"}}{{template "r"}}{{end}}{{template "r"}}', '{{template "absent"}}',
+                     '{{$x := "ab"}}{{range 64}}{{$x = print $x $x}}{{end}}{{$x}}', "{{slice .Prompt 5 1}}",
+                     "{{index .Messages 99}}", "{{ json .Tools }}", "{{ .Response }}"]),
+    range_counts.map(lambda n: f"{{{{range {n}}}}}{{{{.}}}}{{{{end}}}}"),
+    st.tuples(range_counts, range_counts).map(lambda nm: f"{{{{range {nm[0]}}}}}{{{{range {nm[1]}}}}}{{{{end}}}}"
+                                                         "{{end}}"),
+    st.integers(1, 400).map(lambda depth: "{{if true}}" * depth + "x" + "{{end}}" * depth),
+    st.sampled_from([10, 10**4, 10**6]).map(lambda n: '{{"' + "x" * n + '"}}'),
+    st.sampled_from([10**5, 10**6]).map(lambda n: "y" * n))
+templates = st.lists(template_parts, min_size=1, max_size=3).map("".join)
+# keep_alive at and past its edges: Go durations, seconds, forever, past Go's longest duration, nonsense.
+keep_alives = st.one_of(
+    st.sampled_from([0, -1, 1, "0", "-1", "0s", "5m", "1h30m", "300ms", "3000000h", "9999999999h", "1e10",
+                     "5 minutes", "forever", "", "m5", "-5m", 1e10, 9.3e9, 1e308, -1e308, 2**63, -(2**63), 0.5,
+                     None, True, [], {}]),
+    st.floats(allow_nan=False, allow_infinity=False), st.integers(min_value=-2**70, max_value=2**70))
 numbers = st.one_of(st.integers(min_value=-2**70, max_value=2**70), st.floats(allow_nan=True, allow_infinity=True),
                     st.sampled_from([0, 1, -1, 2**31, 2**63, 2**64, 10**30, 0.5, 1e308]))
 json_values = st.recursive(st.none() | st.booleans() | numbers | odd_text,
@@ -77,7 +112,7 @@ options = st.one_of(
 def near_valid(draw) -> tuple[str, str, dict]:
     """A generation for the real model, with every field drawn from around its valid values."""
     path = draw(st.sampled_from(POSTS[:2] + POSTS[3:]))
-    model = draw(st.sampled_from(["tiny", "tiny:latest", "tiny", "tiny", "tiny", "absent"]))
+    model = draw(st.sampled_from(MODELS))
     text = draw(st.one_of(st.text(min_size=1, max_size=30), odd_text))
     if "embed" in path:
         inputs = draw(st.one_of(st.just(text), st.lists(st.one_of(st.text(max_size=20), odd_text), max_size=3)))
@@ -85,11 +120,17 @@ def near_valid(draw) -> tuple[str, str, dict]:
         return "model", path, {"model": model, key: inputs, "options": draw(options),
                                **({"dimensions": draw(st.integers(-1, 80))} if draw(st.booleans()) else {})}
     body: dict = {"model": model, "stream": draw(st.booleans())}
+    if draw(st.integers(0, 3)) == 0:
+        body["keep_alive"] = draw(keep_alives)
     if path == "/api/generate":
         body.update(prompt=text, raw=draw(st.booleans()), options=draw(options))
+        if draw(st.integers(0, 2)) == 0:
+            body["template"] = draw(templates)
     elif path == "/api/chat":
         body.update(messages=[{"role": draw(st.sampled_from(["user", "system", "assistant", "tool", "x"])),
                                "content": text}], options=draw(options))
+        if draw(st.integers(0, 3)) == 0:
+            body["template"] = draw(templates)
     elif path == "/v1/chat/completions":
         body.update(messages=[{"role": "user", "content": draw(st.one_of(st.just(text), json_values))}],
                     max_tokens=draw(st.integers(1, 3)), temperature=draw(st.floats(0, 2)),
@@ -114,15 +155,47 @@ def anything(draw) -> tuple[str, str, object]:
     return "POST", path, body
 
 
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
+    """`pebbling serve` in its own process over a models directory holding the tiny model and the crafted
+    files; yields its URL, the statuses its OpenAPI document lists, and its process id."""
     root = tmp_path_factory.mktemp("models")
-    write_gguf(root / "tiny.gguf", **TINY)
-    app = create_app(models_dir=root)
-    with serving(app) as url:
+    base = write_gguf(root / "tiny.gguf", **TINY)
+    for name, (tensor, qtype, ne) in CRAFTED.items():
+        craft(base, root / f"{name}.gguf", tensor, qtype, ne)
+    (root / "truncated.gguf").write_bytes(base.read_bytes()[:base.stat().st_size // 2])
+    (root / "not-gguf.gguf").write_bytes(b"this is not a GGUF file\n" * 100)
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "pyplugin.cli", "serve", "--host", "127.0.0.1", "--port",
+                                str(port), "--models", str(root), "--log-level", "warning"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                requests.get(url, timeout=5)
+                break
+            except requests.ConnectionError:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"pebbling serve did not start: {process.stderr.read()}") from None
+                time.sleep(0.2)
         documented = {path: {m.upper(): set(ops[m]["responses"]) for m in ops}
                       for path, ops in requests.get(f"{url}/openapi.json", timeout=30).json()["paths"].items()}
-        yield url, documented
+        yield url, documented, process.pid
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        assert process.returncode in (0, -15), process.stderr.read()[-2000:]
 
 
 def send(url: str, kind: str, path: str, body) -> requests.Response:
@@ -133,7 +206,10 @@ def send(url: str, kind: str, path: str, body) -> requests.Response:
 
 
 def test_no_request_gets_a_5xx_or_an_undocumented_status(server):
-    url, documented = server
+    url, documented, pid = server
+    greedy = {"model": "tiny", "prompt": "Hello", "stream": False, "options": {"temperature": 0, "num_predict": 2}}
+    assert send(url, "model", "/api/generate", greedy).status_code == 200
+    rss_start = rss_bytes(pid)
     statuses: Counter = Counter()
     kinds: Counter = Counter()  # True: a near-valid generation for the loaded model
 
@@ -161,9 +237,12 @@ def test_no_request_gets_a_5xx_or_an_undocumented_status(server):
 
     one()
     total = sum(statuses.values())
-    print(f"\nfuzz: {total} requests, {kinds[True]} of them generations aimed at the loaded model; statuses "
-          f"{dict(sorted(statuses.items()))}; 5xx: {sum(n for s, n in statuses.items() if s >= 500)}")
-    r = send(url, "model", "/api/generate", {"model": "tiny", "prompt": "Hello", "stream": False,
-                                            "options": {"temperature": 0, "num_predict": 2}})
+    r = send(url, "model", "/api/generate", greedy)
     assert r.status_code == 200 and r.json()["eval_count"] == 2  # still serving
+    rss_end = rss_bytes(pid)
+    print(f"\nfuzz: {total} requests, {kinds[True]} of them generations aimed at the models; statuses "
+          f"{dict(sorted(statuses.items()))}; 5xx: {sum(n for s, n in statuses.items() if s >= 500)}; server RSS "
+          f"(measured, VmRSS) {rss_start / 2**20:.1f} MiB after its first generation, {rss_end / 2**20:.1f} MiB "
+          f"at the end ({(rss_end - rss_start) / 2**20:+.1f} MiB)")
+    assert rss_end - rss_start < RSS_SLACK, f"the server grew {(rss_end - rss_start) / 2**20:.1f} MiB"
     assert total > 0.9 * EXAMPLES and kinds[True] > 0.4 * total

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import requests
-from gguf import GGUFReader
 
+from helpers import craft
 from pyplugin.errors import ModelError
 from pyplugin.model import GGUFFile, load_model
 from pyplugin.model.synth import write_gguf
@@ -27,21 +27,6 @@ CRAFTED = {
     "q8_0-33-columns": ("blk.0.attn_q.weight", Q8_0, (33, 64), "33 elements"),
     "q8_0-17-element-vector": ("blk.0.attn_norm.weight", Q8_0, (17,), "17 elements"),
 }
-
-
-def craft(base: Path, path: Path, tensor: str, qtype: int | None, ne: tuple[int, ...]) -> Path:
-    """A copy of `base` whose tensor `tensor` claims type `qtype` and shape `ne`, written into its header in
-    place (the data section stays as it was)."""
-    shutil.copy(base, path)
-    reader = GGUFReader(path, "r+")
-    parts = next(t for t in reader.tensors if t.name == tensor).field.parts
-    assert len(parts[3]) == len(ne), "the crafted shape keeps the number of dimensions"
-    parts[3][:] = ne
-    if qtype is not None:
-        parts[4][:] = qtype
-    reader.data.flush()
-    del reader
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -14,19 +14,16 @@ from pathlib import Path
 import pytest
 import requests
 
+from helpers import rss_bytes
 from pyplugin.model.synth import write_gguf
 from pyplugin.serving import Engine, GenerationRequest
 from pyplugin.serving.jobs import FOREVER, MAX_KEEP_ALIVE, parse_keep_alive
 from server_patch import create_app
 from server_patch.local import serving
 
+
 TINY = dict(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, n_ctx=256)
 GREEDY = {"temperature": 0, "num_predict": 2}
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
 
 @pytest.fixture(scope="module")
