@@ -32,7 +32,6 @@ DEFAULT_REGISTRY = "https://registry.ollama.ai"
 MANIFEST_ACCEPT = "application/vnd.docker.distribution.manifest.v2+json"
 MAX_MANIFEST_BYTES = 1 << 20
 RETRIES = 3              # a broken-off download is resumed this many times within one pull
-CHUNK = 1 << 20
 PROGRESS_EVERY_S = 0.1   # at most this often a progress object per blob (and at its end)
 
 
@@ -142,7 +141,7 @@ def _download(client: httpx.Client, base: str, name: OllamaName, layer: dict[str
                     elif r.status_code not in (200, 206):
                         raise RegistryError(f"pulling '{name.display}': blob {digest}: the registry answered "
                                             f"HTTP {r.status_code}")
-                    for chunk in r.iter_bytes(CHUNK):
+                    for chunk in r.iter_bytes():  # as they come: a buffered chunk would be lost to a cut
                         writer.write(chunk)
                         if time.monotonic() - last >= PROGRESS_EVERY_S:
                             last = time.monotonic()
