@@ -19,7 +19,7 @@ from starlette.concurrency import run_in_threadpool
 
 from pyplugin.serving import Engine, Final, GenerationRequest, ModelListing, Output
 
-from . import model_admin, openai_compat, openapi
+from . import model_admin, openai_compat, openapi, responses
 from .bodies import BodyLimit
 from .errors import add_error_handlers
 from .guard import RequestGuard
@@ -65,6 +65,7 @@ def create_app(engine: Engine | None = None, *, models_dir: str | Path | None = 
     app.include_router(_ollama_routes())
     app.include_router(model_admin.router)
     app.include_router(openai_compat.router)
+    app.include_router(responses.router)
     openapi.install(app)
     metrics.routes = app.routes
     return app
