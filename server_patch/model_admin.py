@@ -17,6 +17,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import Field
 from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect
 
 from pyplugin.serving import (BlobWriter, CreateSpec, ModelNotInStore, PebblingError, StoreError, blob_path,
                               copy_model, create_model, delete_model, pull_model)
@@ -87,6 +88,9 @@ async def blob_upload(digest: str, request: Request) -> Response:
         async for chunk in request.stream():
             if chunk:
                 await run_in_threadpool(writer.write, chunk)
+    except ClientDisconnect:
+        writer.abort()
+        return Response(status_code=499)  # nobody reads this: the client is gone
     except BaseException:
         writer.abort()
         raise

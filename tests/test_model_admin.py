@@ -7,6 +7,8 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import socket
+import time
 
 import pytest
 import requests
@@ -173,6 +175,7 @@ def test_copy_and_delete_reflect_in_the_list_and_prune_unused_blobs(url, store, 
     ({"model": "x", "from": "local", "template": "{{ .Prompt "}, 400, "'template'"),
     ({"model": "x", "from": "local", "messages": [{"role": "robot"}]}, 400, "'messages'"),
     ({"model": "x", "modelfile": "FROM local"}, 400, "'modelfile'"),
+    ({"model": "local", "from": "pebbling-demo"}, 400, "would hide"),
 ])
 def test_bad_create_requests_say_what_was_wrong(url, body, status, says):
     r = create(url, **body)
@@ -191,6 +194,7 @@ def test_a_file_that_is_not_a_gguf_is_refused(url):
 @pytest.mark.parametrize("path,body,status,says", [
     ("copy", {"source": "nope", "destination": "y"}, 404, "not found"),
     ("copy", {"source": "local", "destination": "../../etc/y"}, 400, "invalid model name"),
+    ("copy", {"source": "local", "destination": "pebbling-demo"}, 400, "would hide"),
     ("delete", {"model": "local"}, 400, "remove the file yourself"),
     ("delete", {"model": "a/../../b"}, 400, "invalid model name"),
     ("delete", {}, 400, "'model' is required"),
@@ -201,3 +205,20 @@ def test_copy_delete_and_push_refusals(url, path, body, status, says):
     r = method(f"{url}/api/{path}", json=body, timeout=30)
     assert r.status_code == status, r.text
     assert says in r.json()["error"]
+
+
+def test_an_upload_the_client_abandons_leaves_nothing_behind(url, store, gguf):
+    host, port = url.removeprefix("http://").split(":")
+    digest = digest_of(gguf + b"abandoned")
+    with socket.create_connection((host, int(port))) as conn:
+        conn.sendall(f"POST /api/blobs/{digest} HTTP/1.1\r\nHost: {host}\r\nContent-Length: {len(gguf)}\r\n\r\n"
+                     .encode() + gguf[:len(gguf) // 3])
+        deadline = time.monotonic() + 10
+        while not list((store / "blobs").glob(f"sha256-{digest[7:]}-upload-*")) and time.monotonic() < deadline:
+            time.sleep(0.02)  # until the server has started writing it
+        assert list((store / "blobs").glob(f"sha256-{digest[7:]}-upload-*")), "the upload never started"
+    deadline = time.monotonic() + 10
+    while list((store / "blobs").glob(f"sha256-{digest[7:]}*")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not list((store / "blobs").glob(f"sha256-{digest[7:]}*"))
+    assert requests.head(f"{url}/api/blobs/{digest}", timeout=30).status_code == 404

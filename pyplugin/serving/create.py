@@ -61,6 +61,7 @@ def create_model(spec: CreateSpec, catalogue: Catalogue, root: Path | None = Non
                          "/api/blobs/sha256:<hex>) or 'from' (an existing model's name), not " +
                          ("both" if spec.files else "neither"))
     new_layers = _modelfile_layers(spec)
+    _check_not_hidden(spec.model, catalogue)
     if spec.files:
         source = _uploaded_gguf(spec.files, catalogue, root)
         return _run(name, new_layers, root, gguf=source)
@@ -73,12 +74,25 @@ def copy_model(source: str, destination: str, catalogue: Catalogue, root: Path |
     models directory imported as a blob)."""
     to = parse_name(destination)
     parse_name(source)
+    _check_not_hidden(destination, catalogue)
     base = _base_model(source, catalogue, root)
     if isinstance(base, ollama_store.OllamaName):
         store_write.copy_manifest(base, to, root)
         return
     for _ in _run(to, {}, root, base=base, details=_details(base, catalogue)):
         pass
+
+
+def _check_not_hidden(name: str, catalogue: Catalogue) -> None:
+    """Refuses a name that a file of the models directory (or the demo) already answers to: the model
+    written to the store under it would never be the one served."""
+    try:
+        path, _ = catalogue.find(name)
+    except (LookupError, ModelError):
+        return
+    if not any(path.parent == store / "blobs" for store in ollama_store.stores()):
+        raise StoreError(f"model '{name}' is a file of the models directory (or the demo), which would hide a "
+                         "model of that name in Ollama's store: choose another name")
 
 
 def _modelfile_layers(spec: CreateSpec) -> dict[str, Any]:
