@@ -222,3 +222,28 @@ def test_an_upload_the_client_abandons_leaves_nothing_behind(url, store, gguf):
         time.sleep(0.05)
     assert not list((store / "blobs").glob(f"sha256-{digest[7:]}*"))
     assert requests.head(f"{url}/api/blobs/{digest}", timeout=30).status_code == 404
+
+
+def test_a_slow_upload_is_timed_from_its_last_bytes_not_its_first(store, gguf, tmp_path):
+    """The body deadline (here 0.5 s) bounds the wait for each piece of a blob, not the whole upload, which
+    may be gigabytes; a JSON body still has to arrive within it."""
+    pieces = [gguf[i:i + len(gguf) // 4 + 1] for i in range(0, len(gguf), len(gguf) // 4 + 1)]
+
+    def slowly(parts):
+        for part in parts:
+            time.sleep(0.3)
+            yield part
+
+    patch = pytest.MonkeyPatch()
+    patch.setenv("OLLAMA_MODELS", str(tmp_path))
+    try:
+        with serving(create_app(models_dir=tmp_path / "models"), body_timeout=0.5) as slow:
+            r = requests.post(f"{slow}/api/blobs/{digest_of(gguf)}", data=slowly(pieces), timeout=30)
+            assert r.status_code == 201, r.text
+            assert (tmp_path / "blobs" / f"sha256-{digest_of(gguf)[7:]}").read_bytes() == gguf
+            body = json.dumps({"model": "x"}).encode()
+            with pytest.raises(requests.ConnectionError):
+                requests.post(f"{slow}/api/show", data=slowly([body[:5], body[5:10], body[10:]]),
+                              headers={"Content-Length": str(len(body))}, timeout=30)
+    finally:
+        patch.undo()
