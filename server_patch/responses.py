@@ -43,7 +43,10 @@ class ResponsesRequest(_Body):
     parallel_tool_calls: bool | None = None
     text: dict[str, Any] | None = Field(None, description='{"format": {"type": "text" | "json_object" | '
                                                           '"json_schema", "schema"}}')
-    reasoning: dict[str, Any] | None = Field(None, description='{"effort": "none"} turns thinking off')
+    reasoning: dict[str, Any] | None = Field(None, description='{"effort": "none"} turns thinking off, any other '
+                                                               'effort on (levels are not told apart); the '
+                                                               'thinking comes as a reasoning output item')
+    think: bool | None = Field(None, description="pebbling extension, as Ollama's think: true or false")
     previous_response_id: str | None = Field(None, description="not supported: responses are not stored")
     background: bool | None = Field(None, description="not supported")
     store: bool | None = None
@@ -66,7 +69,10 @@ async def responses(body: ResponsesRequest, request: Request) -> Response:
     given = {"temperature": body.temperature, "top_p": body.top_p, "num_predict": body.max_output_tokens,
              "seed": body.seed}
     options.update({k: v for k, v in given.items() if v is not None})
-    think = False if (body.reasoning or {}).get("effort") == "none" else None
+    think = body.think
+    effort = (body.reasoning or {}).get("effort")
+    if think is None and effort is not None:
+        think = effort != "none"
     job = await submit(request, GenerationRequest(
         model=body.model, messages=_messages(body.input, body.instructions), format=_format(body.text),
         options=options, keep_alive=body.keep_alive, tools=tools, tool_choice=choice, think=think))

@@ -11,7 +11,9 @@ import jsonschema
 import openai
 import pytest
 
-from helpers import tiny_path
+from chat_templates import QWEN3_THINKING
+from helpers import script_replies, tiny_path, tiny_spec
+from pyplugin.model.synth import write_gguf
 from server_patch import create_app
 from server_patch.local import serving
 
@@ -22,11 +24,24 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "Current we
 
 
 @pytest.fixture(scope="module")
-def url(tmp_path_factory):
+def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
     shutil.copy(tiny_path("qwen2", n_ctx=1024), root / f"{MODEL}.gguf")
-    with serving(create_app(models_dir=root)) as url:
+    write_gguf(root / "thinker.gguf", tiny_spec("qwen2", n_layer=1, n_ctx=1024, chat_template=QWEN3_THINKING))
+    return root
+
+
+@pytest.fixture(scope="module")
+def url(models):
+    with serving(create_app(models_dir=models)) as url:
         yield url
+
+
+@pytest.fixture
+def scripted(monkeypatch, models):
+    """`write(text)`: the thinker's next replies write `text`, then end."""
+    write = script_replies(monkeypatch, models)
+    return lambda text: write("thinker", text)
 
 
 @pytest.fixture(scope="module")
@@ -116,3 +131,20 @@ def test_bad_requests_say_what_is_accepted(ai, extra, says):
     with pytest.raises(openai.APIStatusError) as err:
         ai.responses.create(**{"model": MODEL, **extra})
     assert err.value.status_code in (400, 404) and says in err.value.message
+
+
+def test_thinking_comes_as_a_reasoning_item_before_the_message(ai, scripted):
+    scripted("<think>\nTwo and two make four.\n</think>\n\nIt is 4.")
+    r = ai.responses.create(model="thinker", input="What is 2 + 2?", reasoning={"effort": "low"},
+                            max_output_tokens=100)
+    assert [item.type for item in r.output] == ["reasoning", "message"]
+    assert r.output[0].content[0].text == "Two and two make four." and r.output_text == "It is 4."
+    events = list(ai.responses.create(model="thinker", input="What is 2 + 2?", reasoning={"effort": "high"},
+                                      max_output_tokens=100, stream=True))
+    added = [e.item.type for e in events if e.type == "response.output_item.added"]
+    assert added == ["reasoning", "message"]
+    assert [item.type for item in events[-1].response.output] == ["reasoning", "message"]
+    assert events[-1].response.output_text == "It is 4."
+    plain = ai.responses.create(model="thinker", input="What is 2 + 2?", reasoning={"effort": "none"},
+                                max_output_tokens=3)
+    assert [item.type for item in plain.output] == ["message"]
