@@ -16,10 +16,10 @@ STREAMED_UPLOADS = "/api/blobs/"  # the path prefix of bodies that are not buffe
 
 
 class BodyLimit:
-    """Buffers each request body up to `max_bytes` (413 beyond it) and marks POST bodies as JSON.
+    """Buffers each request body up to `max_bytes` (413 beyond it) and marks POST and DELETE bodies as JSON.
 
     Ollama reads every body as JSON, and `curl -d` sends application/x-www-form-urlencoded, which
-    FastAPI would not parse; so POST bodies are declared JSON here.
+    FastAPI would not parse; so those bodies are declared JSON here.
     """
 
     _DRAIN_LIMIT = 64 << 20  # read (and drop) at most this much of an oversized body before answering
@@ -70,7 +70,7 @@ class BodyLimit:
                 return {"type": "http.request", "body": bytes(body), "more_body": False}
             return await receive()  # after the body: the disconnect, for handlers that watch it
 
-        if scope["method"] == "POST":
+        if scope["method"] in ("POST", "DELETE"):  # DELETE: /api/delete's body
             scope = dict(scope, headers=[(k, v) for k, v in scope["headers"] if k != b"content-type"]
                          + [(b"content-type", b"application/json")])
         await self.app(scope, replay, send)

@@ -247,3 +247,12 @@ def test_a_slow_upload_is_timed_from_its_last_bytes_not_its_first(store, gguf, t
                               headers={"Content-Length": str(len(body))}, timeout=30)
     finally:
         patch.undo()
+
+
+def test_delete_takes_its_json_body_as_curl_sends_it(url, gguf):
+    upload(url, gguf)
+    assert create(url, model="curled", files={"c.gguf": digest_of(gguf)}).status_code == 200
+    r = requests.delete(f"{url}/api/delete", data=b'{"model": "curled"}',
+                        headers={"Content-Type": "application/x-www-form-urlencoded"}, timeout=30)
+    assert r.status_code == 200, r.text
+    assert "curled:latest" not in names(url)
