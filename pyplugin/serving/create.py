@@ -165,8 +165,7 @@ def _base_model(name: str, catalogue: Catalogue, root: Path | None) -> ollama_st
     try:
         path, _ = catalogue.find(name)
     except LookupError:
-        raise store_write.ModelNotInStore(f"model '{name}' not found: 'from' must name an existing model") \
-            from None
+        raise store_write.ModelNotInStore(f"model '{name}' not found") from None
     parsed = parse_name(name)
     found = ollama_store.resolve(name, store_write.store_root(root))
     if found is not None and found.path == path:
@@ -214,10 +213,7 @@ def _run(name: ollama_store.OllamaName, new: dict[str, Any], root: Path | None, 
         kept.append(layer)
     added = []
     for kind, value in new.items():
-        texts = value if kind == "license" else [
-            json.dumps({**params, **value} if kind == "params" else value) if kind in ("params", "messages")
-            else value]
-        for text in texts:
+        for text in _layer_texts(kind, value, params):
             layer = {"mediaType": LAYER_PREFIX + kind, **store_write.write_blob(text.encode(), root)}
             yield {"status": f"creating new layer {layer['digest']}"}
             added.append(layer)
@@ -226,6 +222,15 @@ def _run(name: ollama_store.OllamaName, new: dict[str, Any], root: Path | None, 
     yield {"status": "writing manifest"}
     store_write.write_manifest(name, layers, config, root)
     yield {"status": "success"}
+
+
+def _layer_texts(kind: str, value: Any, base_params: dict[str, Any]) -> list[str]:
+    """The blobs' texts of one kind of layer: a license may be several; params and messages are JSON."""
+    if kind == "license":
+        return value
+    if kind == "params":
+        return [json.dumps({**base_params, **value})]
+    return [json.dumps(value)] if kind == "messages" else [value]
 
 
 def _config_details(config: dict[str, Any], root: Path | None) -> dict[str, Any]:
