@@ -135,8 +135,10 @@ async def delete(body: DeleteRequest, request: Request) -> Response:
             engine_of(request).find(name)
         except LookupError:
             raise ModelNotInStore(f"model '{name}' not found") from None
-        raise StoreError(f"model '{name}' is not in Ollama's store (a file of the models directory, or the "
-                         "demo): pebbling deletes only models of the store; remove the file yourself") from None
+        raise StoreError(f"model '{name}' is not in the Ollama store pebbling writes ($OLLAMA_MODELS, else "
+                         "~/.ollama/models) but a file of the models directory, the demo, or a model of the Linux "
+                         "service's store: pebbling deletes only models of its store; remove the file yourself") \
+            from None
     return Response(status_code=200)
 
 
