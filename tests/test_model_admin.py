@@ -213,10 +213,10 @@ def test_an_upload_the_client_abandons_leaves_nothing_behind(url, store, gguf):
     with socket.create_connection((host, int(port))) as conn:
         conn.sendall(f"POST /api/blobs/{digest} HTTP/1.1\r\nHost: {host}\r\nContent-Length: {len(gguf)}\r\n\r\n"
                      .encode() + gguf[:len(gguf) // 3])
-        deadline = time.monotonic() + 10
-        while not list((store / "blobs").glob(f"sha256-{digest[7:]}-upload-*")) and time.monotonic() < deadline:
+        deadline, uploading = time.monotonic() + 10, f"sha256-{digest[7:]}.pebbling-upload-*"
+        while not list((store / "blobs").glob(uploading)) and time.monotonic() < deadline:
             time.sleep(0.02)  # until the server has started writing it
-        assert list((store / "blobs").glob(f"sha256-{digest[7:]}-upload-*")), "the upload never started"
+        assert list((store / "blobs").glob(uploading)), "the upload never started"
     deadline = time.monotonic() + 10
     while list((store / "blobs").glob(f"sha256-{digest[7:]}*")) and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -107,7 +107,7 @@ def test_a_pull_that_fails_leaves_its_partial_download_for_the_next_to_resume(ur
     registry.cut[digest] = 100  # more than a pull retries
     r = pull(url, "flaky", stream=False)
     assert r.status_code == 502 and "broke off" in r.json()["error"] and "pull again to resume" in r.json()["error"]
-    partial = store / "blobs" / f"{digest.replace(':', '-')}-partial"
+    partial = store / "blobs" / f"{digest.replace(':', '-')}.pebbling-partial"
     kept = partial.stat().st_size
     assert 0 < kept < len(data) and partial.read_bytes() == data[:kept]
     assert "flaky:latest" not in listed(url)

@@ -5,8 +5,8 @@
 
 {base} is $PEBBLING_REGISTRY for names of Ollama's registry (default https://registry.ollama.ai), and
 https://HOST (http:// with insecure) for a name that carries its own host. Each blob is downloaded to
-blobs/sha256-<hex>-partial; a download that breaks off is retried from where it stopped (an HTTP Range
-request) and, failing that, resumed by the next pull. Every blob is verified against its digest before
+blobs/sha256-<hex>.pebbling-partial; a download that breaks off is retried from where it stopped (an
+HTTP Range request) and, failing that, resumed by the next pull. Every blob is verified against its digest before
 it is named: a blob whose bytes do not match is removed and the pull refused, saying so. The manifest is
 written last, so a model is listed only once all of it is there. Progress comes as Ollama's objects:
 "pulling manifest", "pulling <digest>" with total and completed, "verifying sha256 digest", "writing

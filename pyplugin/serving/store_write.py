@@ -3,7 +3,9 @@ manifests by name, copies and deletions.
 
 Writes go to the user's store (ollama_store.models_dir(): $OLLAMA_MODELS, else ~/.ollama/models):
     blobs/sha256-<hex>                                 written under another name, verified, then renamed
-    blobs/sha256-<hex>-partial                         a download in progress (pull.py resumes it)
+    blobs/sha256-<hex>.pebbling-partial                a download in progress (pull.py resumes it; named
+                                                       apart from Ollama's own -partial files, which it
+                                                       reads as its download's state)
     manifests/<host>/<namespace>/<model>/<tag>         written whole, then renamed
 A blob is only ever named by the digest of its bytes: one whose bytes do not hash to its name is removed
 and refused. A name is parsed (ollama_store.parse_name) before any path is built from it, so nothing is
@@ -71,7 +73,7 @@ def manifest_path(name: OllamaName, root: str | os.PathLike | None = None) -> Pa
 class BlobWriter:
     """Bytes written towards the blob `digest`, hashed as they come; `commit` verifies and names it.
 
-    ``resume=True``: continue the download's partial file (blobs/sha256-<hex>-partial) where it ends;
+    ``resume=True``: continue the download's partial file (blobs/sha256-<hex>.pebbling-partial) where it ends;
     otherwise the bytes go to a file of this writer's own, so two uploads of one blob never mix.
     """
 
@@ -82,7 +84,7 @@ class BlobWriter:
         self._hash = hashlib.sha256()
         self.size = 0
         if resume:
-            self.partial = self.path.with_name(f"{self.path.name}-partial")
+            self.partial = self.path.with_name(f"{self.path.name}.pebbling-partial")
             if self.partial.is_file():
                 with open(self.partial, "rb") as f:
                     for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -90,7 +92,7 @@ class BlobWriter:
                         self.size += len(chunk)
             self._file = open(self.partial, "ab")
         else:
-            self.partial = self.path.with_name(f"{self.path.name}-upload-{secrets.token_hex(4)}")
+            self.partial = self.path.with_name(f"{self.path.name}.pebbling-upload-{secrets.token_hex(4)}")
             self._file = open(self.partial, "wb")
 
     def restart(self) -> None:
