@@ -5,7 +5,8 @@ a byte at a time holds a connection, and the memory behind it, for as long as it
 
 - a request's headers must arrive within PEBBLING_HEADER_TIMEOUT seconds (default 10) of the
   connection opening or of its first byte after a previous response;
-- its body within PEBBLING_BODY_TIMEOUT seconds (default 60) of its headers;
+- its body within PEBBLING_BODY_TIMEOUT seconds (default 60) of its headers (a blob upload's, which
+  may be gigabytes: within that many seconds of its previous bytes);
 - past PEBBLING_MAX_CONNECTIONS open connections (default 4096), a new one is answered 503 and closed.
 
 A connection past its timeout is closed without an answer, as Go's http.Server closes one past its
@@ -21,6 +22,8 @@ import logging
 import os
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from .bodies import STREAMED_UPLOADS
 
 HEADER_TIMEOUT_ENV, BODY_TIMEOUT_ENV, MAX_CONNECTIONS_ENV = (
     "PEBBLING_HEADER_TIMEOUT", "PEBBLING_BODY_TIMEOUT", "PEBBLING_MAX_CONNECTIONS")
@@ -83,7 +86,8 @@ class LimitedH11Protocol(H11Protocol):
         cycle = self.cycle
         if cycle is not None and not cycle.response_complete:
             if cycle.more_body:
-                if self._reading != "body":
+                # A blob upload (gigabytes) may take long: its deadline counts from the last bytes it sent.
+                if self._reading != "body" or cycle.scope["path"].startswith(STREAMED_UPLOADS):
                     self._expect("body")
             elif self._reading is not None:
                 self._expect(None)  # the whole request is in: the app takes it from here

@@ -1,7 +1,8 @@
 """The OpenAPI document as the server answers: FastAPI documents a 422 for every body it validates, but
 pebbling answers bad requests with 400 (as Ollama does), refused origins with 403, unknown models with
 404, oversized bodies with 413, a full queue or too many connections with 503 and a bug with a JSON 500;
-the streaming routes document their NDJSON or event-stream 200 beside the JSON one."""
+model management adds its own (a registry's failure 502, push 501); the streaming routes document their
+NDJSON or event-stream 200 beside the JSON one."""
 
 from __future__ import annotations
 
@@ -28,12 +29,25 @@ WITH_A_NAME = {"400": "the name in the path is not a valid model name",  # GET /
 # Routes that stream: with "stream" (Ollama's default on its routes), the 200 is one JSON object per line,
 # or OpenAI's server-sent events.
 STREAMS = {"/api/generate": "application/x-ndjson", "/api/chat": "application/x-ndjson",
-           "/v1/chat/completions": "text/event-stream", "/v1/completions": "text/event-stream"}
+           "/api/create": "application/x-ndjson", "/api/pull": "application/x-ndjson",
+           "/v1/chat/completions": "text/event-stream", "/v1/completions": "text/event-stream",
+           "/v1/responses": "text/event-stream"}
 WITH_A_BODY = {"400": "the request is invalid: JSON, a field, an option, a model name, a prompt longer than "
                       "num_ctx, a model that cannot be served; the message says which and what is accepted",
                "404": "no model has that name",
                "413": "the body is larger than the server takes",
                "503": "the server is busy: too many requests queued (PEBBLING_MAX_QUEUE); try again later"}
+
+# Model management: what else the store and the registry answer.
+OWN_CODES = {
+    "/api/blobs/{digest}": {"400": "the digest is not sha256:<64 hex>, or the bytes sent do not hash to it (they "
+                                   "are removed)"},
+    "/api/pull": {"404": "the registry has no such model or tag",
+                  "502": "the registry could not be reached, answered an error, or sent a blob whose bytes do not "
+                         "match its digest (removed)"},
+    "/api/push": {"501": "not implemented: pebbling does not publish models"},
+    "/api/delete": {"404": "Ollama's store has no model of that name"},
+}
 
 
 def install(app: FastAPI) -> None:
@@ -53,8 +67,10 @@ def install(app: FastAPI) -> None:
                 responses = operation.setdefault("responses", {})
                 responses.pop("422", None)
                 named = any(p.get("in") == "path" for p in operation.get("parameters", []))
-                codes = {**EVERY_ROUTE, **(WITH_A_BODY if method in ("post", "put") else {}),
-                         **(WITH_A_NAME if named else {})}
+                codes = {**EVERY_ROUTE, **(WITH_A_BODY if method in ("post", "put", "delete") else {}),
+                         **(WITH_A_NAME if named else {}), **OWN_CODES.get(path, {})}
+                if path == "/api/blobs/{digest}":
+                    codes.pop("413", None)  # an upload streams to disk: no body limit
                 if path in STREAMS and "200" in responses:
                     responses["200"].setdefault("content", {})[STREAMS[path]] = {"schema": {
                         "type": "string", "description": "the response in pieces as it is generated (with stream)"}}

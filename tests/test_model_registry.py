@@ -56,12 +56,14 @@ def test_names_that_could_be_paths_never_reach_the_models_directory(models, name
     shutil.copy(tiny_path("llama"), models.parent / "outside.gguf")
     (models / "sub").mkdir()
     shutil.copy(tiny_path("llama"), models / "sub" / "inside.gguf")
-    looked = []
+    looked, in_store = [], []
     monkeypatch.setattr(registry, "_in_models_dir", lambda *a: looked.append(a))
-    monkeypatch.setattr(registry, "find_in_ollama_store", lambda *a: looked.append(a))
+    monkeypatch.setattr(registry, "find_in_ollama_store", lambda *a: in_store.append(a))
     with pytest.raises(ModelError, match="not found"):
         resolve(name, models)
     assert looked == []
+    # Only a name Ollama's rules accept (namespace/model) is looked up, as a manifest in its store.
+    assert in_store == ([(name,)] if name == "sub/inside" else [])
 
 
 def test_demo_is_written_once_deterministically_and_labelled(tmp_path):

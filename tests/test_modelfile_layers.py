@@ -12,6 +12,7 @@ from ollama_templates import TEMPLATES
 from pyplugin.model import load_model
 from pyplugin.model.synth import write_gguf
 from pyplugin.serving.go_template import GoTemplate
+from pyplugin.serving import Engine
 from server_patch import create_app
 from server_patch.local import serving
 from test_ollama_store import add_model
@@ -19,6 +20,7 @@ from test_ollama_store import add_model
 TINY = dict(arch="qwen2", n_layer=2, n_embd=32, n_head=2, n_head_kv=1, n_ff=64, n_ctx=512)
 PARAMS = {"num_predict": 3, "temperature": 0, "stop": ["never-written"], "mirostat": 2}
 LICENSE = "Use it kindly."
+LIBRARY_PARAMS = {"num_predict": 2, "temperature": 0, "stop": ["<end_of_turn>"]}
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +33,10 @@ def store(tmp_path_factory):
         "template": TEMPLATES["phi-3"], "system": "You are Mario.", "params": json.dumps(PARAMS),
         "license": LICENSE})
     add_model(root, "registry.ollama.ai", "library", "plain", "latest", data=data)
+    # Under Ollama's default namespace, as `ollama pull gemma3:270m` writes it.
+    add_model(root, "registry.ollama.ai", "library", "luigi", "270m", data=data, layers={
+        "template": TEMPLATES["gemma3-instruct"], "system": "You are Luigi.",
+        "params": json.dumps(LIBRARY_PARAMS)})
     add_model(root, "registry.ollama.ai", "me", "greeter", "latest", data=data, layers={
         "template": TEMPLATES["gemma3-instruct"],
         "messages": json.dumps([{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "Hi!"}])})
@@ -121,3 +127,28 @@ def test_a_listed_model_of_an_unsupported_architecture_says_why(url, store):
     r = requests.post(f"{url}/api/generate", json={"model": "future", "prompt": "x", "stream": False}, timeout=30)
     assert r.status_code == 400 and "model 'future'" in r.json()["error"] and "qwen9" in r.json()["error"]
     assert str(store[0]) not in r.text
+
+
+def test_a_library_model_keeps_its_layers_as_ollama_pull_writes_it(url, store, monkeypatch):
+    """A model in the default `library` namespace (a plain name, as `ollama pull gemma3:270m` stores it)
+    is served with its template, system and params layers: the prompt is the template's, token for token."""
+    show = requests.post(f"{url}/api/show", json={"model": "luigi:270m"}, timeout=30).json()
+    assert show["template"] == TEMPLATES["gemma3-instruct"] and show["system"] == "You are Luigi."
+    assert show["parameters"].splitlines() == ["num_predict     2", "temperature     0",
+                                               'stop            "<end_of_turn>"']
+    seen = []
+    original = Engine._prompt_tokens
+
+    def spy(self, *args, **kwargs):
+        tokens = original(self, *args, **kwargs)
+        seen.append(tokens[0])
+        return tokens
+
+    monkeypatch.setattr(Engine, "_prompt_tokens", spy)
+    question = [{"role": "user", "content": "Who are you?"}]
+    r = chat(url, "luigi:270m", question)
+    expected = GoTemplate(TEMPLATES["gemma3-instruct"]).render_chat(
+        [{"role": "system", "content": "You are Luigi."}] + question)
+    assert expected.startswith("<start_of_turn>user\nYou are Luigi.")
+    assert seen == [load_model(store[1], progress=False).tokenizer.encode(expected)]
+    assert r["eval_count"] == 2 and r["done_reason"] == "length"  # PARAMETER num_predict 2

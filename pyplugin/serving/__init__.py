@@ -1,21 +1,26 @@
 """Serving: the engine that loads models on demand, queues their requests and keeps them for their
 keep_alive; the jobs that carry a request to a model's worker; the reply's thinking and tool calls; the
-model catalogue (files, the demo and Ollama's store). The HTTP server (server_patch) uses the names listed
-here and nothing else of pyplugin.
+model catalogue (files, the demo and Ollama's store) and what writes that store (create, copy, delete,
+pull). The HTTP server (server_patch) uses the names listed here and nothing else of pyplugin.
 """
 
 from ..errors import OptionsError, PebblingError, StrategyError
 from ..model import ChatTemplateError
 from .catalogue import ModelListing, ModelLoadError, ModelNotFoundError, RunningModel, ServerBusyError
+from .create import CreateSpec, copy_model, create_model
 from .engine import Engine
 from .jobs import Final, GenerationRequest, Job
 from .ollama_store import InvalidModelName, ModelLayers
+from .pull import REGISTRY_ENV, pull_model
 from .reply import Output
+from .store_write import BlobWriter, ModelNotInStore, RegistryError, StoreError, blob_path, delete_model
 from .tool_calls import ToolCall
 from .settings import HOST_ENV, ORIGINS_ENV, is_loopback
 
 __all__ = [
-    "ChatTemplateError", "Engine", "Final", "GenerationRequest", "HOST_ENV", "InvalidModelName", "Job",
-    "ModelLayers", "ModelListing", "ModelLoadError", "ModelNotFoundError", "ORIGINS_ENV", "OptionsError", "Output", "PebblingError",
-    "RunningModel", "ServerBusyError", "StrategyError", "ToolCall", "is_loopback",
+    "BlobWriter", "ChatTemplateError", "CreateSpec", "Engine", "Final", "GenerationRequest", "HOST_ENV",
+    "InvalidModelName", "Job", "ModelLayers", "ModelListing", "ModelLoadError", "ModelNotFoundError",
+    "ModelNotInStore", "ORIGINS_ENV", "OptionsError", "Output", "PebblingError", "REGISTRY_ENV", "RegistryError",
+    "RunningModel", "ServerBusyError", "StoreError", "StrategyError", "ToolCall", "blob_path", "copy_model",
+    "create_model", "delete_model", "is_loopback", "pull_model",
 ]

@@ -1,7 +1,7 @@
 """The model catalogue: every model that can be served and what is known of it before loading.
 
-Names resolve through the models directory and the demo (registry.py), then Ollama's local store
-(ollama_store.py); listings and /api/show details are read from the file's header and cached while
+Names resolve through one lookup, registry.locate: the demo, the models directory, then Ollama's local
+store (ollama_store.py) with the Modelfile layers of the name found there; listings and /api/show details are read from the file's header and cached while
 the file is unchanged.
 """
 
@@ -97,21 +97,12 @@ class Catalogue:
         """The GGUF file for a model name and its Modelfile layers (none outside Ollama's store)."""
         ollama_store.parse_name(name)
         try:
-            return registry.resolve(name, self.models_dir, allow_paths=False), ollama_store.ModelLayers()
-        except ModelError as exc:
-            refused = isinstance(exc, registry.LinkOutsideError)
-            if refused or name in (registry.DEMO_NAME, f"{registry.DEMO_NAME}:latest"):  # the demo: not written
-                message = str(exc).replace(str(self.models_dir), "the models directory")
-                raise ModelLoadError(f"model '{name}' cannot be served: {message}") from None
-            registry_error = exc
-        # Namespaced Ollama names (me/model:tag) never reach the registry's own lookup.
-        try:
-            found = ollama_store.resolve(name)
-        except ModelError as exc:
-            raise ModelLoadError(f"model '{name}' cannot be served: {exc}") from None
-        if found is not None:
-            return found.path, found.layers
-        raise ModelNotFoundError(f"model '{name}' not found") from registry_error
+            return registry.locate(name, self.models_dir, allow_paths=False)
+        except registry.NotFoundError as exc:
+            raise ModelNotFoundError(f"model '{name}' not found") from exc
+        except ModelError as exc:  # found, and cannot be read: a broken manifest, a link out, an unwritable demo
+            message = str(exc).replace(str(self.models_dir), "the models directory")
+            raise ModelLoadError(f"model '{name}' cannot be served: {message}") from None
 
     def list_models(self) -> list[ModelListing]:
         """Every model that can be served: the demo, the models directory, Ollama's store."""

@@ -6,7 +6,9 @@ A name resolves, in order, to:
    the first time it is asked for;
 3. ``NAME`` or ``NAME:TAG`` in the models directory ($PEBBLING_MODELS, else
    ~/.cache/pebbling/models; callers may pass another), stored as NAME.gguf or NAME:TAG.gguf;
-4. Ollama's local store (``find_in_ollama_store``).
+4. Ollama's local store (``find_in_ollama_store``), for any name Ollama's rules accept, namespaced or not.
+``locate`` gives the file with the Modelfile layers Ollama's store holds for it (none elsewhere): the one
+lookup every caller goes through.
 A name that is not an existing path and could be read as one (a separator, '..') never reaches the
 file system as a models-directory lookup.
 """
@@ -18,6 +20,8 @@ import re
 from pathlib import Path
 
 from ..errors import ModelError
+from . import ollama_store
+from .ollama_store import ModelLayers, OllamaModel
 
 MODELS_ENV = "PEBBLING_MODELS"
 DEMO_NAME = "pebbling-demo"
@@ -46,24 +50,47 @@ def resolve(name: str | os.PathLike, models_dir: str | os.PathLike | None = None
 
     ``allow_paths=False`` (for names that arrive over the network) skips step 1: only names.
     """
+    return locate(name, models_dir, allow_paths=allow_paths)[0]
+
+
+def locate(name: str | os.PathLike, models_dir: str | os.PathLike | None = None, *,
+           allow_paths: bool = True) -> tuple[Path, ModelLayers]:
+    """The GGUF file ``name`` stands for and its Modelfile layers (empty outside Ollama's store)."""
     if allow_paths and (isinstance(name, os.PathLike) or Path(str(name)).is_file()):
-        return Path(name)
+        return Path(name), ModelLayers()
     name = str(name)
     root = Path(models_dir) if models_dir is not None else default_models_dir()
     if name in (DEMO_NAME, f"{DEMO_NAME}:latest"):
-        return ensure_demo(root)
+        return ensure_demo(root), ModelLayers()
     if _NAME.fullmatch(name) and ".." not in name:
         found = _in_models_dir(name, root)
         if found is not None:
-            return found
-        found = find_in_ollama_store(name)
-        if found is not None:
-            return found
+            return found, ModelLayers()
+    store_name = _ollama_name(name)
+    if store_name:
+        in_store = find_in_ollama_store(name)
+        if in_store is not None:
+            return in_store.path, in_store.layers
+        if "/" in name:  # namespaced: a name only Ollama's store could hold
+            raise NotFoundError(f"model {name!r} not found: not a file, and not in Ollama's local store")
     if "/" in name or os.sep in name or name.endswith(".gguf"):
-        raise ModelError(f"model {name!r} not found: no such file")
-    raise ModelError(f"model {name!r} not found: not a file, not {DEMO_NAME!r}, not in {root} "
+        raise NotFoundError(f"model {name!r} not found: no such file")
+    raise NotFoundError(f"model {name!r} not found: not a file, not {DEMO_NAME!r}, not in {root} "
                      f"(as NAME.gguf or NAME:TAG.gguf; set ${MODELS_ENV} to look elsewhere), "
                      "and not in Ollama's local store")
+
+
+def _ollama_name(name: str) -> bool:
+    """Whether Ollama's name rules accept `name` (so it may be looked up in its store)."""
+    try:
+        ollama_store.parse_name(name)
+    except ModelError:
+        return False
+    return True
+
+
+class NotFoundError(ModelError, LookupError):
+    """Nothing has that name (a ModelError of any other kind: something has it and cannot be read)."""
 
 
 class LinkOutsideError(ModelError):
@@ -87,12 +114,9 @@ def _in_models_dir(name: str, root: Path) -> Path | None:
     return None
 
 
-def find_in_ollama_store(name: str) -> Path | None:
-    """The GGUF blob ``name`` names in Ollama's local store (manifests -> blobs), or None."""
-    from .ollama_store import resolve as resolve_in_store
-
-    found = resolve_in_store(name)
-    return found.path if found else None
+def find_in_ollama_store(name: str) -> OllamaModel | None:
+    """The model ``name`` names in Ollama's local store (its GGUF blob and Modelfile layers), or None."""
+    return ollama_store.resolve(name)
 
 
 def ensure_demo(models_dir: str | os.PathLike | None = None) -> Path:
