@@ -237,7 +237,7 @@ def run_all(args, out_dir: Path) -> dict:
             continue
         left = args.budget_s - (time.monotonic() - began)
         later = sum(FLOOR[s] for s in args.stages if STAGES.index(s) > STAGES.index(stage.name))
-        stage.timeout_s = max(min(stage.timeout_s, left - later), 1.0)
+        stage.timeout_s = max(min(stage.timeout_s, left - later), 0.1)
         print(f"gpu-check: {stage.name} (timeout {stage.timeout_s:.0f} s) ...", flush=True)
         records.append(run_stage(stage, out_dir, env))
         r = records[-1]
