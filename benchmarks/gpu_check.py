@@ -11,7 +11,8 @@ On a bare machine (the GPU image's Python with CuPy, torch, transformers, accele
   probe    benchmarks/gpu_probe.py: nvidia-smi, driver and CUDA versions, CuPy's device, the library
            loads, `pebbling info` selects the backend
   kernels  the kernel tests first, under CUDA_LAUNCH_BLOCKING=1, so that a fault names its kernel
-  tests    the whole suite on the backend, with --no-skip-gpu: a skipped GPU test is a failure
+  tests    the rest of the suite on the backend, with --no-skip-gpu: a skipped GPU test is a failure
+           (in 4 processes where pytest-xdist imports: --test-workers)
   bench    benchmarks/bench_gpu.py (scaled by --bench-args to fit the time left)
 Each stage is timed and has a timeout (the stage caps below, and the time left of --budget-s); one that
 times out or fails is recorded and the next runs. DIR gets: gpu_check.json (every stage's command, rc,
@@ -23,6 +24,7 @@ passed. --backend host runs the same on a CPU machine (without --no-skip-gpu) to
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -203,13 +205,15 @@ def stage_plan(args, work: Path, python: str) -> list[Stage]:
     no_skip = ["--no-skip-gpu"] if args.backend == "cuda" else []
     pytest = [python, "-m", "pytest", "-p", "no:cacheprovider", "-v", "-rfEs", *no_skip]
     backend_env = {"PEBBLING_TEST_BACKENDS": args.backend, "PEBBLING_BACKEND": args.backend}
-    workers = ["-p", "xdist", "-n", str(args.test_workers)] if args.test_workers > 0 else []
+    workers = ["-n", str(args.test_workers)] if args.test_workers > 0 else []
+    # the kernel tests ran in their own stage just before: the suite takes the rest
+    done = [f"--ignore={t}" for t in args.kernel_tests if "kernels" in args.stages and args.tests == ["tests"]]
     bench_json = Path(args.dir) / "bench.json"
     return [
         Stage("probe", [python, str(ROOT / "benchmarks" / "gpu_probe.py"), "--backend", args.backend], caps["probe"]),
         Stage("kernels", [*pytest, f"--junitxml={work / 'kernels.xml'}", *args.kernel_tests], caps["kernels"],
               {**backend_env, "CUDA_LAUNCH_BLOCKING": "1"}, str(work / "kernels.xml")),
-        Stage("tests", [*pytest, *workers, f"--junitxml={work / 'tests.xml'}", *args.tests], caps["tests"],
+        Stage("tests", [*pytest, *workers, f"--junitxml={work / 'tests.xml'}", *done, *args.tests], caps["tests"],
               backend_env, str(work / "tests.xml")),
         Stage("bench", [python, str(ROOT / "benchmarks" / "bench_gpu.py"), "--backend", args.backend,
                         "--json", str(bench_json), "--dir", str(work), *shlex.split(args.bench_args)], caps["bench"]),
@@ -244,6 +248,7 @@ def run_all(args, out_dir: Path) -> dict:
         print(f"gpu-check: {stage.name}: {'ok' if r.ok else 'FAILED'} rc={r.rc} {r.seconds:.1f} s "
               f"{_counts_text(r.counts)} {r.note}".rstrip(), flush=True)
     result = {"ok": all(r.ok for r in records), "backend": args.backend, "budget_s": args.budget_s,
+              "test_workers": args.test_workers, "bench_args": args.bench_args,
               "total_seconds": round(time.monotonic() - began, 2), "started_utc": args.started,
               "machine": {"host": platform.node(), "python": sys.version.split()[0], "cpus": os.cpu_count()},
               "stages": [asdict(r) for r in records]}
@@ -292,7 +297,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=530.0, help="the whole run's time, setup included")
     parser.add_argument("--tests", nargs="*", default=["tests"])
     parser.add_argument("--kernel-tests", nargs="*", default=KERNEL_TESTS)
-    parser.add_argument("--test-workers", type=int, default=0, help="pytest-xdist workers for the suite (0: one process)")
+    parser.add_argument("--test-workers", type=int, default=-1,
+                        help="pytest-xdist processes for the suite; 0: one process; default: 4 on cuda where "
+                             "pytest-xdist imports, else 0")
     parser.add_argument("--bench-args", default=DEFAULT_BENCH_ARGS)
     parser.add_argument("--cap", action="append", default=[], metavar="STAGE=SECONDS",
                         help="a stage's own timeout, over the default")
@@ -301,6 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [s for s in args.stages if s not in STAGES]
     if unknown:
         parser.error(f"--stages: {', '.join(unknown)} unknown; choose from {', '.join(STAGES)}")
+    if args.test_workers < 0:
+        args.test_workers = 4 if args.backend == "cuda" and importlib.util.find_spec("xdist") else 0
     args.caps = dict(CAPS)
     for cap in args.cap:
         name, _, seconds = cap.partition("=")
