@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_gpu_acceptance import acceptance, acceptance_lines  # noqa: E402
 from bench_gpu_model import SHAPES, TYPES, spec_for, write_model  # noqa: E402
 from bench_gpu_peers import PeakSampler, llama_cpp_rows, transformers_rows  # noqa: E402
 from bench_store import measure as measure_bus  # noqa: E402
@@ -282,7 +283,8 @@ def main(argv: list[str] | None = None) -> dict:
     started = time.perf_counter()
 
     def save() -> None:
-        result["table"] = table(result)
+        result["acceptance"] = acceptance(result)
+        result["table"] = table(result) + acceptance_lines(result["acceptance"])
         result["total_s"] = round(time.perf_counter() - started, 1)
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=1, default=str))
