@@ -204,13 +204,17 @@ def stage_plan(args, work: Path, python: str) -> list[Stage]:
     caps = args.caps
     no_skip = ["--no-skip-gpu"] if args.backend == "cuda" else []
     pytest = [python, "-m", "pytest", "-p", "no:cacheprovider", "-v", "-rfEs", *no_skip]
-    backend_env = {"PEBBLING_TEST_BACKENDS": args.backend, "PEBBLING_BACKEND": args.backend}
+    # The suite's backend-parametrized tests run on this backend alone; the others take the one pebbling
+    # selects (cuda first), as they would for a user. The probe sees that choice, unless another is asked for.
+    backend_env = {"PEBBLING_TEST_BACKENDS": args.backend}
+    probe_env = {} if args.backend == "cuda" else {"PEBBLING_BACKEND": args.backend}
     workers = ["-n", str(args.test_workers)] if args.test_workers > 0 else []
     # the kernel tests ran in their own stage just before: the suite takes the rest
     done = [f"--ignore={t}" for t in args.kernel_tests if "kernels" in args.stages and args.tests == ["tests"]]
     bench_json = Path(args.dir) / "bench.json"
     return [
-        Stage("probe", [python, str(ROOT / "benchmarks" / "gpu_probe.py"), "--backend", args.backend], caps["probe"]),
+        Stage("probe", [python, str(ROOT / "benchmarks" / "gpu_probe.py"), "--backend", args.backend], caps["probe"],
+              probe_env),
         Stage("kernels", [*pytest, f"--junitxml={work / 'kernels.xml'}", *args.kernel_tests], caps["kernels"],
               {**backend_env, "CUDA_LAUNCH_BLOCKING": "1"}, str(work / "kernels.xml")),
         Stage("tests", [*pytest, *workers, f"--junitxml={work / 'tests.xml'}", *done, *args.tests], caps["tests"],
