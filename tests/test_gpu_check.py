@@ -4,6 +4,7 @@ GPU test), the stage runner records rc, time and timeouts into its JSON, and the
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -35,20 +36,19 @@ def test_plain():
 
 
 def run_pytest(tmp_path: Path, *extra: str) -> tuple[int, dict, str]:
-    """Runs PROBE_FILE (copied into tests/, where the conftest and helpers are) and returns pytest's exit
-    code and each test's outcome from its junit report."""
-    test_file = ROOT / "tests" / f"test_zz_probe_{tmp_path.name}.py"
+    """Runs PROBE_FILE beside copies of the suite's conftest and helpers (in tmp_path, so nothing is written
+    into tests/) and returns pytest's exit code, each test's outcome from its junit report, its output."""
+    for name in ("conftest.py", "helpers.py"):
+        shutil.copy(ROOT / "tests" / name, tmp_path / name)
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    gpu: needs an NVIDIA GPU\n")
+    (tmp_path / "test_probe.py").write_text(PROBE_FILE)
     junit = tmp_path / "junit.xml"
-    test_file.write_text(PROBE_FILE)
-    try:
-        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test_file),
-                               f"--junitxml={junit}", *extra], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    finally:
-        test_file.unlink()
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_probe.py",
+                           f"--junitxml={junit}", *extra], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     record = gpu_check.Record("probe", "", 0)
     gpu_check._read_pytest(record, junit, tmp_path / "none.log")
     outcomes = {f["test"].rsplit("::", 1)[1]: (f["kind"], f["message"]) for f in record.failures + record.skips}
-    return done.returncode, outcomes, done.stdout
+    return done.returncode, outcomes, done.stdout + done.stderr
 
 
 def test_no_skip_gpu_turns_a_skipped_gpu_test_into_a_failure_with_its_reason(tmp_path):
