@@ -14,11 +14,11 @@ On a bare machine (the GPU image's Python with CuPy, torch, transformers, accele
   tests    the rest of the suite on the backend, with --no-skip-gpu: a skipped GPU test is a failure
            (in 4 processes where pytest-xdist imports: --test-workers)
   bench    benchmarks/bench_gpu.py (scaled by --bench-args to fit the time left)
-Each stage is timed and has a timeout (the stage caps below, and the time left of --budget-s); one that
-times out or fails is recorded and the next runs. DIR gets: gpu_check.json (every stage's command, rc,
-time, timeout, pass/fail/skip counts and failures, the probe's findings, the benchmark's JSON), summary.txt,
-one log per stage, bench.json: at most 8 files, as the GPU machine's $OUT returns. Exit 0 when every stage
-passed. --backend host runs the same on a CPU machine (without --no-skip-gpu) to check this script.
+Each stage is timed and has a timeout (its cap in CAPS, or --cap, within the time left of --budget-s,
+keeping FLOOR seconds for each later stage); one that times out or fails is recorded and the next runs.
+DIR gets: gpu_check.json (every stage's command, rc, time, timeout, pass/fail/skip counts and failures, the
+probe's findings, the benchmark's JSON), summary.txt, one log per stage, bench.json: at most 8 files, flat,
+so that a machine which hands back only a few files returns them all. Exit 0 when every stage passed. --backend host runs the same on a CPU machine (without --no-skip-gpu) to check this script.
 """
 
 from __future__ import annotations
