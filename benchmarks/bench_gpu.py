@@ -171,12 +171,23 @@ def run_file(type_name: str, args, backend, result: dict, save) -> None:
     path = Path(args.workdir) / f"bench-{args.shape}-{spec.n_layer}L-{type_name}.gguf"
     t = time.perf_counter()
     write_model(path, spec, seed=args.seed)
-    entry.update(file_bytes=path.stat().st_size, write_s=round(time.perf_counter() - t, 2))
+    entry.update(path=path, file_bytes=path.stat().st_size, write_s=round(time.perf_counter() - t, 2))
     t = time.perf_counter()
     model = load_model(path, weights="quantized", progress=False)
     model.tokenizer.eog_ids = frozenset()  # a fixed-length decode: a random model may hit an end id
     pebbled = PebbledModel(model, backend=backend)
     entry["load_s"] = round(time.perf_counter() - t, 2)
+    try:
+        run_rows(entry, pebbled, path, args, result, save)
+    finally:
+        pebbled.close()
+        del pebbled, model
+        gc.collect()
+        backend.free_pool()
+
+
+def run_rows(entry: dict, pebbled: PebbledModel, path: Path, args, result: dict, save) -> None:
+    backend, type_name = pebbled.backend, entry["type"]
     n_prompt, n_decode = args.prompt, args.tokens
     options = Options(temperature=0, repeat_penalty=1.0, num_predict=n_decode + 1, num_ctx=args.num_ctx,
                       num_batch=n_prompt)
@@ -188,7 +199,8 @@ def run_file(type_name: str, args, backend, result: dict, save) -> None:
     stored = sum(t.n_bytes for t in _reader(path).tensors if t.name.startswith("blk."))
     entry.update(layer_bytes_stored=int(stored), layer_bytes_on_device=int(sum(memory.layer_weight_bytes)),
                  device_over_stored=round(sum(memory.layer_weight_bytes) / stored, 4),
-                 weight_bytes_per_step=int(sum(memory.layer_weight_bytes) + memory.fixed_bytes))
+                 weight_bytes_per_step=int(sum(memory.layer_weight_bytes) + memory.fixed_bytes),
+                 cases_batch1=cases_for(pebbled, options, n_prompt, 1, args.rows))
     if "bus" not in result:
         slot_mib = max(1, max(memory.layer_weight_bytes) >> 20)
         result["bus"] = {**measure_bus(backend, slot_mib, repeats=5), **nominal_bus()}
@@ -198,7 +210,13 @@ def run_file(type_name: str, args, backend, result: dict, save) -> None:
     for batch in args.batches:
         reference = None
         for case in cases_for(pebbled, options, n_prompt, batch, args.rows):
-            run = run_row(pebbled, options, prompts[:batch], case, n_decode)
+            try:
+                run = run_row(pebbled, options, prompts[:batch], case, n_decode)
+            except Exception as exc:  # noqa: BLE001 - a row that breaks is a finding: the next rows still run
+                entry["rows"].append({"label": case["label"], "batch": batch, "error": _error(exc)})
+                save()
+                print(f"  {type_name} batch {batch} {case['label']:8s} ERROR {entry['rows'][-1]['error']}", flush=True)
+                continue
             row = row_figures(case, batch, run, n_prompt, n_decode, entry["weight_bytes_per_step"], bus_bps, hbm_bps)
             reference = reference or (row["label"], row["tokens"])
             row["tokens_compared_with"] = reference[0]
@@ -208,12 +226,13 @@ def run_file(type_name: str, args, backend, result: dict, save) -> None:
             print(f"  {type_name} batch {batch} {row['label']:8s} decode {row['decode_tokens_per_s']:9.2f} tok/s, "
                   f"prefill {row['prefill_tokens_per_s']:9.1f} tok/s, peak {row['peak_over_estimate']:.3f}x est.",
                   flush=True)
-    entry["cases_batch1"] = [c for c in cases_for(pebbled, options, n_prompt, 1, args.rows)]
-    pebbled.close()
-    del pebbled, model
-    gc.collect()
-    backend.free_pool()
-    entry["path"] = path
+
+
+def _error(exc: Exception) -> str:
+    import traceback
+    frames = traceback.extract_tb(exc.__traceback__)[-3:]
+    where = " <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in reversed(frames))
+    return f"{type(exc).__name__}: {str(exc)[:500]} (at {where})"
 
 
 def _reader(path: Path):
@@ -231,7 +250,12 @@ def table(result: dict) -> list[str]:
              f"  {'file':7s} {'row':8s} {'B':>2s} {'decode t/s':>11s} {'prefill t/s':>12s} {'peak GiB':>9s} "
              f"{'est. GiB':>9s} {'MB/step':>9s} {'bus eff':>8s} {'roofline':>9s} same"]
     for f in result["files"]:
+        if f.get("error"):
+            lines.append(f"  {f['type']:7s} ERROR {f['error'][:300]}")
         for r in f["rows"]:
+            if r.get("error"):
+                lines.append(f"  {f['type']:7s} {r['label']:8s} {r['batch']:2d} ERROR {r['error'][:200]}")
+                continue
             peak = r["nvml_peak_bytes"] or r["report_peak_bytes"]
             eff = "-" if r["efficiency_vs_bus"] is None else f"{r['efficiency_vs_bus']:.3f}"
             lines.append(f"  {f['type']:7s} {r['label']:8s} {r['batch']:2d} {r['decode_tokens_per_s']:11.2f} "
@@ -292,10 +316,15 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory(dir=args.dir or _ram_dir(), prefix="pebbling-bench-gpu-") as work:
         args.workdir = work
         for type_name in args.types:
-            run_file(type_name, args, backend, result, save)
+            try:
+                run_file(type_name, args, backend, result, save)
+            except Exception as exc:  # noqa: BLE001 - recorded; the next file and the peers still run
+                result["files"][-1]["error"] = _error(exc)
+                print(f"  {type_name}: ERROR {result['files'][-1]['error']}", flush=True)
+                save()
         peers = [p for p in args.peers.split(",") if p and p != "none"]
-        f16 = next((f for f in result["files"] if f["type"] == "F16"), None)
-        q4 = next((f for f in result["files"] if f["type"] == "Q4_K_M"), None)
+        f16 = next((f for f in result["files"] if f["type"] == "F16" and "cases_batch1" in f), None)
+        q4 = next((f for f in result["files"] if f["type"] == "Q4_K_M" and f.get("path")), None)
         if "transformers" in peers:
             result["peers"]["transformers"] = transformers_rows(spec, f16["cases_batch1"] if f16 else [], args,
                                                                 backend.measures_memory)
@@ -304,7 +333,7 @@ def main(argv: list[str] | None = None) -> dict:
             result["peers"]["llama.cpp"] = llama_cpp_rows(q4, args, backend.measures_memory) if q4 else {
                 "present": False, "why": "no Q4_K_M file in --types"}
         for f in result["files"]:
-            f["path"] = Path(f["path"]).name
+            f["path"] = Path(f["path"]).name if f.get("path") else None
     save()
     text = "\n".join(result["table"]) + "\n"
     print(text, end="")

@@ -118,3 +118,22 @@ def test_the_acceptance_checks_report_what_a_cpu_run_can_judge_and_leave_the_res
     assert verdicts["Q4_K_M none batch 1: roofline fraction"] == "n/a"
     assert verdicts["F16 25%: decode / transformers + accelerate at 25%"] == "n/a"
     assert "FAIL" not in verdicts.values() and "acceptance (issue 25)" in text
+
+
+def test_a_row_that_breaks_is_recorded_and_the_other_rows_still_run(tmp_path, monkeypatch):
+    real = bench_gpu.run_row
+
+    def breaks_at_25(pebbled, options, prompts, case, n_decode):
+        if case.get("label") == "25%":
+            raise RuntimeError("a kernel fault, say")
+        return real(pebbled, options, prompts, case, n_decode)
+
+    monkeypatch.setattr(bench_gpu, "run_row", breaks_at_25)
+    got = bench_gpu.main(["--backend", "host", "--shape", "tiny", "--layers", "2", "--tokens", "2", "--prompt", "4",
+                          "--types", "F16", "--batches", "1", "--peers", "none", "--dir", str(tmp_path)])
+    rows = {r["label"]: r for r in got["files"][0]["rows"]}
+    assert "a kernel fault, say" in rows["25%"]["error"] and "bench_gpu.py" in rows["25%"]["error"]
+    assert positive(rows["minimal"]["decode_tokens_per_s"]) and rows["minimal"]["tokens_equal"]
+    failed = [c for c in got["acceptance"] if c["verdict"] == "FAIL"]
+    assert [c["check"] for c in failed] == ["F16 25% batch 1: the row ran"]
+    assert any("ERROR" in line for line in got["table"])
