@@ -265,7 +265,12 @@ def table(result: dict) -> list[str]:
     for name, peer in result.get("peers", {}).items():
         if not peer.get("present"):
             lines.append(f"  peer {name}: absent ({peer.get('why')})")
+        if peer.get("error"):
+            lines.append(f"  peer {name}: ERROR {peer['error'][:300]}")
         for r in peer.get("rows", []):
+            if r.get("error"):
+                lines.append(f"  peer {name} {r['label']:8s} ERROR {r['error'][:200]}")
+                continue
             lines.append(f"  peer {name} {r['label']:8s} decode {r['decode_tokens_per_s']:.2f} tok/s, prefill "
                          f"{r['prefill_tokens_per_s']:.1f} tok/s {r.get('how', '')}")
     return lines
@@ -325,13 +330,19 @@ def main(argv: list[str] | None = None) -> dict:
         peers = [p for p in args.peers.split(",") if p and p != "none"]
         f16 = next((f for f in result["files"] if f["type"] == "F16" and "cases_batch1" in f), None)
         q4 = next((f for f in result["files"] if f["type"] == "Q4_K_M" and f.get("path")), None)
-        if "transformers" in peers:
-            result["peers"]["transformers"] = transformers_rows(spec, f16["cases_batch1"] if f16 else [], args,
-                                                                backend.measures_memory)
+        for peer in peers:
+            try:
+                if peer == "transformers":
+                    got = transformers_rows(spec, f16["cases_batch1"] if f16 else [], args, backend.measures_memory)
+                elif peer == "llama.cpp":
+                    got = llama_cpp_rows(q4, args, backend.measures_memory) if q4 else {
+                        "present": False, "why": "no Q4_K_M file in --types"}
+                else:
+                    got = {"present": False, "why": f"unknown peer {peer!r}: transformers or llama.cpp"}
+            except Exception as exc:  # noqa: BLE001 - a peer that breaks is recorded, the result still written
+                got = {"present": True, "error": _error(exc), "rows": []}
+            result["peers"][peer] = got
             save()
-        if "llama.cpp" in peers:
-            result["peers"]["llama.cpp"] = llama_cpp_rows(q4, args, backend.measures_memory) if q4 else {
-                "present": False, "why": "no Q4_K_M file in --types"}
         for f in result["files"]:
             f["path"] = Path(f["path"]).name if f.get("path") else None
     save()
