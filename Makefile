@@ -18,7 +18,7 @@ NATIVE_DEPS := $(HOST_SRC) native/pebble.h native/pebble_internal.h native/pebbl
 HOST_FLAGS  := -x c++ -std=c++17 -DPEBBLE_HOST_BUILD -fPIC -shared -pthread -fvisibility=hidden -Wall -Wextra
 SAN_FLAGS   := -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=undefined
 
-.PHONY: all cuda host host-asan venv test test-native test-sanitized fuzz serve native-best clean
+.PHONY: all cuda host host-asan venv test test-native test-sanitized fuzz serve native-best gpu-wheels gpu-check clean
 
 all: host
 
@@ -83,6 +83,18 @@ test-sanitized: venv host-asan
 # status documented, still serving after. `make test` runs the same property test with 300.
 fuzz: venv host
 	PEBBLING_FUZZ_EXAMPLES=10000 $(PY) -m pytest -q -s -p no:cacheprovider tests/test_fuzz.py
+
+# For a GPU machine with no package registry: the wheels it lacks (benchmarks/gpu_requirements.txt) into .whl/,
+# with their size beside everything that travels. Then, there, with build/ (make cuda) and .whl carried:
+# `make gpu-check DIR=out`: every GPU test (a skipped one fails), the benchmark, one JSON and a summary in DIR.
+gpu-wheels:
+	$(PYTHON) benchmarks/gpu_wheels.py
+
+DIR         ?= gpu-check-out
+BACKEND     ?= cuda
+BENCH_ARGS  ?=
+gpu-check:
+	$(PYTHON) benchmarks/gpu_check.py --dir $(DIR) --backend $(BACKEND) $(if $(BENCH_ARGS),--bench-args "$(BENCH_ARGS)")
 
 serve: venv native-best
 	$(VENV)/bin/pebbling serve --host $(HOST) --port $(PORT)

@@ -1,12 +1,58 @@
 """Shared fixtures. `store_backend`: the name of each store backend, one test per backend present
-(the params come from helpers.store_backend_params, which test files parametrize with too)."""
+(the params come from helpers.store_backend_params, which test files parametrize with too).
+
+`--no-skip-gpu`: a GPU test that is skipped (CuPy missing, the cuda library not built, no device, a
+`pytest.skip` inside it) fails instead, with the skip's reason, so that a run on a GPU machine cannot
+look green while the GPU code never ran. A GPU test is one run on the cuda backend (a parameter naming
+it), or one marked `gpu` whose parameters name no other backend.
+"""
 
 from __future__ import annotations
 
 import pytest
 from helpers import store_backend_params
 
+from pyplugin.store import BACKENDS
+
+NO_SKIP_GPU = "--no-skip-gpu"
+
+
+def pytest_addoption(parser) -> None:
+    parser.addoption(NO_SKIP_GPU, action="store_true", default=False,
+                     help="count a skipped GPU test (cuda backend, or marked gpu) as a failure, with its reason")
+
 
 @pytest.fixture(params=store_backend_params())
 def store_backend(request) -> str:
     return request.param
+
+
+def _backends_named(value) -> set[str]:
+    if isinstance(value, str):
+        return {value} & set(BACKENDS)
+    if isinstance(value, (tuple, list)):
+        return set().union(*(_backends_named(v) for v in value)) if value else set()
+    return set()
+
+
+def is_gpu_test(item) -> bool:
+    """Whether `item` runs on the GPU: a parameter names the cuda backend, or it is marked gpu and
+    no parameter names another backend (a gpu-marked test's host and stub cases are not GPU tests)."""
+    callspec = getattr(item, "callspec", None)
+    named = set().union(*(_backends_named(v) for v in callspec.params.values())) if callspec else set()
+    if named:
+        return "cuda" in named
+    return item.get_closest_marker("gpu") is not None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if not (report.skipped and item.config.getoption(NO_SKIP_GPU) and is_gpu_test(item)):
+        return
+    if hasattr(report, "wasxfail"):  # an expected failure is not a skip
+        return
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    report.outcome = "failed"
+    report.longrepr = f"GPU test skipped under {NO_SKIP_GPU}: {reason}"

@@ -21,8 +21,9 @@ from pyplugin.model.synth import SynthSpec, write_gguf
 from pyplugin.store import BACKENDS, probe
 
 
-def store_backend_params() -> list:
-    """cuda, host and stub as pytest params; one that is absent here, or left out by
+def store_backend_params(names=BACKENDS) -> list:
+    """cuda, host and stub (or those of `names`: a test that means nothing on some backend leaves it out
+    rather than skipping it there) as pytest params; one that is absent here, or left out by
     PEBBLING_TEST_BACKENDS (a comma list, e.g. "host" for the sanitizer run), is skipped with the reason."""
     listed = os.environ.get("PEBBLING_TEST_BACKENDS", "")
     wanted = {name.strip().lower() for name in listed.split(",") if name.strip()} or set(BACKENDS)
@@ -31,7 +32,7 @@ def store_backend_params() -> list:
         raise ValueError(f"PEBBLING_TEST_BACKENDS={listed!r} names {sorted(unknown)}; valid: "
                          f"{', '.join(BACKENDS)}")
     params = []
-    for name in BACKENDS:
+    for name in (n for n in BACKENDS if n in names):
         marks = [pytest.mark.gpu] if name == "cuda" else []
         if name not in wanted:
             marks.append(pytest.mark.skip(reason=f"left out by PEBBLING_TEST_BACKENDS={listed}"))

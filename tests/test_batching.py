@@ -86,8 +86,11 @@ def test_prompts_prefilled_together_give_exactly_what_each_prefill_gives_alone(b
             g.start(p[:cached])
     chunks = [g.begin(p, cached) for g, p in zip(gens, prompts)]
     if not prefills_together(source, gens):
+        # Each request prefills on its own there, which the engine's tests cover: only kernels that do not
+        # tile, or the f16 form's dense products, may refuse (not a skip: on a GPU that would hide the case)
+        assert not pebbled.kernels.tiled_matmul or weights == "f16", (backend, weights)
         assert (backend, weights) != ("host", "quantized")
-        pytest.skip(f"{backend} {weights}: each request prefills alone")
+        return
     got = prefill_batch(source, gens, chunks)
     for g, p, row in zip(gens, prompts, got):
         solo = PebbledModel(model, backend=backend).generation(options, pebbling, len(p))

@@ -13,6 +13,7 @@ import threading
 import numpy as np
 import pytest
 
+from helpers import store_backend_params
 from pyplugin.store import strategy as strategies
 from pyplugin.store.backend import open_store, probe, select_backend
 from pyplugin.errors import (
@@ -507,9 +508,8 @@ def test_each_error_raises_its_class_and_leaves_the_store_usable(make_store, cal
     assert bytes(restored(store, 0, 5)) == b"still works"
 
 
+@pytest.mark.parametrize("store_backend", store_backend_params(("host", "stub")))  # cuda takes them
 def test_host_memory_backends_refuse_device_arrays(store_backend, make_store):
-    if store_backend == "cuda":
-        pytest.skip("the cuda backend takes device arrays")
     store = make_store()
     with pytest.raises(InvalidArgumentError):
         store.save(0, 0, FakeCudaArray())
@@ -684,10 +684,8 @@ def test_stub_and_native_backend_agree_step_by_step(store_backend):
 # device arrays (cuda backend)
 
 
-@pytest.mark.gpu
+@pytest.mark.parametrize("store_backend", store_backend_params(("cuda",)))
 def test_cuda_backend_takes_cupy_arrays_and_streams(store_backend, make_store):
-    if store_backend != "cuda":
-        pytest.skip("device arrays need the cuda backend")
     cupy = pytest.importorskip("cupy")
     store = make_store(device_limit=1 << 20)
     stream = cupy.cuda.Stream(non_blocking=True)

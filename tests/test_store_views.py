@@ -334,11 +334,10 @@ def test_a_view_of_a_prefetched_copy_outlives_it(store_backend, make_store, how)
     assert_stale(store_backend, view, changed, store if live else None, live)
 
 
+@pytest.mark.parametrize("store_backend", helpers.store_backend_params(("host",)))
 def test_on_the_host_library_a_prefetch_takes_no_second_copy(store_backend):
     """The host library's device tier is host memory: a layer made resident from the host tier computes
     from the host copy's bytes, so the process's resident memory does not grow by them."""
-    if store_backend != "host":
-        pytest.skip("the device tier is the host's own memory only on the host library")
 
     def rss() -> int:
         with open("/proc/self/status") as f:

@@ -1,0 +1,335 @@
+"""One command that proves pebbling on a GPU machine (make gpu-check DIR=...), within 9 minutes.
+
+    python benchmarks/gpu_check.py --dir DIR [--backend cuda|host] [--stages probe,kernels,tests,bench]
+        [--budget-s 530] [--tests PATH ...] [--kernel-tests PATH ...] [--test-workers N] [--bench-args ARGS]
+
+On a bare machine (the GPU image's Python with CuPy, torch, transformers, accelerate; no registry):
+  setup    installs what is missing from the wheels in .whl/ (make gpu-wheels), --no-index, into a folder
+           of its own on PYTHONPATH beside the tree (a pinned package already importable is left as it
+           is); uses build/libpebble_cuda.so as carried (builds it only where it is missing and nvcc
+           exists)
+  probe    benchmarks/gpu_probe.py: nvidia-smi, driver and CUDA versions, CuPy's device, the library
+           loads, `pebbling info` selects the backend
+  kernels  the kernel tests first, under CUDA_LAUNCH_BLOCKING=1, so that a fault names its kernel
+  tests    the rest of the suite on the backend, with --no-skip-gpu: a skipped GPU test is a failure
+           (in 4 processes where pytest-xdist imports: --test-workers)
+  bench    benchmarks/bench_gpu.py (scaled by --bench-args to fit the time left)
+Each stage is timed and has a timeout (its cap in CAPS, or --cap, within the time left of --budget-s,
+keeping FLOOR seconds for each later stage); one that times out or fails is recorded and the next runs.
+DIR gets: gpu_check.json (every stage's command, rc, time, timeout, pass/fail/skip counts and failures, the
+probe's findings, the benchmark's JSON), summary.txt, one log per stage, bench.json: at most 8 files, flat,
+so that a machine which hands back only a few files returns them all. Exit 0 when every stage passed. --backend host runs the same on a CPU machine (without --no-skip-gpu) to check this script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from gpu_wheels import read_pins, wheel_name  # noqa: E402
+
+STAGES = ("probe", "kernels", "tests", "bench")
+KERNEL_TESTS = ["tests/test_quant_kernels.py", "tests/test_decode_step.py", "tests/test_attend.py"]
+CAPS = {"setup": 120, "build": 300, "probe": 90, "kernels": 150, "tests": 270, "bench": 240}
+FLOOR = {"probe": 20, "kernels": 45, "tests": 90, "bench": 60}  # what a later stage is left at the least
+# The benchmark inside the 9 minutes: a slice of the Llama-3-8B shape. The full run is its own command
+# (README: On a GPU).
+DEFAULT_BENCH_ARGS = "--layers 4 --prompt 128 --tokens 16 --types Q4_K_M,F16"
+
+
+@dataclass
+class Stage:
+    name: str
+    argv: list[str]
+    timeout_s: float
+    env: dict[str, str] = field(default_factory=dict)
+    junit: str | None = None      # pytest's report, for the counts
+
+
+@dataclass
+class Record:
+    name: str
+    command: str
+    timeout_s: float
+    rc: int | None = None
+    seconds: float = 0.0
+    timed_out: bool = False
+    ok: bool = False
+    log: str | None = None
+    counts: dict | None = None
+    failures: list = field(default_factory=list)
+    skips: list = field(default_factory=list)
+    last_test: str | None = None  # the last test a timed-out pytest started
+    note: str = ""
+
+
+def run_stage(stage: Stage, out_dir: Path, base_env: dict[str, str]) -> Record:
+    """Runs one stage as its own process group, output to DIR/<name>.log; past its timeout the group is
+    ended (TERM, then KILL) and the record says so."""
+    log = out_dir / f"{stage.name}.log"
+    record = Record(stage.name, shlex.join(stage.argv), round(stage.timeout_s, 1), log=log.name)
+    start = time.monotonic()
+    with open(log, "w") as sink:
+        sink.write(f"$ {record.command}\n")
+        sink.flush()
+        try:
+            proc = subprocess.Popen(stage.argv, cwd=ROOT, env={**base_env, **stage.env}, stdout=sink,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+        except OSError as exc:
+            record.note = f"could not start: {exc}"
+            return record
+        try:
+            record.rc = proc.wait(timeout=stage.timeout_s)
+        except subprocess.TimeoutExpired:
+            record.timed_out = True
+            _end_group(proc)
+    record.seconds = round(time.monotonic() - start, 2)
+    if stage.junit:
+        _read_pytest(record, Path(stage.junit), log)
+    record.ok = record.rc == 0 and not record.timed_out
+    if record.timed_out:
+        record.note = f"timed out after {stage.timeout_s:.0f} s" + (f" in {record.last_test}" if record.last_test else "")
+    return record
+
+
+def _end_group(proc: subprocess.Popen) -> None:
+    for sig, grace in ((signal.SIGTERM, 5), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=grace)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+_VERBOSE = re.compile(r"(?:^(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS))|"
+                      r"(?:\b(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) (\S+::\S+))")
+
+
+def _read_pytest(record: Record, junit: Path, log: Path) -> None:
+    """Counts and failures from pytest's junit XML; after a timeout (no XML) from its verbose log."""
+    if junit.is_file():
+        try:
+            root = ET.parse(junit).getroot()
+        except ET.ParseError:
+            root = None
+        if root is not None:
+            suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+            total = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+            record.counts = {"passed": total["tests"] - total["failures"] - total["errors"] - total["skipped"],
+                             "failed": total["failures"], "errors": total["errors"], "skipped": total["skipped"],
+                             "from": "junit"}
+            for case in root.iter("testcase"):
+                test = f"{case.get('classname', '')}::{case.get('name', '')}"
+                for kind in ("failure", "error", "skipped"):
+                    node = case.find(kind)
+                    if node is not None:
+                        entry = {"test": test, "kind": kind, "message": (node.get("message") or "")[:400]}
+                        (record.skips if kind == "skipped" else record.failures).append(entry)
+            record.failures, record.skips = record.failures[:100], record.skips[:100]
+            return
+    counts, last = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}, None
+    key = {"PASSED": "passed", "XPASS": "passed", "FAILED": "failed", "ERROR": "errors", "SKIPPED": "skipped",
+           "XFAIL": "skipped"}
+    for line in log.read_text(errors="replace").splitlines():
+        m = _VERBOSE.search(line)
+        if m:
+            counts[key[m.group(2) or m.group(3)]] += 1
+            last = m.group(1) or m.group(4)
+        elif "::" in line and line.startswith("tests/"):
+            last = line.split()[0]
+    record.counts = {**counts, "from": "log (no junit: the run did not finish)"}
+    record.last_test = last
+
+
+# ---------------------------------------------------------------------------------------------------
+# setup
+
+
+def install_missing(wheels: Path, site: Path, python: str) -> tuple[Record, list[str]]:
+    """Installs each pinned distribution that is not installed, from its wheel, into `site`."""
+    from importlib import metadata
+
+    record = Record("setup", "", CAPS["setup"], log=None)
+    start = time.monotonic()
+    missing = []
+    for name, version in read_pins().items():
+        try:
+            metadata.version(name)
+        except metadata.PackageNotFoundError:
+            missing.append(name)
+    files = {wheel_name(w.name)[0]: w for w in wheels.glob("*.whl")} if wheels.is_dir() else {}
+    absent = [n for n in missing if n not in files]
+    record.counts = {"pinned": len(read_pins()), "already_installed": len(read_pins()) - len(missing),
+                     "to_install": len(missing), "no_wheel": len(absent)}
+    if missing and len(absent) < len(missing):
+        argv = [python, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps", "--no-compile",
+                "--no-cache-dir", "--disable-pip-version-check", "--target", str(site),
+                *(str(files[n]) for n in missing if n in files)]
+        record.command = shlex.join(argv[:12]) + " ..."
+        try:
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=CAPS["setup"])
+            record.rc, record.note = done.returncode, done.stderr[-1500:]
+        except subprocess.TimeoutExpired:
+            record.timed_out, record.note = True, f"pip install timed out after {CAPS['setup']} s"
+    else:
+        record.rc = 0
+    record.seconds = round(time.monotonic() - start, 2)
+    record.ok = record.rc == 0 and not absent
+    if absent:
+        record.note += f" no wheel in {wheels.name}/ for: {', '.join(absent)} (make gpu-wheels)"
+    return record, missing
+
+
+def stage_plan(args, work: Path, python: str) -> list[Stage]:
+    caps = args.caps
+    no_skip = ["--no-skip-gpu"] if args.backend == "cuda" else []
+    pytest = [python, "-m", "pytest", "-p", "no:cacheprovider", "-v", "-rfEs", *no_skip]
+    # The suite's backend-parametrized tests run on this backend alone; the others take the one pebbling
+    # selects (cuda first), as they would for a user. The probe sees that choice, unless another is asked for.
+    backend_env = {"PEBBLING_TEST_BACKENDS": args.backend}
+    probe_env = {} if args.backend == "cuda" else {"PEBBLING_BACKEND": args.backend}
+    workers = ["-n", str(args.test_workers)] if args.test_workers > 0 else []
+    # the kernel tests ran in their own stage just before: the suite takes the rest
+    done = [f"--ignore={t}" for t in args.kernel_tests if "kernels" in args.stages and args.tests == ["tests"]]
+    bench_json = Path(args.dir) / "bench.json"
+    return [
+        Stage("probe", [python, str(ROOT / "benchmarks" / "gpu_probe.py"), "--backend", args.backend], caps["probe"],
+              probe_env),
+        Stage("kernels", [*pytest, f"--junitxml={work / 'kernels.xml'}", *args.kernel_tests], caps["kernels"],
+              {**backend_env, "CUDA_LAUNCH_BLOCKING": "1"}, str(work / "kernels.xml")),
+        Stage("tests", [*pytest, *workers, f"--junitxml={work / 'tests.xml'}", *done, *args.tests], caps["tests"],
+              backend_env, str(work / "tests.xml")),
+        Stage("bench", [python, str(ROOT / "benchmarks" / "bench_gpu.py"), "--backend", args.backend,
+                        "--json", str(bench_json), "--dir", str(work), *shlex.split(args.bench_args)], caps["bench"]),
+    ]
+
+
+def run_all(args, out_dir: Path) -> dict:
+    began, python = time.monotonic(), sys.executable
+    work = Path(tempfile.mkdtemp(prefix="pebbling-gpu-check-"))
+    site = work / "site"
+    setup, missing = install_missing(ROOT / ".whl", site, python)
+    env = dict(os.environ, PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), str(site) if missing else "",
+                                                      os.environ.get("PYTHONPATH", "")) if p))
+    records = [setup]
+    lib = ROOT / "build" / f"libpebble_{args.backend}.so"
+    if not lib.is_file():
+        if shutil.which("nvcc" if args.backend == "cuda" else "g++"):
+            records.append(run_stage(Stage("build", ["make", args.backend], CAPS["build"]), out_dir, env))
+        else:
+            records.append(Record("build", "", 0, note=f"{lib.relative_to(ROOT)} is missing and cannot be built "
+                                  "here: run `make cuda` where nvcc is and carry build/"))
+    for stage in stage_plan(args, work, python):
+        if stage.name not in args.stages:
+            continue
+        left = args.budget_s - (time.monotonic() - began)
+        later = sum(FLOOR[s] for s in args.stages if STAGES.index(s) > STAGES.index(stage.name))
+        stage.timeout_s = max(min(stage.timeout_s, left - later), 0.1)
+        print(f"gpu-check: {stage.name} (timeout {stage.timeout_s:.0f} s) ...", flush=True)
+        records.append(run_stage(stage, out_dir, env))
+        r = records[-1]
+        print(f"gpu-check: {stage.name}: {'ok' if r.ok else 'FAILED'} rc={r.rc} {r.seconds:.1f} s "
+              f"{_counts_text(r.counts)} {r.note}".rstrip(), flush=True)
+    result = {"ok": all(r.ok for r in records), "backend": args.backend, "budget_s": args.budget_s,
+              "test_workers": args.test_workers, "bench_args": args.bench_args,
+              "total_seconds": round(time.monotonic() - began, 2), "started_utc": args.started,
+              "machine": {"host": platform.node(), "python": sys.version.split()[0], "cpus": os.cpu_count()},
+              "stages": [asdict(r) for r in records]}
+    probe = out_dir / "probe.log"
+    if probe.is_file():
+        last = probe.read_text(errors="replace").strip().splitlines()[-1:]
+        try:
+            result["probe"] = json.loads(last[0]) if last else None
+        except json.JSONDecodeError:
+            result["probe"] = None
+    bench = out_dir / "bench.json"
+    result["bench"] = json.loads(bench.read_text()) if bench.is_file() else None
+    shutil.rmtree(work, ignore_errors=True)
+    return result
+
+
+def _counts_text(counts: dict | None) -> str:
+    if not counts:
+        return ""
+    return ", ".join(f"{v} {k}" for k, v in counts.items() if k not in ("from",) and v)
+
+
+def summary(result: dict) -> str:
+    lines = [f"gpu-check on {result['machine']['host']} ({result['backend']}): "
+             f"{'PASS' if result['ok'] else 'FAIL'} in {result['total_seconds']:.0f} s of {result['budget_s']:.0f}"]
+    probe = result.get("probe") or {}
+    gpus = (probe.get("nvml") or {}).get("gpus") or []
+    if gpus:
+        lines.append(f"  GPU {gpus[0]['name']}, driver {probe['nvml']['driver']}, CUDA {probe['nvml']['cuda_driver']}")
+    for s in result["stages"]:
+        lines.append(f"  {s['name']:8s} {'ok' if s['ok'] else 'FAIL':4s} rc={s['rc']} {s['seconds']:7.1f} s "
+                     f"(timeout {s['timeout_s']:.0f}) {_counts_text(s['counts'])} {s['note'][:200]}".rstrip())
+        for f in s["failures"][:15]:
+            lines.append(f"      {f['kind']}: {f['test']}: {f['message'][:160]}")
+    bench = result.get("bench")
+    if bench:
+        lines += ["", *bench.get("table", [])]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dir", required=True, help="where the JSON, the summary and the logs go")
+    parser.add_argument("--backend", default="cuda", choices=("cuda", "host"))
+    parser.add_argument("--stages", default=",".join(STAGES))
+    parser.add_argument("--budget-s", type=float, default=530.0, help="the whole run's time, setup included")
+    parser.add_argument("--tests", nargs="*", default=["tests"])
+    parser.add_argument("--kernel-tests", nargs="*", default=KERNEL_TESTS)
+    parser.add_argument("--test-workers", type=int, default=-1,
+                        help="pytest-xdist processes for the suite; 0: one process; default: 4 on cuda where "
+                             "pytest-xdist imports, else 0")
+    parser.add_argument("--bench-args", default=DEFAULT_BENCH_ARGS)
+    parser.add_argument("--cap", action="append", default=[], metavar="STAGE=SECONDS",
+                        help="a stage's own timeout, over the default")
+    args = parser.parse_args(argv)
+    args.stages = [s.strip() for s in args.stages.split(",") if s.strip()]
+    unknown = [s for s in args.stages if s not in STAGES]
+    if unknown:
+        parser.error(f"--stages: {', '.join(unknown)} unknown; choose from {', '.join(STAGES)}")
+    if args.test_workers < 0:
+        args.test_workers = 4 if args.backend == "cuda" and importlib.util.find_spec("xdist") else 0
+    args.caps = dict(CAPS)
+    for cap in args.cap:
+        name, _, seconds = cap.partition("=")
+        if name not in CAPS:
+            parser.error(f"--cap {cap}: no stage {name!r}")
+        args.caps[name] = float(seconds)
+    args.started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    out_dir = Path(args.dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result = run_all(args, out_dir)
+    (out_dir / "gpu_check.json").write_text(json.dumps(result, indent=1))
+    text = summary(result)
+    (out_dir / "summary.txt").write_text(text)
+    print(text, end="")
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

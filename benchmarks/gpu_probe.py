@@ -1,0 +1,128 @@
+"""What a GPU machine is and whether pebbling runs on it: the first stage of gpu_check.py.
+
+    python benchmarks/gpu_probe.py [--backend cuda|host]
+
+Prints what it finds (nvidia-smi, NVML's driver and CUDA versions, CuPy's device, the native library,
+`pebbling info`), then one last line of JSON with every figure. Exit 0 when the library of --backend loads
+and `pebbling info` selects that backend (and, for cuda, CuPy reaches the device); 1 otherwise, saying why.
+Every figure here is read from the machine; what cannot be read is recorded as null with the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(command: list[str], timeout: float = 60) -> tuple[int | None, str]:
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return None, f"{type(exc).__name__}: {exc}"
+    return done.returncode, (done.stdout + done.stderr).strip()
+
+
+def nvidia_smi() -> dict:
+    if not shutil.which("nvidia-smi"):
+        return {"present": False, "why": "nvidia-smi is not on PATH"}
+    rc, table = _run(["nvidia-smi"])
+    print(table)
+    fields = "name,driver_version,memory.total,pcie.link.gen.max,pcie.link.width.max,clocks.max.memory"
+    rc_q, csv = _run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits"])
+    gpus = [dict(zip(fields.split(","), (v.strip() for v in line.split(","))))
+            for line in csv.splitlines() if rc_q == 0 and line.strip()]
+    return {"present": True, "rc": rc, "gpus": gpus}
+
+
+def nvml() -> dict:
+    try:
+        import pynvml as n  # nvidia-ml-py
+        n.nvmlInit()
+    except Exception as exc:  # noqa: BLE001 - any failure is a finding, recorded
+        return {"ok": False, "why": f"{type(exc).__name__}: {exc}"}
+    try:
+        cuda = n.nvmlSystemGetCudaDriverVersion()
+        out = {"ok": True, "driver": _text(n.nvmlSystemGetDriverVersion()),
+               "cuda_driver": f"{cuda // 1000}.{cuda % 1000 // 10}", "gpus": []}
+        for i in range(n.nvmlDeviceGetCount()):
+            h = n.nvmlDeviceGetHandleByIndex(i)
+            mem = n.nvmlDeviceGetMemoryInfo(h)
+            gpu = {"name": _text(n.nvmlDeviceGetName(h)), "total_bytes": int(mem.total), "free_bytes": int(mem.free)}
+            try:  # the bus's nominal rate: an estimate from the link, labelled so by the caller
+                gpu["pcie_gen_max"] = int(n.nvmlDeviceGetMaxPcieLinkGeneration(h))
+                gpu["pcie_width_max"] = int(n.nvmlDeviceGetMaxPcieLinkWidth(h))
+            except n.NVMLError:
+                pass
+            out["gpus"].append(gpu)
+        return out
+    finally:
+        n.nvmlShutdown()
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def cupy_device() -> dict:
+    try:
+        import cupy
+        dev = cupy.cuda.Device(0)
+        props = cupy.cuda.runtime.getDeviceProperties(0)
+        (cupy.arange(4) + 1).sum().item()  # a kernel runs
+        return {"ok": True, "cupy": cupy.__version__, "runtime": cupy.cuda.runtime.runtimeGetVersion(),
+                "driver": cupy.cuda.runtime.driverGetVersion(), "name": _text(props["name"]),
+                "compute_capability": dev.compute_capability, "multiprocessors": props["multiProcessorCount"],
+                "l2_bytes": props["l2CacheSize"], "memory_bus_bits": props.get("memoryBusWidth")}
+    except Exception as exc:  # noqa: BLE001
+        return {"ok": False, "why": f"{type(exc).__name__}: {exc}"}
+
+
+def library(kind: str) -> dict:
+    sys.path.insert(0, str(ROOT))
+    try:
+        from pyplugin.store.native import load_library
+        _, path = load_library(kind)
+        return {"ok": True, "path": str(Path(path).relative_to(ROOT)) if Path(path).is_relative_to(ROOT) else path,
+                "bytes": Path(path).stat().st_size}
+    except Exception as exc:  # noqa: BLE001
+        return {"ok": False, "why": f"{type(exc).__name__}: {exc}"}
+
+
+def pebbling_info() -> dict:
+    rc, text = _run([sys.executable, "-m", "pyplugin.cli", "info"])
+    print(text)
+    first = text.splitlines()[0] if text else ""
+    return {"rc": rc, "backend": first.split(":", 1)[1].strip() if first.startswith("backend:") else None,
+            "text": text[-2000:]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backend", default="cuda", choices=("cuda", "host"))
+    args = parser.parse_args(argv)
+    found = {"python": sys.version.split()[0], "nvidia_smi": nvidia_smi(), "nvml": nvml(),
+             "library": library(args.backend), "pebbling_info": pebbling_info()}
+    if args.backend == "cuda":
+        found["cupy"] = cupy_device()
+    problems = []
+    if not found["library"]["ok"]:
+        problems.append(f"the {args.backend} library: {found['library']['why']}")
+    if found["pebbling_info"]["backend"] != args.backend:
+        problems.append(f"pebbling info selects {found['pebbling_info']['backend']!r}, not {args.backend!r}")
+    if args.backend == "cuda" and not found["cupy"]["ok"]:
+        problems.append(f"CuPy: {found['cupy']['why']}")
+    found["problems"] = problems
+    for problem in problems:
+        print(f"probe: {problem}", file=sys.stderr)
+    print(json.dumps(found))
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

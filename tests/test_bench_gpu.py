@@ -1,0 +1,139 @@
+"""benchmarks/bench_gpu.py at a size a CPU runs in seconds: every row and figure is there and measured
+(not a placeholder), estimates are labelled, and the files it writes have Llama-3-8B's shape and mix."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+from gguf import GGUFReader
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import bench_gpu  # noqa: E402
+from bench_gpu_model import spec_for, tensor_list, write_model  # noqa: E402
+
+ROW_FIGURES = ("prefill_tokens_per_s", "decode_tokens_per_s", "decode_ms_per_step", "estimated_peak_bytes",
+               "report_peak_bytes", "weights_GBps", "roofline_fraction", "weight_bytes_per_step")
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench-gpu")
+    got = bench_gpu.main(["--backend", "host", "--shape", "tiny", "--layers", "4", "--tokens", "4", "--prompt", "8",
+                          "--json", str(out / "bench.json"), "--text", str(out / "bench.txt"), "--dir", str(out)])
+    return got, json.loads((out / "bench.json").read_text()), (out / "bench.txt").read_text()
+
+
+def positive(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+def test_every_row_of_every_file_and_batch_is_there_with_measured_figures(result):
+    _, data, _ = result
+    assert [f["type"] for f in data["files"]] == ["Q4_K_M", "F16"]
+    for f in data["files"]:
+        got = [(r["label"], r["batch"]) for r in f["rows"]]
+        assert got == [(label, b) for b in (1, 8) for label in ("none", "50%", "25%", "minimal")]
+        for r in f["rows"]:
+            for key in ROW_FIGURES:
+                assert positive(r[key]), (f["type"], r["label"], key, r[key])
+            assert r["tokens_equal"] is True and len(r["tokens"]) == r["batch"]
+            assert all(len(t) == 4 for t in r["tokens"])
+            # no GPU: the peak is the store's byte accounting, and NVML's sampled peak says why it is absent
+            assert r["nvml_peak_bytes"] is None and r["nvml_peak_how"].startswith("not measured")
+            assert r["report_peak_how"].startswith("byte-accounted")
+        assert positive(f["write_s"]) and positive(f["load_s"]) and f["layer_bytes_stored"] > 0
+        assert f["device_over_stored"] == pytest.approx(1.0, abs=0.02)
+
+
+def test_rows_differ_as_their_strategies_do(result):
+    _, data, _ = result
+    rows = {(r["label"], r["batch"]): r for r in data["files"][0]["rows"]}
+    assert rows[("none", 1)]["resident_layers"] == 4 and rows[("minimal", 1)]["resident_layers"] == 0
+    assert rows[("minimal", 1)]["estimated_peak_bytes"] < rows[("none", 1)]["estimated_peak_bytes"]
+    for label in ("50%", "25%"):
+        assert rows[(label, 1)]["budget_bytes"] > 0 and rows[(label, 1)]["within_budget"] is True
+    # eight sequences hold eight KV caches
+    assert rows[("none", 8)]["estimated_peak_bytes"] > rows[("none", 1)]["estimated_peak_bytes"]
+
+
+def test_the_bandwidths_are_measured_and_the_estimates_labelled(result):
+    _, data, text = result
+    assert positive(data["bus"]["h2d_restore_GBps"]) and "no GPU" in data["bus"]["path"]
+    assert positive(data["hbm"]["GBps"]) and "not HBM" in data["hbm"]["how"]
+    assert data["bus"]["nominal_link_GBps"] is None and data["bus"]["why"]   # no NVML: absent, not guessed
+    assert "estimated_peak_bytes" in data["estimates"] and "bus.nominal_link_GBps" in data["estimates"]
+    assert "est." in text and "measured" in text
+
+
+def test_absent_peers_are_recorded_with_the_reason(result):
+    _, data, text = result
+    for name in ("transformers", "llama.cpp"):
+        peer = data["peers"][name]
+        if not peer["present"]:
+            assert "import" in peer["why"] and f"peer {name}: absent" in text
+        else:
+            assert all(positive(r["decode_tokens_per_s"]) for r in peer["rows"])
+
+
+def test_the_json_is_what_main_returns_and_names_no_local_path(result):
+    got, data, _ = result
+    assert data["config"] == got["config"] and data["table"] == got["table"]
+    assert all("/" not in f["path"] for f in data["files"])
+
+
+def test_the_llama3_8b_shape_has_8_billion_parameters_in_llama_cpps_q4_k_m_mix():
+    spec = spec_for("llama3-8b", "Q4_K_M", None, 4096)
+    tensors = tensor_list(spec, spec.vocab_size)
+    assert sum(math.prod(shape) for _, shape, _ in tensors) == 8_030_261_248
+    types = {name: t for name, _, t in tensors}
+    assert types["output.weight"] == "Q6_K" and types["token_embd.weight"] == "Q4_K"
+    assert types["blk.0.ffn_down.weight"] == "Q6_K" and types["blk.1.ffn_down.weight"] == "Q4_K"
+    assert types["blk.0.attn_q.weight"] == "Q4_K" and types["blk.0.attn_v.weight"] == "Q6_K"
+    assert {t for _, _, t in tensor_list(spec_for("llama3-8b", "F16", 2, 4096), 128256)} == {"F16", "F32"}
+
+
+def test_written_files_hold_the_types_and_bytes_they_declare(tmp_path):
+    spec = spec_for("tiny", "Q4_K_M", 2, 256)
+    reader = GGUFReader(write_model(tmp_path / "m.gguf", spec))
+    by_name = {t.name: t for t in reader.tensors}
+    assert by_name["blk.0.ffn_down.weight"].tensor_type.name == "Q6_K"
+    assert by_name["blk.1.attn_q.weight"].tensor_type.name == "Q4_K"
+    assert by_name["output.weight"].n_bytes == 2048 * 256 // 256 * 210   # Q6_K: 210 bytes per 256 values
+
+
+def test_the_acceptance_checks_report_what_a_cpu_run_can_judge_and_leave_the_rest_open(result):
+    _, data, text = result
+    checks = data["acceptance"]
+    assert {c["item"] for c in checks} == {2, 3, 4, 6}   # 5: nothing is restored on the host library
+    verdicts = {c["check"]: c["verdict"] for c in checks}
+    assert verdicts["Q4_K_M none batch 1: greedy tokens equal none's"] == "PASS"
+    assert verdicts["Q4_K_M: device weight bytes / stored bytes"] == "PASS"
+    # what needs a GPU or a peer is left open, never passed
+    assert verdicts["Q4_K_M none batch 1: roofline fraction"] == "n/a"
+    assert verdicts["F16 25%: decode / transformers + accelerate at 25%"] == "n/a"
+    assert "FAIL" not in verdicts.values() and "acceptance (issue 25)" in text
+
+
+def test_a_row_that_breaks_is_recorded_and_the_other_rows_still_run(tmp_path, monkeypatch):
+    real = bench_gpu.run_row
+
+    def breaks_at_25(pebbled, options, prompts, case, n_decode):
+        if case.get("label") == "25%":
+            raise RuntimeError("a kernel fault, say")
+        return real(pebbled, options, prompts, case, n_decode)
+
+    monkeypatch.setattr(bench_gpu, "run_row", breaks_at_25)
+    got = bench_gpu.main(["--backend", "host", "--shape", "tiny", "--layers", "2", "--tokens", "2", "--prompt", "4",
+                          "--types", "F16", "--batches", "1", "--peers", "none", "--dir", str(tmp_path)])
+    rows = {r["label"]: r for r in got["files"][0]["rows"]}
+    assert "a kernel fault, say" in rows["25%"]["error"] and "bench_gpu.py" in rows["25%"]["error"]
+    assert positive(rows["minimal"]["decode_tokens_per_s"]) and rows["minimal"]["tokens_equal"]
+    failed = [c for c in got["acceptance"] if c["verdict"] == "FAIL"]
+    assert [c["check"] for c in failed] == ["F16 25% batch 1: the row ran"]
+    assert any("ERROR" in line for line in got["table"])

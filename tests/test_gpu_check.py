@@ -1,0 +1,152 @@
+"""The GPU check's machinery, on a machine without a GPU: --no-skip-gpu fails a skipped GPU test (and only a
+GPU test), the stage runner records rc, time and timeouts into its JSON, and the pinned wheel list parses."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import gpu_check  # noqa: E402
+import gpu_wheels  # noqa: E402
+
+PROBE_FILE = '''
+import pytest
+from helpers import store_backend_params
+
+@pytest.mark.parametrize("backend", store_backend_params())
+def test_on_each_backend(backend):
+    pytest.skip(f"deliberately skipped on {backend}")
+
+@pytest.mark.gpu
+def test_marked_gpu():
+    pytest.skip("no device here")
+
+def test_plain():
+    pytest.skip("not a GPU test")
+'''
+
+
+def run_pytest(tmp_path: Path, *extra: str) -> tuple[int, dict, str]:
+    """Runs PROBE_FILE beside copies of the suite's conftest and helpers (in tmp_path, so nothing is written
+    into tests/) and returns pytest's exit code, each test's outcome from its junit report, its output."""
+    for name in ("conftest.py", "helpers.py"):
+        shutil.copy(ROOT / "tests" / name, tmp_path / name)
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    gpu: needs an NVIDIA GPU\n")
+    (tmp_path / "test_probe.py").write_text(PROBE_FILE)
+    junit = tmp_path / "junit.xml"
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_probe.py",
+                           f"--junitxml={junit}", *extra], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    record = gpu_check.Record("probe", "", 0)
+    gpu_check._read_pytest(record, junit, tmp_path / "none.log")
+    outcomes = {f["test"].rsplit("::", 1)[1]: (f["kind"], f["message"]) for f in record.failures + record.skips}
+    return done.returncode, outcomes, done.stdout + done.stderr
+
+
+def test_no_skip_gpu_turns_a_skipped_gpu_test_into_a_failure_with_its_reason(tmp_path):
+    rc, outcomes, out = run_pytest(tmp_path, "--no-skip-gpu")
+    assert rc == 1, out
+    # no GPU here: the cuda case is skipped by its mark at setup (an error), or by the test itself (a failure)
+    kind, message = outcomes["test_on_each_backend[cuda]"]
+    assert kind in ("failure", "error") and "skipped under --no-skip-gpu" in message, (kind, message)
+    kind, message = outcomes["test_marked_gpu"]
+    assert kind == "failure" and "no device here" in message
+    # host and stub cases, and tests with nothing to do with a GPU, still skip
+    for name in ("test_on_each_backend[host]", "test_on_each_backend[stub]", "test_plain"):
+        assert outcomes[name][0] == "skipped", (name, outcomes[name])
+
+
+def test_without_the_option_gpu_tests_skip_as_before(tmp_path):
+    rc, outcomes, out = run_pytest(tmp_path)
+    assert rc == 0, out
+    assert {kind for kind, _ in outcomes.values()} == {"skipped"} and len(outcomes) == 5
+
+
+def test_the_stage_runner_records_rc_time_output_and_timeouts(tmp_path):
+    quick = gpu_check.Stage("fails", [sys.executable, "-c", "print('said this'); raise SystemExit(3)"], 30)
+    record = gpu_check.run_stage(quick, tmp_path, {"PATH": "/usr/bin:/bin"})
+    assert (record.rc, record.timed_out, record.ok) == (3, False, False)
+    assert "said this" in (tmp_path / "fails.log").read_text()
+    slow = gpu_check.Stage("hangs", [sys.executable, "-c", "import time; print('started', flush=True); time.sleep(60)"],
+                           1.5)
+    record = gpu_check.run_stage(slow, tmp_path, {})
+    assert record.timed_out and not record.ok and record.rc is None
+    assert 1.4 < record.seconds < 20 and "timed out after 2 s" in record.note
+    assert "started" in (tmp_path / "hangs.log").read_text()
+
+
+def test_a_timed_out_pytest_is_counted_from_its_log_and_names_the_test_it_hung_in(tmp_path):
+    log = tmp_path / "tests.log"
+    log.write_text(textwrap.dedent("""\
+        tests/test_a.py::test_one PASSED                                     [  1%]
+        tests/test_a.py::test_two[cuda] FAILED                               [  2%]
+        tests/test_a.py::test_three SKIPPED (no)                             [  3%]
+        tests/test_b.py::test_hangs """))
+    record = gpu_check.Record("tests", "", 1, timed_out=True)
+    gpu_check._read_pytest(record, tmp_path / "missing.xml", log)
+    assert {k: record.counts[k] for k in ("passed", "failed", "skipped")} == {"passed": 1, "failed": 1, "skipped": 1}
+    assert record.last_test == "tests/test_b.py::test_hangs"
+
+
+def test_gpu_check_on_the_host_backend_writes_one_json_and_a_summary(tmp_path):
+    out = tmp_path / "out"
+    rc = gpu_check.main(["--dir", str(out), "--backend", "host", "--stages", "probe,tests,bench",
+                         "--tests", "tests/test_abi.py", "--cap", "probe=60",
+                         "--bench-args", "--shape tiny --layers 2 --tokens 4 --prompt 8 --types Q4_K_M --peers none"])
+    result = json.loads((out / "gpu_check.json").read_text())
+    stages = {s["name"]: s for s in result["stages"]}
+    assert list(stages) == ["setup", "probe", "tests", "bench"]
+    for name in ("probe", "tests", "bench"):
+        s = stages[name]
+        assert s["rc"] == 0 and s["ok"] and not s["timed_out"] and s["seconds"] > 0, s
+        assert (out / s["log"]).is_file()
+    assert stages["tests"]["counts"]["passed"] > 0 and stages["tests"]["counts"]["failed"] == 0
+    assert result["probe"]["pebbling_info"]["backend"] == "host"
+    assert result["bench"]["files"][0]["rows"] and result["ok"] and rc == 0
+    assert "PASS" in (out / "summary.txt").read_text()
+    assert len(list(out.iterdir())) <= 8 and all(p.is_file() for p in out.iterdir())  # few files, flat
+
+
+def test_a_stage_over_its_cap_is_recorded_and_the_next_still_runs(tmp_path):
+    out = tmp_path / "out"
+    rc = gpu_check.main(["--dir", str(out), "--backend", "host", "--stages", "probe,bench", "--cap", "probe=0.01",
+                         "--bench-args", "--shape tiny --layers 2 --tokens 2 --prompt 4 --types F16 "
+                                         "--batches 1 --rows none --peers none"])
+    result = json.loads((out / "gpu_check.json").read_text())
+    stages = {s["name"]: s for s in result["stages"]}
+    assert stages["probe"]["timed_out"] and not stages["probe"]["ok"]
+    assert stages["bench"]["ok"] and rc == 1 and not result["ok"]
+    assert "FAIL" in (out / "summary.txt").read_text()
+
+
+def test_the_pinned_wheel_list_parses_and_each_pin_is_exact():
+    pins = gpu_wheels.read_pins()
+    assert {"cffi", "gguf", "fastapi", "llguidance", "pydantic-core", "jsonschema", "pexpect"} <= set(pins)
+    assert not {"numpy", "cupy-cuda13x", "torch", "transformers", "accelerate"} & set(pins)  # the image has them
+    assert all(v and v[0].isdigit() for v in pins.values())
+
+
+@pytest.mark.parametrize("line, error", [("gguf>=0.10", "not an exact pin"), ("cffi==1\ncffi==2", "pinned twice")])
+def test_a_pin_list_that_is_not_exact_pins_is_refused(tmp_path, line, error):
+    bad = tmp_path / "pins.txt"
+    bad.write_text(f"# a comment\n\n{line}\n")
+    with pytest.raises(ValueError, match=error):
+        gpu_wheels.read_pins(bad)
+
+
+def test_wheels_are_checked_against_the_pins(tmp_path):
+    pins = {"cffi": "2.1.1", "gguf": "0.19.0"}
+    (tmp_path / "cffi-2.1.1-cp312-cp312-manylinux2014_x86_64.whl").write_bytes(b"")
+    (tmp_path / "gguf-0.18.0-py3-none-any.whl").write_bytes(b"")
+    (tmp_path / "extra_thing-1.0-py3-none-any.whl").write_bytes(b"")
+    problems = gpu_wheels.check_wheels(tmp_path, pins)
+    assert any("gguf" in p and "0.18.0" in p for p in problems)
+    assert any("extra-thing" in p for p in problems) and not any(p.startswith("cffi") for p in problems)
