@@ -39,12 +39,20 @@ build/libpebble_host_asan.so: $(NATIVE_DEPS)
 	@mkdir -p build
 	$(CXX) $(SAN_FLAGS) $(HOST_FLAGS) -o $@ $(HOST_SRC)
 
-# The virtual environment, with the package installed editable and the test extra.
-$(VENV)/.installed: pyproject.toml
+# The virtual environment, with the package installed editable: what `serve` needs (.serving), and
+# the test extra on top for `test` (.installed). An editable install compiles nothing (CMakeLists.txt):
+# the libraries come from build/, built by the targets above.
+$(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+
+$(VENV)/.serving: pyproject.toml CMakeLists.txt | $(PY)
+	$(PY) -m pip install --quiet -e .
 	@touch $@
+
+$(VENV)/.installed: pyproject.toml CMakeLists.txt | $(PY)
+	$(PY) -m pip install --quiet -e '.[test]'
+	@touch $@ $(VENV)/.serving
 
 venv: $(VENV)/.installed
 
@@ -84,7 +92,7 @@ test-sanitized: venv host-asan
 fuzz: venv host
 	PEBBLING_FUZZ_EXAMPLES=10000 $(PY) -m pytest -q -s -p no:cacheprovider tests/test_fuzz.py
 
-serve: venv native-best
+serve: $(VENV)/.serving native-best
 	$(VENV)/bin/pebbling serve --host $(HOST) --port $(PORT)
 
 clean:
