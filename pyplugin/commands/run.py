@@ -12,7 +12,7 @@ from typing import Any
 from ..errors import OptionsError, PebblingError
 from ..runtime import Options
 from ..serving.jobs import KEEP_ALIVE_HELP, parse_keep_alive
-from .backends import Local, Remote
+from .backends import Local, Remote, looks_like_path
 from .client import Client
 from .common import add_pebbling_arguments, format_duration, pebbling_options
 
@@ -36,7 +36,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("run", help="chat with a model, or answer one prompt",
                               description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", help="GGUF file, pebbling-demo, NAME[:TAG] or an Ollama model name")
-    p.add_argument("prompt", nargs="*", help="the message (several words are joined by spaces); "
+    # default=[]: without one, argparse reports the optional PROMPT as required when MODEL is missing
+    p.add_argument("prompt", nargs="*", default=[], help="the message (several words are joined by spaces); "
                                              "text on stdin comes before it")
     p.add_argument("--system", metavar="TEXT", help="the system message")
     g = p.add_argument_group("sampling (Ollama's options; the model's own defaults when not given)")
@@ -109,7 +110,7 @@ def connect(model: str, store_backend: str | None) -> Remote | Local:
     """The server on $PEBBLING_HOST if it answers, else an engine in this process. A model given as a
     file is always loaded here: the server takes names, never paths, from its clients."""
     client = Client()
-    if Path(model).expanduser().is_file():
+    if Path(model).expanduser().is_file() or looks_like_path(model):
         if client.answers():
             print(f"pebbling: note: {model} is a file, loaded in this process; the server at {client.address.url} "
                   "serves names (put the file in its models directory to serve it)", file=sys.stderr)

@@ -201,8 +201,8 @@ def _pyplot():
     try:
         import matplotlib
     except ImportError:
-        raise PebblingError("--plot needs matplotlib: pip install 'pebbling[plot]' "
-                            "(or pip install matplotlib)") from None
+        raise PebblingError("--plot needs matplotlib: pip install matplotlib (or, from the repository, "
+                            "pip install '.[plot]')") from None
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as pyplot
 

@@ -30,7 +30,12 @@ MAX_KEEP_ALIVE = (2**63 - 1) / 1e9
 
 _GO_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 _GO_PART = re.compile(r"(\d+\.?\d*|\.\d+)(ns|us|µs|μs|ms|s|m|h)")
-KEEP_ALIVE_HELP = 'seconds as a number, or a duration such as "10m", "1h30m" or "-1" (forever)'
+# A person's spelling of a unit ("5 minutes", "1 hour 30 mins"), read as the Go unit it stands for.
+_UNIT_WORDS = re.compile(r"\s*(milliseconds?|msecs?|seconds?|secs?|minutes?|mins?|hours?|hrs?)\b", re.I)
+_WORD_UNIT = {"ms": "ms", "msec": "ms", "millisecond": "ms", "s": "s", "sec": "s", "second": "s", "m": "m",
+              "min": "m", "minute": "m", "h": "h", "hr": "h", "hour": "h"}
+KEEP_ALIVE_HELP = ('seconds as a number, or a duration such as "10m", "1h30m", "5 minutes" or "-1" '
+                   '(forever)')
 
 
 def parse_keep_alive(value: Any, default: float = DEFAULT_KEEP_ALIVE) -> float:
@@ -58,8 +63,13 @@ def parse_keep_alive(value: Any, default: float = DEFAULT_KEEP_ALIVE) -> float:
 
 
 def _go_duration(text: str) -> float | None:
+    """A Go duration ("1h30m", "300ms"), a bare number of seconds, or the same with spelled-out units
+    and spaces ("5 minutes", "1 hour 30 min"); None when it is none of these."""
     sign = -1.0 if text.startswith("-") else 1.0
-    body = text.lstrip("+-")
+    body = text.lstrip("+-").strip()
+    if any(c.isalpha() for c in body):
+        spelled = _UNIT_WORDS.sub(lambda m: _WORD_UNIT[m.group(1).lower().rstrip("s") or "s"], body)
+        body = "".join(spelled.split())
     try:
         return sign * float(body)  # a bare number: seconds
     except ValueError:
