@@ -12,7 +12,7 @@ import sys
 from .errors import PebblingError
 
 # Order shown in --help; a module that is absent is simply not offered.
-COMMANDS = ("run", "serve", "models", "estimate", "verify", "info")  # models: list, ps, show, stop
+COMMANDS = ("run", "serve", "models", "estimate", "verify", "info", "fetch_demo")  # models: list, ps, show, stop
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -226,8 +226,10 @@ def test_the_server_says_its_backend_and_models_when_it_starts(models_dir):
         server.terminate()
         server.wait(timeout=30)
     said = "".join(said)
-    assert f"store backend {pyplugin.store.choose_backend().backend.name} (" in said
-    assert f"models directory {models_dir}; serving 2 model(s): pebbling-demo:latest, tiny:latest" in said
+    backend = pyplugin.store.choose_backend().backend.name
+    assert f"store backend {backend}: " in said  # the choice and why
+    assert (f"store backend {backend}; models directory {models_dir}; serving 2 model(s): "
+            "pebbling-demo:latest, tiny:latest") in said
 
 
 def test_serving_a_directory_never_writes_the_demo_into_it(tmp_path, monkeypatch):

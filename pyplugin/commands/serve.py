@@ -72,8 +72,8 @@ def run(args: argparse.Namespace) -> int:
     sys.setswitchinterval(SWITCH_INTERVAL)
     config = log_config(level)
     logging.config.dictConfig(config)
-    for line in describe(os.environ.get(MODELS_ENV)):  # which backend computes, and what can be asked for
-        logging.getLogger("pebbling.server").info("%s", line)
+    # Which backend computes, and what can be asked for.
+    logging.getLogger("pebbling.server").info("%s", describe(os.environ.get(MODELS_ENV)))
     uvicorn.run(APP_FACTORY, factory=True, host=args.host, port=args.port, log_level=level,
                 log_config=config, http=HTTP_PROTOCOL)
     return 0

@@ -376,14 +376,13 @@ class Engine:
         return sum(p.device_bytes_held() for p in others if p.backend.measures_memory)
 
 
-def describe(models_dir: str | Path | None = None, backend: str | None = None) -> list[str]:
-    """What a server says when it starts: the store backend and why, and the models it serves."""
+def describe(models_dir: str | Path | None = None, backend: str | None = None) -> str:
+    """What a server says when it starts: the store backend (choosing it logs why) and the models it serves."""
     try:
-        choice = choose_backend(backend)
-        said = f"store backend {choice.backend.name} ({choice.reason})"
+        said = f"store backend {choose_backend(backend).backend.name}"
     except PebblingError as exc:  # said again, as a 400 or 500, by every request that needs a model
-        said = f"no usable store backend: {exc}"
+        said = f"no usable store backend ({exc})"
     catalogue = Catalogue(models_dir)
     names = [m.name for m in catalogue.list_models()]
-    return [said, f"models directory {catalogue.models_dir}; serving {len(names)} model(s): "
-                  f"{', '.join(names) or 'none'}"]
+    return (f"{said}; models directory {catalogue.models_dir}; serving {len(names)} model(s): "
+            f"{', '.join(names) or 'none'}")
