@@ -16,10 +16,10 @@ from ..model import WEIGHT_FORMS
 from ..runtime import Generation, MemoryModel, Options, PebblingOptions, make_plan
 from ..runtime.plan import format_bytes, parse_size, smallest_footprint
 from ..store import Strategy
-from .ties import DEFAULT_TIE_TOLERANCE, Recorder, compare, forced_steps
-from .ties import describe as describe_ties
 from .common import (Loaded, add_backend_argument, add_weights_argument, chat_tokens, decode_rate, format_table,
                      load_pebbled, options_from_flags, plain)
+from .ties import DEFAULT_TIE_TOLERANCE, Recorder, compare, forced_steps
+from .ties import describe as describe_ties
 
 STRATEGIES = ("none", "sqrt", "adaptive", "minimal", "every:2")
 DEFAULT_PROMPT = "Why is the sky blue?"
