@@ -146,6 +146,14 @@ def test_an_unknown_name_says_where_run_looked(models_dir, tmp_path, capsys):
     assert str(tmp_path / "no-ollama-store") in err and "no such file" not in err
 
 
+def test_an_unknown_name_through_the_server_says_which_server_and_how_to_list(server, monkeypatch, capsys):
+    monkeypatch.setenv("PEBBLING_HOST", server)
+    assert cli("run", "llama3", "hi") == 1
+    err = capsys.readouterr().err.strip()
+    assert err == (f"pebbling: error: model 'llama3' not found by the server at {server} (pebbling list shows the "
+                   "models it serves)")
+
+
 def test_run_without_arguments_asks_for_the_model_only(capsys):
     assert cli("run") == 2
     err = capsys.readouterr().err
