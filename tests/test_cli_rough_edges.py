@@ -5,6 +5,7 @@ directory left as it was, and `make serve` without the test tools."""
 
 from __future__ import annotations
 
+import datetime
 import io
 import os
 import shutil
@@ -13,12 +14,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import requests
 
 import pyplugin
 from pyplugin.cli import main
 from pyplugin.model.synth import write_gguf
 from pyplugin.serving import registry
-from pyplugin.serving.jobs import parse_keep_alive
+from pyplugin.serving.jobs import parse_keep_alive, spelled_duration
 from pyplugin.store import probe
 from server_patch import create_app
 from server_patch.local import serving
@@ -165,22 +167,34 @@ def test_run_without_arguments_asks_for_the_model_only(capsys):
 # flags
 
 
-@pytest.mark.parametrize("text, seconds", [("5 minutes", 300), ("5m", 300), ("1 hour 30 min", 5400),
-                                           ("1h30m", 5400), ("1h 30m", 5400), ("10 seconds", 10),
-                                           ("2 secs", 2), ("300ms", 0.3), ("1 hr", 3600), ("90", 90)])
-def test_keepalive_takes_go_durations_and_spelled_out_units(text, seconds):
-    assert parse_keep_alive(text) == pytest.approx(seconds)
+@pytest.mark.parametrize("text, go", [("5 minutes", "5m"), ("1 hour 30 min", "1h30m"), ("1h 30m", "1h30m"),
+                                      ("10 seconds", "10s"), ("2 secs", "2s"), ("300 milliseconds", "300ms"),
+                                      ("1 hr", "1h"), ("5m", "5m"), ("90", "90"), ("-1", "-1")])
+def test_spelled_out_durations_become_go_durations(text, go):
+    assert spelled_duration(text) == go
 
 
 @pytest.mark.parametrize("text", ["soon", "5 parsecs", "5 minutes ago", "1h30", "minutes"])
-def test_keepalive_still_refuses_what_is_no_duration(text):
-    with pytest.raises(pyplugin.errors.OptionsError, match="accepted:"):
-        parse_keep_alive(text)
+def test_keepalive_still_refuses_what_is_no_duration(text, capsys):
+    assert cli("run", "tiny", "hi", "--keepalive", text) == 1
+    assert f"--keepalive '{text}': not a duration; accepted:" in capsys.readouterr().err
 
 
-def test_run_takes_keepalive_in_words(capsys):
+def test_the_api_keeps_ollamas_durations_only():  # as Ollama's API: "10 minutes" is a 400 there
+    with pytest.raises(pyplugin.errors.OptionsError, match="keep_alive"):
+        parse_keep_alive("10 minutes")
+
+
+def test_run_takes_keepalive_in_words(server, monkeypatch, capsys):
     assert cli("run", "tiny", "hi", *GREEDY, "--keepalive", "5 minutes") == 0
     assert noted(capsys.readouterr().err) == []
+    monkeypatch.setenv("PEBBLING_HOST", server)  # sent as the Go duration the server takes
+    assert cli("run", "tiny", "hi", *GREEDY, "--keepalive", "2 minutes") == 0
+    (running,) = requests.get(f"{server}/api/ps", timeout=30).json()["models"]
+    left = datetime.datetime.fromisoformat(running["expires_at"].replace("Z", "+00:00")) - \
+        datetime.datetime.now(datetime.timezone.utc)
+    assert 60 < left.total_seconds() <= 120
+    requests.post(f"{server}/api/generate", json={"model": "tiny", "keep_alive": 0}, timeout=30)
 
 
 def test_show_system_of_a_model_without_one_is_blank(server, monkeypatch, capsys):
@@ -247,8 +261,6 @@ def test_serving_a_directory_never_writes_the_demo_into_it(tmp_path, monkeypatch
     before = sorted(p.name for p in users.iterdir())
     monkeypatch.setenv(registry.CACHE_ENV, str(tmp_path / "cache"))
     with serving(create_app(models_dir=users)) as url:
-        import requests
-
         names = {m["name"] for m in requests.get(f"{url}/api/tags", timeout=60).json()["models"]}
         r = requests.post(f"{url}/api/generate", json={"model": "pebbling-demo", "prompt": "hi", "stream": False,
                                                        "options": {"num_predict": 1}}, timeout=120)
