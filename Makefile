@@ -1,4 +1,4 @@
-# pebbling: `make serve` installs everything and serves the demo model; `make test` runs the tests.
+# pebbling: `make serve` installs everything and serves the demo models; `make test` runs the tests.
 
 PYTHON      ?= python3
 VENV        ?= .venv
@@ -7,6 +7,7 @@ NVCC        ?= nvcc
 CXX         ?= g++
 HOST        ?= 127.0.0.1
 PORT        ?= 11435
+MODELS      ?= models
 
 # Hopper machine code plus PTX, so newer GPUs can JIT it.
 CUDA_ARCH   ?= -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90
@@ -18,7 +19,7 @@ NATIVE_DEPS := $(HOST_SRC) native/pebble.h native/pebble_internal.h native/pebbl
 HOST_FLAGS  := -x c++ -std=c++17 -DPEBBLE_HOST_BUILD -fPIC -shared -pthread -fvisibility=hidden -Wall -Wextra
 SAN_FLAGS   := -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=undefined
 
-.PHONY: all cuda host host-asan venv test test-native test-sanitized fuzz serve native-best gpu-wheels gpu-check clean
+.PHONY: all cuda host host-asan venv test test-native test-sanitized fuzz serve demo-model native-best gpu-wheels gpu-check clean
 
 all: host
 
@@ -39,12 +40,20 @@ build/libpebble_host_asan.so: $(NATIVE_DEPS)
 	@mkdir -p build
 	$(CXX) $(SAN_FLAGS) $(HOST_FLAGS) -o $@ $(HOST_SRC)
 
-# The virtual environment, with the package installed editable and the test extra.
-$(VENV)/.installed: pyproject.toml
+# The virtual environment, with the package installed editable: what `serve` needs (.serving), and
+# the test extra on top for `test` (.installed). An editable install compiles nothing (CMakeLists.txt):
+# the libraries come from build/, built by the targets above.
+$(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+
+$(VENV)/.serving: pyproject.toml CMakeLists.txt | $(PY)
+	$(PY) -m pip install --quiet -e .
 	@touch $@
+
+$(VENV)/.installed: pyproject.toml CMakeLists.txt | $(PY)
+	$(PY) -m pip install --quiet -e '.[test]'
+	@touch $@ $(VENV)/.serving
 
 venv: $(VENV)/.installed
 
@@ -96,8 +105,15 @@ BENCH_ARGS  ?=
 gpu-check:
 	$(PYTHON) benchmarks/gpu_check.py --dir $(DIR) --backend $(BACKEND) $(if $(BENCH_ARGS),--bench-args "$(BENCH_ARGS)")
 
-serve: venv native-best
-	$(VENV)/bin/pebbling serve --host $(HOST) --port $(PORT)
+# A real model beside the random demo: SmolLM2-135M-Instruct, fetched once into $(MODELS) (git-ignored)
+# and checked (pebbling fetch-demo). Where it cannot be fetched, serve says so and serves the demo.
+demo-model: $(VENV)/.serving
+	@mkdir -p $(MODELS)
+	@$(VENV)/bin/pebbling fetch-demo --models $(MODELS) || \
+		echo "make serve: smollm2:135m could not be fetched (see above), so only pebbling-demo is served" >&2
+
+serve: $(VENV)/.serving native-best demo-model
+	$(VENV)/bin/pebbling serve --host $(HOST) --port $(PORT) --models $(MODELS)
 
 clean:
 	rm -rf build

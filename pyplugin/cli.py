@@ -12,7 +12,7 @@ import sys
 from .errors import PebblingError
 
 # Order shown in --help; a module that is absent is simply not offered.
-COMMANDS = ("run", "serve", "pull", "models", "estimate", "verify", "info")  # models: list, ps, show, stop
+COMMANDS = ("run", "serve", "pull", "models", "estimate", "verify", "info", "fetch_demo")  # models: list, ps, show, stop
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,18 +48,34 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # a reader that has gone is found here, not in the interpreter's exit
+        return code
     except PebblingError as exc:
         print(f"pebbling: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `pebbling list | head -1`: the reader has gone, as for any command in a pipe
+        return _reader_gone()
     except Exception as exc:  # a bug, not bad input: one line, the traceback when asked for
         if os.environ.get("PEBBLING_DEBUG"):
             raise
         print(f"pebbling: internal error: {type(exc).__name__}: {exc} (run with PEBBLING_DEBUG=1 for the "
               "traceback, and report it)", file=sys.stderr)
         return 1
+
+
+def _reader_gone() -> int:
+    """The exit of a command whose stdout was closed by its reader: quiet, with the status a shell gives
+    a command ended by SIGPIPE. stdout is pointed at /dev/null first, so that the flush at exit does
+    not fail again on the closed pipe."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout is not a file descriptor (a test's capture): nothing to flush
+        pass
+    return 128 + 13  # SIGPIPE
 
 
 if __name__ == "__main__":

@@ -35,8 +35,9 @@ def array_module(name: str = "numpy") -> ModuleType:
     try:
         import cupy
     except ImportError as exc:
-        raise PebblingError("the cupy array module needs CuPy: pip install 'pebbling[gpu]' "
-                            f"(or the cupy-cudaXXx wheel matching your CUDA driver); {exc}") from None
+        raise PebblingError("the cupy array module needs CuPy: pip install cupy-cuda13x, or the cupy-cudaXXx "
+                            "wheel matching your CUDA driver (from the repository: pip install '.[gpu]'); "
+                            f"{exc}") from None
     try:
         if cupy.cuda.runtime.getDeviceCount() < 1:
             raise PebblingError("CuPy is installed but sees no GPU")

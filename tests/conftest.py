@@ -9,10 +9,17 @@ it), or one marked `gpu` whose parameters name no other backend.
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
 from helpers import store_backend_params
-
 from pyplugin.store import BACKENDS
+
+# The demo model is written into pebbling's cache: a directory of this session's, never the user's
+# (set here, before any test, so that the servers and commands the tests start find it too).
+_CACHE = tempfile.TemporaryDirectory(prefix="pebbling-cache-tests-")
+os.environ["PEBBLING_CACHE"] = _CACHE.name
 
 NO_SKIP_GPU = "--no-skip-gpu"
 

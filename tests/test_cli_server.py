@@ -241,10 +241,8 @@ def test_show_prints_the_field_the_server_returns(remote, field, capsys):
     answer = requests.post(f"{remote}/api/show", json={"model": "tiny"}, timeout=30).json()
     code = cli("show", "tiny", f"--{field}")
     out, err = capsys.readouterr()
-    if field in answer:
-        assert code == 0 and out == answer[field].rstrip("\n") + "\n"
-    else:  # said, not printed as empty
-        assert code == 1 and f"no '{field}'" in err
+    assert code == 0 and err == ""
+    assert out == answer.get(field, "").rstrip("\n") + "\n"  # blank where the model has none, as ollama shows it
 
 
 def test_show_summarises_and_json_is_the_whole_answer(remote, capsys):

@@ -66,12 +66,14 @@ def test_names_that_could_be_paths_never_reach_the_models_directory(models, name
     assert in_store == ([(name,)] if name == "sub/inside" else [])
 
 
-def test_demo_is_written_once_deterministically_and_labelled(tmp_path):
-    a = resolve(DEMO_NAME, tmp_path / "a")
+def test_demo_is_written_once_deterministically_and_labelled(tmp_path, monkeypatch):
+    monkeypatch.setenv(registry.CACHE_ENV, str(tmp_path / "cache"))
+    a = resolve(DEMO_NAME, tmp_path / "models")
+    assert a == tmp_path / "cache" / f"{DEMO_NAME}.gguf"
     b = registry.ensure_demo(tmp_path / "b")
     assert a.read_bytes() == b.read_bytes()
     mtime = a.stat().st_mtime_ns
-    assert resolve(DEMO_NAME, tmp_path / "a") == a and a.stat().st_mtime_ns == mtime
+    assert resolve(DEMO_NAME, tmp_path / "models") == a and a.stat().st_mtime_ns == mtime
     fields = GGUFReader(a).fields
     assert "random weights" in fields["general.name"].contents()
     assert "RANDOM WEIGHTS" in fields["general.description"].contents()

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import datetime
 import math
+import os
 from pathlib import Path
 from typing import Any, Iterator
 
-from ..serving import Engine, Final, GenerationRequest, ModelLayers
+from ..errors import ModelError
+from ..serving import Engine, Final, GenerationRequest, ModelLayers, ModelNotFoundError, ollama_store
 from .client import Client
 
 
@@ -44,7 +46,27 @@ class _LocalEngine(Engine):
         path = Path(name).expanduser()
         if path.is_file():
             return path, ModelLayers()
-        return super().find(name)
+        if looks_like_path(name):
+            what = "is a directory, not a GGUF file" if path.is_dir() else "does not exist"
+            raise ModelNotFoundError(f"model file {name} {what}")
+        try:
+            return super().find(name)
+        except ModelNotFoundError as exc:
+            # The server names no directories to its clients; the person at this terminal is told
+            # where the name was looked for (the registry's own message), as `estimate` tells them.
+            looked = str(exc.__cause__) if isinstance(exc.__cause__, ModelError) else str(exc)
+            if "/" in name and looked.endswith(("no such file", "not in Ollama's local store")):  # a namespaced name is Ollama's only
+                where = ", ".join(str(p) for p in ollama_store.stores())
+                looked = (f"model {name!r} not found in Ollama's local store ({where}; set $OLLAMA_MODELS to "
+                          "look elsewhere)")
+            raise ModelNotFoundError(looked) from None
+
+
+def looks_like_path(name: str) -> bool:
+    """Whether `name` was meant as a file rather than a model name: absolute, relative to . or ~, or a
+    .gguf file name (me/mario:7b is a name; ./mario.gguf and /models/mario.gguf are paths)."""
+    return name.startswith(("/", "./", "../", "~")) or name.lower().endswith(".gguf") or \
+        (os.sep != "/" and os.sep in name)
 
 
 class Local:

@@ -110,7 +110,7 @@ class Client:
             with self._http.stream("POST", path, json=body) as response:
                 if response.status_code != 200:
                     response.read()
-                    raise ServerError(_error_of(response))
+                    raise ServerError(self._error_of(response))
                 for line in response.iter_lines():
                     if line.strip():
                         item = json.loads(line)
@@ -126,8 +126,15 @@ class Client:
         except httpx.HTTPError as exc:
             raise self._unreachable(exc) from None
         if response.status_code != 200:
-            raise ServerError(_error_of(response))
+            raise ServerError(self._error_of(response))
         return response
+
+    def _error_of(self, response: httpx.Response) -> str:
+        """The server's error; for an unknown model (404), where it was asked and how to see what it has."""
+        message = _error_of(response)
+        if response.status_code == 404:
+            message += f" by the server at {self.address.url} (pebbling list shows the models it serves)"
+        return message
 
     def _json(self, response: httpx.Response) -> Any:
         try:

@@ -33,6 +33,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--context-pos", type=int, metavar="N",
                    help="context position at which per-token figures are computed (default num_ctx/2: "
                         "the mean step of a generation that fills the context)")
+    p.add_argument("--prompt-tokens", type=int, metavar="N",
+                   help="plan for a request with a prompt of N tokens, as run and the server plan each request "
+                        "(default: any prompt, prefill chunks of a full num_batch)")
+    p.add_argument("--num-predict", type=int, metavar="N",
+                   help="with --prompt-tokens: tokens the request generates (default -1: to the end of the context)")
     p.add_argument("--parallel", type=int, default=1, metavar="N",
                    help="requests decoding together (the server's num_parallel): peaks hold N KV caches and "
                         "restored bytes are per token of a full batch; no speed is predicted for N > 1")
@@ -46,8 +51,9 @@ def run(args: argparse.Namespace) -> int:
     limit = None if args.memory_limit is None else parse_size(args.memory_limit, "--memory-limit")
     loaded = load_pebbled(args.model, args.backend, args.pebbling_weights)
     try:
-        options = options_from_flags(loaded.model, num_ctx=args.num_ctx, num_batch=args.num_batch)
-        result = estimate(loaded, options, limit, args.context_pos, args.parallel)
+        options = options_from_flags(loaded.model, num_ctx=args.num_ctx, num_batch=args.num_batch,
+                                     num_predict=args.num_predict)
+        result = estimate(loaded, options, limit, args.context_pos, args.parallel, args.prompt_tokens)
     finally:
         loaded.pebbled.close()
     print(json.dumps(result, indent=2) if args.json else render(result))
@@ -55,24 +61,27 @@ def run(args: argparse.Namespace) -> int:
 
 
 def estimate(loaded: Loaded, options: Options, limit: int | None, context_pos: int | None,
-             parallel: int = 1) -> dict[str, Any]:
-    """Every strategy's plan against `limit` for `parallel` sequences decoding together, with a predicted
-    slowdown from figures measured here (one sequence only: a batch's compute is not measured)."""
+             parallel: int = 1, prompt_tokens: int | None = None) -> dict[str, Any]:
+    """Every strategy's plan against `limit` for `parallel` sequences decoding together (for a prompt of
+    `prompt_tokens`, else any prompt), with a predicted slowdown from figures measured here (one sequence
+    only: a batch's compute is not measured)."""
     pebbled = loaded.pebbled
     pos = options.num_ctx // 2 if context_pos is None else context_pos
     if not 0 <= pos < options.num_ctx:
         raise OptionsError(f"--context-pos {pos}: must be from 0 to num_ctx - 1 = {options.num_ctx - 1}")
     if parallel < 1:
         raise OptionsError(f"--parallel {parallel}: must be at least 1")
-    memory = pebbled.memory_model(options, n_seqs=parallel)
-    make_plan(memory, "minimal", limit)  # a limit below the smallest footprint: one error naming it
+    if prompt_tokens is not None and not 0 < prompt_tokens < options.num_ctx:
+        raise OptionsError(f"--prompt-tokens {prompt_tokens}: must be from 1 to num_ctx - 1 = {options.num_ctx - 1}")
+    memory = pebbled.memory_model(options, prompt_tokens, n_seqs=parallel)
+    check_limit(loaded, options, memory, limit, prompt_tokens)
     # The entry a streamed layer's restore fills: one working slot.
     transfer = measure_restores(pebbled, make_plan(memory, "minimal").slot_bytes)
     t_layer = layer_decode_seconds(pebbled, options.num_ctx, pos)
     # On the GPU the backend's overhead grows as the measurements load kernels and libraries, as a
     # request's first steps would: one memory model taken after them serves every strategy, so the
     # rows compare like with like.
-    memory = pebbled.memory_model(options, n_seqs=parallel)
+    memory = pebbled.memory_model(options, prompt_tokens, n_seqs=parallel)
     none_peak = make_plan(memory, "none").estimated_peak_bytes
     adaptive_budget = pebbled.budget(PebblingOptions(memory_limit=limit))  # the limit, else free GPU memory
 
@@ -85,7 +94,8 @@ def estimate(loaded: Loaded, options: Options, limit: int | None, context_pos: i
         except OptionsError:  # over the limit: still say what it would cost (adaptive: at the least)
             plan, fits = make_plan(memory, "minimal" if name == "adaptive" else name), False
         calls = store_calls_per_token(pebbled, plan)
-        prediction = predict(plan, pos, transfer, calls, t_layer, overlapped=pebbled.backend.copies_overlap) \
+        restored = pebbled.restored_bytes_per_token(plan, pos)
+        prediction = predict(plan, restored, transfer, calls, t_layer, overlapped=pebbled.backend.copies_overlap) \
             if parallel == 1 else None
         rows[name] = {
             "plan": (f"adaptive:{plan.strategy.arg}" if plan.strategy.name == "adaptive"
@@ -94,7 +104,8 @@ def estimate(loaded: Loaded, options: Options, limit: int | None, context_pos: i
             "n_layers": memory.n_layers,
             "estimated_peak_bytes": plan.estimated_peak_bytes,
             "reduction_pct": round(100 * (1 - plan.estimated_peak_bytes / none_peak), 1),
-            "restored_bytes_per_token_estimate": plan.restored_bytes_per_token(pos),
+            "restored_bytes_per_token_estimate": restored,  # 0 where streamed layers are computed in place
+            "streamed_bytes_per_token_estimate": plan.restored_bytes_per_token(pos),
             "store_calls_per_token": calls,
             "budget_bytes": plan.budget_bytes,
             "fits": fits,  # None: no budget to fit
@@ -116,6 +127,8 @@ def estimate(loaded: Loaded, options: Options, limit: int | None, context_pos: i
         "context_pos": pos,
         "memory_limit_bytes": limit,
         "smallest_footprint_bytes": smallest_footprint(memory),
+        "smallest_footprint_for": memory.request,
+        "restores": pebbled.backend.arrays_on_device,  # False: streamed layers are computed in place
         "kv_cache_bytes": sum(memory.kv_bytes(i) for i in range(memory.n_layers)),
         "kv_cache_bytes_without_windows": memory.n_layers * options.num_ctx * memory.kv_bytes_per_token,
         "sliding_layers": sum(1 for w in memory.kv_windows if w),
@@ -130,6 +143,22 @@ def estimate(loaded: Loaded, options: Options, limit: int | None, context_pos: i
         },
         "strategies": rows,
     }
+
+
+def check_limit(loaded: Loaded, options: Options, memory, limit: int | None, prompt_tokens: int | None) -> None:
+    """A limit below the smallest footprint: one error naming it, and, planned for any prompt, the longest
+    prompt the limit does hold (run and the server plan each request for its own prompt's length)."""
+    try:
+        make_plan(memory, "minimal", limit)
+    except OptionsError as exc:
+        if prompt_tokens is not None or memory.n_seqs > 1:
+            raise
+        longest = loaded.pebbled.longest_prompt_within(options, limit)
+        if not longest:
+            raise
+        raise OptionsError(f"{exc}; it holds a request whose prompt is at most {longest} tokens, as run and "
+                           f"the server plan each request for its prompt (--prompt-tokens {longest} plans "
+                           "that one)") from None
 
 
 def render(r: dict[str, Any]) -> str:
@@ -159,7 +188,7 @@ def render(r: dict[str, Any]) -> str:
         f"weights: {r['weights']}, {format_bytes(r['layer_weight_bytes'])} in the layers as held"
         + (" (their GGUF types)" if r["weights"] == "quantized" else " (expanded at load)"),
         f"memory limit: {'none' if limit is None else format_bytes(limit)}; smallest footprint "
-        f"(minimal): {format_bytes(r['smallest_footprint_bytes'])} (estimate)",
+        f"(minimal) for {r['smallest_footprint_for']}: {format_bytes(r['smallest_footprint_bytes'])} (estimate)",
         f"KV cache at num_ctx: {format_bytes(r['kv_cache_bytes'])} (estimate)" + (
             f"; {r['sliding_layers']} of {r['n_layers']} layers attend over a window of {r['sliding_window']} "
             f"positions and keep only that, saving "
@@ -174,6 +203,9 @@ def render(r: dict[str, Any]) -> str:
         format_table(["strategy", "resident", "peak (estimate)", "vs none", "restored/token (estimate)",
                       "ms/token (predicted)", "slowdown (predicted)", "fits the limit"], table),
         "",
+        "restored/token: none on this backend: a streamed layer is computed from the host tier in place "
+        "(its arrays are host memory), so nothing is copied, and the ms/token has no transfer in it."
+        if not r["restores"] else
         f"restored/token: weights of the streamed layers + their KV rows 0..{pos - 1} (a sliding layer's: "
         f"its window's), for a decode step at context position {pos}." if r["sliding_layers"] else
         f"restored/token: weights of the streamed layers + their KV rows 0..{pos - 1}, for a decode "

@@ -64,10 +64,9 @@ def show(args: argparse.Namespace) -> int:
         return 0
     for name in SHOW_FIELDS:
         if getattr(args, name):
-            text = info.get(name)
-            if text is None:
-                raise PebblingError(f"the server's /api/show has no {name!r} for {args.model}")
-            print(text.rstrip("\n"))
+            # A field the model does not have is left out of /api/show, as Ollama leaves it: blank here,
+            # as `ollama show --system` prints it.
+            print((info.get(name) or "").rstrip("\n"))
             return 0
     print(format_info(info))
     return 0

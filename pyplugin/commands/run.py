@@ -11,8 +11,8 @@ from typing import Any
 
 from ..errors import OptionsError, PebblingError
 from ..runtime import Options
-from ..serving.jobs import KEEP_ALIVE_HELP, parse_keep_alive
-from .backends import Local, Remote
+from ..serving.jobs import KEEP_ALIVE_HELP, parse_keep_alive, spelled_duration
+from .backends import Local, Remote, looks_like_path
 from .client import Client
 from .common import add_pebbling_arguments, format_duration, pebbling_options
 
@@ -36,7 +36,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("run", help="chat with a model, or answer one prompt",
                               description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", help="GGUF file, pebbling-demo, NAME[:TAG] or an Ollama model name")
-    p.add_argument("prompt", nargs="*", help="the message (several words are joined by spaces); "
+    # default=[]: without one, argparse reports the optional PROMPT as required when MODEL is missing
+    p.add_argument("prompt", nargs="*", default=[], help="the message (several words are joined by spaces); "
                                              "text on stdin comes before it")
     p.add_argument("--system", metavar="TEXT", help="the system message")
     g = p.add_argument_group("sampling (Ollama's options; the model's own defaults when not given)")
@@ -52,7 +53,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--stop", action="append", metavar="TEXT", help="stop before this text (repeat for more)")
     p.add_argument("--format", choices=("json",), help="answer in JSON (constrained decoding)")
     p.add_argument("--keepalive", metavar="DURATION",
-                   help="how long the server keeps the model loaded after the answer: " + KEEP_ALIVE_HELP)
+                   help="how long the server keeps the model loaded after the answer: " + KEEP_ALIVE_HELP
+                        + ', or in words ("5 minutes")')
     p.add_argument("--raw", action="store_true", help="with PROMPT: send it as it is, without the chat template")
     p.add_argument("--verbose", action="store_true", help="after each answer, print timings and the pebbling "
                                                           "report to stderr")
@@ -64,11 +66,12 @@ def run(args: argparse.Namespace) -> int:
     # Every flag is checked before anything is loaded or sent.
     options = options_from_args(args)
     if args.keepalive is not None:
+        given, args.keepalive = args.keepalive, spelled_duration(args.keepalive)  # "5 minutes": "5m"
         try:
             parse_keep_alive(args.keepalive)
         except OptionsError:
-            raise PebblingError(f"--keepalive {args.keepalive!r}: not a duration; "
-                                f"accepted: {KEEP_ALIVE_HELP}") from None
+            raise PebblingError(f"--keepalive {given!r}: not a duration; accepted: {KEEP_ALIVE_HELP}, "
+                                "or in words (\"5 minutes\")") from None
     prompt = " ".join(args.prompt)
     piped = _piped_text()
     if piped is not None:  # as Ollama: piped text is the prompt (then the words given), and no chat
@@ -109,7 +112,7 @@ def connect(model: str, store_backend: str | None) -> Remote | Local:
     """The server on $PEBBLING_HOST if it answers, else an engine in this process. A model given as a
     file is always loaded here: the server takes names, never paths, from its clients."""
     client = Client()
-    if Path(model).expanduser().is_file():
+    if Path(model).expanduser().is_file() or looks_like_path(model):
         if client.answers():
             print(f"pebbling: note: {model} is a file, loaded in this process; the server at {client.address.url} "
                   "serves names (put the file in its models directory to serve it)", file=sys.stderr)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging.config
 import os
 import sys
 from pathlib import Path
@@ -46,6 +47,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from ..serving.engine import describe
+
     if args.host is None or args.port is None:
         where = parse_host(os.environ.get(HOST_ENV))  # the one-line error for a bad $PEBBLING_HOST
         args.host, args.port = args.host or where.host, where.port if args.port is None else args.port
@@ -67,8 +70,12 @@ def run(args: argparse.Namespace) -> int:
     # step on a worker thread would then hold the event loop (GET /, new connections) for 5 ms at a time,
     # several times per request. 1 ms keeps the loop answering within milliseconds under that load.
     sys.setswitchinterval(SWITCH_INTERVAL)
+    config = log_config(level)
+    logging.config.dictConfig(config)
+    # Which backend computes, and what can be asked for.
+    logging.getLogger("pebbling.server").info("%s", describe(os.environ.get(MODELS_ENV)))
     uvicorn.run(APP_FACTORY, factory=True, host=args.host, port=args.port, log_level=level,
-                log_config=log_config(level), http=HTTP_PROTOCOL)
+                log_config=config, http=HTTP_PROTOCOL)
     return 0
 
 

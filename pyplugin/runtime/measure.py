@@ -72,7 +72,10 @@ def measure_restores(pebbled: PebbledModel, nbytes: int, repeats: int = REPEATS,
 
 def store_calls_per_token(pebbled: PebbledModel, plan: Plan) -> int:
     """Store calls one decode step makes: per streamed layer, a restore per weight tensor, then its
-    K and V rows read before it computes and its new row of each written after."""
+    K and V rows read before it computes and its new row of each written after; none where the backend
+    computes streamed layers from the host tier in place (its arrays are host memory)."""
+    if not pebbled.backend.arrays_on_device:
+        return 0
     return sum(len(pebbled.layouts[i]) + 4 for i in plan.streamed)
 
 
@@ -95,10 +98,10 @@ class Prediction:
     slowdown: float  # against every layer resident
 
 
-def predict(plan: Plan, context_pos: int, transfer: Transfer, calls: int, t_layer: float,
+def predict(plan: Plan, restored_bytes: int, transfer: Transfer, calls: int, t_layer: float,
             overlapped: bool) -> Prediction:
     """Time per decoded token through the layer stack (embedding, output and sampling left out), for
-    `calls` store calls restoring the plan's bytes at `context_pos`.
+    `calls` store calls restoring `restored_bytes` (PebbledModel.restored_bytes_per_token).
 
     The calls' fixed cost is paid by the thread that also launches the compute, so it adds to the
     compute side. With `overlapped` copies (the GPU: restores run on a copy stream while the layer
@@ -108,7 +111,7 @@ def predict(plan: Plan, context_pos: int, transfer: Transfer, calls: int, t_laye
     """
     compute = plan.memory.n_layers * t_layer
     issue = calls * transfer.call_seconds
-    transfer_s = plan.restored_bytes_per_token(context_pos) / transfer.bytes_per_s
+    transfer_s = restored_bytes / transfer.bytes_per_s
     if overlapped and transfer_s:
         seconds = max(compute + issue, transfer_s + t_layer)
     else:

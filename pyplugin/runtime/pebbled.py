@@ -20,7 +20,7 @@ from .conversations import ParkedConversations
 from .generation import Generation
 from .layout import WEIGHT_IDS, StoredTensor, aligned, bytes_of, kv_ids, tensor_desc
 from .options import Options
-from .plan import MemoryModel, PebblingOptions, Plan, make_plan, workspace_bytes
+from .plan import MemoryModel, PebblingOptions, Plan, make_plan, smallest_footprint, workspace_bytes
 from .store_layers import StoreLayers
 
 
@@ -135,12 +135,16 @@ class PebbledModel:
         # decode, which multiplies by the quantized bytes, does not (StoreLayers drops it then). A batch's
         # decode step holds the activations of one token per sequence.
         if prompt_tokens is None:
+            request = f"any prompt (prefill chunks of num_batch {options.num_batch} at num_ctx {options.num_ctx})"
             chunk = min(options.num_batch, options.num_ctx)
             workspace = max(workspace_bytes(cfg, chunk, options.num_ctx, isz) + 2 * self._expansion_elements(chunk),
                             n_seqs * workspace_bytes(cfg, 1, options.num_ctx, isz))
         else:
             chunk = min(options.num_batch, prompt_tokens)
             reach = options.num_ctx if options.num_predict < 0 else prompt_tokens + options.num_predict
+            request = (f"a prompt of {prompt_tokens} tokens, "
+                       + ("generating to the end of the context" if options.num_predict < 0 else
+                          f"generating up to {options.num_predict}") + f" at num_ctx {options.num_ctx}")
             workspace = max(
                 workspace_bytes(cfg, chunk, prompt_tokens, isz) + 2 * self._expansion_elements(chunk),
                 n_seqs * workspace_bytes(cfg, 1, min(options.num_ctx, reach), isz))          # decode
@@ -153,7 +157,26 @@ class PebbledModel:
             fixed_bytes=fixed,
             workspace_bytes=workspace,
             overhead_bytes=self._overhead_bytes(),
-            n_seqs=n_seqs)
+            n_seqs=n_seqs,
+            request=request if n_seqs == 1 else f"{n_seqs} sequences decoding together, {request}")
+
+    def restored_bytes_per_token(self, plan: Plan, context_tokens: int) -> int:
+        """What a decode step under `plan` restores per token: the streamed layers' bytes where the backend's
+        arrays are device memory; nothing where they are host memory, since a streamed layer is then
+        computed from the host tier in place (StoreLayers._restore)."""
+        return plan.restored_bytes_per_token(context_tokens) if self.backend.arrays_on_device else 0
+
+    def longest_prompt_within(self, options: Options, budget: int) -> int:
+        """The longest prompt (tokens, at most num_ctx - 1) whose request fits `budget` with minimal,
+        0 where none does: the smallest footprint grows with the prompt (its prefill chunk and context)."""
+        lo, hi = 0, options.num_ctx - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if smallest_footprint(self.memory_model(options, mid)) <= budget:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def _overhead_bytes(self) -> int:
         """The backend's own fixed cost: on the GPU, what NVML counts beyond the store's device tier

@@ -34,6 +34,7 @@ class MemoryModel:
     overhead_bytes: int = 0              # the backend's own fixed cost
     kv_windows: tuple[int, ...] = ()     # per layer, the most positions its cache holds (0: all of them)
     n_seqs: int = 1                      # sequences decoding together, each with KV entries of its own
+    request: str = "any request"         # what the workspace was sized for, as messages name it
 
     @property
     def n_layers(self) -> int:
@@ -102,6 +103,8 @@ def peak_for(memory: MemoryModel, resident: list[int] | tuple[int, ...]) -> tupl
 
 
 def smallest_footprint(memory: MemoryModel) -> int:
+    """The smallest budget that works for what `memory` describes (its `request`): minimal's peak. The
+    one answer `estimate`, `run` and the server give, each from the memory model of its request."""
     return peak_for(memory, [])[0]
 
 
@@ -113,8 +116,9 @@ def make_plan(memory: MemoryModel, strategy: Strategy | str, budget: int | None 
     floor = smallest_footprint(memory)
     if budget is not None and budget < floor:
         raise OptionsError(
-            f"a memory limit of {format_bytes(budget)} is below this model's smallest footprint: "
-            f"{format_bytes(floor)} ({floor} bytes, strategy minimal) is the least that works")
+            f"a memory limit of {format_bytes(budget)} is below this model's smallest footprint for "
+            f"{memory.request}: {format_bytes(floor)} ({floor} bytes, strategy minimal) is the least that "
+            "works")
 
     if strategy.code == ADAPTIVE:
         k = n if budget is None else _most_resident_within(memory, budget)

@@ -48,9 +48,10 @@ def model_errors(name: str, path: Path) -> Iterator[None]:
     except ModelLoadError:
         raise
     except ModelError as exc:
-        message = str(exc).replace(str(path), f"model '{name}'")
-        if str(path.parent) in message:
-            message = message.replace(str(path.parent), "the models directory")
+        # The file's directory is hidden before the name goes in: a name that is itself a path (run's
+        # files) keeps its directory.
+        message = str(exc).replace(str(path), "\0").replace(str(path.parent), "the models directory")
+        message = message.replace("\0", f"model '{name}'")
         raise ModelLoadError(f"model '{name}' cannot be served: {message}") from None
 
 

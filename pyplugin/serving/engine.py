@@ -21,11 +21,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ..errors import OptionsError
+from ..errors import OptionsError, PebblingError
 from ..model import Model, load_model
 from ..runtime import Options, PebbledModel, PebblingOptions
 from ..runtime.constraint import Constraint
 from ..runtime.embedding import check_pooling, normalize, pool
+from ..store import choose_backend
 from .catalogue import Catalogue, ModelListing, RunningModel, ServerBusyError, model_errors, with_tag
 from .batching import Batcher
 from .go_template import parsed
@@ -373,3 +374,15 @@ class Engine:
         with self._lock:
             others = [e.pebbled for e in self._loaded.values() if e is not entry and e.pebbled is not None]
         return sum(p.device_bytes_held() for p in others if p.backend.measures_memory)
+
+
+def describe(models_dir: str | Path | None = None, backend: str | None = None) -> str:
+    """What a server says when it starts: the store backend (choosing it logs why) and the models it serves."""
+    try:
+        said = f"store backend {choose_backend(backend).backend.name}"
+    except PebblingError as exc:  # said again, as a 400 or 500, by every request that needs a model
+        said = f"no usable store backend ({exc})"
+    catalogue = Catalogue(models_dir)
+    names = [m.name for m in catalogue.list_models()]
+    return (f"{said}; models directory {catalogue.models_dir}; serving {len(names)} model(s): "
+            f"{', '.join(names) or 'none'}")

@@ -30,6 +30,10 @@ MAX_KEEP_ALIVE = (2**63 - 1) / 1e9
 
 _GO_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 _GO_PART = re.compile(r"(\d+\.?\d*|\.\d+)(ns|us|µs|μs|ms|s|m|h)")
+# A person's spelling of a unit ("5 minutes", "1 hour 30 mins"), read as the Go unit it stands for.
+_UNIT_WORDS = re.compile(r"\s*(milliseconds?|msecs?|seconds?|secs?|minutes?|mins?|hours?|hrs?)\b", re.I)
+_WORD_UNIT = {"msec": "ms", "millisecond": "ms", "sec": "s", "second": "s", "min": "m", "minute": "m",
+              "hr": "h", "hour": "h"}
 KEEP_ALIVE_HELP = 'seconds as a number, or a duration such as "10m", "1h30m" or "-1" (forever)'
 
 
@@ -57,7 +61,18 @@ def parse_keep_alive(value: Any, default: float = DEFAULT_KEEP_ALIVE) -> float:
     return FOREVER if seconds < 0 or seconds > MAX_KEEP_ALIVE else seconds
 
 
+def spelled_duration(text: str) -> str:
+    """A duration a person typed with its units spelled out ("5 minutes", "1 hour 30 min", "1h 30m") as
+    the Go duration Ollama's API takes ("5m", "1h30m"); anything else comes back as it was. For the
+    command line only: the API itself, as Ollama's, takes Go durations and numbers."""
+    if not any(c.isalpha() for c in text):
+        return text
+    spelled = _UNIT_WORDS.sub(lambda m: _WORD_UNIT[m.group(1).lower().rstrip("s")], text.strip())
+    return "".join(spelled.split())
+
+
 def _go_duration(text: str) -> float | None:
+    """A Go duration ("1h30m", "300ms") or a bare number of seconds; None when it is neither."""
     sign = -1.0 if text.startswith("-") else 1.0
     body = text.lstrip("+-")
     try:

@@ -2,8 +2,8 @@
 
 A name resolves, in order, to:
 1. an existing file path;
-2. ``pebbling-demo``: a random-weight Llama that pyplugin.synth writes into the models directory
-   the first time it is asked for;
+2. ``pebbling-demo``: a random-weight Llama that pyplugin.synth writes into pebbling's cache
+   (``demo_dir``: never a user's models directory) the first time it is asked for;
 3. ``NAME`` or ``NAME:TAG`` in the models directory ($PEBBLING_MODELS, else
    ~/.cache/pebbling/models; callers may pass another), stored as NAME.gguf or NAME:TAG.gguf;
 4. Ollama's local store (``find_in_ollama_store``), for any name Ollama's rules accept, namespaced or not.
@@ -24,6 +24,7 @@ from . import ollama_store
 from .ollama_store import ModelLayers, OllamaModel
 
 MODELS_ENV = "PEBBLING_MODELS"
+CACHE_ENV = "PEBBLING_CACHE"
 DEMO_NAME = "pebbling-demo"
 
 # The demo: small enough to write in a couple of seconds, deep enough (16 layers) to stream.
@@ -44,6 +45,16 @@ def default_models_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "pebbling" / "models"
 
 
+def demo_dir() -> Path:
+    """Where pebbling writes the files it makes itself (the demo model): $PEBBLING_CACHE, else
+    $XDG_CACHE_HOME/pebbling, else ~/.cache/pebbling (it need not exist)."""
+    env = os.environ.get(CACHE_ENV)
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "pebbling"
+
+
 def resolve(name: str | os.PathLike, models_dir: str | os.PathLike | None = None, *,
             allow_paths: bool = True) -> Path:
     """The GGUF file ``name`` stands for; ModelError when there is none.
@@ -61,7 +72,7 @@ def locate(name: str | os.PathLike, models_dir: str | os.PathLike | None = None,
     name = str(name)
     root = Path(models_dir) if models_dir is not None else default_models_dir()
     if name in (DEMO_NAME, f"{DEMO_NAME}:latest"):
-        return ensure_demo(root), ModelLayers()
+        return ensure_demo(), ModelLayers()  # pebbling's own file, wherever the models directory is
     if _NAME.fullmatch(name) and ".." not in name:
         found = _in_models_dir(name, root)
         if found is not None:
@@ -119,12 +130,12 @@ def find_in_ollama_store(name: str) -> OllamaModel | None:
     return ollama_store.resolve(name)
 
 
-def ensure_demo(models_dir: str | os.PathLike | None = None) -> Path:
-    """The demo model's file, written on first use (atomically: a concurrent reader never sees a
-    half-written file)."""
+def ensure_demo(directory: str | os.PathLike | None = None) -> Path:
+    """The demo model's file in `directory` (default ``demo_dir()``), written on first use (atomically:
+    a concurrent reader never sees a half-written file)."""
     from ..model.synth import write_gguf  # only needed the first time
 
-    root = Path(models_dir) if models_dir is not None else default_models_dir()
+    root = Path(directory) if directory is not None else demo_dir()
     path = root / f"{DEMO_NAME}.gguf"
     if path.is_file():
         return path
@@ -135,7 +146,7 @@ def ensure_demo(models_dir: str | os.PathLike | None = None) -> Path:
         os.replace(partial, path)
     except OSError as exc:
         raise ModelError(f"cannot write the demo model into {root}: {exc.strerror or exc}; "
-                         f"set ${MODELS_ENV} to a writable directory") from None
+                         f"set ${CACHE_ENV} to a writable directory") from None
     finally:
         partial.unlink(missing_ok=True)
     return path

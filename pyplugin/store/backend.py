@@ -211,13 +211,21 @@ _CLASSES = {"cuda": CudaBackend, "host": HostBackend, "stub": StubBackend}
 # probing and selection
 
 
+# How to get a library that is missing, for the message that says so.
+_BUILD_HINT = {
+    "cuda": "build it with `make cuda` (needs nvcc; `make native-best` picks cuda where a GPU is present), "
+            "or install with pip where nvcc is on PATH",
+    "host": "build it with `make host` (needs a C++ compiler), or install with `pip install .`",
+}
+
+
 def _probe_native(kind: str) -> BackendProbe:
     from .native import NativeStore, load_library
 
     try:
         _, path = load_library(kind)
     except (OSError, PebblingError) as exc:
-        return BackendProbe(kind, False, str(exc), None)
+        return BackendProbe(kind, False, f"{exc}; {_BUILD_HINT[kind]}", None)
     if kind == "host":
         return BackendProbe(kind, True, f"library {path} loaded", path)
     # The cuda library loads on machines without a GPU; only a store that moves bytes proves one.
@@ -228,13 +236,13 @@ def _probe_native(kind: str) -> BackendProbe:
     except PebbleError as exc:
         driver = gpu.nvml_problem()
         hint = f" (NVML: {driver})" if driver else ""
-        return BackendProbe(kind, False, f"library {path} loaded but no CUDA device is usable: {exc}{hint}",
-                            path)
+        return BackendProbe(kind, False, f"library {path} loaded but no CUDA device is usable: {exc}{hint}; "
+                            "the cuda backend needs an NVIDIA GPU (host runs on the CPU)", path)
     try:  # the model computes on the GPU through CuPy: without it the cuda store is of no use
         import cupy  # noqa: F401
     except ImportError:
         return BackendProbe(kind, False, f"library {path} works but CuPy is not installed "
-                            f"(pip install 'pebbling[gpu]')", path)
+                            "(pip install cupy-cuda13x; from the repository: pip install '.[gpu]')", path)
     return BackendProbe(kind, True, f"library {path} loaded and CUDA device 0 took a test store", path)
 
 

@@ -68,7 +68,7 @@ def library_candidates(kind: str) -> list[Path]:
         return [Path(override)]
     name = f"libpebble_{kind}.so"
     return [
-        _PACKAGE_DIR / name,  # 2. the package's own directory, where an installed wheel carries it
+        _PACKAGE_DIR / name,  # 2. the package's own directory, where pip's build (CMakeLists.txt) installs it
         _BUILD_DIR / name,    # 3. the repository's build/ directory, where `make cuda|host` puts it
     ]
 
