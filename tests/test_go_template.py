@@ -4,13 +4,18 @@ older System/Prompt/Response templates, and the errors and limits."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 
 from chat_templates import OLLAMA_LLAMA32_GO, OLLAMA_QWEN3_GO
 from ollama_templates import CONVERSATIONS, RENDERED, TEMPLATES
 from pyplugin.errors import OptionsError
 from pyplugin.model import chat
-from pyplugin.serving.go_template import GoTemplate
+from pyplugin.serving import go_template
+from pyplugin.serving.go_functions import GoTemplateError
+from pyplugin.serving.go_template import GoTemplate, render_go_template
 
 
 def render(source: str, **data) -> str:
@@ -196,3 +201,49 @@ def test_think_and_is_think_set_reach_the_template():
                           "{{ range .Messages }}{{ end }}")
     user = [{"role": "user", "content": "x"}]
     assert [template.render_chat(user, think=t) for t in (None, True, False)] == ["unset", "on", "off"]
+
+
+# -- slow renderings take turns -------------------------------------------------------------------------
+
+def test_slow_renderings_run_one_at_a_time(monkeypatch):
+    """Past SLOW_RENDER_SECONDS a rendering goes on only in its turn: of three slow ones in three threads,
+    never two at once past that point, and each gives its whole text."""
+    holders, most = [0], [0]
+    turn = threading.RLock()
+
+    class Counted:
+        def acquire(self):
+            turn.acquire()
+            holders[0] += 1
+            most[0] = max(most[0], holders[0])
+
+        def release(self):
+            holders[0] -= 1
+            turn.release()
+
+    monkeypatch.setattr(go_template, "SLOW_RENDER_SECONDS", 0.0)
+    monkeypatch.setattr(go_template, "_SLOW_TURN", Counted())
+    texts = []
+    threads = [threading.Thread(target=lambda: texts.append(render_go_template(
+        "{{range 20000}}{{if eq . 19999}}{{.}}{{end}}{{end}}", {}))) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert texts == ["19999"] * 3 and most[0] == 1 and holders[0] == 0
+
+
+def test_the_wait_for_a_turn_does_not_count_against_the_time_limit(monkeypatch):
+    monkeypatch.setattr(go_template, "SLOW_RENDER_SECONDS", 0.0)
+    monkeypatch.setattr(go_template, "MAX_SECONDS", 0.2)
+    go_template._SLOW_TURN.acquire()  # another slow rendering has the turn for longer than the limit
+    result = []
+    worker = threading.Thread(target=lambda: result.append(render_go_template("{{range 3}}{{.}}{{end}}", {})))
+    worker.start()
+    time.sleep(0.4)
+    assert result == []  # still waiting
+    go_template._SLOW_TURN.release()
+    worker.join(timeout=10)
+    assert result == ["012"]
+    with pytest.raises(GoTemplateError, match="took more than 0.2 s"):  # its own running still counts
+        render_go_template("{{range 100000000}}{{if ge . 99999999}}{{break}}{{end}}{{end}}", {})
