@@ -247,3 +247,11 @@ def test_the_wait_for_a_turn_does_not_count_against_the_time_limit(monkeypatch):
     assert result == ["012"]
     with pytest.raises(GoTemplateError, match="took more than 0.2 s"):  # its own running still counts
         render_go_template("{{range 100000000}}{{if ge . 99999999}}{{break}}{{end}}{{end}}", {})
+
+
+def test_only_templates_of_a_real_size_are_kept_parsed():
+    small = "{{ .Prompt }} small"
+    big = "{{ .Prompt }}" + "x" * (go_template.CACHED_SOURCE + 1)
+    assert go_template.parsed(small) is go_template.parsed(small)
+    assert go_template.parsed(big) is not go_template.parsed(big)  # parsed each time, never kept
+    assert render_go_template(big, {"Prompt": "p"}) == "p" + "x" * (go_template.CACHED_SOURCE + 1)

@@ -159,9 +159,17 @@ class GoTemplate:
         return _Run(self.nodes, data if isinstance(data, GoStruct) else GoMap(data)).text()
 
 
-@functools.lru_cache(maxsize=64)
+CACHED_SOURCE = 64 * 1024  # characters: a real template is a few thousand
+
+
 def parsed(source: str) -> GoTemplate:
-    """The template of `source`, parsed once (a model's or a client's template comes back every request)."""
+    """The template of `source`, parsed once (a model's or a client's template comes back every request).
+    Only sources up to CACHED_SOURCE are kept, so that the cache stays small whatever clients send."""
+    return _parsed(source) if len(source) <= CACHED_SOURCE else GoTemplate(source)
+
+
+@functools.lru_cache(maxsize=64)
+def _parsed(source: str) -> GoTemplate:
     return GoTemplate(source)
 
 
