@@ -116,7 +116,8 @@ def estimate(loaded: Loaded, options: Options, limit: int | None, context_pos: i
         "context_pos": pos,
         "memory_limit_bytes": limit,
         "smallest_footprint_bytes": smallest_footprint(memory),
-        "kv_cache_bytes": sum(memory.kv_bytes(i) for i in range(memory.n_layers)),
+        "kv_cache_bytes": sum(memory.kv_rows(i, options.num_ctx) for i in range(memory.n_layers))
+        * memory.kv_bytes_per_token,
         "kv_cache_bytes_without_windows": memory.n_layers * options.num_ctx * memory.kv_bytes_per_token,
         "sliding_layers": sum(1 for w in memory.kv_windows if w),
         "sliding_window": max(memory.kv_windows, default=0),
