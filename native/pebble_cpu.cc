@@ -17,6 +17,7 @@
 
 #include "pebble_device.h"
 #include "pebble_internal.h"
+#include "pebble_kv.h"
 
 #include <algorithm>
 #include <atomic>
@@ -51,6 +52,12 @@
 using pebble_internal::fail;
 using pebble_internal::half_from_float;
 using pebble_internal::half_to_float;
+using pebble_internal::kv_block;
+using pebble_internal::kv_block_bytes;
+using pebble_internal::kv_f16;
+using pebble_internal::kv_f32;
+using pebble_internal::kv_load;
+using pebble_internal::kv_q8_0;
 
 namespace pebble_cpu {
 namespace {
@@ -1234,7 +1241,7 @@ namespace {
 
 struct attend_job {
     const float *        q;
-    bool                 f16;
+    int32_t              type;      // the caches' KV type (pebble_kv.h)
     void * const *       k, * const * v;
     const int64_t *      n_pos;
     int64_t              n_rows;
@@ -1243,9 +1250,7 @@ struct attend_job {
     float *              out, * scratch;
 };
 
-inline float cache_value(const void * p, bool f16, int64_t i) {
-    return f16 ? half_to_float(static_cast<const uint16_t *>(p)[i]) : static_cast<const float *>(p)[i];
-}
+inline float cache_value(const void * p, int32_t type, int64_t i) { return kv_load(p, type, i); }
 
 // The n scores, whose largest is top, as their softmax: exp(s - top) over the sum of them all.
 inline void softmax_scores(float * sc, int64_t n, float top) {
@@ -1285,18 +1290,33 @@ void attend_portable(void * ctx, int64_t begin, int64_t end) {
     for (int64_t u = begin; u < end; u++) {
         attend_head(j, u, [&](const float * qh, const void * k, int64_t at) {
             float acc = 0.0f;
-            for (int32_t d = 0; d < hd; d++) acc += (qh[d] * j.scale) * cache_value(k, j.f16, at + d);
+            for (int32_t d = 0; d < hd; d++) acc += (qh[d] * j.scale) * cache_value(k, j.type, at + d);
             return acc;
         }, [&](float * o, float p, const void * v, int64_t at) {
-            for (int32_t d = 0; d < hd; d++) o[d] += p * cache_value(v, j.f16, at + d);
+            for (int32_t d = 0; d < hd; d++) o[d] += p * cache_value(v, j.type, at + d);
         });
     }
 }
 
 #ifdef PEBBLE_X86
-AVX2 inline __m256 load8_cache(const void * p, bool f16, int64_t i) {
-    return f16 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(static_cast<const uint16_t *>(p) + i)))
-               : _mm256_loadu_ps(static_cast<const float *>(p) + i);
+// Values i..i+7 of a cache (i a multiple of 8, so a block type's eight lie in one block), as float32: the
+// same products of scale and value as kv_load, so either way a score is the same.
+AVX2 inline __m256 load8_cache(const void * p, int32_t type, int64_t i) {
+    if (type == kv_f16) {
+        return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(static_cast<const uint16_t *>(p) + i)));
+    }
+    if (type == kv_f32) return _mm256_loadu_ps(static_cast<const float *>(p) + i);
+    const uint8_t * b = static_cast<const uint8_t *>(p) + (i / kv_block) * kv_block_bytes(type);
+    const __m256 d = _mm256_set1_ps(f16c(b));
+    const int64_t o = i % kv_block;
+    if (type == kv_q8_0) {
+        const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i *>(b + 2 + o));
+        return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
+    }
+    __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(b + 2 + (o & 15))));
+    if (o >= 16) q = _mm256_srli_epi32(q, 4);
+    q = _mm256_sub_epi32(_mm256_and_si256(q, _mm256_set1_epi32(0x0F)), _mm256_set1_epi32(8));
+    return _mm256_mul_ps(d, _mm256_cvtepi32_ps(q));
 }
 
 // The sums of four registers' lanes, each in hsum_ps's order (so a score is the same whichever way it
@@ -1330,7 +1350,7 @@ AVX2 void attend_avx2(void * ctx, int64_t begin, int64_t end) {
         float * sc = j.scratch + u * j.n_rows;
         float top = -INFINITY;
         auto tail = [&](int64_t s, float sum) AVX2 {
-            for (int32_t d = whole; d < hd; d++) sum += (qh[d] * j.scale) * cache_value(k, j.f16, s * row + kv + d);
+            for (int32_t d = whole; d < hd; d++) sum += (qh[d] * j.scale) * cache_value(k, j.type, s * row + kv + d);
             if (j.softcap > 0.0f) sum = std::tanh(sum / j.softcap) * j.softcap;
             sc[s] = sum;
             top = std::max(top, sum);
@@ -1341,10 +1361,10 @@ AVX2 void attend_avx2(void * ctx, int64_t begin, int64_t end) {
             for (int32_t d = 0; d < whole; d += 8) {
                 const __m256 qv = _mm256_mul_ps(_mm256_loadu_ps(qh + d), scale);
                 const int64_t at = s * row + kv + d;
-                a0 = _mm256_fmadd_ps(qv, load8_cache(k, j.f16, at), a0);
-                a1 = _mm256_fmadd_ps(qv, load8_cache(k, j.f16, at + row), a1);
-                a2 = _mm256_fmadd_ps(qv, load8_cache(k, j.f16, at + 2 * row), a2);
-                a3 = _mm256_fmadd_ps(qv, load8_cache(k, j.f16, at + 3 * row), a3);
+                a0 = _mm256_fmadd_ps(qv, load8_cache(k, j.type, at), a0);
+                a1 = _mm256_fmadd_ps(qv, load8_cache(k, j.type, at + row), a1);
+                a2 = _mm256_fmadd_ps(qv, load8_cache(k, j.type, at + 2 * row), a2);
+                a3 = _mm256_fmadd_ps(qv, load8_cache(k, j.type, at + 3 * row), a3);
             }
             float sums[4];
             hsum4_ps(a0, a1, a2, a3, sums);
@@ -1353,7 +1373,7 @@ AVX2 void attend_avx2(void * ctx, int64_t begin, int64_t end) {
         for (; s < n; s++) {
             __m256 acc = _mm256_setzero_ps();
             for (int32_t d = 0; d < whole; d += 8) {
-                acc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(qh + d), scale), load8_cache(k, j.f16, s * row + kv + d),
+                acc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(qh + d), scale), load8_cache(k, j.type, s * row + kv + d),
                                       acc);
             }
             tail(s, hsum_ps(acc));
@@ -1367,19 +1387,19 @@ AVX2 void attend_avx2(void * ctx, int64_t begin, int64_t end) {
             for (int64_t t = 0; t < n; t++) {
                 const __m256 pv = _mm256_set1_ps(sc[t]);
                 UNROLL for (int r = 0; r < 8; r++) {
-                    acc[r] = _mm256_fmadd_ps(pv, load8_cache(v, j.f16, t * row + kv + d + 8 * r), acc[r]);
+                    acc[r] = _mm256_fmadd_ps(pv, load8_cache(v, j.type, t * row + kv + d + 8 * r), acc[r]);
                 }
             }
             UNROLL for (int r = 0; r < 8; r++) _mm256_storeu_ps(o + d + 8 * r, acc[r]);
         }
         for (; d < whole; d += 8) {
             __m256 acc = _mm256_setzero_ps();
-            for (int64_t t = 0; t < n; t++) acc = _mm256_fmadd_ps(_mm256_set1_ps(sc[t]), load8_cache(v, j.f16, t * row + kv + d), acc);
+            for (int64_t t = 0; t < n; t++) acc = _mm256_fmadd_ps(_mm256_set1_ps(sc[t]), load8_cache(v, j.type, t * row + kv + d), acc);
             _mm256_storeu_ps(o + d, acc);
         }
         for (; d < hd; d++) {
             float acc = 0.0f;
-            for (int64_t t = 0; t < n; t++) acc += sc[t] * cache_value(v, j.f16, t * row + kv + d);
+            for (int64_t t = 0; t < n; t++) acc += sc[t] * cache_value(v, j.type, t * row + kv + d);
             o[d] = acc;
         }
     }
@@ -1388,11 +1408,11 @@ AVX2 void attend_avx2(void * ctx, int64_t begin, int64_t end) {
 
 } // namespace
 
-pebble_status attend(int32_t n_seq, const float * q, bool f16, void * const * k_caches, void * const * v_caches,
+pebble_status attend(int32_t n_seq, const float * q, int32_t kv_type, void * const * k_caches, void * const * v_caches,
                      const int64_t * n_pos, int64_t n_rows, int32_t n_head, int32_t n_head_kv, int32_t head_dim,
                      float scale, float softcap, float * out, float * scratch) {
     TRY(check_threads("pebble_attend"));
-    attend_job job{q, f16, k_caches, v_caches, n_pos, n_rows, n_head, n_head_kv, head_dim, scale, softcap, out, scratch};
+    attend_job job{q, kv_type, k_caches, v_caches, n_pos, n_rows, n_head, n_head_kv, head_dim, scale, softcap, out, scratch};
     int64_t work = 0;
     for (int32_t b = 0; b < n_seq; b++) work += 2 * n_pos[b] * n_head * head_dim;
 #ifdef PEBBLE_X86

@@ -8,12 +8,13 @@ import pytest
 from gguf import GGMLQuantizationType, quants
 
 from helpers import store_backend_params, tiny_model
-from pyplugin.errors import OptionsError
+from pyplugin.errors import InvalidArgumentError, OptionsError
 from pyplugin.kv_types import KV_TYPES, decode, encode
 from pyplugin.runtime import PebbledModel
 from pyplugin.runtime.layout import kv_ids
 from pyplugin.runtime.options import Options
 from pyplugin.runtime.plan import PebblingOptions
+from pyplugin.store import backend_named
 
 NEAR_TIE = 1e-2  # a top-two gap within this share of the largest logit: either token is right
 PROMPT = [5, 17, 42, 8, 99, 3, 61]
@@ -104,3 +105,144 @@ def test_f16_caches_give_the_float32_caches_tokens_up_to_a_near_tie(backend, arc
         if a != b:
             assert gaps[j] <= NEAR_TIE, (j, f16_tokens, f32_tokens)
             break
+
+
+# ---------------------------------------------------------------------------------------------------
+# attention from the stored blocks
+
+
+@pytest.mark.parametrize("name", ["q8_0", "q4_0", "f16"])
+@pytest.mark.parametrize("backend", store_backend_params())
+def test_attention_reads_the_blocks_as_they_decode_and_stores_new_rows_as_they_encode(backend, name):
+    """pebble_attend over caches of each type equals attention over the values the blocks decode to (float64
+    reference, float32 rounding apart), with the new row encoded into the caches byte for byte as
+    kv_types.encode (llama.cpp's) encodes it."""
+    kernels = backend_named(backend).kernels
+    xp, t = kernels.xp, KV_TYPES[name]
+    rng = np.random.default_rng(7)
+    n_rows, n_head, n_kv, hd = 48, 4, 2, 64
+    n_pos = [48, 9]
+    q = rng.standard_normal((2, n_head, hd)).astype(np.float32)
+    floats = [[rng.standard_normal((n_rows, n_kv, hd)).astype(np.float32) for _ in range(2)] for _ in n_pos]
+    new = [rng.standard_normal((2, n_kv, hd)).astype(np.float32) for _ in range(2)]   # k, v of each sequence
+    caches = [tuple(xp.asarray(encode(c, t)) for c in pair) for pair in floats]
+    got = to_host(kernels.attend(xp.asarray(q), caches, n_pos, n_kv, 0.125, 0.0,
+                                 new=(xp.asarray(new[0]), xp.asarray(new[1]))))
+    group = n_head // n_kv
+    for b, n in enumerate(n_pos):
+        k_bytes, v_bytes = (to_host(c) for c in caches[b])
+        for c, rows in ((k_bytes, new[0]), (v_bytes, new[1])):
+            np.testing.assert_array_equal(c[n - 1], encode(rows[b], t))    # the new row, encoded
+        keys, values = (decode(c[:n], t).astype(np.float64) for c in (k_bytes, v_bytes))
+        for h in range(n_head):
+            s = keys[:, h // group] @ (q[b, h] * np.float32(0.125)).astype(np.float64)
+            p = np.exp(s - s.max())
+            np.testing.assert_allclose(got[b, h * hd:(h + 1) * hd], (p / p.sum()) @ values[:, h // group],
+                                       rtol=1e-5, atol=1e-5)
+
+
+def to_host(a) -> np.ndarray:
+    return a.get() if hasattr(a, "get") else np.asarray(a)
+
+
+@pytest.mark.parametrize("name", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("backend", store_backend_params())
+def test_block_caches_need_a_head_dim_of_whole_blocks(backend, name):
+    kernels = backend_named(backend).kernels
+    xp, t = kernels.xp, KV_TYPES[name]
+    cache = xp.zeros((8, 2, 48 // 32 * t.block_bytes), np.uint8)  # 48 values: a block and a half
+    with pytest.raises(InvalidArgumentError):
+        kernels.lib.attend(xp.zeros((1, 4 * 48), np.float32), t.ggml_type, [cache], [cache], [3], 8, 4, 2, 48, 1.0,
+                           0.0, xp.zeros((1, 4 * 48), np.float32), xp.zeros(1 << 12, np.uint8))
+
+
+# ---------------------------------------------------------------------------------------------------
+# 8-bit and 4-bit caches through a whole generation
+
+BLOCK_CASES = {  # head_dim a multiple of 32; GQA, Q/K norms, a sliding window's ring
+    "llama": ("llama", dict(n_embd=128, n_head=4, n_head_kv=2)),
+    "qwen3": ("qwen3", dict(key_length=32)),
+    "gemma3": ("gemma3", dict(key_length=32, sliding_window=8)),
+}
+
+
+@pytest.mark.parametrize("name", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("case", list(BLOCK_CASES))
+@pytest.mark.parametrize("backend", [b for b in store_backend_params() if "stub" not in str(b)])
+def test_block_caches_give_the_python_forward_pass_tokens(backend, case, name):
+    """The native decode step over q8_0/q4_0 caches gives the tokens of the stub backend (the Python forward
+    pass, which encodes and decodes the blocks in numpy), up to a near-tie; and the entries hold that type, at
+    its size. Dense weights, which every backend multiplies by float32 vectors as they are: with quantized
+    ones the host library rounds activations, which moves a K value across a 4-bit step now and then, and a
+    step of q4_0 is an eighth of its block's largest value, noise far above the float32 rounding here."""
+    arch, overrides = BLOCK_CASES[case]
+    model = tiny_model(arch, weights="f16", n_layer=4, **overrides)
+    results = {}
+    for which in ("stub", backend):
+        pebbled = PebbledModel(model, backend=which)
+        try:
+            results[which] = greedy(pebbled, name)
+            cfg, t = model.config, KV_TYPES[name]
+            for i in range(cfg.n_layer):
+                info = pebbled.store.entry_info(i, kv_ids(0)[1])
+                assert info.ggml_type == t.ggml_type
+                assert info.nbytes == cfg.kv_rows(i, 48) * cfg.n_head_kv * cfg.head_dim // 32 * t.block_bytes
+        finally:
+            pebbled.close()
+    (tokens, gaps), (got, _) = results["stub"], results[backend]
+    assert len(got) == len(tokens) == 12
+    for j, (a, b) in enumerate(zip(got, tokens)):
+        if a != b:
+            assert gaps[j] <= NEAR_TIE, (j, got, tokens)
+            break
+
+
+# ---------------------------------------------------------------------------------------------------
+# bytes: accounted by the store, estimated by the plan and `pebbling estimate`
+
+
+@pytest.mark.parametrize("backend", store_backend_params())
+def test_accounted_kv_bytes_equal_the_estimate_for_every_type(backend):
+    """The store's KV entries of a request hold exactly n_layer x positions (a sliding layer's window) x
+    n_head_kv x head_dim x the type's bytes a value, K and V; the plan's memory model says the same."""
+    model = tiny_model("gemma3", n_layer=4, key_length=32, sliding_window=8)
+    cfg, n_ctx = model.config, 256
+    pebbled = PebbledModel(model, backend=backend)
+    try:
+        for name in ("f16", "q8_0", "q4_0"):
+            options = Options(temperature=0, num_predict=2, num_ctx=n_ctx, kv_type=name)
+            pebbling = PebblingOptions.from_options({"pebbling_strategy": "none"})
+            memory = pebbled.plan(options, pebbling).memory
+            list(pebbled.generation(options, pebbling, len(PROMPT)).tokens(PROMPT))
+            accounted = sum(pebbled.store.entry_info(i, tid).nbytes for i in range(cfg.n_layer) for tid in kv_ids(0))
+            t = KV_TYPES[name]
+            positions = sum(min(n_ctx, cfg.sliding_window) if cfg.is_sliding(i) else n_ctx for i in range(cfg.n_layer))
+            formula = 2 * positions * cfg.n_head_kv * cfg.head_dim * t.block_bytes // t.block
+            estimated = sum(memory.kv_rows(i, n_ctx) for i in range(cfg.n_layer)) * memory.kv_bytes_per_token
+            assert accounted == estimated == formula, name
+            for i in range(cfg.n_layer):  # a layer's placement: each cache at a multiple of 256 bytes, no more
+                entry = pebbled.store.entry_info(i, kv_ids(0)[0]).nbytes
+                assert 2 * entry <= memory.kv_bytes(i) < 2 * (entry + 256)
+    finally:
+        pebbled.close()
+
+
+def test_estimate_shows_every_kv_type(capsys):
+    import json
+
+    from helpers import tiny_path
+    from pyplugin.cli import main
+    path = str(tiny_path("llama", n_embd=128, n_head=4, n_head_kv=2))
+    assert main(["estimate", path, "--num-ctx", "256", "--backend", "stub", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    kv = r["kv_cache_bytes_by_type"]
+    assert r["kv_type"] == "f16" and kv["f16"] == r["kv_cache_bytes"]
+    assert kv["f16"] / kv["q8_0"] == pytest.approx(64 / 34) and kv["f16"] / kv["q4_0"] == pytest.approx(64 / 18)
+    for s in r["strategies"].values():  # a smaller cache, a smaller peak, by exactly the KV bytes saved
+        peaks = s["estimated_peak_bytes_by_kv_type"]
+        if s["resident_layers"] == s["n_layers"]:
+            assert peaks["f16"] - peaks["q8_0"] == kv["f16"] - kv["q8_0"]
+        assert peaks["f16"] > peaks["q8_0"] > peaks["q4_0"]
+    assert main(["estimate", path, "--num-ctx", "256", "--backend", "stub", "--kv-type", "q4_0"]) == 0
+    text = capsys.readouterr().out
+    assert "in q4_0 (estimate; f16" in text and "peak, KV q8_0" in text
