@@ -213,13 +213,16 @@ def test_accounted_kv_bytes_equal_the_estimate_for_every_type(backend):
             options = Options(temperature=0, num_predict=2, num_ctx=n_ctx, kv_type=name)
             pebbling = PebblingOptions.from_options({"pebbling_strategy": "none"})
             memory = pebbled.plan(options, pebbling).memory
-            list(pebbled.generation(options, pebbling, len(PROMPT)).tokens(PROMPT))
+            gen = pebbled.generation(options, pebbling, len(PROMPT))
+            list(gen.tokens(PROMPT))
             accounted = sum(pebbled.store.entry_info(i, tid).nbytes for i in range(cfg.n_layer) for tid in kv_ids(0))
             t = KV_TYPES[name]
             positions = sum(min(n_ctx, cfg.sliding_window) if cfg.is_sliding(i) else n_ctx for i in range(cfg.n_layer))
             formula = 2 * positions * cfg.n_head_kv * cfg.head_dim * t.block_bytes // t.block
             estimated = sum(memory.kv_rows(i, n_ctx) for i in range(cfg.n_layer)) * memory.kv_bytes_per_token
             assert accounted == estimated == formula, name
+            report = gen.report()
+            assert report["kv_type"] == name and report["kv_cache_bytes"] == accounted  # the response says so
             for i in range(cfg.n_layer):  # a layer's placement: each cache at a multiple of 256 bytes, no more
                 entry = pebbled.store.entry_info(i, kv_ids(0)[0]).nbytes
                 assert 2 * entry <= memory.kv_bytes(i) < 2 * (entry + 256)

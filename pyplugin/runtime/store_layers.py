@@ -325,6 +325,8 @@ class StoreLayers:
             "strategy": _strategy_name(plan.strategy),
             "enabled": self.pebbling.enabled is not False,
             "weights": self.pebbled.weights,
+            "kv_type": self.kv.name,
+            "kv_cache_bytes": sum(memory.kv_rows(i, self.n_ctx) for i in range(memory.n_layers)) * memory.kv_bytes_per_token,
             "decode_step": "python" if self.backend.name == "stub" else "native",
             "backend": self.backend.name,
             "resident_layers": len(plan.resident),
