@@ -111,16 +111,17 @@ def test_f16_caches_give_the_float32_caches_tokens_up_to_a_near_tie(backend, arc
 # attention from the stored blocks
 
 
+@pytest.mark.parametrize("hd", [64, 96])  # two blocks a head (one register pass of V), and three (a pass and a half)
 @pytest.mark.parametrize("name", ["q8_0", "q4_0", "f16"])
 @pytest.mark.parametrize("backend", store_backend_params())
-def test_attention_reads_the_blocks_as_they_decode_and_stores_new_rows_as_they_encode(backend, name):
+def test_attention_reads_the_blocks_as_they_decode_and_stores_new_rows_as_they_encode(backend, name, hd):
     """pebble_attend over caches of each type equals attention over the values the blocks decode to (float64
     reference, float32 rounding apart), with the new row encoded into the caches byte for byte as
     kv_types.encode (llama.cpp's) encodes it."""
     kernels = backend_named(backend).kernels
     xp, t = kernels.xp, KV_TYPES[name]
     rng = np.random.default_rng(7)
-    n_rows, n_head, n_kv, hd = 48, 4, 2, 64
+    n_rows, n_head, n_kv = 48, 4, 2
     n_pos = [48, 9]
     q = rng.standard_normal((2, n_head, hd)).astype(np.float32)
     floats = [[rng.standard_normal((n_rows, n_kv, hd)).astype(np.float32) for _ in range(2)] for _ in n_pos]
@@ -249,3 +250,19 @@ def test_estimate_shows_every_kv_type(capsys):
     assert main(["estimate", path, "--num-ctx", "256", "--backend", "stub", "--kv-type", "q4_0"]) == 0
     text = capsys.readouterr().out
     assert "in q4_0 (estimate; f16" in text and "peak, KV q8_0" in text
+
+
+def test_the_portable_kernels_attend_from_blocks_too():
+    """What a CPU without AVX2 runs (PEBBLING_SIMD=portable): the attention tests above, in a process of
+    their own with the setting."""
+    import os
+    import subprocess
+    import sys
+
+    from pyplugin.store import probe
+    if not probe("host").usable:
+        pytest.skip("the host library is not built here (make host)")
+    env = {**os.environ, "PEBBLING_SIMD": "portable", "PEBBLING_TEST_BACKENDS": "host"}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                           "host and attention_reads_the_blocks"], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
