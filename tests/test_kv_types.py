@@ -266,3 +266,25 @@ def test_the_portable_kernels_attend_from_blocks_too():
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
                            "host and attention_reads_the_blocks"], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def test_a_plan_that_does_not_fit_says_which_kv_type_would():
+    model = tiny_model("llama", n_layer=4, n_embd=128, n_head=4, n_head_kv=2)
+    pebbled = PebbledModel(model, backend="stub")
+    try:
+        none = PebblingOptions.from_options({"pebbling_strategy": "none"})
+        peaks = {t: pebbled.plan(Options(num_ctx=4096, kv_type=t), none).estimated_peak_bytes
+                 for t in ("f16", "q8_0", "q4_0")}
+        assert peaks["f16"] > peaks["q8_0"] > peaks["q4_0"]
+        for limit, named in (((peaks["f16"] + peaks["q8_0"]) // 2, "'q8_0'"),
+                             ((peaks["q8_0"] + peaks["q4_0"]) // 2, "'q4_0'")):
+            pebbling = PebblingOptions.from_options({"pebbling_strategy": "none", "pebbling_memory_limit": limit})
+            with pytest.raises(OptionsError, match=f"with pebbling_kv_type {named} it fits"):
+                pebbled.plan(Options(num_ctx=4096), pebbling)
+        pebbling = PebblingOptions.from_options({"pebbling_strategy": "none",
+                                                 "pebbling_memory_limit": peaks["q4_0"] - 1})
+        with pytest.raises(OptionsError) as refused:  # nothing fits: no type is named
+            pebbled.plan(Options(num_ctx=4096), pebbling)
+        assert "pebbling_kv_type" not in str(refused.value)
+    finally:
+        pebbled.close()

@@ -5,11 +5,12 @@ changes which of them are resident, and `generation()` turns options into a runn
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable, Sequence
 
 import numpy as np
 
-from ..errors import ClosedError
+from ..errors import ClosedError, OptionsError
 from ..kv_types import KV_TYPES, KVType, default_kv_type, kv_type
 from ..model import LayerWeights, Model, OuterWeights, QuantWeight, embed, layer_forward, output_logits
 from ..model.gguf_file import drop_file_pages, map_file_pages
@@ -21,7 +22,7 @@ from .conversations import ParkedConversations
 from .generation import Generation
 from .layout import WEIGHT_IDS, StoredTensor, aligned, bytes_of, kv_ids, tensor_desc
 from .options import Options
-from .plan import MemoryModel, PebblingOptions, Plan, make_plan, workspace_bytes
+from .plan import MemoryModel, PebblingOptions, Plan, format_bytes, make_plan, workspace_bytes
 from .store_layers import StoreLayers
 
 
@@ -212,7 +213,20 @@ class PebbledModel:
         batch of `n_seqs` requests with these options (its KV caches all counted in the budget)."""
         strategy = pebbling.effective_strategy
         budget = self.budget(pebbling, others) if strategy.name == "adaptive" else pebbling.memory_limit
-        return make_plan(self.memory_model(options, prompt_tokens, n_seqs), strategy, budget)
+        try:
+            return make_plan(self.memory_model(options, prompt_tokens, n_seqs), strategy, budget)
+        except OptionsError as exc:  # say which smaller KV type would fit, where one would
+            for t in KV_TYPES.values():
+                if t.row_bytes(64) >= kv_type(options.kv_type).row_bytes(64) or self.model.config.head_dim % t.block:
+                    continue
+                try:
+                    plan = make_plan(self.memory_model(replace(options, kv_type=t.name), prompt_tokens, n_seqs),
+                                     strategy, budget)
+                except OptionsError:
+                    continue
+                raise type(exc)(f"{exc}; with pebbling_kv_type {t.name!r} it fits (about "
+                                f"{format_bytes(plan.estimated_peak_bytes)}, estimate)") from None
+            raise
 
     def generation(self, options: Options, pebbling: PebblingOptions, prompt_tokens: int | None = None, *,
                    plan: Plan | None = None, others: int = 0, should_stop: Callable[[], bool] | None = None,
