@@ -15,7 +15,7 @@ NATIVE_SRC  := native/pebble.cu native/pebble_quant.cu native/pebble_decode.cu
 # The host library adds the CPU kernels (SIMD chosen at run time, so no -march: it runs on any x86-64).
 HOST_SRC    := $(NATIVE_SRC) native/pebble_cpu.cc
 NATIVE_DEPS := $(HOST_SRC) native/pebble.h native/pebble_internal.h native/pebble_device.h native/cuda_host.h \
-               native/pebble_cpu.h
+               native/pebble_cpu.h native/pebble_kv.h
 HOST_FLAGS  := -x c++ -std=c++17 -DPEBBLE_HOST_BUILD -fPIC -shared -pthread -fvisibility=hidden -Wall -Wextra
 SAN_FLAGS   := -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=undefined
 
@@ -86,7 +86,7 @@ test-sanitized: venv host-asan
 	PEBBLING_LIB=build/libpebble_host_asan.so PEBBLING_TEST_BACKENDS=host \
 	$(PY) -m pytest -q -p no:cacheprovider tests/test_store_conformance.py tests/test_store_views.py tests/test_store_borrowed.py \
 		tests/test_abi.py tests/test_quant_kernels.py \
-		tests/test_quantized_residency.py tests/test_decode_step.py tests/test_attend.py
+		tests/test_quantized_residency.py tests/test_decode_step.py tests/test_attend.py tests/test_kv_types.py
 
 # 10,000 generated requests at a live server (half of them generations on a loaded model): no 5xx, every
 # status documented, still serving after. `make test` runs the same property test with 300.

@@ -2,7 +2,7 @@
 the Python around it (embedding, sampling, accounting), on a random-weight file of a real model's shape.
 
     python benchmarks/profile_decode.py [--shape smollm2-135m] [--type Q4_K_M] [--context 300] [--tokens 64]
-        [--runs 3] [--n-layer N] [--dir DIR] [--json FILE] [--attention-contexts 1000,4000]
+        [--runs 3] [--n-layer N] [--dir DIR] [--json FILE] [--attention-contexts 1000,4000] [--kv-type f16,q8_0]
 
 Each run prefills --context random tokens, then decodes --tokens greedy tokens through Generation.decode_one
 (what the server calls), timing every call into the library's decode step with a wrapper around
@@ -14,6 +14,9 @@ cost (a few microseconds a step) is counted as native time. Every figure is meas
 It also times the decode step's attention alone (pebble_attend, the same code the step runs per layer) for
 one token over caches of the shape's heads filled to each of --attention-contexts rows: milliseconds per
 layer and per token (all layers), and nanoseconds per cached row per KV head.
+
+--kv-type takes KV cache types (comma-separated): each run measures each type in turn, over the same
+prompt, and the rates are compared with the first type's (a decode rate ratio, and the attention's).
 """
 
 from __future__ import annotations
@@ -45,7 +48,9 @@ class _Counting:
         return getattr(self._lib, name)
 
 
-def profile(path: Path, context: int, tokens: int, runs: int) -> list[dict]:
+def profile(path: Path, context: int, tokens: int, runs: int, kv_types: tuple[str, ...] = ("f16",)) -> dict:
+    """Per KV type, one result per run (the types measured in turn within each run, so that a machine's
+    drift falls on all of them alike)."""
     from pyplugin.model import load_model  # noqa: PLC0415 - imported where measured
     from pyplugin.runtime import PebbledModel
     from pyplugin.runtime.options import Options
@@ -65,10 +70,11 @@ def profile(path: Path, context: int, tokens: int, runs: int) -> list[dict]:
 
     native_kernels.NativeDecoder.step = timed
     prompt = [int(t) for t in np.random.default_rng(0).integers(100, 30000, context)]
-    results = []
+    results = {kv: [] for kv in kv_types}
     try:
-        for _ in range(runs):
-            options = Options(temperature=0, num_ctx=context + tokens + 8, num_batch=context, num_predict=tokens)
+        for _, kv in ((r, kv) for r in range(runs) for kv in kv_types):
+            options = Options(temperature=0, num_ctx=context + tokens + 8, num_batch=min(context, 512),
+                              num_predict=tokens, kv_type=kv)
             gen = pebbled.generation(options, PebblingOptions.from_options({"pebbling_strategy": "none"}), context)
             token = int(np.argmax(gen.prefill(prompt)))
             token = int(np.argmax(gen.decode_one(token)))  # the first step makes the plan's decoder
@@ -82,7 +88,7 @@ def profile(path: Path, context: int, tokens: int, runs: int) -> list[dict]:
             total = time.perf_counter() - start
             pebbled.kernels.lib._lib, pebbled.store._lib = counting._lib, store_counting._lib
             n = tokens - 1
-            results.append({"decode_tok_per_s": n / total, "native_share": inside[0] / total,
+            results[kv].append({"decode_tok_per_s": n / total, "native_share": inside[0] / total,
                             "python_ms_per_token": 1e3 * (total - inside[0]) / n,
                             "native_calls_per_step": (counting.calls + store_counting.calls) / n})
     finally:
@@ -91,8 +97,9 @@ def profile(path: Path, context: int, tokens: int, runs: int) -> list[dict]:
     return results
 
 
-def attention_cost(shape: dict, contexts: list[int], repeats: int = 20) -> list[dict]:
-    """pebble_attend of one token over `context` cached rows, timed (the median of `repeats` calls)."""
+def attention_cost(shape: dict, contexts: list[int], repeats: int = 20, kv_type: str = "f16") -> list[dict]:
+    """pebble_attend of one token over `context` cached rows of kv_type, timed (the median of `repeats` calls)."""
+    from pyplugin.kv_types import KV_TYPES, encode  # noqa: PLC0415
     from pyplugin.store import backend_named  # noqa: PLC0415
 
     kernels = backend_named("host").kernels
@@ -101,7 +108,8 @@ def attention_cost(shape: dict, contexts: list[int], repeats: int = 20) -> list[
     rng, out = np.random.default_rng(0), []
     for context in contexts:
         q = rng.standard_normal((1, n_head, head_dim)).astype(np.float32)
-        caches = [tuple(rng.standard_normal((context, n_head_kv, head_dim)).astype(np.float32) for _ in range(2))]
+        caches = [tuple(encode(rng.standard_normal((context, n_head_kv, head_dim)).astype(np.float32), KV_TYPES[kv_type])
+                        for _ in range(2))]
         times = []
         for _ in range(repeats):
             start = time.perf_counter()
@@ -126,34 +134,51 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--attention-contexts", default="1000,4000",
                         help="cached rows the attention alone is timed over (comma-separated; empty: none)")
+    parser.add_argument("--kv-type", default="f16", help="KV cache types, comma-separated (f16, q8_0, q4_0, f32)")
     args = parser.parse_args(argv)
+    kv_types = tuple(t.strip() for t in args.kv_type.split(",") if t.strip())
 
     with tempfile.TemporaryDirectory(prefix="pebbling-profile-") as tmp:
         directory = Path(args.dir) if args.dir else Path(tmp)
         path = bench_cpu.write_files(directory, [args.type], args.shape, args.n_layer)[args.type]
-        runs = profile(path, args.context, args.tokens, args.runs)
+        by_type = profile(path, args.context, args.tokens, args.runs, kv_types)
     n_layer = args.n_layer or bench_cpu.SHAPES[args.shape]["n_layer"]
     contexts = [int(c) for c in args.attention_contexts.split(",") if c.strip()]
-    attention = attention_cost({**bench_cpu.SHAPES[args.shape], "n_layer": n_layer}, contexts)
+    shape = {**bench_cpu.SHAPES[args.shape], "n_layer": n_layer}
     result = {"shape": args.shape, "type": args.type, "n_layer": n_layer, "context": args.context,
-              "tokens": args.tokens, "runs": runs, "cpu": bench_cpu.cpu_model(),
-              "median": {k: statistics.median(r[k] for r in runs) for k in runs[0]}, "attention": attention}
+              "tokens": args.tokens, "cpu": bench_cpu.cpu_model(), "kv_types": {}}
     print(f"{args.shape} shape, {n_layer} layers, {args.type} (random weights), host backend, a {args.context}-token "
           f"context, {args.tokens} greedy tokens; CPU: {result['cpu']} (all measured here)")
+    for kv, runs in by_type.items():
+        attention = attention_cost(shape, contexts, kv_type=kv)
+        result["kv_types"][kv] = report_type(kv, runs, attention, n_layer)
+    first = result["kv_types"][kv_types[0]]
+    for kv in kv_types[1:]:
+        this = result["kv_types"][kv]
+        this["decode_vs_first"] = this["median"]["decode_tok_per_s"] / first["median"]["decode_tok_per_s"]
+        print(f"  KV {kv} decodes at {this['decode_vs_first']:.3f}x the {kv_types[0]} rate (medians)" + "".join(
+            f"; attention over {a['context']} rows at {b['ms_per_layer'] / a['ms_per_layer']:.3f}x its speed"
+            for a, b in zip(this["attention"], first["attention"])))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def report_type(kv: str, runs: list[dict], attention: list[dict], n_layer: int) -> dict:
+    """Prints one KV type's runs and attention timings; returns them with their medians."""
+    print(f" KV cache {kv}:")
     for i, r in enumerate(runs):
         print(f"  run {i + 1}: decode {r['decode_tok_per_s']:.1f} tok/s, {100 * r['native_share']:.1f}% of it inside "
               f"pebble_decoder_step, Python outside it {r['python_ms_per_token']:.2f} ms/token, "
               f"{r['native_calls_per_step']:g} native calls per step")
-    m = result["median"]
+    m = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     print(f"  median: {100 * m['native_share']:.1f}% native, {100 * (1 - m['native_share']):.1f}% Python "
           f"({m['python_ms_per_token']:.2f} ms/token), {m['native_calls_per_step']:g} native calls per step")
     for a in attention:
         print(f"  attention alone over {a['context']} cached rows: {a['ms_per_layer']:.3f} ms a layer, "
               f"{a['ms_per_token']:.2f} ms a token ({n_layer} layers), {a['ns_per_row_per_kv_head']:.2f} ns per "
               f"row per KV head")
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-    return result
+    return {"runs": runs, "median": m, "attention": attention}
 
 
 if __name__ == "__main__":

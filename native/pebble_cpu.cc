@@ -17,6 +17,7 @@
 
 #include "pebble_device.h"
 #include "pebble_internal.h"
+#include "pebble_kv.h"
 
 #include <algorithm>
 #include <atomic>
@@ -51,6 +52,13 @@
 using pebble_internal::fail;
 using pebble_internal::half_from_float;
 using pebble_internal::half_to_float;
+using pebble_internal::kv_block;
+using pebble_internal::kv_blocked;
+using pebble_internal::kv_block_bytes;
+using pebble_internal::kv_f16;
+using pebble_internal::kv_f32;
+using pebble_internal::kv_load;
+using pebble_internal::kv_q8_0;
 
 namespace pebble_cpu {
 namespace {
@@ -1234,7 +1242,7 @@ namespace {
 
 struct attend_job {
     const float *        q;
-    bool                 f16;
+    int32_t              type;      // the caches' KV type (pebble_kv.h)
     void * const *       k, * const * v;
     const int64_t *      n_pos;
     int64_t              n_rows;
@@ -1243,9 +1251,7 @@ struct attend_job {
     float *              out, * scratch;
 };
 
-inline float cache_value(const void * p, bool f16, int64_t i) {
-    return f16 ? half_to_float(static_cast<const uint16_t *>(p)[i]) : static_cast<const float *>(p)[i];
-}
+inline float cache_value(const void * p, int32_t type, int64_t i) { return kv_load(p, type, i); }
 
 // The n scores, whose largest is top, as their softmax: exp(s - top) over the sum of them all.
 inline void softmax_scores(float * sc, int64_t n, float top) {
@@ -1285,18 +1291,33 @@ void attend_portable(void * ctx, int64_t begin, int64_t end) {
     for (int64_t u = begin; u < end; u++) {
         attend_head(j, u, [&](const float * qh, const void * k, int64_t at) {
             float acc = 0.0f;
-            for (int32_t d = 0; d < hd; d++) acc += (qh[d] * j.scale) * cache_value(k, j.f16, at + d);
+            for (int32_t d = 0; d < hd; d++) acc += (qh[d] * j.scale) * cache_value(k, j.type, at + d);
             return acc;
         }, [&](float * o, float p, const void * v, int64_t at) {
-            for (int32_t d = 0; d < hd; d++) o[d] += p * cache_value(v, j.f16, at + d);
+            for (int32_t d = 0; d < hd; d++) o[d] += p * cache_value(v, j.type, at + d);
         });
     }
 }
 
 #ifdef PEBBLE_X86
-AVX2 inline __m256 load8_cache(const void * p, bool f16, int64_t i) {
-    return f16 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(static_cast<const uint16_t *>(p) + i)))
-               : _mm256_loadu_ps(static_cast<const float *>(p) + i);
+// Values i..i+7 of a cache (i a multiple of 8, so a block type's eight lie in one block), as float32: the
+// same products of scale and value as kv_load, so either way a score is the same.
+AVX2 inline __m256 load8_cache(const void * p, int32_t type, int64_t i) {
+    if (type == kv_f16) {
+        return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(static_cast<const uint16_t *>(p) + i)));
+    }
+    if (type == kv_f32) return _mm256_loadu_ps(static_cast<const float *>(p) + i);
+    const uint8_t * b = static_cast<const uint8_t *>(p) + (i / kv_block) * kv_block_bytes(type);
+    const __m256 d = _mm256_set1_ps(f16c(b));
+    const int64_t o = i % kv_block;
+    if (type == kv_q8_0) {
+        const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i *>(b + 2 + o));
+        return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
+    }
+    __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(b + 2 + (o & 15))));
+    if (o >= 16) q = _mm256_srli_epi32(q, 4);
+    q = _mm256_sub_epi32(_mm256_and_si256(q, _mm256_set1_epi32(0x0F)), _mm256_set1_epi32(8));
+    return _mm256_mul_ps(d, _mm256_cvtepi32_ps(q));
 }
 
 // The sums of four registers' lanes, each in hsum_ps's order (so a score is the same whichever way it
@@ -1330,7 +1351,7 @@ AVX2 void attend_avx2(void * ctx, int64_t begin, int64_t end) {
         float * sc = j.scratch + u * j.n_rows;
         float top = -INFINITY;
         auto tail = [&](int64_t s, float sum) AVX2 {
-            for (int32_t d = whole; d < hd; d++) sum += (qh[d] * j.scale) * cache_value(k, j.f16, s * row + kv + d);
+            for (int32_t d = whole; d < hd; d++) sum += (qh[d] * j.scale) * cache_value(k, j.type, s * row + kv + d);
             if (j.softcap > 0.0f) sum = std::tanh(sum / j.softcap) * j.softcap;
             sc[s] = sum;
             top = std::max(top, sum);
@@ -1341,10 +1362,10 @@ AVX2 void attend_avx2(void * ctx, int64_t begin, int64_t end) {
             for (int32_t d = 0; d < whole; d += 8) {
                 const __m256 qv = _mm256_mul_ps(_mm256_loadu_ps(qh + d), scale);
                 const int64_t at = s * row + kv + d;
-                a0 = _mm256_fmadd_ps(qv, load8_cache(k, j.f16, at), a0);
-                a1 = _mm256_fmadd_ps(qv, load8_cache(k, j.f16, at + row), a1);
-                a2 = _mm256_fmadd_ps(qv, load8_cache(k, j.f16, at + 2 * row), a2);
-                a3 = _mm256_fmadd_ps(qv, load8_cache(k, j.f16, at + 3 * row), a3);
+                a0 = _mm256_fmadd_ps(qv, load8_cache(k, j.type, at), a0);
+                a1 = _mm256_fmadd_ps(qv, load8_cache(k, j.type, at + row), a1);
+                a2 = _mm256_fmadd_ps(qv, load8_cache(k, j.type, at + 2 * row), a2);
+                a3 = _mm256_fmadd_ps(qv, load8_cache(k, j.type, at + 3 * row), a3);
             }
             float sums[4];
             hsum4_ps(a0, a1, a2, a3, sums);
@@ -1353,7 +1374,7 @@ AVX2 void attend_avx2(void * ctx, int64_t begin, int64_t end) {
         for (; s < n; s++) {
             __m256 acc = _mm256_setzero_ps();
             for (int32_t d = 0; d < whole; d += 8) {
-                acc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(qh + d), scale), load8_cache(k, j.f16, s * row + kv + d),
+                acc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(qh + d), scale), load8_cache(k, j.type, s * row + kv + d),
                                       acc);
             }
             tail(s, hsum_ps(acc));
@@ -1367,20 +1388,103 @@ AVX2 void attend_avx2(void * ctx, int64_t begin, int64_t end) {
             for (int64_t t = 0; t < n; t++) {
                 const __m256 pv = _mm256_set1_ps(sc[t]);
                 UNROLL for (int r = 0; r < 8; r++) {
-                    acc[r] = _mm256_fmadd_ps(pv, load8_cache(v, j.f16, t * row + kv + d + 8 * r), acc[r]);
+                    acc[r] = _mm256_fmadd_ps(pv, load8_cache(v, j.type, t * row + kv + d + 8 * r), acc[r]);
                 }
             }
             UNROLL for (int r = 0; r < 8; r++) _mm256_storeu_ps(o + d + 8 * r, acc[r]);
         }
         for (; d < whole; d += 8) {
             __m256 acc = _mm256_setzero_ps();
-            for (int64_t t = 0; t < n; t++) acc = _mm256_fmadd_ps(_mm256_set1_ps(sc[t]), load8_cache(v, j.f16, t * row + kv + d), acc);
+            for (int64_t t = 0; t < n; t++) acc = _mm256_fmadd_ps(_mm256_set1_ps(sc[t]), load8_cache(v, j.type, t * row + kv + d), acc);
             _mm256_storeu_ps(o + d, acc);
         }
         for (; d < hd; d++) {
             float acc = 0.0f;
-            for (int64_t t = 0; t < n; t++) acc += sc[t] * cache_value(v, j.f16, t * row + kv + d);
+            for (int64_t t = 0; t < n; t++) acc += sc[t] * cache_value(v, j.type, t * row + kv + d);
             o[d] = acc;
+        }
+    }
+}
+// Values 8i..8i+7 of a Q8_0 or Q4_0 block's quants (qs: the bytes after its scale), unscaled, as float32.
+AVX2 inline __m256 block8(const uint8_t * qs, int32_t type, int i) {
+    if (type == kv_q8_0) {
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(qs + 8 * i))));
+    }
+    __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(qs + 8 * (i & 1))));
+    if (i >= 2) q = _mm256_srli_epi32(q, 4); // values 16..31 are the high nibbles
+    return _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(q, _mm256_set1_epi32(0x0F)), _mm256_set1_epi32(8)));
+}
+
+constexpr int32_t max_block_head_dim = 1024; // the scaled query of a head, on the stack
+
+// Q8_0 and Q4_0 caches, straight from their blocks: a block's quants converted in registers and its scale
+// applied once (to the block's part of a score; folded into a row's probability for V), so that a block
+// costs little more than fp16's eight-at-a-time conversion while reading about half (or a quarter) of the
+// bytes. The same values as kv_load's, summed in another order: within float32 rounding of attend_head.
+// Scores four rows at a time, V 64 dims (two blocks) at a time in registers over every row.
+AVX2 void attend_blocks_avx2(void * ctx, int64_t begin, int64_t end) {
+    const attend_job & j = *static_cast<const attend_job *>(ctx);
+    const int32_t hd = j.head_dim, nb = hd / kv_block;
+    const int64_t bb = kv_block_bytes(j.type), group = j.n_head / j.n_head_kv;
+    const int64_t row_bytes = int64_t(j.n_head_kv) * nb * bb;
+    alignas(32) float qs[max_block_head_dim];
+    for (int64_t u = begin; u < end; u++) {
+        const int64_t b = u / j.n_head, h = u % j.n_head, n = j.n_pos[b];
+        const int64_t head_at = (h / group) * nb * bb;
+        const float * qh = j.q + (b * j.n_head + h) * hd;
+        for (int32_t d = 0; d < hd; d++) qs[d] = qh[d] * j.scale;
+        const uint8_t * k = static_cast<const uint8_t *>(j.k[b]) + head_at;
+        const uint8_t * v = static_cast<const uint8_t *>(j.v[b]) + head_at;
+        float * sc = j.scratch + u * j.n_rows;
+        float top = -INFINITY;
+        auto keep = [&](int64_t s, float sum) AVX2 {
+            if (j.softcap > 0.0f) sum = std::tanh(sum / j.softcap) * j.softcap;
+            sc[s] = sum;
+            top = std::max(top, sum);
+        };
+        int64_t s = 0;
+        for (; s + 4 <= n; s += 4) {
+            __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+            for (int32_t c = 0; c < nb; c++) {
+                const __m256 q0 = _mm256_load_ps(qs + 32 * c), q1 = _mm256_load_ps(qs + 32 * c + 8);
+                const __m256 q2 = _mm256_load_ps(qs + 32 * c + 16), q3 = _mm256_load_ps(qs + 32 * c + 24);
+                UNROLL for (int r = 0; r < 4; r++) {
+                    const uint8_t * blk = k + (s + r) * row_bytes + c * bb;
+                    __m256 part = _mm256_mul_ps(q0, block8(blk + 2, j.type, 0));
+                    part = _mm256_fmadd_ps(q1, block8(blk + 2, j.type, 1), part);
+                    part = _mm256_fmadd_ps(q2, block8(blk + 2, j.type, 2), part);
+                    part = _mm256_fmadd_ps(q3, block8(blk + 2, j.type, 3), part);
+                    acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(f16c(blk)), part, acc[r]);
+                }
+            }
+            float sums[4];
+            hsum4_ps(acc[0], acc[1], acc[2], acc[3], sums);
+            for (int r = 0; r < 4; r++) keep(s + r, sums[r]);
+        }
+        for (; s < n; s++) {
+            __m256 acc = _mm256_setzero_ps();
+            for (int32_t c = 0; c < nb; c++) {
+                const uint8_t * blk = k + s * row_bytes + c * bb;
+                __m256 part = _mm256_setzero_ps();
+                for (int i = 0; i < 4; i++) part = _mm256_fmadd_ps(_mm256_load_ps(qs + 32 * c + 8 * i), block8(blk + 2, j.type, i), part);
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(f16c(blk)), part, acc);
+            }
+            keep(s, hsum_ps(acc));
+        }
+        softmax_scores(sc, n, top);
+        float * o = j.out + (b * j.n_head + h) * hd;
+        for (int32_t c0 = 0; c0 < nb; c0 += 2) {
+            const int blocks = nb - c0 >= 2 ? 2 : 1;
+            __m256 acc[8];
+            UNROLL for (int r = 0; r < 8; r++) acc[r] = _mm256_setzero_ps();
+            for (int64_t t = 0; t < n; t++) {
+                const uint8_t * blk = v + t * row_bytes + c0 * bb;
+                for (int c = 0; c < blocks; c++, blk += bb) {
+                    const __m256 p = _mm256_set1_ps(sc[t] * f16c(blk));
+                    UNROLL for (int i = 0; i < 4; i++) acc[4 * c + i] = _mm256_fmadd_ps(p, block8(blk + 2, j.type, i), acc[4 * c + i]);
+                }
+            }
+            for (int r = 0; r < 4 * blocks; r++) _mm256_storeu_ps(o + 32 * c0 + 8 * r, acc[r]);
         }
     }
 }
@@ -1388,16 +1492,17 @@ AVX2 void attend_avx2(void * ctx, int64_t begin, int64_t end) {
 
 } // namespace
 
-pebble_status attend(int32_t n_seq, const float * q, bool f16, void * const * k_caches, void * const * v_caches,
+pebble_status attend(int32_t n_seq, const float * q, int32_t kv_type, void * const * k_caches, void * const * v_caches,
                      const int64_t * n_pos, int64_t n_rows, int32_t n_head, int32_t n_head_kv, int32_t head_dim,
                      float scale, float softcap, float * out, float * scratch) {
     TRY(check_threads("pebble_attend"));
-    attend_job job{q, f16, k_caches, v_caches, n_pos, n_rows, n_head, n_head_kv, head_dim, scale, softcap, out, scratch};
+    attend_job job{q, kv_type, k_caches, v_caches, n_pos, n_rows, n_head, n_head_kv, head_dim, scale, softcap, out, scratch};
     int64_t work = 0;
     for (int32_t b = 0; b < n_seq; b++) work += 2 * n_pos[b] * n_head * head_dim;
 #ifdef PEBBLE_X86
     if (simd_in_use() != simd::portable) {
-        parallel_ranges(int64_t(n_seq) * n_head, work, attend_avx2, &job);
+        const bool blocks = kv_blocked(kv_type) && head_dim <= max_block_head_dim;
+        parallel_ranges(int64_t(n_seq) * n_head, work, blocks ? attend_blocks_avx2 : attend_avx2, &job);
         return PEBBLE_OK;
     }
 #endif

@@ -38,7 +38,7 @@ pebble_status matmul(int32_t ggml_type, const uint8_t * w, int64_t n_rows, int64
 
 // pebble_attend (pebble.h), the arguments already checked: each (sequence, head) pair on one thread,
 // scores in scratch (n_seq x n_head x n_rows floats), dot products and the weighted sum of V with SIMD.
-pebble_status attend(int32_t n_seq, const float * q, bool f16, void * const * k_caches, void * const * v_caches,
+pebble_status attend(int32_t n_seq, const float * q, int32_t kv_type, void * const * k_caches, void * const * v_caches,
                      const int64_t * n_pos, int64_t n_rows, int32_t n_head, int32_t n_head_kv, int32_t head_dim,
                      float scale, float softcap, float * out, float * scratch);
 

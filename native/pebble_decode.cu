@@ -14,6 +14,7 @@
 
 #include "pebble_device.h"
 #include "pebble_internal.h"
+#include "pebble_kv.h"
 #ifdef PEBBLE_HOST_BUILD
 #    include "pebble_cpu.h"
 #endif
@@ -41,13 +42,6 @@ __host__ __device__ inline float load_value(const void * p, int32_t type, int64_
     return type == f32_type ? static_cast<const float *>(p)[i] : half_to_float(static_cast<const uint16_t *>(p)[i]);
 }
 
-__host__ __device__ inline void store_value(void * p, int32_t type, int64_t i, float v) {
-    if (type == f32_type) {
-        static_cast<float *>(p)[i] = v;
-    } else {
-        static_cast<uint16_t *>(p)[i] = half_from_float(v);
-    }
-}
 
 // ---------------------------------------------------------------------------------------------------
 // kernels
@@ -88,27 +82,21 @@ __host__ __device__ inline int64_t rope_partner(int64_t d, int32_t rope_dims, in
 struct qkv_args {
     const float * q, * k, * v;            // the projections
     pebble_tensor_ref bq, bk, bv;         // biases, data NULL when absent
-    int32_t n_q, n_kv, head_dim, rope_dims, rope_neox, kv_type;
+    int32_t n_q, n_kv, head_dim, rope_dims, rope_neox;
     const float * cos, * sin;             // the RoPE tables, a row of head_dim per position
     const int64_t * pos;                  // the token's position, read where the kernel runs (so a graph replays)
-    int64_t kv_rows;                      // rows of the caches; a ring keeps position p in row p % kv_rows
-    int32_t ring;
-    float * q_out;                        // q with biases, rotated
-    void * k_cache, * v_cache;            // the new K and V rows go to the token's row of these
+    float * q_out, * k_out, * v_out;      // q and k with biases, rotated; v with its bias (float32)
 };
 
 __host__ __device__ inline float with_bias(const float * y, const pebble_tensor_ref & b, int64_t i) {
     return b.data ? y[i] + load_value(b.data, b.ggml_type, i) : y[i];
 }
 
-// One thread per element of q, k and v: biases, RoPE on q and k, k and v into the caches.
+// One thread per element of q, k and v: biases, RoPE on q and k (kv_row_kernel then stores k and v).
 __global__ void qkv_kernel(qkv_args a) {
     const int64_t total = static_cast<int64_t>(a.n_q) + 2 * static_cast<int64_t>(a.n_kv);
-    const int64_t p = *a.pos, row = a.ring ? p % a.kv_rows : p;
+    const int64_t p = *a.pos;
     const float * cos = a.cos + p * a.head_dim, * sin = a.sin + p * a.head_dim;
-    const int64_t row_bytes = static_cast<int64_t>(a.n_kv) * (a.kv_type == f32_type ? 4 : 2);
-    void * k_row = static_cast<uint8_t *>(a.k_cache) + row * row_bytes;
-    void * v_row = static_cast<uint8_t *>(a.v_cache) + row * row_bytes;
     for (int64_t i = grid_thread(); i < total; i += grid_threads()) {
         if (i < a.n_q + a.n_kv) {
             const bool is_q = i < a.n_q;
@@ -117,15 +105,24 @@ __global__ void qkv_kernel(qkv_args a) {
             const pebble_tensor_ref & b = is_q ? a.bq : a.bk;
             const int64_t d = j % a.head_dim, partner = j - d + rope_partner(d, a.rope_dims, a.rope_neox);
             const float rotated = with_bias(y, b, j) * cos[d] + with_bias(y, b, partner) * sin[d];
-            if (is_q) {
-                a.q_out[j] = rotated;
-            } else {
-                store_value(k_row, a.kv_type, j, rotated);
-            }
+            (is_q ? a.q_out : a.k_out)[j] = rotated;
         } else {
             const int64_t j = i - a.n_q - a.n_kv;
-            store_value(v_row, a.kv_type, j, with_bias(a.v, a.bv, j));
+            a.v_out[j] = with_bias(a.v, a.bv, j);
         }
+    }
+}
+
+// One thread per unit (a value, or a block of 32: pebble_kv.h) of the new K and V rows (float32, n_kv
+// each) into the token's row of the caches: row pos, or pos % kv_rows in a ring.
+__global__ void kv_row_kernel(const float * __restrict__ k, const float * __restrict__ v, void * k_cache,
+                              void * v_cache, int32_t type, int64_t n_kv, const int64_t * pos, int64_t kv_rows,
+                              int32_t ring) {
+    const int64_t p = *pos, row = ring ? p % kv_rows : p, units = kv_units(type, n_kv);
+    const int64_t at = row * kv_bytes(type, n_kv);
+    for (int64_t u = grid_thread(); u < 2 * units; u += grid_threads()) {
+        const bool is_k = u < units;
+        kv_store_unit(is_k ? k : v, static_cast<uint8_t *>(is_k ? k_cache : v_cache) + at, type, is_k ? u : u - units);
     }
 }
 
@@ -154,7 +151,7 @@ struct attention_args {
         float top = -INFINITY;
         for (int64_t s = warp_lane(); s < a.n_pos; s += warp_lanes) {
             float dot = 0.0f;
-            for (int32_t d = 0; d < a.head_dim; d++) dot += (qh[d] * a.scale) * load_value(a.k_cache, a.kv_type, s * row + kv + d);
+            for (int32_t d = 0; d < a.head_dim; d++) dot += (qh[d] * a.scale) * kv_load(a.k_cache, a.kv_type, s * row + kv + d);
             if (a.softcap > 0.0f) dot = tanhf(dot / a.softcap) * a.softcap;
             sc[s] = dot;
             top = fmaxf(top, dot);
@@ -170,7 +167,7 @@ struct attention_args {
         warp_sync(); // every lane reads every probability below
         for (int64_t d = warp_lane(); d < a.head_dim; d += warp_lanes) {
             float acc = 0.0f;
-            for (int64_t s = 0; s < a.n_pos; s++) acc += sc[s] * load_value(a.v_cache, a.kv_type, s * row + kv + d);
+            for (int64_t s = 0; s < a.n_pos; s++) acc += sc[s] * kv_load(a.v_cache, a.kv_type, s * row + kv + d);
             if (a.out_f32) {
                 a.out_f32[h * a.head_dim + d] = acc;
             } else {
@@ -180,9 +177,9 @@ struct attention_args {
     }
 }
 
-// A float32 row into a cache row of `type` (pebble_attend's new K and V rows).
+// A float32 row of n values into a cache row of `type` (pebble_attend's new K and V rows), a unit a thread.
 __global__ void store_row_kernel(const float * __restrict__ src, void * dst, int32_t type, int64_t n) {
-    for (int64_t i = grid_thread(); i < n; i += grid_threads()) store_value(dst, type, i, src[i]);
+    for (int64_t u = grid_thread(); u < kv_units(type, n); u += grid_threads()) kv_store_unit(src, dst, type, u);
 }
 
 // x += y * scale
@@ -349,9 +346,10 @@ extern "C" pebble_status pebble_attend(int32_t n_seq, const float * q, const flo
         return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_attend: %d query heads cannot share %d KV heads evenly",
                     n_head, n_head_kv);
     }
-    if (kv_type != f32_type && kv_type != f16_type) {
-        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_attend: kv_type %d (%s); the caches must be 0 F32 or 1 F16",
-                    kv_type, ggml_type_name(kv_type));
+    if (!kv_known(kv_type) || (kv_blocked(kv_type) && head_dim % kv_block != 0)) {
+        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_attend: kv_type %d (%s) with head_dim %d; the caches must "
+                    "be 0 F32, 1 F16, or 8 Q8_0 or 2 Q4_0 where head_dim is a multiple of 32", kv_type,
+                    ggml_type_name(kv_type), head_dim);
     }
     if (!(softcap >= 0.0f) || !std::isfinite(softcap) || !std::isfinite(scale)) {
         return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_attend: scale %g and softcap %g must be finite, softcap at "
@@ -379,15 +377,15 @@ extern "C" pebble_status pebble_attend(int32_t n_seq, const float * q, const flo
                         " are in its cache", b, n_pos[b], n_rows);
         }
     }
-    const int64_t kv_width = int64_t(n_head_kv) * head_dim, kv_item = kv_type == f16_type ? 2 : 4;
+    const int64_t kv_width = int64_t(n_head_kv) * head_dim, kv_row_bytes = kv_bytes(kv_type, kv_width);
 #ifdef PEBBLE_HOST_BUILD
     (void)stream_ptr;
     for (int32_t b = 0; k_new && b < n_seq; b++) {
-        const int64_t at = (n_pos[b] - 1) * kv_width * kv_item;
+        const int64_t at = (n_pos[b] - 1) * kv_row_bytes;
         store_row_kernel(k_new + b * kv_width, static_cast<uint8_t *>(k_caches[b]) + at, kv_type, kv_width);
         store_row_kernel(v_new + b * kv_width, static_cast<uint8_t *>(v_caches[b]) + at, kv_type, kv_width);
     }
-    return pebble_cpu::attend(n_seq, q, kv_type == f16_type, k_caches, v_caches, n_pos, n_rows, n_head, n_head_kv,
+    return pebble_cpu::attend(n_seq, q, kv_type, k_caches, v_caches, n_pos, n_rows, n_head, n_head_kv,
                               head_dim, scale, softcap, out, static_cast<float *>(scratch));
 #else
     cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
@@ -400,10 +398,11 @@ extern "C" pebble_status pebble_attend(int32_t n_seq, const float * q, const flo
         TRY(check_device_pointer(k_caches[b], "k_caches[b]", "pebble_attend"));
         TRY(check_device_pointer(v_caches[b], "v_caches[b]", "pebble_attend"));
         if (k_new) {
-            const int64_t at = (n_pos[b] - 1) * kv_width * kv_item;
-            LAUNCH(store_row_kernel, grid_for(kv_width, threads), threads, stream, k_new + b * kv_width,
+            const int64_t at = (n_pos[b] - 1) * kv_row_bytes;
+            const int64_t units = kv_units(kv_type, kv_width);
+            LAUNCH(store_row_kernel, grid_for(units, threads), threads, stream, k_new + b * kv_width,
                    static_cast<uint8_t *>(k_caches[b]) + at, kv_type, kv_width);
-            LAUNCH(store_row_kernel, grid_for(kv_width, threads), threads, stream, v_new + b * kv_width,
+            LAUNCH(store_row_kernel, grid_for(units, threads), threads, stream, v_new + b * kv_width,
                    static_cast<uint8_t *>(v_caches[b]) + at, kv_type, kv_width);
         }
         const attention_args aa{q + b * width, k_caches[b], v_caches[b], kv_type, n_head, n_head_kv, head_dim, n_pos[b],
@@ -447,7 +446,7 @@ __global__ void logits_kernel(float * __restrict__ y, int64_t n, float scale, fl
 
 
 struct step_scratch {
-    uint64_t h16, q, k, v, q_rot, scores, o, gate, up, pos, x, logits, bytes;
+    uint64_t h16, q, k, v, q_rot, kv_new, scores, o, gate, up, pos, x, logits, bytes;
 };
 
 // When a step is run as a CUDA graph. A step's launches depend on its batch (which sequences, in which
@@ -653,6 +652,7 @@ pebble_status step_layer(pebble_decoder & d, int32_t i, int32_t n, const int32_t
     float * fv = at_offset<float>(d.scratch, d.at.v), * q_rot = at_offset<float>(d.scratch, d.at.q_rot);
     float * scores = at_offset<float>(d.scratch, d.at.scores), * o = at_offset<float>(d.scratch, d.at.o);
     float * gate = at_offset<float>(d.scratch, d.at.gate), * up = at_offset<float>(d.scratch, d.at.up);
+    float * k_new = at_offset<float>(d.scratch, d.at.kv_new), * v_new = k_new + int64_t(n) * kv;
 
     // attention
     LAUNCH(rms_rows_kernel, grid_for(n, heads_per_block), dim3(warp_lanes, heads_per_block), stream, x, n, e,
@@ -677,15 +677,18 @@ pebble_status step_layer(pebble_decoder & d, int32_t i, int32_t n, const int32_t
         k_of[b] = d.k[size_t(i) * n_seq + seqs[b]];
         v_of[b] = d.v[size_t(i) * n_seq + seqs[b]];
         const qkv_args qa{fq + b * q, fk + b * kv, fv + b * kv, w.bq, w.bk, w.bv, static_cast<int32_t>(q),
-                          static_cast<int32_t>(kv), s.head_dim, s.rope_dims, s.rope_neox, kv_type, L.rope_cos,
-                          L.rope_sin, dev_pos + b, L.kv_rows, s.ring, q_rot + b * q, k_of[b], v_of[b]};
+                          static_cast<int32_t>(kv), s.head_dim, s.rope_dims, s.rope_neox, L.rope_cos,
+                          L.rope_sin, dev_pos + b, q_rot + b * q, k_new + b * kv, v_new + b * kv};
         LAUNCH(qkv_kernel, grid_for(q + 2 * kv, threads), threads, stream, qa);
+        TRY(launched());
+        LAUNCH(kv_row_kernel, grid_for(2 * kv_units(kv_type, kv), threads), threads, stream, k_new + b * kv,
+               v_new + b * kv, k_of[b], v_of[b], kv_type, kv, dev_pos + b, L.kv_rows, s.ring);
         TRY(launched());
     }
 #ifdef PEBBLE_HOST_BUILD
     int64_t n_pos[PEBBLE_DECODER_MAX_BATCH];
     for (int32_t b = 0; b < n; b++) n_pos[b] = std::min(host_pos[b] + 1, L.kv_rows); // a ring's filled rows: its window
-    TRY(pebble_cpu::attend(n, q_rot, kv_type == f16_type, k_of, v_of, n_pos, L.kv_rows, s.n_head, s.n_head_kv,
+    TRY(pebble_cpu::attend(n, q_rot, kv_type, k_of, v_of, n_pos, L.kv_rows, s.n_head, s.n_head_kv,
                            s.head_dim, L.attn_scale, s.attn_softcap, h16, scores)); // act_t is float here
 #else
     for (int32_t b = 0; b < n; b++) {
@@ -733,8 +736,7 @@ const char * const weight_names[PEBBLE_LAYER_WEIGHTS] = {
 
 uint64_t kv_cache_bytes(const pebble_decoder & d, int32_t i) {
     const pebble_step_layer & L = d.layers[size_t(i)];
-    return uint64_t(L.kv_rows) * uint64_t(L.shape.n_head_kv) * uint64_t(L.shape.head_dim) *
-           (d.model.kv_type == f32_type ? 4 : 2);
+    return uint64_t(L.kv_rows) * uint64_t(kv_bytes(d.model.kv_type, int64_t(L.shape.n_head_kv) * L.shape.head_dim));
 }
 
 #ifdef PEBBLE_HOST_BUILD
@@ -1124,9 +1126,9 @@ extern "C" pebble_status pebble_decoder_create(const pebble_step_model * model, 
         return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: n_layer %d, n_embd %d and n_vocab %d must each be at least 1, "
                     "n_seq %d within 1..%d", fn, m.n_layer, m.n_embd, m.n_vocab, m.n_seq, PEBBLE_DECODER_MAX_BATCH);
     }
-    if (m.kv_type != f32_type && m.kv_type != f16_type) {
-        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: kv_type %d (%s); the caches must be 0 F32 or 1 F16", fn, m.kv_type,
-                    ggml_type_name(m.kv_type));
+    if (!kv_known(m.kv_type)) {
+        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: kv_type %d (%s); the caches must be 0 F32, 1 F16, 8 Q8_0 or 2 Q4_0",
+                    fn, m.kv_type, ggml_type_name(m.kv_type));
     }
     if (!std::isfinite(m.logit_scale) || !(m.final_softcap >= 0.0f) || !std::isfinite(m.final_softcap)) {
         return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: logit_scale %g must be finite, final_softcap %g finite and at "
@@ -1163,6 +1165,10 @@ extern "C" pebble_status pebble_decoder_create(const pebble_step_model * model, 
             return fail(PEBBLE_ERR_SIZE_MISMATCH, "%s: layer %d: kv_rows %" PRId64 " or rope_rows %" PRId64 " is too "
                         "large to address", fn, i, L.kv_rows, L.rope_rows);
         }
+        if (kv_blocked(m.kv_type) && L.shape.head_dim % kv_block != 0) {
+            return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: layer %d: head_dim %d is not a multiple of %d, which %s "
+                        "caches need", fn, i, L.shape.head_dim, kv_block, ggml_type_name(m.kv_type));
+        }
         if (!std::isfinite(L.attn_scale)) {
             return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: layer %d: attn_scale %g must be finite", fn, i,
                         static_cast<double>(L.attn_scale));
@@ -1196,6 +1202,7 @@ extern "C" pebble_status pebble_decoder_create(const pebble_step_model * model, 
     l.k = take(4 * B * uint64_t(d->max_kv));
     l.v = take(4 * B * uint64_t(d->max_kv));
     l.q_rot = take(4 * B * uint64_t(d->max_q));
+    l.kv_new = take(4 * 2 * B * uint64_t(d->max_kv));  // the new K and V rows before they are stored
     l.scores = take(4 * B * uint64_t(d->max_heads) * uint64_t(d->max_rows));
     l.o = take(4 * B * uint64_t(m.n_embd));
     l.gate = take(4 * B * uint64_t(d->max_ff));

@@ -15,8 +15,9 @@ from pydantic import BaseModel, ConfigDict, Field
 _OPTIONS_DOC = ("Ollama's options (temperature, top_k, top_p, min_p, seed, num_predict, num_ctx, "
                 "num_batch, stop, repeat_penalty, repeat_last_n) plus pebbling_strategy (none, sqrt, "
                 "adaptive, minimal, every:N), pebbling_enabled (bool), pebbling_memory_limit (bytes, "
-                "or a size such as \"6GiB\") and pebbling_weights (quantized, the default: weights stay in "
-                "their GGUF type; f16: expanded once at load)")
+                "or a size such as \"6GiB\"), pebbling_weights (quantized, the default: weights stay in "
+                "their GGUF type; f16: expanded once at load) and pebbling_kv_type (f16, the default, q8_0 or "
+                "q4_0: the KV cache's type)")
 _KEEP_ALIVE_DOC = ('How long the model stays loaded after this request: seconds, or a duration such as '
                    '"10m"; 0 unloads it at once, a negative value keeps it loaded. Default 5m.')
 

@@ -103,6 +103,19 @@ def test_prompts_prefilled_together_give_exactly_what_each_prefill_gives_alone(b
         assert g.next_token() == solo.next_token()
 
 
+@pytest.mark.parametrize("backend", store_backend_params())
+@pytest.mark.parametrize("kv_type", ["q8_0", "q4_0"])
+def test_block_kv_caches_batch_as_they_run_alone(backend, kv_type):
+    """8-bit and 4-bit caches (a head of whole blocks): each sequence of a batch gets its tokens alone."""
+    model = tiny_model("llama", weights="quantized", n_layer=3, n_embd=128, n_head=4, n_head_kv=2)
+    options = Options(temperature=0, num_predict=6, num_ctx=64, kv_type=kv_type)
+    pebbling = PebblingOptions.from_options({"pebbling_strategy": "every:2"})
+    expected = [alone(model, backend, options, pebbling, p)[0] for p in PROMPTS]
+    got, reports = together(model, backend, options, pebbling, PROMPTS)
+    assert got == expected and all(len(tokens) == 6 for tokens in got)
+    assert {r["kv_type"] for r in reports} == {kv_type}
+
+
 @pytest.mark.parametrize("case", ["qwen3", "gemma3", "gemma2", "granite-scales"])
 def test_every_architecture_decodes_in_a_batch_what_it_decodes_alone(case):
     """Q/K norms, the Gemmas' norms and GELU, a window's ring crossed on the way, capped scores and logits,

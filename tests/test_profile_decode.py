@@ -18,13 +18,20 @@ import profile_decode  # noqa: E402
 def test_a_tiny_profile_reports_where_decode_time_goes(tmp_path, capsys):
     out = tmp_path / "profile.json"
     result = profile_decode.main(["--n-layer", "2", "--context", "12", "--tokens", "6", "--runs", "2",
-                                  "--dir", str(tmp_path), "--json", str(out), "--attention-contexts", "64,256"])
+                                  "--dir", str(tmp_path), "--json", str(out), "--attention-contexts", "64,256",
+                                  "--kv-type", "f16,q8_0"])
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
-    assert result["n_layer"] == 2 and len(result["runs"]) == 2
-    for run in result["runs"]:
-        assert 0 < run["native_share"] < 1 and run["decode_tok_per_s"] > 0 and run["python_ms_per_token"] > 0
-        assert 1 <= run["native_calls_per_step"] <= 4
-    assert [a["context"] for a in result["attention"]] == [64, 256]
-    assert all(a["ms_per_layer"] > 0 and a["ms_per_token"] == pytest.approx(2 * a["ms_per_layer"])
-               for a in result["attention"])
-    assert "native calls per step" in capsys.readouterr().out
+    assert result["n_layer"] == 2 and list(result["kv_types"]) == ["f16", "q8_0"]
+    for kv in result["kv_types"].values():
+        assert len(kv["runs"]) == 2
+        for run in kv["runs"]:
+            assert 0 < run["native_share"] < 1 and run["decode_tok_per_s"] > 0 and run["python_ms_per_token"] > 0
+            assert 1 <= run["native_calls_per_step"] <= 4
+        assert [a["context"] for a in kv["attention"]] == [64, 256]
+        assert all(a["ms_per_layer"] > 0 and a["ms_per_token"] == pytest.approx(2 * a["ms_per_layer"])
+                   for a in kv["attention"])
+    q8 = result["kv_types"]["q8_0"]
+    assert q8["decode_vs_first"] == pytest.approx(q8["median"]["decode_tok_per_s"]
+                                                  / result["kv_types"]["f16"]["median"]["decode_tok_per_s"])
+    text = capsys.readouterr().out
+    assert "native calls per step" in text and "KV q8_0 decodes at" in text

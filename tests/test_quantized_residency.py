@@ -170,10 +170,12 @@ def test_streaming_restores_the_stored_bytes_of_the_streamed_layers(pebbled):
     assert report["bytes_restored_per_token"] == (steps * weights + kv_rows) // steps
 
 
-def test_kv_entries_stay_in_the_compute_type(pebbled):
+def test_kv_entries_are_f16_by_default_on_every_backend(pebbled):
     run(pebbled, "minimal")
+    cfg = pebbled.model.config
     info = pebbled.store.entry_info(0, K_ID)
-    assert info.ggml_type == (1 if pebbled.dtype == np.float16 else 0)  # F16 on the GPU, F32 on the host
+    assert info.ggml_type == 1  # F16, whatever the compute type
+    assert info.nbytes == OPTIONS.num_ctx * cfg.n_head_kv * cfg.head_dim * 2
     assert pebbled.store.entry_info(0, V_ID).nbytes == info.nbytes
     assert max(WEIGHT_IDS.values()) < K_ID
 

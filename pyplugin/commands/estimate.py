@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from typing import Any
 
 from ..errors import OptionsError
+from ..kv_types import KV_TYPES
 from ..runtime import Options, PebblingOptions, make_plan
 from ..runtime.measure import layer_decode_seconds, measure_restores, predict, store_calls_per_token
 from ..runtime.plan import format_bytes, parse_size, smallest_footprint
@@ -41,6 +43,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--parallel", type=int, default=1, metavar="N",
                    help="requests decoding together (the server's num_parallel): peaks hold N KV caches and "
                         "restored bytes are per token of a full batch; no speed is predicted for N > 1")
+    p.add_argument("--kv-type", choices=[t for t in KV_TYPES if t != "f32"],
+                   help="KV cache type of the main figures (default: PEBBLING_KV_CACHE_TYPE, else "
+                        "OLLAMA_KV_CACHE_TYPE, else f16); every type's peak is shown beside them")
     add_weights_argument(p)
     add_backend_argument(p)
     p.add_argument("--json", action="store_true", help="print the same figures as one JSON object")
@@ -52,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     loaded = load_pebbled(args.model, args.backend, args.pebbling_weights)
     try:
         options = options_from_flags(loaded.model, num_ctx=args.num_ctx, num_batch=args.num_batch,
-                                     num_predict=args.num_predict)
+                                     num_predict=args.num_predict, pebbling_kv_type=getattr(args, "kv_type", None))
         result = estimate(loaded, options, limit, args.context_pos, args.parallel, args.prompt_tokens)
     finally:
         loaded.pebbled.close()
@@ -85,14 +90,20 @@ def estimate(loaded: Loaded, options: Options, limit: int | None, context_pos: i
     none_peak = make_plan(memory, "none").estimated_peak_bytes
     adaptive_budget = pebbled.budget(PebblingOptions(memory_limit=limit))  # the limit, else free GPU memory
 
-    rows = {}
-    for name in STRATEGIES:
+    # Each KV type this model's heads allow (a block type needs whole blocks per head).
+    by_type = {t.name: pebbled.memory_model(replace(options, kv_type=t.name), n_seqs=parallel)
+               for t in KV_TYPES.values() if t.name != "f32" and pebbled.model.config.head_dim % t.block == 0}
+
+    def plan_for(memory, name: str):
         budget = adaptive_budget if name == "adaptive" else limit
         try:
-            plan = make_plan(memory, name, budget)
-            fits = None if budget is None else True
+            return make_plan(memory, name, budget), None if budget is None else True
         except OptionsError:  # over the limit: still say what it would cost (adaptive: at the least)
-            plan, fits = make_plan(memory, "minimal" if name == "adaptive" else name), False
+            return make_plan(memory, "minimal" if name == "adaptive" else name), False
+
+    rows = {}
+    for name in STRATEGIES:
+        plan, fits = plan_for(memory, name)
         calls = store_calls_per_token(pebbled, plan)
         restored = pebbled.restored_bytes_per_token(plan, pos)
         prediction = predict(plan, restored, transfer, calls, t_layer, overlapped=pebbled.backend.copies_overlap) \
@@ -111,6 +122,7 @@ def estimate(loaded: Loaded, options: Options, limit: int | None, context_pos: i
             "fits": fits,  # None: no budget to fit
             "predicted_seconds_per_token": prediction and prediction.seconds_per_token,
             "predicted_slowdown": prediction and round(prediction.slowdown, 3),
+            "estimated_peak_bytes_by_kv_type": {t: plan_for(m, name)[0].estimated_peak_bytes for t, m in by_type.items()},
         }
     return {
         "model": loaded.path.stem,
@@ -129,8 +141,13 @@ def estimate(loaded: Loaded, options: Options, limit: int | None, context_pos: i
         "smallest_footprint_bytes": smallest_footprint(memory),
         "smallest_footprint_for": memory.request,
         "restores": pebbled.backend.arrays_on_device,  # False: streamed layers are computed in place
-        "kv_cache_bytes": sum(memory.kv_bytes(i) for i in range(memory.n_layers)),
+        "kv_cache_bytes": sum(memory.kv_rows(i, options.num_ctx) for i in range(memory.n_layers))
+        * memory.kv_bytes_per_token,
         "kv_cache_bytes_without_windows": memory.n_layers * options.num_ctx * memory.kv_bytes_per_token,
+        "kv_type": options.kv_type,
+        # n_layer x positions (a sliding layer's window) x n_head_kv x head_dim x bytes a value, K and V
+        "kv_cache_bytes_by_type": {t: sum(m.kv_rows(i, options.num_ctx) for i in range(m.n_layers))
+                                   * m.kv_bytes_per_token for t, m in by_type.items()},
         "sliding_layers": sum(1 for w in memory.kv_windows if w),
         "sliding_window": max(memory.kv_windows, default=0),
         "measured": {
@@ -175,7 +192,8 @@ def render(r: dict[str, Any]) -> str:
                       format_bytes(s["estimated_peak_bytes"]), f"{s['reduction_pct']:.1f}%",
                       format_bytes(s["restored_bytes_per_token_estimate"]),
                       "-" if s["predicted_slowdown"] is None else f"{s['predicted_seconds_per_token'] * 1e3:.2f}",
-                      "-" if s["predicted_slowdown"] is None else f"{s['predicted_slowdown']:.2f}x", fits])
+                      "-" if s["predicted_slowdown"] is None else f"{s['predicted_slowdown']:.2f}x",
+                      *(format_bytes(b) for b in s["estimated_peak_bytes_by_kv_type"].values()), fits])
     adaptive = r["strategies"]["adaptive"]
     adaptive_budget = ("no budget: every layer resident" if adaptive["budget_bytes"] is None else
                        f"budget {format_bytes(adaptive['budget_bytes'])}"
@@ -189,7 +207,8 @@ def render(r: dict[str, Any]) -> str:
         + (" (their GGUF types)" if r["weights"] == "quantized" else " (expanded at load)"),
         f"memory limit: {'none' if limit is None else format_bytes(limit)}; smallest footprint "
         f"(minimal) for {r['smallest_footprint_for']}: {format_bytes(r['smallest_footprint_bytes'])} (estimate)",
-        f"KV cache at num_ctx: {format_bytes(r['kv_cache_bytes'])} (estimate)" + (
+        f"KV cache at num_ctx: {format_bytes(r['kv_cache_bytes'])} in {r['kv_type']} (estimate; "
+        + ", ".join(f"{t} {format_bytes(b)}" for t, b in r["kv_cache_bytes_by_type"].items()) + ")" + (
             f"; {r['sliding_layers']} of {r['n_layers']} layers attend over a window of {r['sliding_window']} "
             f"positions and keep only that, saving "
             f"{format_bytes(r['kv_cache_bytes_without_windows'] - r['kv_cache_bytes'])}"
@@ -201,7 +220,8 @@ def render(r: dict[str, Any]) -> str:
         f"  one layer, decode   {m['layer_decode_seconds'] * 1e3:.3f} ms  (context position {pos})",
         "",
         format_table(["strategy", "resident", "peak (estimate)", "vs none", "restored/token (estimate)",
-                      "ms/token (predicted)", "slowdown (predicted)", "fits the limit"], table),
+                      "ms/token (predicted)", "slowdown (predicted)",
+                      *(f"peak, KV {t}" for t in r["kv_cache_bytes_by_type"]), "fits the limit"], table),
         "",
         "restored/token: none on this backend: a streamed layer is computed from the host tier in place "
         "(its arrays are host memory), so nothing is copied, and the ms/token has no transfer in it."

@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from ..kv_types import KVType, cache_kv_type, decode, default_kv_type, encode, kv_type
 from ..xp import compute_dtype, get_array_module
 from .attention import attention, softcap
 from .qweight import QuantWeight
@@ -153,14 +154,16 @@ class OuterWeights:
 class KVCache:
     """Keys and values of every layer, allocated up front for ``n_ctx`` positions."""
 
-    k: list[Array]              # per layer [rows, n_head_kv, head_dim]: n_ctx rows, a sliding layer its window
-    v: list[Array]              # per layer [rows, n_head_kv, head_dim]
+    k: list[Array]              # per layer [rows, n_head_kv, width]: n_ctx rows, a sliding layer its window
+    v: list[Array]              # per layer [rows, n_head_kv, width] (width: head_dim, or a block type's bytes)
 
     @classmethod
-    def allocate(cls, cfg: ModelConfig, n_ctx: int, xp: Any = np, dtype: Any = None) -> "KVCache":
-        dtype = dtype or compute_dtype(xp)
-        shapes = [(cfg.kv_rows(i, n_ctx), cfg.n_head_kv, cfg.head_dim) for i in range(cfg.n_layer)]
-        return cls([xp.zeros(shape, dtype) for shape in shapes], [xp.zeros(shape, dtype) for shape in shapes])
+    def allocate(cls, cfg: ModelConfig, n_ctx: int, xp: Any = np, kv: KVType | str | None = None) -> "KVCache":
+        """Caches of KV type `kv` (a name or a KVType; default the server's, kv_types.default_kv_type)."""
+        kv = kv if isinstance(kv, KVType) else kv_type(kv or default_kv_type())
+        kv.check_head_dim(cfg.head_dim)
+        shapes = [kv.shape(cfg.kv_rows(i, n_ctx), cfg.n_head_kv, cfg.head_dim) for i in range(cfg.n_layer)]
+        return cls([xp.zeros(shape, kv.dtype) for shape in shapes], [xp.zeros(shape, kv.dtype) for shape in shapes])
 
     @property
     def nbytes(self) -> int:
@@ -305,22 +308,27 @@ def layer_forward(cfg: ModelConfig, x: Array, lw: LayerWeights, k_cache: Array, 
     if rope is None:  # a table of a power of two positions, so that few are made
         rope = tuple(table[pos:pos + T] for table in rope_table(cfg, 1 << (pos + T - 1).bit_length(), xp))
     cos, sin = rope
-    k = apply_rope(cfg, k, cos, sin).astype(k_cache.dtype, copy=False)
-    v = v.astype(v_cache.dtype, copy=False)
+    k = apply_rope(cfg, k, cos, sin)
+    # The caches hold their KV type (f16, or q8_0/q4_0 blocks); attention reads them back as x's dtype,
+    # so it sees exactly what a later step will read.
+    kv, dt = cache_kv_type(k_cache, cfg.head_dim), x.dtype
     if ring:
         lo = max(0, pos - cfg.window + 1)                  # the oldest position a query here sees
         old = xp.arange(lo, pos) % rows
-        keys, values = xp.concatenate([k_cache[old], k]), xp.concatenate([v_cache[old], v])
+        k_rows, v_rows = encode(k, kv), encode(v, kv)
+        keys = xp.concatenate([decode(k_cache[old], kv, dt), decode(k_rows, kv, dt)])
+        values = xp.concatenate([decode(v_cache[old], kv, dt), decode(v_rows, kv, dt)])
         keep = min(T, rows)                                # the newest rows only: they fill the ring
         at = xp.arange(pos + T - keep, pos + T) % rows
-        k_cache[at], v_cache[at] = k[T - keep:], v[T - keep:]
+        k_cache[at], v_cache[at] = k_rows[T - keep:], v_rows[T - keep:]
         attn = attention(cfg, apply_rope(cfg, q, cos, sin), keys, values, pos, lo)
     else:
-        if attend is not None and T == 1 and not cfg.window:  # the row written by the kernels' call
+        if attend is not None and T == 1 and not cfg.window:  # the row written (encoded) by the kernels' call
             attn = attend(cfg, apply_rope(cfg, q, cos, sin), [(k_cache, v_cache)], [pos + 1], (k, v))
         else:
-            k_cache[pos:pos + T], v_cache[pos:pos + T] = k, v
-            attn = attention(cfg, apply_rope(cfg, q, cos, sin), k_cache[:pos + T], v_cache[:pos + T], pos)
+            k_cache[pos:pos + T], v_cache[pos:pos + T] = encode(k, kv), encode(v, kv)
+            attn = attention(cfg, apply_rope(cfg, q, cos, sin), decode(k_cache[:pos + T], kv, dt),
+                             decode(v_cache[:pos + T], kv, dt), pos)
     out = linear(attn, lw.wo)                                                   # [T, n_embd]
     if lw.post_attn_norm is not None:
         out = rms_norm(out, lw.post_attn_norm, cfg.rms_eps)

@@ -16,6 +16,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ..kv_types import cache_kv_type, decode, encode
 from ..model import QuantWeight, embed, output_logits
 from ..model.qweight import needs_expansion
 from ..model.transformer import Attend, ModelConfig, LayerWeights, apply_rope, attention, rms_norm, rope_table, silu
@@ -68,12 +69,13 @@ def batched_layer(cfg: ModelConfig, x: Array, lw: LayerWeights, caches: Sequence
     if attend is not None and n == len(positions):  # a token each: stored and attended in one call
         attn = attend(cfg, q, list(caches), [pos + 1 for pos in positions], (k, v))  # [n, n_head * hd]
     else:
+        kv, dt = cache_kv_type(caches[0][0], cfg.head_dim), x.dtype  # the caches' type, read back as x's
         for (k_cache, v_cache), pos, T, s in zip(caches, positions, lengths, starts):
-            k_cache[pos:pos + T] = k[s:s + T]
-            v_cache[pos:pos + T] = v[s:s + T]
+            k_cache[pos:pos + T] = encode(k[s:s + T], kv)
+            v_cache[pos:pos + T] = encode(v[s:s + T], kv)
         attn = xp.concatenate([
             attend(cfg, q[s:s + T], [(k_cache, v_cache)], [pos + 1], None) if attend is not None and T == 1 else
-            attention(cfg, q[s:s + T], k_cache[:pos + T], v_cache[:pos + T], pos)
+            attention(cfg, q[s:s + T], decode(k_cache[:pos + T], kv, dt), decode(v_cache[:pos + T], kv, dt), pos)
             for (k_cache, v_cache), pos, T, s in zip(caches, positions, lengths, starts)])
     x = x + linear_rows(attn, lw.wo)                                               # [n, n_embd]
     h = rms_norm(x, lw.ffn_norm, cfg.rms_eps)

@@ -27,6 +27,7 @@ from .layout import kv_ids
 class _Parked:
     tokens: list[int]
     n_ctx: int
+    kv: str                                       # their KV type
     caches: list[tuple[np.ndarray, np.ndarray]]   # each layer's K and V rows
     nbytes: int
 
@@ -52,7 +53,7 @@ class ParkedConversations:
         pebbled, store = self.pebbled, self.pebbled.store
         n_layers = pebbled.model.config.n_layer
         rows = [min(len(tokens), pebbled.kv_shape(n_ctx, i)[0]) for i in range(n_layers)]
-        row_bytes = int(np.prod(pebbled.kv_shape(n_ctx, 0)[1:])) * pebbled.dtype.itemsize
+        row_bytes = int(np.prod(pebbled.kv_shape(n_ctx, 0)[1:])) * pebbled.kv.dtype.itemsize
         nbytes = 2 * sum(rows) * row_bytes
         kept = self._parked[keep].nbytes if keep in self._parked else 0
         if not tokens or kept + nbytes > self.budget:
@@ -61,21 +62,21 @@ class ParkedConversations:
             del self._parked[next(k for k in self._parked if k != keep)]
         caches = []
         for i, n in enumerate(rows):
-            pair = tuple(np.empty((n, *pebbled.kv_shape(n_ctx, i)[1:]), pebbled.dtype) for _ in range(2))
+            pair = tuple(np.empty((n, *pebbled.kv_shape(n_ctx, i)[1:]), pebbled.kv.dtype) for _ in range(2))
             for source, held in zip(kv_ids(seq), pair):
                 store.read(i, source, 0, held)
             caches.append(pair)
-        self._parked[self._next] = _Parked(list(tokens), n_ctx, caches, nbytes)
+        self._parked[self._next] = _Parked(list(tokens), n_ctx, pebbled.kv.name, caches, nbytes)
         self._next += 1
         return True
 
-    def best(self, tokens: Sequence[int], n_ctx: int) -> tuple[int | None, int]:
+    def best(self, tokens: Sequence[int], n_ctx: int, kv: str) -> tuple[int | None, int]:
         """(the parked conversation whose tokens start `tokens` the furthest, how many), or (None, 0). As
         with a sequence's cache, the last token always runs again, and a conversation counts only where
         the request goes on from at least half of it."""
         best, length = None, 0
         for key, parked in self._parked.items():
-            if parked.n_ctx != n_ctx:
+            if parked.n_ctx != n_ctx or parked.kv != kv:
                 continue
             n = 0
             for a, b in zip(parked.tokens, tokens[:len(tokens) - 1]):

@@ -62,14 +62,14 @@ class ResidentLayers:
     """Every layer's weights and KV cache held in memory for the whole request (no store), computed
     by `kernels` in their array module (default: the selected backend's kernels for numpy arrays)."""
 
-    def __init__(self, model: Model, n_ctx: int, kernels: Kernels | None = None):
+    def __init__(self, model: Model, n_ctx: int, kernels: Kernels | None = None, kv_type: str | None = None):
         kernels = kernels or select_backend().host_kernels
         self.kernels, self.cfg = kernels, model.config
         self.attend_kernels = kernels if kernels.attends else None
         self.xp = kernels.xp
         self.weights = model.resident_layers(kernels)
         self.outer = model.outer_weights(kernels)
-        self.kv = KVCache.allocate(model.config, n_ctx, self.xp)
+        self.kv = KVCache.allocate(model.config, n_ctx, self.xp, kv_type)  # kv_type, else the server's
         self.n_ctx = n_ctx
         self._decoder: Decoder | None = None
 
@@ -115,7 +115,7 @@ class Generation:
         self.top_logprobs = logprobs
         self.logprobs: list[TokenLogprob] | None = [] if logprobs is not None else None
         self.cfg = model.config
-        self.layers = layers if layers is not None else ResidentLayers(model, options.num_ctx)
+        self.layers = layers if layers is not None else ResidentLayers(model, options.num_ctx, kv_type=options.kv_type)
         self.xp, self.outer = self.layers.xp, self.layers.outer
         self.sampler = Sampler(options)
         self.should_stop = should_stop or (lambda: False)

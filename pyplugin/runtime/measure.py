@@ -85,7 +85,7 @@ def layer_decode_seconds(pebbled: PebbledModel, n_ctx: int, context_pos: int,
     compute type as a resident layer is, with `context_pos` tokens already in its KV cache."""
     xp, dtype, cfg = pebbled.xp, pebbled.dtype, pebbled.model.config
     weights = pebbled.layer_weights(0)
-    k, v = xp.zeros(pebbled.kv_shape(n_ctx, 0), dtype), xp.zeros(pebbled.kv_shape(n_ctx, 0), dtype)
+    k, v = (xp.zeros(pebbled.kv_shape(n_ctx, 0), pebbled.kv.dtype) for _ in range(2))
     pos = min(context_pos, n_ctx - 1)  # the step writes row pos: it must lie inside the cache
     x = xp.asarray(np.random.default_rng(0).standard_normal((1, cfg.n_embd)), dtype=dtype)  # [1, n_embd]
     layer = cfg.for_layer(0)

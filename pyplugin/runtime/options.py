@@ -10,10 +10,11 @@ num_thread, use_mmap, ...) are accepted and have no effect, since pebbling decid
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Mapping
 
 from ..errors import OptionsError
+from ..kv_types import default_kv_type, kv_type
 
 DEFAULT_NUM_CTX = 2048
 
@@ -34,6 +35,7 @@ class Options:
     stop: tuple[str, ...] = ()
     presence_penalty: float = 0.0   # subtracted from a token's logit once it appears in the last repeat_last_n
     frequency_penalty: float = 0.0  # ... times the number of times it appears there
+    kv_type: str = field(default_factory=default_kv_type)  # pebbling_kv_type, else the server's (kv_types.py)
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any] | None = None, *,
@@ -51,6 +53,8 @@ class Options:
         for f in fields(cls):
             if f.name in values and values[f.name] is not None:
                 parsed[f.name] = _CHECKS[f.name](f.name, values[f.name])
+        if values.get("pebbling_kv_type") is not None:
+            parsed["kv_type"] = kv_type(values["pebbling_kv_type"]).name
         if parsed.get("seed") == -1:
             parsed["seed"] = None
         limits = [b for b in (n_ctx_train, max_ctx) if b]
@@ -136,7 +140,7 @@ PLACEMENT = frozenset({"num_gpu", "main_gpu", "num_thread", "use_mmap", "use_mlo
 NEUTRAL = {"mirostat": 0, "mirostat_tau": None, "mirostat_eta": None, "tfs_z": 1.0, "typical_p": 1.0,
            "penalize_newline": False}
 PEBBLING = frozenset({"pebbling_strategy", "pebbling_enabled", "pebbling_memory_limit", "pebbling_weights",
-                      "pebbling_cache_prompt"})
+                      "pebbling_cache_prompt", "pebbling_kv_type"})
 
 
 def _check_unimplemented(key: Any, value: Any) -> None:

@@ -5,11 +5,13 @@ changes which of them are resident, and `generation()` turns options into a runn
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable, Sequence
 
 import numpy as np
 
-from ..errors import ClosedError
+from ..errors import ClosedError, OptionsError
+from ..kv_types import KV_TYPES, KVType, default_kv_type, kv_type
 from ..model import LayerWeights, Model, OuterWeights, QuantWeight, embed, layer_forward, output_logits
 from ..model.gguf_file import drop_file_pages, map_file_pages
 from ..model.qweight import needs_expansion
@@ -20,7 +22,7 @@ from .conversations import ParkedConversations
 from .generation import Generation
 from .layout import WEIGHT_IDS, StoredTensor, aligned, bytes_of, kv_ids, tensor_desc
 from .options import Options
-from .plan import MemoryModel, PebblingOptions, Plan, make_plan, smallest_footprint, workspace_bytes
+from .plan import MemoryModel, PebblingOptions, Plan, format_bytes, make_plan, smallest_footprint, workspace_bytes
 from .store_layers import StoreLayers
 
 
@@ -83,6 +85,7 @@ class PebbledModel:
             model.release_layers()
         self.outer: OuterWeights = model.outer_weights(self.kernels)
         self._kv_ctx: int | None = None        # the num_ctx the KV entries are sized for
+        self.kv: KVType = KV_TYPES[default_kv_type()]  # ... and the type they hold
         self._kv_seqs: set[int] = set()         # the sequences whose KV entries exist
         self._kv_tokens: dict[int, list[int]] = {}  # per sequence: the tokens its KV entries hold, in order
         self._kv_used: dict[int, int] = {}      # per sequence: when a request last claimed it
@@ -117,17 +120,20 @@ class PebbledModel:
                     if t.qtype is not None and needs_expansion(t.qtype, self.dtype)]
         return max(expanded, default=0)
 
-    def kv_shape(self, n_ctx: int, i: int = 0) -> tuple[int, int, int]:
-        """Layer i's K (or V) cache for a context of n_ctx: a sliding layer keeps its window only."""
+    def kv_shape(self, n_ctx: int, i: int = 0, kv: KVType | None = None) -> tuple[int, int, int]:
+        """Layer i's K (or V) cache for a context of n_ctx, of type `kv` (else the entries' own): a sliding
+        layer keeps its window only; a block type's last dimension is bytes (kv_types.py)."""
         cfg = self.model.config
-        return (cfg.kv_rows(i, n_ctx), cfg.n_head_kv, cfg.head_dim)
+        return (kv or self.kv).shape(cfg.kv_rows(i, n_ctx), cfg.n_head_kv, cfg.head_dim)
 
     def memory_model(self, options: Options, prompt_tokens: int | None = None, n_seqs: int = 1) -> MemoryModel:
         """Device memory for these options; knowing the prompt's length sizes the workspace for the
         chunks and context this request can reach instead of a full num_batch chunk at num_ctx.
         `n_seqs`: sequences decoding together (a batch), each with its own KV cache at num_ctx."""
         cfg, isz = self.model.config, self.dtype.itemsize
-        kv_token = cfg.kv_bytes_per_token(isz)
+        kv = kv_type(options.kv_type)
+        kv.check_head_dim(cfg.head_dim)
+        kv_token = 2 * cfg.n_head_kv * kv.row_bytes(cfg.head_dim)  # K and V of a token, in the KV type
         output = self.outer.output
         output_bytes = output.nbytes if isinstance(output, QuantWeight) else output.size * isz
         fixed = output_bytes + (self.outer.output_norm.size + 2 * options.num_ctx * cfg.head_dim) * isz
@@ -200,7 +206,7 @@ class PebbledModel:
         cfg, xp = self.model.config, self.xp
         weights = self.layer_weights(0)
         n = self.kernels.max_vec + 1  # a chunk past the fused kernels: expansion and GEMM load too
-        k, v = (xp.zeros((n + 1, cfg.n_head_kv, cfg.head_dim), self.dtype) for _ in range(2))
+        k, v = (xp.zeros(self.kv.shape(n + 1, cfg.n_head_kv, cfg.head_dim), self.kv.dtype) for _ in range(2))
         x = layer_forward(cfg.for_layer(0), embed(self.outer, list(range(n)), xp), weights, k, v, 0)
         x = layer_forward(cfg.for_layer(0), x[-1:], weights, k, v, n)
         to_numpy(output_logits(cfg, self.outer, x[-1]))
@@ -230,7 +236,20 @@ class PebbledModel:
         batch of `n_seqs` requests with these options (its KV caches all counted in the budget)."""
         strategy = pebbling.effective_strategy
         budget = self.budget(pebbling, others) if strategy.name == "adaptive" else pebbling.memory_limit
-        return make_plan(self.memory_model(options, prompt_tokens, n_seqs), strategy, budget)
+        try:
+            return make_plan(self.memory_model(options, prompt_tokens, n_seqs), strategy, budget)
+        except OptionsError as exc:  # say which smaller KV type would fit, where one would
+            for t in KV_TYPES.values():
+                if t.row_bytes(64) >= kv_type(options.kv_type).row_bytes(64) or self.model.config.head_dim % t.block:
+                    continue
+                try:
+                    plan = make_plan(self.memory_model(replace(options, kv_type=t.name), prompt_tokens, n_seqs),
+                                     strategy, budget)
+                except OptionsError:
+                    continue
+                raise type(exc)(f"{exc}; with pebbling_kv_type {t.name!r} it fits (about "
+                                f"{format_bytes(plan.estimated_peak_bytes)}, estimate)") from None
+            raise
 
     def generation(self, options: Options, pebbling: PebblingOptions, prompt_tokens: int | None = None, *,
                    plan: Plan | None = None, others: int = 0, should_stop: Callable[[], bool] | None = None,
@@ -250,10 +269,11 @@ class PebbledModel:
         """The tokens whose K and V sequence 0's KV entries hold, in order."""
         return self._kv_tokens.get(0, [])
 
-    def cached_prefix(self, tokens: Sequence[int], n_ctx: int, seq: int = 0) -> int:
+    def cached_prefix(self, tokens: Sequence[int], n_ctx: int, seq: int = 0, kv: str | None = None) -> int:
         """How many leading `tokens` sequence `seq`'s KV entries already hold for a request at `n_ctx`
-        (the last token always runs again: its logits are what the request samples from first)."""
-        if self._kv_ctx != n_ctx:
+        with KV type `kv` (else the server's; the last token always runs again: its logits are what the
+        request samples from first)."""
+        if self._kv_ctx != n_ctx or self.kv.name != (kv or default_kv_type()):
             return 0
         n = 0
         for a, b in zip(self._kv_tokens.get(seq, ()), tokens[:len(tokens) - 1]):
@@ -263,7 +283,7 @@ class PebbledModel:
         return n
 
     def best_sequence(self, tokens: Sequence[int], n_ctx: int, free: Sequence[int],
-                      reuse: bool = True) -> tuple[int, int]:
+                      reuse: bool = True, kv: str | None = None) -> tuple[int, int]:
         """(sequence, cached tokens) for a request among the `free` sequences of a batch: the one whose KV
         entries hold the longest start of `tokens` (when `reuse`), provided it is at least half of what
         they hold (the request goes on from there, rather than sharing a BOS or a short system prompt
@@ -274,17 +294,17 @@ class PebbledModel:
         if not reuse:
             self._park(order[0], n_ctx)
             return order[0], 0
-        found = {s: self.cached_prefix(tokens, n_ctx, s) for s in order}
+        found = {s: self.cached_prefix(tokens, n_ctx, s, kv) for s in order}
         going_on = [s for s in order if found[s] and 2 * found[s] >= len(self._kv_tokens.get(s, ()))]
         best = max(going_on, key=found.get) if going_on else None  # the first of the longest
-        key, parked = self.parked.best(tokens, n_ctx)
+        key, parked = self.parked.best(tokens, n_ctx, kv or default_kv_type())
         if key is not None and parked > (found[best] if best is not None else 0):
             seq = order[0]  # the conversation comes back from the host tier into the least recently used
             self._park(seq, n_ctx, keep=key)
             self.ensure_kv(seq)
             self._kv_tokens[seq] = self.parked.restore(key, seq)
             self.restored[seq] = parked
-            return seq, self.cached_prefix(tokens, n_ctx, seq)
+            return seq, self.cached_prefix(tokens, n_ctx, seq, kv)
         if best is not None:
             return best, found[best]
         self._park(order[0], n_ctx)  # the conversation it holds goes to the host tier, not away
@@ -311,16 +331,19 @@ class PebbledModel:
         if seq in self._kv_seqs:
             return
         for i in range(self.model.config.n_layer):
-            zeros = np.zeros(self.kv_shape(self._kv_ctx, i), self.dtype)  # contents past `pos` are never read
+            zeros = np.zeros(self.kv_shape(self._kv_ctx, i), self.kv.dtype)  # contents past `pos` are never read
+            desc = tensor_desc(self.kv.ggml_type, self.kv_shape(self._kv_ctx, i)[:2] + (self.model.config.head_dim,))
             for tensor_id in kv_ids(seq):
-                self.store.save(i, tensor_id, zeros, desc=tensor_desc(self.dtype, zeros.shape))
+                self.store.save(i, tensor_id, zeros, desc=desc)
         self._kv_seqs.add(seq)
 
-    def prepare(self, plan: Plan, n_ctx: int) -> None:
-        """Makes the store hold the plan: resident layers on the device, KV entries for n_ctx and at
-        most the plan's sequences (those of other sequences, and their conversations, are dropped)."""
+    def prepare(self, plan: Plan, n_ctx: int, kv: KVType | None = None) -> None:
+        """Makes the store hold the plan: resident layers on the device, KV entries for n_ctx of type `kv`
+        (else the server's) and at most the plan's sequences (those of other sequences, and their
+        conversations, are dropped)."""
         store, n_layers = self.store, self.model.config.n_layer
-        drop = set(self._kv_seqs) if self._kv_ctx not in (None, n_ctx) else \
+        kv = kv or KV_TYPES[default_kv_type()]
+        drop = set(self._kv_seqs) if self._kv_ctx not in (None, n_ctx) or kv != self.kv else \
             {s for s in self._kv_seqs if s >= plan.memory.n_seqs}
         for seq in drop:
             for i in range(n_layers):
@@ -328,6 +351,6 @@ class PebbledModel:
                     store.erase(i, tensor_id)
             self._kv_seqs.discard(seq)
             self._kv_tokens.pop(seq, None)
-        self._kv_ctx = n_ctx
+        self._kv_ctx, self.kv = n_ctx, kv
         store.set_strategy(plan.strategy, device_limit=plan.store_limit)
         store.reset_stats()

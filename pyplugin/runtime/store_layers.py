@@ -19,6 +19,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..model import LayerWeights
+from ..kv_types import kv_type
 from ..store import Decoder, Strategy
 from .options import Options
 from .layout import aligned, bytes_of, kv_ids, process_memory, ring_rows
@@ -55,12 +56,14 @@ class StoreLayers:
         self.n_ctx = options.num_ctx
         self.n_seqs = plan.memory.n_seqs
         self.n_layers = plan.memory.n_layers
-        # Per layer: a sliding-window layer's cache is a ring of its window's rows.
-        self.kv_shapes = [pebbled.kv_shape(self.n_ctx, i) for i in range(len(pebbled.layouts))]
-        self.kv_row_bytes = int(np.prod(self.kv_shapes[0][1:])) * self.dtype.itemsize
+        # Per layer: a sliding-window layer's cache is a ring of its window's rows, in the request's KV type.
+        self.kv = kv_type(options.kv_type)
+        self.kv_dtype = self.kv.dtype
+        self.kv_shapes = [pebbled.kv_shape(self.n_ctx, i, self.kv) for i in range(len(pebbled.layouts))]
+        self.kv_row_bytes = int(np.prod(self.kv_shapes[0][1:])) * self.kv_dtype.itemsize
         pebbled.kernels.release_workspace()
         backend.free_pool()  # measure this plan, not the last
-        pebbled.prepare(plan, self.n_ctx)
+        pebbled.prepare(plan, self.n_ctx, self.kv)
 
         self.resident = {i: self._resident_weights(i) for i in plan.resident}
         self._resident_kv: dict[tuple[int, int], tuple[Array, Array]] = {}
@@ -101,7 +104,7 @@ class StoreLayers:
                                for t in self.pebbled.layouts[i]})
 
     def _kv_bytes(self, i: int) -> int:
-        return int(np.prod(self.kv_shapes[i])) * self.dtype.itemsize
+        return int(np.prod(self.kv_shapes[i])) * self.kv_dtype.itemsize
 
     def _slot_size(self, i: int) -> int:
         return sum(aligned(t.nbytes) for t in self.pebbled.layouts[i]) + 2 * self.n_seqs * aligned(self._kv_bytes(i))
@@ -125,7 +128,7 @@ class StoreLayers:
 
         for t in self.pebbled.layouts[i]:
             arrays[t.name] = t.view(carve(t.nbytes), self.dtype, self.pebbled.kernels)
-        caches = [tuple(carve(self._kv_bytes(i)).view(self.dtype).reshape(self.kv_shapes[i]) for _ in range(2))
+        caches = [tuple(carve(self._kv_bytes(i)).view(self.kv_dtype).reshape(self.kv_shapes[i]) for _ in range(2))
                   for _ in range(n_seqs)]
         return LayerWeights(**arrays), caches
 
@@ -158,7 +161,7 @@ class StoreLayers:
             views = self._resident_kv.get((i, seq))
             if views is None:
                 views = self._resident_kv[i, seq] = tuple(
-                    self.store.device_array(i, tid, self.dtype, self.kv_shapes[i]) for tid in kv_ids(seq))
+                    self.store.device_array(i, tid, self.kv_dtype, self.kv_shapes[i]) for tid in kv_ids(seq))
             return views
         return self.in_slot[self.order[i] % len(self.slots)][1][self.batch_index[seq]]
 
@@ -225,7 +228,7 @@ class StoreLayers:
         """... and sequence `seq`'s caches of it (an entry's KV is erased only by a plan of another num_ctx or
         fewer sequences, which makes new StoreLayers)."""
         if (i, seq) not in self.host_kv:
-            self.host_kv[i, seq] = tuple(self.store.host_array(i, tid, self.dtype, self.kv_shapes[i])
+            self.host_kv[i, seq] = tuple(self.store.host_array(i, tid, self.kv_dtype, self.kv_shapes[i])
                                          for tid in kv_ids(seq))
         return self.host_kv[i, seq]
 
@@ -322,6 +325,8 @@ class StoreLayers:
             "strategy": _strategy_name(plan.strategy),
             "enabled": self.pebbling.enabled is not False,
             "weights": self.pebbled.weights,
+            "kv_type": self.kv.name,
+            "kv_cache_bytes": sum(memory.kv_rows(i, self.n_ctx) for i in range(memory.n_layers)) * memory.kv_bytes_per_token,
             "decode_step": "python" if self.backend.name == "stub" else "native",
             "backend": self.backend.name,
             "resident_layers": len(plan.resident),

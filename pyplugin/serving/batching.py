@@ -155,7 +155,8 @@ class Batcher:
             busy = {r.gen.layers.seq for r in running} | {r.gen.layers.seq for r, _ in ready}
             free = [s for s in range(self.source.n_seqs) if s not in busy]
             try:
-                seq, cached = pebbled.best_sequence(job.tokens, job.options.num_ctx, free, job.pebbling.cache_prompt)
+                seq, cached = pebbled.best_sequence(job.tokens, job.options.num_ctx, free, job.pebbling.cache_prompt,
+                                                      job.options.kv_type)
                 pebbled.claim(seq)
                 gen = Generation(pebbled.model, job.options, layers=self.source.sequence(seq),
                                  should_stop=lambda job=job: job.cancelled, constraint=job.constraint,

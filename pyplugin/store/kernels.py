@@ -22,6 +22,7 @@ import numpy as np
 
 from ..errors import InvalidArgumentError, SizeMismatchError
 from ..ggml_types import DENSE_TYPES
+from ..kv_types import KV_TYPES, cache_kv_type
 from .abi import DECODER_GRAPHS
 from .interface import as_int
 
@@ -275,7 +276,7 @@ class Kernels:
                 slots=()) -> Decoder:
         """The decode step of a model over these weights and caches (pebble_decoder_create): `cfg` its
         ModelConfig, `layers` each layer's LayerWeights, caches[i][s] layer i's (K, V) of sequence s (each
-        [rows, n_head_kv, head_dim], float32 or float16), `outer` its OuterWeights, `n_ctx` the context its
+        [rows, n_head_kv, head_dim] in a KV type: kv_types.py), `outer` its OuterWeights, `n_ctx` the context its
         RoPE tables cover. Every array must live as long as the decoder; the Decoder keeps them.
         `streamed`: {layer: {field: entry id}} for the layers copied from `store` into the decoder's slots
         each step (their `layers` and `caches` give types and shapes only), each sequence's caches the
@@ -283,9 +284,7 @@ class Kernels:
         for the decoder to make its own."""
         from ..model.transformer import rope_table  # noqa: PLC0415 - the store sits below the model
 
-        kv_type = DENSE_TYPES.get(caches[0][0][0].dtype)
-        if kv_type is None:
-            raise InvalidArgumentError(f"decoder: caches of {caches[0][0][0].dtype}; float32 or float16 are accepted")
+        kv_type = _kv_type("decoder", caches[0][0][0], cfg.head_dim)
         step_layers = []
         for i, lw in enumerate(layers):
             lcfg = cfg.for_layer(i)
@@ -313,7 +312,7 @@ class Kernels:
 
     def attend(self, q, caches, n_pos, n_head_kv: int, scale: float, softcap: float = 0.0, new=None):
         """Attention of one query per sequence over its own cache (pebble_attend): q [B, n_head, head_dim]
-        (rotated, not yet scaled), caches B (k, v) pairs [rows, n_head_kv, head_dim] of one dtype
+        (rotated, not yet scaled), caches B (k, v) pairs [rows, n_head_kv, width] of one KV type
         (float32 or float16), n_pos the rows each attends over. `new`: the new tokens' (k, v) rows
         [B, n_head_kv, head_dim], written into row n_pos[b] - 1 of each sequence's caches first (None: the
         rows are already there). Returns float32 [B, n_head * head_dim]; each row is the same whatever
@@ -322,9 +321,7 @@ class Kernels:
         q = xp.ascontiguousarray(q, dtype=np.float32)
         n_seq, n_head, head_dim = q.shape
         n_rows = caches[0][0].shape[0]
-        kv_type = DENSE_TYPES.get(caches[0][0].dtype)
-        if kv_type is None:
-            raise InvalidArgumentError(f"attend: caches of {caches[0][0].dtype}; float32 or float16 are accepted")
+        kv_type = _kv_type("attend", caches[0][0], head_dim)
         rows = {}
         if new is not None:
             rows = {name: xp.ascontiguousarray(a, dtype=np.float32).reshape(n_seq, -1)
@@ -341,6 +338,15 @@ class Kernels:
                         n_pos, n_rows, n_head, n_head_kv, head_dim, float(scale), float(softcap), out,
                         scratch[:max(need, 1)], stream=self._stream(), **rows)
         return out
+
+
+def _kv_type(call: str, cache, head_dim: int) -> int:
+    """The GGUF type id of a cache's KV type (kv_types.py), or an error naming what was seen."""
+    try:
+        return cache_kv_type(cache, head_dim).ggml_type
+    except ValueError as exc:
+        raise InvalidArgumentError(f"{call}: {exc}; accepted: float16 (f16), float32 (f32), or uint8 blocks of "
+                                   f"{' or '.join(t.name for t in KV_TYPES.values() if t.quantized)}") from None
 
 
 def _check_out(call: str, out, dtype, shape: tuple) -> None:

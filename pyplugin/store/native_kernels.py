@@ -10,6 +10,7 @@ import numpy as np
 
 from ..errors import ClosedError, InvalidArgumentError, PebblingError, SizeMismatchError
 from ..ggml_types import DENSE_TYPES
+from ..kv_types import KV_BY_GGML
 from .abi import INT32_MAX, INT32_MIN, INT64_MAX, INT64_MIN
 from .interface import check_attend_counts, stream_pointer
 from .kernels import DECODE_WEIGHTS, DECODER_STATS
@@ -127,28 +128,27 @@ class NativeKernels:
                     raise SizeMismatchError(f"attend: {what} holds {nbytes} bytes; {n_seq} rows of {n_head_kv} heads "
                                             f"of {head_dim} float32 need {4 * n_seq * n_head_kv * head_dim}")
                 new_ptrs.append(ffi.cast("const float *", ptr))
-        k_array, v_array = self._cache_pointers(kv_type, k_caches, v_caches, n_rows * n_head_kv * head_dim)
+        k_array, v_array = self._cache_pointers(kv_type, k_caches, v_caches, n_rows * n_head_kv, head_dim)
         scratch_ptr, scratch_bytes = _pointer(scratch, backend, True, "scratch")
         _check(self._lib, self._lib.pebble_attend(
             n_seq, ffi.cast("const float *", q_ptr), new_ptrs[0], new_ptrs[1], kv_type, k_array, v_array,
             ffi.new("int64_t[]", [int(n) for n in n_pos]), n_rows, n_head, n_head_kv, head_dim, scale, softcap,
             ffi.cast("float *", out_ptr), scratch_ptr, scratch_bytes, ffi.cast("void *", stream_pointer(stream))))
 
-    def _cache_pointers(self, kv_type: int, k_caches, v_caches, elements: int):
+    def _cache_pointers(self, kv_type: int, k_caches, v_caches, heads: int, head_dim: int):
         """The two pointer arrays pebble_attend takes for these caches, each cache's size checked. Made
         once per set of caches: a decode step attends every layer of every step over the same arrays.
         An entry holds its arrays by weak reference only, so the caches die with their sequence and
         model; one whose arrays have gone (and whose ids another array may have taken) is made again."""
         cache = self.__dict__.setdefault("_attend_pointers", {})
-        key = (kv_type, elements, *map(id, k_caches), *map(id, v_caches))
+        key = (kv_type, heads, head_dim, *map(id, k_caches), *map(id, v_caches))
         hit = cache.get(key)
         if hit is not None:
             arrays, refs = hit
             if all(ref() is c for ref, c in zip(refs, (*k_caches, *v_caches))):
                 return arrays
             del cache[key]
-        kv_item = _ITEMSIZE.get(kv_type)
-        cache_bytes = None if kv_item is None else elements * kv_item
+        cache_bytes = _kv_bytes(kv_type, heads, head_dim)
         arrays = []
         for name, caches in (("k_cache", k_caches), ("v_cache", v_caches)):
             row = []
@@ -179,7 +179,6 @@ class NativeDecoder:
             raise SizeMismatchError(f"decoder: {len(layers)} layers and {len(k_caches)} K / {len(v_caches)} V caches; "
                                     f"{model.n_layer} layers of {model.n_seq} sequences need "
                                     f"{model.n_layer * model.n_seq} of each")
-        kv_item = _ITEMSIZE.get(model.kv_type)
         c_layers, checked = ffi.new("struct pebble_step_layer[]", len(layers)), []
         for i, (layer, c) in enumerate(zip(layers, c_layers)):
             shape = layer.shape
@@ -225,8 +224,8 @@ class NativeDecoder:
                     pointers.append(ffi.NULL)
                     continue
                 ptr, nbytes = self._pointer(cache, True, f"layer {i} {name}")
-                want = None if kv_item is None or not checked[i] else \
-                    layers[i].kv_rows * layers[i].shape.n_head_kv * layers[i].shape.head_dim * kv_item
+                want = None if not checked[i] else \
+                    _kv_bytes(model.kv_type, layers[i].kv_rows * layers[i].shape.n_head_kv, layers[i].shape.head_dim)
                 if want is not None and nbytes != want:
                     raise SizeMismatchError(f"decoder: layer {i}: a {name} holds {nbytes} bytes; {want} are needed")
                 pointers.append(ffi.cast("void *", ptr))
@@ -321,6 +320,13 @@ def _pointer(obj, backend: str, writable: bool, name: str):
 
 
 _ITEMSIZE = {ggml_type: dtype.itemsize for dtype, ggml_type in DENSE_TYPES.items()}  # F32 4, F16 2
+
+
+def _kv_bytes(kv_type: int, heads: int, head_dim: int) -> int | None:
+    """Bytes of a cache of `heads` heads of head_dim values of KV type kv_type (None: a type, or a head_dim
+    of part of a block, that the library refuses with its own message)."""
+    t = KV_BY_GGML.get(kv_type)
+    return None if t is None or head_dim % t.block else heads * t.row_bytes(head_dim)
 
 
 def decode_buffer_sizes(shape, type_block) -> dict:

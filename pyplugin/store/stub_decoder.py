@@ -9,6 +9,7 @@ import numpy as np
 
 from ..errors import ClosedError, InvalidArgumentError, SizeMismatchError
 from ..ggml_types import DENSE_TYPES
+from ..kv_types import KV_BY_GGML
 from ..model.transformer import (ROPE_NEOX, ROPE_NORMAL, LayerWeights, ModelConfig, OuterWeights, layer_forward,
                                  output_logits)
 from .abi import DECODER_MAX_BATCH
@@ -34,8 +35,10 @@ class StubDecoder:
             raise SizeMismatchError(f"decoder: {len(layers)} layers and {len(k_caches)} K / {len(v_caches)} V caches; "
                                     f"{model.n_layer} layers of {model.n_seq} sequences need "
                                     f"{model.n_layer * model.n_seq} of each")
-        if model.kv_type not in _DTYPE_OF:
-            raise InvalidArgumentError(f"{fn}: kv_type {model.kv_type}; the caches must be 0 F32 or 1 F16")
+        kv = KV_BY_GGML.get(model.kv_type)
+        if kv is None:
+            raise InvalidArgumentError(f"{fn}: kv_type {model.kv_type}; the caches must be 0 F32, 1 F16, 8 Q8_0 or "
+                                       "2 Q4_0")
         self.model, self.layers, self.stats_ = model, [], dict.fromkeys(DECODER_STATS, 0)
         self.streamed = {}  # layer -> (buffers by field, entries by field, caches by sequence): pebble.h's slots
         if any(layer.streamed is not None for layer in layers):
@@ -74,26 +77,30 @@ class StubDecoder:
                 raise SizeMismatchError(f"{fn}: layer {i} is {s.n_embd} wide; the model is {model.n_embd}")
             cos, sin = (np.frombuffer(host_buffer(t, writable=False, what="decoder rope"), np.float32)
                         .reshape(-1, 1, s.head_dim) for t in (layer.rope_cos, layer.rope_sin))
+            if s.head_dim % kv.block:
+                raise InvalidArgumentError(f"{fn}: layer {i}: head_dim {s.head_dim} is not a multiple of {kv.block}, "
+                                           f"which {kv.name.upper()} caches need")
+            shape = kv.shape(layer.kv_rows, s.n_head_kv, s.head_dim)
             caches = []
             for seq in range(model.n_seq):
                 pair = []
                 if layer.streamed is not None:
                     for kind, tensor_id in zip("KV", model.kv_ids[seq]):
-                        want = layer.kv_rows * s.n_head_kv * s.head_dim * np.dtype(_DTYPE_OF[model.kv_type]).itemsize
+                        want = int(np.prod(shape)) * kv.dtype.itemsize
                         if model.store.entry_info(i, tensor_id).nbytes != want:
                             raise SizeMismatchError(f"{fn}: layer {i}: sequence {seq}'s {kind} cache (tensor "
                                                     f"{tensor_id}) is not an entry of {want} bytes")
-                        pair.append(np.zeros((layer.kv_rows, s.n_head_kv, s.head_dim), _DTYPE_OF[model.kv_type]))
+                        pair.append(np.zeros(shape, kv.dtype))
                     caches.append(tuple(pair))
                     continue
                 for name, arrays in (("k_cache", k_caches), ("v_cache", v_caches)):
                     c = np.frombuffer(host_buffer(arrays[i * model.n_seq + seq], writable=True, what="decoder cache"),
-                                      _DTYPE_OF[model.kv_type])
-                    want = layer.kv_rows * s.n_head_kv * s.head_dim
+                                      kv.dtype)
+                    want = int(np.prod(shape))
                     if c.size != want:
                         raise SizeMismatchError(f"decoder: layer {i}: a {name} holds {c.nbytes} bytes; "
                                                 f"{want * c.itemsize} are needed")
-                    pair.append(c.reshape(layer.kv_rows, s.n_head_kv, s.head_dim))
+                    pair.append(c.reshape(shape))
                 caches.append(tuple(pair))
             cfg = ModelConfig(arch="decoder", n_layer=1, n_embd=e, n_head=s.n_head, n_head_kv=s.n_head_kv,
                               head_dim=s.head_dim, n_ff=s.n_ff, n_vocab=0, n_ctx_train=layer.kv_rows,

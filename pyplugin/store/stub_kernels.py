@@ -16,6 +16,7 @@ import numpy as np
 
 from ..errors import InvalidArgumentError, SizeMismatchError
 from ..ggml_types import SUPPORTED_TEXT, SUPPORTED_TYPES, block, type_name
+from ..kv_types import KV_BY_GGML, decode, encode
 from ..model.qweight import QuantWeight
 from .abi import MATVEC_MAX_VEC
 from .interface import as_int, check_attend_counts, host_buffer
@@ -212,20 +213,24 @@ class StubKernels:
             if rows is not None and np.asarray(rows).size != len(k_caches) * n_head_kv * head_dim:
                 raise SizeMismatchError(f"pebble_attend: {what} holds {np.asarray(rows).size} values; "
                                         f"{len(k_caches)} rows of {n_head_kv} heads of {head_dim} are needed")
-        if k_new is not None:  # each new row into its cache, rounded to the cache's type as the library does
+        kv = KV_BY_GGML.get(kv_type)
+        if kv is None or head_dim % kv.block:
+            raise InvalidArgumentError(f"pebble_attend: kv_type {kv_type} with head_dim {head_dim}; the caches must be "
+                                       "0 F32, 1 F16, or 8 Q8_0 or 2 Q4_0 where head_dim is a multiple of 32")
+        if k_new is not None:  # each new row into its cache, encoded in the cache's type as the library does
             for b, (k, v, n) in enumerate(zip(k_caches, v_caches, n_pos)):
-                k[n - 1] = k_new[b].reshape(n_head_kv, head_dim)
-                v[n - 1] = v_new[b].reshape(n_head_kv, head_dim)
+                k[n - 1] = encode(np.asarray(k_new[b], np.float32).reshape(n_head_kv, head_dim), kv)
+                v[n - 1] = encode(np.asarray(v_new[b], np.float32).reshape(n_head_kv, head_dim), kv)
         group = n_head // n_head_kv
         for b, (k, v, n) in enumerate(zip(k_caches, v_caches, n_pos)):
             qh = (q[b].reshape(n_head_kv, group, head_dim) * np.float32(scale)).astype(np.float32)
-            keys = k[:n].astype(np.float32).transpose(1, 2, 0)                   # [n_kv, hd, n]
+            keys = decode(k[:n], kv).transpose(1, 2, 0)                           # [n_kv, hd, n]
             scores = qh @ keys                                                    # [n_kv, group, n]
             if softcap > 0:
                 scores = np.tanh(scores / np.float32(softcap)) * np.float32(softcap)
             scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
             scores /= scores.sum(axis=-1, keepdims=True)
-            out[b] = (scores @ v[:n].astype(np.float32).transpose(1, 0, 2)).reshape(-1)
+            out[b] = (scores @ decode(v[:n], kv).transpose(1, 0, 2)).reshape(-1)
 
     @property
     def kernels(self):
