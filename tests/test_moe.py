@@ -1,0 +1,174 @@
+"""Mixture-of-experts models (qwen3moe, qwen2moe with its shared expert, Mixtral-style llama files):
+the synthetic files' layout and metadata as gguf-py names them, the float64 reference written here from
+the GGUF's tensors (routing as llama.cpp's build_moe_ffn computes it), every strategy and backend giving the
+tokens of `none`, a batch of sequences equal to each alone, and files asking for what is not computed
+refused by name.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from gguf import GGUFReader
+
+from helpers import store_backend_params, tiny_path
+from pyplugin.errors import ModelError
+from pyplugin.model import load_model
+from pyplugin.model.gguf_file import GGUFFile
+from pyplugin.runtime import Generation, PebbledModel
+from pyplugin.runtime.options import Options
+from pyplugin.runtime.plan import PebblingOptions
+
+SHAPE = dict(n_embd=64, n_head=4, n_head_kv=2, n_ff=96, n_ctx=128, n_merges=150, n_layer=2, n_expert=8,
+             n_expert_used=3)
+CASES = {
+    "qwen3moe": dict(arch="qwen3moe", vocab="qwen3", key_length=32, n_ff_exp=32),
+    "qwen2moe": dict(arch="qwen2moe", vocab="chatml", n_ff_exp=32, n_ff_shexp=64),
+    "mixtral": dict(arch="llama", vocab="llama3", n_expert=4, n_expert_used=2),
+}
+PROMPT_LEN, DECODED = 11, 5
+
+
+def path_of(case: str, **extra):
+    spec = {**SHAPE, **CASES[case], **extra}
+    return tiny_path(spec.pop("arch"), **spec)
+
+
+def prompt(n: int = PROMPT_LEN) -> list[int]:
+    return [(5 * i + 2) % 250 + 1 for i in range(n)]
+
+
+def rel(a, b) -> float:
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+# ---------------------------------------------------------------------------------------------------
+# the float64 reference
+
+
+def reference_logits(path, tokens: list[int]) -> np.ndarray:
+    """float64 logits [T, n_vocab] of every position, from the file's tensors."""
+    with GGUFFile(path) as f:
+        md, t = f.metadata, {name: f.dequantize(name).astype(np.float64) for name in f.tensors}
+    arch = md["general.architecture"]
+    key = lambda k, default=None: md.get(f"{arch}.{k}", default)  # noqa: E731
+    n_layer, n_embd, n_head = key("block_count"), key("embedding_length"), key("attention.head_count")
+    n_kv, eps, k_used = key("attention.head_count_kv"), key("attention.layer_norm_rms_epsilon"), key("expert_used_count")
+    hd = key("attention.key_length", n_embd // n_head)
+    normalise = key("expert_weights_norm", arch != "qwen2moe")
+
+    def rms(x, w):
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
+
+    def silu(x):
+        return x / (1 + np.exp(-x))
+
+    def rope(x, pos):
+        half = hd // 2
+        ang = pos[:, None] * key("rope.freq_base") ** (-np.arange(half) * 2.0 / hd)[None, :]
+        c, s = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+        if arch == "llama":  # adjacent pairs
+            a, b = x[..., 0::2], x[..., 1::2]
+            out = np.empty_like(x)
+            out[..., 0::2], out[..., 1::2] = a * c - b * s, b * c + a * s
+            return out
+        a, b = x[..., :half], x[..., half:]
+        return np.concatenate([a * c - b * s, b * c + a * s], -1)
+
+    T, pos = len(tokens), np.arange(len(tokens), dtype=np.float64)
+    x = t["token_embd.weight"][tokens]
+    for i in range(n_layer):
+        b = lambda n: t[f"blk.{i}.{n}.weight"]  # noqa: E731
+        h = rms(x, b("attn_norm"))
+        q, k, v = ((h @ b(n).T + t.get(f"blk.{i}.{n}.bias", 0)).reshape(T, -1, hd) for n in ("attn_q", "attn_k", "attn_v"))
+        if f"blk.{i}.attn_q_norm.weight" in t:
+            q, k = rms(q, b("attn_q_norm")), rms(k, b("attn_k_norm"))
+        q, k = rope(q, pos), rope(k, pos)
+        k, v = np.repeat(k, n_head // n_kv, axis=1), np.repeat(v, n_head // n_kv, axis=1)
+        scores = np.einsum("qhd,khd->hqk", q / math.sqrt(hd), k)
+        scores = np.where(np.arange(T)[None, :] <= np.arange(T)[:, None], scores, -np.inf)
+        p = np.exp(scores - scores.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        x = x + np.einsum("hqk,khd->qhd", p, v).reshape(T, -1) @ b("attn_output").T
+        h = rms(x, b("ffn_norm"))
+        # routing: a softmax over every expert, the k most probable, renormalised where the model says
+        logits = h @ b("ffn_gate_inp").T                                       # [T, n_expert]
+        probs = np.exp(logits - logits.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        out = np.zeros_like(x)
+        for r in range(T):
+            chosen = np.argsort(-probs[r], kind="stable")[:k_used]
+            w = probs[r, chosen] / (probs[r, chosen].sum() if normalise else 1.0)
+            for j, wj in zip(chosen, w):  # expert j: slice j of each merged [n_expert, ...] tensor
+                gate, up, down = b("ffn_gate_exps")[j], b("ffn_up_exps")[j], b("ffn_down_exps")[j]
+                out[r] += wj * (down @ (silu(gate @ h[r]) * (up @ h[r])))
+        if f"blk.{i}.ffn_gate_shexp.weight" in t:  # qwen2moe's shared expert, its sigmoid gate
+            shared = (silu(h @ b("ffn_gate_shexp").T) * (h @ b("ffn_up_shexp").T)) @ b("ffn_down_shexp").T
+            out += shared / (1 + np.exp(-(h @ b("ffn_gate_inp_shexp"))))[:, None]
+        x = x + out
+    out = t.get("output.weight", t["token_embd.weight"])
+    return rms(x, t["output_norm.weight"]) @ out.T
+
+
+# ---------------------------------------------------------------------------------------------------
+# the files
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_synthetic_files_lay_experts_out_as_gguf_py_names_them(case):
+    spec = {**SHAPE, **CASES[case]}
+    reader = GGUFReader(path_of(case))
+    arch = spec["arch"]
+    fields = {k: f.contents() for k, f in reader.fields.items()}
+    assert fields[f"{arch}.expert_count"] == spec["n_expert"]
+    assert fields[f"{arch}.expert_used_count"] == spec["n_expert_used"]
+    shapes = {t.name: tuple(int(d) for d in t.shape) for t in reader.tensors}   # GGUF's ne order
+    E, e = spec["n_expert"], spec["n_embd"]
+    ff = spec.get("n_ff_exp", spec["n_ff"])
+    assert shapes["blk.0.ffn_gate_inp.weight"] == (e, E)
+    assert shapes["blk.1.ffn_gate_exps.weight"] == shapes["blk.1.ffn_up_exps.weight"] == (e, ff, E)
+    assert shapes["blk.1.ffn_down_exps.weight"] == (ff, e, E)
+    assert "blk.0.ffn_gate.weight" not in shapes and "blk.0.ffn_down.weight" not in shapes
+    assert ("blk.0.ffn_gate_shexp.weight" in shapes) == (arch == "qwen2moe")
+    if arch == "qwen2moe":
+        assert shapes["blk.0.ffn_gate_inp_shexp.weight"] == (e,)
+        assert shapes["blk.0.ffn_down_shexp.weight"] == (spec["n_ff_shexp"], e)
+        assert fields["qwen2moe.expert_shared_feed_forward_length"] == spec["n_ff_shexp"]
+    if arch == "qwen3moe":
+        assert "blk.0.attn_q_norm.weight" in shapes and fields["qwen3moe.expert_feed_forward_length"] == ff
+
+
+def test_configs_read_as_llama_cpp_reads_them():
+    q3 = load_model(path_of("qwen3moe"), progress=False).config
+    assert (q3.n_expert, q3.n_expert_used, q3.n_ff_exp, q3.n_ff_shexp, q3.expert_norm) == (8, 3, 32, 0, True)
+    q2 = load_model(path_of("qwen2moe"), progress=False).config
+    assert (q2.n_ff_exp, q2.n_ff_shexp, q2.expert_norm) == (32, 64, False)
+    mx = load_model(path_of("mixtral"), progress=False).config
+    assert (mx.n_expert, mx.n_expert_used, mx.n_ff_exp, mx.expert_norm) == (4, 2, 96, True)
+    flagged = load_model(path_of("qwen2moe", expert_weights_norm=True), progress=False).config
+    assert flagged.expert_norm
+
+
+# ---------------------------------------------------------------------------------------------------
+# the forward pass against the reference
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("num_batch", [4, 16])
+def test_prefill_matches_the_float64_reference(case, num_batch):
+    path = path_of(case)
+    model = load_model(path, weights="f16", progress=False)
+    tokens = prompt(PROMPT_LEN)
+    ref = reference_logits(path, tokens)
+    gen = Generation(model, Options(temperature=0, num_ctx=64, num_batch=num_batch))
+    assert rel(gen.prefill(tokens), ref[-1]) < 1e-4
+
+
+def test_the_reference_sees_the_routing():
+    """Renormalising the chosen experts' weights changes the logits: the flag is not dead."""
+    tokens = prompt(6)
+    plain = reference_logits(path_of("qwen2moe"), tokens)
+    normed = reference_logits(path_of("qwen2moe", expert_weights_norm=True), tokens)
+    assert rel(plain, normed) > 1e-3
