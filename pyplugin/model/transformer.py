@@ -121,9 +121,9 @@ class LayerWeights:
     wv: Array                   # [n_head_kv * head_dim, n_embd]
     wo: Array                   # [n_embd, n_head * head_dim]
     ffn_norm: Array             # [n_embd]
-    w_gate: Array | None        # [n_ff, n_embd]; None in a layer of experts
-    w_up: Array | None          # [n_ff, n_embd]
-    w_down: Array | None        # [n_embd, n_ff]
+    w_gate: Array | None = None  # [n_ff, n_embd]; None in a layer of experts
+    w_up: Array | None = None    # [n_ff, n_embd]
+    w_down: Array | None = None  # [n_embd, n_ff]
     bq: Array | None = None     # [n_head * head_dim]   (qwen2)
     bk: Array | None = None     # [n_head_kv * head_dim]
     bv: Array | None = None     # [n_head_kv * head_dim]

@@ -26,7 +26,8 @@ from .abi import DECODER_GRAPHS
 from .interface import as_int
 
 DECODE_WEIGHTS = ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down", "bq", "bk", "bv",
-                  "q_norm", "k_norm", "post_attn_norm", "post_ffn_norm")
+                  "q_norm", "k_norm", "post_attn_norm", "post_ffn_norm", "ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps",
+                  "ffn_down_exps", "ffn_gate_inp_shexp", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,12 @@ class LayerShape:
     ring: int = 0                # the caches are rings of a sliding window's rows
     attn_softcap: float = 0.0    # gemma2's soft cap of the scores; 0: none
     residual_scale: float = 1.0  # Granite's
+    n_expert: int = 0            # experts in place of the FFN (pyplugin.model.moe); 0: a dense FFN
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
+    n_ff_shexp: int = 0          # the shared expert's hidden size; 0: none
+    expert_norm: int = 0
+    expert_scale: float = 1.0
 
     @classmethod
     def of(cls, cfg) -> "LayerShape":
@@ -55,7 +62,8 @@ class LayerShape:
                                        "computed")
         return cls(cfg.n_embd, cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.n_ff, cfg.rope_dims,
                    int(cfg.rope_mode == "neox"), cfg.rms_eps, int(cfg.activation == "gelu"), int(cfg.window > 0),
-                   cfg.attn_softcap, cfg.residual_scale)
+                   cfg.attn_softcap, cfg.residual_scale, cfg.n_expert, cfg.n_expert_used, cfg.n_ff_exp, cfg.n_ff_shexp,
+                   int(cfg.expert_norm), cfg.expert_scale)
 
 
 @dataclass(frozen=True)

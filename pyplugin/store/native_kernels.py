@@ -184,7 +184,8 @@ class NativeDecoder:
         for i, (layer, c) in enumerate(zip(layers, c_layers)):
             shape = layer.shape
             for name in ("n_embd", "n_head", "n_head_kv", "head_dim", "n_ff", "rope_dims", "rope_neox", "rms_eps",
-                         "gelu", "ring", "attn_softcap", "residual_scale"):
+                         "gelu", "ring", "attn_softcap", "residual_scale", "n_expert", "n_expert_used", "n_ff_exp",
+                         "n_ff_shexp", "expert_norm", "expert_scale"):
                 setattr(c.shape, name, getattr(shape, name))
             # Sizes follow from a shape the library takes; another it refuses by name, with its own message.
             valid = min(shape.n_embd, shape.n_head, shape.n_head_kv, shape.head_dim, shape.n_ff) >= 1 and \
@@ -327,6 +328,7 @@ def decode_buffer_sizes(shape, type_block) -> dict:
     """For each weight of a layer, a function of its GGUF type giving the bytes its buffer must hold."""
     q, kv = shape.n_head * shape.head_dim, shape.n_head_kv * shape.head_dim
     e, ff = shape.n_embd, shape.n_ff
+    E, fx, sh = shape.n_expert, shape.n_ff_exp, shape.n_ff_shexp
 
     def matrix(rows, cols):
         def size(ggml_type):
@@ -344,7 +346,9 @@ def decode_buffer_sizes(shape, type_block) -> dict:
             "wo": matrix(e, q), "ffn_norm": vector(e), "w_gate": matrix(ff, e), "w_up": matrix(ff, e),
             "w_down": matrix(e, ff), "bq": vector(q), "bk": vector(kv), "bv": vector(kv),
             "q_norm": vector(shape.head_dim), "k_norm": vector(shape.head_dim), "post_attn_norm": vector(e),
-            "post_ffn_norm": vector(e)}
+            "post_ffn_norm": vector(e), "ffn_gate_inp": matrix(E, e), "ffn_gate_exps": matrix(E * fx, e),
+            "ffn_up_exps": matrix(E * fx, e), "ffn_down_exps": matrix(E * e, fx), "ffn_gate_inp_shexp": vector(e),
+            "ffn_gate_shexp": matrix(sh, e), "ffn_up_shexp": matrix(sh, e), "ffn_down_shexp": matrix(e, sh)}
 
 
 def _c_type(ggml_type) -> int:

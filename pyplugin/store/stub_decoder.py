@@ -57,10 +57,20 @@ class StubDecoder:
             def build(w, where=where, s=s, e=e, q_rows=q_rows, kv_rows=kv_rows) -> LayerWeights:
                 vec = lambda *a, **k: kernels._vector(where, w, *a, **k)  # noqa: E731
                 mat = lambda *a: kernels._matrix(where, w, *a)  # noqa: E731
+                dense = not s.n_expert
+                mat_if = lambda wanted, name, *a: mat(name, *a) if _wanted(where, w, name, wanted) else None  # noqa: E731
+                E, fx, sh = s.n_expert, s.n_ff_exp, s.n_ff_shexp if s.n_expert else 0
+                experts = dict(
+                    ffn_gate_inp=mat_if(E, "ffn_gate_inp", E, e), ffn_gate_exps=mat_if(E, "ffn_gate_exps", E * fx, e),
+                    ffn_up_exps=mat_if(E, "ffn_up_exps", E * fx, e), ffn_down_exps=mat_if(E, "ffn_down_exps", E * e, fx),
+                    ffn_gate_inp_shexp=vec("ffn_gate_inp_shexp", e) if _wanted(where, w, "ffn_gate_inp_shexp", sh) else None,
+                    ffn_gate_shexp=mat_if(sh, "ffn_gate_shexp", sh, e), ffn_up_shexp=mat_if(sh, "ffn_up_shexp", sh, e),
+                    ffn_down_shexp=mat_if(sh, "ffn_down_shexp", e, sh))
                 return LayerWeights(
                     attn_norm=vec("attn_norm", e), wq=mat("wq", q_rows, e), wk=mat("wk", kv_rows, e),
                     wv=mat("wv", kv_rows, e), wo=mat("wo", e, q_rows), ffn_norm=vec("ffn_norm", e),
-                    w_gate=mat("w_gate", s.n_ff, e), w_up=mat("w_up", s.n_ff, e), w_down=mat("w_down", e, s.n_ff),
+                    w_gate=mat_if(dense, "w_gate", s.n_ff, e), w_up=mat_if(dense, "w_up", s.n_ff, e),
+                    w_down=mat_if(dense, "w_down", e, s.n_ff), **experts,
                     bq=vec("bq", q_rows, optional=True), bk=vec("bk", kv_rows, optional=True),
                     bv=vec("bv", kv_rows, optional=True), q_norm=vec("q_norm", s.head_dim, optional=True),
                     k_norm=vec("k_norm", s.head_dim, optional=True),
@@ -100,7 +110,10 @@ class StubDecoder:
                               rms_eps=s.rms_eps, rope_mode=ROPE_NEOX if s.rope_neox else ROPE_NORMAL,
                               rope_dims=s.rope_dims, attn_scale=float(layer.attn_scale),
                               activation="gelu" if s.gelu else "silu", window=layer.kv_rows if s.ring else 0,
-                              attn_softcap=float(s.attn_softcap), residual_scale=float(s.residual_scale))
+                              attn_softcap=float(s.attn_softcap), residual_scale=float(s.residual_scale),
+                              n_expert=s.n_expert, n_expert_used=s.n_expert_used, n_ff_exp=s.n_ff_exp,
+                              n_ff_shexp=s.n_ff_shexp if s.n_expert else 0, expert_norm=bool(s.expert_norm),
+                              expert_scale=float(s.expert_scale))
             self.layers.append((cfg, lw, caches, (cos, sin), layer))
             if layer.streamed is not None:
                 self.streamed[i] = ({name: buf for name, (_, buf) in w.items()}, entries, caches, build, w)
@@ -181,3 +194,11 @@ class StubDecoder:
 
     def close(self) -> None:
         self.closed = True
+
+
+def _wanted(where: str, weights: dict, name: str, wanted) -> bool:
+    """Whether the layer computes with `name` (the shape says); one given that it does not is refused, as
+    native/pebble_decode.cu refuses it."""
+    if not wanted and weights.get(name) is not None:
+        raise InvalidArgumentError(f"{where}: {name} is given but the shape has no use for it")
+    return bool(wanted)
