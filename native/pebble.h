@@ -354,6 +354,15 @@ struct pebble_step_layer {
     // is streamed (the store's copies are not).
     int32_t       streamed;
     int32_t       weight_ids[PEBBLE_LAYER_WEIGHTS];
+    // Experts as pebbles (shape.n_expert > 0 and experts_stored 1; 0: the merged tensors of `weights`): expert
+    // j of the layer is the store entry expert_ids + j of the model's store, its gate rows, then its up rows, then its down rows, in the
+    // types weights.ffn_gate_exps, ffn_up_exps and ffn_down_exps give (their data are not read). The
+    // decoder keeps expert_cache of the layer's experts in device memory, the least recently used replaced;
+    // a step restores each expert its tokens chose that the cache lacks before that expert's FFN runs (0:
+    // every routed expert restored at each use, into one working buffer).
+    int32_t       experts_stored;
+    int32_t       expert_ids;
+    int32_t       expert_cache;
 };
 
 struct pebble_step_model {
@@ -382,6 +391,9 @@ struct pebble_decoder_stats {
     // least recently used past PEBBLE_DECODER_GRAPHS, or all where a capture failed). The host build makes the same decisions
     // and counts them, and runs every step directly: it has no graphs.
     uint64_t graphs_captured, graph_replays, graphs_dropped;
+    // Experts as pebbles (pebble_step_layer.experts_stored): experts a step ran from its cache, experts it
+    // restored first, and the bytes those restores copied.
+    uint64_t expert_hits, expert_misses, expert_bytes_restored;
 };
 
 typedef struct pebble_decoder * pebble_decoder_t;

@@ -566,7 +566,17 @@ struct pebble_decoder {
     std::vector<void *> k, v;          // [layer * n_seq + s]
     step_scratch at{};
     int64_t widest = 0, max_q = 0, max_kv = 0, max_ff = 0, max_heads = 0, max_rows = 0, max_expert = 0;
-    std::vector<float> router_host;    // the router's scores of a step, read back (pinned on the GPU)
+    std::vector<float> router_host;    // the router's scores of a step, read back
+    // experts as pebbles, per layer: the cache's buffer (expert_cache slots, at least one), the expert each
+    // slot holds (-1: none) and when it was last used
+    struct expert_cache {
+        uint8_t * buffer = nullptr;
+        uint64_t  slot_bytes = 0, gate_bytes = 0, up_bytes = 0;
+        std::vector<int32_t>  expert;
+        std::vector<uint64_t> used;
+    };
+    std::vector<expert_cache> experts;
+    uint64_t expert_clock = 0;
     uint8_t * scratch = nullptr;
     graph_policy graphs;
     // streamed layers (pebble_step_layer.streamed): their order, and per layer where each weight and each
@@ -600,7 +610,7 @@ pebble_status with_place(pebble_status st, const char * where) {
 }
 
 pebble_status check_layer(const char * fn, int32_t i, const pebble_layer_shape & s, const pebble_layer_weights & w,
-                          int64_t kv_rows) {
+                          int64_t kv_rows, bool experts_stored) {
     // Which layer failed is added to the message of the layer's own checks here.
     char where[64];
     snprintf(where, sizeof where, "%s: layer %d", fn, i);
@@ -633,7 +643,10 @@ pebble_status check_layer(const char * fn, int32_t i, const pebble_layer_shape &
             return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: %s is given but the shape (n_expert %d, n_ff_shexp %d) has "
                         "no use for it", where, m.name, s.n_expert, s.n_ff_shexp);
         }
-        if (m.wanted && (st = check_weight(m.name, m.t, m.rows, m.cols)) != PEBBLE_OK) {
+        const bool stored = experts_stored && (&m.t == &w.ffn_gate_exps || &m.t == &w.ffn_up_exps ||
+                                               &m.t == &w.ffn_down_exps);  // entries of the store: types only
+        if (m.wanted && (st = stored ? check_matrix("weight", m.name, m.t.ggml_type, m.rows, m.cols)
+                                     : check_weight(m.name, m.t, m.rows, m.cols)) != PEBBLE_OK) {
             return with_place(st, where);
         }
     }
@@ -696,12 +709,46 @@ uint64_t row_bytes(int32_t type, int64_t cols) {
     return uint64_t(cols / elements) * uint64_t(block);
 }
 
+// Expert j of layer i in the layer's cache: a hit where a slot holds it, else restored from the store (on
+// `stream`, so after whatever read the slot before) into an empty slot or the least recently used one.
+pebble_status cached_expert(pebble_decoder & d, int32_t i, int32_t j, cudaStream_t stream, uint8_t ** out) {
+    const pebble_step_layer & L = d.layers[size_t(i)];
+    pebble_decoder::expert_cache & c = d.experts[size_t(i)];
+    const uint64_t now = ++d.expert_clock;
+    size_t victim = 0;
+    for (size_t k = 0; k < c.expert.size(); k++) {
+        if (L.expert_cache > 0 && c.expert[k] == j) {
+            c.used[k] = now;
+            d.stats.expert_hits++;
+            *out = c.buffer + k * c.slot_bytes;
+            return PEBBLE_OK;
+        }
+        if (c.expert[victim] >= 0 && (c.expert[k] < 0 || c.used[k] < c.used[victim])) victim = k;
+    }
+    uint8_t * slot = c.buffer + victim * c.slot_bytes;
+    const uint64_t nbytes = c.gate_bytes + c.up_bytes +
+                            row_bytes(L.weights.ffn_down_exps.ggml_type, L.shape.n_ff_exp) * uint64_t(L.shape.n_embd);
+    const pebble_status st = pebble_restore(d.model.store, i, L.expert_ids + j, slot, nbytes, stream);
+    if (st != PEBBLE_OK) {
+        char where[96];
+        snprintf(where, sizeof where, "pebble_decoder_step: layer %d: expert %d", i, j);
+        return with_place(st, where);
+    }
+    c.expert[victim] = j;
+    c.used[victim] = now;
+    d.stats.expert_misses++;
+    d.stats.expert_bytes_restored += nbytes;
+    *out = slot;
+    return PEBBLE_OK;
+}
+
 // The routed FFN of the n rows of h (normed) into out [n][n_embd] float32 (pebble_layer_shape's experts):
 // the router's scores are read back, each token's experts chosen on the host, then expert by expert in
 // increasing order the rows routed to it are gathered, run through its gate, up and down (its rows read
 // once for all of them) and added, weighted, to their tokens' out; the shared expert after, where given.
-pebble_status experts_ffn(pebble_decoder & d, const pebble_step_layer & L, int32_t n, const act_t * h, float * out,
+pebble_status experts_ffn(pebble_decoder & d, int32_t layer, int32_t n, const act_t * h, float * out,
                           cudaStream_t stream) {
+    const pebble_step_layer & L = d.layers[size_t(layer)];
     const pebble_layer_shape & s = L.shape;
     const pebble_layer_weights & w = L.weights;
     const int64_t e = s.n_embd, E = s.n_expert, ff = s.n_ff_exp;
@@ -761,9 +808,18 @@ pebble_status experts_ffn(pebble_decoder & d, const pebble_step_layer & L, int32
             CUDA_CHECK(cudaMemcpyAsync(rows + int64_t(r) * e, h + int64_t(tokens[r]) * e, sizeof(act_t) * size_t(e),
                                        cudaMemcpyDefault, stream));
         }
-        const uint8_t * g = static_cast<const uint8_t *>(w.ffn_gate_exps.data) + uint64_t(j) * gate_rows;
-        const uint8_t * u = static_cast<const uint8_t *>(w.ffn_up_exps.data) + uint64_t(j) * up_rows;
-        const uint8_t * dn = static_cast<const uint8_t *>(w.ffn_down_exps.data) + uint64_t(j) * down_rows;
+        const uint8_t * g, * u, * dn;
+        if (L.experts_stored) {  // from the layer's cache, restored first where it lacks the expert
+            uint8_t * slot = nullptr;
+            TRY(cached_expert(d, layer, static_cast<int32_t>(j), stream, &slot));
+            g = slot;
+            u = slot + gate_rows;
+            dn = slot + gate_rows + up_rows;
+        } else {
+            g = static_cast<const uint8_t *>(w.ffn_gate_exps.data) + uint64_t(j) * gate_rows;
+            u = static_cast<const uint8_t *>(w.ffn_up_exps.data) + uint64_t(j) * up_rows;
+            dn = static_cast<const uint8_t *>(w.ffn_down_exps.data) + uint64_t(j) * down_rows;
+        }
         TRY(matvec_many(w.ffn_gate_exps.ggml_type, g, ff, e, rows, c, gate, stream));
         TRY(matvec_many(w.ffn_up_exps.ggml_type, u, ff, e, rows, c, up, stream));
         LAUNCH(swiglu_kernel, grid_for(int64_t(c) * ff, threads), threads, stream, gate, up, int64_t(c) * ff, act);
@@ -854,7 +910,7 @@ pebble_status step_layer(pebble_decoder & d, int32_t i, int32_t n, const int32_t
            w.ffn_norm.data, w.ffn_norm.ggml_type, s.rms_eps, h16);
     TRY(launched());
     if (s.n_expert) {
-        TRY(experts_ffn(d, L, n, h16, o, stream));
+        TRY(experts_ffn(d, i, n, h16, o, stream));
     } else {
         TRY(matvec_many(w.w_gate.ggml_type, w.w_gate.data, s.n_ff, e, h16, n, gate, stream));
         TRY(matvec_many(w.w_up.ggml_type, w.w_up.data, s.n_ff, e, h16, n, up, stream));
@@ -1220,6 +1276,42 @@ pebble_status place_streamed(pebble_decoder & d, const char * fn) {
     return PEBBLE_OK;
 }
 
+// Each layer whose experts are pebbles: its entries checked (one per expert, of the expert's gate, up and
+// down rows) and its cache made.
+pebble_status place_experts(pebble_decoder & d, const char * fn) {
+    d.experts.resize(d.layers.size());
+    for (size_t i = 0; i < d.layers.size(); i++) {
+        const pebble_step_layer & L = d.layers[i];
+        if (L.experts_stored == 0) continue;
+        const pebble_layer_shape & s = L.shape;
+        if (L.experts_stored != 1 || s.n_expert < 1 || !d.model.store || L.expert_ids < 0 ||
+            L.expert_ids > INT32_MAX - s.n_expert || L.expert_cache < 0 || L.expert_cache > s.n_expert) {
+            return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: layer %zu: experts_stored %d needs 0, or 1 with experts "
+                        "(n_expert %d), the model's store, expert_ids %d at least 0 and expert_cache %d within "
+                        "0..n_expert", fn, i, L.experts_stored, s.n_expert, L.expert_ids, L.expert_cache);
+        }
+        pebble_decoder::expert_cache & c = d.experts[i];
+        c.gate_bytes = row_bytes(L.weights.ffn_gate_exps.ggml_type, s.n_embd) * uint64_t(s.n_ff_exp);
+        c.up_bytes = row_bytes(L.weights.ffn_up_exps.ggml_type, s.n_embd) * uint64_t(s.n_ff_exp);
+        const uint64_t nbytes = c.gate_bytes + c.up_bytes +
+                                row_bytes(L.weights.ffn_down_exps.ggml_type, s.n_ff_exp) * uint64_t(s.n_embd);
+        for (int32_t j = 0; j < s.n_expert; j++) {
+            struct pebble_entry_info info{};
+            if (pebble_entry_info(d.model.store, static_cast<int32_t>(i), L.expert_ids + j, &info) != PEBBLE_OK ||
+                info.nbytes != nbytes) {
+                return fail(PEBBLE_ERR_SIZE_MISMATCH, "%s: layer %zu: expert %d (tensor %d) is not an entry of %" PRIu64
+                            " bytes (its gate, up and down rows)", fn, i, j, L.expert_ids + j, nbytes);
+            }
+        }
+        const size_t slots = size_t(std::max(1, L.expert_cache));
+        c.slot_bytes = aligned(nbytes);
+        c.expert.assign(slots, -1);
+        c.used.assign(slots, 0);
+        TRY(alloc_scratch(&c.buffer, c.slot_bytes * slots));
+    }
+    return PEBBLE_OK;
+}
+
 // Handles are ids, never reused, so that a freed decoder is detected rather than dereferenced.
 std::mutex                                                    g_decoders_mu;
 std::unordered_map<uintptr_t, std::shared_ptr<pebble_decoder>> g_decoders;
@@ -1252,6 +1344,10 @@ void release_device(pebble_decoder & d) {
 #endif
     free_scratch(d.scratch);
     d.scratch = nullptr;
+    for (pebble_decoder::expert_cache & c : d.experts) {
+        free_scratch(c.buffer);
+        c.buffer = nullptr;
+    }
     for (uint8_t *& slot : d.slots) {
         free_scratch(slot);
         slot = nullptr;
@@ -1307,7 +1403,7 @@ extern "C" pebble_status pebble_decoder_create(const pebble_step_model * model, 
     }
     for (int32_t i = 0; i < m.n_layer; i++) {
         const pebble_step_layer & L = d->layers[size_t(i)];
-        TRY(check_layer(fn, i, L.shape, L.weights, L.kv_rows));
+        TRY(check_layer(fn, i, L.shape, L.weights, L.kv_rows, L.experts_stored == 1));
         if (L.shape.n_embd != m.n_embd) {
             return fail(PEBBLE_ERR_SIZE_MISMATCH, "%s: layer %d is %d wide; the model is %d", fn, i, L.shape.n_embd,
                         m.n_embd);
@@ -1377,6 +1473,11 @@ extern "C" pebble_status pebble_decoder_create(const pebble_step_model * model, 
     // The store's copies are not captured, nor is a step whose launches follow its router's choice.
     d->graphs.enabled = m.graphs != 0 && d->streamed.empty() && d->max_expert == 0;
     TRY(alloc_scratch(&d->scratch, l.bytes));
+    pebble_status placed = place_experts(*d, fn);
+    if (placed != PEBBLE_OK) {
+        release_device(*d);
+        return placed;
+    }
     if (!d->streamed.empty()) {
         pebble_status st = place_streamed(*d, fn);
         if (st != PEBBLE_OK) {

@@ -247,3 +247,92 @@ def test_a_batch_decodes_what_each_sequence_decodes_alone(backend, case):
     expected = [alone(model, backend, options, pebbling, p)[0] for p in prompts]
     got, _ = together(model, backend, options, pebbling, prompts)
     assert got == expected and all(len(tokens) == 7 for tokens in got)
+
+
+# ---------------------------------------------------------------------------------------------------
+# experts as pebbles: each expert of each layer an entry of the store, a cache of them per layer
+
+FIRST_EXPERT = 100  # entry id of expert 0 in these tests
+
+
+def expert_store(backend, model, wrong=()):
+    """A store of `backend` holding each expert of each layer as one entry: its gate, up and down rows (64
+    bytes for the (layer, expert) pairs of `wrong`)."""
+    from pyplugin.model.moe import expert_rows
+    cfg = model.config
+    store = backend.open_store(0, cfg.n_layer, "minimal")
+    for i, lw in enumerate(model.layers):
+        for j in range(cfg.n_expert):
+            parts = [expert_rows(getattr(lw, name), j, rows).data for name, rows in
+                     (("ffn_gate_exps", cfg.n_ff_exp), ("ffn_up_exps", cfg.n_ff_exp), ("ffn_down_exps", cfg.n_embd))]
+            data = np.zeros(64, np.uint8) if (i, j) in wrong else np.concatenate([p.ravel() for p in parts])
+            store.save(i, FIRST_EXPERT + j, np.ascontiguousarray(data), tier="host")
+    return store
+
+
+def run_steps(kernels, model, n_ctx, n_steps, n_seq, **decoder_args):
+    """Logits of n_steps decode steps of n_seq sequences (each its own tokens), and the decoder's stats."""
+    from pyplugin.model import KVCache, embed
+    cfg = model.config
+    kvs = [KVCache.allocate(cfg, n_ctx) for _ in range(n_seq)]
+    caches = [[(kv.k[i], kv.v[i]) for kv in kvs] for i in range(cfg.n_layer)]
+    decoder = kernels.decoder(cfg, model.resident_layers(kernels), caches, model.outer_weights(kernels), n_ctx,
+                              **decoder_args)
+    out = []
+    for t in range(n_steps):
+        tokens = [(37 * t + 11 * s + 5) % 250 + 1 for s in range(n_seq)]
+        x = np.ascontiguousarray(embed(model.outer, tokens, np), dtype=np.float32)
+        out.append(decoder.step(list(range(n_seq)), [t] * n_seq, x).copy())
+    stats = decoder.stats()
+    decoder.close()
+    return np.stack(out), stats
+
+
+@pytest.mark.parametrize("backend", store_backend_params(("host", "stub")))
+@pytest.mark.parametrize("case", ["qwen2moe", "mixtral"])
+def test_experts_as_pebbles_decode_what_the_merged_experts_decode(backend, case):
+    """Whatever the cache (none, some, every expert), a step restores each expert its tokens chose that the
+    cache lacks, once for the whole batch, and computes exactly what the merged experts compute; a bigger
+    cache (least recently used out first) never restores more."""
+    from pyplugin.store import backend_named
+    be = backend_named(backend)
+    model = load_model(path_of(case, weight_type="Q8_0"), weights="quantized", progress=False)
+    cfg = model.config
+    merged, stats = run_steps(be.kernels, model, 16, 6, 3)
+    assert stats["expert_hits"] == stats["expert_misses"] == 0
+    store = expert_store(be, model)
+    nbytes = store.entry_info(0, FIRST_EXPERT).nbytes
+    used, misses = None, []
+    try:
+        for cache in (0, 1, 2, cfg.n_expert):
+            experts = {i: (FIRST_EXPERT, cache) for i in range(cfg.n_layer)}
+            logits, stats = run_steps(be.kernels, model, 16, 6, 3, store=store, experts=experts)
+            np.testing.assert_array_equal(logits, merged)
+            ran = stats["expert_hits"] + stats["expert_misses"]  # (step, layer, expert chosen) triples
+            assert used is None or ran == used
+            used = ran
+            assert stats["expert_bytes_restored"] == stats["expert_misses"] * nbytes
+            misses.append(stats["expert_misses"])
+            if cache == 0:
+                assert stats["expert_hits"] == 0
+            if cache == cfg.n_expert:  # each expert restored once at most
+                assert stats["expert_misses"] <= cfg.n_layer * cfg.n_expert
+        assert misses == sorted(misses, reverse=True) and misses[0] > misses[-1], misses
+        # three sequences choosing k experts each, in two layers, over six steps: never more than that
+        assert cfg.n_layer * 6 * cfg.n_expert_used <= used <= cfg.n_layer * 6 * min(cfg.n_expert, 3 * cfg.n_expert_used)
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("backend", store_backend_params(("host", "stub")))
+def test_an_expert_entry_of_the_wrong_size_is_refused_by_name(backend):
+    from pyplugin.errors import PebblingError
+    from pyplugin.store import backend_named
+    be = backend_named(backend)
+    model = load_model(path_of("mixtral", weight_type="Q8_0"), weights="quantized", progress=False)
+    store = expert_store(be, model, wrong={(1, 2)})
+    try:
+        with pytest.raises(PebblingError, match=r"layer 1: expert 2 \(tensor 102\)"):
+            run_steps(be.kernels, model, 16, 1, 1, store=store, experts={0: (FIRST_EXPERT, 2), 1: (FIRST_EXPERT, 2)})
+    finally:
+        store.close()

@@ -115,7 +115,18 @@ def expert_rows(w: Array | QuantWeight, j: int, rows: int) -> Array | QuantWeigh
     return w[j * rows:(j + 1) * rows]
 
 
-def _swiglu(h: Array, gate: Any, up: Any, down: Any) -> Array:
+def _rows(fn: Callable[[Array], Array], h: Array, max_rows: int) -> Array:
+    """fn over h [T, ...], max_rows rows at a time where above 0 (so that each row is computed as alone
+    where the kernels take a few vectors at once: the stub decoder's)."""
+    if not max_rows or h.shape[0] <= max_rows:
+        return fn(h)
+    xp = get_array_module(h)
+    return xp.concatenate([fn(h[r:r + max_rows]) for r in range(0, h.shape[0], max_rows)])
+
+
+def _swiglu(h: Array, gate: Any, up: Any, down: Any, max_rows: int = 0) -> Array:
+    if max_rows and h.shape[0] > max_rows:
+        return _rows(lambda part: _swiglu(part, gate, up, down), h, max_rows)
     xp = get_array_module(h)
     g = _linear(h, gate)
     t = -g
@@ -126,9 +137,10 @@ def _swiglu(h: Array, gate: Any, up: Any, down: Any) -> Array:
     return _linear(g, down)
 
 
-def route(cfg: Any, h: Array, router: Any) -> tuple[np.ndarray, np.ndarray]:
+def route(cfg: Any, h: Array, router: Any, max_rows: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """(experts [T, k] in descending probability, their weights [T, k] float32) for h [T, n_embd]."""
-    logits = np.asarray(_to_host(_linear(h, router)), dtype=np.float32).reshape(-1, cfg.n_expert)
+    logits = np.asarray(_to_host(_rows(lambda part: _linear(part, router), h, max_rows)), dtype=np.float32)
+    logits = logits.reshape(-1, cfg.n_expert)
     p = np.exp(logits - logits.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
     chosen = np.argsort(-p, axis=-1, kind="stable")[:, :cfg.n_expert_used]
@@ -140,20 +152,29 @@ def route(cfg: Any, h: Array, router: Any) -> tuple[np.ndarray, np.ndarray]:
     return chosen, w.astype(np.float32)
 
 
-def moe_ffn(cfg: Any, h: Array, lw: Any) -> Array:
+def merged_experts(cfg: Any, lw: Any) -> Callable[[int], tuple]:
+    """Expert j's (gate, up, down) as views of the layer's merged matrices."""
+    e, ff = cfg.n_embd, cfg.n_ff_exp
+    return lambda j: (expert_rows(lw.ffn_gate_exps, j, ff), expert_rows(lw.ffn_up_exps, j, ff),
+                      expert_rows(lw.ffn_down_exps, j, e))
+
+
+def moe_ffn(cfg: Any, h: Array, lw: Any, experts: Callable[[int], tuple] | None = None, max_rows: int = 0) -> Array:
     """The routed FFN (and the shared expert, where the layer has one) of h [T, n_embd] (normed):
-    [T, n_embd] float32."""
+    [T, n_embd] float32. `experts(j)`: expert j's (gate, up, down), asked once per call for each expert
+    some token chose, in increasing order (a cache of experts restores it there); default: views of the
+    layer's merged matrices. `max_rows`: see _rows."""
     xp = get_array_module(h)
-    T, e, ff = h.shape[0], cfg.n_embd, cfg.n_ff_exp
-    chosen, weights = route(cfg, h, lw.ffn_gate_inp)
+    T, e = h.shape[0], cfg.n_embd
+    experts = experts or merged_experts(cfg, lw)
+    chosen, weights = route(cfg, h, lw.ffn_gate_inp, max_rows)
     out = xp.zeros((T, e), dtype=np.float32)
     for j in np.unique(chosen):                        # increasing: each token sums its experts in this order
         tokens, slot = np.nonzero(chosen == j)
-        y = _swiglu(h[xp.asarray(tokens)], expert_rows(lw.ffn_gate_exps, j, ff), expert_rows(lw.ffn_up_exps, j, ff),
-                    expert_rows(lw.ffn_down_exps, j, e)).astype(np.float32, copy=False)   # [n_j, n_embd]
+        y = _swiglu(h[xp.asarray(tokens)], *experts(int(j)), max_rows).astype(np.float32, copy=False)  # [n_j, e]
         out[xp.asarray(tokens)] += y * xp.asarray(weights[tokens, slot])[:, None]
     if lw.ffn_gate_shexp is not None:
-        y = _swiglu(h, lw.ffn_gate_shexp, lw.ffn_up_shexp, lw.ffn_down_shexp).astype(np.float32, copy=False)
+        y = _swiglu(h, lw.ffn_gate_shexp, lw.ffn_up_shexp, lw.ffn_down_shexp, max_rows).astype(np.float32, copy=False)
         gate = (h.astype(np.float32, copy=False) @ lw.ffn_gate_inp_shexp.astype(np.float32, copy=False))  # [T]
         out += y * (1.0 / (1.0 + xp.exp(-gate)))[:, None]
     return out

@@ -291,7 +291,13 @@ Attend = Callable[[ModelConfig, Array, list, list, tuple], Array]
 
 def layer_forward(cfg: ModelConfig, x: Array, lw: LayerWeights, k_cache: Array, v_cache: Array,
                   pos: int, rope: tuple[Array, Array] | None = None, attend: Attend | None = None) -> Array:
-    """One transformer block on x [T, n_embd] at positions pos..pos+T; `cfg` is the layer's own
+    """One transformer block: ``attention_block`` then ``ffn_block``."""
+    return ffn_block(cfg, attention_block(cfg, x, lw, k_cache, v_cache, pos, rope, attend), lw)
+
+
+def attention_block(cfg: ModelConfig, x: Array, lw: LayerWeights, k_cache: Array, v_cache: Array,
+                    pos: int, rope: tuple[Array, Array] | None = None, attend: Attend | None = None) -> Array:
+    """The attention half of a transformer block on x [T, n_embd] at positions pos..pos+T; `cfg` is the layer's own
     (ModelConfig.for_layer).
 
     Writes the T new K/V rows into k_cache/v_cache [rows, n_head_kv, head_dim] and attends over the
@@ -341,11 +347,15 @@ def layer_forward(cfg: ModelConfig, x: Array, lw: LayerWeights, k_cache: Array, 
     out = linear(attn, lw.wo)                                                   # [T, n_embd]
     if lw.post_attn_norm is not None:
         out = rms_norm(out, lw.post_attn_norm, cfg.rms_eps)
-    x = x + (out if cfg.residual_scale == 1.0 else out * cfg.residual_scale)
+    return x + (out if cfg.residual_scale == 1.0 else out * cfg.residual_scale)
 
+
+def ffn_block(cfg: ModelConfig, x: Array, lw: LayerWeights, experts: Any = None, max_rows: int = 0) -> Array:
+    """The feed-forward half of a transformer block on x [T, n_embd], each row on its own; `experts` and
+    `max_rows`: where the experts come from and how many rows go through a matrix at once (moe.moe_ffn)."""
     h = rms_norm(x, lw.ffn_norm, cfg.rms_eps)
     if lw.ffn_gate_inp is not None:                                             # experts
-        out = moe_ffn(cfg, h, lw).astype(x.dtype, copy=False)                   # [T, n_embd]
+        out = moe_ffn(cfg, h, lw, experts, max_rows).astype(x.dtype, copy=False)  # [T, n_embd]
     else:
         act = gelu_tanh if cfg.activation == "gelu" else silu
         gated = act(linear(h, lw.w_gate))                                       # [T, n_ff]

@@ -80,6 +80,9 @@ class StepLayer:
     # A streamed layer: field name -> the store entry of that weight (its `weights` give the types; their
     # buffers are not read), its caches the entries kv_ids names; copied into the decoder's slots each step.
     streamed: dict | None = None
+    # Experts as pebbles: (entry id of expert 0, experts cached), expert j the store entry id + j (its gate,
+    # up and down rows; `weights` give their types only); None: the merged tensors of `weights`.
+    experts: tuple | None = None
 
 
 @dataclass(frozen=True)
@@ -102,7 +105,9 @@ class StepModel:
     slots: tuple = ()    # the streamed layers' two slots (buffers of the library's memory), or () for its own
 
 
-DECODER_STATS = ("steps", "tokens", "layer_passes", "graphs_captured", "graph_replays", "graphs_dropped")
+DECODER_STATS = ("steps", "tokens", "layer_passes", "graphs_captured", "graph_replays", "graphs_dropped",
+                 "expert_hits", "expert_misses", "expert_bytes_restored")
+EXPERT_MATRICES = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")  # what experts as pebbles take from the store
 
 
 class GraphPolicy:
@@ -280,7 +285,7 @@ class Kernels:
         self._local.buffer = None
 
     def decoder(self, cfg, layers, caches, outer, n_ctx: int, *, streamed=None, store=None, kv_ids=(),
-                slots=()) -> Decoder:
+                slots=(), experts=None) -> Decoder:
         """The decode step of a model over these weights and caches (pebble_decoder_create): `cfg` its
         ModelConfig, `layers` each layer's LayerWeights, caches[i][s] layer i's (K, V) of sequence s (each
         [rows, n_head_kv, head_dim], float32 or float16), `outer` its OuterWeights, `n_ctx` the context its
@@ -288,7 +293,9 @@ class Kernels:
         `streamed`: {layer: {field: entry id}} for the layers copied from `store` into the decoder's slots
         each step (their `layers` and `caches` give types and shapes only), each sequence's caches the
         entries kv_ids[s] = (K id, V id); `slots` the two buffers they are copied into (equal sizes), or ()
-        for the decoder to make its own."""
+        for the decoder to make its own. `experts`: {layer: (entry id of expert 0, experts cached)} for the
+        layers whose experts are entries of `store` (StepLayer.experts; their merged matrices in `layers`
+        give types only)."""
         from ..model.transformer import rope_table  # noqa: PLC0415 - the store sits below the model
 
         kv_type = DENSE_TYPES.get(caches[0][0][0].dtype)
@@ -303,11 +310,12 @@ class Kernels:
             if lcfg.window and rows > lcfg.window:
                 raise InvalidArgumentError(f"decoder: layer {i} slides over {lcfg.window} positions, so its caches "
                                            f"hold that many rows (a ring), not {rows}")
-            step_layers.append(StepLayer(LayerShape.of(lcfg), {name: tensor_ref(name, getattr(lw, name))
-                                                               for name in DECODE_WEIGHTS
-                                                               if getattr(lw, name) is not None},
-                                         cos, sin, rows, float(np.float32(lcfg.query_scale)),
-                                         (streamed or {}).get(i)))
+            stored = (experts or {}).get(i)
+            refs = {name: tensor_ref(name, getattr(lw, name)) for name in DECODE_WEIGHTS if getattr(lw, name) is not None}
+            if stored is not None:  # types only: the experts come from the store
+                refs.update({name: (refs[name][0], None) for name in EXPERT_MATRICES if name in refs})
+            step_layers.append(StepLayer(LayerShape.of(lcfg), refs, cos, sin, rows, float(np.float32(lcfg.query_scale)),
+                                         (streamed or {}).get(i), None if stored is None else tuple(stored)))
         output_norm = self.xp.ascontiguousarray(outer.output_norm, dtype=np.float32)
         model = StepModel(cfg.n_layer, cfg.n_embd, cfg.n_vocab, len(caches[0]), kv_type, cfg.rms_eps,
                           float(cfg.logit_scale), float(cfg.final_softcap), tensor_ref("output_norm", output_norm),

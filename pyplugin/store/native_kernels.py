@@ -198,8 +198,13 @@ class NativeDecoder:
                 for f, name in enumerate(DECODE_WEIGHTS):
                     c.weight_ids[f] = _c_int(ids[name], f"layer {i} {name}'s entry", INT32_MIN, INT32_MAX,
                                              InvalidArgumentError, "does not fit in int32")
+            if layer.experts is not None:
+                c.experts_stored = 1
+                c.expert_ids, c.expert_cache = (_c_int(v, f"layer {i}'s {what}", INT32_MIN, INT32_MAX, InvalidArgumentError,
+                                                       "does not fit in int32")
+                                                for v, what in zip(layer.experts, ("expert_ids", "expert_cache")))
             for name, (ggml_type, buffer) in layer.weights.items():
-                if layer.streamed is not None:
+                if layer.streamed is not None or buffer is None:
                     getattr(c.weights, name).ggml_type = _c_type(ggml_type)
                     continue
                 ptr, nbytes = self._pointer(buffer, False, f"layer {i} {name}")
@@ -236,6 +241,9 @@ class NativeDecoder:
         for name in ("n_layer", "n_embd", "n_vocab", "n_seq", "kv_type", "rms_eps", "logit_scale", "final_softcap"):
             setattr(c_model, name, getattr(model, name))
         c_model.graphs = 1 if model.graphs else 0
+        if any(layer.experts is not None for layer in layers) and model.store is not None:
+            c_model.store = model.store._live()
+            self._keep.append(model.store)
         if any(layer.streamed is not None for layer in layers):
             if model.store is None or len(model.kv_ids) != model.n_seq:
                 raise InvalidArgumentError(f"decoder: streamed layers need the store and the (K, V) entries of each "
