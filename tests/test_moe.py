@@ -336,3 +336,42 @@ def test_an_expert_entry_of_the_wrong_size_is_refused_by_name(backend):
             run_steps(be.kernels, model, 16, 1, 1, store=store, experts={0: (FIRST_EXPERT, 2), 1: (FIRST_EXPERT, 2)})
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("backend", store_backend_params(("host", "stub")))
+@pytest.mark.parametrize("strategy", ["none", "minimal"])
+def test_an_expert_cache_gives_the_tokens_of_none_and_reports_what_it_restored(backend, strategy):
+    """pebbling_expert_cache: every cache size gives the tokens of the experts kept in their layers; the
+    report counts hits, misses and expert bytes per token, fewer bytes for a bigger cache."""
+    model = load_model(path_of("qwen3moe", weight_type="Q8_0"), weights="quantized", progress=False)
+    options = Options(temperature=0, num_predict=8, num_ctx=48, num_batch=4)
+    tokens = prompt(7)
+    pebbled = PebbledModel(model, backend=backend)
+    try:
+        def run(**extra):
+            pebbling = PebblingOptions.from_options({"pebbling_strategy": strategy, **extra})
+            gen = pebbled.generation(options, pebbling, len(tokens))
+            return list(gen.tokens(tokens)), gen.report()["experts"]
+        expected, plain = run()
+        assert plain["cache_per_layer"] is None and plain["hits"] == plain["misses"] == 0
+        per_token = []
+        for cache in (0, 2, model.config.n_expert):
+            got, experts = run(pebbling_expert_cache=cache)
+            assert got == expected, cache
+            decoded = len(expected) - 1  # the last token is sampled, not run through the model
+            assert experts["hits"] + experts["misses"] == decoded * model.config.n_layer * model.config.n_expert_used
+            assert experts["bytes_restored_per_token"] * decoded == pytest.approx(
+                experts["misses"] * experts["expert_bytes"], rel=0.01)
+            per_token.append(experts["bytes_restored_per_token"])
+        assert per_token[0] > per_token[1] > per_token[2]
+        assert experts["misses"] <= model.config.n_layer * model.config.n_expert  # the whole cache: once each
+    finally:
+        pebbled.close()
+
+
+def test_the_expert_cache_option_is_checked():
+    from pyplugin.errors import OptionsError
+    assert PebblingOptions.from_options({"pebbling_expert_cache": 8}).expert_cache == 8
+    for bad in (-1, True, "8", 1.5):
+        with pytest.raises(OptionsError, match="pebbling_expert_cache"):
+            PebblingOptions.from_options({"pebbling_expert_cache": bad})

@@ -20,6 +20,8 @@ import numpy as np
 
 from ..model import LayerWeights
 from ..store import Decoder, Strategy
+from ..store.kernels import EXPERT_MATRICES
+from . import experts
 from .options import Options
 from .layout import aligned, bytes_of, kv_ids, process_memory, ring_rows
 from .plan import PebblingOptions, Plan
@@ -35,6 +37,10 @@ class SequenceCost:
     bytes_restored: float = 0.0
     restores: float = 0.0
     passes: list[tuple[int, float, int]] = field(default_factory=list)  # (position, bytes share, sequences)
+    expert_hits: float = 0.0         # experts as pebbles (runtime.experts): this sequence's share of its decode
+    expert_misses: float = 0.0       # steps' expert hits, misses and bytes restored, and how many steps
+    expert_bytes: float = 0.0
+    expert_steps: int = 0
 
 
 class StoreLayers:
@@ -274,10 +280,13 @@ class StoreLayers:
                     weights.append(self._host_weights(i))
                     caches.append([self._host_caches(i, seq) for seq in range(self.n_seqs)])
             self.in_slot = [None] * len(self.slots)  # the decoder writes into the slots: the next pass restores
+            stored = experts.decoder_experts(self)
+            for i in streamed if stored else ():  # a streamed layer's experts come from the store, one by one
+                streamed[i] = {name: tid for name, tid in streamed[i].items() if name not in EXPERT_MATRICES}
             self._decoder = self.pebbled.kernels.decoder(
                 self.pebbled.model.config, weights, caches, self.outer, self.n_ctx, streamed=streamed or None,
-                store=self.store if streamed else None, kv_ids=[kv_ids(seq) for seq in range(self.n_seqs)],
-                slots=self.slots if streamed else ())
+                store=self.store if streamed or stored else None, kv_ids=[kv_ids(seq) for seq in range(self.n_seqs)],
+                slots=self.slots if streamed else (), experts=stored)
         return self._decoder
 
     def decode_step(self, seqs: Sequence[int], positions: Sequence[int], x: Array):
@@ -288,8 +297,10 @@ class StoreLayers:
         self.pass_seqs = [(seq, pos, 1) for seq, pos in zip(seqs, positions)]
         stats = self.store.stats()
         self._pass_start = (stats.bytes_restored, stats.restores)
+        before = decoder.stats()
         logits = decoder.step(seqs, positions, x)
         self._charge()
+        experts.charge(self.costs, seqs, before, decoder.stats())
         return logits
 
     # -- what it cost
@@ -333,6 +344,7 @@ class StoreLayers:
             "bytes_restored": round(cost.bytes_restored),
             "restores": round(cost.restores),
             "bytes_restored_per_token": int(sum(s for s, _ in decode) // len(decode)) if decode else None,
+            "experts": experts.report(self, cost),
             "cached_tokens": stats.cached_tokens,
             "cache_restored_tokens": stats.cache_restored,
             "batch": {"n_parallel": self.n_seqs,
