@@ -375,3 +375,20 @@ def test_the_expert_cache_option_is_checked():
     for bad in (-1, True, "8", 1.5):
         with pytest.raises(OptionsError, match="pebbling_expert_cache"):
             PebblingOptions.from_options({"pebbling_expert_cache": bad})
+
+
+def test_estimate_shows_the_experts(capsys):
+    import json
+
+    from pyplugin.cli import main
+    path = str(path_of("qwen2moe", weight_type="Q8_0"))
+    assert main(["estimate", path, "--num-ctx", "64", "--num-batch", "8", "--backend", "stub", "--json"]) == 0
+    e = json.loads(capsys.readouterr().out)["experts"]
+    model = load_model(path, progress=False)
+    lw, cfg = model.layers[0], model.config
+    one = sum(getattr(lw, n).nbytes for n in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")) // cfg.n_expert
+    assert (e["n_expert"], e["n_expert_used"], e["expert_layers"], e["expert_bytes"]) == (8, 3, 2, one)
+    assert e["experts_bytes"] == 2 * 8 * one and e["routed_bytes_per_token"] == 2 * 3 * one
+    assert e["cache_bytes"] == {"0": 2 * one, "1": 2 * one, "8": 2 * 8 * one}
+    assert main(["estimate", path, "--num-ctx", "64", "--num-batch", "8", "--backend", "stub"]) == 0
+    assert "experts: 8 per layer in 2 layers, 3 used per token" in capsys.readouterr().out

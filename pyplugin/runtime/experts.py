@@ -93,3 +93,21 @@ def report(layers: Any, cost: Any) -> dict[str, Any] | None:
             "hits": round(cost.expert_hits), "misses": round(cost.expert_misses),
             "hit_rate": round(cost.expert_hits / ran, 4) if ran else None,
             "bytes_restored_per_token": round(cost.expert_bytes / cost.expert_steps) if cost.expert_steps else None}
+
+
+def estimate(pebbled: Any) -> dict[str, Any] | None:
+    """What experts as pebbles would hold and move, for `pebbling estimate` (None without experts): the
+    bytes of one expert, of every expert and of the layers' dense part; the decode step's cache of C experts
+    per layer (C at least one working expert); and the expert bytes a token restores with no cache (its k
+    experts in every layer; a cache saves its hit rate of that, which depends on the routing). The plans
+    above it still hold each layer's experts with the layer: the budget does not yet leave them out."""
+    cfg, layers = pebbled.model.config, expert_layers(pebbled)
+    if not layers:
+        return None
+    per_expert = sum(t.nbytes for t in pebbled.layouts[layers[0]] if t.name in EXPERT_MATRICES) // cfg.n_expert
+    total = sum(t.nbytes for i in layers for t in pebbled.layouts[i] if t.name in EXPERT_MATRICES)
+    sizes = sorted({c for c in (0, 1, 8, 16, 32, cfg.n_expert) if c <= cfg.n_expert})
+    return {"n_expert": cfg.n_expert, "n_expert_used": cfg.n_expert_used, "expert_layers": len(layers),
+            "expert_bytes": per_expert, "experts_bytes": total, "dense_bytes": pebbled.weight_bytes - total,
+            "cache_bytes": {str(c): len(layers) * max(1, c) * per_expert for c in sizes},
+            "routed_bytes_per_token": len(layers) * cfg.n_expert_used * per_expert}
