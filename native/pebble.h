@@ -381,6 +381,9 @@ struct pebble_step_model {
     // K and V cache, each at a multiple of 256 bytes; slot_bytes must cover the largest streamed layer.
     void *   slots[2];
     uint64_t slot_bytes;
+    // The experts' entries (pebble_step_layer.experts_stored), or NULL for `store`'s: a store of their own
+    // keeps them in its host tier whatever residency the layers' store gives the layers.
+    pebble_store_t expert_store;
 };
 
 struct pebble_decoder_stats {

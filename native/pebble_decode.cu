@@ -709,6 +709,10 @@ uint64_t row_bytes(int32_t type, int64_t cols) {
     return uint64_t(cols / elements) * uint64_t(block);
 }
 
+pebble_store_t expert_store(const pebble_decoder & d) {
+    return d.model.expert_store ? d.model.expert_store : d.model.store;
+}
+
 // Expert j of layer i in the layer's cache: a hit where a slot holds it, else restored from the store (on
 // `stream`, so after whatever read the slot before) into an empty slot or the least recently used one.
 pebble_status cached_expert(pebble_decoder & d, int32_t i, int32_t j, cudaStream_t stream, uint8_t ** out) {
@@ -728,7 +732,7 @@ pebble_status cached_expert(pebble_decoder & d, int32_t i, int32_t j, cudaStream
     uint8_t * slot = c.buffer + victim * c.slot_bytes;
     const uint64_t nbytes = c.gate_bytes + c.up_bytes +
                             row_bytes(L.weights.ffn_down_exps.ggml_type, L.shape.n_ff_exp) * uint64_t(L.shape.n_embd);
-    const pebble_status st = pebble_restore(d.model.store, i, L.expert_ids + j, slot, nbytes, stream);
+    const pebble_status st = pebble_restore(expert_store(d), i, L.expert_ids + j, slot, nbytes, stream);
     if (st != PEBBLE_OK) {
         char where[96];
         snprintf(where, sizeof where, "pebble_decoder_step: layer %d: expert %d", i, j);
@@ -1284,7 +1288,7 @@ pebble_status place_experts(pebble_decoder & d, const char * fn) {
         const pebble_step_layer & L = d.layers[i];
         if (L.experts_stored == 0) continue;
         const pebble_layer_shape & s = L.shape;
-        if (L.experts_stored != 1 || s.n_expert < 1 || !d.model.store || L.expert_ids < 0 ||
+        if (L.experts_stored != 1 || s.n_expert < 1 || !expert_store(d) || L.expert_ids < 0 ||
             L.expert_ids > INT32_MAX - s.n_expert || L.expert_cache < 0 || L.expert_cache > s.n_expert) {
             return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: layer %zu: experts_stored %d needs 0, or 1 with experts "
                         "(n_expert %d), the model's store, expert_ids %d at least 0 and expert_cache %d within "
@@ -1297,7 +1301,7 @@ pebble_status place_experts(pebble_decoder & d, const char * fn) {
                                 row_bytes(L.weights.ffn_down_exps.ggml_type, s.n_ff_exp) * uint64_t(s.n_embd);
         for (int32_t j = 0; j < s.n_expert; j++) {
             struct pebble_entry_info info{};
-            if (pebble_entry_info(d.model.store, static_cast<int32_t>(i), L.expert_ids + j, &info) != PEBBLE_OK ||
+            if (pebble_entry_info(expert_store(d), static_cast<int32_t>(i), L.expert_ids + j, &info) != PEBBLE_OK ||
                 info.nbytes != nbytes) {
                 return fail(PEBBLE_ERR_SIZE_MISMATCH, "%s: layer %zu: expert %d (tensor %d) is not an entry of %" PRIu64
                             " bytes (its gate, up and down rows)", fn, i, j, L.expert_ids + j, nbytes);

@@ -354,6 +354,7 @@ def test_an_expert_cache_gives_the_tokens_of_none_and_reports_what_it_restored(b
             return list(gen.tokens(tokens)), gen.report()["experts"]
         expected, plain = run()
         assert plain["cache_per_layer"] is None and plain["hits"] == plain["misses"] == 0
+        device = pebbled.store.stats().device_bytes
         per_token = []
         for cache in (0, 2, model.config.n_expert):
             got, experts = run(pebbling_expert_cache=cache)
@@ -365,6 +366,8 @@ def test_an_expert_cache_gives_the_tokens_of_none_and_reports_what_it_restored(b
             per_token.append(experts["bytes_restored_per_token"])
         assert per_token[0] > per_token[1] > per_token[2]
         assert experts["misses"] <= model.config.n_layer * model.config.n_expert  # the whole cache: once each
+        # the experts' entries are a store of their own, in its host tier: the layers' residency is as it was
+        assert pebbled.store.stats().device_bytes == device and pebbled.expert_store.stats().device_bytes == 0
     finally:
         pebbled.close()
 

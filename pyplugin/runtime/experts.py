@@ -37,12 +37,14 @@ def expert_layers(pebbled: Any) -> list[int]:
 
 
 def save_expert_entries(pebbled: Any) -> int:
-    """Saves each expert of each layer of experts as an entry of the store (once per model), from the
-    merged tensors the store holds; returns the bytes of one expert (0 for a model without experts)."""
+    """Saves each expert of each layer of experts as an entry of a store of their own (once per model:
+    `pebbled.expert_store`, whose host tier keeps them whatever the layers' residency), from the merged
+    tensors the layers' store holds; returns the bytes of one expert (0 for a model without experts)."""
     cached = getattr(pebbled, "_expert_bytes", None)
     if cached is not None:
         return cached
     n_expert, nbytes = pebbled.model.config.n_expert, 0
+    store = pebbled.expert_store = pebbled.backend.open_store(0, pebbled.model.config.n_layer, "minimal")
     for i in expert_layers(pebbled):
         tensors = {t.name: t for t in pebbled.layouts[i]}
         parts = []
@@ -53,7 +55,7 @@ def save_expert_entries(pebbled: Any) -> int:
             parts.append(to_numpy(raw).reshape(n_expert, -1))             # expert j's rows: row j
         for j in range(n_expert):
             data = np.concatenate([p[j] for p in parts])
-            pebbled.store.save(i, EXPERT_ID + j, data, tier="host")
+            store.save(i, EXPERT_ID + j, data, tier="host")
             nbytes = data.nbytes
     pebbled._expert_bytes = nbytes
     return nbytes

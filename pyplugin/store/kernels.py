@@ -103,6 +103,7 @@ class StepModel:
     store: Any = None    # the streamed layers' entries (a Store of this library's backend)
     kv_ids: tuple = ()   # per sequence, the (K, V) entry ids of its caches in every layer
     slots: tuple = ()    # the streamed layers' two slots (buffers of the library's memory), or () for its own
+    expert_store: Any = None  # the experts' entries (StepLayer.experts), or None for `store`'s
 
 
 DECODER_STATS = ("steps", "tokens", "layer_passes", "graphs_captured", "graph_replays", "graphs_dropped",
@@ -285,7 +286,7 @@ class Kernels:
         self._local.buffer = None
 
     def decoder(self, cfg, layers, caches, outer, n_ctx: int, *, streamed=None, store=None, kv_ids=(),
-                slots=(), experts=None) -> Decoder:
+                slots=(), experts=None, expert_store=None) -> Decoder:
         """The decode step of a model over these weights and caches (pebble_decoder_create): `cfg` its
         ModelConfig, `layers` each layer's LayerWeights, caches[i][s] layer i's (K, V) of sequence s (each
         [rows, n_head_kv, head_dim], float32 or float16), `outer` its OuterWeights, `n_ctx` the context its
@@ -295,7 +296,7 @@ class Kernels:
         entries kv_ids[s] = (K id, V id); `slots` the two buffers they are copied into (equal sizes), or ()
         for the decoder to make its own. `experts`: {layer: (entry id of expert 0, experts cached)} for the
         layers whose experts are entries of `store` (StepLayer.experts; their merged matrices in `layers`
-        give types only)."""
+        give types only), in `expert_store` where given."""
         from ..model.transformer import rope_table  # noqa: PLC0415 - the store sits below the model
 
         kv_type = DENSE_TYPES.get(caches[0][0][0].dtype)
@@ -321,7 +322,7 @@ class Kernels:
                           float(cfg.logit_scale), float(cfg.final_softcap), tensor_ref("output_norm", output_norm),
                           tensor_ref("output", outer.output),
                           graphs=os.environ.get("PEBBLING_CUDA_GRAPHS", "1") != "0", store=store,
-                          kv_ids=tuple(tuple(pair) for pair in kv_ids), slots=tuple(slots))
+                          kv_ids=tuple(tuple(pair) for pair in kv_ids), slots=tuple(slots), expert_store=expert_store)
         k_caches = [k for per_layer in caches for k, _ in per_layer]
         v_caches = [v for per_layer in caches for _, v in per_layer]
         return Decoder(self.lib.decoder(model, step_layers, k_caches, v_caches), self.xp, cfg.n_embd, cfg.n_vocab,

@@ -241,9 +241,11 @@ class NativeDecoder:
         for name in ("n_layer", "n_embd", "n_vocab", "n_seq", "kv_type", "rms_eps", "logit_scale", "final_softcap"):
             setattr(c_model, name, getattr(model, name))
         c_model.graphs = 1 if model.graphs else 0
-        if any(layer.experts is not None for layer in layers) and model.store is not None:
-            c_model.store = model.store._live()
-            self._keep.append(model.store)
+        if any(layer.experts is not None for layer in layers):
+            for name, store in (("store", model.store), ("expert_store", model.expert_store)):
+                if store is not None:
+                    setattr(c_model, name, store._live())
+                    self._keep.append(store)
         if any(layer.streamed is not None for layer in layers):
             if model.store is None or len(model.kv_ids) != model.n_seq:
                 raise InvalidArgumentError(f"decoder: streamed layers need the store and the (K, V) entries of each "

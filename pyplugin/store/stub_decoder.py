@@ -124,7 +124,8 @@ class StubDecoder:
                 types = {name: layer.weights[name][0] for name in EXPERT_MATRICES if name in layer.weights}
                 if len(types) < len(EXPERT_MATRICES):
                     raise InvalidArgumentError(f"{fn}: layer {i}: experts stored need the types of {', '.join(EXPERT_MATRICES)}")
-                self.experts[i] = ExpertCache(kernels, model.store, i, s, types, *layer.experts, self.stats_)
+                self.experts[i] = ExpertCache(kernels, model.expert_store or model.store, i, s, types, *layer.experts,
+                                              self.stats_)
             if layer.streamed is not None:
                 self.streamed[i] = ({name: buf for name, (_, buf) in w.items()}, entries, caches, build, w)
         self.output_norm = kernels._vector(fn, {"output_norm": model.output_norm}, "output_norm", model.n_embd)
