@@ -395,3 +395,34 @@ def test_estimate_shows_the_experts(capsys):
     assert e["cache_bytes"] == {"0": 2 * one, "1": 2 * one, "8": 2 * 8 * one}
     assert main(["estimate", path, "--num-ctx", "64", "--num-batch", "8", "--backend", "stub"]) == 0
     assert "experts: 8 per layer in 2 layers, 3 used per token" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("backend", store_backend_params(("host", "stub")))
+@pytest.mark.parametrize("expert_cache", [None, 2])
+def test_streamed_layers_of_experts_through_the_decoders_slots(backend, expert_cache, monkeypatch):
+    """The GPU's path on the host: a streamed layer's weights copied into the decoder's slots each step (its
+    merged experts with it, or, with an expert cache, only its dense part) gives the tokens of `none`."""
+    from pyplugin.runtime.store_layers import StoreLayers
+    monkeypatch.setattr(StoreLayers, "slots_everywhere", True)
+    model = load_model(path_of("qwen2moe", weight_type="Q8_0"), weights="quantized", progress=False)
+    options = Options(temperature=0, num_predict=6, num_ctx=48, num_batch=4)
+    tokens = prompt(7)
+    pebbled = PebbledModel(model, backend=backend)
+    try:
+        def run(strategy, **extra):
+            pebbling = PebblingOptions.from_options({"pebbling_strategy": strategy, **extra})
+            gen = pebbled.generation(options, pebbling, len(tokens))
+            return list(gen.tokens(tokens)), gen.report()
+        expected, _ = run("none")
+        extra = {} if expert_cache is None else {"pebbling_expert_cache": expert_cache}
+        got, report = run("minimal", **extra)
+        assert got == expected
+        per_token = report["bytes_restored_per_token"]  # the store's restores: the slots' copies
+        dense = sum(t.nbytes for layout in pebbled.layouts for t in layout if not t.name.endswith("_exps"))
+        if expert_cache is None:
+            assert per_token > pebbled.weight_bytes  # every layer's experts too
+        else:
+            assert dense < per_token < pebbled.weight_bytes  # the dense part (and KV), not the merged experts
+            assert report["experts"]["misses"] > 0
+    finally:
+        pebbled.close()
