@@ -21,6 +21,9 @@ pyplugin.loop), feeds both the same token ids and compares:
            rounds them to F16 / BF16, before its matmuls), which a dequantization unlike ggml's would
            inflate. pebbling vs llama.cpp(F32 copy) must agree to float32 precision (<= 1e-4).
 
+Mixtures of experts (qwen3moe, qwen2moe with its shared expert, Mixtral-style llama files with experts)
+run in F32, F16, Q8_0 and a Q4_K_M-like mix: routing (the softmax, top-k, renormalisation) is llama.cpp's.
+
 The new architectures' own parts are all in play: qwen3's Q/K norms and head size of its own (128 on a
 64-wide split), the Gemmas' scaled embedding, sandwich norms, GELU gate and sliding window (8 positions,
 so the 28 positions compared cross its edge), gemma2's soft-capping (caps low enough to bend the scores).
@@ -86,10 +89,17 @@ depend on. Install them in a separate virtual environment, with pebbling beside 
 ARCHS = ("llama", "qwen2", "phi3", "qwen3", "gemma3", "gemma2")
 TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 VOCAB_OF = {"llama": "llama3", "qwen2": "chatml", "phi3": "spm", "qwen3": "qwen3", "gemma3": "gemma",
-            "gemma2": "gemma"}  # each arch's usual tokenizer
+            "gemma2": "gemma", "qwen3moe": "qwen3", "qwen2moe": "chatml"}  # each arch's usual tokenizer
+MOE_ARCHS = ("qwen3moe", "qwen2moe", "mixtral")  # mixtral: a llama file with experts
+MOE_TYPES = ("F32", "F16", "Q8_0")               # and a Q4_K_M-like mix of each
 # What every file of an architecture carries beyond SHAPE: its own parts, exercised.
 ARCH_SPEC = {"qwen3": {"key_length": 128}, "gemma3": {"sliding_window": 8, "rope_theta": 1e6},
-             "gemma2": {"sliding_window": 8, "attn_softcap": 3.0, "final_softcap": 4.0}}
+             "gemma2": {"sliding_window": 8, "attn_softcap": 3.0, "final_softcap": 4.0},
+             # experts: 8 of 2 (Mixtral), 16 of 4 with a shared expert (Qwen2-MoE), 16 of 4 normalised with
+             # Q/K norms (Qwen3-MoE); expert FFNs narrower than the model's, as theirs are
+             "qwen3moe": {"key_length": 128, "n_expert": 16, "n_expert_used": 4, "n_ff_exp": 256},
+             "qwen2moe": {"n_expert": 16, "n_expert_used": 4, "n_ff_exp": 256, "n_ff_shexp": 512},
+             "mixtral": {"n_expert": 8, "n_expert_used": 2}}
 SHAPE = dict(n_layer=4, n_embd=256, n_head=4, n_head_kv=2, n_ff=512, n_ctx=512)
 N_PROMPT, N_GEN, N_CTX = 12, 16, 64
 
@@ -136,6 +146,12 @@ def cases(archs: tuple[str, ...], types: tuple[str, ...]) -> list[Case]:
              {"sliding_window": 4, "attn_softcap": None, "final_softcap": None}),
     ]
     out += [c for c in extras if c.arch in archs and c.weight_type in types]
+    q4_k_m = {"tensor_types": {"output": "Q6_K", "attn_v": "Q6_K", "ffn_down_exps": "Q6_K", "ffn_down_shexp": "Q6_K",
+                               "token_embd": "Q4_K"}}
+    for arch in (a for a in MOE_ARCHS if a in archs):
+        out += [Case(f"{arch} {t}", arch, t) for t in MOE_TYPES if t in types]
+        if "Q4_K" in types:
+            out.append(Case(f"{arch} Q4_K_M-like mix", arch, "Q4_K", q4_k_m))
     return out
 
 
@@ -232,7 +248,8 @@ def run_pebbling(model, prompt: list[int]) -> tuple[list[int], list[np.ndarray]]
 
 
 def compare_case(case: Case, workdir: Path) -> dict[str, Any]:
-    spec = dict(SHAPE, arch=case.arch, vocab=VOCAB_OF[case.arch], weight_type=case.weight_type, seed=7)
+    arch = "llama" if case.arch == "mixtral" else case.arch
+    spec = dict(SHAPE, arch=arch, vocab=VOCAB_OF[arch], weight_type=case.weight_type, seed=7)
     spec.update(ARCH_SPEC.get(case.arch, {}))
     spec.update(case.overrides)
     path = workdir / (case.name.replace(" ", "_").replace("/", "-") + ".gguf")
@@ -318,7 +335,8 @@ def weights_as_dequantized_f32():
     def tensors(spec, n_vocab):
         for name, array, qtype in original(spec, n_vocab):
             if qtype != GGMLQuantizationType.F32:
-                raw = np.ascontiguousarray(synth.quantize(array, qtype)).view(np.uint8).reshape(-1)
+                rows = array.reshape(-1, array.shape[-1])  # merged experts: a stack of matrices
+                raw = np.ascontiguousarray(synth.quantize(rows, qtype)).view(np.uint8).reshape(-1)
                 array, qtype = dequantize_bytes(raw, qtype, array.shape), GGMLQuantizationType.F32
             yield name, array, qtype
 
@@ -468,7 +486,8 @@ def print_tokenizer_table(rows: list[dict[str, Any]]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--only", default=",".join(ARCHS), help="architectures, comma-separated")
+    ap.add_argument("--only", default=",".join(ARCHS + MOE_ARCHS), help="architectures, comma-separated "
+                    "(mixtral: a llama file with experts)")
     ap.add_argument("--types", default=",".join(TYPES), help="tensor types, comma-separated")
     ap.add_argument("--no-tokenizers", action="store_true", help="skip the tokenizer comparison")
     ap.add_argument("--json", help="also write every figure to this file")

@@ -248,7 +248,10 @@ PEBBLE_API enum pebble_status pebble_matmul_f32(int32_t ggml_type, const void * 
 // output projection, its norm where given (the Gemmas), the residual (scaled where asked: Granite), RMS
 // norm, the SwiGLU or GELU-tanh gated feed-forward, its norm where given, and its residual. A cache may be
 // a ring (shape.ring): a sliding-window layer's rows hold its last positions, position p in row p % rows,
-// and attention covers the rows filled so far, its window. Weight matrices may be of any type with
+// and attention covers the rows filled so far, its window. A layer of experts replaces the gated
+// feed-forward by its routed one (pebble_layer_shape.n_expert); a decode step computes it expert by
+// expert, each expert's rows read once for the tokens of the step routed to it (the router's choice is
+// read back to the host, so such a model's steps are not captured as CUDA graphs). Weight matrices may be of any type with
 // kernels (the quantized bytes as stored, or F16/F32/BF16); vectors (norms, biases) and the caches are F32
 // or F16. The residual stream is float32, the vectors handed to the matrix kernels fp16, sums float32.
 // Layouts are llama.cpp's, as in pyplugin.model: a matrix is [out][in] rows, a cache is
@@ -264,6 +267,14 @@ struct pebble_layer_shape {
     int32_t ring;            // 1: the caches are rings of the last n_ctx positions (a sliding window)
     float   attn_softcap;    // above 0: each score s becomes c * tanh(s / c) (gemma2); 0: none
     float   residual_scale;  // multiplies each block's output before it joins x (1: none; Granite's)
+    // A mixture of experts in place of the FFN where n_expert > 0 (w_gate, w_up, w_down then NULL): the
+    // router's softmax over n_expert scores, the n_expert_used most probable (ties to the lower index),
+    // their probabilities renormalised to sum to 1 where expert_norm is 1, times expert_scale; each chosen
+    // expert a SwiGLU FFN of n_ff_exp, summed by those weights in increasing expert order; plus, where
+    // n_ff_shexp > 0, a shared SwiGLU FFN of n_ff_shexp times sigmoid(ffn_gate_inp_shexp . h) (qwen2moe).
+    int32_t n_expert, n_expert_used, n_ff_exp, n_ff_shexp;
+    int32_t expert_norm;     // 0 or 1
+    float   expert_scale;    // 1: none
 };
 
 struct pebble_tensor_ref {
@@ -271,12 +282,18 @@ struct pebble_tensor_ref {
     const void * data;   // NULL: absent (biases only)
 };
 
-#define PEBBLE_LAYER_WEIGHTS 16 // the fields of pebble_layer_weights
+#define PEBBLE_LAYER_WEIGHTS 24 // the fields of pebble_layer_weights
 
 struct pebble_layer_weights {
     struct pebble_tensor_ref attn_norm, wq, wk, wv, wo, ffn_norm, w_gate, w_up, w_down, bq, bk, bv;
     struct pebble_tensor_ref q_norm, k_norm;                 // [head_dim] each, or NULL (qwen3, gemma3)
     struct pebble_tensor_ref post_attn_norm, post_ffn_norm;  // [n_embd] each, or NULL (the Gemmas)
+    // experts (shape.n_expert > 0), else NULL: the router [n_expert][n_embd]; the experts' gate and up
+    // [n_expert][n_ff_exp][n_embd] and down [n_expert][n_embd][n_ff_exp], expert j's rows one block of
+    // rows after another as GGUF merges them; the shared expert's gate vector [n_embd] (F32 or F16) and
+    // its gate and up [n_ff_shexp][n_embd] and down [n_embd][n_ff_shexp], or NULL where it has none.
+    struct pebble_tensor_ref ffn_gate_inp, ffn_gate_exps, ffn_up_exps, ffn_down_exps;
+    struct pebble_tensor_ref ffn_gate_inp_shexp, ffn_gate_shexp, ffn_up_shexp, ffn_down_shexp;
 };
 
 // The attention of one new query in each of n_seq sequences, each over a cache of its own: what a
@@ -337,6 +354,15 @@ struct pebble_step_layer {
     // is streamed (the store's copies are not).
     int32_t       streamed;
     int32_t       weight_ids[PEBBLE_LAYER_WEIGHTS];
+    // Experts as pebbles (shape.n_expert > 0 and experts_stored 1; 0: the merged tensors of `weights`): expert
+    // j of the layer is the store entry expert_ids + j of the model's store, its gate rows, then its up rows, then its down rows, in the
+    // types weights.ffn_gate_exps, ffn_up_exps and ffn_down_exps give (their data are not read). The
+    // decoder keeps expert_cache of the layer's experts in device memory, the least recently used replaced;
+    // a step restores each expert its tokens chose that the cache lacks before that expert's FFN runs (0:
+    // every routed expert restored at each use, into one working buffer).
+    int32_t       experts_stored;
+    int32_t       expert_ids;
+    int32_t       expert_cache;
 };
 
 struct pebble_step_model {
@@ -355,6 +381,9 @@ struct pebble_step_model {
     // K and V cache, each at a multiple of 256 bytes; slot_bytes must cover the largest streamed layer.
     void *   slots[2];
     uint64_t slot_bytes;
+    // The experts' entries (pebble_step_layer.experts_stored), or NULL for `store`'s: a store of their own
+    // keeps them in its host tier whatever residency the layers' store gives the layers.
+    pebble_store_t expert_store;
 };
 
 struct pebble_decoder_stats {
@@ -365,6 +394,9 @@ struct pebble_decoder_stats {
     // least recently used past PEBBLE_DECODER_GRAPHS, or all where a capture failed). The host build makes the same decisions
     // and counts them, and runs every step directly: it has no graphs.
     uint64_t graphs_captured, graph_replays, graphs_dropped;
+    // Experts as pebbles (pebble_step_layer.experts_stored): experts a step ran from its cache, experts it
+    // restored first, and the bytes those restores copied.
+    uint64_t expert_hits, expert_misses, expert_bytes_restored;
 };
 
 typedef struct pebble_decoder * pebble_decoder_t;

@@ -195,9 +195,11 @@ __global__ void add_kernel(float * __restrict__ x, const float * __restrict__ y,
 #ifdef PEBBLE_HOST_BUILD
 using act_t = float;
 __host__ __device__ inline void put(float * p, int64_t i, float v) { p[i] = v; }
+__host__ __device__ inline float act_value(const float * p, int64_t i) { return p[i]; }
 #else
 using act_t = uint16_t;
 __host__ __device__ inline void put(uint16_t * p, int64_t i, float v) { p[i] = half_from_float(v); }
+__host__ __device__ inline float act_value(const uint16_t * p, int64_t i) { return half_to_float(p[i]); }
 #endif
 
 // out = silu(gate) * up, silu(g) = g / (1 + exp(-g))
@@ -237,6 +239,7 @@ pebble_status launched() {
 #endif
 
 constexpr int     threads = 256;
+constexpr int32_t max_experts = 1 << 12, max_experts_used = 16;
 constexpr int     heads_per_block = 4;
 constexpr int64_t max_grid = int64_t(1) << 20;
 
@@ -275,6 +278,17 @@ pebble_status check_shape(const pebble_layer_shape * s, int64_t n_ctx) {
     }
     if (n_ctx > INT64_MAX / 4 / s->n_head) {
         return fail(PEBBLE_ERR_SIZE_MISMATCH, "n_ctx %" PRId64 " is too large", n_ctx);
+    }
+    if (s->n_expert < 0 || s->n_expert > max_experts || s->n_ff_shexp < 0 ||
+        (s->n_expert > 0 && (s->n_expert_used < 1 || s->n_expert_used > std::min(s->n_expert, max_experts_used) ||
+                             s->n_ff_exp < 1 ||
+                             (s->expert_norm != 0 && s->expert_norm != 1) || !std::isfinite(s->expert_scale) ||
+                             s->gelu))) {
+        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "experts: n_expert %d must be within 0..%d and, above 0, "
+                    "n_expert_used %d within 1..n_expert (and %d), n_ff_exp %d at least 1, expert_norm %d 0 or 1, "
+                    "expert_scale %g finite, gelu 0 (experts are SwiGLU); n_ff_shexp %d at least 0", s->n_expert,
+                    max_experts, s->n_expert_used, max_experts_used, s->n_ff_exp, s->expert_norm,
+                    static_cast<double>(s->expert_scale), s->n_ff_shexp);
     }
     return PEBBLE_OK;
 }
@@ -447,6 +461,7 @@ __global__ void logits_kernel(float * __restrict__ y, int64_t n, float scale, fl
 
 struct step_scratch {
     uint64_t h16, q, k, v, q_rot, kv_new, scores, o, gate, up, pos, x, logits, bytes;
+    uint64_t router, rows, act, y;  // experts: the router's scores, the gathered rows, the gated FFN, its out
 };
 
 // When a step is run as a CUDA graph. A step's launches depend on its batch (which sequences, in which
@@ -549,7 +564,18 @@ struct pebble_decoder {
     std::vector<pebble_step_layer> layers;
     std::vector<void *> k, v;          // [layer * n_seq + s]
     step_scratch at{};
-    int64_t widest = 0, max_q = 0, max_kv = 0, max_ff = 0, max_heads = 0, max_rows = 0;
+    int64_t widest = 0, max_q = 0, max_kv = 0, max_ff = 0, max_heads = 0, max_rows = 0, max_expert = 0;
+    std::vector<float> router_host;    // the router's scores of a step, read back
+    // experts as pebbles, per layer: the cache's buffer (expert_cache slots, at least one), the expert each
+    // slot holds (-1: none) and when it was last used
+    struct expert_cache {
+        uint8_t * buffer = nullptr;
+        uint64_t  slot_bytes = 0, gate_bytes = 0, up_bytes = 0;
+        std::vector<int32_t>  expert;
+        std::vector<uint64_t> used;
+    };
+    std::vector<expert_cache> experts;
+    uint64_t expert_clock = 0;
     uint8_t * scratch = nullptr;
     graph_policy graphs;
     // streamed layers (pebble_step_layer.streamed): their order, and per layer where each weight and each
@@ -583,7 +609,7 @@ pebble_status with_place(pebble_status st, const char * where) {
 }
 
 pebble_status check_layer(const char * fn, int32_t i, const pebble_layer_shape & s, const pebble_layer_weights & w,
-                          int64_t kv_rows) {
+                          int64_t kv_rows, bool experts_stored) {
     // Which layer failed is added to the message of the layer's own checks here.
     char where[64];
     snprintf(where, sizeof where, "%s: layer %d", fn, i);
@@ -602,13 +628,33 @@ pebble_status check_layer(const char * fn, int32_t i, const pebble_layer_shape &
     if ((w.q_norm.data || w.k_norm.data) && (w.bq.data || w.bk.data)) {
         return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: Q/K norms together with Q/K biases are not supported", where);
     }
-    const struct { const char * name; const pebble_tensor_ref & t; int64_t rows, cols; } matrices[] = {
-        {"wq", w.wq, q, e}, {"wk", w.wk, kv, e}, {"wv", w.wv, kv, e}, {"wo", w.wo, e, q},
-        {"w_gate", w.w_gate, s.n_ff, e}, {"w_up", w.w_up, s.n_ff, e}, {"w_down", w.w_down, e, s.n_ff}};
+    const int64_t E = s.n_expert, ff = s.n_expert ? s.n_ff_exp : s.n_ff, sh = s.n_ff_shexp;
+    const bool moe = E > 0, shared = moe && sh > 0;
+    const struct { const char * name; const pebble_tensor_ref & t; int64_t rows, cols; bool wanted; } matrices[] = {
+        {"wq", w.wq, q, e, true}, {"wk", w.wk, kv, e, true}, {"wv", w.wv, kv, e, true}, {"wo", w.wo, e, q, true},
+        {"w_gate", w.w_gate, ff, e, !moe}, {"w_up", w.w_up, ff, e, !moe}, {"w_down", w.w_down, e, ff, !moe},
+        {"ffn_gate_inp", w.ffn_gate_inp, E, e, moe}, {"ffn_gate_exps", w.ffn_gate_exps, E * ff, e, moe},
+        {"ffn_up_exps", w.ffn_up_exps, E * ff, e, moe}, {"ffn_down_exps", w.ffn_down_exps, E * e, ff, moe},
+        {"ffn_gate_shexp", w.ffn_gate_shexp, sh, e, shared}, {"ffn_up_shexp", w.ffn_up_shexp, sh, e, shared},
+        {"ffn_down_shexp", w.ffn_down_shexp, e, sh, shared}};
     for (const auto & m : matrices) {
-        if ((st = check_weight(m.name, m.t, m.rows, m.cols)) != PEBBLE_OK) {
+        if (!m.wanted && m.t.data) {
+            return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: %s is given but the shape (n_expert %d, n_ff_shexp %d) has "
+                        "no use for it", where, m.name, s.n_expert, s.n_ff_shexp);
+        }
+        const bool stored = experts_stored && (&m.t == &w.ffn_gate_exps || &m.t == &w.ffn_up_exps ||
+                                               &m.t == &w.ffn_down_exps);  // entries of the store: types only
+        if (m.wanted && (st = stored ? check_matrix("weight", m.name, m.t.ggml_type, m.rows, m.cols)
+                                     : check_weight(m.name, m.t, m.rows, m.cols)) != PEBBLE_OK) {
             return with_place(st, where);
         }
+    }
+    if ((st = check_vector("ffn_gate_inp_shexp", w.ffn_gate_inp_shexp, !shared)) != PEBBLE_OK) {
+        return with_place(st, where);
+    }
+    if (!shared && w.ffn_gate_inp_shexp.data) {
+        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: ffn_gate_inp_shexp is given but the layer has no shared "
+                    "expert (n_ff_shexp %d)", where, s.n_ff_shexp);
     }
     return PEBBLE_OK;
 }
@@ -638,6 +684,169 @@ void free_scratch(uint8_t * p) {
 }
 
 template <typename T> T * at_offset(uint8_t * base, uint64_t offset) { return reinterpret_cast<T *>(base + offset); }
+
+// out[r] = 0 for r < n
+__global__ void zero_kernel(float * __restrict__ out, int64_t n) {
+    for (int64_t i = grid_thread(); i < n; i += grid_threads()) out[i] = 0.0f;
+}
+
+// One warp per token: out[b] += y[b] * sigmoid(h[b] . g) (the shared expert's gate, qwen2moe).
+__global__ void shared_gate_kernel(float * __restrict__ out, const float * __restrict__ y, const act_t * __restrict__ h,
+                                   int64_t n_rows, int64_t e, const void * g, int32_t g_type) {
+    for (int64_t r = grid_warp(); r < n_rows; r += grid_warps()) {
+        float dot = 0.0f;
+        for (int64_t i = warp_lane(); i < e; i += warp_lanes) dot += act_value(h, r * e + i) * load_value(g, g_type, i);
+        dot = warp_sum(dot);
+        const float gate = 1.0f / (1.0f + expf(-dot));
+        for (int64_t i = warp_lane(); i < e; i += warp_lanes) out[r * e + i] += y[r * e + i] * gate;
+    }
+}
+
+uint64_t row_bytes(int32_t type, int64_t cols) {
+    int64_t elements = 1, block = 0;
+    type_block(type, &elements, &block);
+    return uint64_t(cols / elements) * uint64_t(block);
+}
+
+pebble_store_t expert_store(const pebble_decoder & d) {
+    return d.model.expert_store ? d.model.expert_store : d.model.store;
+}
+
+// Expert j of layer i in the layer's cache: a hit where a slot holds it, else restored from the store (on
+// `stream`, so after whatever read the slot before) into an empty slot or the least recently used one.
+pebble_status cached_expert(pebble_decoder & d, int32_t i, int32_t j, cudaStream_t stream, uint8_t ** out) {
+    const pebble_step_layer & L = d.layers[size_t(i)];
+    pebble_decoder::expert_cache & c = d.experts[size_t(i)];
+    const uint64_t now = ++d.expert_clock;
+    size_t victim = 0;
+    for (size_t k = 0; k < c.expert.size(); k++) {
+        if (L.expert_cache > 0 && c.expert[k] == j) {
+            c.used[k] = now;
+            d.stats.expert_hits++;
+            *out = c.buffer + k * c.slot_bytes;
+            return PEBBLE_OK;
+        }
+        if (c.expert[victim] >= 0 && (c.expert[k] < 0 || c.used[k] < c.used[victim])) victim = k;
+    }
+    uint8_t * slot = c.buffer + victim * c.slot_bytes;
+    const uint64_t nbytes = c.gate_bytes + c.up_bytes +
+                            row_bytes(L.weights.ffn_down_exps.ggml_type, L.shape.n_ff_exp) * uint64_t(L.shape.n_embd);
+    const pebble_status st = pebble_restore(expert_store(d), i, L.expert_ids + j, slot, nbytes, stream);
+    if (st != PEBBLE_OK) {
+        char where[96];
+        snprintf(where, sizeof where, "pebble_decoder_step: layer %d: expert %d", i, j);
+        return with_place(st, where);
+    }
+    c.expert[victim] = j;
+    c.used[victim] = now;
+    d.stats.expert_misses++;
+    d.stats.expert_bytes_restored += nbytes;
+    *out = slot;
+    return PEBBLE_OK;
+}
+
+// The routed FFN of the n rows of h (normed) into out [n][n_embd] float32 (pebble_layer_shape's experts):
+// the router's scores are read back, each token's experts chosen on the host, then expert by expert in
+// increasing order the rows routed to it are gathered, run through its gate, up and down (its rows read
+// once for all of them) and added, weighted, to their tokens' out; the shared expert after, where given.
+pebble_status experts_ffn(pebble_decoder & d, int32_t layer, int32_t n, const act_t * h, float * out,
+                          cudaStream_t stream) {
+    const pebble_step_layer & L = d.layers[size_t(layer)];
+    const pebble_layer_shape & s = L.shape;
+    const pebble_layer_weights & w = L.weights;
+    const int64_t e = s.n_embd, E = s.n_expert, ff = s.n_ff_exp;
+    const int32_t k = s.n_expert_used;
+    float * router = at_offset<float>(d.scratch, d.at.router), * y = at_offset<float>(d.scratch, d.at.y);
+    float * gate = at_offset<float>(d.scratch, d.at.gate), * up = at_offset<float>(d.scratch, d.at.up);
+    act_t * rows = at_offset<act_t>(d.scratch, d.at.rows), * act = at_offset<act_t>(d.scratch, d.at.act);
+    TRY(matvec_many(w.ffn_gate_inp.ggml_type, w.ffn_gate_inp.data, E, e, h, n, router, stream));
+    CUDA_CHECK(cudaMemcpyAsync(d.router_host.data(), router, sizeof(float) * size_t(n) * size_t(E), cudaMemcpyDefault,
+                               stream));
+    CUDA_CHECK(cudaStreamSynchronize(stream));
+    // per token: its experts (a softmax over all, the k most probable, ties to the lower index) and weights
+    int32_t chosen[PEBBLE_DECODER_MAX_BATCH][max_experts_used];
+    float weight[PEBBLE_DECODER_MAX_BATCH][max_experts_used];
+    std::vector<int32_t> order(size_t(E), 0);
+    std::vector<float> p(size_t(E), 0.0f);
+    for (int32_t b = 0; b < n; b++) {
+        const float * sc = d.router_host.data() + size_t(b) * size_t(E);
+        float top = -INFINITY, total = 0.0f;
+        for (int64_t j = 0; j < E; j++) top = std::max(top, sc[j]);
+        for (int64_t j = 0; j < E; j++) total += (p[size_t(j)] = expf(sc[j] - top));
+        for (int64_t j = 0; j < E; j++) {
+            p[size_t(j)] /= total;
+            order[size_t(j)] = static_cast<int32_t>(j);
+        }
+        std::partial_sort(order.begin(), order.begin() + k, order.end(), [&p](int32_t a, int32_t c) {
+            return p[size_t(a)] > p[size_t(c)] || (p[size_t(a)] == p[size_t(c)] && a < c);
+        });
+        float sum = 0.0f;
+        for (int32_t r = 0; r < k; r++) sum += p[size_t(order[size_t(r)])];
+        for (int32_t r = 0; r < k; r++) {
+            chosen[b][r] = order[size_t(r)];
+            float wr = p[size_t(order[size_t(r)])];
+            if (s.expert_norm) wr = wr / sum;
+            weight[b][r] = s.expert_scale == 1.0f ? wr : wr * s.expert_scale;
+        }
+    }
+    LAUNCH(zero_kernel, grid_for(int64_t(n) * e, threads), threads, stream, out, int64_t(n) * e);
+    TRY(launched());
+    const uint64_t gate_rows = row_bytes(w.ffn_gate_exps.ggml_type, e) * uint64_t(ff);
+    const uint64_t up_rows = row_bytes(w.ffn_up_exps.ggml_type, e) * uint64_t(ff);
+    const uint64_t down_rows = row_bytes(w.ffn_down_exps.ggml_type, ff) * uint64_t(e);
+    for (int64_t j = 0; j < E; j++) {
+        int32_t tokens[PEBBLE_DECODER_MAX_BATCH];
+        float weights[PEBBLE_DECODER_MAX_BATCH];
+        int32_t c = 0;
+        for (int32_t b = 0; b < n; b++) {
+            for (int32_t r = 0; r < k; r++) {
+                if (chosen[b][r] == j) {
+                    tokens[c] = b;
+                    weights[c++] = weight[b][r];
+                }
+            }
+        }
+        if (c == 0) continue;
+        for (int32_t r = 0; r < c; r++) {
+            CUDA_CHECK(cudaMemcpyAsync(rows + int64_t(r) * e, h + int64_t(tokens[r]) * e, sizeof(act_t) * size_t(e),
+                                       cudaMemcpyDefault, stream));
+        }
+        const uint8_t * g, * u, * dn;
+        if (L.experts_stored) {  // from the layer's cache, restored first where it lacks the expert
+            uint8_t * slot = nullptr;
+            TRY(cached_expert(d, layer, static_cast<int32_t>(j), stream, &slot));
+            g = slot;
+            u = slot + gate_rows;
+            dn = slot + gate_rows + up_rows;
+        } else {
+            g = static_cast<const uint8_t *>(w.ffn_gate_exps.data) + uint64_t(j) * gate_rows;
+            u = static_cast<const uint8_t *>(w.ffn_up_exps.data) + uint64_t(j) * up_rows;
+            dn = static_cast<const uint8_t *>(w.ffn_down_exps.data) + uint64_t(j) * down_rows;
+        }
+        TRY(matvec_many(w.ffn_gate_exps.ggml_type, g, ff, e, rows, c, gate, stream));
+        TRY(matvec_many(w.ffn_up_exps.ggml_type, u, ff, e, rows, c, up, stream));
+        LAUNCH(swiglu_kernel, grid_for(int64_t(c) * ff, threads), threads, stream, gate, up, int64_t(c) * ff, act);
+        TRY(launched());
+        TRY(matvec_many(w.ffn_down_exps.ggml_type, dn, e, ff, act, c, y, stream));
+        for (int32_t r = 0; r < c; r++) {
+            LAUNCH(add_kernel, grid_for(e, threads), threads, stream, out + int64_t(tokens[r]) * e, y + int64_t(r) * e, e,
+                   weights[r]);
+            TRY(launched());
+        }
+    }
+    if (s.n_ff_shexp > 0) {
+        const int64_t sh = s.n_ff_shexp;
+        TRY(matvec_many(w.ffn_gate_shexp.ggml_type, w.ffn_gate_shexp.data, sh, e, h, n, gate, stream));
+        TRY(matvec_many(w.ffn_up_shexp.ggml_type, w.ffn_up_shexp.data, sh, e, h, n, up, stream));
+        LAUNCH(swiglu_kernel, grid_for(int64_t(n) * sh, threads), threads, stream, gate, up, int64_t(n) * sh, act);
+        TRY(launched());
+        TRY(matvec_many(w.ffn_down_shexp.ggml_type, w.ffn_down_shexp.data, e, sh, act, n, y, stream));
+        LAUNCH(shared_gate_kernel, grid_for(n, heads_per_block), dim3(warp_lanes, heads_per_block), stream, out, y, h, n,
+               e, w.ffn_gate_inp_shexp.data, w.ffn_gate_inp_shexp.ggml_type);
+        TRY(launched());
+    }
+    return PEBBLE_OK;
+}
 
 // One layer for the n tokens of a step (the arguments checked).
 pebble_status step_layer(pebble_decoder & d, int32_t i, int32_t n, const int32_t * seqs,
@@ -707,16 +916,20 @@ pebble_status step_layer(pebble_decoder & d, int32_t i, int32_t n, const int32_t
     LAUNCH(rms_rows_kernel, grid_for(n, heads_per_block), dim3(warp_lanes, heads_per_block), stream, x, n, e,
            w.ffn_norm.data, w.ffn_norm.ggml_type, s.rms_eps, h16);
     TRY(launched());
-    TRY(matvec_many(w.w_gate.ggml_type, w.w_gate.data, s.n_ff, e, h16, n, gate, stream));
-    TRY(matvec_many(w.w_up.ggml_type, w.w_up.data, s.n_ff, e, h16, n, up, stream));
-    const int64_t ff = int64_t(n) * s.n_ff;
-    if (s.gelu) {
-        LAUNCH(geglu_kernel, grid_for(ff, threads), threads, stream, gate, up, ff, h16);
+    if (s.n_expert) {
+        TRY(experts_ffn(d, i, n, h16, o, stream));
     } else {
-        LAUNCH(swiglu_kernel, grid_for(ff, threads), threads, stream, gate, up, ff, h16);
+        TRY(matvec_many(w.w_gate.ggml_type, w.w_gate.data, s.n_ff, e, h16, n, gate, stream));
+        TRY(matvec_many(w.w_up.ggml_type, w.w_up.data, s.n_ff, e, h16, n, up, stream));
+        const int64_t ff = int64_t(n) * s.n_ff;
+        if (s.gelu) {
+            LAUNCH(geglu_kernel, grid_for(ff, threads), threads, stream, gate, up, ff, h16);
+        } else {
+            LAUNCH(swiglu_kernel, grid_for(ff, threads), threads, stream, gate, up, ff, h16);
+        }
+        TRY(launched());
+        TRY(matvec_many(w.w_down.ggml_type, w.w_down.data, e, s.n_ff, h16, n, o, stream));
     }
-    TRY(launched());
-    TRY(matvec_many(w.w_down.ggml_type, w.w_down.data, e, s.n_ff, h16, n, o, stream));
     for (int32_t b = 0; b < n && w.post_ffn_norm.data; b++) TRY(residual(x + b * e, o + b * e, e, w.post_ffn_norm, s, stream));
     if (!w.post_ffn_norm.data) TRY(residual(x, o, int64_t(n) * e, w.post_ffn_norm, s, stream));
     return PEBBLE_OK;
@@ -729,10 +942,13 @@ pebble_tensor_ref pebble_layer_weights::* const weight_fields[PEBBLE_LAYER_WEIGH
     &pebble_layer_weights::w_gate, &pebble_layer_weights::w_up, &pebble_layer_weights::w_down,
     &pebble_layer_weights::bq, &pebble_layer_weights::bk, &pebble_layer_weights::bv,
     &pebble_layer_weights::q_norm, &pebble_layer_weights::k_norm, &pebble_layer_weights::post_attn_norm,
-    &pebble_layer_weights::post_ffn_norm};
+    &pebble_layer_weights::post_ffn_norm, &pebble_layer_weights::ffn_gate_inp, &pebble_layer_weights::ffn_gate_exps,
+    &pebble_layer_weights::ffn_up_exps, &pebble_layer_weights::ffn_down_exps, &pebble_layer_weights::ffn_gate_inp_shexp,
+    &pebble_layer_weights::ffn_gate_shexp, &pebble_layer_weights::ffn_up_shexp, &pebble_layer_weights::ffn_down_shexp};
 const char * const weight_names[PEBBLE_LAYER_WEIGHTS] = {
     "attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down", "bq", "bk", "bv", "q_norm",
-    "k_norm", "post_attn_norm", "post_ffn_norm"};
+    "k_norm", "post_attn_norm", "post_ffn_norm", "ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps",
+    "ffn_gate_inp_shexp", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"};
 
 uint64_t kv_cache_bytes(const pebble_decoder & d, int32_t i) {
     const pebble_step_layer & L = d.layers[size_t(i)];
@@ -961,8 +1177,11 @@ pebble_status describe_streamed(pebble_decoder & d, const char * fn, int32_t i) 
     }
     const pebble_layer_shape & s = L.shape;
     const int64_t e = s.n_embd, q = int64_t(s.n_head) * s.head_dim, kv = int64_t(s.n_head_kv) * s.head_dim;
-    const int64_t rows[PEBBLE_LAYER_WEIGHTS] = {1, q, kv, kv, e, 1, s.n_ff, s.n_ff, e, 1, 1, 1, 1, 1, 1, 1};
-    const int64_t cols[PEBBLE_LAYER_WEIGHTS] = {e, e, e, e, q, e, e, e, s.n_ff, q, kv, kv, s.head_dim, s.head_dim, e, e};
+    const int64_t E = s.n_expert, fx = s.n_ff_exp, sh = s.n_ff_shexp;
+    const int64_t rows[PEBBLE_LAYER_WEIGHTS] = {1, q, kv, kv, e, 1, s.n_ff, s.n_ff, e, 1, 1, 1, 1, 1, 1, 1,
+                                                E, E * fx, E * fx, E * e, 1, sh, sh, e};
+    const int64_t cols[PEBBLE_LAYER_WEIGHTS] = {e, e, e, e, q, e, e, e, s.n_ff, q, kv, kv, s.head_dim, s.head_dim, e, e,
+                                                e, e, e, fx, e, e, e, sh};
     for (int f = 0; f < PEBBLE_LAYER_WEIGHTS; f++) {
         pebble_tensor_ref & ref = L.weights.*weight_fields[f];
         ref.data = nullptr;
@@ -1063,6 +1282,42 @@ pebble_status place_streamed(pebble_decoder & d, const char * fn) {
     return PEBBLE_OK;
 }
 
+// Each layer whose experts are pebbles: its entries checked (one per expert, of the expert's gate, up and
+// down rows) and its cache made.
+pebble_status place_experts(pebble_decoder & d, const char * fn) {
+    d.experts.resize(d.layers.size());
+    for (size_t i = 0; i < d.layers.size(); i++) {
+        const pebble_step_layer & L = d.layers[i];
+        if (L.experts_stored == 0) continue;
+        const pebble_layer_shape & s = L.shape;
+        if (L.experts_stored != 1 || s.n_expert < 1 || !expert_store(d) || L.expert_ids < 0 ||
+            L.expert_ids > INT32_MAX - s.n_expert || L.expert_cache < 0 || L.expert_cache > s.n_expert) {
+            return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: layer %zu: experts_stored %d needs 0, or 1 with experts "
+                        "(n_expert %d), the model's store, expert_ids %d at least 0 and expert_cache %d within "
+                        "0..n_expert", fn, i, L.experts_stored, s.n_expert, L.expert_ids, L.expert_cache);
+        }
+        pebble_decoder::expert_cache & c = d.experts[i];
+        c.gate_bytes = row_bytes(L.weights.ffn_gate_exps.ggml_type, s.n_embd) * uint64_t(s.n_ff_exp);
+        c.up_bytes = row_bytes(L.weights.ffn_up_exps.ggml_type, s.n_embd) * uint64_t(s.n_ff_exp);
+        const uint64_t nbytes = c.gate_bytes + c.up_bytes +
+                                row_bytes(L.weights.ffn_down_exps.ggml_type, s.n_ff_exp) * uint64_t(s.n_embd);
+        for (int32_t j = 0; j < s.n_expert; j++) {
+            struct pebble_entry_info info{};
+            if (pebble_entry_info(expert_store(d), static_cast<int32_t>(i), L.expert_ids + j, &info) != PEBBLE_OK ||
+                info.nbytes != nbytes) {
+                return fail(PEBBLE_ERR_SIZE_MISMATCH, "%s: layer %zu: expert %d (tensor %d) is not an entry of %" PRIu64
+                            " bytes (its gate, up and down rows)", fn, i, j, L.expert_ids + j, nbytes);
+            }
+        }
+        const size_t slots = size_t(std::max(1, L.expert_cache));
+        c.slot_bytes = aligned(nbytes);
+        c.expert.assign(slots, -1);
+        c.used.assign(slots, 0);
+        TRY(alloc_scratch(&c.buffer, c.slot_bytes * slots));
+    }
+    return PEBBLE_OK;
+}
+
 // Handles are ids, never reused, so that a freed decoder is detected rather than dereferenced.
 std::mutex                                                    g_decoders_mu;
 std::unordered_map<uintptr_t, std::shared_ptr<pebble_decoder>> g_decoders;
@@ -1095,6 +1350,10 @@ void release_device(pebble_decoder & d) {
 #endif
     free_scratch(d.scratch);
     d.scratch = nullptr;
+    for (pebble_decoder::expert_cache & c : d.experts) {
+        free_scratch(c.buffer);
+        c.buffer = nullptr;
+    }
     for (uint8_t *& slot : d.slots) {
         free_scratch(slot);
         slot = nullptr;
@@ -1150,7 +1409,7 @@ extern "C" pebble_status pebble_decoder_create(const pebble_step_model * model, 
     }
     for (int32_t i = 0; i < m.n_layer; i++) {
         const pebble_step_layer & L = d->layers[size_t(i)];
-        TRY(check_layer(fn, i, L.shape, L.weights, L.kv_rows));
+        TRY(check_layer(fn, i, L.shape, L.weights, L.kv_rows, L.experts_stored == 1));
         if (L.shape.n_embd != m.n_embd) {
             return fail(PEBBLE_ERR_SIZE_MISMATCH, "%s: layer %d is %d wide; the model is %d", fn, i, L.shape.n_embd,
                         m.n_embd);
@@ -1182,7 +1441,9 @@ extern "C" pebble_status pebble_decoder_create(const pebble_step_model * model, 
         d->widest = std::max<int64_t>({d->widest, L.shape.n_embd, q, L.shape.n_ff});
         d->max_q = std::max(d->max_q, q);
         d->max_kv = std::max(d->max_kv, kv);
-        d->max_ff = std::max<int64_t>(d->max_ff, L.shape.n_ff);
+        d->max_ff = std::max<int64_t>({d->max_ff, L.shape.n_ff, L.shape.n_expert ? L.shape.n_ff_exp : 0,
+                                       L.shape.n_expert ? L.shape.n_ff_shexp : 0});
+        d->max_expert = std::max<int64_t>(d->max_expert, L.shape.n_expert);
         d->max_heads = std::max<int64_t>(d->max_heads, L.shape.n_head);
         d->max_rows = std::max(d->max_rows, L.kv_rows);
     }
@@ -1208,13 +1469,26 @@ extern "C" pebble_status pebble_decoder_create(const pebble_step_model * model, 
     l.gate = take(4 * B * uint64_t(d->max_ff));
     l.up = take(4 * B * uint64_t(d->max_ff));
     l.pos = take(8 * B);
+    if (d->max_expert) {
+        l.router = take(4 * B * uint64_t(d->max_expert));
+        l.rows = take(sizeof(act_t) * B * uint64_t(m.n_embd));
+        l.act = take(sizeof(act_t) * B * uint64_t(d->max_ff));
+        l.y = take(4 * B * uint64_t(m.n_embd));
+        d->router_host.assign(size_t(B) * size_t(d->max_expert), 0.0f);
+    }
 #ifndef PEBBLE_HOST_BUILD
     l.x = take(4 * B * uint64_t(m.n_embd));       // x and the logits in and out of fixed addresses (a graph's)
     l.logits = take(4 * B * uint64_t(m.n_vocab));
 #endif
     l.bytes = at;
-    d->graphs.enabled = m.graphs != 0 && d->streamed.empty(); // the store's copies are not captured
+    // The store's copies are not captured, nor is a step whose launches follow its router's choice.
+    d->graphs.enabled = m.graphs != 0 && d->streamed.empty() && d->max_expert == 0;
     TRY(alloc_scratch(&d->scratch, l.bytes));
+    pebble_status placed = place_experts(*d, fn);
+    if (placed != PEBBLE_OK) {
+        release_device(*d);
+        return placed;
+    }
     if (!d->streamed.empty()) {
         pebble_status st = place_streamed(*d, fn);
         if (st != PEBBLE_OK) {

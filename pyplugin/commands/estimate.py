@@ -16,6 +16,7 @@ from ..errors import OptionsError
 from ..kv_types import KV_TYPES
 from ..runtime import Options, PebblingOptions, make_plan
 from ..runtime.measure import layer_decode_seconds, measure_restores, predict, store_calls_per_token
+from ..runtime import experts
 from ..runtime.plan import format_bytes, parse_size, smallest_footprint
 from .common import (Loaded, add_backend_argument, add_weights_argument, format_table, load_pebbled,
                      options_from_flags, plain)
@@ -150,6 +151,7 @@ def estimate(loaded: Loaded, options: Options, limit: int | None, context_pos: i
                                    * m.kv_bytes_per_token for t, m in by_type.items()},
         "sliding_layers": sum(1 for w in memory.kv_windows if w),
         "sliding_window": max(memory.kv_windows, default=0),
+        "experts": experts.estimate(pebbled),
         "measured": {
             "restore_bytes_per_s": transfer.bytes_per_s,
             "restore_entry_bytes": transfer.entry_bytes,
@@ -213,6 +215,7 @@ def render(r: dict[str, Any]) -> str:
             f"positions and keep only that, saving "
             f"{format_bytes(r['kv_cache_bytes_without_windows'] - r['kv_cache_bytes'])}"
             if r["sliding_layers"] else ""),
+        *_expert_lines(r["experts"]),
         f"measured in this run (median of {m['repeats']}):",
         f"  restore bandwidth   {m['restore_bytes_per_s'] / 1e9:.2f} GB/s  "
         f"({format_bytes(m['restore_entry_bytes'])} entry, {m['restore_path']})",
@@ -241,3 +244,15 @@ def render(r: dict[str, Any]) -> str:
         f"adaptive: {adaptive_budget}; keeps {adaptive['resident_layers']} of {r['n_layers']} layers "
         "resident.",
     ])
+
+
+def _expert_lines(e: dict[str, Any] | None) -> list[str]:
+    if e is None:
+        return []
+    caches = ", ".join(f"{c}: {format_bytes(b)}" for c, b in e["cache_bytes"].items())
+    return [f"experts: {e['n_expert']} per layer in {e['expert_layers']} layers, {e['n_expert_used']} used per token; "
+            f"one expert {format_bytes(e['expert_bytes'])}, all {format_bytes(e['experts_bytes'])}, the dense part "
+            f"{format_bytes(e['dense_bytes'])}",
+            f"  with pebbling_expert_cache: cache of C experts per layer ({caches}); with no cache a token "
+            f"restores {format_bytes(e['routed_bytes_per_token'])} of experts, a cache saves its hit rate of that "
+            "(estimate; the plans below still hold the experts with their layers)"]

@@ -1,11 +1,12 @@
 """What each architecture adds to the llama block, read from its GGUF metadata as llama.cpp reads it.
 
-qwen3: per-head Q/K RMS norms, no QKV biases, a head size of its own (``attention.key_length``).
+qwen3 (and qwen3moe): per-head Q/K RMS norms, no QKV biases, a head size of its own (``attention.key_length``).
 gemma2 / gemma3: the embedding scaled by sqrt(n_embd), norms after attention and after the FFN, a
 GELU-tanh gate, sliding-window layers (every ``sliding_window_pattern``-th layer global: 2 for gemma2,
 6 for gemma3, or a per-layer array) with their own RoPE base, an attention scale from the head size
 (from n_embd / n_head on the 27B models, as llama.cpp has it), gemma2's soft-capping. llama: Mistral's
-sliding window and Granite's scales where the file declares them.
+sliding window and Granite's scales where the file declares them. Mixture-of-experts (qwen3moe, qwen2moe,
+Mixtral-style llama files with ``expert_count``): see pyplugin.model.moe.
 
 Any other key under the architecture's prefix is refused by name unless it is known not to change
 what the model computes: a file that asks for math pebbling does not do fails to load, it never runs
@@ -18,10 +19,11 @@ import math
 from typing import Any, Callable
 
 from ..errors import ModelError
+from .moe import MOE_KEYS, moe_fields
 from .transformer import ROPE_NEOX, ROPE_NORMAL
 
 ROPE_MODES = {"llama": ROPE_NORMAL, "qwen2": ROPE_NEOX, "qwen3": ROPE_NEOX, "phi3": ROPE_NEOX,
-              "gemma2": ROPE_NEOX, "gemma3": ROPE_NEOX}
+              "gemma2": ROPE_NEOX, "gemma3": ROPE_NEOX, "qwen2moe": ROPE_NEOX, "qwen3moe": ROPE_NEOX}
 GEMMAS = ("gemma2", "gemma3")
 _SWA_PERIOD = {"gemma2": 2, "gemma3": 6}     # llama.cpp's period when the file gives no pattern
 _BIG_GEMMA_LAYERS = {"gemma2": 46, "gemma3": 62}  # the 27B models: q scaled by n_embd / n_head
@@ -33,9 +35,9 @@ _READ = {"context_length", "embedding_length", "block_count", "feed_forward_leng
          "rope.scaling.factor", "rope.scale_linear", "pooling_type", "vocab_size", "attention.scale",
          "attention.sliding_window", "attention.sliding_window_pattern", "rope.freq_base_swa",
          "rope.local.freq_base", "rope.global.freq_base", "attn_logit_softcapping", "final_logit_softcapping",
-         "embedding_scale", "residual_scale", "logit_scale"}
+         "embedding_scale", "residual_scale", "logit_scale", *MOE_KEYS}
 _HARMLESS = {"rope.scaling.original_context_length", "rope.scaling.finetuned", "tensor_data_layout",
-             "mm.tokens_per_image", "expert_count", "expert_used_count"}
+             "mm.tokens_per_image"}
 _HARMLESS_PREFIXES = ("vision.", "mm.")      # a multimodal file's vision tower: its text model is what runs
 
 
@@ -48,7 +50,7 @@ def check_keys(f: Any, arch: str) -> None:
         name = key[len(prefix):]
         if name in _READ or name.startswith(_HARMLESS_PREFIXES):
             continue
-        if name in _HARMLESS and not (name.startswith("expert") and value):
+        if name in _HARMLESS:
             continue
         raise ModelError(f"{f.path}: metadata key '{key}' may change what the model computes and pebbling does "
                          f"not implement it; a {arch} file is accepted with: "
@@ -59,7 +61,7 @@ def arch_fields(f: Any, arch: str, n_layer: int, n_embd: int, n_head: int, head_
                 positive: Callable[[str, float], float]) -> dict[str, Any]:
     """The ModelConfig fields beyond the llama block's, for `arch`."""
     check_keys(f, arch)
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = moe_fields(f, arch, _integer)
     if f"{arch}.attention.scale" in f.metadata:
         out["attn_scale"] = positive("attention.scale", 1.0)
     window = _integer(f, f"{arch}.attention.sliding_window", 0, 1 << 27)

@@ -125,17 +125,19 @@ class GGUFFile:
             self._drop_pages(t.offset, t.nbytes)
 
     def raw(self, name: str) -> np.ndarray:
-        """A 2-D tensor's bytes as the file stores them, uint8 [rows, row bytes]: a read-only view of the
+        """A 2-D tensor's bytes as the file stores them, uint8 [rows, row bytes] (a 3-D one's, such as merged
+        experts, as its rows one after another): a read-only view of the
         file's memory map, not a copy, so loading reads nothing until the bytes are used (the map lives
         as long as a view of it does). drop_file_pages gives the pages back once they are copied."""
         t = self.tensors.get(name)
         if t is None:
             raise ModelError(f"{self.path}: missing tensor {name!r}")
-        if len(t.shape) != 2:
-            raise ModelError(f"{self.path}: tensor {name} has shape {t.shape}; only matrices are kept "
-                             "in their GGUF form")
+        if len(t.shape) < 2:
+            raise ModelError(f"{self.path}: tensor {name} has shape {t.shape}; only matrices (and stacks of "
+                             "them) are kept in their GGUF form")
+        rows = int(np.prod(t.shape[:-1]))
         raw = np.frombuffer(self._map, np.uint8, t.nbytes, t.offset)
-        return raw.reshape(t.shape[0], t.nbytes // t.shape[0])
+        return raw.reshape(rows, t.nbytes // rows)
 
     def _drop_pages(self, offset: int, nbytes: int) -> None:
         # The data was copied out; without this its pages stay counted in our resident memory.

@@ -29,6 +29,7 @@ from .gguf_file import GGUFFile
 from .qweight import QuantWeight
 from .tokenizer import Tokenizer
 from .arch import ROPE_MODES, arch_fields
+from .moe import GGUF_NAMES, expert_shapes
 from .transformer import LayerWeights, ModelConfig, OuterWeights
 
 SUPPORTED_ARCHS = tuple(ROPE_MODES)
@@ -119,9 +120,10 @@ def load_model(path: str | os.PathLike, *, weights: str = "quantized", progress:
             def load(name: str) -> np.ndarray | QuantWeight:
                 t = f.tensors[name]
                 bar.update(t.nbytes)
-                if weights == "quantized" and len(t.shape) == 2:
-                    return QuantWeight(int(t.qtype), t.shape, f.raw(name))
-                return f.dequantize(name)
+                if weights == "quantized" and len(t.shape) >= 2:  # merged experts (3-D): a stack of rows
+                    return QuantWeight(int(t.qtype), (math.prod(t.shape[:-1]), t.shape[-1]), f.raw(name))
+                a = f.dequantize(name)
+                return a.reshape(-1, a.shape[-1]) if a.ndim > 2 else a
             layers = [_load_layer(f, cfg, i, load) for i in range(cfg.n_layer)]
             outer = _load_outer(f, cfg, load)
         host_bytes = _host_bytes(layers, outer)
@@ -246,10 +248,20 @@ def _load_layer(f: GGUFFile, cfg: ModelConfig, i: int, load: Callable[[str], Any
     else:
         wq, wk, wv = get("attn_q.weight"), get("attn_k.weight"), get("attn_v.weight")
         bq, bk, bv = optional("attn_q.bias"), optional("attn_k.bias"), optional("attn_v.bias")
-    if f"blk.{i}.ffn_gate.weight" in f.tensors:
-        w_gate, w_up = get("ffn_gate.weight"), get("ffn_up.weight")
+    experts = {}
+    if cfg.n_expert:                                   # a mixture of experts in place of the FFN
+        w_gate = w_up = w_down = None
+        experts = {field: get(f"{name}.weight") for field, name in GGUF_NAMES.items()
+                   if field in expert_shapes(cfg)}
+        for tensor in ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight", *(f"{n}.weight" for n in GGUF_NAMES)):
+            if f"blk.{i}.{tensor}" in f.tensors and GGUF_NAMES.get(tensor.removesuffix(".weight")) not in experts:
+                raise ModelError(f"{f.path}: tensor 'blk.{i}.{tensor}' is not part of the {cfg.arch} block pebbling "
+                                 "computes (a layer of experts); the file is refused rather than the tensor ignored")
+    elif f"blk.{i}.ffn_gate.weight" in f.tensors:
+        w_gate, w_up, w_down = get("ffn_gate.weight"), get("ffn_up.weight"), get("ffn_down.weight")
     else:                                              # phi3: ffn_up holds gate, then up
         w_gate, w_up = split("ffn_up.weight", (cfg.n_ff, cfg.n_ff))
+        w_down = get("ffn_down.weight")
     norms = {field: get(tensor) for tensor, field in _EXTRA_NORMS.items() if cfg.arch in _ARCHS_WITH[field]}
     for tensor in (*_EXTRA_NORMS, "attn_output.bias", "ffn_gate.bias", "ffn_up.bias", "ffn_down.bias"):
         if f"blk.{i}.{tensor}" in f.tensors and _EXTRA_NORMS.get(tensor) not in norms:
@@ -257,7 +269,7 @@ def _load_layer(f: GGUFFile, cfg: ModelConfig, i: int, load: Callable[[str], Any
                              "computes; the file is refused rather than the tensor ignored")
     lw = LayerWeights(attn_norm=get("attn_norm.weight"), wq=wq, wk=wk, wv=wv,
                       wo=get("attn_output.weight"), ffn_norm=get("ffn_norm.weight"),
-                      w_gate=w_gate, w_up=w_up, w_down=get("ffn_down.weight"), bq=bq, bk=bk, bv=bv, **norms)
+                      w_gate=w_gate, w_up=w_up, w_down=w_down, bq=bq, bk=bk, bv=bv, **norms, **experts)
     _check_shapes(f, cfg, i, lw)
     return lw
 
@@ -265,7 +277,7 @@ def _load_layer(f: GGUFFile, cfg: ModelConfig, i: int, load: Callable[[str], Any
 # The norms some architectures add to the llama block: GGUF tensor -> LayerWeights field, and who has them.
 _EXTRA_NORMS = {"attn_q_norm.weight": "q_norm", "attn_k_norm.weight": "k_norm",
                 "post_attention_norm.weight": "post_attn_norm", "post_ffw_norm.weight": "post_ffn_norm"}
-_ARCHS_WITH = {"q_norm": ("qwen3", "gemma3"), "k_norm": ("qwen3", "gemma3"),
+_ARCHS_WITH = {"q_norm": ("qwen3", "gemma3", "qwen3moe"), "k_norm": ("qwen3", "gemma3", "qwen3moe"),
                "post_attn_norm": ("gemma2", "gemma3"), "post_ffn_norm": ("gemma2", "gemma3")}
 
 
@@ -284,7 +296,7 @@ def _check_shapes(f: GGUFFile, cfg: ModelConfig, i: int, lw: LayerWeights) -> No
     expected = {"attn_norm": (e,), "wq": (q, e), "wk": (kv, e), "wv": (kv, e), "wo": (e, q),
                 "ffn_norm": (e,), "w_gate": (ff, e), "w_up": (ff, e), "w_down": (e, ff),
                 "bq": (q,), "bk": (kv,), "bv": (kv,), "q_norm": (cfg.head_dim,), "k_norm": (cfg.head_dim,),
-                "post_attn_norm": (e,), "post_ffn_norm": (e,)}
+                "post_attn_norm": (e,), "post_ffn_norm": (e,), **expert_shapes(cfg)}
     for name, a in lw.arrays():
         if tuple(a.shape) != expected[name]:
             raise ModelError(f"{f.path}: layer {i} {name} has shape {a.shape}, expected "

@@ -56,6 +56,11 @@ class SynthSpec:
     attn_softcap: float | None = None   # gemma2's attn_logit_softcapping, when given
     final_softcap: float | None = None  # final_logit_softcapping, when given
     chat_template: str | None = None    # None: the vocab flavour's template; "": none at all
+    n_expert: int = 0                   # experts per layer (qwen2moe, qwen3moe; a llama file: Mixtral's layout)
+    n_expert_used: int = 2
+    n_ff_exp: int | None = None         # an expert's hidden size (qwen*moe; default n_ff // n_expert_used)
+    n_ff_shexp: int | None = None       # qwen2moe's shared expert's (default n_ff)
+    expert_weights_norm: bool | None = None  # {arch}.expert_weights_norm, when given
     name: str | None = None
     description: str = "synthetic model with random weights, written by pyplugin.model.synth"
     seed: int = 0
@@ -88,7 +93,8 @@ def write_gguf(path: str | os.PathLike, spec: SynthSpec | None = None, **overrid
         writer.add_key_value(key, value, _VALUE_TYPES[type(value)])  # np.uint32 for UINT32 keys
     for name, array, qtype in _tensors(spec, len(vocab.tokens)):
         try:
-            data = quantize(array, qtype)
+            data = quantize(array.reshape(-1, array.shape[-1]), qtype)
+            data = data.reshape(*array.shape[:-1], data.shape[-1])
         except ValueError as exc:
             raise ValueError(f"{name}: {exc}") from None
         writer.add_tensor(name, data, raw_dtype=None if qtype in (T.F32, T.F16) else qtype)
@@ -138,7 +144,22 @@ def _add_hparams(w: GGUFWriter, spec: SynthSpec, n_vocab: int) -> None:
     for key, cap in (("attn_logit_softcapping", spec.attn_softcap), ("final_logit_softcapping", spec.final_softcap)):
         if cap is not None:
             w.add_float32(f"{arch}.{key}", cap)
+    if spec.n_expert:
+        w.add_expert_count(spec.n_expert)
+        w.add_expert_used_count(spec.n_expert_used)
+        if arch != "llama":
+            w.add_expert_feed_forward_length(_ff_exp(spec))
+        if arch == "qwen2moe":
+            w.add_expert_shared_feed_forward_length(spec.n_ff_shexp or spec.n_ff)
+        if spec.expert_weights_norm is not None:
+            w.add_bool(f"{arch}.expert_weights_norm", spec.expert_weights_norm)
     w.add_vocab_size(n_vocab)
+
+
+def _ff_exp(spec: SynthSpec) -> int:
+    if spec.arch == "llama":
+        return spec.n_ff
+    return spec.n_ff_exp or max(1, spec.n_ff // spec.n_expert_used)
 
 
 def _add_vocab(w: GGUFWriter, vocab: Vocab, spec: SynthSpec) -> None:
@@ -173,10 +194,13 @@ def _tensors(spec: SynthSpec, n_vocab: int) -> Iterable[tuple[str, np.ndarray, G
     e, ff, hd = spec.n_embd, spec.n_ff, spec.head_dim
     q_rows, kv_rows = spec.n_head * hd, spec.n_head_kv * hd
 
-    def matrix(role: str, name: str, rows: int, cols: int, scale: float | None = None):
-        # a tensor's own name ("blk.3.ffn_down") over its role's type, over the file's
-        qtype = T[spec.tensor_types.get(name.removesuffix(".weight"), spec.tensor_types.get(role, spec.weight_type))]
-        return name, _random(spec.seed, name, (rows, cols), scale or cols ** -0.5), qtype
+    def matrix(role: str, name: str, rows: int, cols: int, scale: float | None = None, stack: tuple = (),
+               default: str | None = None):
+        # a tensor's own name ("blk.3.ffn_down") over its role's type, over the file's; `stack`: leading
+        # dims (merged experts [n_expert, rows, cols])
+        kind = spec.tensor_types.get(role, default or spec.weight_type)
+        qtype = T[spec.tensor_types.get(name.removesuffix(".weight"), kind)]
+        return name, _random(spec.seed, name, (*stack, rows, cols), scale or cols ** -0.5), qtype
 
     def vector(name: str, n: int, mean: float, scale: float):
         return name, mean + _random(spec.seed, name, (n,), scale), T.F32
@@ -205,22 +229,42 @@ def _tensors(spec: SynthSpec, n_vocab: int) -> Iterable[tuple[str, np.ndarray, G
             yield name, wq, qt
             yield name_k, wk, kt
             yield matrix("attn_v", f"{b}.attn_v.weight", kv_rows, e)
-            yield matrix("ffn_gate", f"{b}.ffn_gate.weight", ff, e)
-            yield matrix("ffn_up", f"{b}.ffn_up.weight", ff, e)
-            if spec.arch == "qwen2":
+            if spec.n_expert:
+                yield from _expert_tensors(spec, b, matrix, vector)
+            else:
+                yield matrix("ffn_gate", f"{b}.ffn_gate.weight", ff, e)
+                yield matrix("ffn_up", f"{b}.ffn_up.weight", ff, e)
+            if spec.arch in ("qwen2", "qwen2moe"):
                 for t, rows in (("attn_q", q_rows), ("attn_k", kv_rows), ("attn_v", kv_rows)):
                     yield vector(f"{b}.{t}.bias", rows, 0.0, 0.1)
-            if spec.arch in ("qwen3", "gemma3"):
+            if spec.arch in ("qwen3", "gemma3", "qwen3moe"):
                 yield vector(f"{b}.attn_q_norm.weight", hd, 1.0, 0.1)
                 yield vector(f"{b}.attn_k_norm.weight", hd, 1.0, 0.1)
             if gemma:
                 yield vector(f"{b}.post_attention_norm.weight", e, 1.0, 0.1)
                 yield vector(f"{b}.post_ffw_norm.weight", e, 1.0, 0.1)
         yield matrix("attn_output", f"{b}.attn_output.weight", e, q_rows)
-        yield matrix("ffn_down", f"{b}.ffn_down.weight", e, ff)
+        if not spec.n_expert:
+            yield matrix("ffn_down", f"{b}.ffn_down.weight", e, ff)
 
 
-_OWN_HEAD_SIZE = ("qwen3", "gemma2", "gemma3")  # their converters always write attention.key_length
+def _expert_tensors(spec: SynthSpec, b: str, matrix, vector):
+    """A layer's router and merged experts (and qwen2moe's shared expert), as the converter writes them:
+    the router kept F32 (llama.cpp's quantizer never quantizes it) unless tensor_types names it."""
+    e, E, ff = spec.n_embd, spec.n_expert, _ff_exp(spec)
+    yield matrix("ffn_gate_inp", f"{b}.ffn_gate_inp.weight", E, e, default="F32")
+    yield matrix("ffn_gate_exps", f"{b}.ffn_gate_exps.weight", ff, e, stack=(E,))
+    yield matrix("ffn_up_exps", f"{b}.ffn_up_exps.weight", ff, e, stack=(E,))
+    yield matrix("ffn_down_exps", f"{b}.ffn_down_exps.weight", e, ff, stack=(E,))
+    if spec.arch == "qwen2moe":
+        sh = spec.n_ff_shexp or spec.n_ff
+        yield vector(f"{b}.ffn_gate_inp_shexp.weight", e, 0.0, e ** -0.5)
+        yield matrix("ffn_gate_shexp", f"{b}.ffn_gate_shexp.weight", sh, e)
+        yield matrix("ffn_up_shexp", f"{b}.ffn_up_shexp.weight", sh, e)
+        yield matrix("ffn_down_shexp", f"{b}.ffn_down_shexp.weight", e, sh)
+
+
+_OWN_HEAD_SIZE = ("qwen3", "gemma2", "gemma3", "qwen3moe")  # their converters always write attention.key_length
 
 
 def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:

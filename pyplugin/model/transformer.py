@@ -14,7 +14,8 @@ One block serves every architecture; what differs is optional and read from the 
 weights: per-head RMS norms on Q and K (qwen3, gemma3), norms after attention and after the FFN (the
 Gemmas' "sandwich"), a GELU-tanh gate instead of SiLU (the Gemmas), a scaled embedding, residual and
 logits (the Gemmas, Granite), soft-capped attention scores and logits (gemma2), and sliding-window
-layers (Mistral, the Gemmas) with their own RoPE base. A sliding layer's KV cache is a ring of its
+layers (Mistral, the Gemmas) with their own RoPE base; a mixture of experts in place of the FFN
+(pyplugin.model.moe). A sliding layer's KV cache is a ring of its
 window's rows: position p lives in row p % rows, so a 32k context keeps only the window on those layers.
 """
 
@@ -30,6 +31,7 @@ import numpy as np
 from ..kv_types import KVType, cache_kv_type, decode, default_kv_type, encode, kv_type
 from ..xp import compute_dtype, get_array_module
 from .attention import attention, softcap
+from .moe import moe_ffn
 from .qweight import QuantWeight
 
 Array = Any  # numpy.ndarray or cupy.ndarray
@@ -69,6 +71,12 @@ class ModelConfig:
     rope_theta_swa: float | None = None  # the sliding layers' RoPE base; None: rope_theta
     rope_freq_scale_swa: float | None = None  # ... and linear scale; None: rope_freq_scale
     window: int = 0                     # this layer's window (set by ``for_layer``); 0: full attention
+    n_expert: int = 0                   # experts of each layer's FFN (pyplugin.model.moe); 0: a dense FFN
+    n_expert_used: int = 0              # experts each token runs
+    n_ff_exp: int = 0                   # an expert's hidden size
+    n_ff_shexp: int = 0                 # the shared expert's hidden size (qwen2moe); 0: none
+    expert_norm: bool = False           # the chosen experts' weights renormalised to sum to 1
+    expert_scale: float = 1.0           # ... then multiplied by this
 
     @property
     def n_group(self) -> int:
@@ -114,9 +122,9 @@ class LayerWeights:
     wv: Array                   # [n_head_kv * head_dim, n_embd]
     wo: Array                   # [n_embd, n_head * head_dim]
     ffn_norm: Array             # [n_embd]
-    w_gate: Array               # [n_ff, n_embd]
-    w_up: Array                 # [n_ff, n_embd]
-    w_down: Array               # [n_embd, n_ff]
+    w_gate: Array | None = None  # [n_ff, n_embd]; None in a layer of experts
+    w_up: Array | None = None    # [n_ff, n_embd]
+    w_down: Array | None = None  # [n_embd, n_ff]
     bq: Array | None = None     # [n_head * head_dim]   (qwen2)
     bk: Array | None = None     # [n_head_kv * head_dim]
     bv: Array | None = None     # [n_head_kv * head_dim]
@@ -124,6 +132,15 @@ class LayerWeights:
     k_norm: Array | None = None  # [head_dim]  ... of K
     post_attn_norm: Array | None = None  # [n_embd]  on the attention's output (the Gemmas)
     post_ffn_norm: Array | None = None   # [n_embd]  on the FFN's output (the Gemmas)
+    # experts (pyplugin.model.moe): the router, and the merged expert matrices as stacks of rows
+    ffn_gate_inp: Array | None = None    # [n_expert, n_embd]
+    ffn_gate_exps: Array | None = None   # [n_expert * n_ff_exp, n_embd]
+    ffn_up_exps: Array | None = None     # [n_expert * n_ff_exp, n_embd]
+    ffn_down_exps: Array | None = None   # [n_expert * n_embd, n_ff_exp]
+    ffn_gate_inp_shexp: Array | None = None  # [n_embd]  the shared expert's gate (qwen2moe)
+    ffn_gate_shexp: Array | None = None  # [n_ff_shexp, n_embd]
+    ffn_up_shexp: Array | None = None    # [n_ff_shexp, n_embd]
+    ffn_down_shexp: Array | None = None  # [n_embd, n_ff_shexp]
 
     def arrays(self) -> Iterator[tuple[str, Array]]:
         """(field name, array) for every array present."""
@@ -277,7 +294,13 @@ Attend = Callable[[ModelConfig, Array, list, list, tuple], Array]
 
 def layer_forward(cfg: ModelConfig, x: Array, lw: LayerWeights, k_cache: Array, v_cache: Array,
                   pos: int, rope: tuple[Array, Array] | None = None, attend: Attend | None = None) -> Array:
-    """One transformer block on x [T, n_embd] at positions pos..pos+T; `cfg` is the layer's own
+    """One transformer block: ``attention_block`` then ``ffn_block``."""
+    return ffn_block(cfg, attention_block(cfg, x, lw, k_cache, v_cache, pos, rope, attend), lw)
+
+
+def attention_block(cfg: ModelConfig, x: Array, lw: LayerWeights, k_cache: Array, v_cache: Array,
+                    pos: int, rope: tuple[Array, Array] | None = None, attend: Attend | None = None) -> Array:
+    """The attention half of a transformer block on x [T, n_embd] at positions pos..pos+T; `cfg` is the layer's own
     (ModelConfig.for_layer).
 
     Writes the T new K/V rows into k_cache/v_cache [rows, n_head_kv, head_dim] and attends over the
@@ -332,13 +355,20 @@ def layer_forward(cfg: ModelConfig, x: Array, lw: LayerWeights, k_cache: Array, 
     out = linear(attn, lw.wo)                                                   # [T, n_embd]
     if lw.post_attn_norm is not None:
         out = rms_norm(out, lw.post_attn_norm, cfg.rms_eps)
-    x = x + (out if cfg.residual_scale == 1.0 else out * cfg.residual_scale)
+    return x + (out if cfg.residual_scale == 1.0 else out * cfg.residual_scale)
 
+
+def ffn_block(cfg: ModelConfig, x: Array, lw: LayerWeights, experts: Any = None, max_rows: int = 0) -> Array:
+    """The feed-forward half of a transformer block on x [T, n_embd], each row on its own; `experts` and
+    `max_rows`: where the experts come from and how many rows go through a matrix at once (moe.moe_ffn)."""
     h = rms_norm(x, lw.ffn_norm, cfg.rms_eps)
-    act = gelu_tanh if cfg.activation == "gelu" else silu
-    gated = act(linear(h, lw.w_gate))                                           # [T, n_ff]
-    gated *= linear(h, lw.w_up)
-    out = linear(gated, lw.w_down)                                              # [T, n_embd] gated FFN
+    if lw.ffn_gate_inp is not None:                                             # experts
+        out = moe_ffn(cfg, h, lw, experts, max_rows).astype(x.dtype, copy=False)  # [T, n_embd]
+    else:
+        act = gelu_tanh if cfg.activation == "gelu" else silu
+        gated = act(linear(h, lw.w_gate))                                       # [T, n_ff]
+        gated *= linear(h, lw.w_up)
+        out = linear(gated, lw.w_down)                                          # [T, n_embd] gated FFN
     if lw.post_ffn_norm is not None:
         out = rms_norm(out, lw.post_ffn_norm, cfg.rms_eps)
     return x + (out if cfg.residual_scale == 1.0 else out * cfg.residual_scale)

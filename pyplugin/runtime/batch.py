@@ -90,8 +90,9 @@ EXTRA_NORMS = ("q_norm", "k_norm", "post_attn_norm", "post_ffn_norm")  # what ba
 def block_alike(cfg: ModelConfig) -> bool:
     """Whether batched_layer computes a layer of this config (ModelConfig.for_layer) as layer_forward does,
     where its weights have none of EXTRA_NORMS: the Llama, Qwen 2 and Phi-3 block (not GELU, a window's
-    ring, capped scores or Granite's scales)."""
-    return cfg.activation == "silu" and not cfg.window and not cfg.attn_softcap and cfg.residual_scale == 1.0
+    ring, capped scores, Granite's scales or experts)."""
+    return cfg.activation == "silu" and not cfg.window and not cfg.attn_softcap and cfg.residual_scale == 1.0 and \
+        not cfg.n_expert
 
 
 def batched_logits(cfg: ModelConfig, outer, x: Array) -> list[np.ndarray]:

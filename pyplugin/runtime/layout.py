@@ -15,7 +15,7 @@ from ..store import TensorDesc
 Array = Any
 
 WEIGHT_IDS = {f.name: i for i, f in enumerate(fields(LayerWeights))}  # tensor id of each weight
-K_ID, V_ID = 16, 17                                                       # ... of the KV cache
+K_ID, V_ID = len(WEIGHT_IDS), len(WEIGHT_IDS) + 1                         # ... of the KV cache
 _ALIGN = 256  # byte alignment of each tensor inside a working slot
 
 

@@ -19,6 +19,7 @@ from fractions import Fraction
 from ..errors import OptionsError
 from ..model import WEIGHT_FORMS, ModelConfig, check_weight_form
 from ..store.strategy import ADAPTIVE, NONE, Strategy, resident_layers
+from .experts import parse_expert_cache
 
 
 @dataclass(frozen=True)
@@ -210,6 +211,7 @@ class PebblingOptions:
     memory_limit: int | None = None  # bytes
     weights: str | None = None       # one of WEIGHT_FORMS
     cache_prompt: bool = True
+    expert_cache: int | None = None  # experts of each layer cached on the device (runtime.experts); None: off
 
     @classmethod
     def from_options(cls, options) -> "PebblingOptions":
@@ -226,7 +228,8 @@ class PebblingOptions:
         if weights is not None:
             check_weight_form(weights, "option 'pebbling_weights'")
         return cls(None if strategy is None else Strategy.parse(strategy), enabled,
-                   None if limit is None else parse_size(limit), weights, cache_prompt is not False)
+                   None if limit is None else parse_size(limit), weights, cache_prompt is not False,
+                   parse_expert_cache(options.get("pebbling_expert_cache")))
 
     @property
     def effective_strategy(self) -> Strategy:

@@ -13,29 +13,21 @@ when its call returns).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
 
 from ..model import LayerWeights
 from ..kv_types import kv_type
-from ..store import Decoder, Strategy
+from ..store import Decoder
+from ..store.kernels import EXPERT_MATRICES
+from . import experts
 from .options import Options
-from .layout import aligned, bytes_of, kv_ids, process_memory, ring_rows
+from .layout import aligned, bytes_of, kv_ids, ring_rows
 from .plan import PebblingOptions, Plan
+from .report import SequenceCost, pebbling_report
 
 Array = Any
-
-
-@dataclass
-class SequenceCost:
-    """What one sequence's passes cost it: a pass's restored bytes and restores are divided equally among
-    the sequences it ran (a prefill chunk runs one sequence, which pays for it all)."""
-
-    bytes_restored: float = 0.0
-    restores: float = 0.0
-    passes: list[tuple[int, float, int]] = field(default_factory=list)  # (position, bytes share, sequences)
 
 
 class StoreLayers:
@@ -277,10 +269,13 @@ class StoreLayers:
                     weights.append(self._host_weights(i))
                     caches.append([self._host_caches(i, seq) for seq in range(self.n_seqs)])
             self.in_slot = [None] * len(self.slots)  # the decoder writes into the slots: the next pass restores
+            stored = experts.decoder_experts(self)
+            for i in streamed if stored else ():  # a streamed layer's experts come from the store, one by one
+                streamed[i] = {name: tid for name, tid in streamed[i].items() if name not in EXPERT_MATRICES}
             self._decoder = self.pebbled.kernels.decoder(
                 self.pebbled.model.config, weights, caches, self.outer, self.n_ctx, streamed=streamed or None,
-                store=self.store if streamed else None, kv_ids=[kv_ids(seq) for seq in range(self.n_seqs)],
-                slots=self.slots if streamed else ())
+                store=self.store if streamed or stored else None, kv_ids=[kv_ids(seq) for seq in range(self.n_seqs)],
+                slots=self.slots if streamed else (), experts=stored, expert_store=stored and self.pebbled.expert_store)
         return self._decoder
 
     def decode_step(self, seqs: Sequence[int], positions: Sequence[int], x: Array):
@@ -291,8 +286,10 @@ class StoreLayers:
         self.pass_seqs = [(seq, pos, 1) for seq, pos in zip(seqs, positions)]
         stats = self.store.stats()
         self._pass_start = (stats.bytes_restored, stats.restores)
+        before = decoder.stats()
         logits = decoder.step(seqs, positions, x)
         self._charge()
+        experts.charge(self.costs, seqs, before, decoder.stats())
         return logits
 
     # -- what it cost
@@ -304,49 +301,9 @@ class StoreLayers:
             self.measured_by = used.how
 
     def report(self, stats, seq: int = 0) -> dict[str, Any]:
-        """The `pebbling` object of sequence `seq`'s final response (DESIGN.md). Memory is the batch's:
-        the plan, its estimate and the peak hold every sequence the plan makes room for. Restored bytes
-        are this sequence's share of the passes it took part in."""
+        """The `pebbling` object of sequence `seq`'s final response (report.py)."""
         self._sample_memory()
-        store = self.store.stats()
-        plan, memory = self.plan, self.plan.memory
-        if self.peak_sample:
-            measured, how = self.peak_sample, f"measured ({self.measured_by})"
-        else:
-            measured = (store.device_peak_bytes + len(self.slots) * self.slot_bytes + memory.fixed_bytes
-                        + memory.workspace_bytes + memory.overhead_bytes)
-            how = ("byte-accounted (store device tier peak + working slots + output weights + "
-                   "workspace reservation; no GPU measured)")
-        cost = self.costs.get(seq, SequenceCost())
-        # Decode steps are the forward passes that start past the prompt.
-        prompt_end = stats.cached_tokens + stats.prompt_tokens
-        decode = [(share, n) for pos, share, n in cost.passes if pos >= prompt_end]
-        return {
-            "strategy": _strategy_name(plan.strategy),
-            "enabled": self.pebbling.enabled is not False,
-            "weights": self.pebbled.weights,
-            "kv_type": self.kv.name,
-            "kv_cache_bytes": sum(memory.kv_rows(i, self.n_ctx) for i in range(memory.n_layers)) * memory.kv_bytes_per_token,
-            "decode_step": "python" if self.backend.name == "stub" else "native",
-            "backend": self.backend.name,
-            "resident_layers": len(plan.resident),
-            "n_layers": memory.n_layers,
-            "budget_bytes": plan.budget_bytes,
-            "estimated_peak_bytes": plan.estimated_peak_bytes,
-            "measured_peak_bytes": int(measured),
-            "measured_peak_how": how,
-            "bytes_restored": round(cost.bytes_restored),
-            "restores": round(cost.restores),
-            "bytes_restored_per_token": int(sum(s for s, _ in decode) // len(decode)) if decode else None,
-            "cached_tokens": stats.cached_tokens,
-            "cache_restored_tokens": stats.cache_restored,
-            "batch": {"n_parallel": self.n_seqs,
-                      "largest": max((n for _, n in decode), default=1),
-                      "mean": round(sum(n for _, n in decode) / len(decode), 2) if decode else 1.0},
-            # What the whole process holds, beside the store's accounting above (which, on host memory,
-            # counts each tier's bytes and not the interpreter, the model's own arrays or the tokenizer).
-            **process_memory(),
-        }
+        return pebbling_report(self, stats, seq)
 
     def release(self) -> None:
         """The plan is over: an idle model holds no workspace."""
@@ -386,7 +343,3 @@ class SequenceLayers:
         if self.shared.n_seqs == 1:
             self.shared.release()  # alone: the request is over
         return report
-
-
-def _strategy_name(strategy: Strategy) -> str:
-    return f"adaptive:{strategy.arg}" if strategy.name == "adaptive" else strategy.name

@@ -21,7 +21,7 @@ MAX_DIMS = 4         # PEBBLE_MAX_DIMS
 MATVEC_MAX_VEC = 8   # PEBBLE_MATVEC_MAX_VEC: the most vectors one matvec call takes
 DECODER_MAX_BATCH = 64  # PEBBLE_DECODER_MAX_BATCH: the most sequences one decoder holds
 DECODER_GRAPHS = 8      # PEBBLE_DECODER_GRAPHS: the most CUDA graphs one decoder keeps
-LAYER_WEIGHTS = 16      # PEBBLE_LAYER_WEIGHTS: the fields of struct pebble_layer_weights
+LAYER_WEIGHTS = 24      # PEBBLE_LAYER_WEIGHTS: the fields of struct pebble_layer_weights
 
 INT32_MIN, INT32_MAX = -2**31, 2**31 - 1
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1

@@ -27,7 +27,8 @@ from .abi import DECODER_GRAPHS
 from .interface import as_int
 
 DECODE_WEIGHTS = ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down", "bq", "bk", "bv",
-                  "q_norm", "k_norm", "post_attn_norm", "post_ffn_norm")
+                  "q_norm", "k_norm", "post_attn_norm", "post_ffn_norm", "ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps",
+                  "ffn_down_exps", "ffn_gate_inp_shexp", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,12 @@ class LayerShape:
     ring: int = 0                # the caches are rings of a sliding window's rows
     attn_softcap: float = 0.0    # gemma2's soft cap of the scores; 0: none
     residual_scale: float = 1.0  # Granite's
+    n_expert: int = 0            # experts in place of the FFN (pyplugin.model.moe); 0: a dense FFN
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
+    n_ff_shexp: int = 0          # the shared expert's hidden size; 0: none
+    expert_norm: int = 0
+    expert_scale: float = 1.0
 
     @classmethod
     def of(cls, cfg) -> "LayerShape":
@@ -56,7 +63,8 @@ class LayerShape:
                                        "computed")
         return cls(cfg.n_embd, cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.n_ff, cfg.rope_dims,
                    int(cfg.rope_mode == "neox"), cfg.rms_eps, int(cfg.activation == "gelu"), int(cfg.window > 0),
-                   cfg.attn_softcap, cfg.residual_scale)
+                   cfg.attn_softcap, cfg.residual_scale, cfg.n_expert, cfg.n_expert_used, cfg.n_ff_exp, cfg.n_ff_shexp,
+                   int(cfg.expert_norm), cfg.expert_scale)
 
 
 @dataclass(frozen=True)
@@ -73,6 +81,9 @@ class StepLayer:
     # A streamed layer: field name -> the store entry of that weight (its `weights` give the types; their
     # buffers are not read), its caches the entries kv_ids names; copied into the decoder's slots each step.
     streamed: dict | None = None
+    # Experts as pebbles: (entry id of expert 0, experts cached), expert j the store entry id + j (its gate,
+    # up and down rows; `weights` give their types only); None: the merged tensors of `weights`.
+    experts: tuple | None = None
 
 
 @dataclass(frozen=True)
@@ -93,9 +104,12 @@ class StepModel:
     store: Any = None    # the streamed layers' entries (a Store of this library's backend)
     kv_ids: tuple = ()   # per sequence, the (K, V) entry ids of its caches in every layer
     slots: tuple = ()    # the streamed layers' two slots (buffers of the library's memory), or () for its own
+    expert_store: Any = None  # the experts' entries (StepLayer.experts), or None for `store`'s
 
 
-DECODER_STATS = ("steps", "tokens", "layer_passes", "graphs_captured", "graph_replays", "graphs_dropped")
+DECODER_STATS = ("steps", "tokens", "layer_passes", "graphs_captured", "graph_replays", "graphs_dropped",
+                 "expert_hits", "expert_misses", "expert_bytes_restored")
+EXPERT_MATRICES = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")  # what experts as pebbles take from the store
 
 
 class GraphPolicy:
@@ -273,7 +287,7 @@ class Kernels:
         self._local.buffer = None
 
     def decoder(self, cfg, layers, caches, outer, n_ctx: int, *, streamed=None, store=None, kv_ids=(),
-                slots=()) -> Decoder:
+                slots=(), experts=None, expert_store=None) -> Decoder:
         """The decode step of a model over these weights and caches (pebble_decoder_create): `cfg` its
         ModelConfig, `layers` each layer's LayerWeights, caches[i][s] layer i's (K, V) of sequence s (each
         [rows, n_head_kv, head_dim] in a KV type: kv_types.py), `outer` its OuterWeights, `n_ctx` the context its
@@ -281,7 +295,9 @@ class Kernels:
         `streamed`: {layer: {field: entry id}} for the layers copied from `store` into the decoder's slots
         each step (their `layers` and `caches` give types and shapes only), each sequence's caches the
         entries kv_ids[s] = (K id, V id); `slots` the two buffers they are copied into (equal sizes), or ()
-        for the decoder to make its own."""
+        for the decoder to make its own. `experts`: {layer: (entry id of expert 0, experts cached)} for the
+        layers whose experts are entries of `store` (StepLayer.experts; their merged matrices in `layers`
+        give types only), in `expert_store` where given."""
         from ..model.transformer import rope_table  # noqa: PLC0415 - the store sits below the model
 
         kv_type = _kv_type("decoder", caches[0][0][0], cfg.head_dim)
@@ -294,17 +310,18 @@ class Kernels:
             if lcfg.window and rows > lcfg.window:
                 raise InvalidArgumentError(f"decoder: layer {i} slides over {lcfg.window} positions, so its caches "
                                            f"hold that many rows (a ring), not {rows}")
-            step_layers.append(StepLayer(LayerShape.of(lcfg), {name: tensor_ref(name, getattr(lw, name))
-                                                               for name in DECODE_WEIGHTS
-                                                               if getattr(lw, name) is not None},
-                                         cos, sin, rows, float(np.float32(lcfg.query_scale)),
-                                         (streamed or {}).get(i)))
+            stored = (experts or {}).get(i)
+            refs = {name: tensor_ref(name, getattr(lw, name)) for name in DECODE_WEIGHTS if getattr(lw, name) is not None}
+            if stored is not None:  # types only: the experts come from the store
+                refs.update({name: (refs[name][0], None) for name in EXPERT_MATRICES if name in refs})
+            step_layers.append(StepLayer(LayerShape.of(lcfg), refs, cos, sin, rows, float(np.float32(lcfg.query_scale)),
+                                         (streamed or {}).get(i), None if stored is None else tuple(stored)))
         output_norm = self.xp.ascontiguousarray(outer.output_norm, dtype=np.float32)
         model = StepModel(cfg.n_layer, cfg.n_embd, cfg.n_vocab, len(caches[0]), kv_type, cfg.rms_eps,
                           float(cfg.logit_scale), float(cfg.final_softcap), tensor_ref("output_norm", output_norm),
                           tensor_ref("output", outer.output),
                           graphs=os.environ.get("PEBBLING_CUDA_GRAPHS", "1") != "0", store=store,
-                          kv_ids=tuple(tuple(pair) for pair in kv_ids), slots=tuple(slots))
+                          kv_ids=tuple(tuple(pair) for pair in kv_ids), slots=tuple(slots), expert_store=expert_store)
         k_caches = [k for per_layer in caches for k, _ in per_layer]
         v_caches = [v for per_layer in caches for _, v in per_layer]
         return Decoder(self.lib.decoder(model, step_layers, k_caches, v_caches), self.xp, cfg.n_embd, cfg.n_vocab,

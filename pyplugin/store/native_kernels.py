@@ -183,7 +183,8 @@ class NativeDecoder:
         for i, (layer, c) in enumerate(zip(layers, c_layers)):
             shape = layer.shape
             for name in ("n_embd", "n_head", "n_head_kv", "head_dim", "n_ff", "rope_dims", "rope_neox", "rms_eps",
-                         "gelu", "ring", "attn_softcap", "residual_scale"):
+                         "gelu", "ring", "attn_softcap", "residual_scale", "n_expert", "n_expert_used", "n_ff_exp",
+                         "n_ff_shexp", "expert_norm", "expert_scale"):
                 setattr(c.shape, name, getattr(shape, name))
             # Sizes follow from a shape the library takes; another it refuses by name, with its own message.
             valid = min(shape.n_embd, shape.n_head, shape.n_head_kv, shape.head_dim, shape.n_ff) >= 1 and \
@@ -196,8 +197,13 @@ class NativeDecoder:
                 for f, name in enumerate(DECODE_WEIGHTS):
                     c.weight_ids[f] = _c_int(ids[name], f"layer {i} {name}'s entry", INT32_MIN, INT32_MAX,
                                              InvalidArgumentError, "does not fit in int32")
+            if layer.experts is not None:
+                c.experts_stored = 1
+                c.expert_ids, c.expert_cache = (_c_int(v, f"layer {i}'s {what}", INT32_MIN, INT32_MAX, InvalidArgumentError,
+                                                       "does not fit in int32")
+                                                for v, what in zip(layer.experts, ("expert_ids", "expert_cache")))
             for name, (ggml_type, buffer) in layer.weights.items():
-                if layer.streamed is not None:
+                if layer.streamed is not None or buffer is None:
                     getattr(c.weights, name).ggml_type = _c_type(ggml_type)
                     continue
                 ptr, nbytes = self._pointer(buffer, False, f"layer {i} {name}")
@@ -234,6 +240,11 @@ class NativeDecoder:
         for name in ("n_layer", "n_embd", "n_vocab", "n_seq", "kv_type", "rms_eps", "logit_scale", "final_softcap"):
             setattr(c_model, name, getattr(model, name))
         c_model.graphs = 1 if model.graphs else 0
+        if any(layer.experts is not None for layer in layers):
+            for name, store in (("store", model.store), ("expert_store", model.expert_store)):
+                if store is not None:
+                    setattr(c_model, name, store._live())
+                    self._keep.append(store)
         if any(layer.streamed is not None for layer in layers):
             if model.store is None or len(model.kv_ids) != model.n_seq:
                 raise InvalidArgumentError(f"decoder: streamed layers need the store and the (K, V) entries of each "
@@ -333,6 +344,7 @@ def decode_buffer_sizes(shape, type_block) -> dict:
     """For each weight of a layer, a function of its GGUF type giving the bytes its buffer must hold."""
     q, kv = shape.n_head * shape.head_dim, shape.n_head_kv * shape.head_dim
     e, ff = shape.n_embd, shape.n_ff
+    E, fx, sh = shape.n_expert, shape.n_ff_exp, shape.n_ff_shexp
 
     def matrix(rows, cols):
         def size(ggml_type):
@@ -350,7 +362,9 @@ def decode_buffer_sizes(shape, type_block) -> dict:
             "wo": matrix(e, q), "ffn_norm": vector(e), "w_gate": matrix(ff, e), "w_up": matrix(ff, e),
             "w_down": matrix(e, ff), "bq": vector(q), "bk": vector(kv), "bv": vector(kv),
             "q_norm": vector(shape.head_dim), "k_norm": vector(shape.head_dim), "post_attn_norm": vector(e),
-            "post_ffn_norm": vector(e)}
+            "post_ffn_norm": vector(e), "ffn_gate_inp": matrix(E, e), "ffn_gate_exps": matrix(E * fx, e),
+            "ffn_up_exps": matrix(E * fx, e), "ffn_down_exps": matrix(E * e, fx), "ffn_gate_inp_shexp": vector(e),
+            "ffn_gate_shexp": matrix(sh, e), "ffn_up_shexp": matrix(sh, e), "ffn_down_shexp": matrix(e, sh)}
 
 
 def _c_type(ggml_type) -> int:

@@ -10,11 +10,12 @@ import numpy as np
 from ..errors import ClosedError, InvalidArgumentError, SizeMismatchError
 from ..ggml_types import DENSE_TYPES
 from ..kv_types import KV_BY_GGML
-from ..model.transformer import (ROPE_NEOX, ROPE_NORMAL, LayerWeights, ModelConfig, OuterWeights, layer_forward,
-                                 output_logits)
+from ..model.transformer import (ROPE_NEOX, ROPE_NORMAL, LayerWeights, ModelConfig, OuterWeights, attention_block,
+                                 ffn_block, output_logits)
 from .abi import DECODER_MAX_BATCH
 from .interface import host_buffer
-from .kernels import DECODER_STATS, GraphPolicy
+from .kernels import DECODER_STATS, EXPERT_MATRICES, GraphPolicy
+from .stub_experts import ExpertCache
 
 _DTYPE_OF = {ggml_type: dtype for dtype, ggml_type in DENSE_TYPES.items()}  # F32, F16 -> numpy dtype
 
@@ -26,6 +27,8 @@ class StubDecoder:
 
     def __init__(self, kernels, model, layers, k_caches, v_caches):
         fn = "pebble_decoder_create"
+        self.max_rows = kernels.MAX_VEC  # rows a matrix takes at once: each as alone (stub_kernels. matvec)
+        self.experts = {}  # layer -> ExpertCache, where its experts are pebbles
         if min(model.n_layer, model.n_embd, model.n_vocab, model.n_seq) < 1 or model.n_seq > DECODER_MAX_BATCH:
             raise InvalidArgumentError(f"{fn}: n_layer {model.n_layer}, n_embd {model.n_embd} and n_vocab "
                                        f"{model.n_vocab} must each be at least 1, n_seq {model.n_seq} within "
@@ -60,10 +63,22 @@ class StubDecoder:
             def build(w, where=where, s=s, e=e, q_rows=q_rows, kv_rows=kv_rows) -> LayerWeights:
                 vec = lambda *a, **k: kernels._vector(where, w, *a, **k)  # noqa: E731
                 mat = lambda *a: kernels._matrix(where, w, *a)  # noqa: E731
+                dense = not s.n_expert
+                mat_if = lambda wanted, name, *a: mat(name, *a) if _wanted(where, w, name, wanted) else None  # noqa: E731
+                E, fx, sh = s.n_expert, s.n_ff_exp, s.n_ff_shexp if s.n_expert else 0
+                merged = E and layer.experts is None  # else the experts are entries of the store
+                experts = dict(
+                    ffn_gate_inp=mat_if(E, "ffn_gate_inp", E, e), ffn_gate_exps=mat_if(merged, "ffn_gate_exps", E * fx, e),
+                    ffn_up_exps=mat_if(merged, "ffn_up_exps", E * fx, e),
+                    ffn_down_exps=mat_if(merged, "ffn_down_exps", E * e, fx),
+                    ffn_gate_inp_shexp=vec("ffn_gate_inp_shexp", e) if _wanted(where, w, "ffn_gate_inp_shexp", sh) else None,
+                    ffn_gate_shexp=mat_if(sh, "ffn_gate_shexp", sh, e), ffn_up_shexp=mat_if(sh, "ffn_up_shexp", sh, e),
+                    ffn_down_shexp=mat_if(sh, "ffn_down_shexp", e, sh))
                 return LayerWeights(
                     attn_norm=vec("attn_norm", e), wq=mat("wq", q_rows, e), wk=mat("wk", kv_rows, e),
                     wv=mat("wv", kv_rows, e), wo=mat("wo", e, q_rows), ffn_norm=vec("ffn_norm", e),
-                    w_gate=mat("w_gate", s.n_ff, e), w_up=mat("w_up", s.n_ff, e), w_down=mat("w_down", e, s.n_ff),
+                    w_gate=mat_if(dense, "w_gate", s.n_ff, e), w_up=mat_if(dense, "w_up", s.n_ff, e),
+                    w_down=mat_if(dense, "w_down", e, s.n_ff), **experts,
                     bq=vec("bq", q_rows, optional=True), bk=vec("bk", kv_rows, optional=True),
                     bv=vec("bv", kv_rows, optional=True), q_norm=vec("q_norm", s.head_dim, optional=True),
                     k_norm=vec("k_norm", s.head_dim, optional=True),
@@ -107,8 +122,17 @@ class StubDecoder:
                               rms_eps=s.rms_eps, rope_mode=ROPE_NEOX if s.rope_neox else ROPE_NORMAL,
                               rope_dims=s.rope_dims, attn_scale=float(layer.attn_scale),
                               activation="gelu" if s.gelu else "silu", window=layer.kv_rows if s.ring else 0,
-                              attn_softcap=float(s.attn_softcap), residual_scale=float(s.residual_scale))
+                              attn_softcap=float(s.attn_softcap), residual_scale=float(s.residual_scale),
+                              n_expert=s.n_expert, n_expert_used=s.n_expert_used, n_ff_exp=s.n_ff_exp,
+                              n_ff_shexp=s.n_ff_shexp if s.n_expert else 0, expert_norm=bool(s.expert_norm),
+                              expert_scale=float(s.expert_scale))
             self.layers.append((cfg, lw, caches, (cos, sin), layer))
+            if layer.experts is not None:
+                types = {name: layer.weights[name][0] for name in EXPERT_MATRICES if name in layer.weights}
+                if len(types) < len(EXPERT_MATRICES):
+                    raise InvalidArgumentError(f"{fn}: layer {i}: experts stored need the types of {', '.join(EXPERT_MATRICES)}")
+                self.experts[i] = ExpertCache(kernels, model.expert_store or model.store, i, s, types, *layer.experts,
+                                              self.stats_)
             if layer.streamed is not None:
                 self.streamed[i] = ({name: buf for name, (_, buf) in w.items()}, entries, caches, build, w)
         self.output_norm = kernels._vector(fn, {"output_norm": model.output_norm}, "output_norm", model.n_embd)
@@ -155,12 +179,15 @@ class StubDecoder:
                 for cache, tensor_id in zip(caches[seq], model.kv_ids[seq]):
                     if held:
                         store.read(i, tensor_id, 0, cache[:held])
-        for b, (seq, pos) in enumerate(zip(seqs, positions)):
-            h = xs[b:b + 1]
-            for cfg, lw, caches, (cos, sin), _ in self.layers:
+        for i, (cfg, lw, caches, (cos, sin), _) in enumerate(self.layers):  # layer by layer, as the native step
+            for b, (seq, pos) in enumerate(zip(seqs, positions)):
                 k, v = caches[seq]
-                h = layer_forward(cfg, h, lw, k, v, pos, (cos[pos:pos + 1], sin[pos:pos + 1]))
-            xs[b] = h[0]
+                xs[b] = attention_block(cfg, xs[b:b + 1], lw, k, v, pos, (cos[pos:pos + 1], sin[pos:pos + 1]))[0]
+            if cfg.n_expert:  # the step's tokens together, expert by expert (each restored once where stored)
+                xs[:] = ffn_block(cfg, xs, lw, self.experts.get(i), self.max_rows)
+            else:
+                for b in range(n):
+                    xs[b] = ffn_block(cfg, xs[b:b + 1], lw)[0]
         for i, (_, _, caches, _, _) in self.streamed.items():  # each new row back into its entry
             layer = self.layers[i][4]
             for seq, pos in zip(seqs, positions):
@@ -188,3 +215,11 @@ class StubDecoder:
 
     def close(self) -> None:
         self.closed = True
+
+
+def _wanted(where: str, weights: dict, name: str, wanted) -> bool:
+    """Whether the layer computes with `name` (the shape says); one given that it does not is refused, as
+    native/pebble_decode.cu refuses it."""
+    if not wanted and (weights.get(name) or (None, None))[1] is not None:  # (type, None): a type only
+        raise InvalidArgumentError(f"{where}: {name} is given but the shape has no use for it")
+    return bool(wanted)

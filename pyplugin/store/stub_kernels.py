@@ -155,6 +155,13 @@ class StubKernels:
         if not (math.isfinite(s.attn_softcap) and s.attn_softcap >= 0 and math.isfinite(s.residual_scale)):
             raise InvalidArgumentError(f"{where}: attn_softcap {s.attn_softcap:g} must be finite and at least 0, "
                                        f"residual_scale {s.residual_scale:g} finite")
+        if not 0 <= s.n_expert <= 1 << 12 or s.n_ff_shexp < 0 or (s.n_expert and (
+                not 1 <= s.n_expert_used <= min(s.n_expert, 16) or s.n_ff_exp < 1 or s.expert_norm not in (0, 1)
+                or not math.isfinite(s.expert_scale) or s.gelu)):
+            raise InvalidArgumentError(f"{where}: experts: n_expert {s.n_expert} must be within 0..4096 and, above 0, "
+                                       f"n_expert_used {s.n_expert_used} within 1..n_expert (and 16), n_ff_exp "
+                                       f"{s.n_ff_exp} at least 1, expert_norm {s.expert_norm} 0 or 1, expert_scale "
+                                       f"{s.expert_scale:g} finite, gelu 0; n_ff_shexp {s.n_ff_shexp} at least 0")
 
     def _vector(self, where: str, weights: dict, name: str, n: int, optional: bool = False):
         ref = weights.get(name)

@@ -312,6 +312,80 @@ int main(void) {
         EXPECT(pebble_decoder_create(&model, &layer, ks, vs, &d) == PEBBLE_ERR_INVALID_ARGUMENT);
     }
 
+    // a layer of experts: 2 experts of 4, 1 used. The router scores expert 1 above expert 0 for x = 1; the
+    // experts' merged rows as one tensor each, or each expert an entry of a store, with a cache of 0 or 1
+    // experts: the same hidden state, and the cache's hits and misses counted.
+    {
+        enum { E = 4, X = 2 };
+        float zero[E * E] = {0}, eye[E * E] = {0}, ones_f[E], cos_[2 * E], sin_[2 * E] = {0};
+        float router[X * E] = {0}, gate[X * E * E], up[X * E * E], down[X * E * E];
+        for (int i = 0; i < E; i++) {
+            eye[i * E + i] = 1.0f;
+            ones_f[i] = cos_[i] = cos_[E + i] = 1.0f;
+            router[E + i] = 1.0f;                                    // expert 1 scores 4, expert 0 scores 0
+        }
+        for (int i = 0; i < X * E * E; i++) gate[i] = up[i] = down[i] = (float)((i * 7) % 5) / 8.0f;
+        struct pebble_tensor_ref f32_zero = {0, zero}, f32_eye = {0, eye}, f32_ones = {0, ones_f}, none = {0, NULL};
+        struct pebble_step_layer layer = {
+            {E, 1, 1, E, E, 0, 0, 0.0f, 0, 0, 0.0f, 1.0f, X, 1, E, 0, 1, 1.0f},
+            {f32_ones, f32_zero, f32_zero, f32_eye, f32_eye, f32_ones, none, none, none, none, none, none, none, none,
+             none, none, {0, router}, {0, gate}, {0, up}, {0, down}, none, none, none, none},
+            cos_, sin_, 2, 2, 0.5f};
+        struct pebble_step_model model = {1, E, E, 1, 0, 0.0f, 1.0f, 0.0f, f32_ones, f32_eye};
+        float k0[2 * E] = {0}, v0[2 * E] = {0}, x[E], merged[E];
+        void * ks[1] = {k0}, * vs[1] = {v0};
+        int32_t seqs[1] = {0};
+        int64_t pos[1] = {0};
+        pebble_decoder_t d = NULL;
+        struct pebble_decoder_stats stats;
+        for (int i = 0; i < E; i++) x[i] = 1.0f;
+        EXPECT(pebble_decoder_create(&model, &layer, ks, vs, &d) == PEBBLE_OK);
+        EXPECT(pebble_decoder_step(d, 1, seqs, pos, x, NULL, NULL) == PEBBLE_OK);
+        EXPECT(pebble_decoder_stats(d, &stats) == PEBBLE_OK && stats.graphs_captured == 0);
+        EXPECT(pebble_decoder_free(d) == PEBBLE_OK);
+        memcpy(merged, x, sizeof x);
+        EXPECT(x[0] != 1.0f); // the expert's FFN added something
+        pebble_store_t st = NULL;
+        EXPECT(pebble_init(1 << 20, 1, PEBBLE_STRATEGY_MINIMAL, 0, 0, &st) == PEBBLE_OK);
+        for (int j = 0; j < X; j++) { // expert j: its gate rows, up rows, down rows
+            float entry[3 * E * E];
+            memcpy(entry, gate + j * E * E, sizeof(float) * E * E);
+            memcpy(entry + E * E, up + j * E * E, sizeof(float) * E * E);
+            memcpy(entry + 2 * E * E, down + j * E * E, sizeof(float) * E * E);
+            EXPECT(pebble_save(st, 0, 50 + j, entry, sizeof entry, NULL, PEBBLE_TIER_HOST, NULL) == PEBBLE_OK);
+        }
+        model.store = st;
+        layer.experts_stored = 1, layer.expert_ids = 50;
+        layer.weights.ffn_gate_exps.data = layer.weights.ffn_up_exps.data = layer.weights.ffn_down_exps.data = NULL;
+        for (int cache = 0; cache < 2; cache++) {
+            layer.expert_cache = cache;
+            memset(k0, 0, sizeof k0), memset(v0, 0, sizeof v0);
+            EXPECT(pebble_decoder_create(&model, &layer, ks, vs, &d) == PEBBLE_OK);
+            for (int step = 0; step < 2; step++) {
+                for (int i = 0; i < E; i++) x[i] = 1.0f;
+                EXPECT(pebble_decoder_step(d, 1, seqs, pos, x, NULL, NULL) == PEBBLE_OK &&
+                       memcmp(x, merged, sizeof x) == 0);
+            }
+            EXPECT(pebble_decoder_stats(d, &stats) == PEBBLE_OK && stats.expert_hits == (uint64_t)cache &&
+                   stats.expert_misses == (uint64_t)(2 - cache) &&
+                   stats.expert_bytes_restored == (uint64_t)(2 - cache) * 3 * E * E * sizeof(float));
+            EXPECT(pebble_decoder_free(d) == PEBBLE_OK);
+        }
+        layer.expert_cache = 3; // more than the layer's experts
+        EXPECT(pebble_decoder_create(&model, &layer, ks, vs, &d) == PEBBLE_ERR_INVALID_ARGUMENT &&
+               strstr(pebble_last_error(), "expert_cache") != NULL);
+        layer.expert_cache = 1, layer.expert_ids = 51; // expert 1 is then entry 52, which does not exist
+        EXPECT(pebble_decoder_create(&model, &layer, ks, vs, &d) == PEBBLE_ERR_SIZE_MISMATCH &&
+               strstr(pebble_last_error(), "expert 1 (tensor 52)") != NULL);
+        layer.expert_ids = 50, layer.shape.n_expert_used = 3; // more used than there are
+        EXPECT(pebble_decoder_create(&model, &layer, ks, vs, &d) == PEBBLE_ERR_INVALID_ARGUMENT &&
+               strstr(pebble_last_error(), "n_expert_used") != NULL);
+        layer.shape.n_expert_used = 1, layer.weights.w_gate = f32_eye; // a dense FFN beside the experts
+        EXPECT(pebble_decoder_create(&model, &layer, ks, vs, &d) == PEBBLE_ERR_INVALID_ARGUMENT &&
+               strstr(pebble_last_error(), "w_gate") != NULL);
+        EXPECT(pebble_free(st) == PEBBLE_OK);
+    }
+
     // pebble_attend: one query over a cache of 3 rows whose V rows are 1, 2, 3 and K rows 0 (a plain mean:
     // 2); then every malformed call refused before anything is read or written.
     {

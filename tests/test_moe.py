@@ -1,0 +1,428 @@
+"""Mixture-of-experts models (qwen3moe, qwen2moe with its shared expert, Mixtral-style llama files):
+the synthetic files' layout and metadata as gguf-py names them, the float64 reference written here from
+the GGUF's tensors (routing as llama.cpp's build_moe_ffn computes it), every strategy and backend giving the
+tokens of `none`, a batch of sequences equal to each alone, and files asking for what is not computed
+refused by name.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from gguf import GGUFReader
+
+from helpers import store_backend_params, tiny_path
+from pyplugin.errors import ModelError
+from pyplugin.model import load_model
+from pyplugin.model.gguf_file import GGUFFile
+from pyplugin.runtime import Generation, PebbledModel
+from pyplugin.runtime.options import Options
+from pyplugin.runtime.plan import PebblingOptions
+
+SHAPE = dict(n_embd=64, n_head=4, n_head_kv=2, n_ff=96, n_ctx=128, n_merges=150, n_layer=2, n_expert=8,
+             n_expert_used=3)
+CASES = {
+    "qwen3moe": dict(arch="qwen3moe", vocab="qwen3", key_length=32, n_ff_exp=32),
+    "qwen2moe": dict(arch="qwen2moe", vocab="chatml", n_ff_exp=32, n_ff_shexp=64),
+    "mixtral": dict(arch="llama", vocab="llama3", n_expert=4, n_expert_used=2),
+}
+PROMPT_LEN, DECODED = 11, 5
+
+
+def path_of(case: str, **extra):
+    spec = {**SHAPE, **CASES[case], **extra}
+    return tiny_path(spec.pop("arch"), **spec)
+
+
+def prompt(n: int = PROMPT_LEN) -> list[int]:
+    return [(5 * i + 2) % 250 + 1 for i in range(n)]
+
+
+def rel(a, b) -> float:
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+# ---------------------------------------------------------------------------------------------------
+# the float64 reference
+
+
+def reference_logits(path, tokens: list[int]) -> np.ndarray:
+    """float64 logits [T, n_vocab] of every position, from the file's tensors."""
+    with GGUFFile(path) as f:
+        md, t = f.metadata, {name: f.dequantize(name).astype(np.float64) for name in f.tensors}
+    arch = md["general.architecture"]
+    key = lambda k, default=None: md.get(f"{arch}.{k}", default)  # noqa: E731
+    n_layer, n_embd, n_head = key("block_count"), key("embedding_length"), key("attention.head_count")
+    n_kv, eps, k_used = key("attention.head_count_kv"), key("attention.layer_norm_rms_epsilon"), key("expert_used_count")
+    hd = key("attention.key_length", n_embd // n_head)
+    normalise = key("expert_weights_norm", arch != "qwen2moe")
+
+    def rms(x, w):
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
+
+    def silu(x):
+        return x / (1 + np.exp(-x))
+
+    def rope(x, pos):
+        half = hd // 2
+        ang = pos[:, None] * key("rope.freq_base") ** (-np.arange(half) * 2.0 / hd)[None, :]
+        c, s = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+        if arch == "llama":  # adjacent pairs
+            a, b = x[..., 0::2], x[..., 1::2]
+            out = np.empty_like(x)
+            out[..., 0::2], out[..., 1::2] = a * c - b * s, b * c + a * s
+            return out
+        a, b = x[..., :half], x[..., half:]
+        return np.concatenate([a * c - b * s, b * c + a * s], -1)
+
+    T, pos = len(tokens), np.arange(len(tokens), dtype=np.float64)
+    x = t["token_embd.weight"][tokens]
+    for i in range(n_layer):
+        b = lambda n: t[f"blk.{i}.{n}.weight"]  # noqa: E731
+        h = rms(x, b("attn_norm"))
+        q, k, v = ((h @ b(n).T + t.get(f"blk.{i}.{n}.bias", 0)).reshape(T, -1, hd) for n in ("attn_q", "attn_k", "attn_v"))
+        if f"blk.{i}.attn_q_norm.weight" in t:
+            q, k = rms(q, b("attn_q_norm")), rms(k, b("attn_k_norm"))
+        q, k = rope(q, pos), rope(k, pos)
+        k, v = np.repeat(k, n_head // n_kv, axis=1), np.repeat(v, n_head // n_kv, axis=1)
+        scores = np.einsum("qhd,khd->hqk", q / math.sqrt(hd), k)
+        scores = np.where(np.arange(T)[None, :] <= np.arange(T)[:, None], scores, -np.inf)
+        p = np.exp(scores - scores.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        x = x + np.einsum("hqk,khd->qhd", p, v).reshape(T, -1) @ b("attn_output").T
+        h = rms(x, b("ffn_norm"))
+        # routing: a softmax over every expert, the k most probable, renormalised where the model says
+        logits = h @ b("ffn_gate_inp").T                                       # [T, n_expert]
+        probs = np.exp(logits - logits.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        out = np.zeros_like(x)
+        for r in range(T):
+            chosen = np.argsort(-probs[r], kind="stable")[:k_used]
+            w = probs[r, chosen] / (probs[r, chosen].sum() if normalise else 1.0)
+            for j, wj in zip(chosen, w):  # expert j: slice j of each merged [n_expert, ...] tensor
+                gate, up, down = b("ffn_gate_exps")[j], b("ffn_up_exps")[j], b("ffn_down_exps")[j]
+                out[r] += wj * (down @ (silu(gate @ h[r]) * (up @ h[r])))
+        if f"blk.{i}.ffn_gate_shexp.weight" in t:  # qwen2moe's shared expert, its sigmoid gate
+            shared = (silu(h @ b("ffn_gate_shexp").T) * (h @ b("ffn_up_shexp").T)) @ b("ffn_down_shexp").T
+            out += shared / (1 + np.exp(-(h @ b("ffn_gate_inp_shexp"))))[:, None]
+        x = x + out
+    out = t.get("output.weight", t["token_embd.weight"])
+    return rms(x, t["output_norm.weight"]) @ out.T
+
+
+# ---------------------------------------------------------------------------------------------------
+# the files
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_synthetic_files_lay_experts_out_as_gguf_py_names_them(case):
+    spec = {**SHAPE, **CASES[case]}
+    reader = GGUFReader(path_of(case))
+    arch = spec["arch"]
+    fields = {k: f.contents() for k, f in reader.fields.items()}
+    assert fields[f"{arch}.expert_count"] == spec["n_expert"]
+    assert fields[f"{arch}.expert_used_count"] == spec["n_expert_used"]
+    shapes = {t.name: tuple(int(d) for d in t.shape) for t in reader.tensors}   # GGUF's ne order
+    E, e = spec["n_expert"], spec["n_embd"]
+    ff = spec.get("n_ff_exp", spec["n_ff"])
+    assert shapes["blk.0.ffn_gate_inp.weight"] == (e, E)
+    assert shapes["blk.1.ffn_gate_exps.weight"] == shapes["blk.1.ffn_up_exps.weight"] == (e, ff, E)
+    assert shapes["blk.1.ffn_down_exps.weight"] == (ff, e, E)
+    assert "blk.0.ffn_gate.weight" not in shapes and "blk.0.ffn_down.weight" not in shapes
+    assert ("blk.0.ffn_gate_shexp.weight" in shapes) == (arch == "qwen2moe")
+    if arch == "qwen2moe":
+        assert shapes["blk.0.ffn_gate_inp_shexp.weight"] == (e,)
+        assert shapes["blk.0.ffn_down_shexp.weight"] == (spec["n_ff_shexp"], e)
+        assert fields["qwen2moe.expert_shared_feed_forward_length"] == spec["n_ff_shexp"]
+    if arch == "qwen3moe":
+        assert "blk.0.attn_q_norm.weight" in shapes and fields["qwen3moe.expert_feed_forward_length"] == ff
+
+
+def test_configs_read_as_llama_cpp_reads_them():
+    q3 = load_model(path_of("qwen3moe"), progress=False).config
+    assert (q3.n_expert, q3.n_expert_used, q3.n_ff_exp, q3.n_ff_shexp, q3.expert_norm) == (8, 3, 32, 0, True)
+    q2 = load_model(path_of("qwen2moe"), progress=False).config
+    assert (q2.n_ff_exp, q2.n_ff_shexp, q2.expert_norm) == (32, 64, False)
+    mx = load_model(path_of("mixtral"), progress=False).config
+    assert (mx.n_expert, mx.n_expert_used, mx.n_ff_exp, mx.expert_norm) == (4, 2, 96, True)
+    flagged = load_model(path_of("qwen2moe", expert_weights_norm=True), progress=False).config
+    assert flagged.expert_norm
+
+
+# ---------------------------------------------------------------------------------------------------
+# the forward pass against the reference
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("num_batch", [4, 16])
+def test_prefill_matches_the_float64_reference(case, num_batch):
+    path = path_of(case)
+    model = load_model(path, weights="f16", progress=False)
+    tokens = prompt(PROMPT_LEN)
+    ref = reference_logits(path, tokens)
+    gen = Generation(model, Options(temperature=0, num_ctx=64, num_batch=num_batch, kv_type="f32"))  # K, V unrounded
+    assert rel(gen.prefill(tokens), ref[-1]) < 1e-4
+
+
+@pytest.mark.parametrize("backend", store_backend_params(("host", "stub")))
+@pytest.mark.parametrize("case", CASES)
+def test_decode_steps_match_the_float64_reference(backend, case):
+    """The decode step (one native call per token on host, the stub's forward pass) through the KV cache. The
+    stub rounds every matrix product's input to fp16 (as the GPU's kernels do), a dense model's decode step
+    there too is ~4e-4 from the reference; the host's takes float32 inputs for float weights."""
+    from pyplugin.store import backend_named
+    path = path_of(case)
+    model = load_model(path, weights="f16", progress=False)
+    tokens = prompt(PROMPT_LEN + DECODED)
+    ref = reference_logits(path, tokens)
+    from pyplugin.runtime.generation import ResidentLayers
+    layers = ResidentLayers(model, 64, backend_named(backend).kernels, kv_type="f32")
+    gen = Generation(model, Options(temperature=0, num_ctx=64, num_batch=8, kv_type="f32"), layers=layers)
+    gen.prefill(tokens[:PROMPT_LEN])
+    tolerance = 1e-4 if backend == "host" else 2e-3
+    for n, token in enumerate(tokens[PROMPT_LEN:]):
+        assert rel(gen.decode_one(token), ref[PROMPT_LEN + n]) < tolerance, (case, n)
+
+
+def test_the_reference_sees_the_routing():
+    """Renormalising the chosen experts' weights changes the logits: the flag is not dead."""
+    tokens = prompt(6)
+    plain = reference_logits(path_of("qwen2moe"), tokens)
+    normed = reference_logits(path_of("qwen2moe", expert_weights_norm=True), tokens)
+    assert rel(plain, normed) > 1e-3
+
+
+# ---------------------------------------------------------------------------------------------------
+# strategies, backends, weight forms, batches
+
+FORMS = {"Q8_0": dict(weight_type="Q8_0"), "F16": dict(weight_type="F16"),
+         # Q4_K_M-like: K-quant rows need 256 columns
+         "Q4_K_M": dict(weight_type="Q4_K", n_embd=256, n_ff=256, n_ff_exp=256, n_ff_shexp=256,
+                        tensor_types={"ffn_down_exps": "Q6_K", "attn_v": "Q6_K", "output": "Q6_K"})}
+
+
+def formed(case: str, form: str):
+    extra = dict(FORMS[form])
+    if case == "mixtral":
+        extra.pop("n_ff_exp", None)
+        extra.pop("n_ff_shexp", None)
+    if case == "qwen3moe" and form == "Q4_K_M":
+        extra["key_length"] = 64
+    return path_of(case, **extra)
+
+
+@pytest.mark.parametrize("backend", store_backend_params())
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("case", CASES)
+def test_every_strategy_gives_the_tokens_of_none(backend, case, form):
+    options = Options(temperature=0, num_predict=6, num_ctx=48, num_batch=4)
+    tokens = prompt(7)
+    model = load_model(formed(case, form), weights="quantized", progress=False)
+    pebbled = PebbledModel(model, backend=backend)
+    try:
+        run = lambda strategy: list(pebbled.generation(  # noqa: E731
+            options, PebblingOptions.from_options({"pebbling_strategy": strategy}), len(tokens)).tokens(tokens))
+        expected = run("none")
+        assert len(expected) == 6
+        if backend == "host":  # the resident model on the host's kernels: the same decode step
+            assert list(Generation(model, options).tokens(tokens)) == expected
+        for strategy in ("sqrt", "minimal", "every:2", "adaptive"):
+            assert run(strategy) == expected, (case, form, strategy)
+    finally:
+        pebbled.close()
+
+
+@pytest.mark.parametrize("backend", store_backend_params(("host", "stub")))
+@pytest.mark.parametrize("case", CASES)
+def test_a_batch_decodes_what_each_sequence_decodes_alone(backend, case):
+    """Sequences routed to different experts in one step (each expert's rows read once for the tokens
+    routed to it) get exactly their tokens alone."""
+    from test_batching import PROMPTS, alone, together
+    model = load_model(path_of(case, weight_type="Q8_0"), weights="quantized", progress=False)
+    options = Options(temperature=0, num_predict=7, num_ctx=48)
+    pebbling = PebblingOptions.from_options({"pebbling_strategy": "minimal"})
+    prompts = [p[:6] for p in PROMPTS[:5]]
+    expected = [alone(model, backend, options, pebbling, p)[0] for p in prompts]
+    got, _ = together(model, backend, options, pebbling, prompts)
+    assert got == expected and all(len(tokens) == 7 for tokens in got)
+
+
+# ---------------------------------------------------------------------------------------------------
+# experts as pebbles: each expert of each layer an entry of the store, a cache of them per layer
+
+FIRST_EXPERT = 100  # entry id of expert 0 in these tests
+
+
+def expert_store(backend, model, wrong=()):
+    """A store of `backend` holding each expert of each layer as one entry: its gate, up and down rows (64
+    bytes for the (layer, expert) pairs of `wrong`)."""
+    from pyplugin.model.moe import expert_rows
+    cfg = model.config
+    store = backend.open_store(0, cfg.n_layer, "minimal")
+    for i, lw in enumerate(model.layers):
+        for j in range(cfg.n_expert):
+            parts = [expert_rows(getattr(lw, name), j, rows).data for name, rows in
+                     (("ffn_gate_exps", cfg.n_ff_exp), ("ffn_up_exps", cfg.n_ff_exp), ("ffn_down_exps", cfg.n_embd))]
+            data = np.zeros(64, np.uint8) if (i, j) in wrong else np.concatenate([p.ravel() for p in parts])
+            store.save(i, FIRST_EXPERT + j, np.ascontiguousarray(data), tier="host")
+    return store
+
+
+def run_steps(kernels, model, n_ctx, n_steps, n_seq, **decoder_args):
+    """Logits of n_steps decode steps of n_seq sequences (each its own tokens), and the decoder's stats."""
+    from pyplugin.model import KVCache, embed
+    cfg = model.config
+    kvs = [KVCache.allocate(cfg, n_ctx) for _ in range(n_seq)]
+    caches = [[(kv.k[i], kv.v[i]) for kv in kvs] for i in range(cfg.n_layer)]
+    decoder = kernels.decoder(cfg, model.resident_layers(kernels), caches, model.outer_weights(kernels), n_ctx,
+                              **decoder_args)
+    out = []
+    for t in range(n_steps):
+        tokens = [(37 * t + 11 * s + 5) % 250 + 1 for s in range(n_seq)]
+        x = np.ascontiguousarray(embed(model.outer, tokens, np), dtype=np.float32)
+        out.append(decoder.step(list(range(n_seq)), [t] * n_seq, x).copy())
+    stats = decoder.stats()
+    decoder.close()
+    return np.stack(out), stats
+
+
+@pytest.mark.parametrize("backend", store_backend_params(("host", "stub")))
+@pytest.mark.parametrize("case", ["qwen2moe", "mixtral"])
+def test_experts_as_pebbles_decode_what_the_merged_experts_decode(backend, case):
+    """Whatever the cache (none, some, every expert), a step restores each expert its tokens chose that the
+    cache lacks, once for the whole batch, and computes exactly what the merged experts compute; a bigger
+    cache (least recently used out first) never restores more."""
+    from pyplugin.store import backend_named
+    be = backend_named(backend)
+    model = load_model(path_of(case, weight_type="Q8_0"), weights="quantized", progress=False)
+    cfg = model.config
+    merged, stats = run_steps(be.kernels, model, 16, 6, 3)
+    assert stats["expert_hits"] == stats["expert_misses"] == 0
+    store = expert_store(be, model)
+    nbytes = store.entry_info(0, FIRST_EXPERT).nbytes
+    used, misses = None, []
+    try:
+        for cache in (0, 1, 2, cfg.n_expert):
+            experts = {i: (FIRST_EXPERT, cache) for i in range(cfg.n_layer)}
+            logits, stats = run_steps(be.kernels, model, 16, 6, 3, store=store, experts=experts)
+            np.testing.assert_array_equal(logits, merged)
+            ran = stats["expert_hits"] + stats["expert_misses"]  # (step, layer, expert chosen) triples
+            assert used is None or ran == used
+            used = ran
+            assert stats["expert_bytes_restored"] == stats["expert_misses"] * nbytes
+            misses.append(stats["expert_misses"])
+            if cache == 0:
+                assert stats["expert_hits"] == 0
+            if cache == cfg.n_expert:  # each expert restored once at most
+                assert stats["expert_misses"] <= cfg.n_layer * cfg.n_expert
+        assert misses == sorted(misses, reverse=True) and misses[0] > misses[-1], misses
+        # three sequences choosing k experts each, in two layers, over six steps: never more than that
+        assert cfg.n_layer * 6 * cfg.n_expert_used <= used <= cfg.n_layer * 6 * min(cfg.n_expert, 3 * cfg.n_expert_used)
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("backend", store_backend_params(("host", "stub")))
+def test_an_expert_entry_of_the_wrong_size_is_refused_by_name(backend):
+    from pyplugin.errors import PebblingError
+    from pyplugin.store import backend_named
+    be = backend_named(backend)
+    model = load_model(path_of("mixtral", weight_type="Q8_0"), weights="quantized", progress=False)
+    store = expert_store(be, model, wrong={(1, 2)})
+    try:
+        with pytest.raises(PebblingError, match=r"layer 1: expert 2 \(tensor 102\)"):
+            run_steps(be.kernels, model, 16, 1, 1, store=store, experts={0: (FIRST_EXPERT, 2), 1: (FIRST_EXPERT, 2)})
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("backend", store_backend_params(("host", "stub")))
+@pytest.mark.parametrize("strategy", ["none", "minimal"])
+def test_an_expert_cache_gives_the_tokens_of_none_and_reports_what_it_restored(backend, strategy):
+    """pebbling_expert_cache: every cache size gives the tokens of the experts kept in their layers; the
+    report counts hits, misses and expert bytes per token, fewer bytes for a bigger cache."""
+    model = load_model(path_of("qwen3moe", weight_type="Q8_0"), weights="quantized", progress=False)
+    options = Options(temperature=0, num_predict=8, num_ctx=48, num_batch=4)
+    tokens = prompt(7)
+    pebbled = PebbledModel(model, backend=backend)
+    try:
+        def run(**extra):
+            pebbling = PebblingOptions.from_options({"pebbling_strategy": strategy, **extra})
+            gen = pebbled.generation(options, pebbling, len(tokens))
+            return list(gen.tokens(tokens)), gen.report()["experts"]
+        expected, plain = run()
+        assert plain["cache_per_layer"] is None and plain["hits"] == plain["misses"] == 0
+        device = pebbled.store.stats().device_bytes
+        per_token = []
+        for cache in (0, 2, model.config.n_expert):
+            got, experts = run(pebbling_expert_cache=cache)
+            assert got == expected, cache
+            decoded = len(expected) - 1  # the last token is sampled, not run through the model
+            assert experts["hits"] + experts["misses"] == decoded * model.config.n_layer * model.config.n_expert_used
+            assert experts["bytes_restored_per_token"] * decoded == pytest.approx(
+                experts["misses"] * experts["expert_bytes"], rel=0.01)
+            per_token.append(experts["bytes_restored_per_token"])
+        assert per_token[0] > per_token[1] > per_token[2]
+        assert experts["misses"] <= model.config.n_layer * model.config.n_expert  # the whole cache: once each
+        # the experts' entries are a store of their own, in its host tier: the layers' residency is as it was
+        assert pebbled.store.stats().device_bytes == device and pebbled.expert_store.stats().device_bytes == 0
+    finally:
+        pebbled.close()
+
+
+def test_the_expert_cache_option_is_checked():
+    from pyplugin.errors import OptionsError
+    assert PebblingOptions.from_options({"pebbling_expert_cache": 8}).expert_cache == 8
+    for bad in (-1, True, "8", 1.5):
+        with pytest.raises(OptionsError, match="pebbling_expert_cache"):
+            PebblingOptions.from_options({"pebbling_expert_cache": bad})
+
+
+def test_estimate_shows_the_experts(capsys):
+    import json
+
+    from pyplugin.cli import main
+    path = str(path_of("qwen2moe", weight_type="Q8_0"))
+    assert main(["estimate", path, "--num-ctx", "64", "--num-batch", "8", "--backend", "stub", "--json"]) == 0
+    e = json.loads(capsys.readouterr().out)["experts"]
+    model = load_model(path, progress=False)
+    lw, cfg = model.layers[0], model.config
+    one = sum(getattr(lw, n).nbytes for n in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")) // cfg.n_expert
+    assert (e["n_expert"], e["n_expert_used"], e["expert_layers"], e["expert_bytes"]) == (8, 3, 2, one)
+    assert e["experts_bytes"] == 2 * 8 * one and e["routed_bytes_per_token"] == 2 * 3 * one
+    assert e["cache_bytes"] == {"0": 2 * one, "1": 2 * one, "8": 2 * 8 * one}
+    assert main(["estimate", path, "--num-ctx", "64", "--num-batch", "8", "--backend", "stub"]) == 0
+    assert "experts: 8 per layer in 2 layers, 3 used per token" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("backend", store_backend_params(("host", "stub")))
+@pytest.mark.parametrize("expert_cache", [None, 2])
+def test_streamed_layers_of_experts_through_the_decoders_slots(backend, expert_cache, monkeypatch):
+    """The GPU's path on the host: a streamed layer's weights copied into the decoder's slots each step (its
+    merged experts with it, or, with an expert cache, only its dense part) gives the tokens of `none`."""
+    from pyplugin.runtime.store_layers import StoreLayers
+    monkeypatch.setattr(StoreLayers, "slots_everywhere", True)
+    model = load_model(path_of("qwen2moe", weight_type="Q8_0"), weights="quantized", progress=False)
+    options = Options(temperature=0, num_predict=6, num_ctx=48, num_batch=4)
+    tokens = prompt(7)
+    pebbled = PebbledModel(model, backend=backend)
+    try:
+        def run(strategy, **extra):
+            pebbling = PebblingOptions.from_options({"pebbling_strategy": strategy, **extra})
+            gen = pebbled.generation(options, pebbling, len(tokens))
+            return list(gen.tokens(tokens)), gen.report()
+        expected, _ = run("none")
+        extra = {} if expert_cache is None else {"pebbling_expert_cache": expert_cache}
+        got, report = run("minimal", **extra)
+        assert got == expected
+        per_token = report["bytes_restored_per_token"]  # the store's restores: the slots' copies
+        dense = sum(t.nbytes for layout in pebbled.layouts for t in layout if not t.name.endswith("_exps"))
+        if expert_cache is None:
+            assert per_token > pebbled.weight_bytes  # every layer's experts too
+        else:
+            assert dense < per_token < pebbled.weight_bytes  # the dense part (and KV), not the merged experts
+            assert report["experts"]["misses"] > 0
+    finally:
+        pebbled.close()
