@@ -12,7 +12,7 @@ import pytest
 import requests
 
 from pyplugin.model.synth import write_gguf
-from pyplugin.runtime.store_layers import process_memory
+from pyplugin.runtime.layout import process_memory
 from server_patch import create_app
 from server_patch.local import serving
 
