@@ -22,6 +22,7 @@ from ..model import LayerWeights
 from ..kv_types import kv_type
 from ..store import Decoder, Strategy
 from .options import Options
+from .context_shift import shift_entries
 from .layout import aligned, bytes_of, kv_ids, process_memory, ring_rows
 from .plan import PebblingOptions, Plan
 
@@ -339,6 +340,7 @@ class StoreLayers:
             "restores": round(cost.restores),
             "bytes_restored_per_token": int(sum(s for s, _ in decode) // len(decode)) if decode else None,
             "cached_tokens": stats.cached_tokens,
+            "context_shifts": stats.context_shifts,
             "cache_restored_tokens": stats.cache_restored,
             "batch": {"n_parallel": self.n_seqs,
                       "largest": max((n for _, n in decode), default=1),
@@ -380,6 +382,9 @@ class SequenceLayers:
 
     def decode_step(self, positions: Sequence[int], x: Array):
         return self.shared.decode_step([self.seq], positions, x)
+
+    def shift_context(self, n_keep: int, n_discard: int, n_past: int) -> None:
+        shift_entries(self.shared, self.seq, n_keep, n_discard, n_past)
 
     def report(self, stats) -> dict[str, Any]:
         report = self.shared.report(stats, self.seq)
