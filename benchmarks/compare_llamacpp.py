@@ -68,6 +68,7 @@ from typing import Any
 import numpy as np
 from gguf import GGMLQuantizationType
 
+from pyplugin.kv_types import KV_TYPES
 from pyplugin.model import synth, transformer
 from pyplugin.runtime import Generation
 from pyplugin.model import load_model
@@ -109,7 +110,13 @@ N_PROMPT, N_GEN, N_CTX = 12, 16, 64
 TOLERANCE = {"F32": 1e-4, "F16": 1e-2, "BF16": 5e-2, "Q8_0": 5e-2, "Q4_0": 5e-2, "Q4_1": 5e-2, "Q5_0": 5e-2,
              "Q5_1": 5e-2, "Q4_K": 5e-2, "Q5_K": 5e-2, "Q6_K": 5e-2}
 
-GGML_TYPE_F32 = 0  # ggml_type: KV cache in float32 on the llama.cpp side, as pebbling keeps it
+# The KV cache type of both sides (--kv-type; llama.cpp's type_k and type_v, pebbling's kv_type): float32 by
+# default, so that the forward passes are compared without a cache's rounding. llama.cpp keeps a quantized V
+# cache only with flash attention, which it then uses; the tolerance grows by what the type's rounding of K
+# and V can move the logits (fp16: 2^-11 of each value; a q8_0 step is 1/127 of its block's largest value,
+# a q4_0 step 1/8 of it). The q8_0/q4_0 margins are estimates, not yet measured against llama.cpp.
+KV_TYPE = "f32"
+KV_TOLERANCE = {"f32": 0.0, "f16": 2e-3, "q8_0": 3e-2, "q4_0": 2e-1}
 
 
 @dataclass
@@ -122,7 +129,7 @@ class Case:
     @property
     def tolerance(self) -> float:
         types = {self.weight_type, *self.overrides.get("tensor_types", {}).values()}
-        return max(TOLERANCE[t] for t in types)
+        return max(TOLERANCE[t] for t in types) + KV_TOLERANCE[KV_TYPE]
 
 
 def cases(archs: tuple[str, ...], types: tuple[str, ...]) -> list[Case]:
@@ -192,8 +199,9 @@ def _child(job, path: Path, log: Path, *args):
     os.dup2(fd, 2)                                 # llama.cpp's own log, for the error message
     llm = llama_cpp.Llama(model_path=str(path), n_ctx=N_CTX, n_batch=N_CTX, n_ubatch=N_CTX,
                           n_threads=2, n_threads_batch=2, logits_all=True,
-                          vocab_only=job is _tokenize_job, type_k=GGML_TYPE_F32,
-                          type_v=GGML_TYPE_F32, seed=0, verbose=True)
+                          vocab_only=job is _tokenize_job, type_k=KV_TYPES[KV_TYPE].ggml_type,
+                          type_v=KV_TYPES[KV_TYPE].ggml_type, flash_attn=KV_TYPES[KV_TYPE].quantized, seed=0,
+                          verbose=True)
     return job(llm, *args)
 
 
@@ -229,7 +237,7 @@ def run_pebbling(model, prompt: list[int]) -> tuple[list[int], list[np.ndarray]]
     """pebbling's greedy tokens (its Sampler at temperature 0) and their logits. End-of-generation
     tokens do not stop it, so that both sides produce N_GEN tokens."""
     options = Options(temperature=0.0, repeat_penalty=1.0, top_k=0, top_p=1.0, seed=0,
-                      num_ctx=N_CTX, num_predict=N_GEN)
+                      num_ctx=N_CTX, num_predict=N_GEN, kv_type=KV_TYPE)
     gen = Generation(model, options)
     history = list(prompt)
     logits = gen.prefill(prompt)
@@ -490,14 +498,18 @@ def main(argv: list[str] | None = None) -> int:
                     "(mixtral: a llama file with experts)")
     ap.add_argument("--types", default=",".join(TYPES), help="tensor types, comma-separated")
     ap.add_argument("--no-tokenizers", action="store_true", help="skip the tokenizer comparison")
+    ap.add_argument("--kv-type", default="f32", choices=list(KV_TYPES),
+                    help="KV cache type of both sides (default f32: the forward passes alone)")
     ap.add_argument("--json", help="also write every figure to this file")
     args = ap.parse_args(argv)
+    global KV_TYPE
+    KV_TYPE = args.kv_type
     llama_cpp = import_llama_cpp()
     os.environ.setdefault("GGML_NO_BACKTRACE", "1")  # an abort in a child: one line, not a gdb dump
     version = getattr(llama_cpp, "__version__", "?")
     print(f"llama-cpp-python {version}; {N_PROMPT}-token prompt, {N_GEN} greedy tokens, "
           f"{SHAPE['n_layer']} layers of {SHAPE['n_embd']}, {SHAPE['n_head']} heads / "
-          f"{SHAPE['n_head_kv']} KV heads, n_ff {SHAPE['n_ff']}\n")
+          f"{SHAPE['n_head_kv']} KV heads, n_ff {SHAPE['n_ff']}, KV cache {KV_TYPE}\n")
     archs, types = tuple(args.only.split(",")), tuple(args.types.split(","))
     with tempfile.TemporaryDirectory(prefix="pebbling-vs-llamacpp-") as tmp:
         workdir = Path(tmp)

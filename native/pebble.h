@@ -251,12 +251,15 @@ PEBBLE_API enum pebble_status pebble_matmul_f32(int32_t ggml_type, const void * 
 // and attention covers the rows filled so far, its window. A layer of experts replaces the gated
 // feed-forward by its routed one (pebble_layer_shape.n_expert); a decode step computes it expert by
 // expert, each expert's rows read once for the tokens of the step routed to it (the router's choice is
-// read back to the host, so such a model's steps are not captured as CUDA graphs). Weight matrices may be of any type with
-// kernels (the quantized bytes as stored, or F16/F32/BF16); vectors (norms, biases) and the caches are F32
-// or F16. The residual stream is float32, the vectors handed to the matrix kernels fp16, sums float32.
+// read back to the host, so such a model's steps are not captured as CUDA graphs). Weight matrices may be
+// of any type with kernels (the quantized bytes as stored, or F16/F32/BF16); vectors (norms, biases) are
+// F32 or F16, the caches F32, F16, or llama.cpp's Q8_0 or Q4_0 blocks (32 values after an fp16 scale; a
+// head of whole blocks, head_dim a multiple of 32), read from their blocks as they are. The residual
+// stream is float32, the vectors handed to the matrix kernels fp16, sums float32.
 // Layouts are llama.cpp's, as in pyplugin.model: a matrix is [out][in] rows, a cache is
-// [rows][n_head_kv][head_dim]. Q/K norms together with Q/K biases are refused (no model has both; their
-// order would be a guess), as are heads that do not divide and an odd or too large rope_dims.
+// [rows][n_head_kv][head_dim] (a block type's rows its blocks in that order). Q/K norms together with Q/K
+// biases are refused (no model has both; their order would be a guess), as are heads that do not divide
+// and an odd or too large rope_dims.
 
 struct pebble_layer_shape {
     int32_t n_embd, n_head, n_head_kv, head_dim, n_ff;
@@ -299,17 +302,18 @@ struct pebble_layer_weights {
 // The attention of one new query in each of n_seq sequences, each over a cache of its own: what a
 // decode step over a batch computes per sequence, in one call. q is n_seq x n_head x head_dim float32
 // (rotated, not yet scaled; scale multiplies q before the dot products); sequence b attends over rows
-// 0..n_pos[b]-1 of k_caches[b] and v_caches[b], each n_rows x n_head_kv x head_dim of kv_type (F32 or
-// F16); query head h reads KV head h / (n_head / n_head_kv); softcap above 0 makes each score
+// 0..n_pos[b]-1 of k_caches[b] and v_caches[b], each n_rows x n_head_kv x head_dim of kv_type (0 F32,
+// 1 F16, 8 Q8_0 or 2 Q4_0, the latter two with head_dim a multiple of 32); query head h reads KV head h / (n_head / n_head_kv); softcap above 0 makes each score
 // c * tanh(s / c). k_new and v_new (n_seq x n_head_kv x head_dim float32 each, or both NULL) are the new
-// tokens' K and V rows: sequence b's go into row n_pos[b]-1 of its caches (converted to kv_type, rounding
-// to nearest even) before it attends, so a decode step stores and attends in this one call.
+// tokens' K and V rows: sequence b's go into row n_pos[b]-1 of its caches (converted to kv_type: fp16
+// rounding to nearest even, blocks as llama.cpp's reference quantizers write them) before it attends, so a decode step stores and attends in this one call.
 // out (n_seq x n_head x head_dim float32) = the softmax-weighted sum of V. Each
 // sequence's result is the same whatever the others in the call. scratch holds at least
 // pebble_attend_scratch_bytes. The host library splits (sequence, head) pairs among its threads with
 // SIMD dot products; the cuda library runs the decode step's attention kernel per sequence (not yet
 // run on a GPU). Errors: PEBBLE_ERR_INVALID_ARGUMENT for a NULL pointer (k_new without v_new or the
-// reverse included), a count below 1, heads that do not divide or another kv_type;
+// reverse included), a count below 1, heads that do not divide, another kv_type, or
+// a block type with a head_dim of part of a block;
 // PEBBLE_ERR_SIZE_MISMATCH for an n_pos outside 1..n_rows or scratch too small.
 PEBBLE_API enum pebble_status pebble_attend_scratch_bytes(int32_t n_seq, int32_t n_head, int64_t n_rows,
                                                           uint64_t * out);
@@ -368,7 +372,7 @@ struct pebble_step_layer {
 struct pebble_step_model {
     int32_t n_layer, n_embd, n_vocab;
     int32_t n_seq;              // sequences the decoder holds caches for
-    int32_t kv_type;            // 0 F32 or 1 F16, every cache
+    int32_t kv_type;            // 0 F32, 1 F16, 8 Q8_0 or 2 Q4_0 (head_dim a multiple of 32), every cache
     float   rms_eps;            // the output norm's
     float   logit_scale;        // multiplies the logits (1: none)
     float   final_softcap;      // above 0: each logit becomes c * tanh(l / c)

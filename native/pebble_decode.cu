@@ -42,7 +42,6 @@ __host__ __device__ inline float load_value(const void * p, int32_t type, int64_
     return type == f32_type ? static_cast<const float *>(p)[i] : half_to_float(static_cast<const uint16_t *>(p)[i]);
 }
 
-
 // ---------------------------------------------------------------------------------------------------
 // kernels
 

@@ -98,6 +98,26 @@ def test_a_different_num_ctx_starts_over(models_dir):
         engine.close()
 
 
+def test_a_conversation_parked_under_another_kv_type_starts_over(models_dir):
+    """KV entries are of one type: a request of another type makes them again (the conversation they held
+    is parked), and that conversation's next turn, back in its own type, is prefilled afresh rather than
+    written into entries of the other type; its answer is a fresh engine's."""
+    engine, fresh = Engine(models_dir, num_parallel=1), Engine(models_dir, num_parallel=1)
+    try:
+        first = [{"role": "user", "content": "first conversation, first question"}]
+        _, answer, _ = chat(engine, first)
+        _, _, other = chat(engine, [{"role": "user", "content": "another one"}], pebbling_kv_type="f32")
+        assert other.report["kv_type"] == "f32"
+        first += [{"role": "assistant", "content": answer}, {"role": "user", "content": "and then?"}]
+        job, text, final = chat(engine, first)
+        assert final.report["kv_type"] == "f16" and final.report["cached_tokens"] == 0
+        assert final.prompt_eval_count == len(job.tokens)
+        assert text == chat(fresh, first)[1]
+    finally:
+        engine.close()
+        fresh.close()
+
+
 def test_openai_usage_counts_the_whole_prompt_and_says_what_was_cached(models_dir):
     from server_patch import create_app
     from server_patch.local import serving

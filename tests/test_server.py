@@ -276,6 +276,8 @@ BAD_GENERATE = [
                  "option 'pebbling_weights': got 'q4'; accepted: 'quantized', 'f16'", id="weights-form"),
     pytest.param({"model": "tiny", "prompt": "x", "options": {"pebbling_kv_type": "q5_1"}}, 400,
                  "option 'pebbling_kv_type': got 'q5_1'; accepted: f16, q8_0, q4_0, f32", id="kv-type"),
+    pytest.param({"model": "tiny", "prompt": "x", "options": {"pebbling_kv_type": "q8_0"}}, 400,
+                 "needs a head_dim that is a multiple of 32; this model's is 16", id="kv-type-blocks"),
     pytest.param({"model": "tiny", "prompt": "x", "options": {"pebbling_memory_limit": "1KiB"}}, 400,
                  "smallest footprint", id="limit-below-footprint"),
     pytest.param({"model": "tiny", "prompt": "x", "options": "hot"}, 400, "'options'", id="options-type"),

@@ -17,6 +17,7 @@ import numpy as np
 
 from ..errors import OptionsError
 from ..model import KVCache, LayerWeights, Model, OuterWeights, embed, layer_forward, output_logits
+from ..model.kv_shift import shift_amount, shift_caches, shiftable
 from ..model.transformer import Attend, rms_norm, rope_table
 from ..store import Decoder, Kernels, select_backend
 from ..xp import to_numpy
@@ -48,6 +49,9 @@ class LayerSource(Protocol):
     def decode_step(self, positions: Sequence[int], x: Array) -> np.ndarray:
         """One token of this source's sequence at each of `positions` (one) through every layer and the
         output in one native call (x: float32 [1, n_embd], its embedding): float32 logits [1, n_vocab]."""
+
+    def shift_context(self, n_keep: int, n_discard: int, n_past: int) -> None:
+        """Every layer's caches of a context of n_past shifted (model.kv_shift.shift_caches)."""
 
 
 def attend_through(kernels: Kernels | None) -> Attend | None:
@@ -85,6 +89,10 @@ class ResidentLayers:
     def layer(self, i: int) -> tuple[LayerWeights, Array, Array]:
         return self.weights[i], self.kv.k[i], self.kv.v[i]
 
+    def shift_context(self, n_keep: int, n_discard: int, n_past: int) -> None:
+        for i in range(self.cfg.n_layer):
+            shift_caches(self.cfg.for_layer(i), self.kv.k[i], self.kv.v[i], n_keep, n_discard, n_past)
+
     def done(self, i: int) -> None:
         pass
 
@@ -100,6 +108,7 @@ class GenerationStats:
     generated_tokens: int = 0
     generate_ns: int = 0
     done_reason: str | None = None     # "stop" (end of generation or a stop string) or "length"
+    context_shifts: int = 0            # times a full context was shifted to go on (model/kv_shift.py)
 
 
 class Generation:
@@ -124,6 +133,7 @@ class Generation:
         self.generated: list[int] = []
         self.logits: np.ndarray | None = None  # what the next token is sampled from
         self.pos = 0
+        self.shifts: list[tuple[int, int]] = []  # (kept, dropped) of each context shift, in order
         self.stats = GenerationStats()
         self.layer_cfgs = [self.cfg.for_layer(i) for i in range(self.cfg.n_layer)]
         self.attend = attend_through(getattr(self.layers, "attend_kernels", None))
@@ -237,9 +247,28 @@ class Generation:
         if self.constraint is not None and self.constraint.stopped:
             self.stats.done_reason = "stop"  # the grammar is complete: only an end could follow
             return False
-        if self.pos >= self.layers.n_ctx or self.stats.generated_tokens == self.options.num_predict:
+        if self.stats.generated_tokens == self.options.num_predict or \
+                (self.pos >= self.layers.n_ctx and not self._shift_context()):
             self.stats.done_reason = "length"
             return False
+        return True
+
+    def _shift_context(self) -> bool:
+        """A full context shifted so that a generation of num_predict tokens goes on, as Ollama does: num_keep
+        positions kept, half of the rest dropped (model/kv_shift.py). False for num_predict -1 and -2, which
+        run until the context is full (unbounded, a shift would never end them), where the source cannot
+        shift, or where a sliding layer's ring would no longer hold what its window then needs."""
+        if self.options.num_predict < 0:
+            return False
+        shift = getattr(self.layers, "shift_context", None)
+        keep, drop = shift_amount(self.pos, self.options.num_keep)
+        rows = [self.cfg.kv_rows(i, self.layers.n_ctx) for i in range(self.cfg.n_layer)]
+        if shift is None or drop < 1 or not all(shiftable(r, self.pos, keep, drop) for r in rows):
+            return False
+        shift(keep, drop, self.pos)
+        self.shifts.append((keep, drop))
+        self.pos -= drop
+        self.stats.context_shifts += 1
         return True
 
     def tokens(self, prompt: Sequence[int], cached: int = 0) -> Iterator[int]:
@@ -259,8 +288,11 @@ class Generation:
             self.stats.generate_ns += time.perf_counter_ns() - start
 
     def forwarded(self) -> list[int]:
-        """The tokens whose K and V the caches now hold, in position order."""
-        return (self.prompt + self.generated)[:self.pos]
+        """The tokens whose K and V the caches now hold, in position order (less those a shift dropped)."""
+        tokens = self.prompt + self.generated
+        for keep, drop in self.shifts:
+            tokens = tokens[:keep] + tokens[keep + drop:]
+        return tokens[:self.pos]
 
     def text(self, prompt: Sequence[int], cached: int = 0) -> Iterator[str]:
         """Generated text as it comes: whole characters only, cut before the first stop string."""

@@ -301,7 +301,10 @@ class PebbledModel:
         found = {s: self.cached_prefix(tokens, n_ctx, s, kv) for s in order}
         going_on = [s for s in order if found[s] and 2 * found[s] >= len(self._kv_tokens.get(s, ()))]
         best = max(going_on, key=found.get) if going_on else None  # the first of the longest
-        key, parked = self.parked.best(tokens, n_ctx, kv or default_kv_type())
+        # A parked conversation comes back into entries of its own num_ctx and KV type only: entries of
+        # another are made again by the plan (prepare), which would drop what was written into them.
+        same = self._kv_ctx == n_ctx and self.kv.name == (kv or default_kv_type())
+        key, parked = self.parked.best(tokens, n_ctx, self.kv.name) if same else (None, 0)
         if key is not None and parked > (found[best] if best is not None else 0):
             seq = order[0]  # the conversation comes back from the host tier into the least recently used
             self._park(seq, n_ctx, keep=key)

@@ -62,6 +62,7 @@ def pebbling_report(layers: Any, stats: Any, seq: int = 0) -> dict[str, Any]:
         "bytes_restored_per_token": int(sum(s for s, _ in decode) // len(decode)) if decode else None,
         "experts": experts.report(layers, cost),
         "cached_tokens": stats.cached_tokens,
+        "context_shifts": stats.context_shifts,
         "cache_restored_tokens": stats.cache_restored,
         "batch": {"n_parallel": layers.n_seqs,
                   "largest": max((n for _, n in decode), default=1),

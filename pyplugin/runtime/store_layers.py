@@ -23,6 +23,7 @@ from ..store import Decoder
 from ..store.kernels import EXPERT_MATRICES
 from . import experts
 from .options import Options
+from .context_shift import shift_entries
 from .layout import aligned, bytes_of, kv_ids, ring_rows
 from .plan import PebblingOptions, Plan
 from .report import SequenceCost, pebbling_report
@@ -337,6 +338,9 @@ class SequenceLayers:
 
     def decode_step(self, positions: Sequence[int], x: Array):
         return self.shared.decode_step([self.seq], positions, x)
+
+    def shift_context(self, n_keep: int, n_discard: int, n_past: int) -> None:
+        shift_entries(self.shared, self.seq, n_keep, n_discard, n_past)
 
     def report(self, stats) -> dict[str, Any]:
         report = self.shared.report(stats, self.seq)

@@ -420,6 +420,32 @@ int main(void) {
         EXPECT(NEAR(out[0], 2.0f) && v[0] == 1.0f); // nothing written by a refused call
     }
 
+    // pebble_attend over Q8_0 and Q4_0 caches (2 bytes of fp16 scale + 32 or 16 bytes a block of 32): rows
+    // 1..4 written by the calls themselves (V all r, K all 0), then attended: the mean 2.5, within the
+    // scale's fp16 rounding; a head_dim of part of a block is refused, naming it.
+    {
+        enum { ROWS = 4, HD = 32 };
+        const int32_t types[2] = {8, 2};
+        const int block_bytes[2] = {34, 18};
+        for (int t = 0; t < 2; t++) {
+            unsigned char k[ROWS * 34] = {0}, v[ROWS * 34] = {0};
+            float q[HD] = {0}, k_new[HD] = {0}, v_new[HD], out[HD] = {0}, scratch[16];
+            void * kc[1] = {k}, * vc[1] = {v};
+            for (int r = 1; r <= ROWS; r++) {
+                int64_t n_pos[1] = {r};
+                for (int i = 0; i < HD; i++) v_new[i] = (float)r;
+                EXPECT(pebble_attend(1, q, k_new, v_new, types[t], kc, vc, n_pos, ROWS, 1, 1, HD, 1.0f, 0.0f, out,
+                                     scratch, sizeof scratch, NULL) == PEBBLE_OK);
+            }
+            EXPECT(fabsf(out[0] - 2.5f) < 2e-3f && fabsf(out[HD - 1] - 2.5f) < 2e-3f);
+            EXPECT(v[block_bytes[t]] != 0 || v[block_bytes[t] + 1] != 0); // row 2's scale, written in place
+            int64_t n_pos[1] = {2};
+            EXPECT(pebble_attend(1, q, NULL, NULL, types[t], kc, vc, n_pos, ROWS, 1, 1, 24, 1.0f, 0.0f, out,
+                                 scratch, sizeof scratch, NULL) == PEBBLE_ERR_INVALID_ARGUMENT &&
+                   strstr(pebble_last_error(), "multiple of 32") != NULL);
+        }
+    }
+
     // a decoder whose caches or RoPE tables would be past what an int64 addresses is refused at create
     {
         enum { E = 4 };

@@ -1,0 +1,68 @@
+"""Context shift: when a generation fills num_ctx, keep its first num_keep positions, drop half of the rest
+and move what follows down, as llama.cpp and Ollama do. A kept key was rotated (RoPE) for its old
+position; rotating it by minus the shift puts it where it now is (R(p - d) = R(-d) R(p)), so nothing is
+recomputed. Keys of a block type are decoded, rotated and encoded again, as llama.cpp re-quantizes them.
+
+A sliding layer's ring (row p % W for the last W positions) is rolled so that each position lands on its
+new row; its window after the shift must lie past the kept positions, which it no longer holds
+(`shiftable`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..kv_types import cache_kv_type, decode, encode
+from ..xp import get_array_module
+from .transformer import ModelConfig, _rope_pairs, apply_rope, rope_inv_freq
+
+Array = Any
+
+
+def shift_amount(n_past: int, n_keep: int) -> tuple[int, int]:
+    """(positions kept at the start, positions dropped after them) for a context of n_past: num_keep (at
+    most all but one position), then half of the rest, as llama.cpp's server and Ollama's runner drop."""
+    keep = max(0, min(n_keep, n_past - 1))
+    return keep, (n_past - keep) // 2
+
+
+def shiftable(rows: int, n_past: int, n_keep: int, n_discard: int) -> bool:
+    """Whether a cache of `rows` can shift: a full cache always; a ring only where its window after the
+    shift lies past the kept positions (it no longer holds those that are out of its window)."""
+    return rows >= n_past or n_past - n_discard - rows >= n_keep
+
+
+def shift_caches(cfg: ModelConfig, k: Array, v: Array, n_keep: int, n_discard: int, n_past: int) -> None:
+    """Layer `cfg`'s K and V caches [rows, n_head_kv, width] of a context of n_past positions, shifted in
+    place: positions n_keep + n_discard.. move to n_keep.., their keys rotated by -n_discard."""
+    rows = k.shape[0]
+    if not shiftable(rows, n_past, n_keep, n_discard):
+        raise ValueError(f"a ring of {rows} rows cannot shift {n_discard} of {n_past} positions keeping {n_keep}")
+    if n_discard < 1:
+        return
+    xp = get_array_module(k)
+    if rows >= n_past:  # rows in position order
+        moved = slice(n_keep + n_discard, n_past)
+        to = slice(n_keep, n_past - n_discard)
+        k[to] = rotate(cfg, k[moved], -n_discard)
+        v[to] = v[moved].copy()
+        return
+    # a ring: row r holds the position p = r (mod rows) of the last `rows` ones, every one of them moved
+    order = (xp.arange(rows) + n_discard) % rows  # new row r <- old row (r + n_discard) % rows
+    k[...] = rotate(cfg, k[order], -n_discard)
+    v[...] = v[order]
+
+
+def rotate(cfg: ModelConfig, rows: Array, delta: int) -> Array:
+    """Cache rows (any KV type) with their keys rotated by `delta` positions, in the same type."""
+    xp, kv = get_array_module(rows), cache_kv_type(rows, cfg.head_dim)
+    angles = delta * rope_inv_freq(cfg)                                      # [rope_dims / 2], float64
+    cos, sin = np.ones(cfg.head_dim), np.zeros(cfg.head_dim)
+    first, second = _rope_pairs(cfg)
+    cos[first], cos[second] = np.cos(angles), np.cos(angles)
+    sin[first], sin[second] = -np.sin(angles), np.sin(angles)               # signed as rope_table's
+    keys = decode(rows, kv, np.float32)
+    cos, sin = (xp.asarray(t, dtype=np.float32) for t in (cos, sin))
+    return encode(apply_rope(cfg, keys, cos, sin), kv)

@@ -1,0 +1,133 @@
+"""Context shift: a generation that fills num_ctx keeps num_keep positions, drops half of the rest and goes
+on, its kept keys rotated to their new positions, for every architecture and KV type."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from helpers import store_backend_params, tiny_model
+from pyplugin.kv_types import KV_TYPES, decode, encode
+from pyplugin.model.kv_shift import rotate, shift_amount, shift_caches, shiftable
+from pyplugin.model.transformer import apply_rope, rope_table
+from pyplugin.runtime import PebbledModel
+from pyplugin.runtime.options import Options
+from pyplugin.runtime.plan import PebblingOptions
+
+NEAR_TIE = 1e-2
+PROMPT = [5, 17, 42, 8, 99, 3, 61]
+
+
+def test_the_amounts_are_ollamas():
+    assert shift_amount(32, 4) == (4, 14)      # keep 4, drop half of the 28 after them
+    assert shift_amount(33, 4) == (4, 14)
+    assert shift_amount(8, 100) == (7, 0)      # num_keep past the context: all but one kept, nothing to drop
+    assert shiftable(64, 64, 4, 30) and shiftable(8, 64, 4, 30) and not shiftable(40, 64, 4, 30)
+
+
+@pytest.mark.parametrize("name", ["f32", "f16", "q8_0"])
+@pytest.mark.parametrize("arch", ["llama", "phi3"])  # GGML's normal pairs, and NeoX's halves
+def test_a_moved_key_is_the_key_rotated_for_its_new_position(arch, name):
+    """R(-d) R(p) k = R(p - d) k: each kept key, once shifted, is what rotating its unrotated key for its new
+    position gives, within the cache type's own rounding (float32's, or one more rounding to the type)."""
+    cfg = tiny_model(arch, n_embd=128, n_head=4, n_head_kv=2).config
+    t, n_past, keep, drop = KV_TYPES[name], 24, 4, 10
+    raw = np.random.default_rng(2).standard_normal((n_past, cfg.n_head_kv, cfg.head_dim)).astype(np.float32)
+    cos, sin = rope_table(cfg, n_past, np, np.float32)
+    k = encode(apply_rope(cfg, raw, cos, sin), t)                         # each row rotated for its position
+    v = encode(raw, t)
+    v_before = v.copy()
+    shift_caches(cfg, k, v, keep, drop, n_past)
+    new = np.r_[np.arange(keep), np.arange(keep + drop, n_past) - drop]  # where each kept position now is
+    old = np.r_[np.arange(keep), np.arange(keep + drop, n_past)]
+    want = apply_rope(cfg, raw[old], cos[new], sin[new])
+    tolerance = {"f32": 1e-5, "f16": 2e-3, "q8_0": 2e-2}[name]
+    np.testing.assert_allclose(decode(k[:len(new)], t), want, atol=tolerance * np.abs(want).max())
+    np.testing.assert_array_equal(v[:len(new)], v_before[old])           # values move as they are
+    assert np.abs(decode(rotate(cfg, k[:1], 0), t) - decode(k[:1], t)).max() <= tolerance
+
+
+def test_a_ring_rolls_each_position_onto_its_new_row():
+    cfg = tiny_model("gemma3", key_length=32, sliding_window=8).config.for_layer(0)
+    rows, n_past, keep, drop = 8, 32, 4, 14
+    positions = np.arange(n_past - rows, n_past)
+    v = np.zeros((rows, cfg.n_head_kv, cfg.head_dim), np.float32)
+    v[positions % rows] = positions[:, None, None]                        # each row holds its position
+    k = v.copy()
+    shift_caches(cfg, k, v, keep, drop, n_past)
+    assert (v[(positions - drop) % rows, 0, 0] == positions).all()
+    with pytest.raises(ValueError, match="cannot shift"):
+        shift_caches(cfg, k, v, keep, drop, 20)  # its window after the shift would reach the kept positions
+
+
+def generate(pebbled, kv_type, n_ctx=24, n=30):
+    options = Options(temperature=0, num_predict=n, num_ctx=n_ctx, num_batch=4, num_keep=4, kv_type=kv_type)
+    gen = pebbled.generation(options, PebblingOptions.from_options({"pebbling_strategy": "every:2"}), len(PROMPT))
+    gen.start(PROMPT)
+    tokens, gaps = [], []
+    while True:
+        top = np.sort(gen.logits)[-2:]
+        token = gen.next_token()
+        if token is None:
+            break
+        tokens.append(token)
+        gaps.append((top[1] - top[0]) / np.abs(gen.logits).max())
+        if not gen.wants_forward():
+            break
+        gen.logits = gen.decode_one(token)
+    return tokens, gaps, gen
+
+
+CASES = {"llama": ("llama", dict(n_embd=128, n_head=4, n_head_kv=2)), "qwen2": ("qwen2", {}),
+         "phi3": ("phi3", {}), "gemma3-ring": ("gemma3", dict(key_length=32, sliding_window=6)),
+         "gemma2": ("gemma2", dict(sliding_window=6, attn_softcap=0.5))}
+
+
+@pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("backend", [b for b in store_backend_params() if "stub" not in str(b)])
+def test_a_generation_past_num_ctx_goes_on_after_a_shift(backend, case, kv_type):
+    """30 tokens from a 7-token prompt in a context of 24: shifted (twice), reported, and the native decode
+    step's tokens are the Python forward pass's (the stub's) up to a near-tie."""
+    arch, overrides = CASES[case]
+    model = tiny_model(arch, n_layer=4, **overrides)
+    if model.config.head_dim % KV_TYPES[kv_type].block:
+        pytest.skip(f"{case}'s head_dim {model.config.head_dim} is not whole {kv_type} blocks")
+    results = {}
+    for which in ("stub", backend):
+        pebbled = PebbledModel(model, backend=which)
+        try:
+            tokens, gaps, gen = generate(pebbled, kv_type)
+            report = gen.report()
+            assert len(tokens) == 30 and gen.stats.done_reason == "length"
+            assert report["context_shifts"] == gen.stats.context_shifts == 2  # at 24, then at 24 again
+            assert gen.pos == len(PROMPT) + 29 - 2 * 10  # 29 tokens forwarded (not the last), 2 x 10 dropped
+            held = gen.forwarded()
+            assert len(held) == gen.pos and held[:4] == PROMPT[:4]  # num_keep's tokens stay first
+            results[which] = tokens, gaps
+        finally:
+            pebbled.close()
+    (want, gaps), (got, _) = results["stub"], results[backend]
+    for j, (a, b) in enumerate(zip(got, want)):
+        if a != b:
+            assert gaps[j] <= NEAR_TIE, (j, got, want)
+            break
+
+
+def test_resident_layers_shift_as_the_store_does():
+    """The LayerSource without a store (ResidentLayers, the reference loop) shifts its own caches: the same
+    tokens as through the stub's store, exactly (both are the Python forward pass on the stub's kernels)."""
+    from pyplugin.runtime.generation import Generation, ResidentLayers
+    from pyplugin.store import backend_named
+    model = tiny_model("qwen2", n_layer=3)
+    options = Options(temperature=0, num_predict=30, num_ctx=24, num_batch=4, num_keep=4)
+    gen = Generation(model, options, layers=ResidentLayers(model, 24, backend_named("stub").kernels, "f16"))
+    tokens = list(gen.tokens(PROMPT))
+    assert gen.stats.context_shifts == 2 and len(tokens) == 30
+    pebbled = PebbledModel(model, backend="stub")
+    try:
+        stored = pebbled.generation(options, PebblingOptions.from_options({"pebbling_strategy": "minimal"}),
+                                    len(PROMPT))
+        assert list(stored.tokens(PROMPT)) == tokens
+    finally:
+        pebbled.close()
