@@ -365,6 +365,7 @@ def test_an_expert_cache_gives_the_tokens_of_none_and_reports_what_it_restored(b
             assert experts["bytes_restored_per_token"] * decoded == pytest.approx(
                 experts["misses"] * experts["expert_bytes"], rel=0.01)
             per_token.append(experts["bytes_restored_per_token"])
+            assert experts["cache_bytes"] == model.config.n_layer * max(1, cache) * experts["expert_bytes"]
         assert per_token[0] > per_token[1] > per_token[2]
         assert experts["misses"] <= model.config.n_layer * model.config.n_expert  # the whole cache: once each
         # the experts' entries are a store of their own, in its host tier: the layers' residency is as it was
