@@ -340,7 +340,7 @@ def test_an_expert_entry_of_the_wrong_size_is_refused_by_name(backend):
 
 
 @pytest.mark.parametrize("backend", store_backend_params(("host", "stub")))
-@pytest.mark.parametrize("strategy", ["none", "minimal"])
+@pytest.mark.parametrize("strategy", ["none", "sqrt", "minimal", "every:2", "adaptive"])
 def test_an_expert_cache_gives_the_tokens_of_none_and_reports_what_it_restored(backend, strategy):
     """pebbling_expert_cache: every cache size gives the tokens of the experts kept in their layers; the
     report counts hits, misses and expert bytes per token, fewer bytes for a bigger cache."""
