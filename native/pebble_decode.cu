@@ -5,6 +5,10 @@
 // biases, per-head Q/K norms where given, RoPE with the new K/V row written into the caches (a ring's row
 // pos % n_ctx), attention (soft-capped where asked), the output projection, its norm where given and the
 // residual, RMS norm, the SwiGLU or GELU-tanh gated feed-forward, its norm where given and its residual.
+// A layer of experts replaces that feed-forward: its router's scores are read back to the host, which
+// chooses each token's experts, then expert by expert the tokens routed to it are gathered and run through
+// it (its rows read once for them all), from its merged tensors or from a per-layer cache of experts
+// restored from a store (experts_ffn, cached_expert).
 // The arithmetic, and its order, is pyplugin.model's forward pass on the CPU path with quantized weights:
 // float32 throughout, the vectors that enter a matrix kernel rounded to fp16, probabilities normalised
 // before they weight V.

@@ -58,6 +58,7 @@ def reference_logits(path, tokens: list[int]) -> np.ndarray:
     n_kv, eps, k_used = key("attention.head_count_kv"), key("attention.layer_norm_rms_epsilon"), key("expert_used_count")
     hd = key("attention.key_length", n_embd // n_head)
     normalise = key("expert_weights_norm", arch != "qwen2moe")
+    scale = key("expert_weights_scale", 0.0) or 1.0  # llama.cpp: 0 (absent) scales nothing
 
     def rms(x, w):
         return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
@@ -100,7 +101,7 @@ def reference_logits(path, tokens: list[int]) -> np.ndarray:
         out = np.zeros_like(x)
         for r in range(T):
             chosen = np.argsort(-probs[r], kind="stable")[:k_used]
-            w = probs[r, chosen] / (probs[r, chosen].sum() if normalise else 1.0)
+            w = probs[r, chosen] / (probs[r, chosen].sum() if normalise else 1.0) * scale
             for j, wj in zip(chosen, w):  # expert j: slice j of each merged [n_expert, ...] tensor
                 gate, up, down = b("ffn_gate_exps")[j], b("ffn_up_exps")[j], b("ffn_down_exps")[j]
                 out[r] += wj * (down @ (silu(gate @ h[r]) * (up @ h[r])))
@@ -339,7 +340,7 @@ def test_an_expert_entry_of_the_wrong_size_is_refused_by_name(backend):
 
 
 @pytest.mark.parametrize("backend", store_backend_params(("host", "stub")))
-@pytest.mark.parametrize("strategy", ["none", "minimal"])
+@pytest.mark.parametrize("strategy", ["none", "sqrt", "minimal", "every:2", "adaptive"])
 def test_an_expert_cache_gives_the_tokens_of_none_and_reports_what_it_restored(backend, strategy):
     """pebbling_expert_cache: every cache size gives the tokens of the experts kept in their layers; the
     report counts hits, misses and expert bytes per token, fewer bytes for a bigger cache."""
@@ -364,6 +365,7 @@ def test_an_expert_cache_gives_the_tokens_of_none_and_reports_what_it_restored(b
             assert experts["bytes_restored_per_token"] * decoded == pytest.approx(
                 experts["misses"] * experts["expert_bytes"], rel=0.01)
             per_token.append(experts["bytes_restored_per_token"])
+            assert experts["cache_bytes"] == model.config.n_layer * max(1, cache) * experts["expert_bytes"]
         assert per_token[0] > per_token[1] > per_token[2]
         assert experts["misses"] <= model.config.n_layer * model.config.n_expert  # the whole cache: once each
         # the experts' entries are a store of their own, in its host tier: the layers' residency is as it was
@@ -426,3 +428,33 @@ def test_streamed_layers_of_experts_through_the_decoders_slots(backend, expert_c
             assert report["experts"]["misses"] > 0
     finally:
         pebbled.close()
+
+
+@pytest.mark.parametrize("case, key, value", [
+    ("qwen3moe", "qwen3moe.expert_gating_func", np.uint32(2)),       # sigmoid gating: not computed
+    ("mixtral", "llama.expert_shared_feed_forward_length", np.uint32(64)),  # no shared expert in a llama file
+    ("qwen3moe", "qwen3moe.expert_used_count", np.uint32(9)),        # more than its 8 experts
+    ("qwen2moe", "qwen2moe.expert_weights_scale", -1.0),
+])
+def test_expert_keys_pebbling_does_not_compute_are_refused_by_name(case, key, value):
+    with pytest.raises(ModelError, match=key.replace(".", r"\.")):
+        load_model(path_of(case, metadata={key: value}), progress=False)
+
+
+def test_an_moe_architecture_without_experts_is_refused():
+    with pytest.raises(ModelError, match=r"qwen3moe\.expert_count"):
+        load_model(path_of("qwen3moe", metadata={"qwen3moe.expert_count": np.uint32(0)}), progress=False)
+
+
+def test_expert_weights_scale_multiplies_the_routed_experts():
+    """qwen2moe's expert_weights_scale (llama.cpp's w_scale): the reference and the forward pass agree."""
+    path = path_of("qwen2moe", metadata={"qwen2moe.expert_weights_scale": 2.5})
+    model = load_model(path, weights="f16", progress=False)
+    assert model.config.expert_scale == 2.5
+    tokens = prompt(PROMPT_LEN)
+    with GGUFFile(path) as f:
+        assert f.metadata["qwen2moe.expert_weights_scale"] == 2.5
+    ref = reference_logits(path, tokens)
+    assert rel(ref[-1], reference_logits(path_of("qwen2moe"), tokens)[-1]) > 1e-3   # the scale matters
+    gen = Generation(model, Options(temperature=0, num_ctx=64, num_batch=16))
+    assert rel(gen.prefill(tokens), ref[-1]) < 1e-4

@@ -88,10 +88,13 @@ def report(layers: Any, cost: Any) -> dict[str, Any] | None:
     cfg = layers.pebbled.model.config
     if not cfg.n_expert:
         return None
-    ran = cost.expert_hits + cost.expert_misses
-    return {"n_expert": cfg.n_expert, "n_expert_used": cfg.n_expert_used,
-            "cache_per_layer": layers.pebbling.expert_cache,
-            "expert_bytes": getattr(layers.pebbled, "_expert_bytes", None),
+    ran, cache = cost.expert_hits + cost.expert_misses, layers.pebbling.expert_cache
+    one = getattr(layers.pebbled, "_expert_bytes", None)
+    return {"n_expert": cfg.n_expert, "n_expert_used": cfg.n_expert_used, "cache_per_layer": cache,
+            "expert_bytes": one,
+            # the decode step's cache (device memory on the GPU), beside the plan's estimate: not in it yet
+            "cache_bytes": None if cache is None or one is None else
+            len(expert_layers(layers.pebbled)) * max(1, min(cache, cfg.n_expert)) * one,
             "hits": round(cost.expert_hits), "misses": round(cost.expert_misses),
             "hit_rate": round(cost.expert_hits / ran, 4) if ran else None,
             "bytes_restored_per_token": round(cost.expert_bytes / cost.expert_steps) if cost.expert_steps else None}
