@@ -6,7 +6,7 @@ blocks are its messages, a completion's are 32-character pieces of its prompt (o
 tokens an Ollama /api/generate turn carries back). Each key hashes the model and every block up to its
 own, so a request whose conversation starts with a previous request's shares that request's keys, and
 its longest shared key names the server that last held the conversation. An explicit session header
-(`X-Pebbling-Session`) replaces the chain with one key. A prompt shorter than one block, without a
+(`X-Pebbling-Session`) replaces the chain with one key, for any model and route. A prompt shorter than one block, without a
 session header, has no key and goes to the least loaded server.
 
 Nothing here knows of a cluster: `ConversationTable` maps keys to whatever names a server.
@@ -34,12 +34,12 @@ def conversation_keys(path: str, body: bytes, session: str | None = None) -> lis
     try:
         request = json.loads(body) if body else None
     except (ValueError, UnicodeDecodeError):
-        return []
+        request = None
+    if session:  # one user's session, whatever the model: where its other models' state is too
+        return [_digest(b"session\0" + session.encode())]
     model = request.get("model") if isinstance(request, dict) else None
     if not isinstance(model, str):
         return []
-    if session:
-        return [_digest(b"session\0" + model.encode() + b"\0" + session.encode())]
     if path in CHAT_PATHS and isinstance(request.get("messages"), list):
         blocks = [json.dumps(m, sort_keys=True, ensure_ascii=False) for m in request["messages"]]
     elif path in PROMPT_PATHS:
