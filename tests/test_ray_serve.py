@@ -6,7 +6,11 @@ where a turn ran and that it found its conversation there."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +33,7 @@ TINY = dict(arch="qwen2", n_layer=3, n_embd=32, n_head=2, n_head_kv=1, n_ff=64, 
 SLOW = dict(arch="qwen2", n_layer=8, n_embd=256, n_head=4, n_head_kv=2, n_ff=1024, n_ctx=4096)
 GREEDY = {"temperature": 0, "num_predict": 6, "num_ctx": 512}
 CONVERSATIONS, TURNS = 16, 3
+DEFAULTS = {"pebbling_strategy": "every:2"}  # the deployment's defaults for request options
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +58,8 @@ def cluster(models_dir):
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app({"models": str(models_dir), "num_replicas": 2}), name="pebbling", route_prefix="/")
+        serve.run(build_app({"models": str(models_dir), "num_replicas": 2, "options": DEFAULTS}), name="pebbling",
+                  route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
@@ -84,6 +90,7 @@ def converse(base: str, n: int) -> list[dict]:
         for turn in range(TURNS):
             messages.append({"role": "user", "content": f"conversation {n}, turn {turn}: tell me about {n * 7 + turn}"})
             text, body, replica = chat(client, messages)
+            assert body["pebbling"]["strategy"] == "every:2"  # the deployment's default
             turns.append({"messages": list(messages), "text": text, "replica": replica,
                           "cached": body["pebbling"]["cached_tokens"],
                           "prompt": body["pebbling"]["cached_tokens"] + body["prompt_eval_count"]})
@@ -126,6 +133,44 @@ def test_a_growing_prompt_and_a_session_header_are_followed():
 
 
 # ---------------------------------------------------------------------------------------------------
+# the command line (before the module's cluster starts: this one starts a cluster of its own)
+
+
+def test_pebbling_serve_ray_answers_through_its_replicas(models_dir, tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = (tmp_path / "serve.log").open("w")
+    server = subprocess.Popen([sys.executable, "-m", "pyplugin.cli", "serve", "--ray", "--replicas", "2",
+                               "--port", str(port), "--models", str(models_dir)], stdout=log, stderr=log,
+                              start_new_session=True)
+    try:
+        deadline, answer = time.monotonic() + 120, None
+        while answer is None and time.monotonic() < deadline and server.poll() is None:
+            try:
+                answer = httpx.post(f"http://127.0.0.1:{port}/api/generate", timeout=30, json={
+                    "model": "tiny", "prompt": "hello", "stream": False, "options": GREEDY})
+            except httpx.TransportError:
+                time.sleep(0.5)
+        assert answer is not None, (tmp_path / "serve.log").read_text()[-3000:]
+        assert answer.status_code == 200 and answer.json()["done"] and answer.headers["x-pebbling-replica"]
+    finally:
+        os.killpg(server.pid, signal.SIGINT)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+
+
+def test_replicas_without_ray_is_refused(capsys):
+    from pyplugin.cli import main
+
+    assert main(["serve", "--replicas", "2"]) == 1
+    assert "--replicas and --gpus-per-replica go with --ray" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------
 # the cluster
 
 
@@ -140,15 +185,20 @@ def test_each_conversation_stays_on_one_replica_and_answers_as_one_server_does(c
         for before, turn in zip(turns, turns[1:]):
             # The conversation so far came from the replica's cache (parked on its host tier or not).
             assert turn["cached"] >= before["prompt"], (before, turn)
-        for turn in turns:
+        for turn in turns:  # the direct server runs every layer resident (its default strategy)
             assert chat(direct, turn["messages"])[0] == turn["text"]
     assert len(used) == 2, "both replicas served conversations"
 
 
-def test_the_session_header_keeps_requests_together(cluster):
+def test_the_session_header_keeps_requests_together_and_a_requests_options_win(cluster):
+    seen = set()
     with httpx.Client(base_url=cluster, timeout=60) as client:
-        seen = {chat(client, [{"role": "user", "content": f"unrelated question {i}"}],
-                     **{"X-Pebbling-Session": "user-42"})[2] for i in range(6)}
+        for i in range(6):
+            r = client.post("/api/generate", headers={"X-Pebbling-Session": "user-42"}, json={
+                "model": "tiny", "prompt": f"unrelated question {i}", "stream": False,
+                "options": {**GREEDY, "pebbling_strategy": "minimal"}})
+            assert r.status_code == 200 and r.json()["pebbling"]["strategy"] == "minimal"
+            seen.add(r.headers["x-pebbling-replica"])
     assert len(seen) == 1
 
 
