@@ -45,6 +45,7 @@ logger = logging.getLogger("pebbling.ray")
 # By name: pyplugin never imports the server (server_patch uses pyplugin); the replica builds it.
 APP_FACTORY = "server_patch.app:create_app"
 REPLICA_HEADER = "x-pebbling-replica"  # on every response: which replica answered
+THREADS_ENV = "PEBBLING_THREADS"       # the host library's thread count (model/attention.py)
 PREFER = "prefer"                      # the forward call's keyword naming the replica wanted
 HOP_BY_HOP = {b"connection", b"keep-alive", b"transfer-encoding", b"upgrade"}
 
@@ -79,7 +80,11 @@ class RayConfig:
         return config
 
     def replica(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if k not in ("num_replicas", "num_gpus", "num_cpus")}
+        settings = {k: v for k, v in asdict(self).items() if k not in ("num_replicas", "num_gpus", "num_cpus")}
+        # The host library's threads: as many as the CPUs Ray reserves for the replica, so that replicas
+        # sharing a machine do not each start one per core.
+        settings["threads"] = max(1, int(self.num_cpus)) if self.num_cpus >= 1 else None
+        return settings
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -116,6 +121,8 @@ class PebblingReplica:
         s = self.settings
         if s.get("host"):
             os.environ[HOST_ENV] = s["host"]
+        if s.get("threads") and not os.environ.get(THREADS_ENV):
+            os.environ[THREADS_ENV] = str(s["threads"])
         parked = s.get("parked_kv_mib")
         self.engine = Engine(s.get("models"), backend=s.get("backend"), max_queue=s.get("max_queue"),
                              max_context=s.get("max_context"), num_parallel=s.get("num_parallel"),
