@@ -42,7 +42,10 @@ PROMPTS = ("Why is the sky blue?", "Tell me a story about a fox.", "List three p
 
 def body(client: int, tokens: int) -> dict:
     return {"model": "bench", "prompt": f"{PROMPTS[client % len(PROMPTS)]} (client {client})", "raw": True,
-            "stream": False, "options": {"temperature": 0, "num_predict": tokens}}
+            "stream": False, "options": {"temperature": 0, "num_predict": tokens,
+                                         # a prompt split differently rounds differently: whole prefills,
+                                         # so answers compare whatever ran before on each server
+                                         "pebbling_cache_prompt": False}}
 
 
 def ask(session: requests.Session, url: str, payload: dict) -> dict:

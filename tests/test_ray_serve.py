@@ -21,7 +21,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from pyplugin.model.synth import write_gguf
-from pyplugin.serving import Engine
+from pyplugin.serving import Engine, PebblingError
 from pyplugin.serving.affinity import ConversationTable, conversation_keys
 from server_patch import create_app
 
@@ -130,6 +130,23 @@ def test_a_growing_prompt_and_a_session_header_are_followed():
     s1 = conversation_keys("/api/generate", json.dumps({"model": "m", "prompt": "a"}).encode(), "s1")
     assert s1 == conversation_keys("/api/chat", json.dumps({"model": "m", "messages": []}).encode(), "s1")
     assert conversation_keys("/api/tags", b"") == [] and conversation_keys("/api/chat", b"{not json") == []
+
+
+def test_the_readmes_config_file_is_one_serve_and_the_deployment_accept():
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    from pyplugin.serving.ray_deploy import RayConfig
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    text = readme.split("# pebbling-ray.yaml\n", 1)[1].split("```", 1)[0]
+    config = ServeDeploySchema.model_validate(yaml.safe_load(text))
+    app = config.applications[0]
+    options = RayConfig.from_args(app.args)
+    assert app.import_path == "pyplugin.serving.ray_deploy:build_app" and options.num_replicas == 4
+    assert options.replica()["threads"] == 4 and options.replica()["options"] == {"pebbling_strategy": "adaptive"}
+    with pytest.raises(PebblingError, match="unknown pebbling Ray option.*replicas"):
+        RayConfig.from_args({"replicas": 2})
 
 
 # ---------------------------------------------------------------------------------------------------
