@@ -41,6 +41,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--models", metavar="DIR", type=Path,
                    help=f"serve every NAME.gguf in DIR as NAME (default ${MODELS_ENV}, else "
                         "~/.cache/pebbling/models)")
+    p.add_argument("--ray", action="store_true",
+                   help="serve with Ray Serve: --replicas engines behind one address, each conversation kept on the "
+                        "replica that holds its cache (needs pip install 'pebbling[ray]'; joins the cluster of "
+                        "$RAY_ADDRESS, else starts one on this machine)")
+    p.add_argument("--replicas", type=int, default=1, metavar="N", help="with --ray: how many engines (default 1)")
+    p.add_argument("--gpus-per-replica", type=float, default=0, metavar="G",
+                   help="with --ray: GPUs Ray gives each replica (default 0: CPU)")
     p.set_defaults(func=run)
 
 
@@ -59,6 +66,10 @@ def run(args: argparse.Namespace) -> int:
         os.environ[MODELS_ENV] = str(args.models.resolve())
     if not 0 < args.port < 65536:
         raise PebblingError(f"--port {args.port}: choose a port from 1 to 65535")
+    if args.ray:
+        return _run_ray(args)
+    if args.replicas != 1 or args.gpus_per_replica:
+        raise PebblingError("--replicas and --gpus-per-replica go with --ray")
     if not is_loopback(args.host):
         print(f"pebbling: warning: listening on {args.host}, beyond loopback; the API has no "
               "authentication", file=sys.stderr)
@@ -76,6 +87,32 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("pebbling.server").info("%s", describe(os.environ.get(MODELS_ENV)))
     uvicorn.run(APP_FACTORY, factory=True, host=args.host, port=args.port, log_level=level,
                 log_config=config, http=HTTP_PROTOCOL)
+    return 0
+
+
+def _run_ray(args: argparse.Namespace) -> int:
+    """The Ray Serve application (pyplugin/serving/ray_deploy.py) on --host and --port, until interrupted."""
+    if args.replicas < 1 or args.gpus_per_replica < 0:
+        raise PebblingError(f"--replicas {args.replicas} --gpus-per-replica {args.gpus_per_replica}: give at "
+                            "least 1 replica and no negative GPU count")
+    try:
+        import ray
+        from ray import serve
+
+        from ..serving.ray_deploy import build_app
+    except ImportError as exc:
+        raise PebblingError(f"--ray needs Ray Serve, which is not installed ({exc}); pip install 'pebbling[ray]'")
+    if not is_loopback(args.host):
+        print(f"pebbling: warning: listening on {args.host}, beyond loopback; the API has no "
+              "authentication", file=sys.stderr)
+    logging.config.dictConfig(log_config(args.log_level))
+    # A cluster named by $RAY_ADDRESS is joined as it is; otherwise one starts here, without its dashboard.
+    ray.init(**({} if os.environ.get("RAY_ADDRESS") else {"include_dashboard": False}))
+    serve.start(http_options={"host": args.host, "port": args.port})
+    app = build_app({"models": os.environ.get(MODELS_ENV), "num_replicas": args.replicas,
+                     "num_gpus": args.gpus_per_replica, "host": args.host})
+    print(f"pebbling: {args.replicas} replica(s) on Ray Serve at http://{args.host}:{args.port}", file=sys.stderr)
+    serve.run(app, name="pebbling", route_prefix="/", blocking=True)
     return 0
 
 

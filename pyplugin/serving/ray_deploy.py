@@ -1,0 +1,258 @@
+"""pebbling on Ray Serve: N replicas, each its own engine behind the same HTTP API, and a front that
+sends every request of a conversation to the replica holding its KV cache (pip install 'pebbling[ray]').
+
+    front (the application's ingress, one replica): reads the body, finds the conversation's keys
+      (affinity.py), names the replica that last answered them, and forwards the request by handle
+    replicas (`PebblingReplica`, num_replicas of them): `serve.ingress` of the pebbling FastAPI app,
+      built on the replica with its own Engine; `forward` runs one request through that app in-process
+      and streams the response back
+    `PreferredReplicaRouter`: Serve's request router for the replicas: the named replica while it is
+      running and has room, else the least loaded one
+
+A replica that dies: the requests it was answering end with an error line that says so, its
+conversations go to the least loaded replica and are prefilled there again. Serve restarts it.
+
+Built by `build_app(args)` from a dict of options (`serve run` config files pass theirs as `args`):
+models, num_replicas, num_gpus and num_cpus per replica, max_queue, max_context, num_parallel,
+parked_kv_mib, backend, options (defaults for every request's options), host. The engine knows nothing
+of Ray: this module adapts it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, AsyncIterator
+
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+from ray.serve.handle import DeploymentHandle
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from ..errors import PebblingError
+from .affinity import SESSION_HEADER, ConversationTable, conversation_keys
+from .engine import Engine
+from .settings import DEFAULT_MAX_QUEUE, HOST_ENV
+
+logger = logging.getLogger("pebbling.ray")
+
+# By name: pyplugin never imports the server (server_patch uses pyplugin); the replica builds it.
+APP_FACTORY = "server_patch.app:create_app"
+REPLICA_HEADER = "x-pebbling-replica"  # on every response: which replica answered
+THREADS_ENV = "PEBBLING_THREADS"       # the host library's thread count (model/attention.py)
+PREFER = "prefer"                      # the forward call's keyword naming the replica wanted
+HOP_BY_HOP = {b"connection", b"keep-alive", b"transfer-encoding", b"upgrade"}
+
+
+@dataclass
+class RayConfig:
+    """The deployment's options; `replica()` is what each replica's engine is built from."""
+    models: str | None = None          # the models directory (default: $PEBBLING_MODELS, else the cache)
+    num_replicas: int = 1
+    num_gpus: float = 0                # per replica; 0 on CPU
+    num_cpus: float = 1                # per replica, as Ray reserves them
+    max_queue: int = DEFAULT_MAX_QUEUE  # per replica: requests queued or running, 503 beyond
+    max_context: int | None = None
+    num_parallel: int | None = None
+    parked_kv_mib: int | None = None
+    backend: str | None = None
+    options: dict = field(default_factory=dict)  # defaults for every request's options
+    host: str | None = None            # where Serve listens, for the Host checks (PEBBLING_HOST)
+
+    @classmethod
+    def from_args(cls, args: dict | None) -> "RayConfig":
+        args = dict(args or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(args) - known)
+        if unknown:
+            raise PebblingError(f"unknown pebbling Ray option(s) {', '.join(unknown)}; valid: {', '.join(sorted(known))}")
+        config = cls(**args)
+        if not (isinstance(config.num_replicas, int) and config.num_replicas >= 1):
+            raise PebblingError(f"num_replicas is {config.num_replicas!r}; give a whole number of at least 1")
+        if not isinstance(config.options, dict):
+            raise PebblingError(f"options is {config.options!r}; give a mapping of request options")
+        return config
+
+    def replica(self) -> dict:
+        settings = {k: v for k, v in asdict(self).items() if k not in ("num_replicas", "num_gpus", "num_cpus")}
+        # The host library's threads: as many as the CPUs Ray reserves for the replica, so that replicas
+        # sharing a machine do not each start one per core.
+        settings["threads"] = max(1, int(self.num_cpus)) if self.num_cpus >= 1 else None
+        return settings
+
+
+# ---------------------------------------------------------------------------------------------------
+# routing
+
+
+class PreferredReplicaRouter(RequestRouter):
+    """The replica a request names (PREFER) first, while it runs and has room; otherwise, and for requests
+    that name none, the least loaded (Serve picks the lowest queue length within a rank)."""
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        wanted = pending_request.kwargs.get(PREFER) if pending_request is not None else None
+        if wanted:
+            first = [r for r in candidate_replicas if r.replica_id.unique_id == wanted]
+            if first:
+                return [first, [r for r in candidate_replicas if r is not first[0]]]
+        return [candidate_replicas]
+
+
+# ---------------------------------------------------------------------------------------------------
+# a replica: the engine behind the FastAPI app
+
+
+@serve.deployment(name="pebbling")
+@serve.ingress()
+class PebblingReplica:
+    def __init__(self, settings: dict):
+        self.settings = settings
+        self.name = serve.get_replica_context().replica_id.unique_id
+        self.engine: Engine | None = None
+
+    def __serve_build_asgi_app__(self):
+        s = self.settings
+        if s.get("host"):
+            os.environ[HOST_ENV] = s["host"]
+        if s.get("threads") and not os.environ.get(THREADS_ENV):
+            os.environ[THREADS_ENV] = str(s["threads"])
+        parked = s.get("parked_kv_mib")
+        self.engine = Engine(s.get("models"), backend=s.get("backend"), max_queue=s.get("max_queue"),
+                             max_context=s.get("max_context"), num_parallel=s.get("num_parallel"),
+                             parked_kv_bytes=None if parked is None else parked << 20)
+        module, name = APP_FACTORY.split(":")
+        self.http_app = getattr(importlib.import_module(module), name)(self.engine)
+        return self.http_app
+
+    async def forward(self, method: str, path: str, query: bytes, headers: list, body: bytes,
+                      client: tuple | None = None, prefer: str | None = None) -> AsyncIterator:
+        """One HTTP request through the app: yields {"status", "headers", "replica"}, then the body's
+        pieces. The caller going away (Serve cancels the generator) reads as the client disconnecting,
+        so the engine stops the generation."""
+        body = self._with_defaults(path, body)
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method,
+                 "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": query,
+                 "root_path": "", "headers": [(k, v) for k, v in headers if k.lower() != b"content-length"]
+                 + [(b"content-length", str(len(body)).encode())],
+                 "client": client, "server": ("127.0.0.1", 80)}
+        messages: asyncio.Queue = asyncio.Queue()
+        gone = asyncio.Event()
+        pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive() -> dict:
+            if pending:
+                return pending.pop()
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict) -> None:
+            await messages.put(message)
+
+        task = asyncio.ensure_future(self.http_app(scope, receive, send))
+        task.add_done_callback(lambda _: messages.put_nowait(None))
+        try:
+            while (message := await messages.get()) is not None:
+                if message["type"] == "http.response.start":
+                    yield {"status": message["status"], "replica": self.name,
+                           "headers": [*message.get("headers", []), (REPLICA_HEADER.encode(), self.name.encode())]}
+                elif message["type"] == "http.response.body":
+                    if message.get("body"):
+                        yield message["body"]
+                    if not message.get("more_body"):
+                        break
+            if task.done() and task.exception() is not None:
+                raise task.exception()
+        finally:
+            gone.set()
+            if not task.done():
+                try:
+                    await asyncio.wait_for(task, timeout=5)
+                except (asyncio.TimeoutError, Exception):
+                    task.cancel()
+
+    def _with_defaults(self, path: str, body: bytes) -> bytes:
+        """The deployment's default options under the request's own (which win)."""
+        defaults = self.settings.get("options")
+        if not defaults or not path.startswith("/api/") or not body:
+            return body
+        try:
+            request = json.loads(body)
+        except ValueError:
+            return body  # the app answers the bad JSON itself
+        if not isinstance(request, dict) or "model" not in request or not isinstance(request.get("options") or {}, dict):
+            return body
+        request["options"] = {**defaults, **(request.get("options") or {})}
+        return json.dumps(request).encode()
+
+    def __del__(self):
+        if self.engine is not None:
+            self.engine.close()
+
+
+# ---------------------------------------------------------------------------------------------------
+# the front: conversation affinity
+
+
+@serve.deployment(name="pebbling-front", ray_actor_options={"num_cpus": 0})
+class PebblingFront:
+    """A plain deployment taking Serve's HTTP requests (an application has one `serve.ingress`, the
+    replicas')."""
+
+    def __init__(self, replicas: DeploymentHandle):
+        self.replicas = replicas.options(stream=True)
+        self.table = ConversationTable()
+
+    async def __call__(self, request: Request) -> Response:
+        body = await request.body()
+        keys = conversation_keys(request.url.path, body, request.headers.get(SESSION_HEADER))
+        prefer = self.table.owner(keys) if keys else None
+        stream = self.replicas.forward.remote(request.method, request.url.path, request.scope.get("query_string", b""),
+                                              request.scope["headers"], body,
+                                              request.client and (request.client.host, request.client.port),
+                                              prefer=prefer)
+        try:
+            head = await stream.__anext__()
+        except Exception as exc:  # the replica died before it answered: nothing was sent yet
+            logger.warning("no replica answered %s %s: %s", request.method, request.url.path, exc)
+            return JSONResponse({"error": f"the pebbling replica chosen for this request stopped before "
+                                          f"answering ({type(exc).__name__}); send it again"}, status_code=503)
+        replica = head["replica"]
+        if keys and head["status"] < 400:
+            self.table.record(keys, replica)
+        response = StreamingResponse(self._rest(stream, replica, dict(head["headers"]).get(b"content-type", b"")),
+                                     status_code=head["status"])
+        response.raw_headers = [(k, v) for k, v in head["headers"] if k.lower() not in HOP_BY_HOP]
+        return response
+
+    async def _rest(self, stream, replica: str, content_type: bytes):
+        try:
+            async for piece in stream:
+                yield piece
+        except Exception as exc:  # the status line is sent: say what was lost in the body, as Ollama does
+            self.table.forget(replica)
+            error = {"error": f"pebbling replica {replica} stopped while answering ({type(exc).__name__}); "
+                              "this response is incomplete: send the request again"}
+            logger.warning("%s", error["error"])
+            if content_type.startswith(b"text/event-stream"):
+                yield f"data: {json.dumps(error)}\n\n".encode()
+            else:
+                yield (json.dumps(error) + "\n").encode()
+
+
+def build_app(args: dict | None = None) -> serve.Application:
+    """The application: the front and its replicas (see RayConfig for the options in `args`)."""
+    config = RayConfig.from_args(args)
+    replicas = PebblingReplica.options(
+        num_replicas=config.num_replicas, max_ongoing_requests=config.max_queue,
+        ray_actor_options={"num_cpus": config.num_cpus, "num_gpus": config.num_gpus},
+        request_router_config=RequestRouterConfig(request_router_class=PreferredReplicaRouter),
+    ).bind(config.replica())
+    return PebblingFront.options(max_ongoing_requests=config.max_queue * config.num_replicas).bind(replicas)
+

@@ -1,0 +1,257 @@
+"""Replicas on Ray Serve (pyplugin/serving/ray_deploy.py): a local CPU cluster, two replicas of a tiny
+model, conversations through the Ollama API. Each response names its replica (x-pebbling-replica) and
+reports how many prompt tokens came from the cache (pebbling.cached_tokens), which is how the tests see
+where a turn ran and that it found its conversation there."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from pyplugin.model.synth import write_gguf
+from pyplugin.serving import Engine, PebblingError
+from pyplugin.serving.affinity import ConversationTable, conversation_keys
+from server_patch import create_app
+
+ray = pytest.importorskip("ray", reason="Ray is not installed here: pip install 'pebbling[ray]'")
+serve = pytest.importorskip("ray.serve", reason="Ray Serve is not installed here: pip install 'pebbling[ray]'")
+
+TINY = dict(arch="qwen2", n_layer=3, n_embd=32, n_head=2, n_head_kv=1, n_ff=64, n_ctx=1024)
+# Slow enough on a CPU that a long answer is still streaming when its replica is killed.
+SLOW = dict(arch="qwen2", n_layer=8, n_embd=256, n_head=4, n_head_kv=2, n_ff=1024, n_ctx=4096)
+GREEDY = {"temperature": 0, "num_predict": 6, "num_ctx": 512}
+CONVERSATIONS, TURNS = 16, 3
+DEFAULTS = {"pebbling_strategy": "every:2"}  # the deployment's defaults for request options
+
+
+@pytest.fixture(scope="module")
+def models_dir(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("models")
+    write_gguf(root / "tiny.gguf", **TINY)
+    write_gguf(root / "slow.gguf", **SLOW)
+    return root
+
+
+@pytest.fixture(scope="module")
+def cluster(models_dir):
+    """The application on a 2-CPU local cluster: its base URL."""
+    from pyplugin.serving.ray_deploy import build_app
+
+    try:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    except Exception as exc:  # no shared memory, no ports, a sandbox: say so rather than fail every test
+        pytest.skip(f"a local Ray cluster cannot start here: {exc}")
+    try:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app({"models": str(models_dir), "num_replicas": 2, "options": DEFAULTS}), name="pebbling",
+                  route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def direct(models_dir):
+    """One server without Ray, for the answers to compare with."""
+    engine = Engine(models_dir)
+    with TestClient(create_app(engine), base_url="http://127.0.0.1") as client:
+        yield client
+    engine.close()
+
+
+def chat(client, messages, **headers) -> tuple[str, dict, str | None]:
+    r = client.post("/api/chat", json={"model": "tiny", "messages": messages, "stream": False, "options": GREEDY},
+                    headers=headers)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    return body["message"]["content"], body, r.headers.get("x-pebbling-replica")
+
+
+def converse(base: str, n: int) -> list[dict]:
+    """A conversation of TURNS turns; what each turn sent and got."""
+    turns, messages = [], [{"role": "system", "content": f"You are assistant number {n}."}]
+    with httpx.Client(base_url=base, timeout=120) as client:
+        for turn in range(TURNS):
+            messages.append({"role": "user", "content": f"conversation {n}, turn {turn}: tell me about {n * 7 + turn}"})
+            text, body, replica = chat(client, messages)
+            assert body["pebbling"]["strategy"] == "every:2"  # the deployment's default
+            turns.append({"messages": list(messages), "text": text, "replica": replica,
+                          "cached": body["pebbling"]["cached_tokens"],
+                          "prompt": body["pebbling"]["cached_tokens"] + body["prompt_eval_count"]})
+            messages.append({"role": "assistant", "content": text})
+    return turns
+
+
+def replica_actor(replica: str):
+    return ray.get_actor(f"SERVE_REPLICA::pebbling#pebbling#{replica}", namespace="serve")
+
+
+# ---------------------------------------------------------------------------------------------------
+# the keys, without a cluster
+
+
+def test_a_later_turn_shares_the_earlier_turns_longest_key():
+    first = [{"role": "user", "content": "hello"}]
+    later = first + [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "and?"}]
+    k1 = conversation_keys("/api/chat", json.dumps({"model": "m", "messages": first}).encode())
+    k2 = conversation_keys("/api/chat", json.dumps({"model": "m", "messages": later}).encode())
+    other_model = conversation_keys("/api/chat", json.dumps({"model": "n", "messages": later}).encode())
+    assert len(k1) == 1 and len(k2) == 3 and k2[0] == k1[0] and not set(other_model) & set(k2)
+    table = ConversationTable()
+    table.record(k1, "A")
+    table.record(conversation_keys("/api/chat", json.dumps({"model": "m", "messages": [
+        {"role": "user", "content": "something else"}]}).encode()), "B")
+    assert table.owner(k2) == "A" and table.owner(other_model) is None
+    table.forget("A")
+    assert table.owner(k2) is None
+
+
+def test_a_growing_prompt_and_a_session_header_are_followed():
+    p1 = "Once upon a time, in a land far away, there lived a"
+    keys1 = conversation_keys("/api/generate", json.dumps({"model": "m", "prompt": p1}).encode())
+    keys2 = conversation_keys("/api/generate", json.dumps({"model": "m", "prompt": p1 + " king. And then"}).encode())
+    assert keys1 and keys2[:len(keys1)] == keys1
+    s1 = conversation_keys("/api/generate", json.dumps({"model": "m", "prompt": "a"}).encode(), "s1")
+    assert s1 == conversation_keys("/api/chat", json.dumps({"model": "m", "messages": []}).encode(), "s1")
+    assert conversation_keys("/api/tags", b"") == [] and conversation_keys("/api/chat", b"{not json") == []
+
+
+def test_the_readmes_config_file_is_one_serve_and_the_deployment_accept():
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    from pyplugin.serving.ray_deploy import RayConfig
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    text = readme.split("# pebbling-ray.yaml\n", 1)[1].split("```", 1)[0]
+    config = ServeDeploySchema.model_validate(yaml.safe_load(text))
+    app = config.applications[0]
+    options = RayConfig.from_args(app.args)
+    assert app.import_path == "pyplugin.serving.ray_deploy:build_app" and options.num_replicas == 4
+    assert options.replica()["threads"] == 4 and options.replica()["options"] == {"pebbling_strategy": "adaptive"}
+    with pytest.raises(PebblingError, match="unknown pebbling Ray option.*replicas"):
+        RayConfig.from_args({"replicas": 2})
+
+
+# ---------------------------------------------------------------------------------------------------
+# the command line (before the module's cluster starts: this one starts a cluster of its own)
+
+
+def test_pebbling_serve_ray_answers_through_its_replicas(models_dir, tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = (tmp_path / "serve.log").open("w")
+    server = subprocess.Popen([sys.executable, "-m", "pyplugin.cli", "serve", "--ray", "--replicas", "2",
+                               "--port", str(port), "--models", str(models_dir)], stdout=log, stderr=log,
+                              start_new_session=True)
+    try:
+        deadline, answer = time.monotonic() + 120, None
+        while answer is None and time.monotonic() < deadline and server.poll() is None:
+            try:
+                answer = httpx.post(f"http://127.0.0.1:{port}/api/generate", timeout=30, json={
+                    "model": "tiny", "prompt": "hello", "stream": False, "options": GREEDY})
+            except httpx.TransportError:
+                time.sleep(0.5)
+        assert answer is not None, (tmp_path / "serve.log").read_text()[-3000:]
+        assert answer.status_code == 200 and answer.json()["done"] and answer.headers["x-pebbling-replica"]
+    finally:
+        os.killpg(server.pid, signal.SIGINT)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+
+
+def test_replicas_without_ray_is_refused(capsys):
+    from pyplugin.cli import main
+
+    assert main(["serve", "--replicas", "2"]) == 1
+    assert "--replicas and --gpus-per-replica go with --ray" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------
+# the cluster
+
+
+def test_each_conversation_stays_on_one_replica_and_answers_as_one_server_does(cluster, direct):
+    with ThreadPoolExecutor(8) as pool:
+        conversations = list(pool.map(lambda n: converse(cluster, n), range(CONVERSATIONS)))
+    used = set()
+    for turns in conversations:
+        replicas = {t["replica"] for t in turns}
+        assert len(replicas) == 1 and None not in replicas, replicas
+        used |= replicas
+        for before, turn in zip(turns, turns[1:]):
+            # The conversation so far came from the replica's cache (parked on its host tier or not).
+            assert turn["cached"] >= before["prompt"], (before, turn)
+        for turn in turns:  # the direct server runs every layer resident (its default strategy)
+            assert chat(direct, turn["messages"])[0] == turn["text"]
+    assert len(used) == 2, "both replicas served conversations"
+
+
+def test_the_session_header_keeps_requests_together_and_a_requests_options_win(cluster):
+    seen = set()
+    with httpx.Client(base_url=cluster, timeout=60) as client:
+        for i in range(6):
+            r = client.post("/api/generate", headers={"X-Pebbling-Session": "user-42"}, json={
+                "model": "tiny", "prompt": f"unrelated question {i}", "stream": False,
+                "options": {**GREEDY, "pebbling_strategy": "minimal"}})
+            assert r.status_code == 200 and r.json()["pebbling"]["strategy"] == "minimal"
+            seen.add(r.headers["x-pebbling-replica"])
+    assert len(seen) == 1
+
+
+def test_killing_a_replica_fails_its_streams_and_moves_its_conversations(cluster):
+    session = {"X-Pebbling-Session": "doomed"}  # everything below goes to one replica while it lives
+    with httpx.Client(base_url=cluster, timeout=120) as client:
+        messages = [{"role": "user", "content": "a conversation that will lose its replica"}]
+        text, body, victim = chat(client, messages, **session)
+        first_prompt = body["pebbling"]["cached_tokens"] + body["prompt_eval_count"]
+        messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "still there?"}]
+        lines: list[dict] = []
+
+        def stream():
+            with client.stream("POST", "/api/generate", headers=session, json={
+                    "model": "slow", "prompt": "Tell me everything.",
+                    "options": {"temperature": 0, "num_predict": 3000, "num_ctx": 4096}}) as r:
+                lines.append({"replica": r.headers.get("x-pebbling-replica")})
+                for line in r.iter_lines():
+                    if line:
+                        lines.append(json.loads(line))
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        deadline = time.monotonic() + 60
+        while len(lines) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert lines[0]["replica"] == victim
+        ray.kill(replica_actor(victim), no_restart=False)
+        reader.join(timeout=120)
+        assert not reader.is_alive()
+        assert "error" in lines[-1] and victim in lines[-1]["error"], lines[-1]
+        assert not any(line.get("done") for line in lines[1:]), "the killed replica's answer did not finish"
+
+        # The conversation's next turn runs on the other replica, prefilled anew (at most a template's
+        # opening shared with other conversations there comes from its cache).
+        text, body, replica = chat(client, messages, **session)
+        assert replica != victim and body["pebbling"]["cached_tokens"] < first_prompt
+        for i in range(6):  # and every later request succeeds
+            assert chat(client, [{"role": "user", "content": f"after the kill {i}"}])[2] != victim
