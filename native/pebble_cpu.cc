@@ -1405,14 +1405,26 @@ AVX2 void attend_avx2(void * ctx, int64_t begin, int64_t end) {
         }
     }
 }
-// Values 8i..8i+7 of a Q8_0 or Q4_0 block's quants (qs: the bytes after its scale), unscaled, as float32.
-AVX2 inline __m256 block8(const uint8_t * qs, int32_t type, int i) {
+// The 32 values of a Q8_0 or Q4_0 block's quants (qs: the bytes after its scale), unscaled, as float32 in
+// four registers of eight: the quants read once (16 bytes of Q4_0 hold all 32: low nibbles, then high).
+AVX2 inline void block32(const uint8_t * qs, int32_t type, __m256 out[4]) {
     if (type == kv_q8_0) {
-        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(qs + 8 * i))));
+        const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i *>(qs));
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i *>(qs + 16));
+        out[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(a));
+        out[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(a, 8)));
+        out[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+        out[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+        return;
     }
-    __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(qs + 8 * (i & 1))));
-    if (i >= 2) q = _mm256_srli_epi32(q, 4); // values 16..31 are the high nibbles
-    return _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(q, _mm256_set1_epi32(0x0F)), _mm256_set1_epi32(8)));
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i *>(qs)), mask = _mm_set1_epi8(0x0F);
+    const __m128i eight = _mm_set1_epi8(8);
+    const __m128i lo = _mm_sub_epi8(_mm_and_si128(raw, mask), eight);                     // values 0..15
+    const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), eight);  // values 16..31
+    out[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+    out[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
+    out[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+    out[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
 }
 
 constexpr int32_t max_block_head_dim = 1024; // the scaled query of a head, on the stack
@@ -1450,10 +1462,12 @@ AVX2 void attend_blocks_avx2(void * ctx, int64_t begin, int64_t end) {
                 const __m256 q2 = _mm256_load_ps(qs + 32 * c + 16), q3 = _mm256_load_ps(qs + 32 * c + 24);
                 UNROLL for (int r = 0; r < 4; r++) {
                     const uint8_t * blk = k + (s + r) * row_bytes + c * bb;
-                    __m256 part = _mm256_mul_ps(q0, block8(blk + 2, j.type, 0));
-                    part = _mm256_fmadd_ps(q1, block8(blk + 2, j.type, 1), part);
-                    part = _mm256_fmadd_ps(q2, block8(blk + 2, j.type, 2), part);
-                    part = _mm256_fmadd_ps(q3, block8(blk + 2, j.type, 3), part);
+                    __m256 x[4];
+                    block32(blk + 2, j.type, x);
+                    __m256 part = _mm256_mul_ps(q0, x[0]);
+                    part = _mm256_fmadd_ps(q1, x[1], part);
+                    part = _mm256_fmadd_ps(q2, x[2], part);
+                    part = _mm256_fmadd_ps(q3, x[3], part);
                     acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(f16c(blk)), part, acc[r]);
                 }
             }
@@ -1465,8 +1479,9 @@ AVX2 void attend_blocks_avx2(void * ctx, int64_t begin, int64_t end) {
             __m256 acc = _mm256_setzero_ps();
             for (int32_t c = 0; c < nb; c++) {
                 const uint8_t * blk = k + s * row_bytes + c * bb;
-                __m256 part = _mm256_setzero_ps();
-                for (int i = 0; i < 4; i++) part = _mm256_fmadd_ps(_mm256_load_ps(qs + 32 * c + 8 * i), block8(blk + 2, j.type, i), part);
+                __m256 x[4], part = _mm256_setzero_ps();
+                block32(blk + 2, j.type, x);
+                for (int i = 0; i < 4; i++) part = _mm256_fmadd_ps(_mm256_load_ps(qs + 32 * c + 8 * i), x[i], part);
                 acc = _mm256_fmadd_ps(_mm256_set1_ps(f16c(blk)), part, acc);
             }
             keep(s, hsum_ps(acc));
@@ -1481,7 +1496,9 @@ AVX2 void attend_blocks_avx2(void * ctx, int64_t begin, int64_t end) {
                 const uint8_t * blk = v + t * row_bytes + c0 * bb;
                 for (int c = 0; c < blocks; c++, blk += bb) {
                     const __m256 p = _mm256_set1_ps(sc[t] * f16c(blk));
-                    UNROLL for (int i = 0; i < 4; i++) acc[4 * c + i] = _mm256_fmadd_ps(p, block8(blk + 2, j.type, i), acc[4 * c + i]);
+                    __m256 x[4];
+                    block32(blk + 2, j.type, x);
+                    UNROLL for (int i = 0; i < 4; i++) acc[4 * c + i] = _mm256_fmadd_ps(p, x[i], acc[4 * c + i]);
                 }
             }
             for (int r = 0; r < 4 * blocks; r++) _mm256_storeu_ps(o + 32 * c0 + 8 * r, acc[r]);
