@@ -126,11 +126,12 @@ def decode(cache: Array, t: KVType, dtype=np.float32) -> Array:
         return cache.astype(dtype, copy=False)
     xp = get_array_module(cache)
     lead = cache.shape[:-1]
-    b = cache.reshape(*lead, -1, t.block_bytes)
+    blocks = cache.shape[-1] // t.block_bytes  # spelled out, not -1: a cache of no rows still has a shape
+    b = cache.reshape(*lead, blocks, t.block_bytes)
     d = xp.ascontiguousarray(b[..., :2]).view(np.float16).astype(np.float32)         # [..., blocks, 1]
     if t.name == "q8_0":
         q = b[..., 2:].view(np.int8).astype(np.float32)
     else:
         qs = b[..., 2:]
         q = xp.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.float32) - np.float32(8)
-    return (q * d).reshape(*lead, -1).astype(dtype, copy=False)
+    return (q * d).reshape(*lead, blocks * t.block).astype(dtype, copy=False)

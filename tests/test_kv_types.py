@@ -288,3 +288,18 @@ def test_a_plan_that_does_not_fit_says_which_kv_type_would():
         assert "pebbling_kv_type" not in str(refused.value)
     finally:
         pebbled.close()
+
+
+@pytest.mark.parametrize("name", ["q8_0", "q4_0"])
+def test_a_sliding_layer_s_first_prefill_reads_no_rows_of_a_block_cache(name):
+    """The model's own forward pass (as compare_llamacpp runs it) over a sliding window's ring, from position 0:
+    the ring's old rows are none, decoded as an empty array (once a reshape of zero rows that failed)."""
+    from pyplugin.runtime.generation import Generation
+
+    model = tiny_model("gemma3", weights="f16", n_layer=2, key_length=32, sliding_window=8)
+    tokens = list(range(3, 15))
+    exact = Generation(model, Options(temperature=0, num_ctx=32, kv_type="f32")).prefill(tokens)
+    blocks = Generation(model, Options(temperature=0, num_ctx=32, kv_type=name)).prefill(tokens)
+    assert np.isfinite(blocks).all()
+    assert np.linalg.norm(blocks - exact) / np.linalg.norm(exact) < (0.02 if name == "q8_0" else 0.1)
+    assert decode(np.zeros((0, 2, 34), np.uint8), KV_TYPES["q8_0"]).shape == (0, 2, 32)
