@@ -163,12 +163,15 @@ def test_pebbling_serve_ray_answers_through_its_replicas(models_dir, tmp_path):
                               start_new_session=True)
     try:
         deadline, answer = time.monotonic() + 120, None
-        while answer is None and time.monotonic() < deadline and server.poll() is None:
+        # Until the application is deployed, Serve's proxy answers 404 itself (no replica header).
+        while (answer is None or "x-pebbling-replica" not in answer.headers) and time.monotonic() < deadline \
+                and server.poll() is None:
             try:
                 answer = httpx.post(f"http://127.0.0.1:{port}/api/generate", timeout=30, json={
                     "model": "tiny", "prompt": "hello", "stream": False, "options": GREEDY})
             except httpx.TransportError:
-                time.sleep(0.5)
+                pass
+            time.sleep(0.5)
         assert answer is not None, (tmp_path / "serve.log").read_text()[-3000:]
         assert answer.status_code == 200 and answer.json()["done"] and answer.headers["x-pebbling-replica"]
     finally:
@@ -205,6 +208,28 @@ def test_each_conversation_stays_on_one_replica_and_answers_as_one_server_does(c
         for turn in turns:  # the direct server runs every layer resident (its default strategy)
             assert chat(direct, turn["messages"])[0] == turn["text"]
     assert len(used) == 2, "both replicas served conversations"
+
+
+def test_ps_and_metrics_answer_for_every_replica_or_the_one_named(cluster):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with httpx.Client(base_url=cluster, timeout=60) as client:
+        ps = client.get("/api/ps").json()["models"]
+        replicas = {m["replica"] for m in ps}
+        assert len(replicas) == 2 and {m["name"] for m in ps} == {"tiny:latest"}  # each loaded it
+        metrics = client.get("/metrics")
+        families = {f.name: f for f in text_string_to_metric_families(metrics.text)}  # one valid exposition
+        assert metrics.text.count("# TYPE pebbling_generated_tokens_total counter") == 1
+        generated = [s for s in families["pebbling_generated_tokens"].samples if s.name.endswith("_total")]
+        assert {s.labels["replica"] for s in generated} == replicas
+        assert all(s.labels["model"] == "tiny" and s.value > 0 for s in generated)
+        one = sorted(replicas)[0]
+        alone = client.get("/api/ps", headers={"X-Pebbling-Replica": one}).json()["models"]
+        assert [m["replica"] for m in alone] == [one]
+        own = client.get("/metrics", headers={"X-Pebbling-Replica": one}).text
+        assert f'replica="{one}"' in own and not any(f'replica="{r}"' in own for r in replicas - {one})
+        missing = client.get("/api/ps", headers={"X-Pebbling-Replica": "nope"})
+        assert missing.status_code == 404 and one in missing.json()["error"]
 
 
 def test_the_session_header_keeps_requests_together_and_a_requests_options_win(cluster):

@@ -9,6 +9,9 @@ sends every request of a conversation to the replica holding its KV cache (pip i
     `PreferredReplicaRouter`: Serve's request router for the replicas: the named replica while it is
       running and has room, else the least loaded one
 
+`GET /api/ps` and `GET /metrics` at the front answer for every running replica (each model listed with
+its `replica`, each sample labelled with it), or for the one an `X-Pebbling-Replica` header names.
+
 A replica that dies: the requests it was answering end with an error line that says so, its
 conversations go to the least loaded replica and are prefilled there again. Serve restarts it.
 
@@ -25,9 +28,11 @@ import importlib
 import json
 import logging
 import os
+import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, AsyncIterator
 
+import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
@@ -47,6 +52,9 @@ APP_FACTORY = "server_patch.app:create_app"
 REPLICA_HEADER = "x-pebbling-replica"  # on every response: which replica answered
 THREADS_ENV = "PEBBLING_THREADS"       # the host library's thread count (model/attention.py)
 PREFER = "prefer"                      # the forward call's keyword naming the replica wanted
+REPLICA_DEPLOYMENT = "pebbling"
+AGGREGATED = ("/api/ps", "/metrics")   # answered for every replica, or the one X-Pebbling-Replica names
+METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 HOP_BY_HOP = {b"connection", b"keep-alive", b"transfer-encoding", b"upgrade"}
 
 
@@ -109,7 +117,7 @@ class PreferredReplicaRouter(RequestRouter):
 # a replica: the engine behind the FastAPI app
 
 
-@serve.deployment(name="pebbling")
+@serve.deployment(name=REPLICA_DEPLOYMENT)
 @serve.ingress()
 class PebblingReplica:
     def __init__(self, settings: dict):
@@ -210,6 +218,8 @@ class PebblingFront:
         self.table = ConversationTable()
 
     async def __call__(self, request: Request) -> Response:
+        if request.method == "GET" and request.url.path in AGGREGATED:
+            return await self._aggregate(request.url.path, request.headers.get(REPLICA_HEADER))
         body = await request.body()
         keys = conversation_keys(request.url.path, body, request.headers.get(SESSION_HEADER))
         prefer = self.table.owner(keys) if keys else None
@@ -231,6 +241,38 @@ class PebblingFront:
         response.raw_headers = [(k, v) for k, v in head["headers"] if k.lower() not in HOP_BY_HOP]
         return response
 
+    async def _aggregate(self, path: str, wanted: str | None) -> Response:
+        """/api/ps and /metrics of every running replica, or of the one an X-Pebbling-Replica header names:
+        ps lists each replica's models with a `replica` field, metrics label every sample `replica`."""
+        names = [wanted] if wanted else self._replica_names()
+        found = {}
+        for name in names:  # one at a time: calls made within one request share its id, by which Serve's
+            try:            # router hands a chosen replica to the call waiting for it
+                answered, body = await self._whole("GET", path, prefer=name)
+            except Exception:  # gone since it was listed
+                continue
+            if answered == name:  # a replica that is gone or full is answered for by another: left out
+                found[name] = body
+        if wanted and not found:
+            return JSONResponse({"error": f"no running replica {wanted!r}; running: "
+                                          f"{', '.join(self._replica_names()) or 'none'}"}, status_code=404)
+        if path == "/api/ps":
+            return JSONResponse({"models": [{**m, "replica": name} for name, b in found.items()
+                                            for m in json.loads(b)["models"]]})
+        return Response(merge_metrics({name: b.decode() for name, b in found.items()}), media_type=METRICS_TYPE)
+
+    async def _whole(self, method: str, path: str, prefer: str) -> tuple[str, bytes]:
+        """(the replica that answered, the whole body) of a bodiless request."""
+        stream = self.replicas.forward.remote(method, path, b"", [(b"host", b"127.0.0.1")], b"", None, prefer=prefer)
+        head = await stream.__anext__()
+        return head["replica"], b"".join([piece async for piece in stream])
+
+    @staticmethod
+    def _replica_names() -> list[str]:
+        prefix = f"SERVE_REPLICA::{serve.get_replica_context().app_name}#{REPLICA_DEPLOYMENT}#"
+        return sorted(a["name"][len(prefix):] for a in ray.util.list_named_actors(all_namespaces=True)
+                      if a["name"].startswith(prefix))
+
     async def _rest(self, stream, replica: str, content_type: bytes):
         try:
             async for piece in stream:
@@ -244,6 +286,29 @@ class PebblingFront:
                 yield f"data: {json.dumps(error)}\n\n".encode()
             else:
                 yield (json.dumps(error) + "\n").encode()
+
+
+_SAMPLE = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})?(\s.*)")
+
+
+def merge_metrics(texts: dict[str, str]) -> str:
+    """Prometheus texts of several replicas as one: each family's HELP and TYPE once, then every replica's
+    samples of it, labelled replica="NAME"."""
+    headers: dict[str, list[str]] = {}
+    samples: dict[str, list[str]] = {}
+    for replica, text in texts.items():
+        family = None
+        for line in text.splitlines():
+            if line.startswith(("# HELP ", "# TYPE ")):
+                family = line.split()[2]
+                if line not in headers.setdefault(family, []):
+                    headers[family].append(line)
+                samples.setdefault(family, [])
+            elif family is not None and (m := _SAMPLE.fullmatch(line)):
+                name, labels, rest = m.groups()
+                inner = f'replica="{replica}"' + ("," + labels[1:-1] if labels and labels != "{}" else "")
+                samples[family].append(f"{name}{{{inner}}}{rest}")
+    return "".join("\n".join(headers[f] + samples[f]) + "\n" for f in headers)
 
 
 def build_app(args: dict | None = None) -> serve.Application:
