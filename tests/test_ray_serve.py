@@ -50,7 +50,7 @@ def cluster(models_dir):
     from pyplugin.serving.ray_deploy import build_app
 
     try:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     except Exception as exc:  # no shared memory, no ports, a sandbox: say so rather than fail every test
         pytest.skip(f"a local Ray cluster cannot start here: {exc}")
     try:
