@@ -244,6 +244,31 @@ def test_the_session_header_keeps_requests_together_and_a_requests_options_win(c
     assert len(seen) == 1
 
 
+def active_requests(client, replica: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = client.get("/metrics", headers={"X-Pebbling-Replica": replica}).text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    return sum(s.value for s in families["pebbling_requests_active"].samples)
+
+
+def test_a_client_that_goes_away_stops_its_generation_on_the_replica(cluster):
+    with httpx.Client(base_url=cluster, timeout=120) as client:
+        with client.stream("POST", "/api/generate", json={
+                "model": "slow", "prompt": "Go on and on.",
+                "options": {"temperature": 0, "num_predict": 3000, "num_ctx": 4096}}) as r:
+            replica = r.headers["x-pebbling-replica"]
+            lines = r.iter_lines()
+            for _ in range(3):
+                assert not json.loads(next(lines))["done"]
+            assert active_requests(client, replica) == 1
+        # Well before the answer's 3000 tokens (about 5 s on one core) would have been written.
+        deadline = time.monotonic() + 1
+        while active_requests(client, replica) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert active_requests(client, replica) == 0
+
+
 def test_killing_a_replica_fails_its_streams_and_moves_its_conversations(cluster):
     session = {"X-Pebbling-Session": "doomed"}  # everything below goes to one replica while it lives
     with httpx.Client(base_url=cluster, timeout=120) as client:

@@ -274,9 +274,11 @@ class PebblingFront:
                       if a["name"].startswith(prefix))
 
     async def _rest(self, stream, replica: str, content_type: bytes):
+        ended = False
         try:
             async for piece in stream:
                 yield piece
+            ended = True
         except Exception as exc:  # the status line is sent: say what was lost in the body, as Ollama does
             self.table.forget(replica)
             error = {"error": f"pebbling replica {replica} stopped while answering ({type(exc).__name__}); "
@@ -286,6 +288,10 @@ class PebblingFront:
                 yield f"data: {json.dumps(error)}\n\n".encode()
             else:
                 yield (json.dumps(error) + "\n").encode()
+            ended = True
+        finally:
+            if not ended:  # the client went away: the replica's generator is cancelled, so its engine stops
+                stream.cancel()
 
 
 _SAMPLE = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})?(\s.*)")
