@@ -232,6 +232,25 @@ def test_ps_and_metrics_answer_for_every_replica_or_the_one_named(cluster):
         assert missing.status_code == 404 and one in missing.json()["error"]
 
 
+def test_an_autoscaled_application_answers_under_its_route_prefix(cluster, models_dir):
+    from pyplugin.serving.ray_deploy import build_app
+
+    serve.run(build_app({"models": str(models_dir), "num_cpus": 0, "options": DEFAULTS,
+                         "autoscaling": {"min_replicas": 1, "max_replicas": 2}}), name="auto", route_prefix="/auto")
+    try:
+        with httpx.Client(base_url=f"{cluster}/auto", timeout=60) as client:
+            messages = [{"role": "user", "content": "a conversation below a route prefix"}]
+            text, body, replica = chat(client, messages)
+            messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "and again"}]
+            _, again, same = chat(client, messages)
+            assert same == replica and again["pebbling"]["cached_tokens"] > 0
+            assert [m["replica"] for m in client.get("/api/ps").json()["models"]] == [replica]
+        running = serve.status().applications["auto"].deployments["pebbling"].replica_states
+        assert running.get("RUNNING") == 1  # min_replicas while idle
+    finally:
+        serve.delete("auto")
+
+
 def test_the_session_header_keeps_requests_together_and_a_requests_options_win(cluster):
     seen = set()
     with httpx.Client(base_url=cluster, timeout=60) as client:

@@ -17,7 +17,8 @@ conversations go to the least loaded replica and are prefilled there again. Serv
 
 Built by `build_app(args)` from a dict of options (`serve run` config files pass theirs as `args`):
 models, num_replicas, num_gpus and num_cpus per replica, max_queue, max_context, num_parallel,
-parked_kv_mib, backend, options (defaults for every request's options), host. The engine knows nothing
+parked_kv_mib, backend, options (defaults for every request's options), host, autoscaling (Serve's
+autoscaling_config, in place of num_replicas). The engine knows nothing
 of Ray: this module adapts it.
 """
 
@@ -43,7 +44,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from ..errors import PebblingError
 from .affinity import SESSION_HEADER, ConversationTable, conversation_keys
 from .engine import Engine
-from .settings import DEFAULT_MAX_QUEUE, HOST_ENV
+from .settings import DEFAULT_MAX_QUEUE, HOST_ENV, parallel_limit
 
 logger = logging.getLogger("pebbling.ray")
 
@@ -72,6 +73,11 @@ class RayConfig:
     backend: str | None = None
     options: dict = field(default_factory=dict)  # defaults for every request's options
     host: str | None = None            # where Serve listens, for the Host checks (PEBBLING_HOST)
+    # Serve's autoscaling_config (min_replicas, max_replicas, target_ongoing_requests, ...) in place of
+    # num_replicas: replicas follow the requests queued or running on each, a signal whose ceiling is
+    # max_queue, past which a replica answers 503. target_ongoing_requests defaults to num_parallel, the
+    # requests a replica decodes together: beyond that they wait in its queue.
+    autoscaling: dict | None = None
 
     @classmethod
     def from_args(cls, args: dict | None) -> "RayConfig":
@@ -83,12 +89,15 @@ class RayConfig:
         config = cls(**args)
         if not (isinstance(config.num_replicas, int) and config.num_replicas >= 1):
             raise PebblingError(f"num_replicas is {config.num_replicas!r}; give a whole number of at least 1")
+        if config.autoscaling is not None and not isinstance(config.autoscaling, dict):
+            raise PebblingError(f"autoscaling is {config.autoscaling!r}; give a mapping of Serve's autoscaling_config")
         if not isinstance(config.options, dict):
             raise PebblingError(f"options is {config.options!r}; give a mapping of request options")
         return config
 
     def replica(self) -> dict:
-        settings = {k: v for k, v in asdict(self).items() if k not in ("num_replicas", "num_gpus", "num_cpus")}
+        settings = {k: v for k, v in asdict(self).items()
+                    if k not in ("num_replicas", "num_gpus", "num_cpus", "autoscaling")}
         # The host library's threads: as many as the CPUs Ray reserves for the replica, so that replicas
         # sharing a machine do not each start one per core.
         settings["threads"] = max(1, int(self.num_cpus)) if self.num_cpus >= 1 else None
@@ -218,12 +227,13 @@ class PebblingFront:
         self.table = ConversationTable()
 
     async def __call__(self, request: Request) -> Response:
-        if request.method == "GET" and request.url.path in AGGREGATED:
-            return await self._aggregate(request.url.path, request.headers.get(REPLICA_HEADER))
+        if request.method == "GET" and _within(request) in AGGREGATED:
+            return await self._aggregate(_within(request), request.headers.get(REPLICA_HEADER))
         body = await request.body()
-        keys = conversation_keys(request.url.path, body, request.headers.get(SESSION_HEADER))
+        path = _within(request)
+        keys = conversation_keys(path, body, request.headers.get(SESSION_HEADER))
         prefer = self.table.owner(keys) if keys else None
-        stream = self.replicas.forward.remote(request.method, request.url.path, request.scope.get("query_string", b""),
+        stream = self.replicas.forward.remote(request.method, path, request.scope.get("query_string", b""),
                                               request.scope["headers"], body,
                                               request.client and (request.client.host, request.client.port),
                                               prefer=prefer)
@@ -294,6 +304,12 @@ class PebblingFront:
                 stream.cancel()
 
 
+def _within(request: Request) -> str:
+    """The request's path below the application's route prefix (Serve's root_path), as the app routes it."""
+    path, root = request.scope["path"], request.scope.get("root_path", "")
+    return (path[len(root):] or "/") if root and path.startswith(root) else path
+
+
 _SAMPLE = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})?(\s.*)")
 
 
@@ -320,10 +336,16 @@ def merge_metrics(texts: dict[str, str]) -> str:
 def build_app(args: dict | None = None) -> serve.Application:
     """The application: the front and its replicas (see RayConfig for the options in `args`)."""
     config = RayConfig.from_args(args)
+    if config.autoscaling is not None:
+        scaling = {"autoscaling_config": {"target_ongoing_requests": config.num_parallel or parallel_limit(),
+                                          **config.autoscaling}}
+        most = int(config.autoscaling.get("max_replicas", 1))
+    else:
+        scaling, most = {"num_replicas": config.num_replicas}, config.num_replicas
     replicas = PebblingReplica.options(
-        num_replicas=config.num_replicas, max_ongoing_requests=config.max_queue,
+        **scaling, max_ongoing_requests=config.max_queue,
         ray_actor_options={"num_cpus": config.num_cpus, "num_gpus": config.num_gpus},
         request_router_config=RequestRouterConfig(request_router_class=PreferredReplicaRouter),
     ).bind(config.replica())
-    return PebblingFront.options(max_ongoing_requests=config.max_queue * config.num_replicas).bind(replicas)
+    return PebblingFront.options(max_ongoing_requests=config.max_queue * most).bind(replicas)
 
