@@ -210,6 +210,28 @@ def test_each_conversation_stays_on_one_replica_and_answers_as_one_server_does(c
     assert len(used) == 2, "both replicas served conversations"
 
 
+def test_a_generate_conversation_follows_its_context_to_its_replica(cluster):
+    def generate_conversation(n: int) -> list[tuple[str, int, int]]:
+        turns, context = [], None
+        with httpx.Client(base_url=cluster, timeout=60) as client:
+            for turn in range(TURNS):
+                r = client.post("/api/generate", json={
+                    "model": "tiny", "prompt": f"story {n}, part {turn}", "context": context,
+                    "stream": turn % 2 == 1, "options": GREEDY})
+                final = [json.loads(line) for line in r.text.splitlines() if line][-1]
+                context = final["context"]
+                turns.append((r.headers["x-pebbling-replica"], final["pebbling"]["cached_tokens"],
+                              final["pebbling"]["cached_tokens"] + final["prompt_eval_count"]))
+        return turns
+
+    with ThreadPoolExecutor(8) as pool:
+        conversations = list(pool.map(generate_conversation, range(8)))
+    for turns in conversations:
+        assert len({replica for replica, _, _ in turns}) == 1, turns
+        for (_, _, prompt_before), (_, cached, _) in zip(turns, turns[1:]):
+            assert cached >= prompt_before, turns  # the last turn's whole prompt, from this replica's cache
+
+
 def test_ps_and_metrics_answer_for_every_replica_or_the_one_named(cluster):
     from prometheus_client.parser import text_string_to_metric_families
 

@@ -246,10 +246,22 @@ class PebblingFront:
         replica = head["replica"]
         if keys and head["status"] < 400:
             self.table.record(keys, replica)
-        response = StreamingResponse(self._rest(stream, replica, dict(head["headers"]).get(b"content-type", b"")),
-                                     status_code=head["status"])
+        # An Ollama generate turn's answer carries the conversation's tokens (`context`), which its next
+        # turn sends back: they are recorded as the conversation's keys when the answer ends.
+        follow = _model_of(body) if path == "/api/generate" and head["status"] < 400 else None
+        response = StreamingResponse(self._rest(stream, replica, dict(head["headers"]).get(b"content-type", b""),
+                                                follow), status_code=head["status"])
         response.raw_headers = [(k, v) for k, v in head["headers"] if k.lower() not in HOP_BY_HOP]
         return response
+
+    def _record_context(self, model: str, last: bytes, replica: str) -> None:
+        try:
+            context = json.loads(last.strip().rsplit(b"\n", 1)[-1]).get("context")
+        except (ValueError, AttributeError):
+            return
+        if isinstance(context, list) and context:
+            self.table.record(conversation_keys("/api/generate", json.dumps({"model": model, "context": context})
+                                                .encode()), replica)
 
     async def _aggregate(self, path: str, wanted: str | None) -> Response:
         """/api/ps and /metrics of every running replica, or of the one an X-Pebbling-Replica header names:
@@ -283,12 +295,15 @@ class PebblingFront:
         return sorted(a["name"][len(prefix):] for a in ray.util.list_named_actors(all_namespaces=True)
                       if a["name"].startswith(prefix))
 
-    async def _rest(self, stream, replica: str, content_type: bytes):
-        ended = False
+    async def _rest(self, stream, replica: str, content_type: bytes, follow: str | None = None):
+        ended, last = False, b""
         try:
             async for piece in stream:
+                last = piece
                 yield piece
             ended = True
+            if follow:
+                self._record_context(follow, last, replica)
         except Exception as exc:  # the status line is sent: say what was lost in the body, as Ollama does
             self.table.forget(replica)
             error = {"error": f"pebbling replica {replica} stopped while answering ({type(exc).__name__}); "
@@ -302,6 +317,14 @@ class PebblingFront:
         finally:
             if not ended:  # the client went away: the replica's generator is cancelled, so its engine stops
                 stream.cancel()
+
+
+def _model_of(body: bytes) -> str | None:
+    try:
+        model = json.loads(body).get("model")
+    except (ValueError, AttributeError):
+        return None
+    return model if isinstance(model, str) else None
 
 
 def _within(request: Request) -> str:
