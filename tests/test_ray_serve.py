@@ -254,6 +254,11 @@ def test_ps_and_metrics_answer_for_every_replica_or_the_one_named(cluster):
         assert missing.status_code == 404 and one in missing.json()["error"]
 
 
+def test_the_front_refuses_a_body_past_the_apps_limit(cluster):
+    r = httpx.post(f"{cluster}/api/chat", content=b"x" * (9 << 20), timeout=60)
+    assert r.status_code == 413 and "8 MiB" in r.json()["error"]
+
+
 def test_an_autoscaled_application_answers_under_its_route_prefix(cluster, models_dir):
     from pyplugin.serving.ray_deploy import build_app
 

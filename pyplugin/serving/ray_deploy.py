@@ -54,6 +54,7 @@ REPLICA_HEADER = "x-pebbling-replica"  # on every response: which replica answer
 THREADS_ENV = "PEBBLING_THREADS"       # the host library's thread count (model/attention.py)
 PREFER = "prefer"                      # the forward call's keyword naming the replica wanted
 REPLICA_DEPLOYMENT = "pebbling"
+MAX_BODY_BYTES = 8 << 20  # the app's own limit (server_patch.app), which the front cannot import
 AGGREGATED = ("/api/ps", "/metrics")   # answered for every replica, or the one X-Pebbling-Replica names
 METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 HOP_BY_HOP = {b"connection", b"keep-alive", b"transfer-encoding", b"upgrade"}
@@ -229,7 +230,12 @@ class PebblingFront:
     async def __call__(self, request: Request) -> Response:
         if request.method == "GET" and _within(request) in AGGREGATED:
             return await self._aggregate(_within(request), request.headers.get(REPLICA_HEADER))
-        body = await request.body()
+        body = bytearray()
+        async for piece in request.stream():  # bounded as the app bounds it: the front buffers the body
+            body += piece
+            if len(body) > MAX_BODY_BYTES:
+                return JSONResponse({"error": f"request body over {MAX_BODY_BYTES >> 20} MiB"}, status_code=413)
+        body = bytes(body)
         path = _within(request)
         keys = conversation_keys(path, body, request.headers.get(SESSION_HEADER))
         prefer = self.table.owner(keys) if keys else None
