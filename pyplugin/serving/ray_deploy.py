@@ -12,14 +12,14 @@ sends every request of a conversation to the replica holding its KV cache (pip i
 `GET /api/ps` and `GET /metrics` at the front answer for every running replica (each model listed with
 its `replica`, each sample labelled with it), or for the one an `X-Pebbling-Replica` header names.
 
-A replica that dies: the requests it was answering end with an error line that says so, its
-conversations go to the least loaded replica and are prefilled there again. Serve restarts it.
+A replica that dies: the requests it was answering end with an error line that says so (those it had
+not started are routed again by Serve), its conversations go to the least loaded replica and are
+prefilled there again, and Serve starts a replacement.
 
 Built by `build_app(args)` from a dict of options (`serve run` config files pass theirs as `args`):
 models, num_replicas, num_gpus and num_cpus per replica, max_queue, max_context, num_parallel,
 parked_kv_mib, backend, options (defaults for every request's options), host, autoscaling (Serve's
-autoscaling_config, in place of num_replicas). The engine knows nothing
-of Ray: this module adapts it.
+autoscaling_config, in place of num_replicas). The engine knows nothing of Ray: this module adapts it.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import logging
 import os
 import re
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
 import ray
 from ray import serve
@@ -185,15 +185,15 @@ class PebblingReplica:
                         yield message["body"]
                     if not message.get("more_body"):
                         break
-            if task.done() and task.exception() is not None:
-                raise task.exception()
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                raise task.exception()  # the app's error handlers answer errors: this is past them
         finally:
-            gone.set()
+            gone.set()  # the app's handler sees the client gone, cancels the job, and returns
             if not task.done():
                 try:
-                    await asyncio.wait_for(task, timeout=5)
-                except (asyncio.TimeoutError, Exception):
-                    task.cancel()
+                    await asyncio.wait_for(task, timeout=5)  # cancels it past that
+                except Exception:
+                    pass
 
     def _with_defaults(self, path: str, body: bytes) -> bytes:
         """The deployment's default options under the request's own (which win)."""
