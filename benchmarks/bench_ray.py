@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> dict:
             server.terminate()
             server.wait(timeout=30)
 
-        ray.init(num_cpus=cores, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=cores, include_dashboard=False, log_to_driver=False)
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         url = f"http://127.0.0.1:{port}"
@@ -151,8 +151,8 @@ def main(argv: list[str] | None = None) -> dict:
     result["load_average_after"] = os.getloadavg()[0]
 
     direct = result["direct"]
-    print(f"cores: {cores} (load average {load_before:.2f} before, {result['load_average_after']:.2f} after; "
-          "the machine is shared, so its cores' share of this run is at most that)")
+    print(f"cores: {cores}; load average {load_before:.2f} before the run, {result['load_average_after']:.2f} "
+          f"after (a load above {cores} before it: other work held the cores too, and this run got a share)")
     print(f"model: llama {args.n_layer} layers, n_embd {args.n_embd}, Q8_0; {args.clients} clients x "
           f"{args.tokens} tokens")
     print(f"{'server':<16}{'tok/s':>10}{'vs direct':>11}{'1-token ms':>12}")

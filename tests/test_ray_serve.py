@@ -50,7 +50,7 @@ def cluster(models_dir):
     from pyplugin.serving.ray_deploy import build_app
 
     try:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     except Exception as exc:  # no shared memory, no ports, a sandbox: say so rather than fail every test
         pytest.skip(f"a local Ray cluster cannot start here: {exc}")
     try:
@@ -163,12 +163,15 @@ def test_pebbling_serve_ray_answers_through_its_replicas(models_dir, tmp_path):
                               start_new_session=True)
     try:
         deadline, answer = time.monotonic() + 120, None
-        while answer is None and time.monotonic() < deadline and server.poll() is None:
+        # Until the application is deployed, Serve's proxy answers 404 itself (no replica header).
+        while (answer is None or "x-pebbling-replica" not in answer.headers) and time.monotonic() < deadline \
+                and server.poll() is None:
             try:
                 answer = httpx.post(f"http://127.0.0.1:{port}/api/generate", timeout=30, json={
                     "model": "tiny", "prompt": "hello", "stream": False, "options": GREEDY})
             except httpx.TransportError:
-                time.sleep(0.5)
+                pass
+            time.sleep(0.5)
         assert answer is not None, (tmp_path / "serve.log").read_text()[-3000:]
         assert answer.status_code == 200 and answer.json()["done"] and answer.headers["x-pebbling-replica"]
     finally:
@@ -207,6 +210,74 @@ def test_each_conversation_stays_on_one_replica_and_answers_as_one_server_does(c
     assert len(used) == 2, "both replicas served conversations"
 
 
+def test_a_generate_conversation_follows_its_context_to_its_replica(cluster):
+    def generate_conversation(n: int) -> list[tuple[str, int, int]]:
+        turns, context = [], None
+        with httpx.Client(base_url=cluster, timeout=60) as client:
+            for turn in range(TURNS):
+                r = client.post("/api/generate", json={
+                    "model": "tiny", "prompt": f"story {n}, part {turn}", "context": context,
+                    "stream": turn % 2 == 1, "options": GREEDY})
+                final = [json.loads(line) for line in r.text.splitlines() if line][-1]
+                context = final["context"]
+                turns.append((r.headers["x-pebbling-replica"], final["pebbling"]["cached_tokens"],
+                              final["pebbling"]["cached_tokens"] + final["prompt_eval_count"]))
+        return turns
+
+    with ThreadPoolExecutor(8) as pool:
+        conversations = list(pool.map(generate_conversation, range(8)))
+    for turns in conversations:
+        assert len({replica for replica, _, _ in turns}) == 1, turns
+        for (_, _, prompt_before), (_, cached, _) in zip(turns, turns[1:]):
+            assert cached >= prompt_before, turns  # the last turn's whole prompt, from this replica's cache
+
+
+def test_ps_and_metrics_answer_for_every_replica_or_the_one_named(cluster):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with httpx.Client(base_url=cluster, timeout=60) as client:
+        ps = client.get("/api/ps").json()["models"]
+        replicas = {m["replica"] for m in ps}
+        assert len(replicas) == 2 and {m["name"] for m in ps} == {"tiny:latest"}  # each loaded it
+        metrics = client.get("/metrics")
+        families = {f.name: f for f in text_string_to_metric_families(metrics.text)}  # one valid exposition
+        assert metrics.text.count("# TYPE pebbling_generated_tokens_total counter") == 1
+        generated = [s for s in families["pebbling_generated_tokens"].samples if s.name.endswith("_total")]
+        assert {s.labels["replica"] for s in generated} == replicas
+        assert all(s.labels["model"] == "tiny" and s.value > 0 for s in generated)
+        one = sorted(replicas)[0]
+        alone = client.get("/api/ps", headers={"X-Pebbling-Replica": one}).json()["models"]
+        assert [m["replica"] for m in alone] == [one]
+        own = client.get("/metrics", headers={"X-Pebbling-Replica": one}).text
+        assert f'replica="{one}"' in own and not any(f'replica="{r}"' in own for r in replicas - {one})
+        missing = client.get("/api/ps", headers={"X-Pebbling-Replica": "nope"})
+        assert missing.status_code == 404 and one in missing.json()["error"]
+
+
+def test_the_front_refuses_a_body_past_the_apps_limit(cluster):
+    r = httpx.post(f"{cluster}/api/chat", content=b"x" * (9 << 20), timeout=60)
+    assert r.status_code == 413 and "8 MiB" in r.json()["error"]
+
+
+def test_an_autoscaled_application_answers_under_its_route_prefix(cluster, models_dir):
+    from pyplugin.serving.ray_deploy import build_app
+
+    serve.run(build_app({"models": str(models_dir), "num_cpus": 0, "options": DEFAULTS,
+                         "autoscaling": {"min_replicas": 1, "max_replicas": 2}}), name="auto", route_prefix="/auto")
+    try:
+        with httpx.Client(base_url=f"{cluster}/auto", timeout=60) as client:
+            messages = [{"role": "user", "content": "a conversation below a route prefix"}]
+            text, body, replica = chat(client, messages)
+            messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "and again"}]
+            _, again, same = chat(client, messages)
+            assert same == replica and again["pebbling"]["cached_tokens"] > 0
+            assert [m["replica"] for m in client.get("/api/ps").json()["models"]] == [replica]
+        running = serve.status().applications["auto"].deployments["pebbling"].replica_states
+        assert running.get("RUNNING") == 1  # min_replicas while idle
+    finally:
+        serve.delete("auto")
+
+
 def test_the_session_header_keeps_requests_together_and_a_requests_options_win(cluster):
     seen = set()
     with httpx.Client(base_url=cluster, timeout=60) as client:
@@ -217,6 +288,31 @@ def test_the_session_header_keeps_requests_together_and_a_requests_options_win(c
             assert r.status_code == 200 and r.json()["pebbling"]["strategy"] == "minimal"
             seen.add(r.headers["x-pebbling-replica"])
     assert len(seen) == 1
+
+
+def active_requests(client, replica: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = client.get("/metrics", headers={"X-Pebbling-Replica": replica}).text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    return sum(s.value for s in families["pebbling_requests_active"].samples)
+
+
+def test_a_client_that_goes_away_stops_its_generation_on_the_replica(cluster):
+    with httpx.Client(base_url=cluster, timeout=120) as client:
+        with client.stream("POST", "/api/generate", json={
+                "model": "slow", "prompt": "Go on and on.",
+                "options": {"temperature": 0, "num_predict": 3000, "num_ctx": 4096}}) as r:
+            replica = r.headers["x-pebbling-replica"]
+            lines = r.iter_lines()
+            for _ in range(3):
+                assert not json.loads(next(lines))["done"]
+            assert active_requests(client, replica) == 1
+        # Well before the answer's 3000 tokens (about 5 s on one core) would have been written.
+        deadline = time.monotonic() + 1
+        while active_requests(client, replica) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert active_requests(client, replica) == 0
 
 
 def test_killing_a_replica_fails_its_streams_and_moves_its_conversations(cluster):

@@ -9,13 +9,17 @@ sends every request of a conversation to the replica holding its KV cache (pip i
     `PreferredReplicaRouter`: Serve's request router for the replicas: the named replica while it is
       running and has room, else the least loaded one
 
-A replica that dies: the requests it was answering end with an error line that says so, its
-conversations go to the least loaded replica and are prefilled there again. Serve restarts it.
+`GET /api/ps` and `GET /metrics` at the front answer for every running replica (each model listed with
+its `replica`, each sample labelled with it), or for the one an `X-Pebbling-Replica` header names.
+
+A replica that dies: the requests it was answering end with an error line that says so (those it had
+not started are routed again by Serve), its conversations go to the least loaded replica and are
+prefilled there again, and Serve starts a replacement.
 
 Built by `build_app(args)` from a dict of options (`serve run` config files pass theirs as `args`):
 models, num_replicas, num_gpus and num_cpus per replica, max_queue, max_context, num_parallel,
-parked_kv_mib, backend, options (defaults for every request's options), host. The engine knows nothing
-of Ray: this module adapts it.
+parked_kv_mib, backend, options (defaults for every request's options), host, autoscaling (Serve's
+autoscaling_config, in place of num_replicas). The engine knows nothing of Ray: this module adapts it.
 """
 
 from __future__ import annotations
@@ -25,9 +29,11 @@ import importlib
 import json
 import logging
 import os
+import re
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
+import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
@@ -38,7 +44,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from ..errors import PebblingError
 from .affinity import SESSION_HEADER, ConversationTable, conversation_keys
 from .engine import Engine
-from .settings import DEFAULT_MAX_QUEUE, HOST_ENV
+from .settings import DEFAULT_MAX_QUEUE, HOST_ENV, parallel_limit
 
 logger = logging.getLogger("pebbling.ray")
 
@@ -47,6 +53,10 @@ APP_FACTORY = "server_patch.app:create_app"
 REPLICA_HEADER = "x-pebbling-replica"  # on every response: which replica answered
 THREADS_ENV = "PEBBLING_THREADS"       # the host library's thread count (model/attention.py)
 PREFER = "prefer"                      # the forward call's keyword naming the replica wanted
+REPLICA_DEPLOYMENT = "pebbling"
+MAX_BODY_BYTES = 8 << 20  # the app's own limit (server_patch.app), which the front cannot import
+AGGREGATED = ("/api/ps", "/metrics")   # answered for every replica, or the one X-Pebbling-Replica names
+METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 HOP_BY_HOP = {b"connection", b"keep-alive", b"transfer-encoding", b"upgrade"}
 
 
@@ -64,6 +74,11 @@ class RayConfig:
     backend: str | None = None
     options: dict = field(default_factory=dict)  # defaults for every request's options
     host: str | None = None            # where Serve listens, for the Host checks (PEBBLING_HOST)
+    # Serve's autoscaling_config (min_replicas, max_replicas, target_ongoing_requests, ...) in place of
+    # num_replicas: replicas follow the requests queued or running on each, a signal whose ceiling is
+    # max_queue, past which a replica answers 503. target_ongoing_requests defaults to num_parallel, the
+    # requests a replica decodes together: beyond that they wait in its queue.
+    autoscaling: dict | None = None
 
     @classmethod
     def from_args(cls, args: dict | None) -> "RayConfig":
@@ -75,12 +90,15 @@ class RayConfig:
         config = cls(**args)
         if not (isinstance(config.num_replicas, int) and config.num_replicas >= 1):
             raise PebblingError(f"num_replicas is {config.num_replicas!r}; give a whole number of at least 1")
+        if config.autoscaling is not None and not isinstance(config.autoscaling, dict):
+            raise PebblingError(f"autoscaling is {config.autoscaling!r}; give a mapping of Serve's autoscaling_config")
         if not isinstance(config.options, dict):
             raise PebblingError(f"options is {config.options!r}; give a mapping of request options")
         return config
 
     def replica(self) -> dict:
-        settings = {k: v for k, v in asdict(self).items() if k not in ("num_replicas", "num_gpus", "num_cpus")}
+        settings = {k: v for k, v in asdict(self).items()
+                    if k not in ("num_replicas", "num_gpus", "num_cpus", "autoscaling")}
         # The host library's threads: as many as the CPUs Ray reserves for the replica, so that replicas
         # sharing a machine do not each start one per core.
         settings["threads"] = max(1, int(self.num_cpus)) if self.num_cpus >= 1 else None
@@ -109,7 +127,7 @@ class PreferredReplicaRouter(RequestRouter):
 # a replica: the engine behind the FastAPI app
 
 
-@serve.deployment(name="pebbling")
+@serve.deployment(name=REPLICA_DEPLOYMENT)
 @serve.ingress()
 class PebblingReplica:
     def __init__(self, settings: dict):
@@ -167,15 +185,15 @@ class PebblingReplica:
                         yield message["body"]
                     if not message.get("more_body"):
                         break
-            if task.done() and task.exception() is not None:
-                raise task.exception()
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                raise task.exception()  # the app's error handlers answer errors: this is past them
         finally:
-            gone.set()
+            gone.set()  # the app's handler sees the client gone, cancels the job, and returns
             if not task.done():
                 try:
-                    await asyncio.wait_for(task, timeout=5)
-                except (asyncio.TimeoutError, Exception):
-                    task.cancel()
+                    await asyncio.wait_for(task, timeout=5)  # cancels it past that
+                except Exception:
+                    pass
 
     def _with_defaults(self, path: str, body: bytes) -> bytes:
         """The deployment's default options under the request's own (which win)."""
@@ -210,10 +228,18 @@ class PebblingFront:
         self.table = ConversationTable()
 
     async def __call__(self, request: Request) -> Response:
-        body = await request.body()
-        keys = conversation_keys(request.url.path, body, request.headers.get(SESSION_HEADER))
+        if request.method == "GET" and _within(request) in AGGREGATED:
+            return await self._aggregate(_within(request), request.headers.get(REPLICA_HEADER))
+        body = bytearray()
+        async for piece in request.stream():  # bounded as the app bounds it: the front buffers the body
+            body += piece
+            if len(body) > MAX_BODY_BYTES:
+                return JSONResponse({"error": f"request body over {MAX_BODY_BYTES >> 20} MiB"}, status_code=413)
+        body = bytes(body)
+        path = _within(request)
+        keys = conversation_keys(path, body, request.headers.get(SESSION_HEADER))
         prefer = self.table.owner(keys) if keys else None
-        stream = self.replicas.forward.remote(request.method, request.url.path, request.scope.get("query_string", b""),
+        stream = self.replicas.forward.remote(request.method, path, request.scope.get("query_string", b""),
                                               request.scope["headers"], body,
                                               request.client and (request.client.host, request.client.port),
                                               prefer=prefer)
@@ -226,15 +252,64 @@ class PebblingFront:
         replica = head["replica"]
         if keys and head["status"] < 400:
             self.table.record(keys, replica)
-        response = StreamingResponse(self._rest(stream, replica, dict(head["headers"]).get(b"content-type", b"")),
-                                     status_code=head["status"])
+        # An Ollama generate turn's answer carries the conversation's tokens (`context`), which its next
+        # turn sends back: they are recorded as the conversation's keys when the answer ends.
+        follow = _model_of(body) if path == "/api/generate" and head["status"] < 400 else None
+        response = StreamingResponse(self._rest(stream, replica, dict(head["headers"]).get(b"content-type", b""),
+                                                follow), status_code=head["status"])
         response.raw_headers = [(k, v) for k, v in head["headers"] if k.lower() not in HOP_BY_HOP]
         return response
 
-    async def _rest(self, stream, replica: str, content_type: bytes):
+    def _record_context(self, model: str, last: bytes, replica: str) -> None:
+        try:
+            context = json.loads(last.strip().rsplit(b"\n", 1)[-1]).get("context")
+        except (ValueError, AttributeError):
+            return
+        if isinstance(context, list) and context:
+            self.table.record(conversation_keys("/api/generate", json.dumps({"model": model, "context": context})
+                                                .encode()), replica)
+
+    async def _aggregate(self, path: str, wanted: str | None) -> Response:
+        """/api/ps and /metrics of every running replica, or of the one an X-Pebbling-Replica header names:
+        ps lists each replica's models with a `replica` field, metrics label every sample `replica`."""
+        names = [wanted] if wanted else self._replica_names()
+        found = {}
+        for name in names:  # one at a time: calls made within one request share its id, by which Serve's
+            try:            # router hands a chosen replica to the call waiting for it
+                answered, body = await self._whole("GET", path, prefer=name)
+            except Exception:  # gone since it was listed
+                continue
+            if answered == name:  # a replica that is gone or full is answered for by another: left out
+                found[name] = body
+        if wanted and not found:
+            return JSONResponse({"error": f"no running replica {wanted!r}; running: "
+                                          f"{', '.join(self._replica_names()) or 'none'}"}, status_code=404)
+        if path == "/api/ps":
+            return JSONResponse({"models": [{**m, "replica": name} for name, b in found.items()
+                                            for m in json.loads(b)["models"]]})
+        return Response(merge_metrics({name: b.decode() for name, b in found.items()}), media_type=METRICS_TYPE)
+
+    async def _whole(self, method: str, path: str, prefer: str) -> tuple[str, bytes]:
+        """(the replica that answered, the whole body) of a bodiless request."""
+        stream = self.replicas.forward.remote(method, path, b"", [(b"host", b"127.0.0.1")], b"", None, prefer=prefer)
+        head = await stream.__anext__()
+        return head["replica"], b"".join([piece async for piece in stream])
+
+    @staticmethod
+    def _replica_names() -> list[str]:
+        prefix = f"SERVE_REPLICA::{serve.get_replica_context().app_name}#{REPLICA_DEPLOYMENT}#"
+        return sorted(a["name"][len(prefix):] for a in ray.util.list_named_actors(all_namespaces=True)
+                      if a["name"].startswith(prefix))
+
+    async def _rest(self, stream, replica: str, content_type: bytes, follow: str | None = None):
+        ended, last = False, b""
         try:
             async for piece in stream:
+                last = piece
                 yield piece
+            ended = True
+            if follow:
+                self._record_context(follow, last, replica)
         except Exception as exc:  # the status line is sent: say what was lost in the body, as Ollama does
             self.table.forget(replica)
             error = {"error": f"pebbling replica {replica} stopped while answering ({type(exc).__name__}); "
@@ -244,15 +319,62 @@ class PebblingFront:
                 yield f"data: {json.dumps(error)}\n\n".encode()
             else:
                 yield (json.dumps(error) + "\n").encode()
+            ended = True
+        finally:
+            if not ended:  # the client went away: the replica's generator is cancelled, so its engine stops
+                stream.cancel()
+
+
+def _model_of(body: bytes) -> str | None:
+    try:
+        model = json.loads(body).get("model")
+    except (ValueError, AttributeError):
+        return None
+    return model if isinstance(model, str) else None
+
+
+def _within(request: Request) -> str:
+    """The request's path below the application's route prefix (Serve's root_path), as the app routes it."""
+    path, root = request.scope["path"], request.scope.get("root_path", "")
+    return (path[len(root):] or "/") if root and path.startswith(root) else path
+
+
+_SAMPLE = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})?(\s.*)")
+
+
+def merge_metrics(texts: dict[str, str]) -> str:
+    """Prometheus texts of several replicas as one: each family's HELP and TYPE once, then every replica's
+    samples of it, labelled replica="NAME"."""
+    headers: dict[str, list[str]] = {}
+    samples: dict[str, list[str]] = {}
+    for replica, text in texts.items():
+        family = None
+        for line in text.splitlines():
+            if line.startswith(("# HELP ", "# TYPE ")):
+                family = line.split()[2]
+                if line not in headers.setdefault(family, []):
+                    headers[family].append(line)
+                samples.setdefault(family, [])
+            elif family is not None and (m := _SAMPLE.fullmatch(line)):
+                name, labels, rest = m.groups()
+                inner = f'replica="{replica}"' + ("," + labels[1:-1] if labels and labels != "{}" else "")
+                samples[family].append(f"{name}{{{inner}}}{rest}")
+    return "".join("\n".join(headers[f] + samples[f]) + "\n" for f in headers)
 
 
 def build_app(args: dict | None = None) -> serve.Application:
     """The application: the front and its replicas (see RayConfig for the options in `args`)."""
     config = RayConfig.from_args(args)
+    if config.autoscaling is not None:
+        scaling = {"autoscaling_config": {"target_ongoing_requests": config.num_parallel or parallel_limit(),
+                                          **config.autoscaling}}
+        most = int(config.autoscaling.get("max_replicas", 1))
+    else:
+        scaling, most = {"num_replicas": config.num_replicas}, config.num_replicas
     replicas = PebblingReplica.options(
-        num_replicas=config.num_replicas, max_ongoing_requests=config.max_queue,
+        **scaling, max_ongoing_requests=config.max_queue,
         ray_actor_options={"num_cpus": config.num_cpus, "num_gpus": config.num_gpus},
         request_router_config=RequestRouterConfig(request_router_class=PreferredReplicaRouter),
     ).bind(config.replica())
-    return PebblingFront.options(max_ongoing_requests=config.max_queue * config.num_replicas).bind(replicas)
+    return PebblingFront.options(max_ongoing_requests=config.max_queue * most).bind(replicas)
 
