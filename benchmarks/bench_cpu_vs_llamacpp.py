@@ -129,7 +129,9 @@ def llama_child(path: str, prompt: list[int], n_decode: int, threads: int) -> di
         token = int(np.argmax(last_logits()))
         tokens.append(token)
     decode_s = time.perf_counter() - start
-    return dict(load_s=load_s, prefill_s=prefill_s, decode_s=decode_s, tokens=tokens, rss=peak_rss_bytes())
+    build = llama_cpp.llama_print_system_info().decode(errors="replace").strip()
+    return dict(load_s=load_s, prefill_s=prefill_s, decode_s=decode_s, tokens=tokens, rss=peak_rss_bytes(),
+                build=build)
 
 
 def pebbling_child(path: str, prompt: list[int], n_decode: int, strategy: str) -> dict:
@@ -257,6 +259,7 @@ def run_all(args, names: list[str], engines: list[str]) -> dict:
                           file=sys.stderr, flush=True)
             results[name] = {e: summarize(runs[e], args.prompt_tokens, args.decode_tokens) for e in engines}
             results[name]["file_bytes"] = path.stat().st_size
+            results[name]["llama_cpp_build"] = runs["llama.cpp"][0].get("build", "unknown")
     return results
 
 
@@ -272,6 +275,20 @@ def cpu_model() -> str:
     return f"{name} ({', '.join(simd) or 'no AVX2'})"
 
 
+def build_warning(build: str) -> str | None:
+    """What llama.cpp's build lacks of this CPU's vector extensions that pebbling's kernels use: a build
+    without them (a generic wheel, GGML_NATIVE off) is slower here than it could be, and the comparison flatters
+    pebbling."""
+    cpu = cpu_model()
+    missing = [ext for flag, ext in (("avx512f", "AVX512"), ("avx512_vnni", "AVX512_VNNI"))
+               if flag in cpu and f"{ext} = 1" not in build]
+    if not missing:
+        return None
+    return (f"llama.cpp here was built without {', '.join(missing)}, which this CPU has and pebbling uses: the "
+            "ratios flatter pebbling; rebuild it for this CPU (CMAKE_ARGS=-DGGML_NATIVE=ON pip install "
+            "--no-binary llama-cpp-python --force-reinstall llama-cpp-python)")
+
+
 def print_table(results: dict, args) -> None:
     print(f"\nmedians of {args.runs} interleaved runs, {args.threads} threads, prompt {args.prompt_tokens} tokens, "
           f"{args.decode_tokens} greedy tokens, {args.shape} shape, "
@@ -279,7 +296,10 @@ def print_table(results: dict, args) -> None:
           + (", beside a process spinning on one core" if args.busy_neighbour else "") + ")")
     for name, r in results.items():
         base = r["llama.cpp"]
-        print(f"\n{name} ({r['file_bytes'] / 2**20:.0f} MiB file)")
+        print(f"\n{name} ({r['file_bytes'] / 2**20:.0f} MiB file); llama.cpp's build: {r['llama_cpp_build']}")
+        warning = build_warning(r["llama_cpp_build"])
+        if warning:
+            print(f"  WARNING: {warning}")
         print(f"  {'engine':17s} {'load s':>7s} {'prefill tok/s':>14s} {'decode tok/s':>13s} {'peak RSS MiB':>13s}"
               f"  {'ratios (prefill, decode, load, RSS)':36s} greedy tokens")
         for engine in ("llama.cpp", "pebbling none", "pebbling minimal"):
