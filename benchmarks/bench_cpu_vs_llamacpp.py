@@ -25,10 +25,12 @@ whether the greedy tokens are equal. Every figure is measured here; the machine 
 moves absolute figures between runs: the interleaving is there so that the ratios see the same
 conditions.
 
-llama-cpp-python is NOT a pebbling dependency: --llama-python names an interpreter that has it (built
-from its sdist as pip builds it, for the CPU it runs on: `python3 -m venv V && V/bin/pip install numpy
-llama-cpp-python`, which uses AVX-512 VNNI and its repacked Q4_K GEMMs where the CPU has them); only
-numpy and llama_cpp are imported there.
+llama-cpp-python is NOT a pebbling dependency: --llama-python names an interpreter that has it, built for
+the CPU it runs on: `python3 -m venv V && V/bin/pip install numpy && CMAKE_ARGS=-DGGML_NATIVE=ON
+V/bin/pip install --no-binary llama-cpp-python llama-cpp-python` (then it uses AVX-512 VNNI and its
+repacked Q4_K GEMMs where the CPU has them; a plain `pip install` has been seen to build for AVX2 only,
+which flatters pebbling by up to 1.6x). The table prints llama.cpp's build beside each file and warns
+where it lacks what this CPU has. Only numpy and llama_cpp are imported there.
 """
 
 from __future__ import annotations
