@@ -569,6 +569,8 @@ struct pebble_decoder {
     step_scratch at{};
     int64_t widest = 0, max_q = 0, max_kv = 0, max_ff = 0, max_heads = 0, max_rows = 0, max_expert = 0;
     std::vector<float> router_host;    // the router's scores of a step, read back
+    std::vector<float> router_p;       // one token's expert probabilities, and the experts by them (kept, so
+    std::vector<int32_t> router_order; // that a step allocates nothing)
     // experts as pebbles, per layer: the cache's buffer (expert_cache slots, at least one), the expert each
     // slot holds (-1: none) and when it was last used
     struct expert_cache {
@@ -769,8 +771,8 @@ pebble_status experts_ffn(pebble_decoder & d, int32_t layer, int32_t n, const ac
     // per token: its experts (a softmax over all, the k most probable, ties to the lower index) and weights
     int32_t chosen[PEBBLE_DECODER_MAX_BATCH][max_experts_used];
     float weight[PEBBLE_DECODER_MAX_BATCH][max_experts_used];
-    std::vector<int32_t> order(size_t(E), 0);
-    std::vector<float> p(size_t(E), 0.0f);
+    std::vector<int32_t> & order = d.router_order;
+    std::vector<float> & p = d.router_p;
     for (int32_t b = 0; b < n; b++) {
         const float * sc = d.router_host.data() + size_t(b) * size_t(E);
         float top = -INFINITY, total = 0.0f;
@@ -780,7 +782,7 @@ pebble_status experts_ffn(pebble_decoder & d, int32_t layer, int32_t n, const ac
             p[size_t(j)] /= total;
             order[size_t(j)] = static_cast<int32_t>(j);
         }
-        std::partial_sort(order.begin(), order.begin() + k, order.end(), [&p](int32_t a, int32_t c) {
+        std::partial_sort(order.begin(), order.begin() + k, order.begin() + E, [&p](int32_t a, int32_t c) {
             return p[size_t(a)] > p[size_t(c)] || (p[size_t(a)] == p[size_t(c)] && a < c);
         });
         float sum = 0.0f;
@@ -1478,6 +1480,8 @@ extern "C" pebble_status pebble_decoder_create(const pebble_step_model * model, 
         l.act = take(sizeof(act_t) * B * uint64_t(d->max_ff));
         l.y = take(4 * B * uint64_t(m.n_embd));
         d->router_host.assign(size_t(B) * size_t(d->max_expert), 0.0f);
+        d->router_p.assign(size_t(d->max_expert), 0.0f);
+        d->router_order.assign(size_t(d->max_expert), 0);
     }
 #ifndef PEBBLE_HOST_BUILD
     l.x = take(4 * B * uint64_t(m.n_embd));       // x and the logits in and out of fixed addresses (a graph's)

@@ -16,8 +16,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from gguf import GGMLQuantizationType
 
 from .errors import OptionsError
+from .ggml_types import block
 from .xp import get_array_module
 
 Array = Any
@@ -56,8 +58,13 @@ class KVType:
                                f"this model's is {head_dim}: use f16")
 
 
-KV_TYPES: dict[str, KVType] = {t.name: t for t in (
-    KVType("f16", 1, 1, 2), KVType("q8_0", 8, 32, 34), KVType("q4_0", 2, 32, 18), KVType("f32", 0, 1, 4))}
+def _of(name: str) -> KVType:
+    """The KV type of GGUF type `name` (its id and block layout as gguf gives them)."""
+    ggml = int(GGMLQuantizationType[name.upper()])
+    return KVType(name, ggml, *block(ggml))
+
+
+KV_TYPES: dict[str, KVType] = {t.name: t for t in map(_of, ("f16", "q8_0", "q4_0", "f32"))}
 KV_BY_GGML: dict[int, KVType] = {t.ggml_type: t for t in KV_TYPES.values()}
 DEFAULT_KV_TYPE = "f16"
 KV_ENV = ("PEBBLING_KV_CACHE_TYPE", "OLLAMA_KV_CACHE_TYPE")
