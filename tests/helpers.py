@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 
@@ -157,3 +158,11 @@ def rss_bytes(pid: int | str = "self") -> int:
     """A process's resident set size, from /proc (Linux)."""
     with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on now (bound, then let go): for a server to start on, or for a
+    client to find nothing at."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

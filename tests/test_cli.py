@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import io
 import json
-import socket
 
 import pytest
 
-from helpers import tiny_path
+from helpers import free_port, tiny_path
 from pyplugin.cli import main
 from pyplugin.commands import verify as verify_command
 from pyplugin.runtime import pebbled as pebbled_module
@@ -20,17 +19,10 @@ VERIFY_STRATEGIES = ("none", "sqrt", "adaptive", "minimal", "every:2")
 SMALL = ["--num-ctx", "64"]
 
 
-def closed_port() -> int:
-    """A loopback port nothing listens on (bound, then let go)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(autouse=True)
 def no_server_and_no_stdin(monkeypatch):
     """`run` loads in-process here (no server answers on $PEBBLING_HOST) and reads an empty stdin."""
-    monkeypatch.setenv("PEBBLING_HOST", f"127.0.0.1:{closed_port()}")
+    monkeypatch.setenv("PEBBLING_HOST", f"127.0.0.1:{free_port()}")
     monkeypatch.setattr("sys.stdin", io.StringIO(""))
 
 

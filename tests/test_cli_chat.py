@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import sys
 import time
 from pathlib import Path
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import pyplugin
+from helpers import free_port
 from pyplugin.commands import chat
 from pyplugin.errors import PebblingError
 
@@ -20,12 +20,6 @@ pexpect = pytest.importorskip("pexpect", reason="the terminal test needs pexpect
 
 PROMPT = ">>> "
 ACCEPTED = "\x1b[?2004l"  # prompt_toolkit leaves bracketed-paste mode once Enter accepts a line
-
-
-def closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +59,7 @@ def turn(child, text: str) -> dict[str, int]:
 
 @pytest.mark.parametrize("where", ["in-process", "server"])
 def test_a_chat_typed_at_a_terminal(where, models_dir, request):
-    host = request.getfixturevalue("server") if where == "server" else f"127.0.0.1:{closed_port()}"
+    host = request.getfixturevalue("server") if where == "server" else f"127.0.0.1:{free_port()}"
     child = spawn(models_dir, host, "--temperature", "0", "--num-predict", "3", "--verbose")
     try:
         first = turn(child, "hello there")
@@ -88,7 +82,7 @@ def test_a_chat_typed_at_a_terminal(where, models_dir, request):
 
 
 def test_ctrl_c_stops_an_answer_and_the_chat_goes_on(models_dir):
-    child = spawn(models_dir, f"127.0.0.1:{closed_port()}", "--num-ctx", "2048")  # noise until 2048 tokens
+    child = spawn(models_dir, f"127.0.0.1:{free_port()}", "--num-ctx", "2048")  # noise until 2048 tokens
     try:
         child.expect_exact(PROMPT)
         child.sendline("write forever")
@@ -112,7 +106,7 @@ def test_ctrl_c_stops_an_answer_and_the_chat_goes_on(models_dir):
 
 
 def test_ctrl_d_ends_the_chat(models_dir):
-    child = spawn(models_dir, f"127.0.0.1:{closed_port()}")
+    child = spawn(models_dir, f"127.0.0.1:{free_port()}")
     try:
         child.expect_exact(PROMPT)
         child.sendcontrol("d")

@@ -17,6 +17,7 @@ import pytest
 import requests
 
 import pyplugin
+from helpers import free_port
 from pyplugin.cli import main
 from pyplugin.model.synth import write_gguf
 from pyplugin.serving import registry
@@ -28,14 +29,6 @@ from server_patch.local import serving
 ROOT = Path(pyplugin.__file__).resolve().parents[1]
 TINY = dict(arch="llama", n_layer=2, n_embd=32, n_head=2, n_head_kv=1, n_ff=64, n_ctx=512)
 GREEDY = ["--temperature", "0", "--num-predict", "4"]
-
-
-def closed_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +48,7 @@ def server(models_dir):
 def environment(models_dir, tmp_path, monkeypatch):
     """In-process runs (nothing answers on $PEBBLING_HOST), this models directory, an empty Ollama
     store and an empty stdin."""
-    monkeypatch.setenv("PEBBLING_HOST", f"127.0.0.1:{closed_port()}")
+    monkeypatch.setenv("PEBBLING_HOST", f"127.0.0.1:{free_port()}")
     monkeypatch.setenv("PEBBLING_MODELS", str(models_dir))
     monkeypatch.setenv("OLLAMA_MODELS", str(tmp_path / "no-ollama-store"))
     monkeypatch.setattr("sys.stdin", io.StringIO(""))
@@ -235,7 +228,7 @@ def probe_with_library(kind: str, path: Path):
 
 def test_the_server_says_its_backend_and_models_when_it_starts(models_dir):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    server = subprocess.Popen([sys.executable, "-m", "pyplugin.cli", "serve", "--port", str(closed_port()),
+    server = subprocess.Popen([sys.executable, "-m", "pyplugin.cli", "serve", "--port", str(free_port()),
                                "--models", str(models_dir)], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
                               text=True, env=env)
     said = []

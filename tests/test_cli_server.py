@@ -8,7 +8,6 @@ import hashlib
 import io
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ import pytest
 import requests
 
 import pyplugin
+from helpers import free_port
 from pyplugin.cli import build_parser, main
 from pyplugin.commands.client import parse_host
 from pyplugin.model.synth import write_gguf
@@ -25,12 +25,6 @@ from server_patch.local import serving
 
 TINY = dict(arch="llama", n_layer=4, n_embd=32, n_head=2, n_head_kv=1, n_ff=64, n_ctx=4096)
 GREEDY = ["--temperature", "0", "--num-predict", "6"]
-
-
-def closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +73,7 @@ def remote(server, monkeypatch) -> str:
 
 @pytest.fixture
 def local(monkeypatch) -> None:
-    monkeypatch.setenv("PEBBLING_HOST", f"127.0.0.1:{closed_port()}")
+    monkeypatch.setenv("PEBBLING_HOST", f"127.0.0.1:{free_port()}")
 
 
 def cli(*args: str) -> int:
@@ -100,7 +94,7 @@ def loaded(url: str) -> list[str]:
 @pytest.mark.parametrize("name", ["tiny", "tiny:latest", "someone/tiny:q8",
                                   "registry.ollama.ai/someone/tiny:q8"])
 def test_run_through_the_server_gives_the_in_process_text(name, server, monkeypatch, capsys):
-    monkeypatch.setenv("PEBBLING_HOST", f"127.0.0.1:{closed_port()}")
+    monkeypatch.setenv("PEBBLING_HOST", f"127.0.0.1:{free_port()}")
     assert cli("run", name, "hello there", *GREEDY) == 0
     in_process = capsys.readouterr().out
     assert loaded(server) == []  # nothing asked the server
@@ -147,7 +141,7 @@ def test_run_system_and_verbose_on_both_paths(where, request, capsys):
 
 def test_format_json_constrains_the_answer_on_both_paths(server, monkeypatch, capsys):
     answers = []
-    for host in (f"127.0.0.1:{closed_port()}", server):
+    for host in (f"127.0.0.1:{free_port()}", server):
         monkeypatch.setenv("PEBBLING_HOST", host)
         assert cli("run", "tiny", "hi", "--temperature", "0", "--num-predict", "12", "--format", "json",
                    "--stop", "never-seen", "--top-k", "5", "--top-p", "0.5", "--repeat-penalty", "1.2",
@@ -187,7 +181,7 @@ def test_empty_stdin_and_no_prompt_is_one_line(local, capsys):
 def test_a_pipe_into_the_command(models_dir, ollama_store):
     root = Path(pyplugin.__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
-           "PEBBLING_MODELS": str(models_dir), "PEBBLING_HOST": f"127.0.0.1:{closed_port()}"}
+           "PEBBLING_MODELS": str(models_dir), "PEBBLING_HOST": f"127.0.0.1:{free_port()}"}
     done = subprocess.run([sys.executable, "-m", "pyplugin.cli", "run", "tiny", *GREEDY, "--verbose"],
                           input="hello there", capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr

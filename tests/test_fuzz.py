@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -26,7 +25,7 @@ import requests
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers import craft, rss_bytes
+from helpers import craft, free_port, rss_bytes
 from pyplugin.model.synth import write_gguf
 from registry import serving_registry
 
@@ -156,12 +155,6 @@ def anything(draw) -> tuple[str, str, object]:
     if draw(st.integers(0, 9)) == 0:
         return "POST", path, draw(st.sampled_from(["{", "not json", "\xff\xfe", "[]" * 1000, '{"model": "t' + "i" * 50]))
     return "POST", path, body
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

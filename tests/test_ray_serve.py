@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +19,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
+from helpers import free_port
 from pyplugin.model.synth import write_gguf
 from pyplugin.serving import Engine, PebblingError
 from pyplugin.serving.affinity import ConversationTable, conversation_keys
@@ -54,9 +54,7 @@ def cluster(models_dir):
     except Exception as exc:  # no shared memory, no ports, a sandbox: say so rather than fail every test
         pytest.skip(f"a local Ray cluster cannot start here: {exc}")
     try:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app({"models": str(models_dir), "num_replicas": 2, "options": DEFAULTS}), name="pebbling",
                   route_prefix="/")
@@ -154,9 +152,7 @@ def test_the_readmes_config_file_is_one_serve_and_the_deployment_accept():
 
 
 def test_pebbling_serve_ray_answers_through_its_replicas(models_dir, tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     log = (tmp_path / "serve.log").open("w")
     server = subprocess.Popen([sys.executable, "-m", "pyplugin.cli", "serve", "--ray", "--replicas", "2",
                                "--port", str(port), "--models", str(models_dir)], stdout=log, stderr=log,

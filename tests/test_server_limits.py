@@ -4,7 +4,6 @@ with a 400 (or a closed connection) while the server keeps serving."""
 
 from __future__ import annotations
 
-import json
 import socket
 import statistics
 import threading

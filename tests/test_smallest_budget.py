@@ -13,7 +13,7 @@ import shutil
 import pytest
 import requests
 
-from helpers import tiny_path
+from helpers import free_port, tiny_path
 from pyplugin.cli import main
 from pyplugin.commands.common import chat_tokens, load_pebbled
 from server_patch import create_app
@@ -40,12 +40,7 @@ def prompt_tokens(model) -> int:
 
 @pytest.fixture(autouse=True)
 def in_process(monkeypatch):
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    monkeypatch.setenv("PEBBLING_HOST", f"127.0.0.1:{port}")
+    monkeypatch.setenv("PEBBLING_HOST", f"127.0.0.1:{free_port()}")
     monkeypatch.setattr("sys.stdin", io.StringIO(""))
 
 

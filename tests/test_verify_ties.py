@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import io
 import json
-import socket
 
 import numpy as np
 import pytest
 
+from helpers import free_port
 from pyplugin.cli import main
 from pyplugin.commands.ties import DEFAULT_TIE_TOLERANCE, compare
 
@@ -49,9 +49,7 @@ def test_past_the_references_end_its_choice_is_its_stop_token():
 
 @pytest.fixture
 def demo(tmp_path, monkeypatch) -> str:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        monkeypatch.setenv("PEBBLING_HOST", f"127.0.0.1:{sock.getsockname()[1]}")
+    monkeypatch.setenv("PEBBLING_HOST", f"127.0.0.1:{free_port()}")
     monkeypatch.setenv("PEBBLING_MODELS", str(tmp_path))
     monkeypatch.setattr("sys.stdin", io.StringIO(""))
     return "pebbling-demo"
