@@ -1,19 +1,19 @@
 """Mixture-of-experts models (qwen3moe, qwen2moe with its shared expert, Mixtral-style llama files):
-the synthetic files' layout and metadata as gguf-py names them, the float64 reference written here from
-the GGUF's tensors (routing as llama.cpp's build_moe_ffn computes it), every strategy and backend giving the
+the synthetic files' layout and metadata as gguf-py names them, the float64 reference (tests/reference.py,
+its routing as llama.cpp's build_moe_ffn computes it), every strategy and backend giving the
 tokens of `none`, a batch of sequences equal to each alone, and files asking for what is not computed
 refused by name.
 """
 
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import pytest
 from gguf import GGUFReader
 
 from helpers import store_backend_params, tiny_path
+from reference import reference_logits
 from pyplugin.errors import ModelError
 from pyplugin.model import load_model
 from pyplugin.model.gguf_file import GGUFFile
@@ -42,75 +42,6 @@ def prompt(n: int = PROMPT_LEN) -> list[int]:
 
 def rel(a, b) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
-
-
-# ---------------------------------------------------------------------------------------------------
-# the float64 reference
-
-
-def reference_logits(path, tokens: list[int]) -> np.ndarray:
-    """float64 logits [T, n_vocab] of every position, from the file's tensors."""
-    with GGUFFile(path) as f:
-        md, t = f.metadata, {name: f.dequantize(name).astype(np.float64) for name in f.tensors}
-    arch = md["general.architecture"]
-    key = lambda k, default=None: md.get(f"{arch}.{k}", default)  # noqa: E731
-    n_layer, n_embd, n_head = key("block_count"), key("embedding_length"), key("attention.head_count")
-    n_kv, eps, k_used = key("attention.head_count_kv"), key("attention.layer_norm_rms_epsilon"), key("expert_used_count")
-    hd = key("attention.key_length", n_embd // n_head)
-    normalise = key("expert_weights_norm", arch != "qwen2moe")
-    scale = key("expert_weights_scale", 0.0) or 1.0  # llama.cpp: 0 (absent) scales nothing
-
-    def rms(x, w):
-        return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
-
-    def silu(x):
-        return x / (1 + np.exp(-x))
-
-    def rope(x, pos):
-        half = hd // 2
-        ang = pos[:, None] * key("rope.freq_base") ** (-np.arange(half) * 2.0 / hd)[None, :]
-        c, s = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
-        if arch == "llama":  # adjacent pairs
-            a, b = x[..., 0::2], x[..., 1::2]
-            out = np.empty_like(x)
-            out[..., 0::2], out[..., 1::2] = a * c - b * s, b * c + a * s
-            return out
-        a, b = x[..., :half], x[..., half:]
-        return np.concatenate([a * c - b * s, b * c + a * s], -1)
-
-    T, pos = len(tokens), np.arange(len(tokens), dtype=np.float64)
-    x = t["token_embd.weight"][tokens]
-    for i in range(n_layer):
-        b = lambda n: t[f"blk.{i}.{n}.weight"]  # noqa: E731
-        h = rms(x, b("attn_norm"))
-        q, k, v = ((h @ b(n).T + t.get(f"blk.{i}.{n}.bias", 0)).reshape(T, -1, hd) for n in ("attn_q", "attn_k", "attn_v"))
-        if f"blk.{i}.attn_q_norm.weight" in t:
-            q, k = rms(q, b("attn_q_norm")), rms(k, b("attn_k_norm"))
-        q, k = rope(q, pos), rope(k, pos)
-        k, v = np.repeat(k, n_head // n_kv, axis=1), np.repeat(v, n_head // n_kv, axis=1)
-        scores = np.einsum("qhd,khd->hqk", q / math.sqrt(hd), k)
-        scores = np.where(np.arange(T)[None, :] <= np.arange(T)[:, None], scores, -np.inf)
-        p = np.exp(scores - scores.max(-1, keepdims=True))
-        p /= p.sum(-1, keepdims=True)
-        x = x + np.einsum("hqk,khd->qhd", p, v).reshape(T, -1) @ b("attn_output").T
-        h = rms(x, b("ffn_norm"))
-        # routing: a softmax over every expert, the k most probable, renormalised where the model says
-        logits = h @ b("ffn_gate_inp").T                                       # [T, n_expert]
-        probs = np.exp(logits - logits.max(-1, keepdims=True))
-        probs /= probs.sum(-1, keepdims=True)
-        out = np.zeros_like(x)
-        for r in range(T):
-            chosen = np.argsort(-probs[r], kind="stable")[:k_used]
-            w = probs[r, chosen] / (probs[r, chosen].sum() if normalise else 1.0) * scale
-            for j, wj in zip(chosen, w):  # expert j: slice j of each merged [n_expert, ...] tensor
-                gate, up, down = b("ffn_gate_exps")[j], b("ffn_up_exps")[j], b("ffn_down_exps")[j]
-                out[r] += wj * (down @ (silu(gate @ h[r]) * (up @ h[r])))
-        if f"blk.{i}.ffn_gate_shexp.weight" in t:  # qwen2moe's shared expert, its sigmoid gate
-            shared = (silu(h @ b("ffn_gate_shexp").T) * (h @ b("ffn_up_shexp").T)) @ b("ffn_down_shexp").T
-            out += shared / (1 + np.exp(-(h @ b("ffn_gate_inp_shexp"))))[:, None]
-        x = x + out
-    out = t.get("output.weight", t["token_embd.weight"])
-    return rms(x, t["output_norm.weight"]) @ out.T
 
 
 # ---------------------------------------------------------------------------------------------------
