@@ -55,7 +55,7 @@ class _LocalEngine(Engine):
             # The server names no directories to its clients; the person at this terminal is told
             # where the name was looked for (the registry's own message), as `estimate` tells them.
             looked = str(exc.__cause__) if isinstance(exc.__cause__, ModelError) else str(exc)
-            if "/" in name and looked.endswith(("no such file", "not in Ollama's local store")):  # a namespaced name is Ollama's only
+            if "/" in name:  # not a path (above): a namespaced name, which only Ollama's store can hold
                 where = ", ".join(str(p) for p in ollama_store.stores())
                 looked = (f"model {name!r} not found in Ollama's local store ({where}; set $OLLAMA_MODELS to "
                           "look elsewhere)")
