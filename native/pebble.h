@@ -324,6 +324,23 @@ PEBBLE_API enum pebble_status pebble_attend(int32_t n_seq, const float * q, cons
                                             int32_t n_head_kv, int32_t head_dim, float scale, float softcap,
                                             float * out, void * scratch, uint64_t scratch_bytes, void * stream);
 
+// The causal attention of a prompt chunk: n_tok queries of one sequence at positions pos..pos+n_tok-1
+// (q n_tok x n_head x head_dim float32, rotated, not yet scaled) over rows 0..pos+n_tok-1 of its caches
+// (each n_rows x n_head_kv x head_dim of kv_type, as pebble_attend's; the chunk's own K and V rows already
+// written). A query at p sees the keys at p and before, and where window > 0 only the last `window` of
+// them (p - window + 1 .. p); scale and softcap as pebble_attend's. out (n_tok x n_head x head_dim
+// float32) = the softmax-weighted sum of V for each query and head. The host library computes it without
+// the n_tok x n_rows scores (tiles of queries, blocks of keys, a running softmax) on its threads; the
+// cuda library refuses the call (PEBBLE_ERR_INVALID_ARGUMENT, saying so). Errors: PEBBLE_ERR_INVALID_ARGUMENT
+// for a NULL pointer, a count below 1, a negative pos or window, heads that do not divide, or a kv_type
+// pebble_attend refuses; PEBBLE_ERR_SIZE_MISMATCH where pos + n_tok exceeds n_rows; PEBBLE_ERR_HOST_OOM
+// where a thread's buffers cannot be allocated.
+PEBBLE_API enum pebble_status pebble_attend_prompt(const float * q, int64_t n_tok, int64_t pos, int32_t kv_type,
+                                                   const void * k_cache, const void * v_cache, int64_t n_rows,
+                                                   int32_t n_head, int32_t n_head_kv, int32_t head_dim,
+                                                   int64_t window, float scale, float softcap, float * out,
+                                                   void * stream);
+
 // ---------------------------------------------------------------------------------------------------
 // the decode step of a whole model: one call per generated token
 //

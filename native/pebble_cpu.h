@@ -42,6 +42,14 @@ pebble_status attend(int32_t n_seq, const float * q, int32_t kv_type, void * con
                      const int64_t * n_pos, int64_t n_rows, int32_t n_head, int32_t n_head_kv, int32_t head_dim,
                      float scale, float softcap, float * out, float * scratch);
 
+// pebble_attend_prompt (pebble.h), the arguments already checked: n_tok queries at positions pos.. of one
+// sequence over its caches' rows 0..pos + n_tok - 1 (a query at p sees the keys at p and before, within
+// `window` of it where window > 0), flash-attention style, tiles of queries on the pool's threads
+// (native/pebble_cpu_prompt.cc).
+pebble_status attend_prompt(const float * q, int64_t n_tok, int64_t pos, int32_t kv_type, const void * k_cache,
+                            const void * v_cache, int32_t n_head, int32_t n_head_kv, int32_t head_dim, int64_t window,
+                            float scale, float softcap, float * out);
+
 // The instruction set the kernels picked on this CPU: "avx512", "avx2" or "portable".
 const char * simd_level();
 

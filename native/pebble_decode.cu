@@ -432,6 +432,51 @@ extern "C" pebble_status pebble_attend(int32_t n_seq, const float * q, const flo
 #endif
 }
 
+extern "C" pebble_status pebble_attend_prompt(const float * q, int64_t n_tok, int64_t pos, int32_t kv_type,
+                                              const void * k_cache, const void * v_cache, int64_t n_rows, int32_t n_head,
+                                              int32_t n_head_kv, int32_t head_dim, int64_t window, float scale,
+                                              float softcap, float * out, void * stream_ptr) {
+    if (!q || !k_cache || !v_cache || !out) {
+        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_attend_prompt: q, k_cache, v_cache and out must not be NULL");
+    }
+    if (n_tok < 1 || n_head < 1 || n_head_kv < 1 || head_dim < 1 || pos < 0 || window < 0) {
+        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_attend_prompt: n_tok %" PRId64 ", n_head %d, n_head_kv %d and "
+                    "head_dim %d must each be at least 1, pos %" PRId64 " and window %" PRId64 " at least 0", n_tok,
+                    n_head, n_head_kv, head_dim, pos, window);
+    }
+    if (n_head % n_head_kv != 0) {
+        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_attend_prompt: %d query heads cannot share %d KV heads evenly",
+                    n_head, n_head_kv);
+    }
+    if (!kv_known(kv_type) || (kv_blocked(kv_type) && head_dim % kv_block != 0)) {
+        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_attend_prompt: kv_type %d (%s) with head_dim %d; the caches "
+                    "must be 0 F32, 1 F16, or 8 Q8_0 or 2 Q4_0 where head_dim is a multiple of 32", kv_type,
+                    ggml_type_name(kv_type), head_dim);
+    }
+    if (!(softcap >= 0.0f) || !std::isfinite(softcap) || !std::isfinite(scale)) {
+        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_attend_prompt: scale %g and softcap %g must be finite, softcap "
+                    "at least 0", static_cast<double>(scale), static_cast<double>(softcap));
+    }
+    const int64_t kv_row = int64_t(n_head_kv) * head_dim, q_width = int64_t(n_head) * head_dim;
+    if (n_rows > INT64_MAX / 4 / kv_row || n_tok > INT64_MAX / 4 / q_width) {
+        return fail(PEBBLE_ERR_SIZE_MISMATCH, "pebble_attend_prompt: %" PRId64 " queries of %d x %d, caches of %" PRId64
+                    " rows of %d x %d: too large to address", n_tok, n_head, head_dim, n_rows, n_head_kv, head_dim);
+    }
+    if (pos > n_rows - n_tok) {
+        return fail(PEBBLE_ERR_SIZE_MISMATCH, "pebble_attend_prompt: queries at positions %" PRId64 "..%" PRId64
+                    " need that many cache rows; the caches hold %" PRId64, pos, pos + n_tok - 1, n_rows);
+    }
+#ifdef PEBBLE_HOST_BUILD
+    (void)stream_ptr;
+    return pebble_cpu::attend_prompt(q, n_tok, pos, kv_type, k_cache, v_cache, n_head, n_head_kv, head_dim, window,
+                                     scale, softcap, out);
+#else
+    (void)stream_ptr;
+    return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_attend_prompt: the cuda library does not attend prompts yet; "
+                "attend them with array operations on the device (the host library has this call)");
+#endif
+}
+
 // ---------------------------------------------------------------------------------------------------
 // the decode step of a whole model (pebble_decoder_*)
 

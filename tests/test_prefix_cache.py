@@ -163,10 +163,12 @@ def test_the_cached_prefix_gives_the_logits_of_a_full_prefill(strategy, weights)
     logits = resumed.prefill(second[cached:])
     alone = PebbledModel(tiny_model("qwen2", weights=weights), backend="host")
     full = alone.generation(options, pebbling, len(second)).prefill(second)
-    # From quantized bytes a decode step (the fused matvec, float32 sums) and a prefill chunk (the matrix
-    # expanded to fp16, then multiplied) round differently, so the answer's cached K and V differ from a
-    # re-prefill's by that rounding; dense weights take the same path both ways.
-    rel = 1e-5 if weights == "f16" else 1e-3
+    # The answer's cached K and V were written by decode steps (the fused matvec and the decode attention,
+    # float32 sums in their own order); a full prefill computes them with the prompt kernels, in another
+    # order. From quantized bytes the two also round the activations differently. Through the layers of
+    # a random model the float32 difference grows to about 3e-5 of the largest logit with dense weights
+    # (measured: 2.7e-5, with numpy's prompt attention and the library's alike) and 3e-4 quantized.
+    rel = 1e-4 if weights == "f16" else 1e-3
     np.testing.assert_allclose(logits, full, rtol=rel, atol=rel * np.abs(full).max())
 
 

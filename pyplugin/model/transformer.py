@@ -311,7 +311,9 @@ def attention_block(cfg: ModelConfig, x: Array, lw: LayerWeights, k_cache: Array
     (k, v))`: where given, the attention of one token (q [B, n_head, head_dim] rotated, caches B (K, V)
     pairs, n_pos the rows each attends over, k and v [B, n_head_kv, head_dim] the new rows it writes into
     row n_pos[b] - 1 first; float32 [B, n_head * head_dim]) on a layer without a window, in place of
-    ``attention``: the kernels' own, which a batch of sequences calls once for all of them.
+    ``attention``: the kernels' own, which a batch of sequences calls once for all of them. A prompt chunk
+    (T > 1, one cache, its rows written, None for the new rows) goes through `attend` too, on any layer
+    whose cache is not a ring: T queries ending at row n_pos[0] - 1, the layer's window applied.
     """
     T = x.shape[0]
     xp = get_array_module(x)
@@ -350,8 +352,11 @@ def attention_block(cfg: ModelConfig, x: Array, lw: LayerWeights, k_cache: Array
             attn = attend(cfg, apply_rope(cfg, q, cos, sin), [(k_cache, v_cache)], [pos + 1], (k, v))
         else:
             k_cache[pos:pos + T], v_cache[pos:pos + T] = encode(k, kv), encode(v, kv)
-            attn = attention(cfg, apply_rope(cfg, q, cos, sin), decode(k_cache[:pos + T], kv, dt),
-                             decode(v_cache[:pos + T], kv, dt), pos)
+            if attend is not None and T > 1:  # a prompt chunk: the kernels' attention over the rows written
+                attn = attend(cfg, apply_rope(cfg, q, cos, sin), [(k_cache, v_cache)], [pos + T], None)
+            else:
+                attn = attention(cfg, apply_rope(cfg, q, cos, sin), decode(k_cache[:pos + T], kv, dt),
+                                 decode(v_cache[:pos + T], kv, dt), pos)
     out = linear(attn, lw.wo)                                                   # [T, n_embd]
     if lw.post_attn_norm is not None:
         out = rms_norm(out, lw.post_attn_norm, cfg.rms_eps)

@@ -74,7 +74,7 @@ def batched_layer(cfg: ModelConfig, x: Array, lw: LayerWeights, caches: Sequence
             k_cache[pos:pos + T] = encode(k[s:s + T], kv)
             v_cache[pos:pos + T] = encode(v[s:s + T], kv)
         attn = xp.concatenate([
-            attend(cfg, q[s:s + T], [(k_cache, v_cache)], [pos + 1], None) if attend is not None and T == 1 else
+            attend(cfg, q[s:s + T], [(k_cache, v_cache)], [pos + T], None) if attend is not None else
             attention(cfg, q[s:s + T], decode(k_cache[:pos + T], kv, dt), decode(v_cache[:pos + T], kv, dt), pos)
             for (k_cache, v_cache), pos, T, s in zip(caches, positions, lengths, starts)])
     x = x + linear_rows(attn, lw.wo)                                               # [n, n_embd]

@@ -58,8 +58,14 @@ def attend_through(kernels: Kernels | None) -> Attend | None:
     """The model's `attend` (transformer.layer_forward) over `kernels`' attention, or None."""
     if kernels is None:
         return None
-    return lambda cfg, q, caches, n_pos, new: kernels.attend(q, caches, n_pos, cfg.n_head_kv, cfg.query_scale,
-                                                             cfg.attn_softcap, new)
+
+    def attend(cfg, q, caches, n_pos, new):
+        if q.shape[0] > 1:  # a prompt chunk of one sequence, its rows written: pebble_attend_prompt
+            (cache,) = caches
+            return kernels.attend_prompt(q, cache, n_pos[0] - q.shape[0], cfg.n_head_kv, cfg.query_scale,
+                                         cfg.attn_softcap, cfg.window)
+        return kernels.attend(q, caches, n_pos, cfg.n_head_kv, cfg.query_scale, cfg.attn_softcap, new)
+    return attend
 
 
 class ResidentLayers:

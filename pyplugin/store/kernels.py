@@ -357,6 +357,23 @@ class Kernels:
         return out
 
 
+    def attend_prompt(self, q, cache, pos: int, n_head_kv: int, scale: float, softcap: float = 0.0,
+                      window: int = 0):
+        """Causal attention of a prompt chunk (pebble_attend_prompt): q [T, n_head, head_dim] (rotated, not
+        yet scaled) at positions pos..pos + T - 1 over rows 0..pos + T - 1 of one sequence's (k, v) caches
+        [rows, n_head_kv, width] (its own rows already written); a query sees the keys at and before it,
+        within `window` of it where window > 0. Returns float32 [T, n_head * head_dim]."""
+        xp = self.xp
+        q = xp.ascontiguousarray(q, dtype=np.float32)
+        n_tok, n_head, head_dim = q.shape
+        k_cache, v_cache = cache
+        kv_type = _kv_type("attend_prompt", k_cache, head_dim)
+        out = xp.empty((n_tok, n_head * head_dim), dtype=np.float32)
+        self.lib.attend_prompt(q.reshape(n_tok, n_head * head_dim), kv_type, k_cache, v_cache, int(pos),
+                               k_cache.shape[0], n_head, n_head_kv, head_dim, int(window), float(scale),
+                               float(softcap), out, stream=self._stream())
+        return out
+
 def _kv_type(call: str, cache, head_dim: int) -> int:
     """The GGUF type id of a cache's KV type (kv_types.py), or an error naming what was seen."""
     try:

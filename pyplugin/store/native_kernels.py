@@ -135,6 +135,32 @@ class NativeKernels:
             ffi.new("int64_t[]", [int(n) for n in n_pos]), n_rows, n_head, n_head_kv, head_dim, scale, softcap,
             ffi.cast("float *", out_ptr), scratch_ptr, scratch_bytes, ffi.cast("void *", stream_pointer(stream))))
 
+    def attend_prompt(self, q, kv_type: int, k_cache, v_cache, pos: int, n_rows: int, n_head: int, n_head_kv: int,
+                      head_dim: int, window: int, scale: float, softcap: float, out, *, stream=None) -> None:
+        """pebble_attend_prompt: q and out [n_tok, n_head * head_dim] float32, the queries at positions
+        pos..pos + n_tok - 1 of one sequence over rows 0..pos + n_tok - 1 of its caches (n_rows x n_head_kv x
+        head_dim of kv_type, the chunk's own rows already written)."""
+        backend = self.backend
+        q_ptr, q_bytes = _pointer(q, backend, False, "q")
+        out_ptr, out_bytes = _pointer(out, backend, True, "out")
+        width = 4 * n_head * head_dim
+        if min(n_head, head_dim) >= 1 and (q_bytes % width or out_bytes != q_bytes or q_bytes == 0):
+            raise SizeMismatchError(f"attend_prompt: q holds {q_bytes} bytes and out {out_bytes}; each must be the "
+                                    f"same whole number (at least 1) of rows of {n_head} heads of {head_dim} float32")
+        n_tok = q_bytes // width if width > 0 else 0
+        valid = min(n_rows, n_head_kv, head_dim) >= 1 and n_head % n_head_kv == 0  # else the library's refusal
+        want = _kv_bytes(kv_type, n_rows * n_head_kv, head_dim) if valid else None
+        pointers = []
+        for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+            ptr, nbytes = _pointer(cache, backend, False, name)
+            if want is not None and nbytes != want:
+                raise SizeMismatchError(f"attend_prompt: the {name} holds {nbytes} bytes; {n_rows} rows of {n_head_kv} "
+                                        f"heads of {head_dim} of KV type {kv_type} need {want}")
+            pointers.append(ffi.cast("const void *", ptr))
+        _check(self._lib, self._lib.pebble_attend_prompt(
+            ffi.cast("const float *", q_ptr), n_tok, pos, kv_type, pointers[0], pointers[1], n_rows, n_head, n_head_kv,
+            head_dim, window, scale, softcap, ffi.cast("float *", out_ptr), ffi.cast("void *", stream_pointer(stream))))
+
     def _cache_pointers(self, kv_type: int, k_caches, v_caches, heads: int, head_dim: int):
         """The two pointer arrays pebble_attend takes for these caches, each cache's size checked. Made
         once per set of caches: a decode step attends every layer of every step over the same arrays.

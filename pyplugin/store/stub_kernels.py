@@ -11,6 +11,7 @@ second copy of the layer here.
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -238,6 +239,36 @@ class StubKernels:
             scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
             scores /= scores.sum(axis=-1, keepdims=True)
             out[b] = (scores @ decode(v[:n], kv).transpose(1, 0, 2)).reshape(-1)
+
+    def attend_prompt(self, q, kv_type: int, k_cache, v_cache, pos: int, n_rows: int, n_head: int, n_head_kv: int,
+                      head_dim: int, window: int, scale: float, softcap: float, out, *, stream=None) -> None:
+        """pebble_attend_prompt's semantics: the model's own attention (pyplugin.model.attention) over the
+        caches' rows read back from their type."""
+        q = np.asarray(q, np.float32)
+        if min(n_head, n_head_kv, head_dim) < 1 or pos < 0 or window < 0 or q.size == 0:
+            raise InvalidArgumentError(f"pebble_attend_prompt: n_tok {q.size // max(1, n_head * head_dim)}, n_head "
+                                       f"{n_head}, n_head_kv {n_head_kv} and head_dim {head_dim} must each be at least "
+                                       f"1, pos {pos} and window {window} at least 0")
+        if n_head % n_head_kv:
+            raise InvalidArgumentError(f"pebble_attend_prompt: {n_head} query heads cannot share {n_head_kv} KV heads "
+                                       "evenly")
+        kv = KV_BY_GGML.get(kv_type)
+        if kv is None or head_dim % kv.block:
+            raise InvalidArgumentError(f"pebble_attend_prompt: kv_type {kv_type} with head_dim {head_dim}; the caches "
+                                       "must be 0 F32, 1 F16, or 8 Q8_0 or 2 Q4_0 where head_dim is a multiple of 32")
+        if not (softcap >= 0 and math.isfinite(softcap) and math.isfinite(scale)):
+            raise InvalidArgumentError(f"pebble_attend_prompt: scale {scale:g} and softcap {softcap:g} must be finite, "
+                                       "softcap at least 0")
+        n_tok = q.size // (n_head * head_dim)
+        if pos + n_tok > n_rows:
+            raise SizeMismatchError(f"pebble_attend_prompt: queries at positions {pos}..{pos + n_tok - 1} need that "
+                                    f"many cache rows; the caches hold {n_rows}")
+        from ..model.attention import attention  # noqa: PLC0415 - the model's modules import the store's
+
+        cfg = SimpleNamespace(n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim, n_group=n_head // n_head_kv,
+                              query_scale=np.float32(scale), attn_softcap=softcap, window=window)
+        k, v = (decode(c[:pos + n_tok], kv) for c in (k_cache, v_cache))
+        out[...] = attention(cfg, q.reshape(n_tok, n_head, head_dim), k, v, pos).reshape(out.shape)
 
     @property
     def kernels(self):
