@@ -1,5 +1,6 @@
-"""Replicas on Ray Serve (pyplugin/serving/ray_deploy.py): a local CPU cluster, two replicas of a tiny
-model, conversations through the Ollama API. Each response names its replica (x-pebbling-replica) and
+"""Replicas on Ray Serve (pyplugin/serving/ray_deploy.py): a local CPU cluster, two replicas of the demo
+model (pebbling-demo, which each replica writes into a cache that starts empty), conversations through the
+Ollama API. Each response names its replica (x-pebbling-replica) and
 reports how many prompt tokens came from the cache (pebbling.cached_tokens), which is how the tests see
 where a turn ran and that it found its conversation there."""
 
@@ -20,17 +21,18 @@ import pytest
 from fastapi.testclient import TestClient
 
 from helpers import free_port
-from pyplugin.model.synth import write_gguf
 from pyplugin.serving import Engine, PebblingError
 from pyplugin.serving.affinity import ConversationTable, conversation_keys
+from pyplugin.serving.registry import CACHE_ENV, DEMO_NAME
 from server_patch import create_app
 
 ray = pytest.importorskip("ray", reason="Ray is not installed here: pip install 'pebbling[ray]'")
 serve = pytest.importorskip("ray.serve", reason="Ray Serve is not installed here: pip install 'pebbling[ray]'")
 
-TINY = dict(arch="qwen2", n_layer=3, n_embd=32, n_head=2, n_head_kv=1, n_ff=64, n_ctx=1024)
-# Slow enough on a CPU that a long answer is still streaming when its replica is killed.
-SLOW = dict(arch="qwen2", n_layer=8, n_embd=256, n_head=4, n_head_kv=2, n_ff=1024, n_ctx=4096)
+MODEL = DEMO_NAME
+# An answer long enough (about 7 s on one core) to be still streaming when its client leaves or its
+# replica is killed.
+LONG = {"temperature": 0, "num_predict": 3000, "num_ctx": 4096}
 GREEDY = {"temperature": 0, "num_predict": 6, "num_ctx": 512}
 CONVERSATIONS, TURNS = 16, 3
 DEFAULTS = {"pebbling_strategy": "every:2"}  # the deployment's defaults for request options
@@ -38,10 +40,17 @@ DEFAULTS = {"pebbling_strategy": "every:2"}  # the deployment's defaults for req
 
 @pytest.fixture(scope="module")
 def models_dir(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("models")
-    write_gguf(root / "tiny.gguf", **TINY)
-    write_gguf(root / "slow.gguf", **SLOW)
-    return root
+    """The served models directory: empty, the demo model is pebbling's own."""
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fresh_cache(tmp_path_factory):
+    """A pebbling cache without the demo model for this module's servers and clusters (which inherit it),
+    so that replicas write it as their first requests arrive, concurrently."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(CACHE_ENV, str(tmp_path_factory.mktemp("cache")))
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +83,7 @@ def direct(models_dir):
 
 
 def chat(client, messages, **headers) -> tuple[str, dict, str | None]:
-    r = client.post("/api/chat", json={"model": "tiny", "messages": messages, "stream": False, "options": GREEDY},
+    r = client.post("/api/chat", json={"model": MODEL, "messages": messages, "stream": False, "options": GREEDY},
                     headers=headers)
     assert r.status_code == 200, r.text
     body = r.json()
@@ -164,7 +173,7 @@ def test_pebbling_serve_ray_answers_through_its_replicas(models_dir, tmp_path):
                 and server.poll() is None:
             try:
                 answer = httpx.post(f"http://127.0.0.1:{port}/api/generate", timeout=30, json={
-                    "model": "tiny", "prompt": "hello", "stream": False, "options": GREEDY})
+                    "model": MODEL, "prompt": "hello", "stream": False, "options": GREEDY})
             except httpx.TransportError:
                 pass
             time.sleep(0.5)
@@ -212,7 +221,7 @@ def test_a_generate_conversation_follows_its_context_to_its_replica(cluster):
         with httpx.Client(base_url=cluster, timeout=60) as client:
             for turn in range(TURNS):
                 r = client.post("/api/generate", json={
-                    "model": "tiny", "prompt": f"story {n}, part {turn}", "context": context,
+                    "model": MODEL, "prompt": f"story {n}, part {turn}", "context": context,
                     "stream": turn % 2 == 1, "options": GREEDY})
                 final = [json.loads(line) for line in r.text.splitlines() if line][-1]
                 context = final["context"]
@@ -234,13 +243,13 @@ def test_ps_and_metrics_answer_for_every_replica_or_the_one_named(cluster):
     with httpx.Client(base_url=cluster, timeout=60) as client:
         ps = client.get("/api/ps").json()["models"]
         replicas = {m["replica"] for m in ps}
-        assert len(replicas) == 2 and {m["name"] for m in ps} == {"tiny:latest"}  # each loaded it
+        assert len(replicas) == 2 and {m["name"] for m in ps} == {f"{MODEL}:latest"}  # each loaded it
         metrics = client.get("/metrics")
         families = {f.name: f for f in text_string_to_metric_families(metrics.text)}  # one valid exposition
         assert metrics.text.count("# TYPE pebbling_generated_tokens_total counter") == 1
         generated = [s for s in families["pebbling_generated_tokens"].samples if s.name.endswith("_total")]
         assert {s.labels["replica"] for s in generated} == replicas
-        assert all(s.labels["model"] == "tiny" and s.value > 0 for s in generated)
+        assert all(s.labels["model"] == MODEL and s.value > 0 for s in generated)
         one = sorted(replicas)[0]
         alone = client.get("/api/ps", headers={"X-Pebbling-Replica": one}).json()["models"]
         assert [m["replica"] for m in alone] == [one]
@@ -279,7 +288,7 @@ def test_the_session_header_keeps_requests_together_and_a_requests_options_win(c
     with httpx.Client(base_url=cluster, timeout=60) as client:
         for i in range(6):
             r = client.post("/api/generate", headers={"X-Pebbling-Session": "user-42"}, json={
-                "model": "tiny", "prompt": f"unrelated question {i}", "stream": False,
+                "model": MODEL, "prompt": f"unrelated question {i}", "stream": False,
                 "options": {**GREEDY, "pebbling_strategy": "minimal"}})
             assert r.status_code == 200 and r.json()["pebbling"]["strategy"] == "minimal"
             seen.add(r.headers["x-pebbling-replica"])
@@ -297,14 +306,13 @@ def active_requests(client, replica: str) -> float:
 def test_a_client_that_goes_away_stops_its_generation_on_the_replica(cluster):
     with httpx.Client(base_url=cluster, timeout=120) as client:
         with client.stream("POST", "/api/generate", json={
-                "model": "slow", "prompt": "Go on and on.",
-                "options": {"temperature": 0, "num_predict": 3000, "num_ctx": 4096}}) as r:
+                "model": MODEL, "prompt": "Go on and on.", "options": LONG}) as r:
             replica = r.headers["x-pebbling-replica"]
             lines = r.iter_lines()
             for _ in range(3):
                 assert not json.loads(next(lines))["done"]
             assert active_requests(client, replica) == 1
-        # Well before the answer's 3000 tokens (about 5 s on one core) would have been written.
+        # Well before the answer's 3000 tokens would have been written.
         deadline = time.monotonic() + 1
         while active_requests(client, replica) and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -322,8 +330,7 @@ def test_killing_a_replica_fails_its_streams_and_moves_its_conversations(cluster
 
         def stream():
             with client.stream("POST", "/api/generate", headers=session, json={
-                    "model": "slow", "prompt": "Tell me everything.",
-                    "options": {"temperature": 0, "num_predict": 3000, "num_ctx": 4096}}) as r:
+                    "model": MODEL, "prompt": "Tell me everything.", "options": LONG}) as r:
                 lines.append({"replica": r.headers.get("x-pebbling-replica")})
                 for line in r.iter_lines():
                     if line:
