@@ -23,6 +23,7 @@ from fastapi.testclient import TestClient
 from helpers import free_port
 from pyplugin.serving import Engine, PebblingError
 from pyplugin.serving.affinity import ConversationTable, conversation_keys
+from pyplugin.serving.ray_config import RayConfig
 from pyplugin.serving.registry import CACHE_ENV, DEMO_NAME
 from server_patch import create_app
 
@@ -143,8 +144,6 @@ def test_the_readmes_config_file_is_one_serve_and_the_deployment_accept():
     import yaml
     from ray.serve.schema import ServeDeploySchema
 
-    from pyplugin.serving.ray_deploy import RayConfig
-
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     text = readme.split("# pebbling-ray.yaml\n", 1)[1].split("```", 1)[0]
     config = ServeDeploySchema.model_validate(yaml.safe_load(text))
@@ -154,6 +153,38 @@ def test_the_readmes_config_file_is_one_serve_and_the_deployment_accept():
     assert options.replica()["threads"] == 4 and options.replica()["options"] == {"pebbling_strategy": "adaptive"}
     with pytest.raises(PebblingError, match="unknown pebbling Ray option.*replicas"):
         RayConfig.from_args({"replicas": 2})
+
+
+def test_autoscaling_holds_replicas_to_the_requests_they_decode_together_under_the_queue_bound(monkeypatch):
+    auto = {"min_replicas": 1, "max_replicas": 3}
+    scaled = RayConfig.from_args({"num_parallel": 6, "autoscaling": auto}).scaling()
+    assert scaled == {"max_ongoing_requests": 512, "autoscaling_config": {**auto, "target_ongoing_requests": 6}}
+    monkeypatch.setenv("PEBBLING_NUM_PARALLEL", "3")  # what the replicas' engines would decode together
+    assert RayConfig.from_args({"autoscaling": {}}).scaling()["autoscaling_config"] == {"target_ongoing_requests": 3}
+    # The queue bound is the signal's ceiling: a replica is sent no more, and the target stays below it.
+    assert RayConfig.from_args({"max_queue": 2, "autoscaling": {}}).scaling() == {
+        "max_ongoing_requests": 2, "autoscaling_config": {"target_ongoing_requests": 2}}
+    own = RayConfig.from_args({"autoscaling": {"target_ongoing_requests": 1.5}}).scaling()["autoscaling_config"]
+    assert own == {"target_ongoing_requests": 1.5}
+    for target in (513, 0, "4", True):
+        with pytest.raises(PebblingError, match=r"target_ongoing_requests is .*at most max_queue \(512\)"):
+            RayConfig.from_args({"autoscaling": {"target_ongoing_requests": target}})
+    assert RayConfig.from_args({"num_replicas": 3, "max_queue": 16}).scaling() == {
+        "max_ongoing_requests": 16, "num_replicas": 3}
+    with pytest.raises(PebblingError, match="max_queue is 0; give a whole number of at least 1"):
+        RayConfig.from_args({"max_queue": 0})
+
+
+def test_the_application_takes_its_scaling_from_the_config():
+    from pyplugin.serving.ray_deploy import build_app
+
+    front = build_app({"max_queue": 8, "autoscaling": {"max_replicas": 3, "target_ongoing_requests": 2}})._bound_deployment
+    replicas = front.init_args[0]._bound_deployment
+    assert replicas.max_ongoing_requests == 8 and front.max_ongoing_requests == 8 * 3  # every replica full
+    scaling = replicas._deployment_config.autoscaling_config
+    assert (scaling.min_replicas, scaling.max_replicas, scaling.target_ongoing_requests) == (1, 3, 2)
+    fixed = build_app({"num_replicas": 2, "max_queue": 8})._bound_deployment
+    assert fixed.init_args[0]._bound_deployment.num_replicas == 2 and fixed.max_ongoing_requests == 16
 
 
 # ---------------------------------------------------------------------------------------------------
