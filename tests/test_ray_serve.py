@@ -350,7 +350,7 @@ def test_a_client_that_goes_away_stops_its_generation_on_the_replica(cluster):
         assert active_requests(client, replica) == 0
 
 
-def test_killing_a_replica_fails_its_streams_and_moves_its_conversations(cluster):
+def test_killing_a_replica_fails_its_requests_in_flight_and_moves_its_conversations(cluster):
     session = {"X-Pebbling-Session": "doomed"}  # everything below goes to one replica while it lives
     with httpx.Client(base_url=cluster, timeout=120) as client:
         messages = [{"role": "user", "content": "a conversation that will lose its replica"}]
@@ -367,17 +367,26 @@ def test_killing_a_replica_fails_its_streams_and_moves_its_conversations(cluster
                     if line:
                         lines.append(json.loads(line))
 
-        reader = threading.Thread(target=stream)
-        reader.start()
+        whole: list[httpx.Response] = []
+
+        def unstreamed():  # its answer would come at the end, in one piece
+            whole.append(httpx.post(f"{cluster}/api/generate", headers=session, timeout=120, json={
+                "model": MODEL, "prompt": "Tell me everything at once.", "stream": False, "options": LONG}))
+
+        readers = [threading.Thread(target=stream), threading.Thread(target=unstreamed)]
+        for reader in readers:
+            reader.start()
         deadline = time.monotonic() + 60
-        while len(lines) < 3 and time.monotonic() < deadline:
+        while (len(lines) < 3 or active_requests(client, victim) < 2) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert lines[0]["replica"] == victim
+        assert lines[0]["replica"] == victim and active_requests(client, victim) == 2
         ray.kill(replica_actor(victim), no_restart=False)
-        reader.join(timeout=120)
-        assert not reader.is_alive()
+        for reader in readers:
+            reader.join(timeout=120)
+            assert not reader.is_alive()
         assert "error" in lines[-1] and victim in lines[-1]["error"], lines[-1]
         assert not any(line.get("done") for line in lines[1:]), "the killed replica's answer did not finish"
+        assert whole[0].status_code == 503 and "stopped before answering" in whole[0].json()["error"], whole[0].text
 
         # The conversation's next turn runs on the other replica, prefilled anew (at most a template's
         # opening shared with other conversations there comes from its cache).
