@@ -1,11 +1,11 @@
 """Replicas on Ray Serve, measured: the aggregate decode rate of 1 and of 2 replicas under 8 clients, and
 what the route through Ray (proxy, front, request router, replica) adds to a request over a direct server.
 
-    python benchmarks/bench_ray.py [--clients 8] [--tokens 64] [--replicas 1,2] [--json FILE]
+    python benchmarks/bench_ray.py [--clients 8] [--tokens 64] [--replicas 1,2] [--demo] [--json FILE]
 
 One local Ray cluster with as many CPUs as this process may run on; each replica reserves an equal share
 of them (and the host library runs that many threads in it). A small random-weight llama is written for
-the run. The direct server is `pebbling serve` in a process of its own on loopback. Every figure is
+the run, or with --demo the demo model (pebbling-demo) is served. The direct server is `pebbling serve` in a process of its own on loopback. Every figure is
 measured in this run:
 - routing overhead: the median latency of --requests one-token generations sent one after another
   (prompt cached, so almost all of it is HTTP and routing), through Ray with one replica, minus the same
@@ -35,13 +35,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serve_for_bench  # noqa: E402
 from pyplugin.model.synth import write_gguf  # noqa: E402
+from pyplugin.serving.registry import DEMO_NAME, DEMO_SPEC  # noqa: E402
 
 PROMPTS = ("Why is the sky blue?", "Tell me a story about a fox.", "List three prime numbers.", "Hello there",
            "What is a pebble?", "Explain batching in one line.", "Count from one to ten.", "Good morning!")
 
 
-def body(client: int, tokens: int) -> dict:
-    return {"model": "bench", "prompt": f"{PROMPTS[client % len(PROMPTS)]} (client {client})", "raw": True,
+def body(model: str, client: int, tokens: int) -> dict:
+    return {"model": model, "prompt": f"{PROMPTS[client % len(PROMPTS)]} (client {client})", "raw": True,
             "stream": False, "options": {"temperature": 0, "num_predict": tokens,
                                          # a prompt split differently rounds differently: whole prefills,
                                          # so answers compare whatever ran before on each server
@@ -54,9 +55,9 @@ def ask(session: requests.Session, url: str, payload: dict) -> dict:
     return r.json()
 
 
-def latency_ms(url: str, requests_n: int) -> float:
+def latency_ms(url: str, model: str, requests_n: int) -> float:
     """Median ms of one-token generations of one cached prompt, one after another."""
-    payload = {"model": "bench", "prompt": "ping", "raw": True, "stream": False,
+    payload = {"model": model, "prompt": "ping", "raw": True, "stream": False,
                "options": {"temperature": 0, "num_predict": 1}}
     times = []
     with requests.Session() as session:
@@ -68,14 +69,14 @@ def latency_ms(url: str, requests_n: int) -> float:
     return statistics.median(times)
 
 
-def aggregate(url: str, clients: int, tokens: int, repeats: int) -> dict:
+def aggregate(url: str, model: str, clients: int, tokens: int, repeats: int) -> dict:
     """The best of `repeats` runs of `clients` concurrent requests: tok/s and which replicas answered."""
     best = None
     for _ in range(repeats):
         sessions = [requests.Session() for _ in range(clients)]
         start = time.perf_counter()
         with ThreadPoolExecutor(clients) as pool:
-            answers = list(pool.map(lambda c: ask(sessions[c], url, body(c, tokens)), range(clients)))
+            answers = list(pool.map(lambda c: ask(sessions[c], url, body(model, c, tokens)), range(clients)))
         wall = time.perf_counter() - start
         generated = sum(a["eval_count"] for a in answers)
         run = {"wall_s": wall, "generated_tokens": generated, "tok_per_s": generated / wall,
@@ -100,6 +101,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--n-layer", type=int, default=12)
     parser.add_argument("--n-embd", type=int, default=512)
     parser.add_argument("--n-ff", type=int, default=1536)
+    parser.add_argument("--demo", action="store_true", help="serve the demo model (pebbling-demo) instead")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args(argv)
     try:
@@ -113,12 +115,16 @@ def main(argv: list[str] | None = None) -> dict:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     load_before = os.getloadavg()[0]
     counts = [int(n) for n in args.replicas.split(",")]
+    shape = ({k: DEMO_SPEC[k] for k in ("arch", "n_layer", "n_embd", "n_ff")} if args.demo
+             else {"arch": "llama", "n_layer": args.n_layer, "n_embd": args.n_embd, "n_ff": args.n_ff})
+    model = DEMO_NAME if args.demo else "bench"
     result = {"cores": cores, "load_average_before": load_before, "clients": args.clients, "tokens": args.tokens,
-              "model": {"arch": "llama", "n_layer": args.n_layer, "n_embd": args.n_embd, "n_ff": args.n_ff}}
+              "model": {"name": model, **shape}}
     with tempfile.TemporaryDirectory(prefix="pebbling-bench-") as models:
-        write_gguf(Path(models) / "bench.gguf", arch="llama", n_layer=args.n_layer, n_embd=args.n_embd,
-                   n_head=max(1, args.n_embd // 64), n_head_kv=max(1, args.n_embd // 128), n_ff=args.n_ff,
-                   n_ctx=512, weight_type="Q8_0", n_merges=200)
+        if not args.demo:
+            write_gguf(Path(models) / "bench.gguf", arch="llama", n_layer=args.n_layer, n_embd=args.n_embd,
+                       n_head=max(1, args.n_embd // 64), n_head_kv=max(1, args.n_embd // 128), n_ff=args.n_ff,
+                       n_ctx=512, weight_type="Q8_0", n_merges=200)
         # One setting for the direct server and the replicas (which inherit this process's environment):
         # requests decoding together, and OpenBLAS held to one thread (its spinning threads on a few
         # shared cores slowed prefill's products many times over; bench_server_load.py).
@@ -126,8 +132,8 @@ def main(argv: list[str] | None = None) -> dict:
         os.environ.update(env)
         server, url = serve_for_bench.start_server(models, env)
         try:
-            result["direct"] = {"latency_ms": latency_ms(url, args.requests),
-                                **aggregate(url, args.clients, args.tokens, args.repeats)}
+            result["direct"] = {"latency_ms": latency_ms(url, model, args.requests),
+                                **aggregate(url, model, args.clients, args.tokens, args.repeats)}
         finally:
             server.terminate()
             server.wait(timeout=30)
@@ -140,9 +146,9 @@ def main(argv: list[str] | None = None) -> dict:
             for n in counts:
                 serve.run(build_app({"models": models, "num_replicas": n, "num_cpus": cores / n}),
                           name="pebbling", route_prefix="/")
-                aggregate(url, max(args.clients, 2 * n), 2, 1)  # every replica loads the model
-                run = {"latency_ms": latency_ms(url, args.requests) if n == 1 else None,
-                       **aggregate(url, args.clients, args.tokens, args.repeats)}
+                aggregate(url, model, max(args.clients, 2 * n), 2, 1)  # every replica loads the model
+                run = {"latency_ms": latency_ms(url, model, args.requests) if n == 1 else None,
+                       **aggregate(url, model, args.clients, args.tokens, args.repeats)}
                 result[f"ray_{n}"] = run
                 serve.delete("pebbling")
         finally:
@@ -153,8 +159,8 @@ def main(argv: list[str] | None = None) -> dict:
     direct = result["direct"]
     print(f"cores: {cores}; load average {load_before:.2f} before the run, {result['load_average_after']:.2f} "
           f"after (a load above {cores} before it: other work held the cores too, and this run got a share)")
-    print(f"model: llama {args.n_layer} layers, n_embd {args.n_embd}, Q8_0; {args.clients} clients x "
-          f"{args.tokens} tokens")
+    print(f"model: {model}, {shape['arch']} {shape['n_layer']} layers, n_embd {shape['n_embd']}, Q8_0; "
+          f"{args.clients} clients x {args.tokens} tokens")
     print(f"{'server':<16}{'tok/s':>10}{'vs direct':>11}{'1-token ms':>12}")
     print(f"{'direct':<16}{direct['tok_per_s']:>10.1f}{1:>11.2f}{direct['latency_ms']:>12.2f}")
     for n in counts:

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
 
 import pytest
 from gguf import GGUFReader
@@ -11,6 +17,7 @@ from helpers import tiny_path
 from pyplugin.serving import registry
 from pyplugin.cli import main as cli_main
 from pyplugin.errors import ModelError
+from pyplugin.model import synth
 from pyplugin.serving.registry import DEMO_NAME, resolve
 
 
@@ -79,6 +86,55 @@ def test_demo_is_written_once_deterministically_and_labelled(tmp_path, monkeypat
     assert "RANDOM WEIGHTS" in fields["general.description"].contents()
     assert fields["llama.block_count"].contents() == 16
     assert not list(a.parent.glob(".*partial"))
+
+
+# A small demo, slow to write, so that concurrent writers overlap: the threads of one server (its first
+# concurrent requests for pebbling-demo) and processes sharing one cache (Ray replicas).
+SMALL_DEMO = dict(registry.DEMO_SPEC, n_layer=2, n_embd=32, n_head=2, n_head_kv=1, n_ff=64, n_ctx=256)
+
+
+def slow_writes(write):
+    def written_then_paused(path, **spec):
+        write(path, **spec)
+        time.sleep(0.5)  # written, not yet renamed: another writer is in the middle of its own
+    return written_then_paused
+
+
+def test_concurrent_writers_in_one_process_each_get_the_whole_demo(tmp_path, monkeypatch):
+    monkeypatch.setattr(registry, "DEMO_SPEC", SMALL_DEMO)
+    monkeypatch.setattr(synth, "write_gguf", slow_writes(synth.write_gguf))
+    barrier, results = threading.Barrier(4), []
+
+    def load():
+        barrier.wait()
+        try:
+            results.append(GGUFReader(registry.ensure_demo(tmp_path)).fields["llama.block_count"].contents())
+        except Exception as exc:  # writers once shared '.pebbling-demo.PID.partial': "No such file"
+            results.append(exc)
+
+    threads = [threading.Thread(target=load) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [2, 2, 2, 2]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{DEMO_NAME}.gguf"]
+
+
+def test_concurrent_writers_in_two_processes_each_get_the_whole_demo(tmp_path):
+    script = ("import sys\nfrom pyplugin.model import synth\nfrom pyplugin.serving import registry\n"
+              "from test_model_registry import SMALL_DEMO, slow_writes\n"
+              "registry.DEMO_SPEC, synth.write_gguf = SMALL_DEMO, slow_writes(synth.write_gguf)\n"
+              "print(registry.ensure_demo(sys.argv[1]).stat().st_size)")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    writers = [subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]
+    outcomes = [w.communicate(timeout=60) for w in writers]
+    assert [w.returncode for w in writers] == [0, 0], outcomes
+    path = tmp_path / f"{DEMO_NAME}.gguf"
+    assert [int(out) for out, _ in outcomes] == [path.stat().st_size] * 2
+    assert GGUFReader(path).fields["llama.block_count"].contents() == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]
 
 
 def test_run_streams_text_and_flags_random_weights(capsys):

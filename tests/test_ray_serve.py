@@ -1,5 +1,6 @@
-"""Replicas on Ray Serve (pyplugin/serving/ray_deploy.py): a local CPU cluster, two replicas of a tiny
-model, conversations through the Ollama API. Each response names its replica (x-pebbling-replica) and
+"""Replicas on Ray Serve (pyplugin/serving/ray_deploy.py): a local CPU cluster, two replicas of the demo
+model (pebbling-demo, which each replica writes into a cache that starts empty), conversations through the
+Ollama API. Each response names its replica (x-pebbling-replica) and
 reports how many prompt tokens came from the cache (pebbling.cached_tokens), which is how the tests see
 where a turn ran and that it found its conversation there."""
 
@@ -20,17 +21,20 @@ import pytest
 from fastapi.testclient import TestClient
 
 from helpers import free_port
-from pyplugin.model.synth import write_gguf
+from pyplugin.commands.serve import RAY_CANNOT_START
 from pyplugin.serving import Engine, PebblingError
 from pyplugin.serving.affinity import ConversationTable, conversation_keys
+from pyplugin.serving.ray_config import RayConfig
+from pyplugin.serving.registry import CACHE_ENV, DEMO_NAME
 from server_patch import create_app
 
 ray = pytest.importorskip("ray", reason="Ray is not installed here: pip install 'pebbling[ray]'")
 serve = pytest.importorskip("ray.serve", reason="Ray Serve is not installed here: pip install 'pebbling[ray]'")
 
-TINY = dict(arch="qwen2", n_layer=3, n_embd=32, n_head=2, n_head_kv=1, n_ff=64, n_ctx=1024)
-# Slow enough on a CPU that a long answer is still streaming when its replica is killed.
-SLOW = dict(arch="qwen2", n_layer=8, n_embd=256, n_head=4, n_head_kv=2, n_ff=1024, n_ctx=4096)
+MODEL = DEMO_NAME
+# An answer long enough (about 7 s on one core) to be still streaming when its client leaves or its
+# replica is killed.
+LONG = {"temperature": 0, "num_predict": 3000, "num_ctx": 4096}
 GREEDY = {"temperature": 0, "num_predict": 6, "num_ctx": 512}
 CONVERSATIONS, TURNS = 16, 3
 DEFAULTS = {"pebbling_strategy": "every:2"}  # the deployment's defaults for request options
@@ -38,10 +42,17 @@ DEFAULTS = {"pebbling_strategy": "every:2"}  # the deployment's defaults for req
 
 @pytest.fixture(scope="module")
 def models_dir(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("models")
-    write_gguf(root / "tiny.gguf", **TINY)
-    write_gguf(root / "slow.gguf", **SLOW)
-    return root
+    """The served models directory: empty, the demo model is pebbling's own."""
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fresh_cache(tmp_path_factory):
+    """A pebbling cache without the demo model for this module's servers and clusters (which inherit it),
+    so that replicas write it as their first requests arrive, concurrently."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(CACHE_ENV, str(tmp_path_factory.mktemp("cache")))
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +85,7 @@ def direct(models_dir):
 
 
 def chat(client, messages, **headers) -> tuple[str, dict, str | None]:
-    r = client.post("/api/chat", json={"model": "tiny", "messages": messages, "stream": False, "options": GREEDY},
+    r = client.post("/api/chat", json={"model": MODEL, "messages": messages, "stream": False, "options": GREEDY},
                     headers=headers)
     assert r.status_code == 200, r.text
     body = r.json()
@@ -134,8 +145,6 @@ def test_the_readmes_config_file_is_one_serve_and_the_deployment_accept():
     import yaml
     from ray.serve.schema import ServeDeploySchema
 
-    from pyplugin.serving.ray_deploy import RayConfig
-
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     text = readme.split("# pebbling-ray.yaml\n", 1)[1].split("```", 1)[0]
     config = ServeDeploySchema.model_validate(yaml.safe_load(text))
@@ -145,6 +154,38 @@ def test_the_readmes_config_file_is_one_serve_and_the_deployment_accept():
     assert options.replica()["threads"] == 4 and options.replica()["options"] == {"pebbling_strategy": "adaptive"}
     with pytest.raises(PebblingError, match="unknown pebbling Ray option.*replicas"):
         RayConfig.from_args({"replicas": 2})
+
+
+def test_autoscaling_holds_replicas_to_the_requests_they_decode_together_under_the_queue_bound(monkeypatch):
+    auto = {"min_replicas": 1, "max_replicas": 3}
+    scaled = RayConfig.from_args({"num_parallel": 6, "autoscaling": auto}).scaling()
+    assert scaled == {"max_ongoing_requests": 512, "autoscaling_config": {**auto, "target_ongoing_requests": 6}}
+    monkeypatch.setenv("PEBBLING_NUM_PARALLEL", "3")  # what the replicas' engines would decode together
+    assert RayConfig.from_args({"autoscaling": {}}).scaling()["autoscaling_config"] == {"target_ongoing_requests": 3}
+    # The queue bound is the signal's ceiling: a replica is sent no more, and the target stays below it.
+    assert RayConfig.from_args({"max_queue": 2, "autoscaling": {}}).scaling() == {
+        "max_ongoing_requests": 2, "autoscaling_config": {"target_ongoing_requests": 2}}
+    own = RayConfig.from_args({"autoscaling": {"target_ongoing_requests": 1.5}}).scaling()["autoscaling_config"]
+    assert own == {"target_ongoing_requests": 1.5}
+    for target in (513, 0, "4", True):
+        with pytest.raises(PebblingError, match=r"target_ongoing_requests is .*at most max_queue \(512\)"):
+            RayConfig.from_args({"autoscaling": {"target_ongoing_requests": target}})
+    assert RayConfig.from_args({"num_replicas": 3, "max_queue": 16}).scaling() == {
+        "max_ongoing_requests": 16, "num_replicas": 3}
+    with pytest.raises(PebblingError, match="max_queue is 0; give a whole number of at least 1"):
+        RayConfig.from_args({"max_queue": 0})
+
+
+def test_the_application_takes_its_scaling_from_the_config():
+    from pyplugin.serving.ray_deploy import build_app
+
+    front = build_app({"max_queue": 8, "autoscaling": {"max_replicas": 3, "target_ongoing_requests": 2}})._bound_deployment
+    replicas = front.init_args[0]._bound_deployment
+    assert replicas.max_ongoing_requests == 8 and front.max_ongoing_requests == 8 * 3  # every replica full
+    scaling = replicas._deployment_config.autoscaling_config
+    assert (scaling.min_replicas, scaling.max_replicas, scaling.target_ongoing_requests) == (1, 3, 2)
+    fixed = build_app({"num_replicas": 2, "max_queue": 8})._bound_deployment
+    assert fixed.init_args[0]._bound_deployment.num_replicas == 2 and fixed.max_ongoing_requests == 16
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -164,11 +205,14 @@ def test_pebbling_serve_ray_answers_through_its_replicas(models_dir, tmp_path):
                 and server.poll() is None:
             try:
                 answer = httpx.post(f"http://127.0.0.1:{port}/api/generate", timeout=30, json={
-                    "model": "tiny", "prompt": "hello", "stream": False, "options": GREEDY})
+                    "model": MODEL, "prompt": "hello", "stream": False, "options": GREEDY})
             except httpx.TransportError:
                 pass
             time.sleep(0.5)
-        assert answer is not None, (tmp_path / "serve.log").read_text()[-3000:]
+        said = (tmp_path / "serve.log").read_text()
+        if answer is None and RAY_CANNOT_START in said:  # the command's own error (test below)
+            pytest.skip(said[said.index(RAY_CANNOT_START):].splitlines()[0])
+        assert answer is not None, said[-3000:]
         assert answer.status_code == 200 and answer.json()["done"] and answer.headers["x-pebbling-replica"]
     finally:
         os.killpg(server.pid, signal.SIGINT)
@@ -184,6 +228,25 @@ def test_replicas_without_ray_is_refused(capsys):
 
     assert main(["serve", "--replicas", "2"]) == 1
     assert "--replicas and --gpus-per-replica go with --ray" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("address", [None, "10.0.0.9:6379"])
+def test_a_ray_that_cannot_start_is_said_to_be_so(address, monkeypatch, capsys):
+    from pyplugin.cli import main
+
+    def refuse(**_):
+        raise ConnectionError("no shared memory")
+
+    monkeypatch.setattr(ray, "init", refuse)
+    if address:
+        monkeypatch.setenv("RAY_ADDRESS", address)
+    else:
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert main(["serve", "--ray"]) == 1
+    said = capsys.readouterr().err
+    where = f"join the Ray cluster at $RAY_ADDRESS ({address})" if address else "start a Ray cluster here"
+    assert f"{RAY_CANNOT_START}: cannot {where}: ConnectionError: no shared memory; serve without --ray" in said
+    assert "internal error" not in said
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -212,7 +275,7 @@ def test_a_generate_conversation_follows_its_context_to_its_replica(cluster):
         with httpx.Client(base_url=cluster, timeout=60) as client:
             for turn in range(TURNS):
                 r = client.post("/api/generate", json={
-                    "model": "tiny", "prompt": f"story {n}, part {turn}", "context": context,
+                    "model": MODEL, "prompt": f"story {n}, part {turn}", "context": context,
                     "stream": turn % 2 == 1, "options": GREEDY})
                 final = [json.loads(line) for line in r.text.splitlines() if line][-1]
                 context = final["context"]
@@ -234,13 +297,13 @@ def test_ps_and_metrics_answer_for_every_replica_or_the_one_named(cluster):
     with httpx.Client(base_url=cluster, timeout=60) as client:
         ps = client.get("/api/ps").json()["models"]
         replicas = {m["replica"] for m in ps}
-        assert len(replicas) == 2 and {m["name"] for m in ps} == {"tiny:latest"}  # each loaded it
+        assert len(replicas) == 2 and {m["name"] for m in ps} == {f"{MODEL}:latest"}  # each loaded it
         metrics = client.get("/metrics")
         families = {f.name: f for f in text_string_to_metric_families(metrics.text)}  # one valid exposition
         assert metrics.text.count("# TYPE pebbling_generated_tokens_total counter") == 1
         generated = [s for s in families["pebbling_generated_tokens"].samples if s.name.endswith("_total")]
         assert {s.labels["replica"] for s in generated} == replicas
-        assert all(s.labels["model"] == "tiny" and s.value > 0 for s in generated)
+        assert all(s.labels["model"] == MODEL and s.value > 0 for s in generated)
         one = sorted(replicas)[0]
         alone = client.get("/api/ps", headers={"X-Pebbling-Replica": one}).json()["models"]
         assert [m["replica"] for m in alone] == [one]
@@ -279,7 +342,7 @@ def test_the_session_header_keeps_requests_together_and_a_requests_options_win(c
     with httpx.Client(base_url=cluster, timeout=60) as client:
         for i in range(6):
             r = client.post("/api/generate", headers={"X-Pebbling-Session": "user-42"}, json={
-                "model": "tiny", "prompt": f"unrelated question {i}", "stream": False,
+                "model": MODEL, "prompt": f"unrelated question {i}", "stream": False,
                 "options": {**GREEDY, "pebbling_strategy": "minimal"}})
             assert r.status_code == 200 and r.json()["pebbling"]["strategy"] == "minimal"
             seen.add(r.headers["x-pebbling-replica"])
@@ -297,21 +360,20 @@ def active_requests(client, replica: str) -> float:
 def test_a_client_that_goes_away_stops_its_generation_on_the_replica(cluster):
     with httpx.Client(base_url=cluster, timeout=120) as client:
         with client.stream("POST", "/api/generate", json={
-                "model": "slow", "prompt": "Go on and on.",
-                "options": {"temperature": 0, "num_predict": 3000, "num_ctx": 4096}}) as r:
+                "model": MODEL, "prompt": "Go on and on.", "options": LONG}) as r:
             replica = r.headers["x-pebbling-replica"]
             lines = r.iter_lines()
             for _ in range(3):
                 assert not json.loads(next(lines))["done"]
             assert active_requests(client, replica) == 1
-        # Well before the answer's 3000 tokens (about 5 s on one core) would have been written.
+        # Well before the answer's 3000 tokens would have been written.
         deadline = time.monotonic() + 1
         while active_requests(client, replica) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert active_requests(client, replica) == 0
 
 
-def test_killing_a_replica_fails_its_streams_and_moves_its_conversations(cluster):
+def test_killing_a_replica_fails_its_requests_in_flight_and_moves_its_conversations(cluster):
     session = {"X-Pebbling-Session": "doomed"}  # everything below goes to one replica while it lives
     with httpx.Client(base_url=cluster, timeout=120) as client:
         messages = [{"role": "user", "content": "a conversation that will lose its replica"}]
@@ -322,24 +384,32 @@ def test_killing_a_replica_fails_its_streams_and_moves_its_conversations(cluster
 
         def stream():
             with client.stream("POST", "/api/generate", headers=session, json={
-                    "model": "slow", "prompt": "Tell me everything.",
-                    "options": {"temperature": 0, "num_predict": 3000, "num_ctx": 4096}}) as r:
+                    "model": MODEL, "prompt": "Tell me everything.", "options": LONG}) as r:
                 lines.append({"replica": r.headers.get("x-pebbling-replica")})
                 for line in r.iter_lines():
                     if line:
                         lines.append(json.loads(line))
 
-        reader = threading.Thread(target=stream)
-        reader.start()
+        whole: list[httpx.Response] = []
+
+        def unstreamed():  # its answer would come at the end, in one piece
+            whole.append(httpx.post(f"{cluster}/api/generate", headers=session, timeout=120, json={
+                "model": MODEL, "prompt": "Tell me everything at once.", "stream": False, "options": LONG}))
+
+        readers = [threading.Thread(target=stream), threading.Thread(target=unstreamed)]
+        for reader in readers:
+            reader.start()
         deadline = time.monotonic() + 60
-        while len(lines) < 3 and time.monotonic() < deadline:
+        while (len(lines) < 3 or active_requests(client, victim) < 2) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert lines[0]["replica"] == victim
+        assert lines[0]["replica"] == victim and active_requests(client, victim) == 2
         ray.kill(replica_actor(victim), no_restart=False)
-        reader.join(timeout=120)
-        assert not reader.is_alive()
+        for reader in readers:
+            reader.join(timeout=120)
+            assert not reader.is_alive()
         assert "error" in lines[-1] and victim in lines[-1]["error"], lines[-1]
         assert not any(line.get("done") for line in lines[1:]), "the killed replica's answer did not finish"
+        assert whole[0].status_code == 503 and "stopped before answering" in whole[0].json()["error"], whole[0].text
 
         # The conversation's next turn runs on the other replica, prefilled anew (at most a template's
         # opening shared with other conversations there comes from its cache).

@@ -90,6 +90,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+RAY_CANNOT_START = "Ray cannot start"
+
+
 def _run_ray(args: argparse.Namespace) -> int:
     """The Ray Serve application (pyplugin/serving/ray_deploy.py) on --host and --port, until interrupted."""
     if args.replicas < 1 or args.gpus_per_replica < 0:
@@ -107,7 +110,13 @@ def _run_ray(args: argparse.Namespace) -> int:
               "authentication", file=sys.stderr)
     logging.config.dictConfig(log_config(args.log_level))
     # A cluster named by $RAY_ADDRESS is joined as it is; otherwise one starts here, without its dashboard.
-    ray.init(**({} if os.environ.get("RAY_ADDRESS") else {"include_dashboard": False}))
+    address = os.environ.get("RAY_ADDRESS")
+    try:
+        ray.init(**({} if address else {"include_dashboard": False}))
+    except Exception as exc:  # no shared memory, no free ports, a sandbox: not pebbling's bug
+        where = f"join the Ray cluster at $RAY_ADDRESS ({address})" if address else "start a Ray cluster here"
+        raise PebblingError(f"{RAY_CANNOT_START}: cannot {where}: {type(exc).__name__}: {exc}; serve without "
+                            "--ray, or set $RAY_ADDRESS to a running cluster's address") from None
     serve.start(http_options={"host": args.host, "port": args.port})
     app = build_app({"models": os.environ.get(MODELS_ENV), "num_replicas": args.replicas,
                      "num_gpus": args.gpus_per_replica, "host": args.host})

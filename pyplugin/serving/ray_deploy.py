@@ -19,7 +19,8 @@ prefilled there again, and Serve starts a replacement.
 Built by `build_app(args)` from a dict of options (`serve run` config files pass theirs as `args`):
 models, num_replicas, num_gpus and num_cpus per replica, max_queue, max_context, num_parallel,
 parked_kv_mib, backend, options (defaults for every request's options), host, autoscaling (Serve's
-autoscaling_config, in place of num_replicas). The engine knows nothing of Ray: this module adapts it.
+autoscaling_config, in place of num_replicas): see ray_config.py. The engine knows nothing of Ray: this
+module adapts it.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ import json
 import logging
 import os
 import re
-from dataclasses import asdict, dataclass, field, fields
 from typing import AsyncIterator
 
 import ray
@@ -41,10 +41,10 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from ..errors import PebblingError
 from .affinity import SESSION_HEADER, ConversationTable, conversation_keys
 from .engine import Engine
-from .settings import DEFAULT_MAX_QUEUE, HOST_ENV, parallel_limit
+from .ray_config import RayConfig
+from .settings import HOST_ENV
 
 logger = logging.getLogger("pebbling.ray")
 
@@ -58,51 +58,6 @@ MAX_BODY_BYTES = 8 << 20  # the app's own limit (server_patch.app), which the fr
 AGGREGATED = ("/api/ps", "/metrics")   # answered for every replica, or the one X-Pebbling-Replica names
 METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 HOP_BY_HOP = {b"connection", b"keep-alive", b"transfer-encoding", b"upgrade"}
-
-
-@dataclass
-class RayConfig:
-    """The deployment's options; `replica()` is what each replica's engine is built from."""
-    models: str | None = None          # the models directory (default: $PEBBLING_MODELS, else the cache)
-    num_replicas: int = 1
-    num_gpus: float = 0                # per replica; 0 on CPU
-    num_cpus: float = 1                # per replica, as Ray reserves them
-    max_queue: int = DEFAULT_MAX_QUEUE  # per replica: requests queued or running, 503 beyond
-    max_context: int | None = None
-    num_parallel: int | None = None
-    parked_kv_mib: int | None = None
-    backend: str | None = None
-    options: dict = field(default_factory=dict)  # defaults for every request's options
-    host: str | None = None            # where Serve listens, for the Host checks (PEBBLING_HOST)
-    # Serve's autoscaling_config (min_replicas, max_replicas, target_ongoing_requests, ...) in place of
-    # num_replicas: replicas follow the requests queued or running on each, a signal whose ceiling is
-    # max_queue, past which a replica answers 503. target_ongoing_requests defaults to num_parallel, the
-    # requests a replica decodes together: beyond that they wait in its queue.
-    autoscaling: dict | None = None
-
-    @classmethod
-    def from_args(cls, args: dict | None) -> "RayConfig":
-        args = dict(args or {})
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(args) - known)
-        if unknown:
-            raise PebblingError(f"unknown pebbling Ray option(s) {', '.join(unknown)}; valid: {', '.join(sorted(known))}")
-        config = cls(**args)
-        if not (isinstance(config.num_replicas, int) and config.num_replicas >= 1):
-            raise PebblingError(f"num_replicas is {config.num_replicas!r}; give a whole number of at least 1")
-        if config.autoscaling is not None and not isinstance(config.autoscaling, dict):
-            raise PebblingError(f"autoscaling is {config.autoscaling!r}; give a mapping of Serve's autoscaling_config")
-        if not isinstance(config.options, dict):
-            raise PebblingError(f"options is {config.options!r}; give a mapping of request options")
-        return config
-
-    def replica(self) -> dict:
-        settings = {k: v for k, v in asdict(self).items()
-                    if k not in ("num_replicas", "num_gpus", "num_cpus", "autoscaling")}
-        # The host library's threads: as many as the CPUs Ray reserves for the replica, so that replicas
-        # sharing a machine do not each start one per core.
-        settings["threads"] = max(1, int(self.num_cpus)) if self.num_cpus >= 1 else None
-        return settings
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -365,16 +320,8 @@ def merge_metrics(texts: dict[str, str]) -> str:
 def build_app(args: dict | None = None) -> serve.Application:
     """The application: the front and its replicas (see RayConfig for the options in `args`)."""
     config = RayConfig.from_args(args)
-    if config.autoscaling is not None:
-        scaling = {"autoscaling_config": {"target_ongoing_requests": config.num_parallel or parallel_limit(),
-                                          **config.autoscaling}}
-        most = int(config.autoscaling.get("max_replicas", 1))
-    else:
-        scaling, most = {"num_replicas": config.num_replicas}, config.num_replicas
     replicas = PebblingReplica.options(
-        **scaling, max_ongoing_requests=config.max_queue,
-        ray_actor_options={"num_cpus": config.num_cpus, "num_gpus": config.num_gpus},
+        **config.scaling(), ray_actor_options={"num_cpus": config.num_cpus, "num_gpus": config.num_gpus},
         request_router_config=RequestRouterConfig(request_router_class=PreferredReplicaRouter),
     ).bind(config.replica())
-    return PebblingFront.options(max_ongoing_requests=config.max_queue * most).bind(replicas)
-
+    return PebblingFront.options(max_ongoing_requests=config.max_queue * config.most_replicas()).bind(replicas)

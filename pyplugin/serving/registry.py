@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import os
 import re
+import tempfile
+import threading
 from pathlib import Path
 
 from ..errors import ModelError
@@ -131,25 +133,41 @@ def find_in_ollama_store(name: str) -> OllamaModel | None:
 
 
 def ensure_demo(directory: str | os.PathLike | None = None) -> Path:
-    """The demo model's file in `directory` (default ``demo_dir()``), written on first use (atomically:
-    a concurrent reader never sees a half-written file)."""
-    from ..model.synth import write_gguf  # only needed the first time
-
+    """The demo model's file in `directory` (default ``demo_dir()``), written on first use. Each writer
+    writes a temporary file of its own and renames it into place, so a reader never sees a partial file
+    and writers never share one: the threads of a server loading it for concurrent requests, and the
+    processes of several servers (Ray replicas) sharing one cache, each end with the same whole file."""
     root = Path(directory) if directory is not None else demo_dir()
     path = root / f"{DEMO_NAME}.gguf"
     if path.is_file():
         return path
-    partial = root / f".{DEMO_NAME}.{os.getpid()}.partial"
+    with _DEMO_LOCK:  # one writer per process; the threads waiting here find the file written
+        if path.is_file():
+            return path
+        _write_demo(root, path)
+    return path
+
+
+_DEMO_LOCK = threading.Lock()
+
+
+def _write_demo(root: Path, path: Path) -> None:
+    from ..model.synth import write_gguf  # only needed the first time
+
+    partial = None
     try:
         root.mkdir(parents=True, exist_ok=True)
+        handle, name = tempfile.mkstemp(dir=root, prefix=f".{DEMO_NAME}.", suffix=".partial")
+        os.close(handle)
+        partial = Path(name)
         write_gguf(partial, **DEMO_SPEC)
-        os.replace(partial, path)
+        os.replace(partial, path)  # the same bytes whoever renames last (the demo's seed is fixed)
     except OSError as exc:
         raise ModelError(f"cannot write the demo model into {root}: {exc.strerror or exc}; "
                          f"set ${CACHE_ENV} to a writable directory") from None
     finally:
-        partial.unlink(missing_ok=True)
-    return path
+        if partial is not None:
+            partial.unlink(missing_ok=True)
 
 
 def available(models_dir: str | os.PathLike | None = None) -> list[str]:
