@@ -14,6 +14,7 @@
 // idle workers spin briefly and then sleep on a condition variable, so they take no core from others.
 
 #include "pebble_cpu.h"
+#include "pebble_cpu_exp.h"
 
 #include "pebble_device.h"
 #include "pebble_internal.h"
@@ -1405,6 +1406,125 @@ AVX2 void attend_avx2(void * ctx, int64_t begin, int64_t end) {
         }
     }
 }
+// F32 and F16 caches, head_dim a multiple of 8: a unit is one sequence's KV head and up to two of the
+// query heads that read it (Heads of them), so each K and V row is loaded and converted once for both.
+// Scores four keys at a time (Heads x 4 accumulators), the softmax eight scores at a time
+// (exp8_nonpositive), the weighted sum of V 32 dims at a time for both heads.
+constexpr int32_t max_pair_head_dim = 512; // the two scaled queries, on the stack
+
+template <int Heads>
+AVX2 __attribute__((always_inline)) inline void attend_heads_avx2(const attend_job & j, int64_t b, int64_t h0) {
+    const int32_t hd = j.head_dim;
+    const int64_t group = j.n_head / j.n_head_kv, row = int64_t(j.n_head_kv) * hd, n = j.n_pos[b];
+    const int64_t kv = (h0 / group) * hd;
+    const void * k = j.k[b], * v = j.v[b];
+    alignas(32) float qs[Heads][max_pair_head_dim];
+    float * sc[Heads];
+    float top[Heads];
+    for (int i = 0; i < Heads; i++) {
+        const float * qh = j.q + (b * j.n_head + h0 + i) * hd;
+        for (int32_t d = 0; d < hd; d++) qs[i][d] = qh[d] * j.scale;
+        sc[i] = j.scratch + (b * j.n_head + h0 + i) * j.n_rows;
+        top[i] = -INFINITY;
+    }
+    auto keep = [&](int i, int64_t s, float sum) AVX2 {
+        if (j.softcap > 0.0f) sum = std::tanh(sum / j.softcap) * j.softcap;
+        sc[i][s] = sum;
+        top[i] = std::max(top[i], sum);
+    };
+    int64_t s = 0;
+    for (; s + 4 <= n; s += 4) {
+        __m256 acc[Heads][4];
+        UNROLL for (int i = 0; i < Heads; i++) UNROLL for (int r = 0; r < 4; r++) acc[i][r] = _mm256_setzero_ps();
+        for (int32_t d = 0; d < hd; d += 8) {
+            const int64_t at = s * row + kv + d;
+            const __m256 k0 = load8_cache(k, j.type, at), k1 = load8_cache(k, j.type, at + row);
+            const __m256 k2 = load8_cache(k, j.type, at + 2 * row), k3 = load8_cache(k, j.type, at + 3 * row);
+            UNROLL for (int i = 0; i < Heads; i++) {
+                const __m256 qv = _mm256_load_ps(qs[i] + d);
+                acc[i][0] = _mm256_fmadd_ps(qv, k0, acc[i][0]);
+                acc[i][1] = _mm256_fmadd_ps(qv, k1, acc[i][1]);
+                acc[i][2] = _mm256_fmadd_ps(qv, k2, acc[i][2]);
+                acc[i][3] = _mm256_fmadd_ps(qv, k3, acc[i][3]);
+            }
+        }
+        for (int i = 0; i < Heads; i++) {
+            float sums[4];
+            hsum4_ps(acc[i][0], acc[i][1], acc[i][2], acc[i][3], sums);
+            for (int r = 0; r < 4; r++) keep(i, s + r, sums[r]);
+        }
+    }
+    for (; s < n; s++) {
+        for (int i = 0; i < Heads; i++) {
+            __m256 acc = _mm256_setzero_ps();
+            for (int32_t d = 0; d < hd; d += 8) {
+                acc = _mm256_fmadd_ps(_mm256_load_ps(qs[i] + d), load8_cache(k, j.type, s * row + kv + d), acc);
+            }
+            keep(i, s, hsum_ps(acc));
+        }
+    }
+    for (int i = 0; i < Heads; i++) { // softmax: exp(s - top) eight at a time, then 1 / total
+        const __m256 t = _mm256_set1_ps(top[i]);
+        __m256 total8 = _mm256_setzero_ps();
+        int64_t c = 0;
+        for (; c + 8 <= n; c += 8) {
+            const __m256 e = exp8_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(sc[i] + c), t));
+            _mm256_storeu_ps(sc[i] + c, e);
+            total8 = _mm256_add_ps(total8, e);
+        }
+        float total = hsum8(total8);
+        for (; c < n; c++) {
+            sc[i][c] = exp_nonpositive(sc[i][c] - top[i]);
+            total += sc[i][c];
+        }
+        const __m256 inv = _mm256_set1_ps(1.0f / total);
+        for (c = 0; c + 8 <= n; c += 8) _mm256_storeu_ps(sc[i] + c, _mm256_mul_ps(_mm256_loadu_ps(sc[i] + c), inv));
+        for (; c < n; c++) sc[i][c] *= 1.0f / total;
+    }
+    int32_t d = 0;
+    for (; d + 32 <= hd; d += 32) { // 4 registers per head over every row
+        __m256 acc[Heads][4];
+        UNROLL for (int i = 0; i < Heads; i++) UNROLL for (int r = 0; r < 4; r++) acc[i][r] = _mm256_setzero_ps();
+        for (int64_t t = 0; t < n; t++) {
+            const int64_t at = t * row + kv + d;
+            const __m256 v0 = load8_cache(v, j.type, at), v1 = load8_cache(v, j.type, at + 8);
+            const __m256 v2 = load8_cache(v, j.type, at + 16), v3 = load8_cache(v, j.type, at + 24);
+            UNROLL for (int i = 0; i < Heads; i++) {
+                const __m256 p = _mm256_set1_ps(sc[i][t]);
+                acc[i][0] = _mm256_fmadd_ps(p, v0, acc[i][0]);
+                acc[i][1] = _mm256_fmadd_ps(p, v1, acc[i][1]);
+                acc[i][2] = _mm256_fmadd_ps(p, v2, acc[i][2]);
+                acc[i][3] = _mm256_fmadd_ps(p, v3, acc[i][3]);
+            }
+        }
+        for (int i = 0; i < Heads; i++) {
+            float * o = j.out + (b * j.n_head + h0 + i) * hd + d;
+            UNROLL for (int r = 0; r < 4; r++) _mm256_storeu_ps(o + 8 * r, acc[i][r]);
+        }
+    }
+    for (; d < hd; d += 8) {
+        __m256 acc[Heads];
+        for (int i = 0; i < Heads; i++) acc[i] = _mm256_setzero_ps();
+        for (int64_t t = 0; t < n; t++) {
+            const __m256 x = load8_cache(v, j.type, t * row + kv + d);
+            for (int i = 0; i < Heads; i++) acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(sc[i][t]), x, acc[i]);
+        }
+        for (int i = 0; i < Heads; i++) _mm256_storeu_ps(j.out + (b * j.n_head + h0 + i) * hd + d, acc[i]);
+    }
+}
+
+// Units of (sequence, KV head, pair of its query heads): pairs_per_kv = (group + 1) / 2.
+AVX2 void attend_pairs_avx2(void * ctx, int64_t begin, int64_t end) {
+    const attend_job & j = *static_cast<const attend_job *>(ctx);
+    const int64_t group = j.n_head / j.n_head_kv, pairs = (group + 1) / 2;
+    for (int64_t u = begin; u < end; u++) {
+        const int64_t b = u / (j.n_head_kv * pairs), rest = u % (j.n_head_kv * pairs);
+        const int64_t first = (rest / pairs) * group + 2 * (rest % pairs);
+        if (2 * (rest % pairs) + 1 < group) attend_heads_avx2<2>(j, b, first);
+        else attend_heads_avx2<1>(j, b, first);
+    }
+}
+
 // The 32 values of a Q8_0 or Q4_0 block's quants (qs: the bytes after its scale), unscaled, as float32 in
 // four registers of eight: the quants read once (16 bytes of Q4_0 hold all 32: low nibbles, then high).
 AVX2 inline void block32(const uint8_t * qs, int32_t type, __m256 out[4]) {
@@ -1519,6 +1639,11 @@ pebble_status attend(int32_t n_seq, const float * q, int32_t kv_type, void * con
 #ifdef PEBBLE_X86
     if (simd_in_use() != simd::portable) {
         const bool blocks = kv_blocked(kv_type) && head_dim <= max_block_head_dim;
+        if (!kv_blocked(kv_type) && head_dim % 8 == 0 && head_dim <= max_pair_head_dim) {
+            const int64_t pairs = (n_head / n_head_kv + 1) / 2;
+            parallel_ranges(int64_t(n_seq) * n_head_kv * pairs, work, attend_pairs_avx2, &job);
+            return PEBBLE_OK;
+        }
         parallel_ranges(int64_t(n_seq) * n_head, work, blocks ? attend_blocks_avx2 : attend_avx2, &job);
         return PEBBLE_OK;
     }

@@ -11,6 +11,7 @@
 // one. The largest tiles are handed out first, so that the threads finish together.
 
 #include "pebble_cpu.h"
+#include "pebble_cpu_exp.h"
 
 #include "pebble_internal.h"
 #include "pebble_kv.h"
@@ -75,22 +76,6 @@ struct unit_buffers {
     }
     ~unit_buffers() { std::free(base); }
 };
-
-// exp(x) for x <= 0, as float32: exp(n ln 2 + r) = 2^n exp(r), |r| <= ln 2 / 2, exp(r) by Cephes' degree-6
-// polynomial (relative error about 1e-7); below -87 (e^-87 < 2e-38), exactly 0.
-inline float exp_nonpositive(float x) {
-    if (!(x >= -87.0f)) return 0.0f;
-    const float n = std::nearbyint(x * 1.44269504088896341f);
-    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    return std::ldexp(p, static_cast<int>(n));
-}
 
 #ifdef PEBBLE_X86
 #    define PROMPT_AVX2 __attribute__((target("avx2,fma,f16c")))
@@ -213,25 +198,6 @@ PROMPT_AVX2 void weighted_avx2(const float * p, const float * vb, int64_t rows, 
     if (r < rows) weighted_portable(p + r * block_keys, vb, rows - r, n, hd, o + r * hd);
 }
 
-// exp_nonpositive of 8 values at once (the same polynomial; the same 0 below -87).
-PROMPT_AVX2 inline __m256 exp8_nonpositive(__m256 x) {
-    const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GE_OQ);
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), keep);
-}
-
 // Row s's 32 scores as exp(s - top), in place; returns their sum.
 PROMPT_AVX2 float exp_row_avx2(float * s, float top) {
     const __m256 t = _mm256_set1_ps(top);
@@ -241,10 +207,7 @@ PROMPT_AVX2 float exp_row_avx2(float * s, float top) {
         _mm256_store_ps(s + c, e);
         sum = _mm256_add_ps(sum, e);
     }
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_add_ss(h, _mm_movehdup_ps(h));
-    return _mm_cvtss_f32(h);
+    return hsum8(sum);
 }
 #endif
 
