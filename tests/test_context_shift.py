@@ -30,7 +30,7 @@ def test_the_amounts_and_the_moment_are_llama_cpp_servers():
     assert shiftable(64, 64, 4, 30) and shiftable(8, 64, 4, 30) and not shiftable(40, 64, 4, 30)
 
 
-@pytest.mark.parametrize("name", ["f32", "f16", "q8_0"])
+@pytest.mark.parametrize("name", ["f32", "f16", "q8_0", "q4_0"])
 @pytest.mark.parametrize("arch", ["llama", "phi3"])  # GGML's normal pairs, and NeoX's halves
 def test_a_moved_key_is_the_key_rotated_for_its_new_position(arch, name):
     """R(-d) R(p) k = R(p - d) k: each kept key, once shifted, is what rotating its unrotated key for its new
@@ -46,7 +46,8 @@ def test_a_moved_key_is_the_key_rotated_for_its_new_position(arch, name):
     new = np.r_[np.arange(keep), np.arange(keep + drop, n_past) - drop]  # where each kept position now is
     old = np.r_[np.arange(keep), np.arange(keep + drop, n_past)]
     want = apply_rope(cfg, raw[old], cos[new], sin[new])
-    tolerance = {"f32": 1e-5, "f16": 2e-3, "q8_0": 2e-2}[name]
+    # q8_0's step is 1/127 of its block's largest value, q4_0's 1/8: one rounding more than the cache's own
+    tolerance = {"f32": 1e-5, "f16": 2e-3, "q8_0": 2e-2, "q4_0": 0.15}[name]
     np.testing.assert_allclose(decode(k[:len(new)], t), want, atol=tolerance * np.abs(want).max())
     np.testing.assert_array_equal(v[:len(new)], v_before[old])           # values move as they are
     assert np.abs(decode(rotate(cfg, k[:1], 0), t) - decode(k[:1], t)).max() <= tolerance
