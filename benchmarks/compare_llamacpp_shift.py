@@ -43,6 +43,9 @@ swa_full. Elsewhere its server turns context shift off and a generation ends at 
 Ollama's, which runs that server without --swa-full. At this comparison's num_ctx both caches are 256 cells
 and llama.cpp shifts (a file it refused would be compared with swa_full on, and say so); the @4096 column
 says whether it could at its default n_ctx 4096 and n_ubatch 512 (for these files' 8-position windows: no).
+With the real windows, probed the same way (llama-cpp-python 0.3.36, n_ubatch 512): Gemma 3's 1024 shifts at
+no n_ctx from 2048 up, Gemma 2's 4096 at 4096 but not at 8192. pebbling shifts a sliding layer's ring
+wherever its window after the shift lies past the kept positions (model/kv_shift.shiftable).
 
 Exit status: 0 when every case agrees, 1 when one does not (or llama.cpp fails on a file), 2 when
 llama-cpp-python is missing (see compare_llamacpp.py for installing it beside pebbling).
