@@ -102,7 +102,7 @@ def _ollama_routes() -> APIRouter:
         job = await submit(request, GenerationRequest(
             model=body.model, prompt=body.prompt, system=body.system, template=body.template, raw=body.raw,
             context=body.context, format=body.format, options=body.options or {}, keep_alive=body.keep_alive,
-            think=body.think, logprobs=logprobs_wanted(body.logprobs, body.top_logprobs)))
+            think=body.think, shift=body.shift, logprobs=logprobs_wanted(body.logprobs, body.top_logprobs)))
 
         def chunk(out: Output) -> dict:
             thinking = {"thinking": out.thinking} if out.thinking else {}
@@ -126,7 +126,7 @@ def _ollama_routes() -> APIRouter:
         job = await submit(request, GenerationRequest(
             model=body.model, messages=[chat_message(m, i) for i, m in enumerate(body.messages)],
             format=body.format, options=body.options or {}, keep_alive=body.keep_alive, tools=body.tools or None,
-            think=body.think, logprobs=logprobs_wanted(body.logprobs, body.top_logprobs)))
+            think=body.think, shift=body.shift, logprobs=logprobs_wanted(body.logprobs, body.top_logprobs)))
 
         def chunk(out: Output) -> dict:
             message = {"role": "assistant", "content": out.content}

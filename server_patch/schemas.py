@@ -22,6 +22,8 @@ _KEEP_ALIVE_DOC = ('How long the model stays loaded after this request: seconds,
                    '"10m"; 0 unloads it at once, a negative value keeps it loaded. Default 5m.')
 
 
+_SHIFT_DOC = ("true (the default): a generation that fills num_ctx shifts it (num_keep tokens kept, half of the "
+              "rest dropped) and goes on, as Ollama's does; false: it ends there (done_reason length)")
 _THINK_DOC = ("true: the model thinks, and its thinking comes apart from the answer (message.thinking, or "
               "generate's thinking); "
               "false: thinking off; absent: the template's default, the text as written. Refused (400) "
@@ -49,6 +51,7 @@ class GenerateRequest(_Body):
     images: list[str] | None = Field(None, description="not supported: text-only models")
     suffix: str | None = Field(None, description="not supported: fill-in-the-middle")
     think: Any = Field(None, description=_THINK_DOC)
+    shift: bool = Field(True, description=_SHIFT_DOC)
     logprobs: bool | None = Field(None, description="each generated token's log probability (the model's "
                                   "log-softmax, before sampling) in `logprobs`")
     top_logprobs: int | None = Field(None, description="with logprobs: the N (0 to 20) most likely tokens of each step")
@@ -73,6 +76,7 @@ class ChatRequest(_Body):
     format: Any = Field(None, description='"json", or a JSON schema the output must follow (constrained decoding)')
     tools: list[Any] | None = Field(None, description=_TOOLS_DOC)
     think: Any = Field(None, description=_THINK_DOC)
+    shift: bool = Field(True, description=_SHIFT_DOC)
     logprobs: bool | None = Field(None, description="each generated token's log probability (the model's "
                                   "log-softmax, before sampling) in `logprobs`")
     top_logprobs: int | None = Field(None, description="with logprobs: the N (0 to 20) most likely tokens of each step")

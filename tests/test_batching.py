@@ -69,6 +69,22 @@ def test_a_batch_of_eight_decodes_what_each_decodes_alone(backend, weights, stra
 
 
 @pytest.mark.parametrize("backend", store_backend_params())
+def test_sequences_that_shift_their_context_in_a_batch_decode_what_each_decodes_alone(backend):
+    """Each sequence of a batch shifts its own KV entries when its context fills, at its own step (prompts
+    of 1 to 11 tokens in a context of 24), and goes on decoding with the others."""
+    model = tiny_model("qwen2", n_layer=3)
+    options = Options(temperature=0, num_predict=40, num_ctx=24)
+    pebbling = PebblingOptions.from_options({"pebbling_strategy": "every:2"})
+    prompts = PROMPTS[3:7]
+    expected = [alone(model, backend, options, pebbling, p) for p in prompts]
+    got, reports = together(model, backend, options, pebbling, prompts)
+    assert got == [tokens for tokens, _ in expected]
+    shifts = [r["context_shifts"] for r in reports]
+    assert shifts == [r["context_shifts"] for _, r in expected] and min(shifts) >= 2
+    assert {r["batch"]["largest"] for r in reports} == {len(prompts)}
+
+
+@pytest.mark.parametrize("backend", store_backend_params())
 @pytest.mark.parametrize("weights,cached", [("quantized", 0), ("quantized", 3), ("f16", 0)])
 def test_prompts_prefilled_together_give_exactly_what_each_prefill_gives_alone(backend, weights, cached):
     """prefill_batch (the prompts of requests joining a batch, in one pass) where prefills_together says

@@ -1,6 +1,6 @@
 """Context handling as Ollama's: a prompt that does not fit num_ctx is shortened from the front (a chat
 loses its oldest messages, never its system prompt or newest message), a num_ctx past what the model
-allows is lowered, and num_predict -2 fills the context."""
+allows is lowered, num_predict -2 fills the context and -1 shifts it to go on."""
 
 from __future__ import annotations
 
@@ -84,12 +84,21 @@ def test_num_ctx_past_the_training_context_is_lowered(engine):
     assert job.options.num_ctx == 512 and final.eval_count == 2
 
 
-@pytest.mark.parametrize("num_predict", [-1, -2])
-def test_num_predict_minus_one_and_minus_two_run_until_the_context_is_full(engine, num_predict):
+@pytest.mark.parametrize("fields", [{"options": {"num_predict": -2}},
+                                    {"options": {"num_predict": -1}, "shift": False}])
+def test_num_predict_minus_two_or_shift_false_run_until_the_context_is_full(engine, fields):
     # Greedy on this random model never reaches its end token within the context, so both fill it.
-    job, text, final = run(engine, prompt="hello", options={"temperature": 0, "num_predict": num_predict,
-                                                            "num_ctx": 40})
-    assert final.done_reason == "length"
+    fields["options"].update(temperature=0, num_ctx=40)
+    job, text, final = run(engine, prompt="hello", **fields)
+    assert final.done_reason == "length" and final.report["context_shifts"] == 0
     # Every one of the 40 positions is used; the last token is sampled from the 40th position's
     # logits and needs no position of its own.
     assert final.report["cached_tokens"] + final.prompt_eval_count + final.eval_count == 40 + 1
+
+
+def test_num_predict_minus_one_shifts_the_context_and_goes_on_to_ollamas_bound(engine):
+    """Ollama's default num_predict -1 generates past num_ctx, the context shifted as llama.cpp's server
+    shifts it, and Ollama bounds it at 10 x num_ctx tokens (so that it cannot run forever)."""
+    job, text, final = run(engine, prompt="hello", options={"temperature": 0, "num_predict": -1, "num_ctx": 40})
+    assert final.done_reason == "length" and final.eval_count == 400
+    assert final.report["context_shifts"] >= 400 // 20

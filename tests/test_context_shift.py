@@ -8,7 +8,7 @@ import pytest
 
 from helpers import store_backend_params, tiny_model
 from pyplugin.kv_types import KV_TYPES, decode, encode
-from pyplugin.model.kv_shift import rotate, shift_amount, shift_caches, shiftable
+from pyplugin.model.kv_shift import rotate, shift_amount, shift_caches, shift_due, shiftable
 from pyplugin.model.transformer import apply_rope, rope_table
 from pyplugin.runtime import PebbledModel
 from pyplugin.runtime.options import Options
@@ -18,14 +18,19 @@ NEAR_TIE = 1e-2
 PROMPT = [5, 17, 42, 8, 99, 3, 61]
 
 
-def test_the_amounts_are_ollamas():
-    assert shift_amount(32, 4) == (4, 14)      # keep 4, drop half of the 28 after them
-    assert shift_amount(33, 4) == (4, 14)
-    assert shift_amount(8, 100) == (7, 0)      # num_keep past the context: all but one kept, nothing to drop
+def test_the_amounts_and_the_moment_are_llama_cpp_servers():
+    """llama.cpp's server (which Ollama runs) shifts once the next token would fill the context, keeps n_keep
+    (its caller adds the BOS; at most n_ctx - 4) and drops half of the rest; its log of a 512 context with
+    n_keep 1 reads n_past = 511, n_discard = 255."""
+    assert not shift_due(510, 512) and shift_due(511, 512)
+    assert shift_amount(511, 1, 512) == (1, 255)
+    assert shift_amount(23, 5, 24) == (5, 9) and shift_amount(23, 4, 24) == (4, 9)
+    assert shift_amount(31, 100, 32) == (28, 1)  # num_keep past the context: n_ctx - 4 kept
+    assert shift_amount(3, 100, 6) == (2, 0)     # ... and never every position held: nothing to drop
     assert shiftable(64, 64, 4, 30) and shiftable(8, 64, 4, 30) and not shiftable(40, 64, 4, 30)
 
 
-@pytest.mark.parametrize("name", ["f32", "f16", "q8_0"])
+@pytest.mark.parametrize("name", ["f32", "f16", "q8_0", "q4_0"])
 @pytest.mark.parametrize("arch", ["llama", "phi3"])  # GGML's normal pairs, and NeoX's halves
 def test_a_moved_key_is_the_key_rotated_for_its_new_position(arch, name):
     """R(-d) R(p) k = R(p - d) k: each kept key, once shifted, is what rotating its unrotated key for its new
@@ -41,7 +46,8 @@ def test_a_moved_key_is_the_key_rotated_for_its_new_position(arch, name):
     new = np.r_[np.arange(keep), np.arange(keep + drop, n_past) - drop]  # where each kept position now is
     old = np.r_[np.arange(keep), np.arange(keep + drop, n_past)]
     want = apply_rope(cfg, raw[old], cos[new], sin[new])
-    tolerance = {"f32": 1e-5, "f16": 2e-3, "q8_0": 2e-2}[name]
+    # q8_0's step is 1/127 of its block's largest value, q4_0's 1/8: one rounding more than the cache's own
+    tolerance = {"f32": 1e-5, "f16": 2e-3, "q8_0": 2e-2, "q4_0": 0.15}[name]
     np.testing.assert_allclose(decode(k[:len(new)], t), want, atol=tolerance * np.abs(want).max())
     np.testing.assert_array_equal(v[:len(new)], v_before[old])           # values move as they are
     assert np.abs(decode(rotate(cfg, k[:1], 0), t) - decode(k[:1], t)).max() <= tolerance
@@ -78,21 +84,37 @@ def generate(pebbled, kv_type, n_ctx=24, n=30):
     return tokens, gaps, gen
 
 
-CASES = {"llama": ("llama", dict(n_embd=128, n_head=4, n_head_kv=2)), "qwen2": ("qwen2", {}),
-         "phi3": ("phi3", {}), "gemma3-ring": ("gemma3", dict(key_length=32, sliding_window=6)),
-         "gemma2": ("gemma2", dict(sliding_window=6, attn_softcap=0.5))}
+def llama_cpp_server_shifts(model, n_prompt, n_forwarded, n_ctx, num_keep):
+    """The (kept, dropped) of each shift llama.cpp's server makes as n_forwarded tokens follow a prompt of
+    n_prompt (its update_slots, written out again): n_keep = num_keep + the BOS the model adds, at most
+    n_ctx - 4; a shift whenever n_past + 1 >= n_ctx before a token goes in; half of the rest dropped."""
+    n_keep = min(num_keep + int(model.tokenizer.add_bos), n_ctx - 4)
+    shifts, n_past = [], n_prompt
+    for _ in range(n_forwarded):
+        if n_past + 1 >= n_ctx:
+            shifts.append((n_keep, (n_past - n_keep) // 2))
+            n_past -= shifts[-1][1]
+        n_past += 1
+    return shifts, n_past
+
+
+# Heads of 32: whole q8_0 blocks for every case.
+CASES = {"llama": ("llama", dict(n_embd=128, n_head=4, n_head_kv=2)), "qwen2": ("qwen2", dict(key_length=32)),
+         "phi3": ("phi3", dict(key_length=32)), "gemma3-ring": ("gemma3", dict(key_length=32, sliding_window=6)),
+         "gemma2": ("gemma2", dict(key_length=32, sliding_window=6, attn_softcap=0.5))}
 
 
 @pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("backend", [b for b in store_backend_params() if "stub" not in str(b)])
 def test_a_generation_past_num_ctx_goes_on_after_a_shift(backend, case, kv_type):
-    """30 tokens from a 7-token prompt in a context of 24: shifted (twice), reported, and the native decode
-    step's tokens are the Python forward pass's (the stub's) up to a near-tie."""
+    """30 tokens from a 7-token prompt in a context of 24: shifted (twice) as llama.cpp's server shifts,
+    reported, and the native decode step's tokens are the Python forward pass's (the stub's) up to a
+    near-tie."""
     arch, overrides = CASES[case]
     model = tiny_model(arch, n_layer=4, **overrides)
-    if model.config.head_dim % KV_TYPES[kv_type].block:
-        pytest.skip(f"{case}'s head_dim {model.config.head_dim} is not whole {kv_type} blocks")
+    want_shifts, want_pos = llama_cpp_server_shifts(model, len(PROMPT), 29, 24, 4)  # the last token not forwarded
+    assert len(want_shifts) == 2
     results = {}
     for which in ("stub", backend):
         pebbled = PebbledModel(model, backend=which)
@@ -100,8 +122,8 @@ def test_a_generation_past_num_ctx_goes_on_after_a_shift(backend, case, kv_type)
             tokens, gaps, gen = generate(pebbled, kv_type)
             report = gen.report()
             assert len(tokens) == 30 and gen.stats.done_reason == "length"
-            assert report["context_shifts"] == gen.stats.context_shifts == 2  # at 24, then at 24 again
-            assert gen.pos == len(PROMPT) + 29 - 2 * 10  # 29 tokens forwarded (not the last), 2 x 10 dropped
+            assert gen.shifts == want_shifts and gen.pos == want_pos
+            assert report["context_shifts"] == gen.stats.context_shifts == 2
             held = gen.forwarded()
             assert len(held) == gen.pos and held[:4] == PROMPT[:4]  # num_keep's tokens stay first
             results[which] = tokens, gaps
@@ -131,3 +153,46 @@ def test_resident_layers_shift_as_the_store_does():
         assert list(stored.tokens(PROMPT)) == tokens
     finally:
         pebbled.close()
+
+
+def resident_generation(model, **options):
+    """A greedy generation whose end-of-generation tokens are masked, so that only its limits end it."""
+    from pyplugin.runtime.generation import Generation, ResidentLayers
+    from pyplugin.store import backend_named
+    options = Options(temperature=0, num_batch=4, num_keep=4, **options)
+    gen = Generation(model, options, layers=ResidentLayers(model, options.num_ctx, backend_named("stub").kernels))
+    ends, sample = list(model.tokenizer.eog_ids), gen.sample
+    gen.sample = lambda logits, history: sample(np.where(np.isin(np.arange(logits.size), ends), -np.inf, logits),
+                                                history)
+    return gen
+
+
+def test_num_predict_is_bounded_as_ollama_bounds_it():
+    """Ollama sends llama.cpp num_predict -1 (and any negative, or more than that) as 10 x num_ctx
+    (llm.boundedNumPredict), so that a generation that shifts cannot run forever; -2 fills the context."""
+    assert Options(num_predict=-1, num_ctx=8).predict_limit == 80
+    assert Options(num_predict=1000, num_ctx=8).predict_limit == 80
+    assert Options(num_predict=5, num_ctx=8).predict_limit == 5
+    assert Options(num_predict=-2, num_ctx=8).predict_limit is None
+    assert Options().shifts and not Options(num_predict=-2).shifts and not Options(shift=False).shifts
+
+
+@pytest.mark.parametrize("num_predict", [-1, 1000])
+def test_an_open_ended_generation_shifts_on_to_ollamas_bound(num_predict):
+    """num_predict -1, Ollama's default ("until the end of generation"), goes past num_ctx by shifting, as
+    Ollama's does, and ends ("length") at 10 x num_ctx tokens; so does a num_predict past that bound."""
+    gen = resident_generation(tiny_model("qwen2", n_layer=2), num_predict=num_predict, num_ctx=16)
+    tokens = list(gen.tokens(PROMPT))
+    assert len(tokens) == 160 and gen.stats.done_reason == "length"
+    assert gen.stats.context_shifts == len(gen.shifts) > 10 and gen.pos < 16
+
+
+@pytest.mark.parametrize("options", [dict(num_predict=-2), dict(num_predict=-1, shift=False),
+                                     dict(num_predict=100, shift=False)])
+def test_without_a_shift_a_generation_ends_with_its_context(options):
+    """num_predict -2 ("fill the context") and a request's shift false stop when the context is full:
+    every position used, the last token sampled but not forwarded."""
+    gen = resident_generation(tiny_model("qwen2", n_layer=2), num_ctx=16, **options)
+    tokens = list(gen.tokens(PROMPT))
+    assert len(tokens) == 16 - len(PROMPT) + 1 and gen.stats.done_reason == "length"
+    assert gen.stats.context_shifts == 0 and gen.pos == 16

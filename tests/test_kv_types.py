@@ -242,6 +242,8 @@ def test_estimate_shows_every_kv_type(capsys):
     kv = r["kv_cache_bytes_by_type"]
     assert r["kv_type"] == "f16" and kv["f16"] == r["kv_cache_bytes"]
     assert kv["f16"] / kv["q8_0"] == pytest.approx(64 / 34) and kv["f16"] / kv["q4_0"] == pytest.approx(64 / 18)
+    # the ratio shown is the bytes' own: 1.88x, not the 2x of 8 bits for 16, as each block carries its fp16 scale
+    assert r["kv_cache_f16_over_type"] == pytest.approx({"f16": 1.0, "q8_0": 64 / 34, "q4_0": 64 / 18})
     for s in r["strategies"].values():  # a smaller cache, a smaller peak, by exactly the KV bytes saved
         peaks = s["estimated_peak_bytes_by_kv_type"]
         if s["resident_layers"] == s["n_layers"]:
@@ -250,6 +252,8 @@ def test_estimate_shows_every_kv_type(capsys):
     assert main(["estimate", path, "--num-ctx", "256", "--backend", "stub", "--kv-type", "q4_0"]) == 0
     text = capsys.readouterr().out
     assert "in q4_0 (estimate; f16" in text and "peak, KV q8_0" in text
+    assert "(1.88x less than f16)" in text and "(3.56x less than f16)" in text
+    assert "q8_0 34 bytes per 32 values where f16 takes 64" in text
 
 
 def test_the_portable_kernels_attend_from_blocks_too():

@@ -67,11 +67,12 @@ def test_end_of_generation_token_stops_and_is_not_returned(monkeypatch):
     assert gen.stats.prompt_tokens == len(prompt(model))
 
 
-def test_full_context_ends_with_length(monkeypatch):
+@pytest.mark.parametrize("no_shift", [dict(num_predict=-2), dict(shift=False)])
+def test_full_context_ends_with_length_where_it_may_not_shift(monkeypatch, no_shift):
     model = tiny_model("llama")
     p = prompt(model)
     scripted(monkeypatch, [10] * 100)
-    gen = Generation(model, Options(num_ctx=len(p) + 3))
+    gen = Generation(model, Options(num_ctx=len(p) + 3, **no_shift))
     # 3 tokens fill the cache; the last one's logits give a 4th that no position is left for
     assert len(list(gen.tokens(p))) == 4
     assert gen.pos == len(p) + 3 and gen.stats.done_reason == "length"

@@ -130,6 +130,18 @@ def test_chat_streams_and_returns_the_assistant_message(url):
     assert whole["done_reason"] == "length" and "context" not in whole
 
 
+@pytest.mark.parametrize("path,body", [("generate", {"prompt": "Hi"}),
+                                       ("chat", {"messages": [{"role": "user", "content": "Hi"}]})])
+def test_a_full_context_shifts_unless_the_request_says_shift_false(url, path, body):
+    options = {"temperature": 0, "num_predict": 60, "num_ctx": 32}
+    shifted, ended = (requests.post(f"{url}/api/{path}", json={"model": "tiny", "stream": False, **body,
+                                                                "options": options, **extra}, timeout=60).json()
+                      for extra in ({}, {"shift": False}))
+    assert shifted["eval_count"] == 60 and shifted["pebbling"]["context_shifts"] >= 1, shifted
+    assert ended["done_reason"] == "length" and ended["pebbling"]["context_shifts"] == 0
+    assert ended["pebbling"]["cached_tokens"] + ended["prompt_eval_count"] + ended["eval_count"] == 32 + 1
+
+
 def test_tags_show_and_ps_describe_the_models(url, models_dir):
     report = generate(url).json()["pebbling"]
     tags = requests.get(f"{url}/api/tags", timeout=30).json()["models"]
@@ -282,6 +294,9 @@ BAD_GENERATE = [
                  "smallest footprint", id="limit-below-footprint"),
     pytest.param({"model": "tiny", "prompt": "x", "options": "hot"}, 400, "'options'", id="options-type"),
     pytest.param({"model": "tiny", "prompt": "x", "stream": "yes"}, 400, "'stream'", id="stream-type"),
+    pytest.param({"model": "tiny", "prompt": "x", "shift": "no"}, 400, "'shift'", id="shift-type"),
+    pytest.param({"model": "tiny", "prompt": "x", "options": {"shift": False}}, 400,
+                 "option 'shift' is not an option", id="shift-is-no-option"),
     pytest.param({"model": "tiny", "prompt": 5}, 400, "'prompt'", id="prompt-type"),
     pytest.param({"model": "tiny", "prompt": "x", "keep_alive": "soon"}, 400, "keep_alive", id="keep-alive"),
     pytest.param({"model": "tiny", "prompt": "x", "context": [10 ** 9]}, 400, "vocabulary", id="context-ids"),

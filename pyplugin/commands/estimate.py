@@ -149,6 +149,9 @@ def estimate(loaded: Loaded, options: Options, limit: int | None, context_pos: i
         # n_layer x positions (a sliding layer's window) x n_head_kv x head_dim x bytes a value, K and V
         "kv_cache_bytes_by_type": {t: sum(m.kv_rows(i, options.num_ctx) for i in range(m.n_layers))
                                    * m.kv_bytes_per_token for t, m in by_type.items()},
+        # what each type saves: f16's bytes over the type's (a block type's scale included: 64/34, 64/18)
+        "kv_cache_f16_over_type": {t: by_type["f16"].kv_bytes_per_token / m.kv_bytes_per_token
+                                   for t, m in by_type.items()},
         "sliding_layers": sum(1 for w in memory.kv_windows if w),
         "sliding_window": max(memory.kv_windows, default=0),
         "experts": experts.estimate(pebbled),
@@ -210,11 +213,13 @@ def render(r: dict[str, Any]) -> str:
         f"memory limit: {'none' if limit is None else format_bytes(limit)}; smallest footprint "
         f"(minimal) for {r['smallest_footprint_for']}: {format_bytes(r['smallest_footprint_bytes'])} (estimate)",
         f"KV cache at num_ctx: {format_bytes(r['kv_cache_bytes'])} in {r['kv_type']} (estimate; "
-        + ", ".join(f"{t} {format_bytes(b)}" for t, b in r["kv_cache_bytes_by_type"].items()) + ")" + (
+        + ", ".join(f"{t} {format_bytes(b)}" + _kv_ratio(r, t) for t, b in r["kv_cache_bytes_by_type"].items())
+        + ")" + (
             f"; {r['sliding_layers']} of {r['n_layers']} layers attend over a window of {r['sliding_window']} "
             f"positions and keep only that, saving "
             f"{format_bytes(r['kv_cache_bytes_without_windows'] - r['kv_cache_bytes'])}"
             if r["sliding_layers"] else ""),
+        *_kv_block_note(r),
         *_expert_lines(r["experts"]),
         f"measured in this run (median of {m['repeats']}):",
         f"  restore bandwidth   {m['restore_bytes_per_s'] / 1e9:.2f} GB/s  "
@@ -256,3 +261,16 @@ def _expert_lines(e: dict[str, Any] | None) -> list[str]:
             f"  with pebbling_expert_cache: cache of C experts per layer ({caches}); with no cache a token "
             f"restores {format_bytes(e['routed_bytes_per_token'])} of experts, a cache saves its hit rate of that "
             "(estimate; the plans below still hold the experts with their layers)"]
+
+
+def _kv_ratio(r: dict, name: str) -> str:
+    ratio = r["kv_cache_f16_over_type"][name]
+    return "" if ratio == 1 else f" ({ratio:.2f}x less than f16)"
+
+
+def _kv_block_note(r: dict) -> list[str]:
+    """Why a block type saves less than its bits say: each block of values carries an fp16 scale."""
+    f16 = KV_TYPES["f16"]
+    blocks = [f"{t.name} {t.row_bytes(t.block)} bytes per {t.block} values where f16 takes {f16.row_bytes(t.block)}"
+              for t in map(KV_TYPES.get, r["kv_cache_bytes_by_type"]) if t.quantized]
+    return [f"  {'; '.join(blocks)} (an fp16 scale with each block, as in llama.cpp's formats)"] if blocks else []

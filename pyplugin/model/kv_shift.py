@@ -1,7 +1,8 @@
-"""Context shift: when a generation fills num_ctx, keep its first num_keep positions, drop half of the rest
-and move what follows down, as llama.cpp and Ollama do. A kept key was rotated (RoPE) for its old
-position; rotating it by minus the shift puts it where it now is (R(p - d) = R(-d) R(p)), so nothing is
-recomputed. Keys of a block type are decoded, rotated and encoded again, as llama.cpp re-quantizes them.
+"""Context shift: when a generation is about to fill num_ctx, keep its first num_keep positions, drop half of
+the rest and move what follows down, as llama.cpp's server does it (and so Ollama, which runs that server).
+A kept key was rotated (RoPE) for its old position; rotating it by minus the shift puts it where it now is
+(R(p - d) = R(-d) R(p)), so nothing is recomputed. Keys of a block type are decoded, rotated and encoded
+again, as llama.cpp re-quantizes them.
 
 A sliding layer's ring (row p % W for the last W positions) is rolled so that each position lands on its
 new row; its window after the shift must lie past the kept positions, which it no longer holds
@@ -10,7 +11,7 @@ new row; its window after the shift must lie past the kept positions, which it n
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -21,11 +22,28 @@ from .transformer import ModelConfig, _rope_pairs, apply_rope, rope_inv_freq
 Array = Any
 
 
-def shift_amount(n_past: int, n_keep: int) -> tuple[int, int]:
-    """(positions kept at the start, positions dropped after them) for a context of n_past: num_keep (at
-    most all but one position), then half of the rest, as llama.cpp's server and Ollama's runner drop."""
-    keep = max(0, min(n_keep, n_past - 1))
+def shift_due(n_past: int, n_ctx: int) -> bool:
+    """Whether a context of n_ctx holding n_past positions shifts before its next token goes in: as llama.cpp's
+    server (which Ollama runs) decides it, once that token would fill the last position (n_past + 1 >= n_ctx)."""
+    return n_past + 1 >= n_ctx
+
+
+def shift_amount(n_past: int, n_keep: int, n_ctx: int) -> tuple[int, int]:
+    """(positions kept at the start, positions dropped after them) when a context of n_ctx holding n_past
+    positions shifts, as llama.cpp's server counts them: n_keep (at most n_ctx - 4, and all but one
+    position), then half of the rest dropped. Its caller counts the BOS a model adds into n_keep, as
+    llama.cpp's server does (Ollama passes its num_keep there)."""
+    keep = max(0, min(n_keep, n_ctx - 4, n_past - 1))
     return keep, (n_past - keep) // 2
+
+
+def plan_shift(n_past: int, n_keep: int, n_ctx: int, rows: Iterable[int]) -> tuple[int, int] | None:
+    """`shift_amount` where every cache (of `rows` each, a ring's window or n_ctx) can shift that much and
+    something is dropped, else None."""
+    keep, drop = shift_amount(n_past, n_keep, n_ctx)
+    if drop < 1 or not all(shiftable(r, n_past, keep, drop) for r in rows):
+        return None
+    return keep, drop
 
 
 def shiftable(rows: int, n_past: int, n_keep: int, n_discard: int) -> bool:

@@ -17,7 +17,7 @@ import numpy as np
 
 from ..errors import OptionsError
 from ..model import KVCache, LayerWeights, Model, OuterWeights, embed, layer_forward, output_logits
-from ..model.kv_shift import shift_amount, shift_caches, shiftable
+from ..model.kv_shift import plan_shift, shift_caches, shift_due
 from ..model.transformer import Attend, rms_norm, rope_table
 from ..store import Decoder, Kernels, select_backend
 from ..xp import to_numpy
@@ -222,8 +222,8 @@ class Generation:
     def next_token(self) -> int | None:
         """The next token sampled from the current logits, or None when the generation is over (its
         done_reason says why: the end of generation, num_predict reached, or cancelled)."""
-        limit = self.options.num_predict
-        if 0 <= limit <= self.stats.generated_tokens:
+        limit = self.options.predict_limit
+        if limit is not None and limit <= self.stats.generated_tokens:
             self.stats.done_reason = "length"
             return None
         start = time.perf_counter_ns()
@@ -253,29 +253,33 @@ class Generation:
         if self.constraint is not None and self.constraint.stopped:
             self.stats.done_reason = "stop"  # the grammar is complete: only an end could follow
             return False
-        if self.stats.generated_tokens == self.options.num_predict or \
-                (self.pos >= self.layers.n_ctx and not self._shift_context()):
+        if self.stats.generated_tokens == self.options.predict_limit:
+            self.stats.done_reason = "length"
+            return False
+        if shift_due(self.pos, self.layers.n_ctx):
+            self._shift_context()
+        if self.pos >= self.layers.n_ctx:  # full, and it could not shift
             self.stats.done_reason = "length"
             return False
         return True
 
-    def _shift_context(self) -> bool:
-        """A full context shifted so that a generation of num_predict tokens goes on, as Ollama does: num_keep
-        positions kept, half of the rest dropped (model/kv_shift.py). False for num_predict -1 and -2, which
-        run until the context is full (unbounded, a shift would never end them), where the source cannot
-        shift, or where a sliding layer's ring would no longer hold what its window then needs."""
-        if self.options.num_predict < 0:
-            return False
+    def _shift_context(self) -> None:
+        """The context shifted before the next token, as llama.cpp's server (which Ollama runs) shifts it: the
+        first num_keep positions (and the BOS the model adds) kept, half of the rest dropped
+        (model/kv_shift.py). Not for num_predict -2 or a request's `shift` false, nor where the source cannot
+        shift or a sliding layer's ring would no longer hold what its window then needs."""
         shift = getattr(self.layers, "shift_context", None)
-        keep, drop = shift_amount(self.pos, self.options.num_keep)
-        rows = [self.cfg.kv_rows(i, self.layers.n_ctx) for i in range(self.cfg.n_layer)]
-        if shift is None or drop < 1 or not all(shiftable(r, self.pos, keep, drop) for r in rows):
-            return False
-        shift(keep, drop, self.pos)
-        self.shifts.append((keep, drop))
-        self.pos -= drop
+        if not self.options.shifts or shift is None:
+            return
+        tok, n_ctx = self.model.tokenizer, self.layers.n_ctx
+        n_keep = self.options.num_keep + int(tok.add_bos and tok.bos_id is not None)
+        amount = plan_shift(self.pos, n_keep, n_ctx, (self.cfg.kv_rows(i, n_ctx) for i in range(self.cfg.n_layer)))
+        if amount is None:
+            return
+        shift(*amount, self.pos)
+        self.shifts.append(amount)
+        self.pos -= amount[1]
         self.stats.context_shifts += 1
-        return True
 
     def tokens(self, prompt: Sequence[int], cached: int = 0) -> Iterator[int]:
         """Generated token ids, until end of generation, num_predict or a full context. `cached`: how many

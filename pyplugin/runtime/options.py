@@ -17,6 +17,7 @@ from ..errors import OptionsError
 from ..kv_types import default_kv_type, kv_type
 
 DEFAULT_NUM_CTX = 2048
+OPEN_ENDED_CONTEXTS = 10  # Ollama's bound on num_predict: 10 x num_ctx (llm/server.go, llm/llama_server.go)
 
 
 @dataclass(frozen=True)
@@ -28,14 +29,30 @@ class Options:
     repeat_penalty: float = 1.1   # 1 = off
     repeat_last_n: int = 64       # tokens looked back for repeat_penalty; 0 = off, -1 = num_ctx
     seed: int | None = None       # None (or -1): a fresh seed per request
-    num_predict: int = -1         # -1 or -2 = until end of generation or the context is full
+    num_predict: int = -1         # -1: until end of generation (at most 10 x num_ctx); -2: until the context is full
     num_ctx: int = DEFAULT_NUM_CTX
     num_batch: int = 512          # prefill chunk, in tokens
-    num_keep: int = 4             # tokens kept at the start when a prompt is cut to fit num_ctx
+    num_keep: int = 4             # tokens kept at the start when a prompt is cut or the context shifts
     stop: tuple[str, ...] = ()
     presence_penalty: float = 0.0   # subtracted from a token's logit once it appears in the last repeat_last_n
     frequency_penalty: float = 0.0  # ... times the number of times it appears there
     kv_type: str = field(default_factory=default_kv_type)  # pebbling_kv_type, else the server's (kv_types.py)
+    shift: bool = True            # the request's `shift` (not an option): a full context shifts to go on
+
+    @property
+    def predict_limit(self) -> int | None:
+        """The most tokens a generation makes, as Ollama bounds them: num_predict, and at most
+        OPEN_ENDED_CONTEXTS x num_ctx, which is also -1's limit, so that a generation that shifts its
+        context cannot run forever. -2: None, the generation ends with its context (it never shifts)."""
+        if self.num_predict == -2:
+            return None
+        bound = OPEN_ENDED_CONTEXTS * self.num_ctx
+        return bound if self.num_predict < 0 else min(self.num_predict, bound)
+
+    @property
+    def shifts(self) -> bool:
+        """Whether a full context shifts so that the generation goes on (not for num_predict -2)."""
+        return self.shift and self.num_predict != -2
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any] | None = None, *,
@@ -123,7 +140,8 @@ _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "repeat_penalty": _number(0.0, low_open=True),
     "repeat_last_n": _integer(-1, note=" (-1 = num_ctx, 0 = off)"),
     "seed": _integer(-1, note=" (-1 = random)"),
-    "num_predict": _integer(-2, note=" (-1 or -2 = until the end of generation or a full context)"),
+    "num_predict": _integer(-2, note=" (-1 = until the end of generation, at most 10 x num_ctx; -2 = until the "
+                                     "context is full)"),
     "num_keep": _integer(0),
     "num_ctx": _integer(1),
     "num_batch": _integer(1),

@@ -153,8 +153,8 @@ class PebbledModel:
             chunk = min(options.num_batch, prompt_tokens)
             reach = options.num_ctx if options.num_predict < 0 else prompt_tokens + options.num_predict
             request = (f"a prompt of {prompt_tokens} tokens, "
-                       + ("generating to the end of the context" if options.num_predict < 0 else
-                          f"generating up to {options.num_predict}") + f" at num_ctx {options.num_ctx}")
+                       + ("generating to the end of the context" if options.predict_limit is None else
+                          f"generating up to {options.predict_limit}") + f" at num_ctx {options.num_ctx}")
             workspace = max(
                 workspace_bytes(cfg, chunk, prompt_tokens, isz) + 2 * self._expansion_elements(chunk),
                 n_seqs * workspace_bytes(cfg, 1, min(options.num_ctx, reach), isz))          # decode

@@ -17,7 +17,7 @@ import queue
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -130,8 +130,8 @@ class Engine:
         entry, load_ns = self._acquire(request.model, path, pebbling.effective_weights)
         try:
             model = entry.model
-            options = Options.from_dict(request.options, n_ctx_train=model.config.n_ctx_train,
-                                        max_ctx=self.max_context)
+            options = replace(Options.from_dict(request.options, n_ctx_train=model.config.n_ctx_train,
+                                                max_ctx=self.max_context), shift=request.shift)
             asked = request.options.get("num_ctx") if isinstance(request.options, dict) else None
             if isinstance(asked, (int, float)) and asked > options.num_ctx:
                 logger.warning("model=%s: num_ctx=%s lowered to %d (the most this model and server allow)",

@@ -101,6 +101,7 @@ class GenerationRequest:
     tools: list[dict] | None = None                 # chat: functions the model may call, rendered by its template
     tool_choice: Any = None                         # chat: None/"auto", "required" or {"function": {"name"}}
     think: bool | None = None                       # generate, chat: thinking on, off, or the template's default
+    shift: bool = True                              # generate, chat: a full context shifts (else the reply ends)
     embed: list[str] | None = None                  # embed: the texts, one vector each
     truncate: bool = True                           # embed: cut an input longer than num_ctx (else refuse)
     dimensions: int | None = None                   # embed: keep the first N values of each vector
