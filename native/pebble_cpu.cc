@@ -983,7 +983,8 @@ template <int K, int NV>
 AVX512 void dot_k45_avx512(const uint8_t * w, int64_t nb, const uint8_t * xq, int64_t xs, float * out) {
     constexpr int bb = K == k_q4_k ? 144 : 176;
     __m512 acc[NV];
-    UNROLL for (int v = 0; v < NV; v++) acc[v] = _mm512_setzero_ps();
+    __m256 accm[NV];
+    UNROLL for (int v = 0; v < NV; v++) acc[v] = _mm512_setzero_ps(), accm[v] = _mm256_setzero_ps();
     const __m512i m4 = _mm512_set1_epi8(0x0f), one = _mm512_set1_epi8(1);
     // the scale of each 16-bit sum: registers hold sub-blocks (4c, 4c+2) and (4c+1, 4c+3)
     const __m512i index[4] = {word_index(0, 2), word_index(1, 3), word_index(4, 6), word_index(5, 7)};
@@ -1016,14 +1017,18 @@ AVX512 void dot_k45_avx512(const uint8_t * w, int64_t nb, const uint8_t * xq, in
             const __m512i s_hi = _mm512_permutexvar_epi16(index[2 * c + 1], scales);
             dot_128<NV>(sumi, lo, hi, s_lo, s_hi, xq, xs, i, 128 * c);
         }
+        const __m512 dv = _mm512_set1_ps(d);
+        const __m256 mdv = _mm256_set1_ps(-dmin);
         UNROLL for (int v = 0; v < NV; v++) {
             const q8_k512 & a = reinterpret_cast<const q8_k512 *>(xq + v * xs)[i];
-            // min_j * (sum of x's 32 q of sub-block j), per j, taken off in the same accumulator
+            // min_j * (sum of x's 32 q of sub-block j), per j, taken off in an accumulator of its own (eight
+            // lanes: AVX-512 units that run a 512-bit operation as two halves take it in one)
             const __m256i m = _mm256_madd_epi16(mins, _mm256_load_si256(reinterpret_cast<const __m256i *>(a.sums)));
-            acc[v] = _mm512_fmadd_ps(_mm512_set1_ps(a.d * d), _mm512_cvtepi32_ps(sumi[v]), acc[v]);
-            acc[v] = _mm512_fmadd_ps(_mm512_set1_ps(-a.d * dmin), _mm512_zextps256_ps512(_mm256_cvtepi32_ps(m)), acc[v]);
+            acc[v] = _mm512_fmadd_ps(_mm512_mul_ps(dv, _mm512_set1_ps(a.d)), _mm512_cvtepi32_ps(sumi[v]), acc[v]);
+            accm[v] = _mm256_fmadd_ps(_mm256_mul_ps(mdv, _mm256_set1_ps(a.d)), _mm256_cvtepi32_ps(m), accm[v]);
         }
     }
+    UNROLL for (int v = 0; v < NV; v++) acc[v] = _mm512_add_ps(acc[v], _mm512_zextps256_ps512(accm[v]));
     reduce_store<NV>(acc, out);
 }
 
