@@ -4,6 +4,8 @@ long prompt's queries split among the host's threads; and gemma2's soft cap of s
 
 from __future__ import annotations
 
+import functools
+import itertools
 import os
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
@@ -57,6 +59,49 @@ def attention(cfg: ModelConfig, q: Array, k: Array, v: Array, pos: int, k_pos: i
 
 
 _SPLIT_SCORES = 1 << 20  # below this many scores, one thread: a split costs more than it saves
+
+
+def by_rows(arg: int = 0):
+    """A row-wise function of host arrays, computed in parts of rows on the host's threads where its
+    array is large (a prefill chunk's norms, rotations and gates, which numpy runs on one core while the
+    matrices around them use them all; its ufuncs release the GIL). Argument `arg` is the array whose
+    rows are split; every other array argument of its dimensions and rows is split alike. Each part's
+    rows are computed as the whole call computes them, so the result is the same bit for bit."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def rowwise(*args, **kwargs):
+            x = args[arg]
+            threads = _attention_threads() if type(x) is np.ndarray and x.ndim >= 2 else 1
+            T = x.shape[0] if threads > 1 else 0
+            if threads < 2 or T < 4 * threads or x.size < _SPLIT_ELEMENTS:
+                return fn(*args, **kwargs)
+            split = [i for i, a in enumerate(args)
+                     if type(a) is np.ndarray and a.ndim == x.ndim and a.shape[0] == T]
+            cuts = np.linspace(0, T, 4 * threads + 1).astype(int).tolist()
+
+            def part(a: int, b: int):
+                return fn(*(v[a:b] if i in split else v for i, v in enumerate(args)), **kwargs)
+
+            first = part(cuts[0], cuts[1])
+            out = np.empty((T, *first.shape[1:]), dtype=first.dtype)
+            out[:cuts[1]] = first
+
+            parts = itertools.count(1)  # the parts left, taken by whichever thread is free (next() holds the GIL)
+
+            def work() -> None:
+                while (k := next(parts)) < len(cuts) - 1:
+                    out[cuts[k]:cuts[k + 1]] = part(cuts[k], cuts[k + 1])
+
+            futures = [_attention_pool().submit(work) for _ in range(threads - 1)]
+            work()
+            for f in futures:
+                f.result()
+            return out
+        return rowwise
+    return wrap
+
+
+_SPLIT_ELEMENTS = 1 << 17  # below this many elements, one thread
 
 
 @lru_cache(maxsize=1)

@@ -30,7 +30,7 @@ import numpy as np
 
 from ..kv_types import KVType, cache_kv_type, decode, default_kv_type, encode, kv_type
 from ..xp import compute_dtype, get_array_module
-from .attention import attention, softcap
+from .attention import attention, by_rows, softcap
 from .moe import moe_ffn
 from .qweight import QuantWeight
 
@@ -197,6 +197,7 @@ def linear(x: Array, w: Array | QuantWeight, b: Array | None = None) -> Array:
     return y if b is None else y + b
 
 
+@by_rows(0)
 def rms_norm(x: Array, w: Array, eps: float) -> Array:
     # In float32 whatever the compute type: a float16 sum of squares overflows on real activations.
     xf = x.astype(np.float32, copy=False)
@@ -205,6 +206,7 @@ def rms_norm(x: Array, w: Array, eps: float) -> Array:
     return (xf * scale * w).astype(x.dtype, copy=False)
 
 
+@by_rows(0)
 def silu(x: Array) -> Array:
     """x / (1 + exp(-x)), in one new array (a prefill's gate is large: each temporary costs a pass
     and, on the host, the page faults of a fresh allocation)."""
@@ -218,6 +220,7 @@ def silu(x: Array) -> Array:
 _GELU_C = math.sqrt(2.0 / math.pi)
 
 
+@by_rows(0)
 def gelu_tanh(x: Array) -> Array:
     """GELU's tanh approximation, as GGML's gelu and Hugging Face's gelu_pytorch_tanh compute it."""
     xp = get_array_module(x)
@@ -261,6 +264,7 @@ def _rope_pairs(cfg: ModelConfig) -> tuple[slice, slice]:
     return slice(0, n // 2), slice(n // 2, n)
 
 
+@by_rows(1)
 def apply_rope(cfg: ModelConfig, x: Array, cos: Array, sin: Array) -> Array:
     """Rotate each pair (a, b) of x [T, heads, head_dim] by its angle: (a cos - b sin, b cos + a sin).
 
