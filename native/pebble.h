@@ -153,6 +153,13 @@ PEBBLE_API enum pebble_status pebble_erase  (pebble_store_t store, int32_t layer
 // Copies every host-only entry of `layer` into the device tier, as far as the limit allows without
 // evicting other entries of that layer; entries larger than the limit stay on the host.
 PEBBLE_API enum pebble_status pebble_prefetch(pebble_store_t store, int32_t layer, void * stream);
+// keep 1 keeps the entry in the host tier: a device copy it has moves there now, and pebble_set_strategy,
+// pebble_prefetch and a save into PEBBLE_TIER_AUTO leave it there (a save into PEBBLE_TIER_DEVICE still
+// places it on the device). keep 0 lets the strategy place it again (at the next pebble_set_strategy or
+// pebble_prefetch). The mark lasts until the entry is erased. For a model whose experts are pebbles: its
+// merged expert tensors then take no device memory, whatever the residency of their layers.
+PEBBLE_API enum pebble_status pebble_keep_on_host(pebble_store_t store, int32_t layer, int32_t tensor_id,
+                                                  int32_t keep);
 PEBBLE_API enum pebble_status pebble_entry_info(pebble_store_t store, int32_t layer, int32_t tensor_id,
                                                 struct pebble_entry_info * out);
 // *out = the entry's device copy, for computing in place from a resident entry. The pointer is borrowed:
