@@ -225,3 +225,38 @@ def test_the_stub_and_the_host_library_decide_the_same(case):
     for key, (host, stub) in seen.items():
         assert host == stub, key
     assert seen["lru", True][0]["expert_prefetches"] > 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_random_block_files_are_the_files_quantize_writes_but_made_directly(tmp_path, backend):
+    """synth's random_blocks (the large benchmark files): the same tensors, types and shapes as the file
+    quantized from floats, values finite and of about the scale asked for, and a model that decodes the
+    tokens of none with experts as pebbles and prefetch."""
+    from gguf import GGUFReader
+
+    from pyplugin.model.gguf_file import dequantize_bytes
+    from pyplugin.model.synth import write_gguf
+    spec = dict(arch="qwen3moe", vocab="qwen3", n_layer=2, n_embd=256, n_head=4, n_head_kv=2, key_length=64,
+                n_ff=512, n_ff_exp=256, n_expert=8, n_expert_used=2, n_merges=150, n_ctx=128, weight_type="Q4_K",
+                tensor_types={"attn_v": "Q6_K", "blk.1.ffn_down_exps": "Q6_K", "attn_q": "Q8_0", "attn_k": "Q5_0",
+                              "attn_output": "Q4_0", "token_embd": "Q6_K"})
+    quantized = GGUFReader(write_gguf(tmp_path / "q.gguf", **spec))
+    blocks = GGUFReader(write_gguf(tmp_path / "b.gguf", **spec, random_blocks=True))
+    layout = lambda r: [(t.name, t.tensor_type, tuple(t.shape)) for t in r.tensors]  # noqa: E731
+    assert layout(blocks) == layout(quantized)
+    for t in blocks.tensors:
+        values = dequantize_bytes(np.asarray(t.data), t.tensor_type, tuple(int(d) for d in reversed(t.shape)))
+        assert np.isfinite(values).all(), t.name
+        if t.name.endswith(("attn_q.weight", "ffn_down_exps.weight", "attn_output.weight", "attn_v.weight")):
+            cols = int(t.shape[0])
+            assert 0.3 < float(values.std()) * cols ** 0.5 < 3, t.name
+    model = load_model(tmp_path / "b.gguf", weights="quantized", progress=False)
+    pebbled = PebbledModel(model, backend=backend)
+    try:
+        tokens = prompt(6)
+        expected, _ = generate(pebbled, tokens, pebbling_strategy="none")
+        got, report = generate(pebbled, tokens, pebbling_strategy="minimal", pebbling_expert_cache=2,
+                               pebbling_expert_prefetch=True)
+        assert got == expected and report["experts"]["prefetch_guesses"] > 0
+    finally:
+        pebbled.close()
