@@ -419,7 +419,8 @@ struct pebble_step_model {
     // where a layer has no cache, else none (pebble_decoder_stats.expert_device_bytes says what was made).
     // expert_policy picks a cache's victim: 0 the least recently used; 1 the least often used (the times
     // the step ran each expert of the layer since the decoder was made; ties to the least recently used).
-    // An empty slot is always taken first.
+    // An empty slot is always taken first, and an expert the step has still to run only where every cached
+    // one is.
     // expert_prefetch 1: before each such layer computes, its router is applied to the hidden state entering
     // it (RMS-normed with the layer's ffn_norm): the n_expert_used experts with the highest probability
     // summed over the step's tokens are the guesses, and each one its cache lacks is restored into a staging

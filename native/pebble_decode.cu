@@ -776,12 +776,18 @@ pebble_store_t expert_store(const pebble_decoder & d) {
     return d.model.expert_store ? d.model.expert_store : d.model.store;
 }
 
-// The victim of layer i's cache (it has slots): an empty slot, else the least recently used, or with
+// The victim of layer i's cache (it has slots): an empty slot, else among the experts the step does not
+// still have to run (all of them where it has to run every one) the least recently used, or with
 // expert_policy 1 the least often run (ties to the least recently used).
 size_t cache_victim(const pebble_decoder & d, const pebble_decoder::expert_cache & c) {
     size_t victim = 0;
     for (size_t k = 0; k < c.expert.size(); k++) {
         if (c.expert[k] < 0) return k;
+        const bool needed = d.to_run[size_t(c.expert[k])] != 0, victim_needed = d.to_run[size_t(c.expert[victim])] != 0;
+        if (needed != victim_needed) {
+            if (!needed) victim = k;
+            continue;
+        }
         const uint64_t uk = c.uses[size_t(c.expert[k])], uv = c.uses[size_t(c.expert[victim])];
         const bool older = c.used[k] < c.used[victim];
         if (d.model.expert_policy == 1 ? (uk < uv || (uk == uv && older)) : older) victim = k;

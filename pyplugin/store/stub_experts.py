@@ -131,12 +131,16 @@ class ExpertSlots:
         """prefetch_experts: layer i's router on x [n, n_embd], the hidden state entering it, normed with its
         ffn_norm; the n_expert_used experts of the highest probability summed over the tokens restored into
         staging slots where the layer's cache lacks them."""
-        c = self.layers[i]
         p = router_probabilities(cfg, rms_norm(x, lw.ffn_norm, cfg.rms_eps), lw.ffn_gate_inp, max_rows)
         score = np.zeros(p.shape[1], np.float32)
         for row in p:  # token by token, as the native step sums them
             score += row
-        self.guessed = sorted(int(j) for j in np.argsort(-score, kind="stable")[:c.shape.n_expert_used])
+        self.stage(i, np.argsort(-score, kind="stable")[:self.layers[i].shape.n_expert_used])
+
+    def stage(self, i: int, guesses) -> None:
+        """Layer i's guesses (at most n_expert_used): restored into staging slots where its cache lacks them."""
+        c = self.layers[i]
+        self.guessed = sorted(int(j) for j in guesses)
         for g in self.staging:
             g[1] = g[2] = -1
         free = iter(self.staging)
@@ -152,11 +156,13 @@ class ExpertSlots:
     # -- slots
 
     def _victim(self, c: _LayerCache) -> int:
+        """cache_victim: an empty slot, else of the experts not still to run (all, where every one is) the
+        least recently used, or the least often run."""
         if -1 in c.expert:
             return c.expert.index(-1)
         if self.policy == 1:
-            return min(range(len(c.expert)), key=lambda k: (c.uses[c.expert[k]], c.used[k]))
-        return min(range(len(c.expert)), key=c.used.__getitem__)
+            return min(range(len(c.expert)), key=lambda k: (c.expert[k] in self.to_run, c.uses[c.expert[k]], c.used[k]))
+        return min(range(len(c.expert)), key=lambda k: (c.expert[k] in self.to_run, c.used[k]))
 
     def _staging_victim(self, i: int) -> int:
         pick, pick_expert = 0, -1
