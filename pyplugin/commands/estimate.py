@@ -182,8 +182,8 @@ def estimate(loaded: Loaded, options: Options, limit: int | None, context_pos: i
 
 def _experts(pebbled, memory) -> dict[str, Any] | None:
     """runtime.experts.estimate with the dense part's peaks under none and minimal."""
-    dense = {name: (lambda plan: plan.estimated_peak_bytes - plan.expert_bytes)(make_plan(memory, name))
-             for name in ("none", "minimal")}
+    plans = {name: make_plan(memory, name) for name in ("none", "minimal")}
+    dense = {name: plan.estimated_peak_bytes - plan.expert_bytes for name, plan in plans.items()}
     return experts.estimate(pebbled, memory.experts, dense)
 
 

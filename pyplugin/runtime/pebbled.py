@@ -16,6 +16,7 @@ from ..model import LayerWeights, Model, OuterWeights, QuantWeight, embed, layer
 from ..model.gguf_file import drop_file_pages, map_file_pages
 from ..model.qweight import needs_expansion
 from ..store import Backend, select_backend
+from ..store.kernels import EXPERT_MATRICES
 from ..xp import to_numpy
 from .constraint import Constraint
 from .conversations import ParkedConversations
@@ -25,7 +26,6 @@ from .options import Options
 from .plan import MemoryModel, PebblingOptions, Plan, format_bytes, make_plan, smallest_footprint, workspace_bytes
 from .store_layers import StoreLayers
 from . import experts
-from ..store.kernels import EXPERT_MATRICES
 
 
 def adaptive_budget(free: int | None, used, others: int, reserve: float = 0.05) -> int | None:

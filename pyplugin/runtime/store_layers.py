@@ -52,6 +52,7 @@ class StoreLayers:
         # Experts as pebbles: the layers' merged expert tensors stay in the host tier (runtime.experts); their
         # views there give the decoder their types, and on host memory a prefill computes from them in place.
         self.experts_apart = plan.expert_cache is not None
+        self._expert_layers = set(experts.expert_layers(pebbled)) if self.experts_apart else set()
         self._prefill_slot = None
         # Per layer: a sliding-window layer's cache is a ring of its window's rows, in the request's KV type.
         self.kv = kv_type(options.kv_type)
@@ -176,17 +177,11 @@ class StoreLayers:
         """Where a prefill's layer i takes its experts from (moe.moe_ffn's `experts`): with experts as pebbles
         where the arrays are device memory, each restored from its entry into one working slot; None (the
         merged tensors) elsewhere, which on host memory are the host tier's, computed from in place."""
-        if not self.experts_apart or i not in self._expert_layers() or not (
-                self.backend.arrays_on_device or self.slots_everywhere):
+        if i not in self._expert_layers or not (self.backend.arrays_on_device or self.slots_everywhere):
             return None
         if self._prefill_slot is None:
             self._prefill_slot = self.xp.empty(self.plan.memory.experts.slot_bytes, np.uint8)
         return experts.PrefillExperts(self.pebbled, i, self._prefill_slot)
-
-    def _expert_layers(self) -> list[int]:
-        if not hasattr(self, "_expert_layer_list"):
-            self._expert_layer_list = experts.expert_layers(self.pebbled)
-        return self._expert_layer_list
 
     def expert_device_bytes(self) -> int:
         """Device memory held for experts as pebbles: the decoder's slots and a prefill's working slot."""
