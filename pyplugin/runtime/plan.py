@@ -226,8 +226,10 @@ class PebblingOptions:
     memory_limit: int | None = None  # bytes
     weights: str | None = None       # one of WEIGHT_FORMS
     cache_prompt: bool = True
-    expert_cache: int | None = None  # experts as pebbles (runtime.experts): the most experts of each layer
-    expert_prefetch: bool = False    # cached on the device (None: off); prefetch guesses; the cache's victim
+    # experts as pebbles (runtime.experts): the most experts of each layer cached on the device (None: off),
+    # whether each layer's experts are guessed and restored early, and which cached expert gives way
+    expert_cache: int | None = None
+    expert_prefetch: bool = False
     expert_policy: str = "lru"
 
     @classmethod
