@@ -87,7 +87,7 @@ test-sanitized: venv host-asan
 	$(PY) -m pytest -q -p no:cacheprovider tests/test_store_conformance.py tests/test_store_views.py tests/test_store_borrowed.py \
 		tests/test_abi.py tests/test_quant_kernels.py \
 		tests/test_quantized_residency.py tests/test_decode_step.py tests/test_attend.py tests/test_kv_types.py \
-		tests/test_moe.py
+		tests/test_moe.py tests/test_moe_experts.py
 
 # 10,000 generated requests at a live server (half of them generations on a loaded model): no 5xx, every
 # status documented, still serving after. `make test` runs the same property test with 300.

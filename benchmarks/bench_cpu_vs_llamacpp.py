@@ -25,6 +25,17 @@ whether the greedy tokens are equal. Every figure is measured here; the machine 
 moves absolute figures between runs: the interleaving is there so that the ratios see the same
 conditions.
 
+--shape qwen3-30b-a3b is issue 28's acceptance 3: a Qwen3-30B-A3B-shaped mixture of experts (48 layers of
+2048, 32 query and 4 KV heads of 128, 128 experts of 768 with 8 used, an untied output over 151936), its
+Q4_K_M-like file (Q4_K; Q6_K for the embedding, the output, and attn_v and ffn_down_exps on every other
+layer) 17.3 GiB, its blocks random and written directly rather than quantized from floats. On a quiet
+machine with 24 GiB of memory and the disk for it (--dir keeps the file between runs):
+
+    python benchmarks/bench_cpu_vs_llamacpp.py --llama-python PYTHON --shape qwen3-30b-a3b --types Q4_K_M \
+        --threads 2 --runs 3 --prompt-tokens 32 --decode-tokens 32 --strategies none --dir DIR
+
+(--n-layer 2 makes a 1.1 GiB file of the same layers, to try it first.)
+
 llama-cpp-python is NOT a pebbling dependency: --llama-python names an interpreter that has it, built for
 the CPU it runs on: `python3 -m venv V && V/bin/pip install numpy && CMAKE_ARGS=-DGGML_NATIVE=ON
 V/bin/pip install --no-binary llama-cpp-python llama-cpp-python` (then it uses AVX-512 VNNI and its
@@ -63,6 +74,11 @@ SHAPES = {
                        vocab="qwen3", tied_output=True, vocab_size=N_VOCAB),
     "qwen2.5-1.5b": dict(arch="qwen2", n_layer=28, n_embd=1536, n_head=12, n_head_kv=2, n_ff=8960, vocab="chatml",
                          tied_output=True, vocab_size=N_VOCAB),
+    # A mixture of experts: its Q4_K_M-like file is 17.3 GiB at 48 layers, so its matrices are random valid blocks
+    # written directly (synth's random_blocks), not quantized from floats: the whole file in minutes.
+    "qwen3-30b-a3b": dict(arch="qwen3moe", n_layer=48, n_embd=2048, n_head=32, n_head_kv=4, key_length=128, n_ff=6144,
+                          n_ff_exp=768, n_expert=128, n_expert_used=8, vocab="qwen3", vocab_size=N_VOCAB,
+                          random_blocks=True),
 }
 SHAPE = SHAPES["qwen2-0.5b"]
 
@@ -71,15 +87,17 @@ def q4_k_m(shape: dict) -> dict:
     """llama.cpp's Q4_K_M mix for a shape, with its fallbacks for rows that are not whole K-blocks."""
     whole = shape["n_embd"] % 256 == 0
     base, high = ("Q4_K", "Q6_K") if whole else ("Q5_0", "Q8_0")
-    types = {"attn_v": high, "token_embd": high}
+    types = {"attn_v": high, "token_embd": high, "output": high}
     head = shape.get("key_length") or shape["n_embd"] // shape["n_head"]
-    ff_whole, q_whole = shape["n_ff"] % 256 == 0, (shape["n_head"] * head) % 256 == 0
-    types["ffn_down"] = "Q4_K" if ff_whole else base
+    down = "ffn_down_exps" if shape.get("n_expert") else "ffn_down"   # a mixture of experts: its experts' down
+    ff_whole = shape.get("n_ff_exp" if shape.get("n_expert") else "n_ff", shape["n_ff"]) % 256 == 0
+    q_whole = (shape["n_head"] * head) % 256 == 0
+    types[down] = "Q4_K" if ff_whole else base
     if q_whole and not whole:
         types["attn_output"] = "Q4_K"
     for i in range(0, shape["n_layer"], 2):
         types[f"blk.{i}.attn_v"] = high
-        types[f"blk.{i}.ffn_down"] = "Q6_K" if ff_whole else high
+        types[f"blk.{i}.{down}"] = "Q6_K" if ff_whole else high
     for i in range(1, shape["n_layer"], 2):
         types[f"blk.{i}.attn_v"] = base
     return dict(weight_type=base, tensor_types=types)

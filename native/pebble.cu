@@ -103,6 +103,7 @@ struct entry {
     void *                      host     = nullptr; // pinned host copy
     cudaEvent_t                 last_use = nullptr; // recorded after every copy that touches the entry
     bool                        pending  = false;   // a copy enqueued since the last pebble_synchronize
+    bool                        kept     = false;   // pebble_keep_on_host: the strategy leaves it in the host tier
     std::list<entry_key>::iterator lru;                 // position in the device LRU list, valid iff dev
 };
 
@@ -473,7 +474,9 @@ extern "C" pebble_status pebble_set_strategy(pebble_store_t handle, uint64_t dev
     std::vector<entry_key> keys;
     for (const auto & kv : s.entries) keys.push_back(kv.first);
     std::sort(keys.begin(), keys.end()); // ascending layer, then tensor id
-    auto resident = [&](entry_key k) { return is_resident(s.strategy, s.arg, s.n_layers, static_cast<int32_t>(k >> 32)); };
+    auto resident = [&](entry_key k) {
+        return !s.entries.at(k).kept && is_resident(s.strategy, s.arg, s.n_layers, static_cast<int32_t>(k >> 32));
+    };
     for (entry_key key : keys) {
         if (!resident(key) && s.entries.at(key).dev) TRY(evict(s, key));
     }
@@ -583,15 +586,16 @@ extern "C" pebble_status pebble_save(pebble_store_t handle, int32_t layer, int32
     if (tier < PEBBLE_TIER_AUTO || tier > PEBBLE_TIER_HOST) {
         return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_save: tier %d is not 0 auto, 1 device or 2 host", tier);
     }
+    const entry_key key = make_key(layer, tensor_id);
+    auto found = s.entries.find(key);
+    const bool kept = found != s.entries.end() && found->second.kept;
     const bool to_device = tier == PEBBLE_TIER_DEVICE ||
-                           (tier == PEBBLE_TIER_AUTO && is_resident(s.strategy, s.arg, s.n_layers, layer));
+                           (tier == PEBBLE_TIER_AUTO && !kept && is_resident(s.strategy, s.arg, s.n_layers, layer));
     if (to_device && nbytes > s.limit) {
         return fail(PEBBLE_ERR_TOO_LARGE, "pebble_save: layer %d tensor %d: %" PRIu64 " bytes cannot fit a device "
                     "tier limited to %" PRIu64 " bytes", layer, tensor_id, nbytes, s.limit);
     }
 
-    const entry_key key = make_key(layer, tensor_id);
-    auto found = s.entries.find(key);
     if (found != s.entries.end() && found->second.nbytes == nbytes) TRY(own_bytes(s, found->second, layer, tensor_id));
     if (found != s.entries.end() && found->second.nbytes != nbytes) {
         // A different size replaces the entry outright.
@@ -772,12 +776,28 @@ extern "C" pebble_status pebble_erase(pebble_store_t handle, int32_t layer, int3
     return PEBBLE_OK;
 }
 
+extern "C" pebble_status pebble_keep_on_host(pebble_store_t handle, int32_t layer, int32_t tensor_id, int32_t keep) {
+    OPEN_STORE(handle, s);
+    if (keep != 0 && keep != 1) {
+        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_keep_on_host: layer %d tensor %d: keep %d is not 0 or 1", layer,
+                    tensor_id, keep);
+    }
+    entry * e = nullptr;
+    TRY(find_entry(s, layer, tensor_id, __func__, &e));
+    e->kept = keep == 1;
+    if (e->kept && e->dev) {
+        TRY(evict(s, make_key(layer, tensor_id)));
+        CUDA_CHECK(cudaStreamSynchronize(s.evict_stream));
+    }
+    return PEBBLE_OK;
+}
+
 extern "C" pebble_status pebble_prefetch(pebble_store_t handle, int32_t layer, void * stream) {
     OPEN_STORE(handle, s);
     TRY(check_layer(s, layer, __func__));
     std::vector<entry_key> keys;
     for (const auto & kv : s.entries) {
-        if (static_cast<int32_t>(kv.first >> 32) == layer && !kv.second.dev) keys.push_back(kv.first);
+        if (static_cast<int32_t>(kv.first >> 32) == layer && !kv.second.dev && !kv.second.kept) keys.push_back(kv.first);
     }
     std::sort(keys.begin(), keys.end()); // ascending tensor id: the order every backend uses
     auto same_layer = [layer](entry_key k) { return static_cast<int32_t>(k >> 32) == layer; };

@@ -153,6 +153,13 @@ PEBBLE_API enum pebble_status pebble_erase  (pebble_store_t store, int32_t layer
 // Copies every host-only entry of `layer` into the device tier, as far as the limit allows without
 // evicting other entries of that layer; entries larger than the limit stay on the host.
 PEBBLE_API enum pebble_status pebble_prefetch(pebble_store_t store, int32_t layer, void * stream);
+// keep 1 keeps the entry in the host tier: a device copy it has moves there now, and pebble_set_strategy,
+// pebble_prefetch and a save into PEBBLE_TIER_AUTO leave it there (a save into PEBBLE_TIER_DEVICE still
+// places it on the device). keep 0 lets the strategy place it again (at the next pebble_set_strategy or
+// pebble_prefetch). The mark lasts until the entry is erased. For a model whose experts are pebbles: its
+// merged expert tensors then take no device memory, whatever the residency of their layers.
+PEBBLE_API enum pebble_status pebble_keep_on_host(pebble_store_t store, int32_t layer, int32_t tensor_id,
+                                                  int32_t keep);
 PEBBLE_API enum pebble_status pebble_entry_info(pebble_store_t store, int32_t layer, int32_t tensor_id,
                                                 struct pebble_entry_info * out);
 // *out = the entry's device copy, for computing in place from a resident entry. The pointer is borrowed:
@@ -380,7 +387,8 @@ struct pebble_step_layer {
     // types weights.ffn_gate_exps, ffn_up_exps and ffn_down_exps give (their data are not read). The
     // decoder keeps expert_cache of the layer's experts in device memory, the least recently used replaced;
     // a step restores each expert its tokens chose that the cache lacks before that expert's FFN runs (0:
-    // every routed expert restored at each use, into one working buffer).
+    // every routed expert restored at each use, into the decoder's staging slots; pebble_step_model's
+    // expert_policy and expert_prefetch).
     int32_t       experts_stored;
     int32_t       expert_ids;
     int32_t       expert_cache;
@@ -405,6 +413,25 @@ struct pebble_step_model {
     // The experts' entries (pebble_step_layer.experts_stored), or NULL for `store`'s: a store of their own
     // keeps them in its host tier whatever residency the layers' store gives the layers.
     pebble_store_t expert_store;
+    // Experts as pebbles: the decoder's device memory for them is slots of one expert each (the largest of
+    // the layers' experts, aligned to 256 bytes): expert_cache slots per layer, plus staging slots shared by
+    // the layers, n_expert_used of them (the most any layer uses) where expert_prefetch is 1, else one
+    // where a layer has no cache, else none (pebble_decoder_stats.expert_device_bytes says what was made).
+    // expert_policy picks a cache's victim: 0 the least recently used; 1 the least often used (the times
+    // the step ran each expert of the layer since the decoder was made; ties to the least recently used).
+    // An empty slot is always taken first, and an expert the step has still to run only where every cached
+    // one is.
+    // expert_prefetch 1: before each such layer computes, its router is applied to the hidden state entering
+    // it (RMS-normed with the layer's ffn_norm): the n_expert_used experts with the highest probability
+    // summed over the step's tokens are the guesses, and each one its cache lacks is restored into a staging
+    // slot then, while the layer's attention computes. A guessed expert the layer then runs is a hit (with a
+    // cache it takes the victim's slot, the victim's buffer becoming a staging slot); the staging slots are
+    // free again once the layer has run. A wrong guess costs its restore, never a result: the layer's
+    // experts are chosen from its own router as without prefetch. Where a layer without a cache must
+    // restore a miss and every staging slot holds a guess still to run, the one of the highest expert
+    // index gives way (it is restored again when it runs).
+    int32_t expert_policy;
+    int32_t expert_prefetch;
 };
 
 struct pebble_decoder_stats {
@@ -415,9 +442,14 @@ struct pebble_decoder_stats {
     // least recently used past PEBBLE_DECODER_GRAPHS, or all where a capture failed). The host build makes the same decisions
     // and counts them, and runs every step directly: it has no graphs.
     uint64_t graphs_captured, graph_replays, graphs_dropped;
-    // Experts as pebbles (pebble_step_layer.experts_stored): experts a step ran from its cache, experts it
-    // restored first, and the bytes those restores copied.
+    // Experts as pebbles (pebble_step_layer.experts_stored): experts a step ran without restoring them then
+    // (from a cache, or prefetched), experts it restored first, and the bytes every expert restore copied
+    // (prefetches included).
     uint64_t expert_hits, expert_misses, expert_bytes_restored;
+    // Prefetch (pebble_step_model.expert_prefetch): experts guessed, guesses the layer then ran, experts
+    // restored early (guesses no cache held), and of those the ones the layer ran.
+    uint64_t expert_guesses, expert_guesses_right, expert_prefetches, expert_prefetch_hits;
+    uint64_t expert_device_bytes;  // the device memory of the decoder's expert slots (pebble_step_model)
 };
 
 typedef struct pebble_decoder * pebble_decoder_t;

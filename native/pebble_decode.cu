@@ -8,7 +8,8 @@
 // A layer of experts replaces that feed-forward: its router's scores are read back to the host, which
 // chooses each token's experts, then expert by expert the tokens routed to it are gathered and run through
 // it (its rows read once for them all), from its merged tensors or from a per-layer cache of experts
-// restored from a store (experts_ffn, cached_expert).
+// restored from a store (experts_ffn, cached_expert), guessed and restored early where asked
+// (prefetch_experts: those restores are on the step's stream, so on the GPU they do not yet overlap compute).
 // The arithmetic, and its order, is pyplugin.model's forward pass on the CPU path with quantized weights:
 // float32 throughout, the vectors that enter a matrix kernel rounded to fp16, probabilities normalised
 // before they weight V.
@@ -616,15 +617,28 @@ struct pebble_decoder {
     std::vector<float> router_host;    // the router's scores of a step, read back
     std::vector<float> router_p;       // one token's expert probabilities, and the experts by them (kept, so
     std::vector<int32_t> router_order; // that a step allocates nothing)
-    // experts as pebbles, per layer: the cache's buffer (expert_cache slots, at least one), the expert each
-    // slot holds (-1: none) and when it was last used
+    // experts as pebbles (pebble_step_model's expert_policy): slots of one expert each in one buffer; per
+    // layer its cache's slots, the expert each holds (-1: none), when it was last used, and how often the
+    // step ran each expert of the layer; the staging slots, each free (layer -1) or holding a guess for
+    // (layer, expert) not yet run; the guesses of the layer about to run and, while a layer of experts
+    // runs, which of its experts the step has still to run.
     struct expert_cache {
-        uint8_t * buffer = nullptr;
-        uint64_t  slot_bytes = 0, gate_bytes = 0, up_bytes = 0;
-        std::vector<int32_t>  expert;
-        std::vector<uint64_t> used;
+        uint64_t gate_bytes = 0, up_bytes = 0, nbytes = 0;
+        std::vector<uint8_t *> slot;
+        std::vector<int32_t>   expert;
+        std::vector<uint64_t>  used;
+        std::vector<uint64_t>  uses;
+    };
+    struct staged {
+        uint8_t * slot = nullptr;
+        int32_t   layer = -1, expert = -1;
     };
     std::vector<expert_cache> experts;
+    std::vector<staged> staging;
+    std::vector<int32_t> guessed;
+    std::vector<uint8_t> to_run;
+    std::vector<float> guess_score;
+    uint8_t * expert_buffer = nullptr;
     uint64_t expert_clock = 0;
     uint8_t * scratch = nullptr;
     graph_policy graphs;
@@ -762,36 +776,153 @@ pebble_store_t expert_store(const pebble_decoder & d) {
     return d.model.expert_store ? d.model.expert_store : d.model.store;
 }
 
-// Expert j of layer i in the layer's cache: a hit where a slot holds it, else restored from the store (on
-// `stream`, so after whatever read the slot before) into an empty slot or the least recently used one.
-pebble_status cached_expert(pebble_decoder & d, int32_t i, int32_t j, cudaStream_t stream, uint8_t ** out) {
-    const pebble_step_layer & L = d.layers[size_t(i)];
-    pebble_decoder::expert_cache & c = d.experts[size_t(i)];
-    const uint64_t now = ++d.expert_clock;
+// The victim of layer i's cache (it has slots): an empty slot, else among the experts the step does not
+// still have to run (all of them where it has to run every one) the least recently used, or with
+// expert_policy 1 the least often run (ties to the least recently used).
+size_t cache_victim(const pebble_decoder & d, const pebble_decoder::expert_cache & c) {
     size_t victim = 0;
     for (size_t k = 0; k < c.expert.size(); k++) {
-        if (L.expert_cache > 0 && c.expert[k] == j) {
-            c.used[k] = now;
-            d.stats.expert_hits++;
-            *out = c.buffer + k * c.slot_bytes;
-            return PEBBLE_OK;
+        if (c.expert[k] < 0) return k;
+        const bool needed = d.to_run[size_t(c.expert[k])] != 0, victim_needed = d.to_run[size_t(c.expert[victim])] != 0;
+        if (needed != victim_needed) {
+            if (!needed) victim = k;
+            continue;
         }
-        if (c.expert[victim] >= 0 && (c.expert[k] < 0 || c.used[k] < c.used[victim])) victim = k;
+        const uint64_t uk = c.uses[size_t(c.expert[k])], uv = c.uses[size_t(c.expert[victim])];
+        const bool older = c.used[k] < c.used[victim];
+        if (d.model.expert_policy == 1 ? (uk < uv || (uk == uv && older)) : older) victim = k;
     }
-    uint8_t * slot = c.buffer + victim * c.slot_bytes;
-    const uint64_t nbytes = c.gate_bytes + c.up_bytes +
-                            row_bytes(L.weights.ffn_down_exps.ggml_type, L.shape.n_ff_exp) * uint64_t(L.shape.n_embd);
+    return victim;
+}
+
+// A staging slot for a miss of layer i, which has no cache: a free one, else one holding a guess the layer
+// does not run, else the guess still to run of the highest expert index.
+size_t staging_victim(const pebble_decoder & d, int32_t i) {
+    size_t pick = 0;
+    int32_t pick_expert = -1;
+    for (size_t k = 0; k < d.staging.size(); k++) {
+        const pebble_decoder::staged & g = d.staging[k];
+        if (g.layer != i || !d.to_run[size_t(g.expert)]) return k;
+        if (g.expert > pick_expert) {
+            pick = k;
+            pick_expert = g.expert;
+        }
+    }
+    return pick;
+}
+
+pebble_status restore_expert(pebble_decoder & d, int32_t i, int32_t j, uint8_t * slot, cudaStream_t stream) {
+    const pebble_step_layer & L = d.layers[size_t(i)];
+    const uint64_t nbytes = d.experts[size_t(i)].nbytes;
     const pebble_status st = pebble_restore(expert_store(d), i, L.expert_ids + j, slot, nbytes, stream);
     if (st != PEBBLE_OK) {
         char where[96];
         snprintf(where, sizeof where, "pebble_decoder_step: layer %d: expert %d", i, j);
         return with_place(st, where);
     }
-    c.expert[victim] = j;
-    c.used[victim] = now;
-    d.stats.expert_misses++;
     d.stats.expert_bytes_restored += nbytes;
+    return PEBBLE_OK;
+}
+
+// Expert j of layer i where the step runs it: a hit where the layer's cache holds it or a guess brought it
+// to a staging slot (taken into the cache, where the layer has one), else restored (on `stream`, so after
+// whatever read the slot before) into the cache's victim or a staging slot.
+pebble_status cached_expert(pebble_decoder & d, int32_t i, int32_t j, cudaStream_t stream, uint8_t ** out) {
+    pebble_decoder::expert_cache & c = d.experts[size_t(i)];
+    const uint64_t now = ++d.expert_clock;
+    c.uses[size_t(j)]++;
+    d.to_run[size_t(j)] = 0;
+    for (size_t k = 0; k < c.expert.size(); k++) {
+        if (c.expert[k] == j) {
+            c.used[k] = now;
+            d.stats.expert_hits++;
+            *out = c.slot[k];
+            return PEBBLE_OK;
+        }
+    }
+    for (pebble_decoder::staged & g : d.staging) {
+        if (g.layer != i || g.expert != j) continue;
+        d.stats.expert_hits++;
+        d.stats.expert_prefetch_hits++;
+        g.layer = g.expert = -1;
+        if (c.slot.empty()) {
+            *out = g.slot;  // free again: the next restore into it is ordered after this expert's FFN
+            return PEBBLE_OK;
+        }
+        const size_t v = cache_victim(d, c);
+        std::swap(c.slot[v], g.slot);
+        c.expert[v] = j;
+        c.used[v] = now;
+        *out = c.slot[v];
+        return PEBBLE_OK;
+    }
+    uint8_t * slot;
+    if (c.slot.empty()) {
+        pebble_decoder::staged & g = d.staging[staging_victim(d, i)];
+        g.layer = g.expert = -1;
+        slot = g.slot;
+    } else {
+        const size_t v = cache_victim(d, c);
+        c.expert[v] = -1;
+        slot = c.slot[v];
+        TRY(restore_expert(d, i, j, slot, stream));
+        c.expert[v] = j;
+        c.used[v] = now;
+        d.stats.expert_misses++;
+        *out = slot;
+        return PEBBLE_OK;
+    }
+    TRY(restore_expert(d, i, j, slot, stream));
+    d.stats.expert_misses++;
     *out = slot;
+    return PEBBLE_OK;
+}
+
+// Prefetch for layer i (pebble_step_model.expert_prefetch): its router applied to x [n][n_embd], the hidden
+// state entering it, RMS-normed with its ffn_norm; the n_expert_used experts of the highest probability
+// summed over the n tokens guessed, and each one the layer's cache lacks restored into a staging slot.
+pebble_status prefetch_experts(pebble_decoder & d, int32_t i, int32_t n, const float * x, cudaStream_t stream) {
+    const pebble_step_layer & L = d.layers[size_t(i)];
+    const pebble_layer_shape & s = L.shape;
+    const int64_t e = s.n_embd, E = s.n_expert;
+    act_t * h16 = at_offset<act_t>(d.scratch, d.at.h16);
+    float * router = at_offset<float>(d.scratch, d.at.router);
+    LAUNCH(rms_rows_kernel, grid_for(n, heads_per_block), dim3(warp_lanes, heads_per_block), stream, x, n, e,
+           L.weights.ffn_norm.data, L.weights.ffn_norm.ggml_type, s.rms_eps, h16);
+    TRY(launched());
+    TRY(matvec_many(L.weights.ffn_gate_inp.ggml_type, L.weights.ffn_gate_inp.data, E, e, h16, n, router, stream));
+    CUDA_CHECK(cudaMemcpyAsync(d.router_host.data(), router, sizeof(float) * size_t(n) * size_t(E), cudaMemcpyDefault,
+                               stream));
+    CUDA_CHECK(cudaStreamSynchronize(stream));
+    std::vector<float> & score = d.guess_score;
+    std::vector<int32_t> & order = d.router_order;
+    std::fill(score.begin(), score.begin() + E, 0.0f);
+    for (int32_t b = 0; b < n; b++) {
+        const float * sc = d.router_host.data() + size_t(b) * size_t(E);
+        float top = -INFINITY, total = 0.0f;
+        for (int64_t j = 0; j < E; j++) top = std::max(top, sc[j]);
+        for (int64_t j = 0; j < E; j++) total += expf(sc[j] - top);
+        for (int64_t j = 0; j < E; j++) score[size_t(j)] += expf(sc[j] - top) / total;
+    }
+    for (int64_t j = 0; j < E; j++) order[size_t(j)] = static_cast<int32_t>(j);
+    const int32_t k = s.n_expert_used;
+    std::partial_sort(order.begin(), order.begin() + k, order.begin() + E, [&score](int32_t a, int32_t c) {
+        return score[size_t(a)] > score[size_t(c)] || (score[size_t(a)] == score[size_t(c)] && a < c);
+    });
+    std::sort(order.begin(), order.begin() + k);
+    const pebble_decoder::expert_cache & c = d.experts[size_t(i)];
+    d.guessed.assign(order.begin(), order.begin() + k);
+    for (pebble_decoder::staged & g : d.staging) g.layer = g.expert = -1;  // (a failed step may have left some)
+    size_t free_slot = 0;
+    for (int32_t g : d.guessed) {
+        d.stats.expert_guesses++;
+        if (std::find(c.expert.begin(), c.expert.end(), g) != c.expert.end()) continue;  // cached: nothing to move
+        pebble_decoder::staged & slot = d.staging[free_slot++];
+        TRY(restore_expert(d, i, g, slot.slot, stream));
+        slot.layer = i;
+        slot.expert = g;
+        d.stats.expert_prefetches++;
+    }
     return PEBBLE_OK;
 }
 
@@ -839,6 +970,14 @@ pebble_status experts_ffn(pebble_decoder & d, int32_t layer, int32_t n, const ac
             weight[b][r] = s.expert_scale == 1.0f ? wr : wr * s.expert_scale;
         }
     }
+    if (L.experts_stored) {  // what the step has to run, and how many of the layer's guesses it runs
+        std::fill(d.to_run.begin(), d.to_run.begin() + E, uint8_t(0));
+        for (int32_t b = 0; b < n; b++) {
+            for (int32_t r = 0; r < k; r++) d.to_run[size_t(chosen[b][r])] = 1;
+        }
+        for (int32_t g : d.guessed) d.stats.expert_guesses_right += d.to_run[size_t(g)];
+        d.guessed.clear();
+    }
     LAUNCH(zero_kernel, grid_for(int64_t(n) * e, threads), threads, stream, out, int64_t(n) * e);
     TRY(launched());
     const uint64_t gate_rows = row_bytes(w.ffn_gate_exps.ggml_type, e) * uint64_t(ff);
@@ -883,6 +1022,9 @@ pebble_status experts_ffn(pebble_decoder & d, int32_t layer, int32_t n, const ac
                    weights[r]);
             TRY(launched());
         }
+    }
+    for (pebble_decoder::staged & g : d.staging) {  // guesses the layer did not run: free again
+        if (g.layer == layer) g.layer = g.expert = -1;
     }
     if (s.n_ff_shexp > 0) {
         const int64_t sh = s.n_ff_shexp;
@@ -1107,6 +1249,7 @@ pebble_status enqueue_step(pebble_decoder & d, int32_t n, const int32_t * seqs, 
             return fail(PEBBLE_ERR_CUDA, "pebble_decoder_step: layer %d could not wait for its slot", i);
         }
 #endif
+        if (m.expert_prefetch && d.layers[size_t(i)].experts_stored) TRY(prefetch_experts(d, i, n, x, stream));
         TRY(step_layer(d, i, n, seqs, host_pos, x, stream));
         if (order >= 0) TRY(after_streamed(d, order, n, seqs, host_pos, stream));
     }
@@ -1333,9 +1476,18 @@ pebble_status place_streamed(pebble_decoder & d, const char * fn) {
 }
 
 // Each layer whose experts are pebbles: its entries checked (one per expert, of the expert's gate, up and
-// down rows) and its cache made.
+// down rows); then the slots for experts made (pebble_step_model.expert_policy): each such layer's cache
+// and the staging slots.
 pebble_status place_experts(pebble_decoder & d, const char * fn) {
     d.experts.resize(d.layers.size());
+    const pebble_step_model & m = d.model;
+    if ((m.expert_policy != 0 && m.expert_policy != 1) || (m.expert_prefetch != 0 && m.expert_prefetch != 1)) {
+        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: expert_policy %d must be 0 (least recently used) or 1 (least "
+                    "often used), expert_prefetch %d 0 or 1", fn, m.expert_policy, m.expert_prefetch);
+    }
+    uint64_t slot_bytes = 0, cached = 0;
+    int32_t most_used = 0;
+    bool uncached = false;
     for (size_t i = 0; i < d.layers.size(); i++) {
         const pebble_step_layer & L = d.layers[i];
         if (L.experts_stored == 0) continue;
@@ -1349,22 +1501,40 @@ pebble_status place_experts(pebble_decoder & d, const char * fn) {
         pebble_decoder::expert_cache & c = d.experts[i];
         c.gate_bytes = row_bytes(L.weights.ffn_gate_exps.ggml_type, s.n_embd) * uint64_t(s.n_ff_exp);
         c.up_bytes = row_bytes(L.weights.ffn_up_exps.ggml_type, s.n_embd) * uint64_t(s.n_ff_exp);
-        const uint64_t nbytes = c.gate_bytes + c.up_bytes +
-                                row_bytes(L.weights.ffn_down_exps.ggml_type, s.n_ff_exp) * uint64_t(s.n_embd);
+        c.nbytes = c.gate_bytes + c.up_bytes +
+                   row_bytes(L.weights.ffn_down_exps.ggml_type, s.n_ff_exp) * uint64_t(s.n_embd);
         for (int32_t j = 0; j < s.n_expert; j++) {
             struct pebble_entry_info info{};
             if (pebble_entry_info(expert_store(d), static_cast<int32_t>(i), L.expert_ids + j, &info) != PEBBLE_OK ||
-                info.nbytes != nbytes) {
+                info.nbytes != c.nbytes) {
                 return fail(PEBBLE_ERR_SIZE_MISMATCH, "%s: layer %zu: expert %d (tensor %d) is not an entry of %" PRIu64
-                            " bytes (its gate, up and down rows)", fn, i, j, L.expert_ids + j, nbytes);
+                            " bytes (its gate, up and down rows)", fn, i, j, L.expert_ids + j, c.nbytes);
             }
         }
-        const size_t slots = size_t(std::max(1, L.expert_cache));
-        c.slot_bytes = aligned(nbytes);
-        c.expert.assign(slots, -1);
-        c.used.assign(slots, 0);
-        TRY(alloc_scratch(&c.buffer, c.slot_bytes * slots));
+        c.expert.assign(size_t(L.expert_cache), -1);
+        c.used.assign(size_t(L.expert_cache), 0);
+        c.uses.assign(size_t(s.n_expert), 0);
+        slot_bytes = std::max(slot_bytes, aligned(c.nbytes));
+        cached += uint64_t(L.expert_cache);
+        most_used = std::max(most_used, s.n_expert_used);
+        uncached = uncached || L.expert_cache == 0;
     }
+    if (slot_bytes == 0) return PEBBLE_OK;
+    d.staging.resize(m.expert_prefetch ? size_t(most_used) : uncached ? 1 : 0);
+    const uint64_t slots = cached + d.staging.size();
+    TRY(alloc_scratch(&d.expert_buffer, slot_bytes * slots));
+    d.stats.expert_device_bytes = slot_bytes * slots;
+    uint8_t * at = d.expert_buffer;
+    for (pebble_decoder::expert_cache & c : d.experts) {
+        for (size_t k = 0; k < c.expert.size(); k++, at += slot_bytes) c.slot.push_back(at);
+    }
+    for (pebble_decoder::staged & g : d.staging) {
+        g.slot = at;
+        at += slot_bytes;
+    }
+    d.to_run.assign(size_t(d.max_expert), 0);
+    d.guess_score.assign(size_t(d.max_expert), 0.0f);
+    d.guessed.reserve(size_t(most_used));
     return PEBBLE_OK;
 }
 
@@ -1400,10 +1570,8 @@ void release_device(pebble_decoder & d) {
 #endif
     free_scratch(d.scratch);
     d.scratch = nullptr;
-    for (pebble_decoder::expert_cache & c : d.experts) {
-        free_scratch(c.buffer);
-        c.buffer = nullptr;
-    }
+    free_scratch(d.expert_buffer);
+    d.expert_buffer = nullptr;
     for (uint8_t *& slot : d.slots) {
         free_scratch(slot);
         slot = nullptr;

@@ -16,8 +16,10 @@ _OPTIONS_DOC = ("Ollama's options (temperature, top_k, top_p, min_p, seed, num_p
                 "num_batch, stop, repeat_penalty, repeat_last_n) plus pebbling_strategy (none, sqrt, "
                 "adaptive, minimal, every:N), pebbling_enabled (bool), pebbling_memory_limit (bytes, "
                 "or a size such as \"6GiB\"), pebbling_weights (quantized, the default: weights stay in "
-                "their GGUF type; f16: expanded once at load) and pebbling_kv_type (f16, the default, q8_0 or "
-                "q4_0: the KV cache's type)")
+                "their GGUF type; f16: expanded once at load), pebbling_kv_type (f16, the default, q8_0 or "
+                "q4_0: the KV cache's type) and, for a mixture of experts, pebbling_expert_cache (the most "
+                "experts of each layer kept on the device: experts as pebbles), pebbling_expert_prefetch (bool) "
+                "and pebbling_expert_policy (lru, the default, or lfu)")
 _KEEP_ALIVE_DOC = ('How long the model stays loaded after this request: seconds, or a duration such as '
                    '"10m"; 0 unloads it at once, a negative value keeps it loaded. Default 5m.')
 

@@ -3,6 +3,7 @@ has and pebbling's kernels use: such a build (a generic wheel) is slower than ll
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -23,3 +24,29 @@ def test_a_generic_build_on_an_avx512_cpu_is_flagged(monkeypatch):
 def test_a_cpu_without_avx512_asks_nothing_more(monkeypatch):
     monkeypatch.setattr(bench, "cpu_model", lambda: "Some CPU (avx2)")
     assert bench.build_warning(GENERIC) is None
+
+
+def test_the_qwen3_30b_a3b_file_is_its_q4_k_m_like_mix_of_17_gib():
+    """Issue 28's acceptance 3 file: llama.cpp's Q4_K_M mix for a mixture of experts (Q4_K; Q6_K for the
+    embedding, the output, and attn_v and the experts' down on every other layer), random blocks written
+    directly, 17.3 GiB at 48 layers (as the real file), the sizes from the tensors it would write."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    from pyplugin.model.synth import SynthSpec, _tensors
+    shape = bench.SHAPES["qwen3-30b-a3b"]
+    types = bench.q4_k_m(shape)
+    assert shape["random_blocks"] and types["weight_type"] == "Q4_K"
+    spec = SynthSpec(**{k: v for k, v in shape.items() if k != "vocab_size"}, **types)
+    kinds, total = {}, 0
+    for name, array, qtype in _tensors(spec, bench.N_VOCAB, lazy=True):
+        kinds[name] = qtype.name
+        if isinstance(array, tuple):
+            (dims, _), (block, size) = array, GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+            total += math.prod(dims) // block * size
+        else:
+            total += array.nbytes
+    assert kinds["blk.0.ffn_down_exps.weight"] == "Q6_K" and kinds["blk.1.ffn_down_exps.weight"] == "Q4_K"
+    assert kinds["blk.7.ffn_gate_exps.weight"] == kinds["blk.7.ffn_up_exps.weight"] == "Q4_K"
+    assert kinds["output.weight"] == kinds["token_embd.weight"] == "Q6_K"
+    assert kinds["blk.3.ffn_gate_inp.weight"] == "F32"
+    assert 17.0 < total / 2**30 < 17.6

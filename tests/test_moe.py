@@ -274,8 +274,10 @@ def test_an_expert_entry_of_the_wrong_size_is_refused_by_name(backend):
 @pytest.mark.parametrize("strategy", ["none", "sqrt", "minimal", "every:2", "adaptive"])
 def test_an_expert_cache_gives_the_tokens_of_none_and_reports_what_it_restored(backend, strategy):
     """pebbling_expert_cache: every cache size gives the tokens of the experts kept in their layers; the
-    report counts hits, misses and expert bytes per token, fewer bytes for a bigger cache."""
+    report counts hits, misses and expert bytes per token, fewer bytes for a bigger cache (minimal caches
+    none); the layers' merged experts leave the device tier, the decoder's expert slots hold what the plan says."""
     model = load_model(path_of("qwen3moe", weight_type="Q8_0"), weights="quantized", progress=False)
+    cfg = model.config
     options = Options(temperature=0, num_predict=8, num_ctx=48, num_batch=4)
     tokens = prompt(7)
     pebbled = PebbledModel(model, backend=backend)
@@ -286,21 +288,34 @@ def test_an_expert_cache_gives_the_tokens_of_none_and_reports_what_it_restored(b
             return list(gen.tokens(tokens)), gen.report()["experts"]
         expected, plain = run()
         assert plain["cache_per_layer"] is None and plain["hits"] == plain["misses"] == 0
-        device = pebbled.store.stats().device_bytes
+        resident = [i for i in range(cfg.n_layer) if pebbled.store.should_checkpoint(i)]
+        merged = {i: [t for t in pebbled.layouts[i] if t.name.endswith("_exps")] for i in range(cfg.n_layer)}
+        assert all(pebbled.store.entry_info(i, t.tensor_id).on_device for i in resident for t in merged[i])
         per_token = []
-        for cache in (0, 2, model.config.n_expert):
+        for cache in (0, 2, cfg.n_expert):
             got, experts = run(pebbling_expert_cache=cache)
             assert got == expected, cache
+            held = 0 if strategy == "minimal" else cache
+            assert (experts["cache_asked"], experts["cache_per_layer"]) == (cache, held)
             decoded = len(expected) - 1  # the last token is sampled, not run through the model
-            assert experts["hits"] + experts["misses"] == decoded * model.config.n_layer * model.config.n_expert_used
+            assert experts["hits"] + experts["misses"] == decoded * cfg.n_layer * cfg.n_expert_used
             assert experts["bytes_restored_per_token"] * decoded == pytest.approx(
                 experts["misses"] * experts["expert_bytes"], rel=0.01)
             per_token.append(experts["bytes_restored_per_token"])
-            assert experts["cache_bytes"] == model.config.n_layer * max(1, cache) * experts["expert_bytes"]
-        assert per_token[0] > per_token[1] > per_token[2]
-        assert experts["misses"] <= model.config.n_layer * model.config.n_expert  # the whole cache: once each
-        # the experts' entries are a store of their own, in its host tier: the layers' residency is as it was
-        assert pebbled.store.stats().device_bytes == device and pebbled.expert_store.stats().device_bytes == 0
+            slot = -(-experts["expert_bytes"] // 256) * 256
+            assert experts["cache_bytes"] == experts["cache_bytes_estimate"] == \
+                slot * (cfg.n_layer * held + (1 if held == 0 else 0))
+            # the merged experts stay in the host tier, whatever the layer's residency
+            assert not any(pebbled.store.entry_info(i, t.tensor_id).on_device for i in range(cfg.n_layer)
+                           for t in merged[i])
+        if strategy == "minimal":
+            assert per_token[0] == per_token[1] == per_token[2]
+        else:
+            assert per_token[0] > per_token[1] > per_token[2]
+            assert experts["misses"] <= cfg.n_layer * cfg.n_expert  # the whole cache: once each
+        assert pebbled.expert_store.stats().device_bytes == 0
+        run()  # experts with their layers again: the merged experts of resident layers back on the device
+        assert all(pebbled.store.entry_info(i, t.tensor_id).on_device for i in resident for t in merged[i])
     finally:
         pebbled.close()
 
@@ -325,9 +340,18 @@ def test_estimate_shows_the_experts(capsys):
     one = sum(getattr(lw, n).nbytes for n in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")) // cfg.n_expert
     assert (e["n_expert"], e["n_expert_used"], e["expert_layers"], e["expert_bytes"]) == (8, 3, 2, one)
     assert e["experts_bytes"] == 2 * 8 * one and e["routed_bytes_per_token"] == 2 * 3 * one
-    assert e["cache_bytes"] == {"0": 2 * one, "1": 2 * one, "8": 2 * 8 * one}
+    slot = -(-one // 256) * 256
+    caches = {c["cache_per_layer"]: c for c in e["caches"]}
+    assert sorted(caches) == [0, 1, 8]
+    assert [caches[c]["slots_bytes"] for c in (0, 1, 8)] == [slot, 2 * slot, 16 * slot]
+    assert [caches[c]["prefetch_slots_bytes"] for c in (0, 1, 8)] == [3 * slot, 5 * slot, 19 * slot]
+    # the smallest budget: minimal's dense part and one expert slot (one layer's top 3 with prefetch)
+    assert e["smallest_budget_prefetch_bytes"] - e["smallest_budget_bytes"] == 2 * slot
+    assert caches[8]["budget_minimal"] - caches[0]["budget_minimal"] == 15 * slot  # two layers' 8, less the staging slot
     assert main(["estimate", path, "--num-ctx", "64", "--num-batch", "8", "--backend", "stub"]) == 0
-    assert "experts: 8 per layer in 2 layers, 3 used per token" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "experts: 8 per layer in 2 layers, 3 used per token" in out
+    assert "smallest budget" in out and "uniform-routing hit rate" in out
 
 
 @pytest.mark.parametrize("backend", store_backend_params(("host", "stub")))

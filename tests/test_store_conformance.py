@@ -414,6 +414,36 @@ def test_set_strategy_with_a_new_limit_evicts_and_fills_in_order(make_store):
     assert store.stats().device_bytes == 192
 
 
+def test_an_entry_kept_on_host_stays_there_whatever_the_strategy(make_store):
+    """keep_on_host: its device copy moves to the host tier at once; set_strategy, prefetch and an automatic
+    save leave it there (the layer's other entries placed as before); keep False gives it back to the strategy."""
+    rng = np.random.default_rng(8)
+    store = make_store(device_limit=1024, n_layers=2, strategy="none")
+    saved = {(layer, t): random_bytes(rng, 64) for layer in range(2) for t in range(2)}
+    for key, data in saved.items():
+        store.save(*key, data)
+    store.keep_on_host(0, 1)
+    assert on_device(store, saved) == {(0, 0), (1, 0), (1, 1)}
+    assert store.stats().evictions == 1
+    store.set_strategy("minimal")
+    store.set_strategy("none")
+    store.prefetch(0)
+    store.save(0, 1, saved[0, 1])                # the automatic tier of a resident layer
+    store.save(0, 1, random_bytes(rng, 32))      # another size: still kept
+    assert on_device(store, saved) == {(0, 0), (1, 0), (1, 1)}
+    store.save(0, 1, saved[0, 1], tier=TIER_DEVICE)  # asked for by name: placed there
+    assert (0, 1) in on_device(store, saved)
+    store.keep_on_host(0, 1, False)
+    store.set_strategy("none")
+    assert on_device(store, saved) == set(saved)
+    store.keep_on_host(0, 1)
+    np.testing.assert_array_equal(restored(store, 0, 1), saved[0, 1])
+    with pytest.raises(UnknownEntryError):
+        store.keep_on_host(1, 7)
+    with pytest.raises(LayerRangeError):
+        store.keep_on_host(2, 0)
+
+
 def test_set_strategy_refuses_a_bad_strategy_and_changes_nothing(make_store):
     store = make_store(device_limit=256, n_layers=4, strategy="sqrt")
     store.save(0, 0, b"pebble")

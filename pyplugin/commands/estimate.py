@@ -47,6 +47,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-type", choices=[t for t in KV_TYPES if t != "f32"],
                    help="KV cache type of the main figures (default: PEBBLING_KV_CACHE_TYPE, else "
                         "OLLAMA_KV_CACHE_TYPE, else f16); every type's peak is shown beside them")
+    p.add_argument("--expert-cache", type=int, metavar="C",
+                   help="a mixture of experts' plans with experts as pebbles (pebbling_expert_cache): each layer's "
+                        "dense part by the strategy, a cache of at most C experts per layer in the rest of the limit")
+    p.add_argument("--expert-prefetch", action="store_true",
+                   help="with --expert-cache: speculative prefetch's staging slots counted (pebbling_expert_prefetch)")
     add_weights_argument(p)
     add_backend_argument(p)
     p.add_argument("--json", action="store_true", help="print the same figures as one JSON object")
@@ -59,7 +64,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         options = options_from_flags(loaded.model, num_ctx=args.num_ctx, num_batch=args.num_batch,
                                      num_predict=args.num_predict, pebbling_kv_type=getattr(args, "kv_type", None))
-        result = estimate(loaded, options, limit, args.context_pos, args.parallel, args.prompt_tokens)
+        pebbling = PebblingOptions.from_options(
+            {} if args.expert_cache is None else {"pebbling_expert_cache": args.expert_cache,
+                                                  "pebbling_expert_prefetch": args.expert_prefetch})
+        result = estimate(loaded, options, limit, args.context_pos, args.parallel, args.prompt_tokens, pebbling)
     finally:
         loaded.pebbled.close()
     print(json.dumps(result, indent=2) if args.json else render(result))
@@ -67,10 +75,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def estimate(loaded: Loaded, options: Options, limit: int | None, context_pos: int | None,
-             parallel: int = 1, prompt_tokens: int | None = None) -> dict[str, Any]:
+             parallel: int = 1, prompt_tokens: int | None = None,
+             pebbling: PebblingOptions | None = None) -> dict[str, Any]:
     """Every strategy's plan against `limit` for `parallel` sequences decoding together (for a prompt of
     `prompt_tokens`, else any prompt), with a predicted slowdown from figures measured here (one sequence
-    only: a batch's compute is not measured)."""
+    only: a batch's compute is not measured); `pebbling` asking for experts as pebbles plans them so."""
     pebbled = loaded.pebbled
     pos = options.num_ctx // 2 if context_pos is None else context_pos
     if not 0 <= pos < options.num_ctx:
@@ -79,7 +88,7 @@ def estimate(loaded: Loaded, options: Options, limit: int | None, context_pos: i
         raise OptionsError(f"--parallel {parallel}: must be at least 1")
     if prompt_tokens is not None and not 0 < prompt_tokens < options.num_ctx:
         raise OptionsError(f"--prompt-tokens {prompt_tokens}: must be from 1 to num_ctx - 1 = {options.num_ctx - 1}")
-    memory = pebbled.memory_model(options, prompt_tokens, n_seqs=parallel)
+    memory = pebbled.memory_model(options, prompt_tokens, parallel, pebbling)
     check_limit(loaded, options, memory, limit, prompt_tokens)
     # The entry a streamed layer's restore fills: one working slot.
     transfer = measure_restores(pebbled, make_plan(memory, "minimal").slot_bytes)
@@ -87,20 +96,21 @@ def estimate(loaded: Loaded, options: Options, limit: int | None, context_pos: i
     # On the GPU the backend's overhead grows as the measurements load kernels and libraries, as a
     # request's first steps would: one memory model taken after them serves every strategy, so the
     # rows compare like with like.
-    memory = pebbled.memory_model(options, prompt_tokens, n_seqs=parallel)
+    memory = pebbled.memory_model(options, prompt_tokens, parallel, pebbling)
     none_peak = make_plan(memory, "none").estimated_peak_bytes
     adaptive_budget = pebbled.budget(PebblingOptions(memory_limit=limit))  # the limit, else free GPU memory
 
     # Each KV type this model's heads allow (a block type needs whole blocks per head).
-    by_type = {t.name: pebbled.memory_model(replace(options, kv_type=t.name), n_seqs=parallel)
+    by_type = {t.name: pebbled.memory_model(replace(options, kv_type=t.name), None, parallel, pebbling)
                for t in KV_TYPES.values() if t.name != "f32" and pebbled.model.config.head_dim % t.block == 0}
 
     def plan_for(memory, name: str):
         budget = adaptive_budget if name == "adaptive" else limit
         try:
             return make_plan(memory, name, budget), None if budget is None else True
-        except OptionsError:  # over the limit: still say what it would cost (adaptive: at the least)
-            return make_plan(memory, "minimal" if name == "adaptive" else name), False
+        except OptionsError:  # over the limit: still say what it would cost at the least (adaptive: minimal's;
+            least = replace(memory, experts=memory.experts and replace(memory.experts, most=0))  # no expert cached)
+            return make_plan(least, "minimal" if name == "adaptive" else name), False
 
     rows = {}
     for name in STRATEGIES:
@@ -114,6 +124,7 @@ def estimate(loaded: Loaded, options: Options, limit: int | None, context_pos: i
                      else str(plan.strategy)),
             "resident_layers": len(plan.resident),
             "n_layers": memory.n_layers,
+            "experts_cached_per_layer": plan.expert_cache,
             "estimated_peak_bytes": plan.estimated_peak_bytes,
             "reduction_pct": round(100 * (1 - plan.estimated_peak_bytes / none_peak), 1),
             "restored_bytes_per_token_estimate": restored,  # 0 where streamed layers are computed in place
@@ -154,7 +165,9 @@ def estimate(loaded: Loaded, options: Options, limit: int | None, context_pos: i
                                    for t, m in by_type.items()},
         "sliding_layers": sum(1 for w in memory.kv_windows if w),
         "sliding_window": max(memory.kv_windows, default=0),
-        "experts": experts.estimate(pebbled),
+        "experts": _experts(pebbled, memory if memory.experts else pebbled.memory_model(
+            options, prompt_tokens, parallel, PebblingOptions(expert_cache=0))),
+        "experts_as_pebbles": memory.experts is not None,
         "measured": {
             "restore_bytes_per_s": transfer.bytes_per_s,
             "restore_entry_bytes": transfer.entry_bytes,
@@ -165,6 +178,13 @@ def estimate(loaded: Loaded, options: Options, limit: int | None, context_pos: i
         },
         "strategies": rows,
     }
+
+
+def _experts(pebbled, memory) -> dict[str, Any] | None:
+    """runtime.experts.estimate with the dense part's peaks under none and minimal."""
+    plans = {name: make_plan(memory, name) for name in ("none", "minimal")}
+    dense = {name: plan.estimated_peak_bytes - plan.expert_bytes for name, plan in plans.items()}
+    return experts.estimate(pebbled, memory.experts, dense)
 
 
 def check_limit(loaded: Loaded, options: Options, memory, limit: int | None, prompt_tokens: int | None) -> None:
@@ -193,7 +213,8 @@ def render(r: dict[str, Any]) -> str:
             fits = "yes"
         else:
             fits = f"does not fit: needs {format_bytes(s['estimated_peak_bytes'])}"
-        table.append([name, f"{s['resident_layers']}/{s['n_layers']}",
+        table.append([name, f"{s['resident_layers']}/{s['n_layers']}"
+                      + ("" if s["experts_cached_per_layer"] is None else f", {s['experts_cached_per_layer']} exp."),
                       format_bytes(s["estimated_peak_bytes"]), f"{s['reduction_pct']:.1f}%",
                       format_bytes(s["restored_bytes_per_token_estimate"]),
                       "-" if s["predicted_slowdown"] is None else f"{s['predicted_seconds_per_token'] * 1e3:.2f}",
@@ -220,7 +241,7 @@ def render(r: dict[str, Any]) -> str:
             f"{format_bytes(r['kv_cache_bytes_without_windows'] - r['kv_cache_bytes'])}"
             if r["sliding_layers"] else ""),
         *_kv_block_note(r),
-        *_expert_lines(r["experts"]),
+        *_expert_lines(r["experts"], r["experts_as_pebbles"]),
         f"measured in this run (median of {m['repeats']}):",
         f"  restore bandwidth   {m['restore_bytes_per_s'] / 1e9:.2f} GB/s  "
         f"({format_bytes(m['restore_entry_bytes'])} entry, {m['restore_path']})",
@@ -251,16 +272,27 @@ def render(r: dict[str, Any]) -> str:
     ])
 
 
-def _expert_lines(e: dict[str, Any] | None) -> list[str]:
+def _expert_lines(e: dict[str, Any] | None, apart: bool) -> list[str]:
     if e is None:
         return []
-    caches = ", ".join(f"{c}: {format_bytes(b)}" for c, b in e["cache_bytes"].items())
+    table = format_table(
+        ["cache/layer", "slots", "budget, dense resident", "budget, dense minimal", "with prefetch: slots",
+         "dense resident", "dense minimal", "uniform-routing hit rate"],
+        [[str(c["cache_per_layer"]), *(format_bytes(c[k]) for k in (
+            "slots_bytes", "budget_none", "budget_minimal", "prefetch_slots_bytes", "prefetch_budget_none",
+            "prefetch_budget_minimal")), f"{c['uniform_hit_rate']:.3f}"] for c in e["caches"]])
     return [f"experts: {e['n_expert']} per layer in {e['expert_layers']} layers, {e['n_expert_used']} used per token; "
             f"one expert {format_bytes(e['expert_bytes'])}, all {format_bytes(e['experts_bytes'])}, the dense part "
             f"{format_bytes(e['dense_bytes'])}",
-            f"  with pebbling_expert_cache: cache of C experts per layer ({caches}); with no cache a token "
-            f"restores {format_bytes(e['routed_bytes_per_token'])} of experts, a cache saves its hit rate of that "
-            "(estimate; the plans below still hold the experts with their layers)"]
+            f"  experts as pebbles (pebbling_expert_cache): smallest budget {format_bytes(e['smallest_budget_bytes'])} "
+            f"(the dense part under minimal + one expert slot), {format_bytes(e['smallest_budget_prefetch_bytes'])} "
+            f"with prefetch (+ one layer's top {e['n_expert_used']}); a token restores at most "
+            f"{format_bytes(e['routed_bytes_per_token'])} of experts (every routed expert missed), and a cache saves "
+            "its hit rate of that. What each cache size costs (estimate):",
+            *("    " + line for line in table.splitlines()),
+            "  the plans below hold " + ("the dense part by each strategy and cache experts in the rest (C exp.)"
+                                         if apart else "each layer's experts with the layer (--expert-cache C: as "
+                                         "pebbles)")]
 
 
 def _kv_ratio(r: dict, name: str) -> str:

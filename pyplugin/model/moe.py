@@ -137,12 +137,18 @@ def _swiglu(h: Array, gate: Any, up: Any, down: Any, max_rows: int = 0) -> Array
     return _linear(g, down)
 
 
-def route(cfg: Any, h: Array, router: Any, max_rows: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """(experts [T, k] in descending probability, their weights [T, k] float32) for h [T, n_embd]."""
+def router_probabilities(cfg: Any, h: Array, router: Any, max_rows: int = 0) -> np.ndarray:
+    """The router's softmax over the experts for h [T, n_embd] (normed): [T, n_expert] float32, on the host."""
     logits = np.asarray(_to_host(_rows(lambda part: _linear(part, router), h, max_rows)), dtype=np.float32)
     logits = logits.reshape(-1, cfg.n_expert)
     p = np.exp(logits - logits.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
+    return p
+
+
+def route(cfg: Any, h: Array, router: Any, max_rows: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(experts [T, k] in descending probability, their weights [T, k] float32) for h [T, n_embd]."""
+    p = router_probabilities(cfg, h, router, max_rows)
     chosen = np.argsort(-p, axis=-1, kind="stable")[:, :cfg.n_expert_used]
     w = np.take_along_axis(p, chosen, -1)
     if cfg.expert_norm:
@@ -163,16 +169,22 @@ def moe_ffn(cfg: Any, h: Array, lw: Any, experts: Callable[[int], tuple] | None 
     """The routed FFN (and the shared expert, where the layer has one) of h [T, n_embd] (normed):
     [T, n_embd] float32. `experts(j)`: expert j's (gate, up, down), asked once per call for each expert
     some token chose, in increasing order (a cache of experts restores it there); default: views of the
-    layer's merged matrices. `max_rows`: see _rows."""
+    layer's merged matrices. An `experts` with `routed` and `done` methods is told the experts the call
+    runs before the first, and when the last has run. `max_rows`: see _rows."""
     xp = get_array_module(h)
     T, e = h.shape[0], cfg.n_embd
     experts = experts or merged_experts(cfg, lw)
     chosen, weights = route(cfg, h, lw.ffn_gate_inp, max_rows)
     out = xp.zeros((T, e), dtype=np.float32)
-    for j in np.unique(chosen):                        # increasing: each token sums its experts in this order
+    ran = np.unique(chosen)
+    if hasattr(experts, "routed"):
+        experts.routed(ran)
+    for j in ran:                                      # increasing: each token sums its experts in this order
         tokens, slot = np.nonzero(chosen == j)
         y = _swiglu(h[xp.asarray(tokens)], *experts(int(j)), max_rows).astype(np.float32, copy=False)  # [n_j, e]
         out[xp.asarray(tokens)] += y * xp.asarray(weights[tokens, slot])[:, None]
+    if hasattr(experts, "done"):
+        experts.done()
     if lw.ffn_gate_shexp is not None:
         y = _swiglu(h, lw.ffn_gate_shexp, lw.ffn_up_shexp, lw.ffn_down_shexp, max_rows).astype(np.float32, copy=False)
         gate = (h.astype(np.float32, copy=False) @ lw.ffn_gate_inp_shexp.astype(np.float32, copy=False))  # [T]

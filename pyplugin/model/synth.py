@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter, RopeScalingType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter, RopeScalingType
 
 from ..ggml_types import SUPPORTED_NAMES
 from .load import RANDOM_WEIGHTS_KEY, SUPPORTED_ARCHS
-from .synth_quant import quantize
+from .synth_quant import quantize, random_blocks
 from .synth_vocab import (CHATML_TEMPLATE, CORPUS, LLAMA3_TEMPLATE, PHI3_TEMPLATE, Vocab,  # noqa: F401
                           build_vocab)  # (the templates and CORPUS: for the tests)
 from .tokenizer import UNUSED
@@ -65,6 +65,8 @@ class SynthSpec:
     description: str = "synthetic model with random weights, written by pyplugin.model.synth"
     seed: int = 0
     metadata: dict[str, Any] = field(default_factory=dict)  # keys written last, over the ones above
+    random_blocks: bool = False         # matrices written as random valid blocks of their types, streamed
+                                        # (synth_quant.random_blocks): a model of billions of weights in seconds
 
     @property
     def head_dim(self) -> int:
@@ -91,6 +93,9 @@ def write_gguf(path: str | os.PathLike, spec: SynthSpec | None = None, **overrid
     for key, value in spec.metadata.items():  # e.g. a crafted value, to see it refused
         writer.kv_data[0].pop(key, None)
         writer.add_key_value(key, value, _VALUE_TYPES[type(value)])  # np.uint32 for UINT32 keys
+    if spec.random_blocks:
+        _write_blocks(writer, spec, len(vocab.tokens))
+        return path
     for name, array, qtype in _tensors(spec, len(vocab.tokens)):
         try:
             data = quantize(array.reshape(-1, array.shape[-1]), qtype)
@@ -103,6 +108,30 @@ def write_gguf(path: str | os.PathLike, spec: SynthSpec | None = None, **overrid
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _write_blocks(writer: GGUFWriter, spec: SynthSpec, n_vocab: int) -> None:
+    """The tensors as random blocks, each made as it is written (never the whole model in memory)."""
+    tensors = list(_tensors(spec, n_vocab, lazy=True))
+    for name, array, qtype in tensors:
+        if isinstance(array, np.ndarray):
+            writer.add_tensor_info(name, array.shape, array.dtype, array.nbytes)
+            continue
+        shape, _ = array
+        block, size = GGML_QUANT_SIZES[qtype]
+        nbytes = int(np.prod(shape[:-1])) * (shape[-1] // block) * size
+        writer.add_tensor_info(name, (*shape[:-1], nbytes // int(np.prod(shape[:-1]))), np.dtype(np.uint8),
+                               nbytes, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for name, array, qtype in tensors:
+        if not isinstance(array, np.ndarray):
+            shape, scale = array
+            rng = np.random.default_rng([spec.seed, zlib.crc32(name.encode())])
+            array = random_blocks(qtype, int(np.prod(shape[:-1])), shape[-1], rng, scale)
+        writer.write_tensor_data(array)
+    writer.close()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -188,9 +217,9 @@ def _add_vocab(w: GGUFWriter, vocab: Vocab, spec: SynthSpec) -> None:
 # tensors
 
 
-def _tensors(spec: SynthSpec, n_vocab: int) -> Iterable[tuple[str, np.ndarray, GGMLQuantizationType]]:
+def _tensors(spec: SynthSpec, n_vocab: int, lazy: bool = False) -> Iterable[tuple[str, Any, GGMLQuantizationType]]:
     """(name, float32 array in numpy order [out, in], type) for every tensor, as the converter names
-    and lays them out."""
+    and lays them out; `lazy`: a matrix of a block type as (shape, scale) instead, made when written."""
     e, ff, hd = spec.n_embd, spec.n_ff, spec.head_dim
     q_rows, kv_rows = spec.n_head * hd, spec.n_head_kv * hd
 
@@ -200,6 +229,8 @@ def _tensors(spec: SynthSpec, n_vocab: int) -> Iterable[tuple[str, np.ndarray, G
         # dims (merged experts [n_expert, rows, cols])
         kind = spec.tensor_types.get(role, default or spec.weight_type)
         qtype = T[spec.tensor_types.get(name.removesuffix(".weight"), kind)]
+        if lazy and qtype not in (T.F32, T.F16):
+            return name, ((*stack, rows, cols), scale or cols ** -0.5), qtype
         return name, _random(spec.seed, name, (*stack, rows, cols), scale or cols ** -0.5), qtype
 
     def vector(name: str, n: int, mean: float, scale: float):
@@ -224,7 +255,7 @@ def _tensors(spec: SynthSpec, n_vocab: int) -> Iterable[tuple[str, np.ndarray, G
         else:
             name, wq, qt = matrix("attn_q", f"{b}.attn_q.weight", q_rows, e)
             name_k, wk, kt = matrix("attn_k", f"{b}.attn_k.weight", kv_rows, e)
-            if spec.arch == "llama":  # the converter's row order, for GGML's normal RoPE mode
+            if spec.arch == "llama" and isinstance(wq, np.ndarray):  # the converter's row order, for GGML's normal RoPE mode
                 wq, wk = permute_qk(wq, spec.n_head), permute_qk(wk, spec.n_head_kv)
             yield name, wq, qt
             yield name_k, wk, kt

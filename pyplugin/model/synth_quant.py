@@ -1,5 +1,6 @@
 """Writing weights in GGUF's block formats, for synthetic models: gguf-py's quantizers where it has
-them, and plain min/max fits for the K-quants (which gguf-py can read but not write)."""
+them, and plain min/max fits for the K-quants (which gguf-py can read but not write); or random valid
+blocks written directly (random_blocks), for shapes too large to quantize from floats quickly."""
 
 from __future__ import annotations
 
@@ -102,3 +103,38 @@ def quantize_q6_k(x: np.ndarray) -> np.ndarray:
     blocks = np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64), sc.view(np.uint8),
                              d.view(np.uint8).reshape(-1, 2)], axis=1)
     return blocks.reshape(rows, cols // 256 * 210)
+
+
+# random_blocks: where each block type keeps its fp16 scale fields (byte offsets), what the spread of its
+# quants is (so that d = std / spread gives values of about `std`), and for the types with a minimum, the
+# minimum's multiple of d that centres the values on 0 (K-quants: over all sub-blocks, not each one).
+_SCALES = {T.Q8_0: ((0,), 74.0, None), T.Q4_0: ((0,), 4.6, None), T.Q5_0: ((0,), 9.2, None),
+           T.Q4_1: ((0, 2), 4.6, -7.5), T.Q5_1: ((0, 2), 9.2, -15.5), T.Q4_K: ((0, 2), 250.0, 7.5),
+           T.Q5_K: ((0, 2), 500.0, 15.5), T.Q6_K: ((208,), 175.0, None)}
+
+
+def random_blocks(qtype: GGMLQuantizationType, rows: int, cols: int, rng: np.random.Generator,
+                  std: float) -> np.ndarray:
+    """[rows, cols] weights of about `std` as `qtype`'s blocks, made directly: random quants and sub-block
+    scales, fp16 scales set so the values spread as `std` (Q6_K's 8-bit sub-block scales held to -16..16),
+    never quantized from floats, so that a file of billions of weights is written in seconds. F32 and F16:
+    normal values."""
+    if qtype in (T.F32, T.F16):
+        return (rng.standard_normal((rows, cols), dtype=np.float32) * np.float32(std)).astype(
+            np.float32 if qtype == T.F32 else np.float16)
+    if qtype not in _SCALES:
+        raise ValueError(f"random blocks of {qtype.name} are not written; types: "
+                         f"{', '.join(t.name for t in (T.F32, T.F16, *_SCALES))}")
+    block, size = GGML_QUANT_SIZES[qtype]
+    if cols % block:
+        raise ValueError(f"{qtype.name} needs rows that are a multiple of {block} values; these have {cols}")
+    n = rows * (cols // block)
+    out = np.frombuffer(rng.bytes(n * size), np.uint8).reshape(n, size).copy()
+    offsets, spread, minimum = _SCALES[qtype]
+    d = np.float16(std / spread)
+    out[:, offsets[0]:offsets[0] + 2] = np.frombuffer(d.tobytes(), np.uint8)
+    if minimum is not None:  # Q4_1/Q5_1's m (added), the K-quants' dmin (subtracted)
+        out[:, offsets[1]:offsets[1] + 2] = np.frombuffer(np.float16(float(d) * minimum).tobytes(), np.uint8)
+    if qtype == T.Q6_K:
+        out[:, 192:208] = rng.integers(-16, 17, (n, 16), dtype=np.int8).view(np.uint8)
+    return out.reshape(rows, cols // block * size)

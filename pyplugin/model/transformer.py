@@ -297,9 +297,10 @@ Attend = Callable[[ModelConfig, Array, list, list, tuple], Array]
 
 
 def layer_forward(cfg: ModelConfig, x: Array, lw: LayerWeights, k_cache: Array, v_cache: Array,
-                  pos: int, rope: tuple[Array, Array] | None = None, attend: Attend | None = None) -> Array:
-    """One transformer block: ``attention_block`` then ``ffn_block``."""
-    return ffn_block(cfg, attention_block(cfg, x, lw, k_cache, v_cache, pos, rope, attend), lw)
+                  pos: int, rope: tuple[Array, Array] | None = None, attend: Attend | None = None,
+                  experts: Any = None) -> Array:
+    """One transformer block: ``attention_block`` then ``ffn_block`` (`experts`: moe.moe_ffn's)."""
+    return ffn_block(cfg, attention_block(cfg, x, lw, k_cache, v_cache, pos, rope, attend), lw, experts)
 
 
 def attention_block(cfg: ModelConfig, x: Array, lw: LayerWeights, k_cache: Array, v_cache: Array,

@@ -1,34 +1,75 @@
 """Experts as pebbles: each expert of each layer of a mixture-of-experts model (its gate, up and down rows) an
-entry of the store, and the decode step's cache of them per layer (pebble_step_layer.experts_stored).
+entry of the store, and the decode step's slots for them (pebble_step_model's expert_policy).
 
-A request asks for it with ``pebbling_expert_cache`` (experts of each layer kept on the device; 0 streams
-every routed expert). The entries are made the first time a plan asks, from the layers' merged tensors in
-the store; the decode step then restores an expert its tokens chose where the cache lacks it, once per
-step for the whole batch, and the report counts the hits, misses and bytes. The dense part of each layer
-(attention, norms, router, shared expert) keeps the strategy's rule.
+A request asks for it with ``pebbling_expert_cache`` (at most that many experts of each layer kept on the
+device; 0 streams every routed expert), ``pebbling_expert_prefetch`` (each layer's router guesses its
+experts from the hidden state entering it, and they are restored early) and ``pebbling_expert_policy``
+(which cached expert gives way: "lru", the least recently used, or "lfu", the least often used). The plan
+then holds the dense part of each layer (attention, norms, router, shared expert) by the strategy's rule
+and gives the rest of the budget to the cache (ExpertMemory): a smaller budget caches fewer experts. The
+layers' merged expert tensors stay in the host tier (the store's keep_on_host); the entries are made the
+first time a plan asks, from them. The report counts hits, misses, prefetch guesses and bytes.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from ..errors import OptionsError
-from ..store.kernels import EXPERT_MATRICES
+from ..store.kernels import EXPERT_MATRICES, EXPERT_POLICIES
 from ..xp import to_numpy
+from .layout import StoredTensor
 
 EXPERT_ID = 1 << 16  # the entry of expert j of a layer: EXPERT_ID + j (past every weight and KV id)
+SLOT_ALIGN = 256     # the decoder's expert slots are whole multiples of this (pebble_step_model)
 
 
-def parse_expert_cache(value: Any) -> int | None:
-    """pebbling_expert_cache: None (experts part of their layers), or experts per layer kept on the device."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 1 << 12:
+def parse_expert_options(options: dict) -> tuple[int | None, bool, str]:
+    """(pebbling_expert_cache, pebbling_expert_prefetch, pebbling_expert_policy) of a request's options."""
+    value = options.get("pebbling_expert_cache")
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 1 << 12):
         raise OptionsError(f"option 'pebbling_expert_cache': got {str(value)[:40]!r}; accepted: an integer from 0 "
-                           "(every routed expert restored at each use) to 4096, experts of each layer kept on the device")
-    return value
+                           "(every routed expert restored at each use) to 4096, the most experts of each layer kept "
+                           "on the device (a smaller budget keeps fewer)")
+    prefetch = options.get("pebbling_expert_prefetch", False)
+    if not isinstance(prefetch, bool):
+        raise OptionsError(f"option 'pebbling_expert_prefetch': got {str(prefetch)[:40]!r}; accepted: true or false")
+    policy = options.get("pebbling_expert_policy", "lru")
+    if policy not in EXPERT_POLICIES:
+        raise OptionsError(f"option 'pebbling_expert_policy': got {str(policy)[:40]!r}; accepted: "
+                           "'lru' (least recently used out) or 'lfu' (least often used out)")
+    if value is None and (prefetch or "pebbling_expert_policy" in options):
+        raise OptionsError("options 'pebbling_expert_prefetch' and 'pebbling_expert_policy' need "
+                           "'pebbling_expert_cache' (experts as pebbles); accepted: an integer from 0 to 4096 beside them")
+    return value, prefetch, policy
+
+
+@dataclass(frozen=True)
+class ExpertMemory:
+    """What experts as pebbles cost on the device: the decoder's slots of one expert each, `cache` per layer
+    of experts plus the staging slots (pebble_step_model: n_used with prefetch, else one where the cache is 0)."""
+
+    layers: int       # layers of experts
+    n_expert: int
+    n_used: int       # experts a token runs in a layer
+    slot_bytes: int   # one slot: the largest of the layers' experts (gate, up and down rows), aligned
+    most: int         # experts per layer the request allows at most (pebbling_expert_cache)
+    prefetch: bool
+
+    def staging(self, cache: int) -> int:
+        return self.n_used if self.prefetch else 1 if cache == 0 else 0
+
+    def device_bytes(self, cache: int) -> int:
+        return self.slot_bytes * (self.layers * cache + self.staging(cache))
+
+    def most_within(self, room: int) -> int:
+        """The largest cache per layer, at most `most`, whose slots fit `room` bytes (0 where none more does)."""
+        if room < self.device_bytes(1):
+            return 0
+        return min(self.most, self.n_expert, (room - self.slot_bytes * self.staging(1)) // (self.slot_bytes * self.layers))
 
 
 def expert_layers(pebbled: Any) -> list[int]:
@@ -36,83 +77,155 @@ def expert_layers(pebbled: Any) -> list[int]:
     return [i for i, layout in enumerate(pebbled.layouts) if {t.name for t in layout} >= set(EXPERT_MATRICES)]
 
 
-def save_expert_entries(pebbled: Any) -> int:
+def expert_bytes(pebbled: Any, i: int) -> int:
+    """One expert of layer i: its gate, up and down rows as stored."""
+    return sum(t.nbytes for t in pebbled.layouts[i] if t.name in EXPERT_MATRICES) // pebbled.model.config.n_expert
+
+
+def expert_memory(pebbled: Any, pebbling: Any) -> ExpertMemory | None:
+    """The request's ExpertMemory where it asks for experts as pebbles of a model that has them, else None."""
+    cfg, layers = pebbled.model.config, expert_layers(pebbled)
+    if pebbling is None or pebbling.expert_cache is None or not layers:
+        return None
+    slot = max(expert_bytes(pebbled, i) for i in layers)
+    return ExpertMemory(len(layers), cfg.n_expert, cfg.n_expert_used, -(-slot // SLOT_ALIGN) * SLOT_ALIGN,
+                        pebbling.expert_cache, pebbling.expert_prefetch)
+
+
+def keep_merged_on_host(pebbled: Any, keep: bool) -> None:
+    """The layers' merged expert tensors kept in the host tier (a plan of experts as pebbles), or placed by
+    the strategy with their layers again."""
+    if getattr(pebbled, "_merged_kept", False) == keep:
+        return
+    for i in expert_layers(pebbled):
+        for t in pebbled.layouts[i]:
+            if t.name in EXPERT_MATRICES:
+                pebbled.store.keep_on_host(i, t.tensor_id, keep)
+    pebbled._merged_kept = keep
+
+
+def save_expert_entries(pebbled: Any) -> None:
     """Saves each expert of each layer of experts as an entry of a store of their own (once per model:
     `pebbled.expert_store`, whose host tier keeps them whatever the layers' residency), from the merged
-    tensors the layers' store holds; returns the bytes of one expert (0 for a model without experts)."""
-    cached = getattr(pebbled, "_expert_bytes", None)
-    if cached is not None:
-        return cached
-    n_expert, nbytes = pebbled.model.config.n_expert, 0
-    store = pebbled.expert_store = pebbled.backend.open_store(0, pebbled.model.config.n_layer, "minimal")
+    tensors the layers' store holds."""
+    if pebbled.expert_store is not None:
+        return
+    n_expert = pebbled.model.config.n_expert
+    store = pebbled.backend.open_store(0, pebbled.model.config.n_layer, "minimal")
     for i in expert_layers(pebbled):
         tensors = {t.name: t for t in pebbled.layouts[i]}
         parts = []
         for name in EXPERT_MATRICES:
-            t = tensors[name]
-            raw = pebbled.xp.empty(t.nbytes, np.uint8)
-            pebbled.store.restore(i, t.tensor_id, raw)
-            parts.append(to_numpy(raw).reshape(n_expert, -1))             # expert j's rows: row j
+            raw = np.empty(tensors[name].nbytes, np.uint8)
+            pebbled.store.restore(i, tensors[name].tensor_id, raw)
+            parts.append(raw.reshape(n_expert, -1))             # expert j's rows: row j
         for j in range(n_expert):
-            data = np.concatenate([p[j] for p in parts])
-            store.save(i, EXPERT_ID + j, data, tier="host")
-            nbytes = data.nbytes
-    pebbled._expert_bytes = nbytes
-    return nbytes
+            store.save(i, EXPERT_ID + j, np.concatenate([p[j] for p in parts]), tier="host")
+    pebbled.expert_store = store
 
 
 def decoder_experts(layers: Any) -> dict[int, tuple[int, int]] | None:
-    """For a StoreLayers whose request asked for an expert cache: {layer: (EXPERT_ID, experts cached)} for
-    the decoder (Kernels.decoder's `experts`), the entries made first; else None."""
-    cache = layers.pebbling.expert_cache
-    if cache is None or not layers.pebbled.model.config.n_expert:
+    """For a StoreLayers whose plan holds experts as pebbles: {layer: (EXPERT_ID, experts cached)} for the
+    decoder (Kernels.decoder's `experts`), the entries made first; else None."""
+    if layers.plan.expert_cache is None:
         return None
     save_expert_entries(layers.pebbled)
-    return {i: (EXPERT_ID, min(cache, layers.pebbled.model.config.n_expert)) for i in expert_layers(layers.pebbled)}
+    return {i: (EXPERT_ID, layers.plan.expert_cache) for i in expert_layers(layers.pebbled)}
+
+
+class PrefillExperts:
+    """moe_ffn's `experts` for layer i of a prefill where the arrays are device memory: expert j restored
+    from its entry into one working slot (the plan's workspace counts it) as each is asked for."""
+
+    def __init__(self, pebbled: Any, i: int, slot: Any):
+        save_expert_entries(pebbled)
+        cfg, self.pebbled, self.layer, self.slot = pebbled.model.config, pebbled, i, slot
+        rows = {"ffn_gate_exps": cfg.n_ff_exp, "ffn_up_exps": cfg.n_ff_exp, "ffn_down_exps": cfg.n_embd}
+        self.parts = [StoredTensor(t.tensor_id, t.name, (rows[t.name], t.shape[1]), t.nbytes // cfg.n_expert, t.qtype)
+                      for name in EXPERT_MATRICES for t in pebbled.layouts[i] if t.name == name]
+        self.nbytes = sum(t.nbytes for t in self.parts)
+
+    def __call__(self, j: int) -> tuple:
+        raw = self.slot[:self.nbytes]
+        self.pebbled.expert_store.restore(self.layer, EXPERT_ID + j, raw)
+        out, at = [], 0
+        for t in self.parts:
+            out.append(t.view(raw[at:at + t.nbytes], self.pebbled.dtype, self.pebbled.kernels))
+            at += t.nbytes
+        return tuple(out)
+
+
+# ---------------------------------------------------------------------------------------------------
+# what it cost
+
+_COUNTS = {"expert_hits": "hits", "expert_misses": "misses", "expert_bytes_restored": "bytes",
+           "expert_guesses": "guesses", "expert_guesses_right": "right", "expert_prefetches": "prefetches",
+           "expert_prefetch_hits": "prefetch_hits"}
 
 
 def charge(costs: dict, seqs, before: dict, after: dict) -> None:
-    """Divides a step's expert hits, misses and bytes restored equally among its sequences' costs."""
+    """Divides a step's expert counts (hits, misses, bytes, prefetch guesses) equally among its sequences."""
     share = 1 / len(seqs)
     for seq in seqs:
         cost = costs[seq]
-        cost.expert_hits += (after["expert_hits"] - before["expert_hits"]) * share
-        cost.expert_misses += (after["expert_misses"] - before["expert_misses"]) * share
-        cost.expert_bytes += (after["expert_bytes_restored"] - before["expert_bytes_restored"]) * share
+        for stat, name in _COUNTS.items():
+            cost.experts[name] = cost.experts.get(name, 0) + (after[stat] - before[stat]) * share
         cost.expert_steps += 1
 
 
 def report(layers: Any, cost: Any) -> dict[str, Any] | None:
-    """The report's "experts" object for a model of experts: the cache per layer (None: experts part of
-    their layers), hits, misses, the hit rate and the expert bytes restored per decoded token."""
+    """The report's "experts" object for a model of experts: the plan's cache per layer (None: experts part
+    of their layers), the decoder's slots' bytes, hits, misses, the hit rate, prefetch guesses and their
+    accuracy (guesses the layer then ran), and the expert bytes restored per decoded token."""
     cfg = layers.pebbled.model.config
     if not cfg.n_expert:
         return None
-    ran, cache = cost.expert_hits + cost.expert_misses, layers.pebbling.expert_cache
-    one = getattr(layers.pebbled, "_expert_bytes", None)
-    return {"n_expert": cfg.n_expert, "n_expert_used": cfg.n_expert_used, "cache_per_layer": cache,
-            "expert_bytes": one,
-            # the decode step's cache (device memory on the GPU), beside the plan's estimate: not in it yet
-            "cache_bytes": None if cache is None or one is None else
-            len(expert_layers(layers.pebbled)) * max(1, min(cache, cfg.n_expert)) * one,
-            "hits": round(cost.expert_hits), "misses": round(cost.expert_misses),
-            "hit_rate": round(cost.expert_hits / ran, 4) if ran else None,
-            "bytes_restored_per_token": round(cost.expert_bytes / cost.expert_steps) if cost.expert_steps else None}
+    c, plan = {k: round(v) for k, v in cost.experts.items()}, layers.plan
+    ran = c.get("hits", 0) + c.get("misses", 0)
+    guesses = c.get("guesses", 0)
+    on = plan.expert_cache is not None
+    return {"n_expert": cfg.n_expert, "n_expert_used": cfg.n_expert_used, "cache_per_layer": plan.expert_cache,
+            "cache_asked": layers.pebbling.expert_cache, "policy": layers.pebbling.expert_policy if on else None,
+            "prefetch": layers.pebbling.expert_prefetch if on else None,
+            "expert_bytes": max((expert_bytes(layers.pebbled, i) for i in expert_layers(layers.pebbled)), default=None),
+            "cache_bytes_estimate": plan.expert_bytes if on else None,
+            "cache_bytes": layers.expert_device_bytes() if on else None,
+            "hits": c.get("hits", 0), "misses": c.get("misses", 0),
+            "hit_rate": round(c["hits"] / ran, 4) if ran else None,
+            "prefetch_guesses": guesses, "prefetch_right": c.get("right", 0),
+            "prefetch_accuracy": round(c["right"] / guesses, 4) if guesses else None,
+            "prefetched": c.get("prefetches", 0), "prefetched_used": c.get("prefetch_hits", 0),
+            "bytes_restored_per_token": round(cost.experts.get("bytes", 0) / cost.expert_steps) if cost.expert_steps
+            else None}
 
 
-def estimate(pebbled: Any) -> dict[str, Any] | None:
-    """What experts as pebbles would hold and move, for `pebbling estimate` (None without experts): the
-    bytes of one expert, of every expert and of the layers' dense part; the decode step's cache of C experts
-    per layer (C at least one working expert); and the expert bytes a token restores with no cache (its k
-    experts in every layer; a cache saves its hit rate of that, which depends on the routing). The plans
-    above it still hold each layer's experts with the layer: the budget does not yet leave them out."""
+def estimate(pebbled: Any, e: ExpertMemory | None, dense: dict[str, int]) -> dict[str, Any] | None:
+    """What experts as pebbles would hold and move, for `pebbling estimate` (None without experts), with
+    slots of `e` and `dense` the peak of the dense part under "none" and "minimal" (the plans' peaks less
+    their expert slots): the bytes of one expert, of every expert and of the dense part; the smallest budget
+    (minimal's dense part and the staging slots: one expert, or one layer's top-k with prefetch); and per
+    cache size what its slots cost, the budget it needs beside every layer's dense part resident ("none")
+    and beside minimal's, and the expert bytes a token restores at most (no hit). A cache saves its hit
+    rate of those; the hit rate depends on the routing (uniform routing hits about C / n_expert of the
+    time, real routing more)."""
     cfg, layers = pebbled.model.config, expert_layers(pebbled)
-    if not layers:
+    if not layers or e is None:
         return None
-    per_expert = sum(t.nbytes for t in pebbled.layouts[layers[0]] if t.name in EXPERT_MATRICES) // cfg.n_expert
     total = sum(t.nbytes for i in layers for t in pebbled.layouts[i] if t.name in EXPERT_MATRICES)
-    sizes = sorted({c for c in (0, 1, 8, 16, 32, cfg.n_expert) if c <= cfg.n_expert})
+    sizes = sorted({c for c in (0, 1, 8, 16, 32, 64, cfg.n_expert) if c <= cfg.n_expert})
+    caches = []
+    for c in sizes:
+        row = {"cache_per_layer": c, "uniform_hit_rate": round(c / cfg.n_expert, 4)}
+        for prefetch in (False, True):
+            slots = ExpertMemory(e.layers, e.n_expert, e.n_used, e.slot_bytes, c, prefetch).device_bytes(c)
+            key = "prefetch_" if prefetch else ""
+            row.update({f"{key}slots_bytes": slots, f"{key}budget_none": dense["none"] + slots,
+                        f"{key}budget_minimal": dense["minimal"] + slots})
+        caches.append(row)
+    routed = sum(expert_bytes(pebbled, i) for i in layers) * cfg.n_expert_used
     return {"n_expert": cfg.n_expert, "n_expert_used": cfg.n_expert_used, "expert_layers": len(layers),
-            "expert_bytes": per_expert, "experts_bytes": total, "dense_bytes": pebbled.weight_bytes - total,
-            "cache_bytes": {str(c): len(layers) * max(1, c) * per_expert for c in sizes},
-            "routed_bytes_per_token": len(layers) * cfg.n_expert_used * per_expert}
+            "expert_bytes": max(expert_bytes(pebbled, i) for i in layers), "slot_bytes": e.slot_bytes,
+            "experts_bytes": total, "dense_bytes": pebbled.weight_bytes - total,
+            "smallest_budget_bytes": caches[0]["budget_minimal"],
+            "smallest_budget_prefetch_bytes": caches[0]["prefetch_budget_minimal"],
+            "caches": caches, "routed_bytes_per_token": routed}

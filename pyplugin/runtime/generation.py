@@ -158,10 +158,11 @@ class Generation:
     def _through_layers(self, tokens: Sequence[int]) -> Any:
         x = embed(self.outer, tokens, self.xp, self.cfg.embd_scale)                # [T, n_embd]
         self.layers.begin(self.pos, len(tokens))
+        experts = getattr(self.layers, "experts", lambda i: None)  # where a layer's experts come from
         for i, cfg in enumerate(self.layer_cfgs):
             weights, k_cache, v_cache = self.layers.layer(i)
             rope = tuple(t[self.pos:self.pos + len(tokens)] for t in rope_table(cfg, self.layers.n_ctx, self.xp))
-            x = layer_forward(cfg, x, weights, k_cache, v_cache, self.pos, rope, self.attend)
+            x = layer_forward(cfg, x, weights, k_cache, v_cache, self.pos, rope, self.attend, experts(i))
             self.layers.done(i)
         self.pos += len(tokens)
         return x

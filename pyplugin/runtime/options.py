@@ -158,7 +158,8 @@ PLACEMENT = frozenset({"num_gpu", "main_gpu", "num_thread", "use_mmap", "use_mlo
 NEUTRAL = {"mirostat": 0, "mirostat_tau": None, "mirostat_eta": None, "tfs_z": 1.0, "typical_p": 1.0,
            "penalize_newline": False}
 PEBBLING = frozenset({"pebbling_strategy", "pebbling_enabled", "pebbling_memory_limit", "pebbling_weights",
-                      "pebbling_cache_prompt", "pebbling_kv_type", "pebbling_expert_cache"})
+                      "pebbling_cache_prompt", "pebbling_kv_type", "pebbling_expert_cache",
+                      "pebbling_expert_prefetch", "pebbling_expert_policy"})
 
 
 def _check_unimplemented(key: Any, value: Any) -> None:

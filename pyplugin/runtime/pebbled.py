@@ -16,6 +16,7 @@ from ..model import LayerWeights, Model, OuterWeights, QuantWeight, embed, layer
 from ..model.gguf_file import drop_file_pages, map_file_pages
 from ..model.qweight import needs_expansion
 from ..store import Backend, select_backend
+from ..store.kernels import EXPERT_MATRICES
 from ..xp import to_numpy
 from .constraint import Constraint
 from .conversations import ParkedConversations
@@ -24,6 +25,7 @@ from .layout import WEIGHT_IDS, StoredTensor, aligned, bytes_of, kv_ids, tensor_
 from .options import Options
 from .plan import MemoryModel, PebblingOptions, Plan, format_bytes, make_plan, smallest_footprint, workspace_bytes
 from .store_layers import StoreLayers
+from . import experts
 
 
 def adaptive_budget(free: int | None, used, others: int, reserve: float = 0.05) -> int | None:
@@ -94,7 +96,7 @@ class PebbledModel:
         self.restored: dict[int, int] = {}      # per sequence: tokens its last claim brought back from the host tier
         self._overhead: int | None = None
 
-    expert_store = None  # the experts' entries, once a request asks for an expert cache (runtime.experts)
+    expert_store = None  # the experts' entries, once a request asks for experts as pebbles (runtime.experts)
 
     def close(self) -> None:
         self.store.close()
@@ -130,10 +132,12 @@ class PebbledModel:
         cfg = self.model.config
         return (kv or self.kv).shape(cfg.kv_rows(i, n_ctx), cfg.n_head_kv, cfg.head_dim)
 
-    def memory_model(self, options: Options, prompt_tokens: int | None = None, n_seqs: int = 1) -> MemoryModel:
+    def memory_model(self, options: Options, prompt_tokens: int | None = None, n_seqs: int = 1,
+                     pebbling: PebblingOptions | None = None) -> MemoryModel:
         """Device memory for these options; knowing the prompt's length sizes the workspace for the
         chunks and context this request can reach instead of a full num_batch chunk at num_ctx.
-        `n_seqs`: sequences decoding together (a batch), each with its own KV cache at num_ctx."""
+        `n_seqs`: sequences decoding together (a batch), each with its own KV cache at num_ctx. `pebbling`
+        asking for experts as pebbles: the layers' dense part, and the experts' slots (runtime.experts)."""
         cfg, isz = self.model.config, self.dtype.itemsize
         kv = kv_type(options.kv_type)
         kv.check_head_dim(cfg.head_dim)
@@ -158,8 +162,12 @@ class PebbledModel:
             workspace = max(
                 workspace_bytes(cfg, chunk, prompt_tokens, isz) + 2 * self._expansion_elements(chunk),
                 n_seqs * workspace_bytes(cfg, 1, min(options.num_ctx, reach), isz))          # decode
+        expert_slots = experts.expert_memory(self, pebbling)
+        held = (lambda t: t.name not in EXPERT_MATRICES) if expert_slots else (lambda t: True)
+        if expert_slots and self.backend.arrays_on_device:  # a prefill restores experts into one slot
+            workspace += expert_slots.slot_bytes
         return MemoryModel(
-            layer_weight_bytes=tuple(sum(aligned(t.nbytes) for t in layout) for layout in self.layouts),
+            layer_weight_bytes=tuple(sum(aligned(t.nbytes) for t in layout if held(t)) for layout in self.layouts),
             layer_kv_bytes=tuple(aligned(cfg.kv_rows(i, options.num_ctx) * kv_token // 2) * 2
                                  for i in range(cfg.n_layer)),
             kv_bytes_per_token=kv_token,
@@ -168,7 +176,8 @@ class PebbledModel:
             workspace_bytes=workspace,
             overhead_bytes=self._overhead_bytes(),
             n_seqs=n_seqs,
-            request=request if n_seqs == 1 else f"{n_seqs} sequences decoding together, {request}")
+            request=request if n_seqs == 1 else f"{n_seqs} sequences decoding together, {request}",
+            experts=expert_slots)
 
     def restored_bytes_per_token(self, plan: Plan, context_tokens: int) -> int:
         """What a decode step under `plan` restores per token: the streamed layers' bytes where the backend's
@@ -241,14 +250,14 @@ class PebbledModel:
         strategy = pebbling.effective_strategy
         budget = self.budget(pebbling, others) if strategy.name == "adaptive" else pebbling.memory_limit
         try:
-            return make_plan(self.memory_model(options, prompt_tokens, n_seqs), strategy, budget)
+            return make_plan(self.memory_model(options, prompt_tokens, n_seqs, pebbling), strategy, budget)
         except OptionsError as exc:  # say which smaller KV type would fit, where one would
             for t in KV_TYPES.values():
                 if t.row_bytes(64) >= kv_type(options.kv_type).row_bytes(64) or self.model.config.head_dim % t.block:
                     continue
                 try:
-                    plan = make_plan(self.memory_model(replace(options, kv_type=t.name), prompt_tokens, n_seqs),
-                                     strategy, budget)
+                    plan = make_plan(self.memory_model(replace(options, kv_type=t.name), prompt_tokens, n_seqs,
+                                                       pebbling), strategy, budget)
                 except OptionsError:
                     continue
                 raise type(exc)(f"{exc}; with pebbling_kv_type {t.name!r} it fits (about "
@@ -359,5 +368,6 @@ class PebbledModel:
             self._kv_seqs.discard(seq)
             self._kv_tokens.pop(seq, None)
         self._kv_ctx, self.kv = n_ctx, kv
+        experts.keep_merged_on_host(self, plan.expert_cache is not None)
         store.set_strategy(plan.strategy, device_limit=plan.store_limit)
         store.reset_stats()

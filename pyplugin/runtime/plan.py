@@ -7,6 +7,9 @@ Peak device memory of a plan for a batch of n_seqs sequences (1 for a request al
   + fixed tensors (output norm and output matrix)
   + the workspace of one prefill chunk of num_batch tokens, or of a decode step over the batch
   + the backend's fixed overhead (the CUDA context and allocator on the GPU; 0 on host and stub)
+  + with experts as pebbles (runtime.experts): the decoder's expert slots, a cache of C experts per layer
+    of experts and its staging slots; the layers' weights above are then their dense part only, and C the
+    most the budget leaves room for (at most what the request asks; 0 under minimal)
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from fractions import Fraction
 from ..errors import OptionsError
 from ..model import WEIGHT_FORMS, ModelConfig, check_weight_form
 from ..store.strategy import ADAPTIVE, NONE, Strategy, resident_layers
-from .experts import parse_expert_cache
+from .experts import ExpertMemory, parse_expert_options
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,7 @@ class MemoryModel:
     kv_windows: tuple[int, ...] = ()     # per layer, the most positions its cache holds (0: all of them)
     n_seqs: int = 1                      # sequences decoding together, each with KV entries of its own
     request: str = "any request"         # what the workspace was sized for, as messages name it
+    experts: ExpertMemory | None = None  # experts as pebbles: layer_weight_bytes is then the dense part
 
     @property
     def n_layers(self) -> int:
@@ -64,6 +68,8 @@ class Plan:
     estimated_peak_bytes: int
     budget_bytes: int | None
     memory: MemoryModel = field(repr=False)
+    expert_cache: int | None = None  # experts as pebbles: experts cached per layer of experts (None: off)
+    expert_bytes: int = 0            # ... and the decoder's expert slots, in the estimated peak
 
     @property
     def streamed(self) -> tuple[int, ...]:
@@ -91,15 +97,16 @@ def workspace_bytes(cfg: ModelConfig, n_tokens: int, n_ctx: int, itemsize: int) 
     return stream + max(attention, mlp) + 2 * cfg.n_vocab * 4
 
 
-def peak_for(memory: MemoryModel, resident: list[int] | tuple[int, ...]) -> tuple[int, int, int, int]:
-    """(estimated peak, store limit, slots, slot bytes) when exactly `resident` stay on the device."""
+def peak_for(memory: MemoryModel, resident: list[int] | tuple[int, ...], cache: int = 0) -> tuple[int, int, int, int]:
+    """(estimated peak, store limit, slots, slot bytes) when exactly `resident` stay on the device (and, with
+    experts as pebbles, `cache` experts per layer of experts)."""
     keep = set(resident)
     streamed = [i for i in range(memory.n_layers) if i not in keep]
     store_limit = sum(memory.layer_bytes(i) for i in keep)
     n_slots = min(2, len(streamed))  # double buffering: one computes while the next is restored
     slot_bytes = max((memory.layer_bytes(i) for i in streamed), default=0)
     peak = (store_limit + n_slots * slot_bytes + memory.fixed_bytes + memory.workspace_bytes
-            + memory.overhead_bytes)
+            + memory.overhead_bytes + (memory.experts.device_bytes(cache) if memory.experts else 0))
     return peak, store_limit, n_slots, slot_bytes
 
 
@@ -131,7 +138,15 @@ def make_plan(memory: MemoryModel, strategy: Strategy | str, budget: int | None 
             f"strategy {strategy} needs about {format_bytes(peak)} of device memory (estimate), more than "
             f"the limit of {format_bytes(budget)}; use adaptive, a larger limit, or minimal, whose "
             f"smallest footprint is {format_bytes(floor)}")
-    return Plan(strategy, tuple(resident), n_slots, slot_bytes, store_limit, peak, budget, memory)
+    e = memory.experts
+    if e is None:
+        return Plan(strategy, tuple(resident), n_slots, slot_bytes, store_limit, peak, budget, memory)
+    # The dense part placed by the strategy; the cache takes the rest of the budget (minimal: no cache).
+    cache = 0 if strategy.name == "minimal" else min(e.most, e.n_expert) if budget is None else \
+        e.most_within(budget - peak + e.device_bytes(0))
+    peak = peak_for(memory, resident, cache)[0]
+    return Plan(strategy, tuple(resident), n_slots, slot_bytes, store_limit, peak, budget, memory, cache,
+                e.device_bytes(cache))
 
 
 def _most_resident_within(memory: MemoryModel, budget: int) -> int:
@@ -211,7 +226,11 @@ class PebblingOptions:
     memory_limit: int | None = None  # bytes
     weights: str | None = None       # one of WEIGHT_FORMS
     cache_prompt: bool = True
-    expert_cache: int | None = None  # experts of each layer cached on the device (runtime.experts); None: off
+    # experts as pebbles (runtime.experts): the most experts of each layer cached on the device (None: off),
+    # whether each layer's experts are guessed and restored early, and which cached expert gives way
+    expert_cache: int | None = None
+    expert_prefetch: bool = False
+    expert_policy: str = "lru"
 
     @classmethod
     def from_options(cls, options) -> "PebblingOptions":
@@ -229,7 +248,7 @@ class PebblingOptions:
             check_weight_form(weights, "option 'pebbling_weights'")
         return cls(None if strategy is None else Strategy.parse(strategy), enabled,
                    None if limit is None else parse_size(limit), weights, cache_prompt is not False,
-                   parse_expert_cache(options.get("pebbling_expert_cache")))
+                   *parse_expert_options(options))
 
     @property
     def effective_strategy(self) -> Strategy:

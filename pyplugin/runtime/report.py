@@ -19,9 +19,9 @@ class SequenceCost:
     bytes_restored: float = 0.0
     restores: float = 0.0
     passes: list[tuple[int, float, int]] = field(default_factory=list)  # (position, bytes share, sequences)
-    expert_hits: float = 0.0         # experts as pebbles (runtime.experts): this sequence's share of its decode
-    expert_misses: float = 0.0       # steps' expert hits, misses and bytes restored, and how many steps
-    expert_bytes: float = 0.0
+    # experts as pebbles (runtime.experts): this sequence's share of its decode steps' expert counts (hits,
+    # misses, bytes restored, prefetch guesses ...), and how many steps
+    experts: dict[str, float] = field(default_factory=dict)
     expert_steps: int = 0
 
 
@@ -35,9 +35,9 @@ def pebbling_report(layers: Any, stats: Any, seq: int = 0) -> dict[str, Any]:
         measured, how = layers.peak_sample, f"measured ({layers.measured_by})"
     else:
         measured = (store.device_peak_bytes + len(layers.slots) * layers.slot_bytes + memory.fixed_bytes
-                    + memory.workspace_bytes + memory.overhead_bytes)
+                    + memory.workspace_bytes + memory.overhead_bytes + layers.expert_device_bytes())
         how = ("byte-accounted (store device tier peak + working slots + output weights + "
-               "workspace reservation; no GPU measured)")
+               "workspace reservation + expert slots made; no GPU measured)")
     cost = layers.costs.get(seq, SequenceCost())
     # Decode steps are the forward passes that start past the prompt.
     prompt_end = stats.cached_tokens + stats.prompt_tokens

@@ -49,6 +49,11 @@ class StoreLayers:
         self.n_ctx = options.num_ctx
         self.n_seqs = plan.memory.n_seqs
         self.n_layers = plan.memory.n_layers
+        # Experts as pebbles: the layers' merged expert tensors stay in the host tier (runtime.experts); their
+        # views there give the decoder their types, and on host memory a prefill computes from them in place.
+        self.experts_apart = plan.expert_cache is not None
+        self._expert_layers = set(experts.expert_layers(pebbled)) if self.experts_apart else set()
+        self._prefill_slot = None
         # Per layer: a sliding-window layer's cache is a ring of its window's rows, in the request's KV type.
         self.kv = kv_type(options.kv_type)
         self.kv_dtype = self.kv.dtype
@@ -91,16 +96,25 @@ class StoreLayers:
 
     # -- views
 
+    def _apart(self, t) -> bool:
+        """Whether tensor `t` of a layer is a merged expert tensor left in the host tier."""
+        return self.experts_apart and t.name in EXPERT_MATRICES
+
+    def _host_view(self, i: int, t) -> Any:
+        return t.view(self.store.host_array(i, t.tensor_id, np.uint8, (t.nbytes,)), self.dtype, self.pebbled.kernels)
+
     def _resident_weights(self, i: int) -> LayerWeights:
         view, kernels = self.store.device_array, self.pebbled.kernels
-        return LayerWeights(**{t.name: t.view(view(i, t.tensor_id, np.uint8, (t.nbytes,)), self.dtype, kernels)
+        return LayerWeights(**{t.name: self._host_view(i, t) if self._apart(t) else
+                               t.view(view(i, t.tensor_id, np.uint8, (t.nbytes,)), self.dtype, kernels)
                                for t in self.pebbled.layouts[i]})
 
     def _kv_bytes(self, i: int) -> int:
         return int(np.prod(self.kv_shapes[i])) * self.kv_dtype.itemsize
 
     def _slot_size(self, i: int) -> int:
-        return sum(aligned(t.nbytes) for t in self.pebbled.layouts[i]) + 2 * self.n_seqs * aligned(self._kv_bytes(i))
+        return sum(aligned(t.nbytes) for t in self.pebbled.layouts[i] if not self._apart(t)) + \
+            2 * self.n_seqs * aligned(self._kv_bytes(i))
 
     def _slot_views(self, slot: int, i: int, n_seqs: int) -> tuple[LayerWeights, list[tuple[Array, Array]]]:
         """Layer i's weights and n_seqs sequences' caches over slot `slot` (made once: the slots live as
@@ -120,7 +134,8 @@ class StoreLayers:
             return raw
 
         for t in self.pebbled.layouts[i]:
-            arrays[t.name] = t.view(carve(t.nbytes), self.dtype, self.pebbled.kernels)
+            arrays[t.name] = self._host_view(i, t) if self._apart(t) else \
+                t.view(carve(t.nbytes), self.dtype, self.pebbled.kernels)
         caches = [tuple(carve(self._kv_bytes(i)).view(self.kv_dtype).reshape(self.kv_shapes[i]) for _ in range(2))
                   for _ in range(n_seqs)]
         return LayerWeights(**arrays), caches
@@ -157,6 +172,21 @@ class StoreLayers:
                     self.store.device_array(i, tid, self.kv_dtype, self.kv_shapes[i]) for tid in kv_ids(seq))
             return views
         return self.in_slot[self.order[i] % len(self.slots)][1][self.batch_index[seq]]
+
+    def experts(self, i: int) -> Any:
+        """Where a prefill's layer i takes its experts from (moe.moe_ffn's `experts`): with experts as pebbles
+        where the arrays are device memory, each restored from its entry into one working slot; None (the
+        merged tensors) elsewhere, which on host memory are the host tier's, computed from in place."""
+        if i not in self._expert_layers or not (self.backend.arrays_on_device or self.slots_everywhere):
+            return None
+        if self._prefill_slot is None:
+            self._prefill_slot = self.xp.empty(self.plan.memory.experts.slot_bytes, np.uint8)
+        return experts.PrefillExperts(self.pebbled, i, self._prefill_slot)
+
+    def expert_device_bytes(self) -> int:
+        """Device memory held for experts as pebbles: the decoder's slots and a prefill's working slot."""
+        held = self._decoder.stats()["expert_device_bytes"] if self._decoder is not None else 0
+        return held + (0 if self._prefill_slot is None else self._prefill_slot.nbytes)
 
     def pass_caches(self, i: int) -> list[tuple[Array, Array]]:
         """`caches(i, seq)` of every sequence of the pass, in its order (a streamed layer's slot holds them so)."""
@@ -197,7 +227,8 @@ class StoreLayers:
         weights, caches = self._slot_views(slot, i, len(self.pass_seqs))
         views = (weights, caches)
         for t in self.pebbled.layouts[i]:
-            self.store.restore(i, t.tensor_id, bytes_of(getattr(weights, t.name)), stream=self.copy_stream)
+            if not self._apart(t):
+                self.store.restore(i, t.tensor_id, bytes_of(getattr(weights, t.name)), stream=self.copy_stream)
         for (seq, pos, _), (k, v) in zip(self.pass_seqs, caches):
             held = min(pos, self.kv_shapes[i][0])  # a sliding layer's ring holds its window at most
             if held:
@@ -211,10 +242,7 @@ class StoreLayers:
         """Streamed layer i's weights in the host tier, computed from in place (host memory). Made once per
         plan: the host copies stay put while it runs."""
         if i not in self.host_views:
-            kernels = self.pebbled.kernels
-            self.host_views[i] = LayerWeights(**{
-                t.name: t.view(self.store.host_array(i, t.tensor_id, np.uint8, (t.nbytes,)), self.dtype, kernels)
-                for t in self.pebbled.layouts[i]})
+            self.host_views[i] = LayerWeights(**{t.name: self._host_view(i, t) for t in self.pebbled.layouts[i]})
         return self.host_views[i]
 
     def _host_caches(self, i: int, seq: int) -> tuple[Array, Array]:
@@ -276,7 +304,8 @@ class StoreLayers:
             self._decoder = self.pebbled.kernels.decoder(
                 self.pebbled.model.config, weights, caches, self.outer, self.n_ctx, streamed=streamed or None,
                 store=self.store if streamed or stored else None, kv_ids=[kv_ids(seq) for seq in range(self.n_seqs)],
-                slots=self.slots if streamed else (), experts=stored, expert_store=stored and self.pebbled.expert_store)
+                slots=self.slots if streamed else (), experts=stored, expert_store=stored and self.pebbled.expert_store,
+                expert_policy=self.pebbling.expert_policy, expert_prefetch=self.pebbling.expert_prefetch)
         return self._decoder
 
     def decode_step(self, seqs: Sequence[int], positions: Sequence[int], x: Array):
@@ -332,6 +361,9 @@ class SequenceLayers:
 
     def layer(self, i: int) -> tuple[LayerWeights, Array, Array]:
         return (self.shared.weights(i), *self.shared.caches(i, self.seq))
+
+    def experts(self, i: int) -> Any:
+        return self.shared.experts(i)
 
     def done(self, i: int) -> None:
         self.shared.done(i)

@@ -22,7 +22,7 @@ import numpy as np
 
 from ..errors import ClosedError, InvalidArgumentError, SizeMismatchError
 from ..ggml_types import SUPPORTED_TYPES, block, type_name
-from .abi import MAX_DIMS, TIER_AUTO, TIER_HOST, TIER_NAMES, TYPE_BYTES
+from .abi import MAX_DIMS, TIER_AUTO, TIER_HOST, TIER_NAMES, TYPE_BYTES, TYPE_COUNT
 from .strategy import Strategy
 
 _TIER_BY_NAME = {name: code for code, name in TIER_NAMES.items()}
@@ -105,6 +105,21 @@ def default_desc(data, desc: TensorDesc | None) -> TensorDesc | None:
     if not 1 <= data.ndim <= MAX_DIMS:
         return None
     return TensorDesc(TYPE_BYTES, tuple(int(n) for n in reversed(data.shape)))
+
+
+def checked_desc(call: str, key, desc: "TensorDesc | None", nbytes: int) -> "TensorDesc":
+    """The stub's pebble_save checks of a desc (None: untyped bytes), as pebble.cu makes them."""
+    if desc is None:
+        return TensorDesc(TYPE_BYTES, (nbytes,))
+    ggml_type, shape = as_int(desc.ggml_type, "ggml_type"), tuple(as_int(n, "shape") for n in desc.shape)
+    if not (ggml_type == TYPE_BYTES or 0 <= ggml_type < TYPE_COUNT):
+        raise InvalidArgumentError(f"{call}: layer {key[0]} tensor {key[1]}: unknown GGUF type "
+                                   f"{ggml_type}; valid: {TYPE_BYTES} (bytes), 0..{TYPE_COUNT - 1}")
+    if not 1 <= len(shape) <= MAX_DIMS:
+        raise InvalidArgumentError(f"{call}: layer {key[0]} tensor {key[1]}: shape {shape} has "
+                                   f"{len(shape)} dimensions; valid: 1..{MAX_DIMS}")
+    check_desc_bytes(call, key, ggml_type, shape, nbytes)
+    return TensorDesc(ggml_type, shape)
 
 
 def check_desc_bytes(call: str, key, ggml_type: int, shape: tuple, nbytes: int) -> None:
@@ -226,6 +241,12 @@ class Store(abc.ABC):
     def prefetch(self, layer: int, *, stream=None) -> None:
         """Copies the layer's host-only entries into the device tier as far as the limit allows
         without evicting other entries of that layer."""
+
+    @abc.abstractmethod
+    def keep_on_host(self, layer: int, tensor_id: int, keep: bool = True) -> None:
+        """keep True keeps the entry in the host tier: a device copy moves there now, and set_strategy,
+        prefetch and a save into the automatic tier leave it there (a save into the device tier still
+        places it); False lets the strategy place it again. Lasts until the entry is erased."""
 
     @abc.abstractmethod
     def entry_info(self, layer: int, tensor_id: int) -> EntryInfo: ...

@@ -105,10 +105,14 @@ class StepModel:
     kv_ids: tuple = ()   # per sequence, the (K, V) entry ids of its caches in every layer
     slots: tuple = ()    # the streamed layers' two slots (buffers of the library's memory), or () for its own
     expert_store: Any = None  # the experts' entries (StepLayer.experts), or None for `store`'s
+    expert_policy: int = 0    # a cache of experts' victim: EXPERT_POLICIES' index (pebble_step_model)
+    expert_prefetch: bool = False  # each layer's router guesses its experts from the hidden state entering it
 
 
 DECODER_STATS = ("steps", "tokens", "layer_passes", "graphs_captured", "graph_replays", "graphs_dropped",
-                 "expert_hits", "expert_misses", "expert_bytes_restored")
+                 "expert_hits", "expert_misses", "expert_bytes_restored", "expert_guesses", "expert_guesses_right",
+                 "expert_prefetches", "expert_prefetch_hits", "expert_device_bytes")
+EXPERT_POLICIES = ("lru", "lfu")  # pebble_step_model.expert_policy 0 and 1: least recently / least often used
 EXPERT_MATRICES = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")  # what experts as pebbles take from the store
 
 
@@ -287,7 +291,8 @@ class Kernels:
         self._local.buffer = None
 
     def decoder(self, cfg, layers, caches, outer, n_ctx: int, *, streamed=None, store=None, kv_ids=(),
-                slots=(), experts=None, expert_store=None) -> Decoder:
+                slots=(), experts=None, expert_store=None, expert_policy: str = "lru",
+                expert_prefetch: bool = False) -> Decoder:
         """The decode step of a model over these weights and caches (pebble_decoder_create): `cfg` its
         ModelConfig, `layers` each layer's LayerWeights, caches[i][s] layer i's (K, V) of sequence s (each
         [rows, n_head_kv, head_dim] in a KV type: kv_types.py), `outer` its OuterWeights, `n_ctx` the context its
@@ -297,7 +302,8 @@ class Kernels:
         entries kv_ids[s] = (K id, V id); `slots` the two buffers they are copied into (equal sizes), or ()
         for the decoder to make its own. `experts`: {layer: (entry id of expert 0, experts cached)} for the
         layers whose experts are entries of `store` (StepLayer.experts; their merged matrices in `layers`
-        give types only), in `expert_store` where given."""
+        give types only), in `expert_store` where given; `expert_policy` (EXPERT_POLICIES) and `expert_prefetch`
+        as pebble_step_model has them."""
         from ..model.transformer import rope_table  # noqa: PLC0415 - the store sits below the model
 
         kv_type = _kv_type("decoder", caches[0][0][0], cfg.head_dim)
@@ -321,7 +327,8 @@ class Kernels:
                           float(cfg.logit_scale), float(cfg.final_softcap), tensor_ref("output_norm", output_norm),
                           tensor_ref("output", outer.output),
                           graphs=os.environ.get("PEBBLING_CUDA_GRAPHS", "1") != "0", store=store,
-                          kv_ids=tuple(tuple(pair) for pair in kv_ids), slots=tuple(slots), expert_store=expert_store)
+                          kv_ids=tuple(tuple(pair) for pair in kv_ids), slots=tuple(slots), expert_store=expert_store,
+                          expert_policy=EXPERT_POLICIES.index(expert_policy), expert_prefetch=bool(expert_prefetch))
         k_caches = [k for per_layer in caches for k, _ in per_layer]
         v_caches = [v for per_layer in caches for _, v in per_layer]
         return Decoder(self.lib.decoder(model, step_layers, k_caches, v_caches), self.xp, cfg.n_embd, cfg.n_vocab,

@@ -278,6 +278,11 @@ class NativeStore(Store):
         self._check(self._lib.pebble_prefetch(handle, self._layer(layer), self._stream(stream)))
         self._finish(stream)
 
+    def keep_on_host(self, layer, tensor_id, keep=True):
+        handle = self._live()
+        self._check(self._lib.pebble_keep_on_host(handle, self._layer(layer), self._tensor_id(tensor_id),
+                                                  1 if keep else 0))
+
     def entry_info(self, layer, tensor_id) -> EntryInfo:
         handle = self._live()
         out = ffi.new("struct pebble_entry_info *")

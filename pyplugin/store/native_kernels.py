@@ -266,6 +266,7 @@ class NativeDecoder:
         for name in ("n_layer", "n_embd", "n_vocab", "n_seq", "kv_type", "rms_eps", "logit_scale", "final_softcap"):
             setattr(c_model, name, getattr(model, name))
         c_model.graphs = 1 if model.graphs else 0
+        c_model.expert_policy, c_model.expert_prefetch = model.expert_policy, int(model.expert_prefetch)
         if any(layer.experts is not None for layer in layers):
             for name, store in (("store", model.store), ("expert_store", model.expert_store)):
                 if store is not None:

@@ -24,7 +24,8 @@ Rules the native library keeps too (pebble.cu):
   it, an entry that does not fit beside the layer's entries already on the device, and keeps the host
   copy of those it copies. set_strategy evicts the device copies of streamed layers (ascending key),
   then least-recently-used ones down to the limit, then copies host-only entries of resident layers to
-  the device (ascending key) as far as they fit, counting those as prefetches.
+  the device (ascending key) as far as they fit, counting those as prefetches. Both leave an entry kept
+  on the host (keep_on_host) where it is.
 - bytes_h2d / bytes_d2h count every byte copied between host memory and device memory by any call,
   tier to tier (eviction, prefetch) and between a caller's buffer and a tier (save, restore, read,
   write: each tier written counts once). The caller's buffer is classified by where it lives: here,
@@ -46,10 +47,9 @@ from ..errors import (
     HostOutOfMemoryError, InvalidArgumentError, LayerRangeError, SizeMismatchError, TooLargeError,
     UnknownEntryError,
 )
-from .abi import INT32_MAX, MAX_DIMS, TIER_AUTO, TIER_DEVICE, TIER_NAMES, TYPE_BYTES, TYPE_COUNT
+from .abi import INT32_MAX, TIER_AUTO, TIER_DEVICE, TIER_NAMES
 from .interface import (
-    EntryInfo, Store, StoreStats, TensorDesc, as_int, as_strategy, check_desc_bytes, check_view, default_desc,
-    host_buffer,
+    EntryInfo, Store, StoreStats, TensorDesc, as_int, as_strategy, check_view, checked_desc, default_desc, host_buffer,
     stream_pointer, tier_code,
 )
 from .strategy import is_resident, resident_count
@@ -63,6 +63,7 @@ class _Entry:
     desc: TensorDesc
     device: np.ndarray | None = None  # the device-tier copy (uint8)
     host: np.ndarray | None = None    # the host-tier copy (uint8)
+    kept: bool = False                # keep_on_host: the strategy leaves it in the host tier
 
 
 def _locked(method):
@@ -141,20 +142,6 @@ class StubStore(Store):
                                     f"{offset + nbytes}) are past the entry's {entry.nbytes} bytes")
         return offset
 
-    @staticmethod
-    def _desc(call: str, key, desc: TensorDesc | None, nbytes: int) -> TensorDesc:
-        if desc is None:
-            return TensorDesc(TYPE_BYTES, (nbytes,))
-        ggml_type, shape = as_int(desc.ggml_type, "ggml_type"), tuple(as_int(n, "shape") for n in desc.shape)
-        if not (ggml_type == TYPE_BYTES or 0 <= ggml_type < TYPE_COUNT):
-            raise InvalidArgumentError(f"{call}: layer {key[0]} tensor {key[1]}: unknown GGUF type "
-                                       f"{ggml_type}; valid: {TYPE_BYTES} (bytes), 0..{TYPE_COUNT - 1}")
-        if not 1 <= len(shape) <= MAX_DIMS:
-            raise InvalidArgumentError(f"{call}: layer {key[0]} tensor {key[1]}: shape {shape} has "
-                                       f"{len(shape)} dimensions; valid: 1..{MAX_DIMS}")
-        check_desc_bytes(call, key, ggml_type, shape, nbytes)
-        return TensorDesc(ggml_type, shape)
-
     # -- tier bookkeeping
 
     def _touch(self, key) -> None:
@@ -217,14 +204,14 @@ class StubStore(Store):
         stream_pointer(stream)
         src = self._buffer("save", key, data, writable=False)
         nbytes = src.nbytes
-        entry = _Entry(nbytes, self._desc("save", key, default_desc(data, desc), nbytes))
-        to_device = tier == TIER_DEVICE or (tier == TIER_AUTO and is_resident(
+        entry = _Entry(nbytes, checked_desc("save", key, default_desc(data, desc), nbytes))
+        old = self._entries.get(key)
+        to_device = tier == TIER_DEVICE or (tier == TIER_AUTO and not (old and old.kept) and is_resident(
             self.strategy.code, self.strategy.arg, self.n_layers, key[0]))
         if to_device and nbytes > self.device_limit:
             raise TooLargeError(f"save: layer {key[0]} tensor {key[1]}: {nbytes} bytes bound for the "
                                 f"device tier exceed its whole limit of {self.device_limit} bytes")
         copy = _alloc_copy(src, f"save: layer {key[0]} tensor {key[1]}")
-        old = self._entries.get(key)
         if old is not None and old.nbytes == nbytes:
             # The same size reuses the entry's copies: the copy in the other tier is released only once
             # the new one is in place (so the peaks count both, as in pebble.cu).
@@ -233,6 +220,7 @@ class StubStore(Store):
             if old is not None:
                 self._drop_device(old)
                 self._drop_host(old)
+                entry.kept = old.kept
             self._entries[key] = entry
         if to_device:
             if entry.device is None:
@@ -314,11 +302,19 @@ class StubStore(Store):
         resident = sum(self._entries[k].nbytes for k in mine if self._entries[k].device is not None)
         for key in mine:
             entry = self._entries[key]
-            if entry.device is not None or resident + entry.nbytes > self.device_limit:
+            if entry.device is not None or entry.kept or resident + entry.nbytes > self.device_limit:
                 continue
             self._make_room(entry.nbytes, spare=lambda k: k[0] == layer)
             self._copy_to_device(key, entry)
             resident += entry.nbytes
+
+    @_locked
+    def keep_on_host(self, layer, tensor_id, keep=True):
+        key = self._key("keep_on_host", layer, tensor_id)
+        entry = self._entry("keep_on_host", key)
+        entry.kept = bool(keep)
+        if entry.kept and entry.device is not None:
+            self._evict(entry)
 
     @_locked
     def device_array(self, layer, tensor_id, dtype, shape):
@@ -359,7 +355,7 @@ class StubStore(Store):
         keys = sorted(self._entries)  # ascending layer, then tensor id
 
         def resident(key) -> bool:
-            return is_resident(strategy.code, strategy.arg, self.n_layers, key[0])
+            return not self._entries[key].kept and is_resident(strategy.code, strategy.arg, self.n_layers, key[0])
 
         for key in keys:
             if self._entries[key].device is not None and not resident(key):

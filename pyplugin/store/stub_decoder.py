@@ -15,7 +15,7 @@ from ..model.transformer import (ROPE_NEOX, ROPE_NORMAL, LayerWeights, ModelConf
 from .abi import DECODER_MAX_BATCH
 from .interface import host_buffer
 from .kernels import DECODER_STATS, EXPERT_MATRICES, GraphPolicy
-from .stub_experts import ExpertCache
+from .stub_experts import ExpertSlots
 
 _DTYPE_OF = {ggml_type: dtype for dtype, ggml_type in DENSE_TYPES.items()}  # F32, F16 -> numpy dtype
 
@@ -28,7 +28,7 @@ class StubDecoder:
     def __init__(self, kernels, model, layers, k_caches, v_caches):
         fn = "pebble_decoder_create"
         self.max_rows = kernels.MAX_VEC  # rows a matrix takes at once: each as alone (stub_kernels. matvec)
-        self.experts = {}  # layer -> ExpertCache, where its experts are pebbles
+        stored = {}  # layer -> what ExpertSlots takes, where its experts are pebbles
         if min(model.n_layer, model.n_embd, model.n_vocab, model.n_seq) < 1 or model.n_seq > DECODER_MAX_BATCH:
             raise InvalidArgumentError(f"{fn}: n_layer {model.n_layer}, n_embd {model.n_embd} and n_vocab "
                                        f"{model.n_vocab} must each be at least 1, n_seq {model.n_seq} within "
@@ -131,10 +131,11 @@ class StubDecoder:
                 types = {name: layer.weights[name][0] for name in EXPERT_MATRICES if name in layer.weights}
                 if len(types) < len(EXPERT_MATRICES):
                     raise InvalidArgumentError(f"{fn}: layer {i}: experts stored need the types of {', '.join(EXPERT_MATRICES)}")
-                self.experts[i] = ExpertCache(kernels, model.expert_store or model.store, i, s, types, *layer.experts,
-                                              self.stats_)
+                stored[i] = (s, types, *layer.experts)
             if layer.streamed is not None:
                 self.streamed[i] = ({name: buf for name, (_, buf) in w.items()}, entries, caches, build, w)
+        self.experts = ExpertSlots(kernels, model.expert_store or model.store, stored, model.expert_policy,
+                                   model.expert_prefetch, self.stats_)
         self.output_norm = kernels._vector(fn, {"output_norm": model.output_norm}, "output_norm", model.n_embd)
         self.output = kernels._matrix(fn, {"output": model.output}, "output", model.n_vocab, model.n_embd)
         self.out_cfg = ModelConfig(arch="decoder", n_layer=0, n_embd=model.n_embd, n_head=1, n_head_kv=1, head_dim=1,
@@ -180,11 +181,14 @@ class StubDecoder:
                     if held:
                         store.read(i, tensor_id, 0, cache[:held])
         for i, (cfg, lw, caches, (cos, sin), _) in enumerate(self.layers):  # layer by layer, as the native step
+            if self.experts.prefetching and i in self.experts:
+                self.experts.prefetch(i, cfg, lw, xs, self.max_rows)
             for b, (seq, pos) in enumerate(zip(seqs, positions)):
                 k, v = caches[seq]
                 xs[b] = attention_block(cfg, xs[b:b + 1], lw, k, v, pos, (cos[pos:pos + 1], sin[pos:pos + 1]))[0]
             if cfg.n_expert:  # the step's tokens together, expert by expert (each restored once where stored)
-                xs[:] = ffn_block(cfg, xs, lw, self.experts.get(i), self.max_rows)
+                xs[:] = ffn_block(cfg, xs, lw, self.experts.for_layer(i) if i in self.experts else None,
+                                  self.max_rows)
             else:
                 for b in range(n):
                     xs[b] = ffn_block(cfg, xs[b:b + 1], lw)[0]

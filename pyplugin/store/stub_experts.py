@@ -1,5 +1,7 @@
-"""The stub decoder's experts as pebbles: pebble_step_layer.experts_stored's semantics (native/pebble_decode.cu's
-cached_expert), one layer's cache of experts restored from the store, the least recently used replaced."""
+"""The stub decoder's experts as pebbles: pebble_step_model's expert slots with native/pebble_decode.cu's
+semantics (place_experts, cached_expert, prefetch_experts): per layer a cache of experts restored from the
+store, its victim the least recently or least often used, and staging slots shared by the layers for the
+experts a step restores that no cache keeps, prefetched guesses among them."""
 
 from __future__ import annotations
 
@@ -7,53 +9,179 @@ import numpy as np
 
 from ..errors import InvalidArgumentError, SizeMismatchError
 from ..ggml_types import row_bytes
+from ..model.moe import router_probabilities
+from ..model.transformer import rms_norm
 
 
-class ExpertCache:
-    """Layer `layer`'s experts, entry first_id + j of `store` for expert j (its gate rows, up rows, down rows
-    in the types `types` gives), `slots` of them kept (0: one working buffer, every use restored)."""
+def _aligned(n: int) -> int:
+    return (n + 255) // 256 * 256
 
-    def __init__(self, kernels, store, layer: int, shape, types: dict, first_id: int, slots: int, stats: dict):
-        where = f"pebble_decoder_create: layer {layer}"
-        if store is None or shape.n_expert < 1 or first_id < 0 or not 0 <= slots <= shape.n_expert:
-            raise InvalidArgumentError(f"{where}: experts stored need experts (n_expert {shape.n_expert}), the model's "
-                                       f"store, expert_ids {first_id} at least 0 and expert_cache {slots} within "
-                                       "0..n_expert")
+
+class _LayerCache:
+    def __init__(self, shape, types: dict, first_id: int, slots: int, nbytes: int):
         e, ff = shape.n_embd, shape.n_ff_exp
         self.parts = (("ffn_gate_exps", ff, e), ("ffn_up_exps", ff, e), ("ffn_down_exps", e, ff))
         self.sizes = [rows * row_bytes(types[name], cols) for name, rows, cols in self.parts]
-        nbytes = sum(self.sizes)
-        for j in range(shape.n_expert):
-            try:
-                held = store.entry_info(layer, first_id + j).nbytes
-            except Exception:  # an unknown entry: the same refusal as a wrong size
-                held = None
-            if held != nbytes:
-                raise SizeMismatchError(f"{where}: expert {j} (tensor {first_id + j}) is not an entry of {nbytes} "
-                                        "bytes (its gate, up and down rows)")
-        self.kernels, self.store, self.layer, self.types = kernels, store, layer, types
-        self.first_id, self.keep, self.stats = first_id, slots, stats
-        self.buffers = [np.zeros(nbytes, np.uint8) for _ in range(max(1, slots))]
-        self.expert = [-1] * len(self.buffers)
-        self.used = [0] * len(self.buffers)
-        self.clock = 0
+        self.shape, self.types, self.first_id, self.nbytes = shape, types, first_id, nbytes
+        self.slot: list[np.ndarray] = []
+        self.expert = [-1] * slots
+        self.used = [0] * slots
+        self.uses = [0] * shape.n_expert
+
+
+class ExpertSlots:
+    """The decoder's slots for the layers whose experts are entries of `store`: `layers` maps a layer to
+    (its LayerShape, the types of its expert matrices, the entry of its expert 0, experts cached)."""
+
+    def __init__(self, kernels, store, layers: dict, policy: int, prefetch: bool, stats: dict):
+        fn = "pebble_decoder_create"
+        if policy not in (0, 1) or prefetch not in (0, 1):
+            raise InvalidArgumentError(f"{fn}: expert_policy {policy} must be 0 (least recently used) or 1 (least "
+                                       f"often used), expert_prefetch {int(prefetch)} 0 or 1")
+        self.kernels, self.store, self.policy, self.prefetching, self.stats = kernels, store, policy, prefetch, stats
+        self.layers: dict[int, _LayerCache] = {}
+        for i, (shape, types, first_id, slots) in layers.items():
+            if store is None or shape.n_expert < 1 or first_id < 0 or not 0 <= slots <= shape.n_expert:
+                raise InvalidArgumentError(f"{fn}: layer {i}: experts stored need experts (n_expert {shape.n_expert}), "
+                                           f"the model's store, expert_ids {first_id} at least 0 and expert_cache "
+                                           f"{slots} within 0..n_expert")
+            e, ff = shape.n_embd, shape.n_ff_exp
+            nbytes = ff * (row_bytes(types["ffn_gate_exps"], e) + row_bytes(types["ffn_up_exps"], e)) + \
+                e * row_bytes(types["ffn_down_exps"], ff)
+            for j in range(shape.n_expert):
+                try:
+                    held = store.entry_info(i, first_id + j).nbytes
+                except Exception:  # an unknown entry: the same refusal as a wrong size
+                    held = None
+                if held != nbytes:
+                    raise SizeMismatchError(f"{fn}: layer {i}: expert {j} (tensor {first_id + j}) is not an entry of "
+                                            f"{nbytes} bytes (its gate, up and down rows)")
+            self.layers[i] = _LayerCache(shape, types, first_id, slots, nbytes)
+        if not self.layers:
+            return
+        self.slot_bytes = max(_aligned(c.nbytes) for c in self.layers.values())
+        most_used = max(c.shape.n_expert_used for c in self.layers.values())
+        uncached = any(not c.expert for c in self.layers.values())
+        n_staging = most_used if prefetch else 1 if uncached else 0
+        for c in self.layers.values():
+            c.slot = [np.zeros(self.slot_bytes, np.uint8) for _ in c.expert]
+        self.staging = [[np.zeros(self.slot_bytes, np.uint8), -1, -1] for _ in range(n_staging)]  # slot, layer, expert
+        stats["expert_device_bytes"] = self.slot_bytes * (sum(len(c.expert) for c in self.layers.values()) + n_staging)
+        self.clock, self.guessed, self.to_run, self.running = 0, [], set(), None
+
+    def __contains__(self, layer: int) -> bool:
+        return layer in self.layers
+
+    def for_layer(self, layer: int) -> "ExpertSlots":
+        """moe_ffn's `experts` for `layer`'s routed FFN."""
+        self.running = layer
+        return self
+
+    # -- moe_ffn's protocol: routed(the experts the step runs), then expert j for each, then done()
+
+    def routed(self, experts) -> None:
+        self.to_run = {int(j) for j in experts}
+        self.stats["expert_guesses_right"] += sum(g in self.to_run for g in self.guessed)
+        self.guessed = []
+
+    def done(self) -> None:
+        for g in self.staging:
+            if g[1] == self.running:
+                g[1] = g[2] = -1
 
     def __call__(self, j: int) -> tuple:
-        """Expert j's (gate, up, down) over a slot of the cache, restored first where it is not there."""
+        """Expert j's (gate, up, down) over the slot the step runs it from (cached_expert)."""
+        i, c = self.running, self.layers[self.running]
         self.clock += 1
-        if self.keep and j in self.expert:
-            k = self.expert.index(j)
+        c.uses[j] += 1
+        self.to_run.discard(j)
+        if j in c.expert:
+            k = c.expert.index(j)
+            c.used[k] = self.clock
             self.stats["expert_hits"] += 1
+            return self._views(c, c.slot[k])
+        for g in self.staging:
+            if g[1] == i and g[2] == j:
+                self.stats["expert_hits"] += 1
+                self.stats["expert_prefetch_hits"] += 1
+                g[1] = g[2] = -1
+                if not c.slot:
+                    return self._views(c, g[0])
+                v = self._victim(c)
+                c.slot[v], g[0] = g[0], c.slot[v]
+                c.expert[v], c.used[v] = j, self.clock
+                return self._views(c, c.slot[v])
+        if c.slot:
+            v = self._victim(c)
+            c.expert[v] = -1
+            self._restore(i, j, c.slot[v])
+            c.expert[v], c.used[v] = j, self.clock
+            slot = c.slot[v]
         else:
-            k = self.expert.index(-1) if -1 in self.expert else min(range(len(self.used)), key=self.used.__getitem__)
-            self.store.restore(self.layer, self.first_id + j, self.buffers[k])
-            self.expert[k] = j
-            self.stats["expert_misses"] += 1
-            self.stats["expert_bytes_restored"] += self.buffers[k].nbytes
-        self.used[k] = self.clock
+            g = self.staging[self._staging_victim(i)]
+            g[1] = g[2] = -1
+            self._restore(i, j, g[0])
+            slot = g[0]
+        self.stats["expert_misses"] += 1
+        return self._views(c, slot)
+
+    # -- prefetch
+
+    def prefetch(self, i: int, cfg, lw, x: np.ndarray, max_rows: int) -> None:
+        """prefetch_experts: layer i's router on x [n, n_embd], the hidden state entering it, normed with its
+        ffn_norm; the n_expert_used experts of the highest probability summed over the tokens restored into
+        staging slots where the layer's cache lacks them."""
+        p = router_probabilities(cfg, rms_norm(x, lw.ffn_norm, cfg.rms_eps), lw.ffn_gate_inp, max_rows)
+        score = np.zeros(p.shape[1], np.float32)
+        for row in p:  # token by token, as the native step sums them
+            score += row
+        self.stage(i, np.argsort(-score, kind="stable")[:self.layers[i].shape.n_expert_used])
+
+    def stage(self, i: int, guesses) -> None:
+        """Layer i's guesses (at most n_expert_used): restored into staging slots where its cache lacks them."""
+        c = self.layers[i]
+        self.guessed = sorted(int(j) for j in guesses)
+        for g in self.staging:
+            g[1] = g[2] = -1
+        free = iter(self.staging)
+        for j in self.guessed:
+            self.stats["expert_guesses"] += 1
+            if j in c.expert:
+                continue
+            g = next(free)
+            self._restore(i, j, g[0])
+            g[1], g[2] = i, j
+            self.stats["expert_prefetches"] += 1
+
+    # -- slots
+
+    def _victim(self, c: _LayerCache) -> int:
+        """cache_victim: an empty slot, else of the experts not still to run (all, where every one is) the
+        least recently used, or the least often run."""
+        if -1 in c.expert:
+            return c.expert.index(-1)
+        if self.policy == 1:
+            return min(range(len(c.expert)), key=lambda k: (c.expert[k] in self.to_run, c.uses[c.expert[k]], c.used[k]))
+        return min(range(len(c.expert)), key=lambda k: (c.expert[k] in self.to_run, c.used[k]))
+
+    def _staging_victim(self, i: int) -> int:
+        pick, pick_expert = 0, -1
+        for k, (_, layer, expert) in enumerate(self.staging):
+            if layer != i or expert not in self.to_run:
+                return k
+            if expert > pick_expert:
+                pick, pick_expert = k, expert
+        return pick
+
+    def _restore(self, i: int, j: int, slot: np.ndarray) -> None:
+        c = self.layers[i]
+        self.store.restore(i, c.first_id + j, slot[:c.nbytes])
+        self.stats["expert_bytes_restored"] += c.nbytes
+
+    def _views(self, c: _LayerCache, slot: np.ndarray) -> tuple:
         out, at = [], 0
-        for (name, rows, cols), size in zip(self.parts, self.sizes):
-            weights = {name: (self.types[name], self.buffers[k][at:at + size])}
-            out.append(self.kernels._matrix(f"layer {self.layer}", weights, name, rows, cols))
+        for (name, rows, cols), size in zip(c.parts, c.sizes):
+            weights = {name: (c.types[name], slot[at:at + size])}
+            out.append(self.kernels._matrix(f"layer {self.running}", weights, name, rows, cols))
             at += size
         return tuple(out)

@@ -368,9 +368,41 @@ int main(void) {
             }
             EXPECT(pebble_decoder_stats(d, &stats) == PEBBLE_OK && stats.expert_hits == (uint64_t)cache &&
                    stats.expert_misses == (uint64_t)(2 - cache) &&
-                   stats.expert_bytes_restored == (uint64_t)(2 - cache) * 3 * E * E * sizeof(float));
+                   stats.expert_bytes_restored == (uint64_t)(2 - cache) * 3 * E * E * sizeof(float) &&
+                   stats.expert_guesses == 0 && stats.expert_device_bytes == 256); // one slot: cache or staging
             EXPECT(pebble_decoder_free(d) == PEBBLE_OK);
         }
+        // prefetch: the router on x entering the layer guesses expert 1, which the layer then runs: restored
+        // early into the staging slot and run from there (no cache), or taken into the cache at the first
+        // step and found there at the second (cache 1); the same hidden state either way.
+        model.expert_prefetch = 1;
+        for (int cache = 0; cache < 2; cache++) {
+            layer.expert_cache = cache;
+            memset(k0, 0, sizeof k0), memset(v0, 0, sizeof v0);
+            EXPECT(pebble_decoder_create(&model, &layer, ks, vs, &d) == PEBBLE_OK);
+            for (int step = 0; step < 2; step++) {
+                for (int i = 0; i < E; i++) x[i] = 1.0f;
+                EXPECT(pebble_decoder_step(d, 1, seqs, pos, x, NULL, NULL) == PEBBLE_OK &&
+                       memcmp(x, merged, sizeof x) == 0);
+            }
+            const uint64_t early = cache ? 1 : 2;
+            EXPECT(pebble_decoder_stats(d, &stats) == PEBBLE_OK && stats.expert_hits == 2 && stats.expert_misses == 0 &&
+                   stats.expert_guesses == 2 && stats.expert_guesses_right == 2 && stats.expert_prefetches == early &&
+                   stats.expert_prefetch_hits == early &&
+                   stats.expert_bytes_restored == early * 3 * E * E * sizeof(float) &&
+                   stats.expert_device_bytes == (uint64_t)(1 + cache) * 256);
+            EXPECT(pebble_decoder_free(d) == PEBBLE_OK);
+        }
+        model.expert_prefetch = 2;
+        EXPECT(pebble_decoder_create(&model, &layer, ks, vs, &d) == PEBBLE_ERR_INVALID_ARGUMENT &&
+               strstr(pebble_last_error(), "expert_prefetch 2") != NULL);
+        model.expert_prefetch = 0, model.expert_policy = 2;
+        EXPECT(pebble_decoder_create(&model, &layer, ks, vs, &d) == PEBBLE_ERR_INVALID_ARGUMENT &&
+               strstr(pebble_last_error(), "expert_policy 2") != NULL);
+        model.expert_policy = 1;  // least often used: with one slot, the same as least recently used here
+        EXPECT(pebble_decoder_create(&model, &layer, ks, vs, &d) == PEBBLE_OK);
+        EXPECT(pebble_decoder_free(d) == PEBBLE_OK);
+        model.expert_policy = 0;
         layer.expert_cache = 3; // more than the layer's experts
         EXPECT(pebble_decoder_create(&model, &layer, ks, vs, &d) == PEBBLE_ERR_INVALID_ARGUMENT &&
                strstr(pebble_last_error(), "expert_cache") != NULL);
