@@ -16,6 +16,7 @@ from ..model import LayerWeights, Model, OuterWeights, QuantWeight, embed, layer
 from ..model.gguf_file import drop_file_pages, map_file_pages
 from ..model.qweight import needs_expansion
 from ..store import Backend, select_backend
+from ..store.arena import HostArena, use_mmap
 from ..store.kernels import EXPERT_MATRICES
 from ..xp import to_numpy
 from .constraint import Constraint
@@ -59,6 +60,13 @@ class PebbledModel:
         self.weights = model.weights
         self.kernels = self.backend.kernels
         self.layouts: list[list[StoredTensor]] = []
+        # The host library computes from the weights in place: from a copy in huge pages (store/arena.py),
+        # or from the file's own mapping where PEBBLING_USE_MMAP asks.
+        arena, outer = None, model.outer_weights(self.kernels)
+        if self.backend.name == "host" and not use_mmap():
+            placed = [a.data for i in range(cfg.n_layer) for _, a in model.layers[i].arrays() if isinstance(a, QuantWeight)]
+            arena = HostArena(HostArena.size_of(placed + ([outer.output.data] if isinstance(outer.output, QuantWeight)
+                                                          else [])))
         for i in range(cfg.n_layer):
             lw, layout = model.layers[i], []
             for name, array in lw.arrays():
@@ -71,9 +79,10 @@ class PebbledModel:
                     tensor = StoredTensor(WEIGHT_IDS[name], name, data.shape, data.nbytes)
                     desc = tensor_desc(self.dtype, data.shape)
                 if isinstance(array, QuantWeight):
-                    # The host library keeps the file's own bytes (no copy, as llama.cpp's mmap); a store
-                    # that copied them lets the file's pages go.
-                    if self.store.save_borrowed(i, tensor.tensor_id, data, desc=desc):
+                    # The host library keeps the bytes it is given (no copy); a store that copied them, or a
+                    # copy in the arena, lets the file's pages go.
+                    placed = arena.place(data) if arena is not None else data
+                    if self.store.save_borrowed(i, tensor.tensor_id, placed, desc=desc) and placed is data:
                         map_file_pages(array.data)
                     else:
                         drop_file_pages(array.data)
@@ -85,7 +94,11 @@ class PebbledModel:
                 model.layers[i] = None  # the store's copy is the one that counts from here on
         if not keep_host_weights:
             model.release_layers()
-        self.outer: OuterWeights = model.outer_weights(self.kernels)
+        if arena is not None and isinstance(outer.output, QuantWeight):  # read whole at every token, as a layer
+            output = outer.output
+            outer = replace(outer, output=replace(output, data=arena.place(output.data)))
+            drop_file_pages(output.data)
+        self.outer: OuterWeights = outer
         self._kv_ctx: int | None = None        # the num_ctx the KV entries are sized for
         self.kv: KVType = KV_TYPES[default_kv_type()]  # ... and the type they hold
         self._kv_seqs: set[int] = set()         # the sequences whose KV entries exist
