@@ -4,8 +4,8 @@ asked for in transparent huge pages (madvise MADV_HUGEPAGE, where the kernel has
 A decode step on the CPU reads every weight once per token, so it runs at the speed of memory. Read
 through the GGUF file's own mapping, those bytes sit in 4 KiB page-cache pages: a page-table walk every
 4 KiB, and the hardware's prefetchers stop at each page's end. Copied once into 2 MiB pages, the same
-step ran about 10% faster here (Qwen2.5-1.5B's shape, Q4_K_M-like, 2 threads: 23-25 against 21.5-22
-tokens/s). The file's pages are given back as each tensor is copied, so the process holds the weights
+step ran about 13% faster here (Qwen2.5-1.5B's shape, Q4_K_M-like, 2 threads, runs interleaved: 22.0-24.4
+against 20.3-21.1 tokens/s). The file's pages are given back as each tensor is copied, so the process holds the weights
 once. `PEBBLING_USE_MMAP=1` keeps computing from the file's mapping instead (as llama.cpp's default
 `mmap` does, and Ollama's `use_mmap`): no copy at load, and pages the kernel may share and reclaim.
 """
