@@ -81,6 +81,8 @@ class PebbledModel:
                 if isinstance(array, QuantWeight):
                     # The host library keeps the bytes it is given (no copy); a store that copied them, or a
                     # copy in the arena, lets the file's pages go.
+                    if arena is not None:
+                        map_file_pages(array.data)  # one call maps the pages the copy reads, not a fault each
                     placed = arena.place(data) if arena is not None else data
                     if self.store.save_borrowed(i, tensor.tensor_id, placed, desc=desc) and placed is data:
                         map_file_pages(array.data)
@@ -96,6 +98,7 @@ class PebbledModel:
             model.release_layers()
         if arena is not None and isinstance(outer.output, QuantWeight):  # read whole at every token, as a layer
             output = outer.output
+            map_file_pages(output.data)
             outer = replace(outer, output=replace(output, data=arena.place(output.data)))
             drop_file_pages(output.data)
         self.outer: OuterWeights = outer
