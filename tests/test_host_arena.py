@@ -49,6 +49,17 @@ def test_host_weights_are_copied_into_the_arena_unless_mmap_is_asked(monkeypatch
         assert _in_file_map(pebbled.outer.output.data) == use_mmap
 
 
+def test_weights_past_half_the_available_memory_stay_in_the_file(monkeypatch):
+    import pyplugin.runtime.pebbled as pebbled_module
+    from pyplugin.store.arena import fits
+
+    assert fits(1 << 20) and not fits(1 << 60)
+    monkeypatch.setattr(pebbled_module, "fits", lambda nbytes: False)
+    pebbled = PebbledModel(tiny_model("qwen2", weights="quantized"), backend="host")
+    borrowed = [a for a in pebbled.store._borrowed if isinstance(a, np.ndarray)]
+    assert borrowed and all(_in_file_map(a) for a in borrowed)
+
+
 def test_the_arena_gives_the_tokens_of_the_file_mapping(monkeypatch):
     arena = _tokens(PebbledModel(tiny_model("llama", weights="quantized"), backend="host"))
     monkeypatch.setenv("PEBBLING_USE_MMAP", "1")

@@ -16,7 +16,7 @@ from ..model import LayerWeights, Model, OuterWeights, QuantWeight, embed, layer
 from ..model.gguf_file import drop_file_pages, map_file_pages
 from ..model.qweight import needs_expansion
 from ..store import Backend, select_backend
-from ..store.arena import HostArena, use_mmap
+from ..store.arena import HostArena, fits, use_mmap
 from ..store.kernels import EXPERT_MATRICES
 from ..xp import to_numpy
 from .constraint import Constraint
@@ -65,8 +65,8 @@ class PebbledModel:
         arena, outer = None, model.outer_weights(self.kernels)
         if self.backend.name == "host" and not use_mmap():
             placed = [a.data for i in range(cfg.n_layer) for _, a in model.layers[i].arrays() if isinstance(a, QuantWeight)]
-            arena = HostArena(HostArena.size_of(placed + ([outer.output.data] if isinstance(outer.output, QuantWeight)
-                                                          else [])))
+            size = HostArena.size_of(placed + ([outer.output.data] if isinstance(outer.output, QuantWeight) else []))
+            arena = HostArena(size) if fits(size) else None
         for i in range(cfg.n_layer):
             lw, layout = model.layers[i], []
             for name, array in lw.arrays():

@@ -7,7 +7,8 @@ through the GGUF file's own mapping, those bytes sit in 4 KiB page-cache pages: 
 step ran about 13% faster here (Qwen2.5-1.5B's shape, Q4_K_M-like, 2 threads, runs interleaved: 22.0-24.4
 against 20.3-21.1 tokens/s). The file's pages are given back as each tensor is copied, so the process holds the weights
 once. `PEBBLING_USE_MMAP=1` keeps computing from the file's mapping instead (as llama.cpp's default
-`mmap` does, and Ollama's `use_mmap`): no copy at load, and pages the kernel may share and reclaim.
+`mmap` does, and Ollama's `use_mmap`): no copy at load, and pages the kernel may share and reclaim; so do
+weights that would take more than half the memory available (`fits`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,27 @@ ALIGN = 64  # each tensor starts on a cache line, as the kernels' loads want it
 def use_mmap() -> bool:
     """Whether PEBBLING_USE_MMAP asks to compute from the file's mapping (1/true/yes/on)."""
     return os.environ.get("PEBBLING_USE_MMAP", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def fits(nbytes: int, share: float = 0.5) -> bool:
+    """Whether a copy of `nbytes` takes at most `share` of the memory available now (MemAvailable; where
+    it cannot be read, the physical memory). A model near the machine's memory, or past it, stays in the
+    file's mapping, which the kernel can page from the file: a copy could not be given back."""
+    available = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+                    break
+    except OSError:
+        pass
+    if available is None:
+        try:
+            available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            return False
+    return nbytes <= share * available
 
 
 class HostArena:
