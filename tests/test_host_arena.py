@@ -49,7 +49,7 @@ def test_host_weights_are_copied_into_the_arena_unless_mmap_is_asked(monkeypatch
         assert _in_file_map(pebbled.outer.output.data) == use_mmap
 
 
-def test_weights_past_half_the_available_memory_stay_in_the_file(monkeypatch):
+def test_weights_past_most_of_the_available_memory_stay_in_the_file(monkeypatch):
     import pyplugin.runtime.pebbled as pebbled_module
     from pyplugin.store.arena import fits
 
