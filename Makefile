@@ -15,7 +15,7 @@ NATIVE_SRC  := native/pebble.cu native/pebble_quant.cu native/pebble_decode.cu
 # The host library adds the CPU kernels (SIMD chosen at run time, so no -march: it runs on any x86-64).
 HOST_SRC    := $(NATIVE_SRC) native/pebble_cpu.cc native/pebble_cpu_prompt.cc
 NATIVE_DEPS := $(HOST_SRC) native/pebble.h native/pebble_internal.h native/pebble_device.h native/cuda_host.h \
-               native/pebble_cpu.h native/pebble_cpu_exp.h native/pebble_kv.h
+               native/pebble_cpu.h native/pebble_cpu_simd.h native/pebble_kv.h
 HOST_FLAGS  := -x c++ -std=c++17 -DPEBBLE_HOST_BUILD -fPIC -shared -pthread -fvisibility=hidden -Wall -Wextra
 SAN_FLAGS   := -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=undefined
 

@@ -14,7 +14,7 @@
 // idle workers spin briefly and then sleep on a condition variable, so they take no core from others.
 
 #include "pebble_cpu.h"
-#include "pebble_cpu_exp.h"
+#include "pebble_cpu_simd.h"
 
 #include "pebble_device.h"
 #include "pebble_internal.h"
@@ -599,13 +599,6 @@ void dot_float_portable(const uint8_t * w, int64_t nb, const uint8_t * xq, int64
 
 // fp16 bits to float with F16C's conversion (pebble_internal::half_to_float's values, in one instruction).
 AVX2 inline float f16c(const uint8_t * p) { return _cvtsh_ss(u16(p)); }
-
-AVX2 inline float hsum_ps(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 
 AVX2 inline int hsum_epi32(__m256i v) {
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -1477,7 +1470,7 @@ AVX2 __attribute__((always_inline)) inline void attend_heads_avx2(const attend_j
             _mm256_storeu_ps(sc[i] + c, e);
             total8 = _mm256_add_ps(total8, e);
         }
-        float total = hsum8(total8);
+        float total = hsum_ps(total8);
         for (; c < n; c++) {
             sc[i][c] = exp_nonpositive(sc[i][c] - top[i]);
             total += sc[i][c];

@@ -11,7 +11,7 @@
 // one. The largest tiles are handed out first, so that the threads finish together.
 
 #include "pebble_cpu.h"
-#include "pebble_cpu_exp.h"
+#include "pebble_cpu_simd.h"
 
 #include "pebble_internal.h"
 #include "pebble_kv.h"
@@ -79,6 +79,7 @@ struct unit_buffers {
 
 #ifdef PEBBLE_X86
 #    define PROMPT_AVX2 __attribute__((target("avx2,fma,f16c")))
+#    define PROMPT_UNROLL _Pragma("GCC unroll 8")
 
 // n fp16 values (n a multiple of 8) as float32.
 PROMPT_AVX2 void halves_avx2(const uint16_t * h, int32_t n, float * dst) {
@@ -132,31 +133,19 @@ void weighted_portable(const float * p, const float * vb, int64_t rows, int n, i
 PROMPT_AVX2 void scores_avx2(const float * q, const float * kt, int64_t rows, int32_t hd, float * s) {
     int64_t r = 0;
     for (; r + 2 <= rows; r += 2) {
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-        const float * q0 = q + r * hd, * q1 = q0 + hd;
+        __m256 acc[2][4];
+        PROMPT_UNROLL for (int i = 0; i < 2; i++) PROMPT_UNROLL for (int c = 0; c < 4; c++) acc[i][c] = _mm256_setzero_ps();
         for (int32_t d = 0; d < hd; d++) {
-            const float * k = kt + d * block_keys;
-            const __m256 k0 = _mm256_load_ps(k), k1 = _mm256_load_ps(k + 8), k2 = _mm256_load_ps(k + 16),
-                         k3 = _mm256_load_ps(k + 24);
-            const __m256 x = _mm256_broadcast_ss(q0 + d), y = _mm256_broadcast_ss(q1 + d);
-            a0 = _mm256_fmadd_ps(x, k0, a0);
-            a1 = _mm256_fmadd_ps(x, k1, a1);
-            a2 = _mm256_fmadd_ps(x, k2, a2);
-            a3 = _mm256_fmadd_ps(x, k3, a3);
-            b0 = _mm256_fmadd_ps(y, k0, b0);
-            b1 = _mm256_fmadd_ps(y, k1, b1);
-            b2 = _mm256_fmadd_ps(y, k2, b2);
-            b3 = _mm256_fmadd_ps(y, k3, b3);
+            __m256 k[4];
+            PROMPT_UNROLL for (int c = 0; c < 4; c++) k[c] = _mm256_load_ps(kt + d * block_keys + 8 * c);
+            PROMPT_UNROLL for (int i = 0; i < 2; i++) {
+                const __m256 x = _mm256_broadcast_ss(q + (r + i) * hd + d);
+                PROMPT_UNROLL for (int c = 0; c < 4; c++) acc[i][c] = _mm256_fmadd_ps(x, k[c], acc[i][c]);
+            }
         }
-        float * s0 = s + r * block_keys, * s1 = s0 + block_keys;
-        _mm256_store_ps(s0, a0);
-        _mm256_store_ps(s0 + 8, a1);
-        _mm256_store_ps(s0 + 16, a2);
-        _mm256_store_ps(s0 + 24, a3);
-        _mm256_store_ps(s1, b0);
-        _mm256_store_ps(s1 + 8, b1);
-        _mm256_store_ps(s1 + 16, b2);
-        _mm256_store_ps(s1 + 24, b3);
+        PROMPT_UNROLL for (int i = 0; i < 2; i++) {
+            PROMPT_UNROLL for (int c = 0; c < 4; c++) _mm256_store_ps(s + (r + i) * block_keys + 8 * c, acc[i][c]);
+        }
     }
     if (r < rows) scores_portable(q + r * hd, kt, rows - r, hd, s + r * block_keys);
 }
@@ -165,34 +154,22 @@ PROMPT_AVX2 void scores_avx2(const float * q, const float * kt, int64_t rows, in
 PROMPT_AVX2 void weighted_avx2(const float * p, const float * vb, int64_t rows, int n, int32_t hd, float * o) {
     int64_t r = 0;
     for (; r + 4 <= rows; r += 4) {
-        const float * p0 = p + r * block_keys;
         for (int32_t d = 0; d < hd; d += 16) {
-            float * o0 = o + r * hd + d;
-            __m256 a0 = _mm256_loadu_ps(o0), a1 = _mm256_loadu_ps(o0 + 8);
-            __m256 b0 = _mm256_loadu_ps(o0 + hd), b1 = _mm256_loadu_ps(o0 + hd + 8);
-            __m256 c0 = _mm256_loadu_ps(o0 + 2 * hd), c1 = _mm256_loadu_ps(o0 + 2 * hd + 8);
-            __m256 e0 = _mm256_loadu_ps(o0 + 3 * hd), e1 = _mm256_loadu_ps(o0 + 3 * hd + 8);
+            __m256 acc[4][2];
+            PROMPT_UNROLL for (int i = 0; i < 4; i++) {
+                PROMPT_UNROLL for (int h = 0; h < 2; h++) acc[i][h] = _mm256_loadu_ps(o + (r + i) * hd + d + 8 * h);
+            }
             for (int c = 0; c < n; c++) {
                 const __m256 v0 = _mm256_loadu_ps(vb + c * hd + d), v1 = _mm256_loadu_ps(vb + c * hd + d + 8);
-                const __m256 w0 = _mm256_broadcast_ss(p0 + c), w1 = _mm256_broadcast_ss(p0 + block_keys + c);
-                const __m256 w2 = _mm256_broadcast_ss(p0 + 2 * block_keys + c), w3 = _mm256_broadcast_ss(p0 + 3 * block_keys + c);
-                a0 = _mm256_fmadd_ps(w0, v0, a0);
-                a1 = _mm256_fmadd_ps(w0, v1, a1);
-                b0 = _mm256_fmadd_ps(w1, v0, b0);
-                b1 = _mm256_fmadd_ps(w1, v1, b1);
-                c0 = _mm256_fmadd_ps(w2, v0, c0);
-                c1 = _mm256_fmadd_ps(w2, v1, c1);
-                e0 = _mm256_fmadd_ps(w3, v0, e0);
-                e1 = _mm256_fmadd_ps(w3, v1, e1);
+                PROMPT_UNROLL for (int i = 0; i < 4; i++) {
+                    const __m256 w = _mm256_broadcast_ss(p + (r + i) * block_keys + c);
+                    acc[i][0] = _mm256_fmadd_ps(w, v0, acc[i][0]);
+                    acc[i][1] = _mm256_fmadd_ps(w, v1, acc[i][1]);
+                }
             }
-            _mm256_storeu_ps(o0, a0);
-            _mm256_storeu_ps(o0 + 8, a1);
-            _mm256_storeu_ps(o0 + hd, b0);
-            _mm256_storeu_ps(o0 + hd + 8, b1);
-            _mm256_storeu_ps(o0 + 2 * hd, c0);
-            _mm256_storeu_ps(o0 + 2 * hd + 8, c1);
-            _mm256_storeu_ps(o0 + 3 * hd, e0);
-            _mm256_storeu_ps(o0 + 3 * hd + 8, e1);
+            PROMPT_UNROLL for (int i = 0; i < 4; i++) {
+                PROMPT_UNROLL for (int h = 0; h < 2; h++) _mm256_storeu_ps(o + (r + i) * hd + d + 8 * h, acc[i][h]);
+            }
         }
     }
     if (r < rows) weighted_portable(p + r * block_keys, vb, rows - r, n, hd, o + r * hd);
@@ -207,7 +184,7 @@ PROMPT_AVX2 float exp_row_avx2(float * s, float top) {
         _mm256_store_ps(s + c, e);
         sum = _mm256_add_ps(sum, e);
     }
-    return hsum8(sum);
+    return hsum_ps(sum);
 }
 #endif
 

@@ -331,6 +331,30 @@ pebble_status check_weight(const char * what, const pebble_tensor_ref & t, int64
 // ---------------------------------------------------------------------------------------------------
 // attention of a batch of sequences, one query each
 
+namespace {
+
+// What pebble_attend and pebble_attend_prompt both require of the heads, the caches' type and the scores
+// (the counts already at least 1), named for `fn`.
+pebble_status check_attention(const char * fn, int32_t n_head, int32_t n_head_kv, int32_t head_dim, int32_t kv_type,
+                              float scale, float softcap) {
+    if (n_head % n_head_kv != 0) {
+        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: %d query heads cannot share %d KV heads evenly", fn, n_head,
+                    n_head_kv);
+    }
+    if (!kv_known(kv_type) || (kv_blocked(kv_type) && head_dim % kv_block != 0)) {
+        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: kv_type %d (%s) with head_dim %d; the caches must be 0 F32, "
+                    "1 F16, or 8 Q8_0 or 2 Q4_0 where head_dim is a multiple of 32", fn, kv_type,
+                    ggml_type_name(kv_type), head_dim);
+    }
+    if (!(softcap >= 0.0f) || !std::isfinite(softcap) || !std::isfinite(scale)) {
+        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: scale %g and softcap %g must be finite, softcap at least 0", fn,
+                    static_cast<double>(scale), static_cast<double>(softcap));
+    }
+    return PEBBLE_OK;
+}
+
+} // namespace
+
 extern "C" pebble_status pebble_attend_scratch_bytes(int32_t n_seq, int32_t n_head, int64_t n_rows, uint64_t * out) {
     if (!out) return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_attend_scratch_bytes: out must not be NULL");
     if (n_seq < 1 || n_head < 1 || n_rows < 1) {
@@ -360,19 +384,7 @@ extern "C" pebble_status pebble_attend(int32_t n_seq, const float * q, const flo
         return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_attend: n_seq %d, n_head %d, n_head_kv %d, head_dim %d and "
                     "n_rows %" PRId64 " must each be at least 1", n_seq, n_head, n_head_kv, head_dim, n_rows);
     }
-    if (n_head % n_head_kv != 0) {
-        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_attend: %d query heads cannot share %d KV heads evenly",
-                    n_head, n_head_kv);
-    }
-    if (!kv_known(kv_type) || (kv_blocked(kv_type) && head_dim % kv_block != 0)) {
-        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_attend: kv_type %d (%s) with head_dim %d; the caches must "
-                    "be 0 F32, 1 F16, or 8 Q8_0 or 2 Q4_0 where head_dim is a multiple of 32", kv_type,
-                    ggml_type_name(kv_type), head_dim);
-    }
-    if (!(softcap >= 0.0f) || !std::isfinite(softcap) || !std::isfinite(scale)) {
-        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_attend: scale %g and softcap %g must be finite, softcap at "
-                    "least 0", static_cast<double>(scale), static_cast<double>(softcap));
-    }
+    TRY(check_attention("pebble_attend", n_head, n_head_kv, head_dim, kv_type, scale, softcap));
     // Every offset below fits in int64: q and out of n_seq x n_head x head_dim float32, each cache's rows.
     const int64_t q_width = int64_t(n_head) * head_dim, kv_row = int64_t(n_head_kv) * head_dim;
     if (q_width > INT64_MAX / 4 / n_seq || n_rows > INT64_MAX / 4 / kv_row) {
@@ -445,19 +457,7 @@ extern "C" pebble_status pebble_attend_prompt(const float * q, int64_t n_tok, in
                     "head_dim %d must each be at least 1, pos %" PRId64 " and window %" PRId64 " at least 0", n_tok,
                     n_head, n_head_kv, head_dim, pos, window);
     }
-    if (n_head % n_head_kv != 0) {
-        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_attend_prompt: %d query heads cannot share %d KV heads evenly",
-                    n_head, n_head_kv);
-    }
-    if (!kv_known(kv_type) || (kv_blocked(kv_type) && head_dim % kv_block != 0)) {
-        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_attend_prompt: kv_type %d (%s) with head_dim %d; the caches "
-                    "must be 0 F32, 1 F16, or 8 Q8_0 or 2 Q4_0 where head_dim is a multiple of 32", kv_type,
-                    ggml_type_name(kv_type), head_dim);
-    }
-    if (!(softcap >= 0.0f) || !std::isfinite(softcap) || !std::isfinite(scale)) {
-        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_attend_prompt: scale %g and softcap %g must be finite, softcap "
-                    "at least 0", static_cast<double>(scale), static_cast<double>(softcap));
-    }
+    TRY(check_attention("pebble_attend_prompt", n_head, n_head_kv, head_dim, kv_type, scale, softcap));
     const int64_t kv_row = int64_t(n_head_kv) * head_dim, q_width = int64_t(n_head) * head_dim;
     if (n_rows > INT64_MAX / 4 / kv_row || n_tok > INT64_MAX / 4 / q_width) {
         return fail(PEBBLE_ERR_SIZE_MISMATCH, "pebble_attend_prompt: %" PRId64 " queries of %d x %d, caches of %" PRId64

@@ -1,5 +1,6 @@
-// pebble_cpu_exp.h: exp(x) for x <= 0 in float32, scalar and eight at a time (AVX2), for the host
-// library's softmaxes (native/pebble_cpu.cc's decode attention, pebble_cpu_prompt.cc's prompt attention).
+// pebble_cpu_simd.h: what the host library's kernels (native/pebble_cpu.cc, pebble_cpu_prompt.cc) share:
+// the sum of a register's eight lanes, and exp(x) for x <= 0 in float32, scalar and eight at a time
+// (AVX2), for the attention's softmaxes.
 // exp(n ln 2 + r) = 2^n exp(r) with |r| <= ln 2 / 2 and exp(r) by Cephes' degree-6 polynomial: a relative
 // error about 1e-7, as std::exp's float. Below -87 (e^-87 < 2e-38) the result is exactly 0, as a
 // softmax wants for masked (-inf) scores. Not part of the ABI.
@@ -28,6 +29,15 @@ inline float exp_nonpositive(float x) {
 }
 
 #if defined(__x86_64__) || defined(__i386__)
+// The sum of v's eight lanes: the halves added, then lanes 0 + 2 and 1 + 3, then those two (every kernel
+// sums in this order, so a dot product is the same whichever kernel made it).
+__attribute__((target("avx2,fma,f16c"), always_inline)) inline float hsum_ps(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
 __attribute__((target("avx2,fma,f16c"), always_inline)) inline __m256 exp8_nonpositive(__m256 x) {
     const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GE_OQ);
     x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
@@ -46,12 +56,6 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) inline __m256 exp8_nonpo
     return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), keep);
 }
 
-__attribute__((target("avx2,fma,f16c"), always_inline)) inline float hsum8(__m256 v) {
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_add_ss(h, _mm_movehdup_ps(h));
-    return _mm_cvtss_f32(h);
-}
 #endif
 
 } // namespace pebble_cpu
