@@ -3,13 +3,12 @@ the file's pages; PEBBLING_USE_MMAP=1 keeps the file's mapping; the tokens are t
 
 from __future__ import annotations
 
-import mmap
-
 import numpy as np
 import pytest
 
 from helpers import tiny_model
 from pyplugin.model import QuantWeight
+from pyplugin.model.gguf_file import drop_file_pages, file_map_of
 from pyplugin.runtime import PebbledModel
 from pyplugin.runtime.options import Options
 from pyplugin.runtime.plan import PebblingOptions
@@ -23,17 +22,7 @@ def _tokens(pebbled: PebbledModel) -> list[int]:
 
 
 def _in_file_map(array: np.ndarray) -> bool:
-    """Whether `array` views a file's memory map (an anonymous map, the arena's, has no file to size)."""
-    base = array
-    while base is not None and not isinstance(base, mmap.mmap):
-        base = getattr(base, "base", None) if isinstance(base, np.ndarray) else getattr(base, "obj", None)
-    if base is None:
-        return False
-    try:
-        base.size()
-        return True
-    except OSError:
-        return False
+    return file_map_of(array) is not None
 
 
 @pytest.mark.parametrize("use_mmap", [False, True])
@@ -78,3 +67,5 @@ def test_arena_places_copies_aligned_and_refuses_what_does_not_fit():
     assert pb.__array_interface__["data"][0] % ALIGN == 0
     with pytest.raises(ValueError, match="do not fit"):
         arena.place(a)
+    drop_file_pages(pb)  # an arena's pages are no file's: left as they are, not zeroed
+    np.testing.assert_array_equal(pb, b)

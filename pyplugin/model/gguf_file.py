@@ -147,13 +147,26 @@ class GGUFFile:
         self._map.madvise(mmap.MADV_DONTNEED, start, offset + nbytes - start)
 
 
-def _file_map_range(array: np.ndarray) -> tuple[mmap.mmap, int, int] | None:
-    """(the memory map `array` views, the first page's offset, the length to its end), or None where
-    `array` is no view of an open GGUF file's map."""
+def file_map_of(array: np.ndarray) -> mmap.mmap | None:
+    """The open memory map of a file that `array` views, or None: a copy, or a view of an anonymous map
+    (store/arena.py's, whose pages MADV_DONTNEED would not give back but zero)."""
     base = array
     while base is not None and not isinstance(base, mmap.mmap):
         base = getattr(base, "base", None) if isinstance(base, np.ndarray) else getattr(base, "obj", None)
-    if base is None or not hasattr(base, "madvise") or base.closed or array.nbytes == 0:
+    if base is None or base.closed:
+        return None
+    try:
+        base.size()  # the size of the file it maps; an anonymous map has none
+    except OSError:
+        return None
+    return base
+
+
+def _file_map_range(array: np.ndarray) -> tuple[mmap.mmap, int, int] | None:
+    """(the memory map `array` views, the first page's offset, the length to its end), or None where
+    `array` is no view of an open GGUF file's map."""
+    base = file_map_of(array)
+    if base is None or not hasattr(base, "madvise") or array.nbytes == 0:
         return None
     start = array.__array_interface__["data"][0] - np.frombuffer(base, np.uint8, 1).__array_interface__["data"][0]
     first = start - start % mmap.PAGESIZE
