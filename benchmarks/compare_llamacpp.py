@@ -302,7 +302,8 @@ def compare_case(case: Case, workdir: Path) -> dict[str, Any]:
                    vs_dequantized=rel_err(judged[0], d_logits[0]))
         if case.arch in MOE_ARCHS:  # every decode step against llama.cpp on the same (dequantized) values
             same = next((i for i, (a, b) in enumerate(zip(d_tokens, p_tokens)) if a != b), N_GEN - 1)
-            row.update(dequantized_greedy_equal=d_tokens == p_tokens,
+            row.update(dequantized_greedy_equal=d_tokens == p_tokens, dequantized_tokens=d_tokens,
+                       vs_dequantized_max_abs=float(np.abs(judged[0] - d_logits[0]).max()),
                        vs_dequantized_decode=max(rel_err(judged[i], d_logits[i]) for i in range(same + 1)))
 
     ref, got = l_logits[0], p_logits[0]
@@ -353,22 +354,29 @@ def compare_case(case: Case, workdir: Path) -> dict[str, Any]:
 @contextmanager
 def weights_as_dequantized_f32():
     """Make write_gguf store every tensor as F32, holding the values its type would dequantize to
-    (quantized by synth, dequantized by pebbling's own reader)."""
-    original = synth._tensors
+    (quantized by synth, dequantized by pebbling's own reader). A file of random blocks (random_blocks=True):
+    each matrix is written as F32 when it is made, its blocks made as the quantized file's are, then dequantized."""
+    original, blocks = synth._tensors, synth.random_blocks
 
-    def tensors(spec, n_vocab):
-        for name, array, qtype in original(spec, n_vocab):
-            if qtype != GGMLQuantizationType.F32:
+    def tensors(spec, n_vocab, lazy=False):
+        for name, array, qtype in original(spec, n_vocab, lazy):
+            if lazy:  # random blocks: arrays are written as F32 as they are; (shape, scale) made below
+                array = array if isinstance(array, np.ndarray) else (array[0], (array[1], qtype))
+            elif qtype != GGMLQuantizationType.F32:
                 rows = array.reshape(-1, array.shape[-1])  # merged experts: a stack of matrices
                 raw = np.ascontiguousarray(synth.quantize(rows, qtype)).view(np.uint8).reshape(-1)
-                array, qtype = dequantize_bytes(raw, qtype, array.shape), GGMLQuantizationType.F32
-            yield name, array, qtype
+                array = dequantize_bytes(raw, qtype, array.shape)
+            yield name, array, GGMLQuantizationType.F32
 
-    synth._tensors = tensors
+    def dequantized_blocks(qtype, rows, cols, rng, scale_and_type):
+        scale, qtype = scale_and_type
+        return dequantize_bytes(blocks(qtype, rows, cols, rng, scale).reshape(-1), qtype, (rows, cols))
+
+    synth._tensors, synth.random_blocks = tensors, dequantized_blocks
     try:
         yield
     finally:
-        synth._tensors = original
+        synth._tensors, synth.random_blocks = original, blocks
 
 
 @contextmanager
