@@ -842,6 +842,7 @@ struct alignas(64) q8_pair {
 struct alignas(64) q8_k512 {
     int8_t  qs[256];
     int16_t sums[16];
+    int32_t neg32_sums[16]; // -32 * sums: Q6_K's offset of 32, for its sixteen-row kernel
     float   d;
 };
 
@@ -882,6 +883,7 @@ void quantize_k512(const uint16_t * x, int64_t n, bool paired, q8_k512 * out) {
             int sum = 0;
             for (int i = 0; i < 16; i++) sum += q[16 * g + i];
             o.sums[g] = static_cast<int16_t>(sum);
+            o.neg32_sums[g] = -32 * sum;
         }
         for (int c = 0; c < 8; c++) std::memcpy(o.qs + 32 * c, q + 32 * (paired ? order[c] : c), 32);
     }
@@ -1027,8 +1029,8 @@ AVX512 void dot_k45_avx512(const uint8_t * w, int64_t nb, const uint8_t * xq, in
 
 template <int NV>
 AVX512 void dot_q6_k_avx512(const uint8_t * w, int64_t nb, const uint8_t * xq, int64_t xs, float * out) {
-    __m512 acc[NV];
-    UNROLL for (int v = 0; v < NV; v++) acc[v] = _mm512_setzero_ps();
+    float acc[NV];
+    UNROLL for (int v = 0; v < NV; v++) acc[v] = 0.0f;
     const __m512i m4 = _mm512_set1_epi8(0x0f), m2 = _mm512_set1_epi8(0x03);
     // the scale of each 16-bit sum: a register holds 4 groups of 16, 8 sums each
     const __m512i group = _mm512_srli_epi16(
@@ -1059,20 +1061,229 @@ AVX512 void dot_q6_k_avx512(const uint8_t * w, int64_t nb, const uint8_t * xq, i
             const __m512i s_hi = _mm512_permutexvar_epi16(_mm512_add_epi16(group, _mm512_set1_epi16(static_cast<int16_t>(8 * h + 4))), scales);
             dot_128<NV>(sumi, lo, hi, s_lo, s_hi, xq, xs, i, 128 * h);
         }
-        UNROLL for (int v = 0; v < NV; v++) {
+        UNROLL for (int v = 0; v < NV; v++) { // the block's integer sum, then rows16_q6_k's multiply-add
             const q8_k512 & a = reinterpret_cast<const q8_k512 *>(xq + v * xs)[i];
-            acc[v] = _mm512_fmadd_ps(_mm512_set1_ps(a.d * d), _mm512_cvtepi32_ps(sumi[v]), acc[v]);
+            acc[v] = std::fma(d * a.d, static_cast<float>(_mm512_reduce_add_epi32(sumi[v])), acc[v]);
         }
     }
-    reduce_store<NV>(acc, out);
+    UNROLL for (int v = 0; v < NV; v++) out[v] = acc[v];
 }
+
+// ---------------------------------------------------------------------------------------------------
+// Sixteen rows at a time (AVX-512): a register's sixteen 32-bit lanes are sixteen weight rows, so that a
+// block's scales multiply sixteen rows' integer sums in one operation, and x's four quants a dword are
+// broadcast to every lane. The row kernels above reduce each row across lanes instead and pay their float
+// epilogue per row and block: with 8 activations, most of their time. A group's blocks are transposed
+// on the way in (16 bytes of each of 16 rows: four 4 x 4 transposes of dwords); out[v * ys + r] for
+// rows r < 16.
+
+// t[m] lane r = dword m of the 16 bytes at p + r * rb.
+AVX512 __attribute__((always_inline)) inline void load_16x4(const uint8_t * p, int64_t rb, __m512i t[4]) {
+    __m512i u[4];
+    UNROLL for (int i = 0; i < 4; i++) { // u[i]'s 128-bit lane q: row 4q + i
+        __m512i v = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p + i * rb)));
+        v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i *>(p + (4 + i) * rb)), 1);
+        v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i *>(p + (8 + i) * rb)), 2);
+        u[i] = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i *>(p + (12 + i) * rb)), 3);
+    }
+    const __m512i a = _mm512_unpacklo_epi32(u[0], u[1]), b = _mm512_unpackhi_epi32(u[0], u[1]);
+    const __m512i c = _mm512_unpacklo_epi32(u[2], u[3]), d = _mm512_unpackhi_epi32(u[2], u[3]);
+    t[0] = _mm512_unpacklo_epi64(a, c);
+    t[1] = _mm512_unpackhi_epi64(a, c);
+    t[2] = _mm512_unpacklo_epi64(b, d);
+    t[3] = _mm512_unpackhi_epi64(b, d);
+}
+
+// A group's 16 rows are 16 * rb bytes in a row of memory, read a block column at a time: sixteen streams,
+// more than the hardware's prefetchers follow. While a group reads its block i, the bytes two groups on
+// are asked for in order, 16 blocks' worth, into the second-level cache only (prefetcht2: AMD's L2), so
+// that a group's rows are there when it starts. Fetched into the first-level cache instead (prefetcht0),
+// or one group ahead, Qwen2.5-1.5B's 8960 x 1536 Q4_K matrices read half as fast; with no prefetch at all,
+// a third as fast.
+constexpr int64_t groups_ahead = 2;
+
+inline void prefetch_next_group(const uint8_t * w, int64_t rb, int64_t i, int64_t bb) {
+    const uint8_t * p = w + 16 * rb * groups_ahead + i * 16 * bb;
+    for (int64_t o = 0; o < 16 * bb; o += 64) __builtin_prefetch(p + o, 0, 1);
+}
+
+inline int32_t dword_at(const int8_t * p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return v;
+}
+
+// Q4_K: sub-block j's 32 quants times x, a 32-bit integer per row, times the row's 6-bit scale of j, added
+// up over the block; then d and dmin (each row's, in lanes) times x's d. vpdpwssd multiplies the low
+// 16-bit half of each lane by the scale: a sum over 16 quants (at most 16 * 15 * 127) fits it, so each
+// sub-block is two sums of 16. The mins: dmin * m_j * (x's sum over j), through x's sums of 16 in pairs.
+template <int NV>
+AVX512 void rows16_q4_k(const uint8_t * w, int64_t rb, int64_t nb, const uint8_t * xq, int64_t xs, float * y,
+                        int64_t ys) {
+    // where x's q of sub-block s sit: quantize_k512's paired order (0 2 1 3 4 6 5 7, its own inverse)
+    static constexpr int pos[8] = {0, 2, 1, 3, 4, 6, 5, 7};
+    __m512 acc[NV];
+    UNROLL for (int v = 0; v < NV; v++) acc[v] = _mm512_setzero_ps();
+    const __m512i m4 = _mm512_set1_epi8(0x0f), byte = _mm512_set1_epi32(0xff);
+    const __m512i low6 = _mm512_set1_epi32(0x3f3f3f3f), low4 = _mm512_set1_epi32(0x0f0f0f0f),
+                  top2 = _mm512_set1_epi32(0x03030303);
+    for (int64_t i = 0; i < nb; i++) {
+        const uint8_t * b = w + i * 144;
+        prefetch_next_group(w, rb, i, 144);
+        __m512i h[4]; // d | dmin, then the twelve bytes of scales and mins
+        load_16x4(b, rb, h);
+        const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h[0]));
+        const __m512 dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(h[0], 16)));
+        // unpack_scales_k4, a row a lane: scales 0..3, 4..7, mins 0..3, 4..7, a byte each
+        const __m512i sc[2] = {_mm512_and_si512(h[1], low6),
+                               _mm512_or_si512(_mm512_and_si512(h[3], low4),
+                                               _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h[1], 6), top2), 4))};
+        const __m512i mn[2] = {_mm512_and_si512(h[2], low6),
+                               _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(h[3], 4), low4),
+                                               _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h[2], 6), top2), 4))};
+        __m512i sumi[NV];
+        UNROLL for (int v = 0; v < NV; v++) sumi[v] = _mm512_setzero_si512();
+        UNROLL for (int c = 0; c < 4; c++) { // 32 bytes of quants: sub-block 2c low nibbles, 2c + 1 high
+            const __m512i s_lo = _mm512_and_si512(_mm512_srli_epi32(sc[c / 2], 16 * (c % 2)), byte);
+            const __m512i s_hi = _mm512_and_si512(_mm512_srli_epi32(sc[c / 2], 16 * (c % 2) + 8), byte);
+            UNROLL for (int half = 0; half < 2; half++) { // quants 16 * half .. + 15 of each sub-block
+                __m512i t[4], lo[4], hi[4];
+                load_16x4(b + 16 + 32 * c + 16 * half, rb, t);
+                UNROLL for (int m = 0; m < 4; m++) {
+                    lo[m] = _mm512_and_si512(t[m], m4);
+                    hi[m] = _mm512_and_si512(_mm512_srli_epi16(t[m], 4), m4);
+                }
+                UNROLL for (int v = 0; v < NV; v++) {
+                    const q8_k512 & a = reinterpret_cast<const q8_k512 *>(xq + v * xs)[i];
+                    const int8_t * xl = a.qs + 32 * pos[2 * c] + 16 * half, * xh = a.qs + 32 * pos[2 * c + 1] + 16 * half;
+                    __m512i pl = _mm512_setzero_si512(), ph = _mm512_setzero_si512();
+                    UNROLL for (int m = 0; m < 4; m++) {
+                        pl = _mm512_dpbusd_epi32(pl, lo[m], _mm512_set1_epi32(dword_at(xl + 4 * m)));
+                        ph = _mm512_dpbusd_epi32(ph, hi[m], _mm512_set1_epi32(dword_at(xh + 4 * m)));
+                    }
+                    sumi[v] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(sumi[v], pl, s_lo), ph, s_hi);
+                }
+            }
+        }
+        __m512i mins[8]; // m_j in both 16-bit halves, beside x's two sums of 16 in sub-block j
+        UNROLL for (int j = 0; j < 8; j++) {
+            const __m512i m = _mm512_and_si512(_mm512_srli_epi32(mn[j / 4], 8 * (j % 4)), byte);
+            mins[j] = _mm512_or_si512(m, _mm512_slli_epi32(m, 16));
+        }
+        UNROLL for (int v = 0; v < NV; v++) {
+            const q8_k512 & a = reinterpret_cast<const q8_k512 *>(xq + v * xs)[i];
+            __m512i summ = _mm512_setzero_si512();
+            UNROLL for (int j = 0; j < 8; j++) {
+                summ = _mm512_dpwssd_epi32(summ, mins[j], _mm512_set1_epi32(dword_at(reinterpret_cast<const int8_t *>(a.sums + 2 * j))));
+            }
+            const __m512 dx = _mm512_set1_ps(a.d);
+            acc[v] = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(sumi[v]), acc[v]);
+            acc[v] = _mm512_fnmadd_ps(_mm512_mul_ps(dmin, dx), _mm512_cvtepi32_ps(summ), acc[v]);
+        }
+    }
+    UNROLL for (int v = 0; v < NV; v++) _mm512_storeu_ps(y + v * ys, acc[v]);
+}
+// Q6_K: each group of 16 quants times x, less 32 times x's sum over the group (its offset), a 32-bit integer
+// per row, times the row's signed 8-bit scale of the group, added up over the block; then d times x's d.
+template <int NV>
+AVX512 void rows16_q6_k(const uint8_t * w, int64_t rb, int64_t nb, const uint8_t * xq, int64_t xs, float * y,
+                        int64_t ys) {
+    __m512 acc[NV];
+    UNROLL for (int v = 0; v < NV; v++) acc[v] = _mm512_setzero_ps();
+    const __m512i m4 = _mm512_set1_epi8(0x0f), m2 = _mm512_set1_epi8(0x03);
+    for (int64_t i = 0; i < nb; i++) {
+        const uint8_t * b = w + i * 210;
+        prefetch_next_group(w, rb, i, 210);
+        __m512i sc[4], tail[4]; // the sixteen scales; bytes 206..209, whose top half is d
+        load_16x4(b + 192, rb, sc);
+        load_16x4(b + 194, rb, tail);
+        const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(tail[3], 16)));
+        __m512i sumi[NV];
+        UNROLL for (int v = 0; v < NV; v++) sumi[v] = _mm512_setzero_si512();
+        UNROLL for (int n = 0; n < 2; n++) {       // 128 quants: ql[64n..], qh[32n..]
+            UNROLL for (int h = 0; h < 2; h++) {   // l = 16h .. 16h + 15 of each of the four runs of 32
+                __m512i la[4], lb[4], qh[4], q[4][4];
+                load_16x4(b + 64 * n + 16 * h, rb, la);
+                load_16x4(b + 64 * n + 32 + 16 * h, rb, lb);
+                load_16x4(b + 128 + 32 * n + 16 * h, rb, qh);
+                UNROLL for (int m = 0; m < 4; m++) {
+                    q[0][m] = _mm512_or_si512(_mm512_and_si512(la[m], m4), _mm512_slli_epi32(_mm512_and_si512(qh[m], m2), 4));
+                    q[1][m] = _mm512_or_si512(_mm512_and_si512(lb[m], m4),
+                                              _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(qh[m], 2), m2), 4));
+                    q[2][m] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(la[m], 4), m4),
+                                              _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(qh[m], 4), m2), 4));
+                    q[3][m] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(lb[m], 4), m4),
+                                              _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(qh[m], 6), m2), 4));
+                }
+                UNROLL for (int run = 0; run < 4; run++) { // quants 128n + 32run + 16h + ..., group 8n + 2run + h
+                    const int g = 8 * n + 2 * run + h;
+                    const __m512i scale = _mm512_srai_epi32(_mm512_slli_epi32(sc[g / 4], 24 - 8 * (g % 4)), 24);
+                    UNROLL for (int v = 0; v < NV; v++) {
+                        const q8_k512 & a = reinterpret_cast<const q8_k512 *>(xq + v * xs)[i];
+                        const int8_t * x = a.qs + 128 * n + 32 * run + 16 * h;
+                        __m512i p = _mm512_set1_epi32(a.neg32_sums[g]);
+                        UNROLL for (int m = 0; m < 4; m++) p = _mm512_dpbusd_epi32(p, q[run][m], _mm512_set1_epi32(dword_at(x + 4 * m)));
+                        sumi[v] = _mm512_add_epi32(sumi[v], _mm512_mullo_epi32(p, scale));
+                    }
+                }
+            }
+        }
+        UNROLL for (int v = 0; v < NV; v++) {
+            const q8_k512 & a = reinterpret_cast<const q8_k512 *>(xq + v * xs)[i];
+            acc[v] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(a.d)), _mm512_cvtepi32_ps(sumi[v]), acc[v]);
+        }
+    }
+    UNROLL for (int v = 0; v < NV; v++) _mm512_storeu_ps(y + v * ys, acc[v]);
+}
+
+// Q4_K, row by row, computing what rows16_q4_k computes for each of its lanes: per block the integer
+// sums (sum_j scale_j * S_j and sum_j min_j * X_j, exact whatever the order they are added in), then the
+// same two fused multiply-adds in float. So a row's result is the same bits whichever kernel took it:
+// one activation reads rows in order (as the prefetchers like), several go sixteen rows at a time.
+template <int NV>
+AVX512 void dot_q4_k_exact_avx512(const uint8_t * w, int64_t nb, const uint8_t * xq, int64_t xs, float * out) {
+    float acc[NV];
+    UNROLL for (int v = 0; v < NV; v++) acc[v] = 0.0f;
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    const __m512i index[4] = {word_index(0, 2), word_index(1, 3), word_index(4, 6), word_index(5, 7)};
+    for (int64_t i = 0; i < nb; i++) {
+        const uint8_t * b = w + i * 144;
+        const float d = _cvtsh_ss(u16(b)), dmin = _cvtsh_ss(u16(b + 2));
+        uint32_t sm[4];
+        unpack_scales_k4(b + 4, sm);
+        const __m512i scales = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(sm))));
+        const __m128i mins16 = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(sm + 2)));
+        const __m256i mins = _mm256_set_m128i(_mm_unpackhi_epi16(mins16, mins16), _mm_unpacklo_epi16(mins16, mins16));
+        __m512i sumi[NV];
+        UNROLL for (int v = 0; v < NV; v++) sumi[v] = _mm512_setzero_si512();
+        UNROLL for (int c = 0; c < 2; c++) {
+            const __m512i raw = _mm512_loadu_si512(b + 16 + 64 * c);
+            const __m512i lo = _mm512_and_si512(raw, m4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
+            dot_128<NV>(sumi, lo, hi, _mm512_permutexvar_epi16(index[2 * c], scales),
+                        _mm512_permutexvar_epi16(index[2 * c + 1], scales), xq, xs, i, 128 * c);
+        }
+        UNROLL for (int v = 0; v < NV; v++) {
+            const q8_k512 & a = reinterpret_cast<const q8_k512 *>(xq + v * xs)[i];
+            const __m256i m = _mm256_madd_epi16(mins, _mm256_load_si256(reinterpret_cast<const __m256i *>(a.sums)));
+            const int32_t si = _mm512_reduce_add_epi32(sumi[v]);
+            const int32_t mi = _mm512_reduce_add_epi32(_mm512_zextsi256_si512(m));
+            acc[v] = std::fma(d * a.d, static_cast<float>(si), acc[v]);
+            acc[v] = std::fma(-(dmin * a.d), static_cast<float>(mi), acc[v]);
+        }
+    }
+    UNROLL for (int v = 0; v < NV; v++) out[v] = acc[v];
+}
+
 #endif // PEBBLE_X86
 
 // ---------------------------------------------------------------------------------------------------
 // dispatch
 
 using dot_fn = void (*)(const uint8_t *, int64_t, const uint8_t *, int64_t, float *);
+// Sixteen rows (row_bytes apart) times NV activations: (w, row_bytes, nb, xq, xs, out, out_stride).
+using rows_fn = void (*)(const uint8_t *, int64_t, int64_t, const uint8_t *, int64_t, float *, int64_t);
 constexpr int max_nv = 8; // the most activations any kernel multiplies per pass over a row
+constexpr int group_rows = 16; // the rows a rows_fn takes
 
 // How x is laid out for a kernel set: q8_256 and q8_32 (every kernel but AVX-512's), q8_pair
 // (AVX-512's 32-element types), q8_k512 in natural order (Q6_K) or paired sub-blocks (Q4_K, Q5_K).
@@ -1083,11 +1294,17 @@ struct kernel_set {
     int     block_elements, block_bytes;
     int     nv;          // activations per pass: dot[0..nv-1] are set
     dot_fn  dot[max_nv]; // dot[n - 1] multiplies n activations
+    // rows[n - 1]: sixteen rows times n activations, in the same activation layout, or none; never for one
+    // activation, which goes row by row (memory read in order: what a decode step of one sequence is
+    // bound by). A type's rows kernels give each row the bits its row kernels give it (the same integer
+    // sums per block, the same float operations after them), so that a sequence's logits do not depend
+    // on the batch it is in; tests/test_quant_kernels.py holds them to it.
+    rows_fn rows[max_nv];
 };
 
 template <template <int> class D, int... NV>
 kernel_set make_set(act a, int elements, int bytes, std::integer_sequence<int, NV...>) {
-    kernel_set k{a, elements, bytes, static_cast<int>(sizeof...(NV)), {}};
+    kernel_set k{a, elements, bytes, static_cast<int>(sizeof...(NV)), {}, {}};
     ((k.dot[NV] = D<NV + 1>::fn), ...);
     return k;
 }
@@ -1109,6 +1326,7 @@ PEBBLE_DOT(float_avx2, dot_float_avx2)
 PEBBLE_DOT(k45_avx512, dot_k45_avx512)
 template <int K> struct q6_avx2 { template <int NV> struct at { static constexpr dot_fn fn = dot_q6_k_avx2<NV>; }; };
 template <int K> struct q6_avx512 { template <int NV> struct at { static constexpr dot_fn fn = dot_q6_k_avx512<NV>; }; };
+template <int K> struct q4_k_exact { template <int NV> struct at { static constexpr dot_fn fn = dot_q4_k_exact_avx512<NV>; }; };
 PEBBLE_DOT(dot32_avx512, dot_32_avx512)
 #endif
 #undef PEBBLE_DOT
@@ -1118,6 +1336,17 @@ template <template <int> class D, int K> kernel_set set_of(act a, int elements, 
     return nv_count == 8 ? make_set<D<K>::template at>(a, elements, bytes, upto<8>{})
                          : make_set<D<K>::template at>(a, elements, bytes, upto<4>{});
 }
+
+#ifdef PEBBLE_X86
+// A kernel set with sixteen-row kernels R<n>::fn beside its row kernels.
+template <template <int> class R, int... NV>
+kernel_set with_rows(kernel_set k, std::integer_sequence<int, NV...>) {
+    ((k.rows[NV] = NV == 0 ? nullptr : R<NV + 1>::fn), ...);
+    return k;
+}
+template <int NV> struct q4_k_rows { static constexpr rows_fn fn = rows16_q4_k<NV>; };
+template <int NV> struct q6_k_rows { static constexpr rows_fn fn = rows16_q6_k<NV>; };
+#endif
 
 // The AVX2 and the portable kernels of a type: one table, the families of row functions its arguments.
 template <template <int> class Float, template <int> class Dot32, template <int> class K45, template <int> class Q6>
@@ -1135,7 +1364,7 @@ kernel_set four_at_a_time(int32_t type) {
         case 13: return set_of<K45, k_q5_k>(act::q8_256, 256, 176, 4);
         case 14: return set_of<Q6, 0>(act::q8_256, 256, 210, 4);
     }
-    return {act::f32, 0, 0, 0, {}};
+    return {act::f32, 0, 0, 0, {}, {}};
 }
 
 // The kernels of a GGUF type id on this CPU; block_elements 0 for a type without them (the callers have
@@ -1150,9 +1379,9 @@ kernel_set kernels_for(int32_t type) {
             case 6:  return set_of<dot32_avx512, k_q5_0>(act::q8_pair, 32, 22, 8);
             case 7:  return set_of<dot32_avx512, k_q5_1>(act::q8_pair, 32, 24, 8);
             case 8:  return set_of<dot32_avx512, k_q8_0>(act::q8_pair, 32, 34, 8);
-            case 12: return set_of<k45_avx512, k_q4_k>(act::q8_k512_paired, 256, 144, 8);
+            case 12: return with_rows<q4_k_rows>(set_of<q4_k_exact, 0>(act::q8_k512_paired, 256, 144, 8), upto<8>{});
             case 13: return set_of<k45_avx512, k_q5_k>(act::q8_k512_paired, 256, 176, 8);
-            case 14: return set_of<q6_avx512, 0>(act::q8_k512, 256, 210, 8);
+            case 14: return with_rows<q6_k_rows>(set_of<q6_avx512, 0>(act::q8_k512, 256, 210, 8), upto<8>{});
         }
     }
     if (level != simd::portable) return four_at_a_time<float_avx2, dot32_avx2, k45_avx2, q6_avx2>(type);
@@ -1222,7 +1451,13 @@ void matmul_tiles(void * ctx, int64_t begin, int64_t end) {
         const int64_t rt_end = std::min(r1, rt + j.tile_rows);
         for (int64_t t = 0; t < j.n_tok; t += j.k->nv) {
             const int nv = static_cast<int>(std::min<int64_t>(j.k->nv, j.n_tok - t));
-            for (int64_t r = rt; r < rt_end; r++) {
+            int64_t r = rt; // whole groups of 16 rows first where the set has rows kernels, then row by row
+            if (const rows_fn rows = j.k->rows[nv - 1]) {
+                for (; r + group_rows <= rt_end; r += group_rows) {
+                    rows(j.w + r * j.row_bytes, j.row_bytes, j.nb, j.xq + t * j.xs, j.xs, j.y + t * j.n_rows + r, j.n_rows);
+                }
+            }
+            for (; r < rt_end; r++) {
                 float out[max_nv];
                 if (t == 0 && r + ahead < r1) prefetch_row(j.w + (r + ahead) * j.row_bytes, j.row_bytes);
                 j.k->dot[nv - 1](j.w + r * j.row_bytes, j.nb, j.xq + t * j.xs, j.xs, out);
@@ -1718,6 +1953,7 @@ pebble_status matmul(int32_t ggml_type, const uint8_t * w, int64_t n_rows, int64
     const int64_t row_bytes = nb * k.block_bytes;
     int64_t tile_rows = n_tok > k.nv ? std::max<int64_t>(1, (32 << 10) / std::max<int64_t>(row_bytes, 1)) : 8;
     tile_rows = std::clamp<int64_t>(tile_rows, 1, 64);
+    if (k.rows[max_nv - 1]) tile_rows = (tile_rows + group_rows - 1) / group_rows * group_rows; // whole groups
     const int64_t tiles = (n_rows + tile_rows - 1) / tile_rows;
     matmul_job job{&k, w, row_bytes, nb, n_rows, n_tok, xq, xs, y, tile_rows};
     // What the pool judges the call by: a prefill's multiply-adds; a decode call's weights, four times over
