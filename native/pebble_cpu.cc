@@ -825,16 +825,14 @@ AVX2 void dot_float_avx2(const uint8_t * w, int64_t n, const uint8_t * xq, int64
 
 #    define AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")))
 
-// Two 32-element blocks of x side by side, for the signed 32-element types. vpdpbusd multiplies
-// unsigned by signed bytes, so a weight q goes in as q + 128 (its bits xor 0x80) and corr, the
-// accumulator it starts from, takes the 128 off again: corr[i] = -128 * (q[4i] + ... + q[4i+3]).
-// d[i]: the d of the block lane i sums; dsum[i] = d[i] * (the sum of those four q), what the unsigned
-// types' min multiplies. A lone last block has zeros beside it.
-struct alignas(64) q8_pair {
-    int8_t  qs[64];
-    int32_t corr[16];
-    float   d[16];
-    float   dsum[16];
+// One 32-element block of x for AVX-512's 32-element kernels: q, d, the sum of q, and dsum = d * that sum
+// (what the min of Q4_1 and Q5_1 multiplies, one float that the row and the sixteen-row kernels share).
+struct q8_32x {
+    int8_t  qs[32];
+    float   d;
+    int32_t sum;
+    float   dsum;
+    int32_t unused;
 };
 
 // One 256-element block of x for the K-quants: its q in the order the weight type's registers hold
@@ -846,28 +844,15 @@ struct alignas(64) q8_k512 {
     float   d;
 };
 
-void quantize_pairs(const uint16_t * x, int64_t n, q8_pair * out) {
-    const int64_t nb = n / 32;
-    for (int64_t b = 0; b < nb; b++) {
-        q8_pair & o = out[b / 2];
-        const int h = static_cast<int>(b % 2);
-        float d;
-        quantize_block<32>(x + 32 * b, d, o.qs + 32 * h);
-        for (int i = 0; i < 8; i++) {
-            const int8_t * q = o.qs + 32 * h + 4 * i;
-            o.corr[8 * h + i] = -128 * (q[0] + q[1] + q[2] + q[3]);
-            o.d[8 * h + i] = d;
-            o.dsum[8 * h + i] = d * static_cast<float>(q[0] + q[1] + q[2] + q[3]);
-        }
-    }
-    if (nb % 2) {
-        q8_pair & o = out[nb / 2];
-        std::memset(o.qs + 32, 0, 32);
-        for (int i = 8; i < 16; i++) {
-            o.corr[i] = 0;
-            o.d[i] = 0.0f;
-            o.dsum[i] = 0.0f;
-        }
+void quantize_32x(const uint16_t * x, int64_t n, q8_32x * out) {
+    for (int64_t b = 0; b < n / 32; b++) {
+        q8_32x & o = out[b];
+        quantize_block<32>(x + 32 * b, o.d, o.qs);
+        int sum = 0;
+        for (int i = 0; i < 32; i++) sum += o.qs[i];
+        o.sum = sum;
+        o.dsum = o.d * static_cast<float>(sum);
+        o.unused = 0;
     }
 }
 
@@ -927,37 +912,31 @@ AVX512 __attribute__((always_inline)) inline void reduce_store(const __m512 * ac
     }
 }
 
-// Two 32-element blocks a register. The signed types (Q4_0, Q5_0, Q8_0) go in as q + 128 (their bits xor
-// 0x80), which x's corr takes off again; the unsigned ones (Q4_1, Q5_1) as they are, their min added as
-// m * (x's d times the sum of its q: dsum).
+// The 32-element types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) row by row, computing what rows16_32 computes for
+// each of its lanes: per block the integer S = sum of the block's integers times x's q (exact), then
+// acc += (d * x's d) * S and, for Q4_1 and Q5_1, acc += m * x's dsum, two fused multiply-adds. vpdpbusd
+// multiplies unsigned by signed bytes, so the signed types' integers go in as q + 128 (bits xor 0x80) and
+// 128 times x's sum comes off S again.
 template <int K, int NV>
 AVX512 void dot_32_avx512(const uint8_t * w, int64_t nb, const uint8_t * xq, int64_t xs, float * out) {
     constexpr bool has_min = K == k_q4_1 || K == k_q5_1;
     constexpr int  bb = block_bytes_32(K);
-    __m512 acc[NV];
-    UNROLL for (int v = 0; v < NV; v++) acc[v] = _mm512_setzero_ps();
-    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-    for (int64_t i = 0; i < nb; i += 2) {
+    float acc[NV];
+    UNROLL for (int v = 0; v < NV; v++) acc[v] = 0.0f;
+    for (int64_t i = 0; i < nb; i++) {
         const uint8_t * b = w + bb * i;
-        const bool both = i + 1 < nb;
-        __m512i wq = pair_256(decode_32_avx2<K>(b), both ? decode_32_avx2<K>(b + bb) : _mm256_setzero_si256());
-        if constexpr (!has_min) wq = _mm512_xor_si512(wq, flip);
-        const __m512 dw = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(_cvtsh_ss(u16(b)))),
-                                             _mm256_set1_ps(both ? _cvtsh_ss(u16(b + bb)) : 0.0f), 1);
-        __m512 mw = _mm512_setzero_ps();
-        if constexpr (has_min) {
-            mw = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(_cvtsh_ss(u16(b + 2)))),
-                                    _mm256_set1_ps(both ? _cvtsh_ss(u16(b + bb + 2)) : 0.0f), 1);
-        }
+        __m256i q = decode_32_avx2<K>(b);
+        if constexpr (!has_min) q = _mm256_xor_si256(q, _mm256_set1_epi8(static_cast<char>(0x80)));
+        const float d = _cvtsh_ss(u16(b)), m = has_min ? _cvtsh_ss(u16(b + 2)) : 0.0f;
         UNROLL for (int v = 0; v < NV; v++) {
-            const q8_pair & a = reinterpret_cast<const q8_pair *>(xq + v * xs)[i / 2];
-            const __m512i p = _mm512_dpbusd_epi32(has_min ? _mm512_setzero_si512() : _mm512_load_si512(a.corr), wq,
-                                                  _mm512_load_si512(a.qs));
-            acc[v] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_load_ps(a.d)), _mm512_cvtepi32_ps(p), acc[v]);
-            if constexpr (has_min) acc[v] = _mm512_fmadd_ps(mw, _mm512_load_ps(a.dsum), acc[v]);
+            const q8_32x & a = reinterpret_cast<const q8_32x *>(xq + v * xs)[i];
+            const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, _mm256_loadu_si256(reinterpret_cast<const __m256i *>(a.qs)));
+            const int32_t sum = _mm512_reduce_add_epi32(_mm512_zextsi256_si512(p)) - (has_min ? 0 : 128 * a.sum);
+            acc[v] = std::fma(d * a.d, static_cast<float>(sum), acc[v]);
+            if constexpr (has_min) acc[v] = std::fma(m, a.dsum, acc[v]);
         }
     }
-    reduce_store<NV>(acc, out);
+    UNROLL for (int v = 0; v < NV; v++) out[v] = acc[v];
 }
 
 // 128 quants of block i, unsigned, as two registers of 64 (lo: x's q at `at`, hi: at `at` + 64), times
@@ -1072,10 +1051,10 @@ AVX512 void dot_q6_k_avx512(const uint8_t * w, int64_t nb, const uint8_t * xq, i
 // ---------------------------------------------------------------------------------------------------
 // Sixteen rows at a time (AVX-512): a register's sixteen 32-bit lanes are sixteen weight rows, so that a
 // block's scales multiply sixteen rows' integer sums in one operation, and x's four quants a dword are
-// broadcast to every lane. The row kernels above reduce each row across lanes instead and pay their float
-// epilogue per row and block: with 8 activations, most of their time. A group's blocks are transposed
-// on the way in (16 bytes of each of 16 rows: four 4 x 4 transposes of dwords); out[v * ys + r] for
-// rows r < 16.
+// broadcast to every lane. A row kernel reduces its row across lanes instead, then pays its float
+// epilogue per block and row: with 8 activations it took most of their time (Q4_K 3072 x 1024 x 8 on one
+// core: 123 GOP/s row by row, 211 sixteen rows at a time). A group's blocks are transposed on the way in
+// (16 bytes of each of 16 rows: four 4 x 4 transposes of dwords); out[v * ys + r] for rows r < 16.
 
 // t[m] lane r = dword m of the 16 bytes at p + r * rb.
 AVX512 __attribute__((always_inline)) inline void load_16x4(const uint8_t * p, int64_t rb, __m512i t[4]) {
@@ -1274,6 +1253,63 @@ AVX512 void dot_q4_k_exact_avx512(const uint8_t * w, int64_t nb, const uint8_t *
     UNROLL for (int v = 0; v < NV; v++) out[v] = acc[v];
 }
 
+// The 32-element types: S per row (the block's integers times x's q: unsigned quants from dpbusd, less
+// x's sum times what they lie above the integers: 8 for Q4_0, 16 for Q5_0, 128 for Q8_0 taken as q + 128),
+// then dot_32_avx512's two multiply-adds. The block's first dword (d, m or the first of qh) of each row
+// is gathered; the quants transposed.
+template <int K, int NV>
+AVX512 void rows16_32(const uint8_t * w, int64_t rb, int64_t nb, const uint8_t * xq, int64_t xs, float * y,
+                      int64_t ys) {
+    constexpr bool has_min = K == k_q4_1 || K == k_q5_1;
+    constexpr int  bb = block_bytes_32(K);
+    constexpr int  at = K == k_q4_0 || K == k_q8_0 ? 2 : K == k_q4_1 ? 4 : K == k_q5_0 ? 6 : 8; // the quants
+    constexpr int  above = K == k_q4_0 ? 8 : K == k_q5_0 ? 16 : K == k_q8_0 ? 128 : 0;
+    // bits (4 of them) to bytes of 0x10: a permutation's table, indexed by the low 4 bits of each lane
+    const __m512i fifth = _mm512_setr_epi32(0x00000000, 0x00000010, 0x00001000, 0x00001010, 0x00100000, 0x00100010,
+                                            0x00101000, 0x00101010, 0x10000000, 0x10000010, 0x10001000, 0x10001010,
+                                            0x10100000, 0x10100010, 0x10101000, 0x10101010);
+    const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(static_cast<int32_t>(rb)));
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    __m512 acc[NV];
+    UNROLL for (int v = 0; v < NV; v++) acc[v] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < nb; i++) {
+        const uint8_t * b = w + i * bb;
+        prefetch_next_group(w, rb, i, bb);
+        const __m512i head = _mm512_i32gather_epi32(rows, b, 1);
+        const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(head));
+        __m512 m = _mm512_setzero_ps();
+        if constexpr (has_min) m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(head, 16)));
+        __m512i q[8]; // q[k] lane r: quants 4k .. 4k + 3 of row r
+        if constexpr (K == k_q8_0) {
+            load_16x4(b + 2, rb, q);
+            load_16x4(b + 18, rb, q + 4);
+            UNROLL for (int k = 0; k < 8; k++) q[k] = _mm512_xor_si512(q[k], _mm512_set1_epi8(static_cast<char>(0x80)));
+        } else {
+            __m512i t[4];
+            load_16x4(b + at, rb, t);
+            UNROLL for (int k = 0; k < 4; k++) {
+                q[k] = _mm512_and_si512(t[k], m4);
+                q[k + 4] = _mm512_and_si512(_mm512_srli_epi16(t[k], 4), m4);
+            }
+            if constexpr (K == k_q5_0 || K == k_q5_1) {
+                const __m512i qh = _mm512_i32gather_epi32(rows, b + at - 4, 1);
+                UNROLL for (int k = 0; k < 8; k++) {
+                    q[k] = _mm512_or_si512(q[k], _mm512_permutexvar_epi32(_mm512_srli_epi32(qh, 4 * k), fifth));
+                }
+            }
+        }
+        UNROLL for (int v = 0; v < NV; v++) {
+            const q8_32x & a = reinterpret_cast<const q8_32x *>(xq + v * xs)[i];
+            __m512i p = _mm512_set1_epi32(-above * a.sum);
+            UNROLL for (int k = 0; k < 8; k++) p = _mm512_dpbusd_epi32(p, q[k], _mm512_set1_epi32(dword_at(a.qs + 4 * k)));
+            acc[v] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(a.d)), _mm512_cvtepi32_ps(p), acc[v]);
+            if constexpr (has_min) acc[v] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.dsum), acc[v]);
+        }
+    }
+    UNROLL for (int v = 0; v < NV; v++) _mm512_storeu_ps(y + v * ys, acc[v]);
+}
+
 #endif // PEBBLE_X86
 
 // ---------------------------------------------------------------------------------------------------
@@ -1287,18 +1323,18 @@ constexpr int group_rows = 16; // the rows a rows_fn takes
 
 // How x is laid out for a kernel set: q8_256 and q8_32 (every kernel but AVX-512's), q8_pair
 // (AVX-512's 32-element types), q8_k512 in natural order (Q6_K) or paired sub-blocks (Q4_K, Q5_K).
-enum class act { q8_256, q8_32, f32, q8_pair, q8_k512, q8_k512_paired };
+enum class act { q8_256, q8_32, f32, q8_32x, q8_k512, q8_k512_paired };
 
 struct kernel_set {
     act     activation;
     int     block_elements, block_bytes;
     int     nv;          // activations per pass: dot[0..nv-1] are set
     dot_fn  dot[max_nv]; // dot[n - 1] multiplies n activations
-    // rows[n - 1]: sixteen rows times n activations, in the same activation layout, or none; never for one
-    // activation, which goes row by row (memory read in order: what a decode step of one sequence is
-    // bound by). A type's rows kernels give each row the bits its row kernels give it (the same integer
+    // rows[n - 1]: sixteen rows times n activations, in the same activation layout, or none (Q4_K's and
+    // Q6_K's one activation goes row by row: memory read in order kept a decode step of one sequence
+    // faster there). A type's rows kernels give each row the bits its row kernels give it (the same integer
     // sums per block, the same float operations after them), so that a sequence's logits do not depend
-    // on the batch it is in; tests/test_quant_kernels.py holds them to it.
+    // on the batch it is in, nor on which rows end a matrix; tests/test_quant_kernels.py holds them to it.
     rows_fn rows[max_nv];
 };
 
@@ -1341,11 +1377,14 @@ template <template <int> class D, int K> kernel_set set_of(act a, int elements, 
 // A kernel set with sixteen-row kernels R<n>::fn beside its row kernels.
 template <template <int> class R, int... NV>
 kernel_set with_rows(kernel_set k, std::integer_sequence<int, NV...>) {
-    ((k.rows[NV] = NV == 0 ? nullptr : R<NV + 1>::fn), ...);
+    ((k.rows[NV] = R<NV + 1>::fn), ...);
     return k;
 }
-template <int NV> struct q4_k_rows { static constexpr rows_fn fn = rows16_q4_k<NV>; };
-template <int NV> struct q6_k_rows { static constexpr rows_fn fn = rows16_q6_k<NV>; };
+// (none for one activation: their row kernels read rows in order and keep up with memory)
+template <int NV> struct q4_k_rows { static constexpr rows_fn fn = NV == 1 ? nullptr : rows16_q4_k<NV>; };
+template <int NV> struct q6_k_rows { static constexpr rows_fn fn = NV == 1 ? nullptr : rows16_q6_k<NV>; };
+// (for one activation too: SmolLM2's Q4_1 decode step 6.96 -> 5.91 ms, Gemma-3's Q5_0/Q8_0 11.9 -> 9.4)
+template <int K> struct rows32 { template <int NV> struct at { static constexpr rows_fn fn = rows16_32<K, NV>; }; };
 #endif
 
 // The AVX2 and the portable kernels of a type: one table, the families of row functions its arguments.
@@ -1374,11 +1413,11 @@ kernel_set kernels_for(int32_t type) {
 #ifdef PEBBLE_X86
     if (level == simd::avx512) {
         switch (type) {
-            case 2:  return set_of<dot32_avx512, k_q4_0>(act::q8_pair, 32, 18, 8);
-            case 3:  return set_of<dot32_avx512, k_q4_1>(act::q8_pair, 32, 20, 8);
-            case 6:  return set_of<dot32_avx512, k_q5_0>(act::q8_pair, 32, 22, 8);
-            case 7:  return set_of<dot32_avx512, k_q5_1>(act::q8_pair, 32, 24, 8);
-            case 8:  return set_of<dot32_avx512, k_q8_0>(act::q8_pair, 32, 34, 8);
+            case 2:  return with_rows<rows32<k_q4_0>::template at>(set_of<dot32_avx512, k_q4_0>(act::q8_32x, 32, 18, 8), upto<8>{});
+            case 3:  return with_rows<rows32<k_q4_1>::template at>(set_of<dot32_avx512, k_q4_1>(act::q8_32x, 32, 20, 8), upto<8>{});
+            case 6:  return with_rows<rows32<k_q5_0>::template at>(set_of<dot32_avx512, k_q5_0>(act::q8_32x, 32, 22, 8), upto<8>{});
+            case 7:  return with_rows<rows32<k_q5_1>::template at>(set_of<dot32_avx512, k_q5_1>(act::q8_32x, 32, 24, 8), upto<8>{});
+            case 8:  return with_rows<rows32<k_q8_0>::template at>(set_of<dot32_avx512, k_q8_0>(act::q8_32x, 32, 34, 8), upto<8>{});
             case 12: return with_rows<q4_k_rows>(set_of<q4_k_exact, 0>(act::q8_k512_paired, 256, 144, 8), upto<8>{});
             case 13: return set_of<k45_avx512, k_q5_k>(act::q8_k512_paired, 256, 176, 8);
             case 14: return with_rows<q6_k_rows>(set_of<q6_avx512, 0>(act::q8_k512, 256, 210, 8), upto<8>{});
@@ -1397,7 +1436,7 @@ int64_t activation_bytes(act a, int64_t n_cols) {
         case act::q8_32:          return (n_cols / 32) * static_cast<int64_t>(sizeof(q8_32));
         case act::f32:            return n_cols * static_cast<int64_t>(sizeof(float));
 #ifdef PEBBLE_X86
-        case act::q8_pair:        return (n_cols / 32 + 1) / 2 * static_cast<int64_t>(sizeof(q8_pair));
+        case act::q8_32x:         return (n_cols / 32) * static_cast<int64_t>(sizeof(q8_32x));
         case act::q8_k512:
         case act::q8_k512_paired: return (n_cols / 256) * static_cast<int64_t>(sizeof(q8_k512));
 #else
@@ -1413,7 +1452,7 @@ void quantize_activation(act a, const uint16_t * x, int64_t n_cols, uint8_t * ou
         case act::q8_32:  quantize_32(x, n_cols, reinterpret_cast<q8_32 *>(out)); break;
         case act::f32:    to_float(x, n_cols, reinterpret_cast<float *>(out)); break;
 #ifdef PEBBLE_X86
-        case act::q8_pair:        quantize_pairs(x, n_cols, reinterpret_cast<q8_pair *>(out)); break;
+        case act::q8_32x:         quantize_32x(x, n_cols, reinterpret_cast<q8_32x *>(out)); break;
         case act::q8_k512:        quantize_k512(x, n_cols, false, reinterpret_cast<q8_k512 *>(out)); break;
         case act::q8_k512_paired: quantize_k512(x, n_cols, true, reinterpret_cast<q8_k512 *>(out)); break;
 #else
@@ -1452,7 +1491,8 @@ void matmul_tiles(void * ctx, int64_t begin, int64_t end) {
         for (int64_t t = 0; t < j.n_tok; t += j.k->nv) {
             const int nv = static_cast<int>(std::min<int64_t>(j.k->nv, j.n_tok - t));
             int64_t r = rt; // whole groups of 16 rows first where the set has rows kernels, then row by row
-            if (const rows_fn rows = j.k->rows[nv - 1]) {
+            // (the 32-element types gather each row's first dword at 32-bit offsets: rows of under 128 MiB)
+            if (const rows_fn rows = j.k->rows[nv - 1]; rows && j.row_bytes <= INT32_MAX / group_rows) {
                 for (; r + group_rows <= rt_end; r += group_rows) {
                     rows(j.w + r * j.row_bytes, j.row_bytes, j.nb, j.xq + t * j.xs, j.xs, j.y + t * j.n_rows + r, j.n_rows);
                 }
