@@ -1006,41 +1006,49 @@ AVX512 void dot_k45_avx512(const uint8_t * w, int64_t nb, const uint8_t * xq, in
     reduce_store<NV>(acc, out);
 }
 
+// Q6_K block b (block i of the row) times NV activations as integers: the lanes of sumi[v] add up to the
+// block's sum of scale_g * (q - 32) * x's q; d its scale.
 template <int NV>
-AVX512 void dot_q6_k_avx512(const uint8_t * w, int64_t nb, const uint8_t * xq, int64_t xs, float * out) {
-    float acc[NV];
-    UNROLL for (int v = 0; v < NV; v++) acc[v] = 0.0f;
+AVX512 __attribute__((always_inline)) inline float q6_k_block_ints(const uint8_t * b, const uint8_t * xq, int64_t xs,
+                                                                   int64_t i, __m512i * sumi) {
     const __m512i m4 = _mm512_set1_epi8(0x0f), m2 = _mm512_set1_epi8(0x03);
     // the scale of each 16-bit sum: a register holds 4 groups of 16, 8 sums each
     const __m512i group = _mm512_srli_epi16(
         _mm512_set_epi32(0x001f001e, 0x001d001c, 0x001b001a, 0x00190018, 0x00170016, 0x00150014, 0x00130012,
                          0x00110010, 0x000f000e, 0x000d000c, 0x000b000a, 0x00090008, 0x00070006, 0x00050004,
                          0x00030002, 0x00010000), 3);
+    const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i *>(b + 192)));
+    const __m512i scales = _mm512_castsi256_si512(sc16);
+    UNROLL for (int v = 0; v < NV; v++) {
+        // the -32 of every q, through x's 16-element sums: -32 * sum_g scale_g * sums_g
+        const q8_k512 & a = reinterpret_cast<const q8_k512 *>(xq + v * xs)[i];
+        const __m256i corr = _mm256_madd_epi16(sc16, _mm256_load_si256(reinterpret_cast<const __m256i *>(a.sums)));
+        sumi[v] = _mm512_zextsi256_si512(_mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(corr, 5)));
+    }
+    UNROLL for (int h = 0; h < 2; h++) {
+        const __m512i ql = _mm512_loadu_si512(b + 64 * h);
+        const __m256i qh256 = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(b + 128 + 32 * h));
+        const __m512i qh = pair_256(qh256, _mm256_srli_epi16(qh256, 2));
+        // unsigned 0..63, elements 128h + 0..63 and 128h + 64..127; the -32 is taken off above
+        const __m512i lo = _mm512_or_si512(_mm512_and_si512(ql, m4), _mm512_slli_epi16(_mm512_and_si512(qh, m2), 4));
+        const __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
+                                           _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh, 4), m2), 4));
+        const __m512i s_lo = _mm512_permutexvar_epi16(_mm512_add_epi16(group, _mm512_set1_epi16(static_cast<int16_t>(8 * h))), scales);
+        const __m512i s_hi = _mm512_permutexvar_epi16(_mm512_add_epi16(group, _mm512_set1_epi16(static_cast<int16_t>(8 * h + 4))), scales);
+        dot_128<NV>(sumi, lo, hi, s_lo, s_hi, xq, xs, i, 128 * h);
+    }
+    return _cvtsh_ss(u16(b + 208));
+}
+
+// Q6_K row by row: the block's integer sum, then rows16_q6_k's multiply-add.
+template <int NV>
+AVX512 void dot_q6_k_avx512(const uint8_t * w, int64_t nb, const uint8_t * xq, int64_t xs, float * out) {
+    float acc[NV];
+    UNROLL for (int v = 0; v < NV; v++) acc[v] = 0.0f;
     for (int64_t i = 0; i < nb; i++) {
-        const uint8_t * b = w + i * 210;
-        const float d = _cvtsh_ss(u16(b + 208));
-        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i *>(b + 192)));
-        const __m512i scales = _mm512_castsi256_si512(sc16);
         __m512i sumi[NV];
+        const float d = q6_k_block_ints<NV>(w + i * 210, xq, xs, i, sumi);
         UNROLL for (int v = 0; v < NV; v++) {
-            // the -32 of every q, through x's 16-element sums: -32 * sum_g scale_g * sums_g
-            const q8_k512 & a = reinterpret_cast<const q8_k512 *>(xq + v * xs)[i];
-            const __m256i corr = _mm256_madd_epi16(sc16, _mm256_load_si256(reinterpret_cast<const __m256i *>(a.sums)));
-            sumi[v] = _mm512_zextsi256_si512(_mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(corr, 5)));
-        }
-        UNROLL for (int h = 0; h < 2; h++) {
-            const __m512i ql = _mm512_loadu_si512(b + 64 * h);
-            const __m256i qh256 = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(b + 128 + 32 * h));
-            const __m512i qh = pair_256(qh256, _mm256_srli_epi16(qh256, 2));
-            // unsigned 0..63, elements 128h + 0..63 and 128h + 64..127; the -32 is taken off above
-            const __m512i lo = _mm512_or_si512(_mm512_and_si512(ql, m4), _mm512_slli_epi16(_mm512_and_si512(qh, m2), 4));
-            const __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
-                                               _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh, 4), m2), 4));
-            const __m512i s_lo = _mm512_permutexvar_epi16(_mm512_add_epi16(group, _mm512_set1_epi16(static_cast<int16_t>(8 * h))), scales);
-            const __m512i s_hi = _mm512_permutexvar_epi16(_mm512_add_epi16(group, _mm512_set1_epi16(static_cast<int16_t>(8 * h + 4))), scales);
-            dot_128<NV>(sumi, lo, hi, s_lo, s_hi, xq, xs, i, 128 * h);
-        }
-        UNROLL for (int v = 0; v < NV; v++) { // the block's integer sum, then rows16_q6_k's multiply-add
             const q8_k512 & a = reinterpret_cast<const q8_k512 *>(xq + v * xs)[i];
             acc[v] = std::fma(d * a.d, static_cast<float>(_mm512_reduce_add_epi32(sumi[v])), acc[v]);
         }
@@ -1081,9 +1089,12 @@ AVX512 __attribute__((always_inline)) inline void load_16x4(const uint8_t * p, i
 // a third as fast.
 constexpr int64_t groups_ahead = 2;
 
+inline void prefetch_group_bytes(const uint8_t * p, int64_t n) {
+    for (int64_t o = 0; o < n; o += 64) __builtin_prefetch(p + o, 0, 1);
+}
+
 inline void prefetch_next_group(const uint8_t * w, int64_t rb, int64_t i, int64_t bb) {
-    const uint8_t * p = w + 16 * rb * groups_ahead + i * 16 * bb;
-    for (int64_t o = 0; o < 16 * bb; o += 64) __builtin_prefetch(p + o, 0, 1);
+    prefetch_group_bytes(w + 16 * rb * groups_ahead + i * 16 * bb, 16 * bb);
 }
 
 inline int32_t dword_at(const int8_t * p) {
@@ -1215,39 +1226,51 @@ AVX512 void rows16_q6_k(const uint8_t * w, int64_t rb, int64_t nb, const uint8_t
     UNROLL for (int v = 0; v < NV; v++) _mm512_storeu_ps(y + v * ys, acc[v]);
 }
 
-// Q4_K, row by row, computing what rows16_q4_k computes for each of its lanes: per block the integer
-// sums (sum_j scale_j * S_j and sum_j min_j * X_j, exact whatever the order they are added in), then the
-// same two fused multiply-adds in float. So a row's result is the same bits whichever kernel took it:
-// one activation reads rows in order (as the prefetchers like), several go sixteen rows at a time.
+// Q4_K block b (block i of the row) times NV activations as integers: the lanes of sumi[v] add up to the
+// block's sum_j scale_j * S_j (S_j: sub-block j's quants times x's q), those of msum[v] to its
+// sum_j min_j * (x's sum over sub-block j); d and dmin its scales.
+template <int NV>
+AVX512 __attribute__((always_inline)) inline void q4_k_block_ints(const uint8_t * b, const uint8_t * xq, int64_t xs,
+                                                                  int64_t i, __m512i * sumi, __m256i * msum,
+                                                                  float & d, float & dmin) {
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    const __m512i index[4] = {word_index(0, 2), word_index(1, 3), word_index(4, 6), word_index(5, 7)};
+    d = _cvtsh_ss(u16(b));
+    dmin = _cvtsh_ss(u16(b + 2));
+    uint32_t sm[4];
+    unpack_scales_k4(b + 4, sm);
+    const __m512i scales = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(sm))));
+    const __m128i mins16 = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(sm + 2)));
+    const __m256i mins = _mm256_set_m128i(_mm_unpackhi_epi16(mins16, mins16), _mm_unpacklo_epi16(mins16, mins16));
+    UNROLL for (int v = 0; v < NV; v++) sumi[v] = _mm512_setzero_si512();
+    UNROLL for (int c = 0; c < 2; c++) {
+        const __m512i raw = _mm512_loadu_si512(b + 16 + 64 * c);
+        const __m512i lo = _mm512_and_si512(raw, m4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
+        dot_128<NV>(sumi, lo, hi, _mm512_permutexvar_epi16(index[2 * c], scales),
+                    _mm512_permutexvar_epi16(index[2 * c + 1], scales), xq, xs, i, 128 * c);
+    }
+    UNROLL for (int v = 0; v < NV; v++) {
+        const q8_k512 & a = reinterpret_cast<const q8_k512 *>(xq + v * xs)[i];
+        msum[v] = _mm256_madd_epi16(mins, _mm256_load_si256(reinterpret_cast<const __m256i *>(a.sums)));
+    }
+}
+
+// Q4_K row by row (a matrix's last rows, past its whole groups of 16): per block the integer sums, then
+// the two fused multiply-adds of rows16_q4_k's lanes, so that a row's result is the same bits whichever
+// kernel took it.
 template <int NV>
 AVX512 void dot_q4_k_exact_avx512(const uint8_t * w, int64_t nb, const uint8_t * xq, int64_t xs, float * out) {
     float acc[NV];
     UNROLL for (int v = 0; v < NV; v++) acc[v] = 0.0f;
-    const __m512i m4 = _mm512_set1_epi8(0x0f);
-    const __m512i index[4] = {word_index(0, 2), word_index(1, 3), word_index(4, 6), word_index(5, 7)};
     for (int64_t i = 0; i < nb; i++) {
-        const uint8_t * b = w + i * 144;
-        const float d = _cvtsh_ss(u16(b)), dmin = _cvtsh_ss(u16(b + 2));
-        uint32_t sm[4];
-        unpack_scales_k4(b + 4, sm);
-        const __m512i scales = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(sm))));
-        const __m128i mins16 = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(sm + 2)));
-        const __m256i mins = _mm256_set_m128i(_mm_unpackhi_epi16(mins16, mins16), _mm_unpacklo_epi16(mins16, mins16));
         __m512i sumi[NV];
-        UNROLL for (int v = 0; v < NV; v++) sumi[v] = _mm512_setzero_si512();
-        UNROLL for (int c = 0; c < 2; c++) {
-            const __m512i raw = _mm512_loadu_si512(b + 16 + 64 * c);
-            const __m512i lo = _mm512_and_si512(raw, m4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
-            dot_128<NV>(sumi, lo, hi, _mm512_permutexvar_epi16(index[2 * c], scales),
-                        _mm512_permutexvar_epi16(index[2 * c + 1], scales), xq, xs, i, 128 * c);
-        }
+        __m256i msum[NV];
+        float d, dmin;
+        q4_k_block_ints<NV>(w + i * 144, xq, xs, i, sumi, msum, d, dmin);
         UNROLL for (int v = 0; v < NV; v++) {
             const q8_k512 & a = reinterpret_cast<const q8_k512 *>(xq + v * xs)[i];
-            const __m256i m = _mm256_madd_epi16(mins, _mm256_load_si256(reinterpret_cast<const __m256i *>(a.sums)));
-            const int32_t si = _mm512_reduce_add_epi32(sumi[v]);
-            const int32_t mi = _mm512_reduce_add_epi32(_mm512_zextsi256_si512(m));
-            acc[v] = std::fma(d * a.d, static_cast<float>(si), acc[v]);
-            acc[v] = std::fma(-(dmin * a.d), static_cast<float>(mi), acc[v]);
+            acc[v] = std::fma(d * a.d, static_cast<float>(_mm512_reduce_add_epi32(sumi[v])), acc[v]);
+            acc[v] = std::fma(-(dmin * a.d), static_cast<float>(_mm512_reduce_add_epi32(_mm512_zextsi256_si512(msum[v]))), acc[v]);
         }
     }
     UNROLL for (int v = 0; v < NV; v++) out[v] = acc[v];
@@ -1310,6 +1333,51 @@ AVX512 void rows16_32(const uint8_t * w, int64_t rb, int64_t nb, const uint8_t *
     UNROLL for (int v = 0; v < NV; v++) _mm512_storeu_ps(y + v * ys, acc[v]);
 }
 
+// The sums of a, b, c and d's lanes, in lanes 0..3 (integers: exact in any order).
+AVX512 __attribute__((always_inline)) inline __m128i sum4_lanes(__m256i a, __m256i b, __m256i c, __m256i d) {
+    const __m256i t = _mm256_hadd_epi32(_mm256_hadd_epi32(a, b), _mm256_hadd_epi32(c, d));
+    return _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+}
+
+AVX512 __attribute__((always_inline)) inline __m256i fold_512(__m512i z) {
+    return _mm256_add_epi32(_mm512_castsi512_si256(z), _mm512_extracti64x4_epi64(z, 1));
+}
+
+// One activation through sixteen rows of Q4_K or Q6_K, four rows at a time read in order (the prefetchers
+// follow four streams; sixteen, not), to the bits of rows16_q4_k's and rows16_q6_k's lanes: per block the
+// four rows' integer sums (as the row kernels make them) added up across their lanes together, then the
+// same float multiply-adds, four rows a register. Qwen2.5-1.5B's decode step, against the row kernels of
+// before the sixteen-row ones: a scalar epilogue per row and block (one reduction per sum) ran it 10-14%
+// slower, and the sixteen-row kernel itself as slow or slower.
+template <int K>
+AVX512 void rows16_one_k(const uint8_t * w, int64_t rb, int64_t nb, const uint8_t * xq, int64_t, float * y, int64_t) {
+    constexpr int bb = K == k_q4_k ? 144 : 210;
+    const q8_k512 * x = reinterpret_cast<const q8_k512 *>(xq);
+    for (int r0 = 0; r0 < 16; r0 += 4) {
+        __m128 acc = _mm_setzero_ps();
+        for (int64_t i = 0; i < nb; i++) {
+            // the group two on, in order, as rows16's kernels ask for it: 4 blocks' bytes a step here
+            prefetch_group_bytes(w + 16 * rb * groups_ahead + ((r0 / 4) * nb + i) * 4 * bb, 4 * bb);
+            __m512i si[4];
+            __m256i mi[4];
+            float d[4], dm[4];
+            UNROLL for (int r = 0; r < 4; r++) {
+                const uint8_t * b = w + (r0 + r) * rb + i * bb;
+                if constexpr (K == k_q4_k) q4_k_block_ints<1>(b, xq, 0, i, &si[r], &mi[r], d[r], dm[r]);
+                else d[r] = q6_k_block_ints<1>(b, xq, 0, i, &si[r]);
+            }
+            const __m128 dx = _mm_set1_ps(x[i].d);
+            const __m128i s = sum4_lanes(fold_512(si[0]), fold_512(si[1]), fold_512(si[2]), fold_512(si[3]));
+            acc = _mm_fmadd_ps(_mm_mul_ps(_mm_loadu_ps(d), dx), _mm_cvtepi32_ps(s), acc);
+            if constexpr (K == k_q4_k) {
+                const __m128i m = sum4_lanes(mi[0], mi[1], mi[2], mi[3]);
+                acc = _mm_fnmadd_ps(_mm_mul_ps(_mm_loadu_ps(dm), dx), _mm_cvtepi32_ps(m), acc);
+            }
+        }
+        _mm_storeu_ps(y + r0, acc);
+    }
+}
+
 #endif // PEBBLE_X86
 
 // ---------------------------------------------------------------------------------------------------
@@ -1330,11 +1398,11 @@ struct kernel_set {
     int     block_elements, block_bytes;
     int     nv;          // activations per pass: dot[0..nv-1] are set
     dot_fn  dot[max_nv]; // dot[n - 1] multiplies n activations
-    // rows[n - 1]: sixteen rows times n activations, in the same activation layout, or none (Q4_K's and
-    // Q6_K's one activation goes row by row: memory read in order kept a decode step of one sequence
-    // faster there). A type's rows kernels give each row the bits its row kernels give it (the same integer
-    // sums per block, the same float operations after them), so that a sequence's logits do not depend
-    // on the batch it is in, nor on which rows end a matrix; tests/test_quant_kernels.py holds them to it.
+    // rows[n - 1]: sixteen rows times n activations, in the same activation layout, or none. A type's rows
+    // kernels give each row the bits its row kernels (which take a matrix's last rows, past its whole
+    // groups of 16) give it: the same integer sums per block, the same float operations after them. So a
+    // sequence's logits depend neither on the batch it is in nor on where a row falls in a matrix;
+    // tests/test_quant_kernels.py holds them to it.
     rows_fn rows[max_nv];
 };
 
@@ -1380,9 +1448,8 @@ kernel_set with_rows(kernel_set k, std::integer_sequence<int, NV...>) {
     ((k.rows[NV] = R<NV + 1>::fn), ...);
     return k;
 }
-// (none for one activation: their row kernels read rows in order and keep up with memory)
-template <int NV> struct q4_k_rows { static constexpr rows_fn fn = NV == 1 ? nullptr : rows16_q4_k<NV>; };
-template <int NV> struct q6_k_rows { static constexpr rows_fn fn = NV == 1 ? nullptr : rows16_q6_k<NV>; };
+template <int NV> struct q4_k_rows { static constexpr rows_fn fn = NV == 1 ? rows16_one_k<k_q4_k> : rows16_q4_k<NV>; };
+template <int NV> struct q6_k_rows { static constexpr rows_fn fn = NV == 1 ? rows16_one_k<k_q6_k> : rows16_q6_k<NV>; };
 // (for one activation too: SmolLM2's Q4_1 decode step 6.96 -> 5.91 ms, Gemma-3's Q5_0/Q8_0 11.9 -> 9.4)
 template <int K> struct rows32 { template <int NV> struct at { static constexpr rows_fn fn = rows16_32<K, NV>; }; };
 #endif
