@@ -53,4 +53,9 @@ pebble_status attend_prompt(const float * q, int64_t n_tok, int64_t pos, int32_t
 // The instruction set the kernels picked on this CPU: "avx512", "avx2" or "portable".
 const char * simd_level();
 
+// out[i] = silu(gate[i]) * up[i], or with GELU's tanh approximation in place of SiLU (gelu), for n
+// elements, among the pool's threads: eight at a time on AVX2 (exp by pebble_cpu_simd.h's polynomial), every
+// element alike whatever n (a short last group is masked, not left to a scalar loop), as a batch needs.
+void gated(bool gelu, const float * gate, const float * up, int64_t n, float * out);
+
 } // namespace pebble_cpu

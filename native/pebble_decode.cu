@@ -206,6 +206,7 @@ __host__ __device__ inline void put(uint16_t * p, int64_t i, float v) { p[i] = h
 __host__ __device__ inline float act_value(const uint16_t * p, int64_t i) { return half_to_float(p[i]); }
 #endif
 
+#ifndef PEBBLE_HOST_BUILD // (the host library's: pebble_cpu::gated, through gate_times_up below)
 // out = silu(gate) * up, silu(g) = g / (1 + exp(-g))
 __global__ void swiglu_kernel(const float * __restrict__ gate, const float * __restrict__ up, int64_t n,
                               act_t * __restrict__ out) {
@@ -224,6 +225,7 @@ __global__ void geglu_kernel(const float * __restrict__ gate, const float * __re
         put(out, i, 0.5f * g * (1.0f + t) * up[i]);
     }
 }
+#endif
 
 // ---------------------------------------------------------------------------------------------------
 // launcher
@@ -249,6 +251,23 @@ constexpr int64_t max_grid = int64_t(1) << 20;
 
 [[maybe_unused]] unsigned grid_for(int64_t n, int64_t per_block) {
     return static_cast<unsigned>(std::max<int64_t>(1, std::min(max_grid, (n + per_block - 1) / per_block)));
+}
+
+// out = act(gate) * up for n elements (SiLU, or GELU's tanh approximation): the host library's SIMD loop
+// split among its threads, the kernels above on the GPU.
+pebble_status gate_times_up(bool gelu, const float * gate, const float * up, int64_t n, act_t * out, cudaStream_t stream) {
+#ifdef PEBBLE_HOST_BUILD
+    (void)stream;
+    pebble_cpu::gated(gelu, gate, up, n, out);
+    return PEBBLE_OK;
+#else
+    if (gelu) {
+        LAUNCH(geglu_kernel, grid_for(n, threads), threads, stream, gate, up, n, out);
+    } else {
+        LAUNCH(swiglu_kernel, grid_for(n, threads), threads, stream, gate, up, n, out);
+    }
+    return launched();
+#endif
 }
 
 uint64_t aligned(uint64_t n) { return (n + 255) / 256 * 256; }
@@ -1014,8 +1033,7 @@ pebble_status experts_ffn(pebble_decoder & d, int32_t layer, int32_t n, const ac
         }
         TRY(matvec_many(w.ffn_gate_exps.ggml_type, g, ff, e, rows, c, gate, stream));
         TRY(matvec_many(w.ffn_up_exps.ggml_type, u, ff, e, rows, c, up, stream));
-        LAUNCH(swiglu_kernel, grid_for(int64_t(c) * ff, threads), threads, stream, gate, up, int64_t(c) * ff, act);
-        TRY(launched());
+        TRY(gate_times_up(false, gate, up, int64_t(c) * ff, act, stream));
         TRY(matvec_many(w.ffn_down_exps.ggml_type, dn, e, ff, act, c, y, stream));
         for (int32_t r = 0; r < c; r++) {
             LAUNCH(add_kernel, grid_for(e, threads), threads, stream, out + int64_t(tokens[r]) * e, y + int64_t(r) * e, e,
@@ -1030,8 +1048,7 @@ pebble_status experts_ffn(pebble_decoder & d, int32_t layer, int32_t n, const ac
         const int64_t sh = s.n_ff_shexp;
         TRY(matvec_many(w.ffn_gate_shexp.ggml_type, w.ffn_gate_shexp.data, sh, e, h, n, gate, stream));
         TRY(matvec_many(w.ffn_up_shexp.ggml_type, w.ffn_up_shexp.data, sh, e, h, n, up, stream));
-        LAUNCH(swiglu_kernel, grid_for(int64_t(n) * sh, threads), threads, stream, gate, up, int64_t(n) * sh, act);
-        TRY(launched());
+        TRY(gate_times_up(false, gate, up, int64_t(n) * sh, act, stream));
         TRY(matvec_many(w.ffn_down_shexp.ggml_type, w.ffn_down_shexp.data, e, sh, act, n, y, stream));
         LAUNCH(shared_gate_kernel, grid_for(n, heads_per_block), dim3(warp_lanes, heads_per_block), stream, out, y, h, n,
                e, w.ffn_gate_inp_shexp.data, w.ffn_gate_inp_shexp.ggml_type);
@@ -1114,12 +1131,7 @@ pebble_status step_layer(pebble_decoder & d, int32_t i, int32_t n, const int32_t
         TRY(matvec_many(w.w_gate.ggml_type, w.w_gate.data, s.n_ff, e, h16, n, gate, stream));
         TRY(matvec_many(w.w_up.ggml_type, w.w_up.data, s.n_ff, e, h16, n, up, stream));
         const int64_t ff = int64_t(n) * s.n_ff;
-        if (s.gelu) {
-            LAUNCH(geglu_kernel, grid_for(ff, threads), threads, stream, gate, up, ff, h16);
-        } else {
-            LAUNCH(swiglu_kernel, grid_for(ff, threads), threads, stream, gate, up, ff, h16);
-        }
-        TRY(launched());
+        TRY(gate_times_up(s.gelu, gate, up, ff, h16, stream));
         TRY(matvec_many(w.w_down.ggml_type, w.w_down.data, e, s.n_ff, h16, n, o, stream));
     }
     for (int32_t b = 0; b < n && w.post_ffn_norm.data; b++) TRY(residual(x + b * e, o + b * e, e, w.post_ffn_norm, s, stream));
