@@ -825,36 +825,12 @@ AVX2 void dot_float_avx2(const uint8_t * w, int64_t n, const uint8_t * xq, int64
 
 #    define AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")))
 
-// One 32-element block of x for AVX-512's 32-element kernels: q, d, the sum of q, and dsum = d * that sum
-// (what the min of Q4_1 and Q5_1 multiplies, one float that the row and the sixteen-row kernels share).
-struct q8_32x {
-    int8_t  qs[32];
-    float   d;
-    int32_t sum;
-    float   dsum;
-    int32_t unused;
-};
-
-// One 256-element block of x for the K-quants: its q in the order the weight type's registers hold
-// its quants (see quantize_k512), the sum of each 16 in natural order, and d.
 struct alignas(64) q8_k512 {
     int8_t  qs[256];
     int16_t sums[16];
     int32_t neg32_sums[16]; // -32 * sums: Q6_K's offset of 32, for its sixteen-row kernel
     float   d;
 };
-
-void quantize_32x(const uint16_t * x, int64_t n, q8_32x * out) {
-    for (int64_t b = 0; b < n / 32; b++) {
-        q8_32x & o = out[b];
-        quantize_block<32>(x + 32 * b, o.d, o.qs);
-        int sum = 0;
-        for (int i = 0; i < 32; i++) sum += o.qs[i];
-        o.sum = sum;
-        o.dsum = o.d * static_cast<float>(sum);
-        o.unused = 0;
-    }
-}
 
 // Q4_K's and Q5_K's 64 bytes of quants hold sub-blocks (0, 2) in their low nibbles and (1, 3) in their
 // high ones (then 4..7 likewise), so their x goes in as sub-blocks 0 2 1 3 4 6 5 7; Q6_K's in order.
@@ -914,7 +890,7 @@ AVX512 __attribute__((always_inline)) inline void reduce_store(const __m512 * ac
 
 // The 32-element types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) row by row, computing what rows16_32 computes for
 // each of its lanes: per block the integer S = sum of the block's integers times x's q (exact), then
-// acc += (d * x's d) * S and, for Q4_1 and Q5_1, acc += m * x's dsum, two fused multiply-adds. vpdpbusd
+// acc += (d * x's d) * S and, for Q4_1 and Q5_1, acc += m * (x's d * x's sum), two fused multiply-adds. vpdpbusd
 // multiplies unsigned by signed bytes, so the signed types' integers go in as q + 128 (bits xor 0x80) and
 // 128 times x's sum comes off S again.
 template <int K, int NV>
@@ -929,11 +905,11 @@ AVX512 void dot_32_avx512(const uint8_t * w, int64_t nb, const uint8_t * xq, int
         if constexpr (!has_min) q = _mm256_xor_si256(q, _mm256_set1_epi8(static_cast<char>(0x80)));
         const float d = _cvtsh_ss(u16(b)), m = has_min ? _cvtsh_ss(u16(b + 2)) : 0.0f;
         UNROLL for (int v = 0; v < NV; v++) {
-            const q8_32x & a = reinterpret_cast<const q8_32x *>(xq + v * xs)[i];
+            const q8_32 & a = reinterpret_cast<const q8_32 *>(xq + v * xs)[i];
             const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, _mm256_loadu_si256(reinterpret_cast<const __m256i *>(a.qs)));
             const int32_t sum = _mm512_reduce_add_epi32(_mm512_zextsi256_si512(p)) - (has_min ? 0 : 128 * a.sum);
             acc[v] = std::fma(d * a.d, static_cast<float>(sum), acc[v]);
-            if constexpr (has_min) acc[v] = std::fma(m, a.dsum, acc[v]);
+            if constexpr (has_min) acc[v] = std::fma(m, a.d * static_cast<float>(a.sum), acc[v]);
         }
     }
     UNROLL for (int v = 0; v < NV; v++) out[v] = acc[v];
@@ -1038,22 +1014,6 @@ AVX512 __attribute__((always_inline)) inline float q6_k_block_ints(const uint8_t
         dot_128<NV>(sumi, lo, hi, s_lo, s_hi, xq, xs, i, 128 * h);
     }
     return _cvtsh_ss(u16(b + 208));
-}
-
-// Q6_K row by row: the block's integer sum, then rows16_q6_k's multiply-add.
-template <int NV>
-AVX512 void dot_q6_k_avx512(const uint8_t * w, int64_t nb, const uint8_t * xq, int64_t xs, float * out) {
-    float acc[NV];
-    UNROLL for (int v = 0; v < NV; v++) acc[v] = 0.0f;
-    for (int64_t i = 0; i < nb; i++) {
-        __m512i sumi[NV];
-        const float d = q6_k_block_ints<NV>(w + i * 210, xq, xs, i, sumi);
-        UNROLL for (int v = 0; v < NV; v++) {
-            const q8_k512 & a = reinterpret_cast<const q8_k512 *>(xq + v * xs)[i];
-            acc[v] = std::fma(d * a.d, static_cast<float>(_mm512_reduce_add_epi32(sumi[v])), acc[v]);
-        }
-    }
-    UNROLL for (int v = 0; v < NV; v++) out[v] = acc[v];
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -1255,22 +1215,25 @@ AVX512 __attribute__((always_inline)) inline void q4_k_block_ints(const uint8_t 
     }
 }
 
-// Q4_K row by row (a matrix's last rows, past its whole groups of 16): per block the integer sums, then
-// the two fused multiply-adds of rows16_q4_k's lanes, so that a row's result is the same bits whichever
-// kernel took it.
-template <int NV>
-AVX512 void dot_q4_k_exact_avx512(const uint8_t * w, int64_t nb, const uint8_t * xq, int64_t xs, float * out) {
+// Q4_K and Q6_K row by row (a matrix's last rows, past its whole groups of 16): per block the integer
+// sums, then the fused multiply-adds of rows16_q4_k's and rows16_q6_k's lanes, so that a row's result is
+// the same bits whichever kernel took it.
+template <int K, int NV>
+AVX512 void dot_k_exact_avx512(const uint8_t * w, int64_t nb, const uint8_t * xq, int64_t xs, float * out) {
     float acc[NV];
     UNROLL for (int v = 0; v < NV; v++) acc[v] = 0.0f;
     for (int64_t i = 0; i < nb; i++) {
         __m512i sumi[NV];
         __m256i msum[NV];
-        float d, dmin;
-        q4_k_block_ints<NV>(w + i * 144, xq, xs, i, sumi, msum, d, dmin);
+        float d, dmin = 0.0f;
+        if constexpr (K == k_q4_k) q4_k_block_ints<NV>(w + i * 144, xq, xs, i, sumi, msum, d, dmin);
+        else d = q6_k_block_ints<NV>(w + i * 210, xq, xs, i, sumi);
         UNROLL for (int v = 0; v < NV; v++) {
             const q8_k512 & a = reinterpret_cast<const q8_k512 *>(xq + v * xs)[i];
             acc[v] = std::fma(d * a.d, static_cast<float>(_mm512_reduce_add_epi32(sumi[v])), acc[v]);
-            acc[v] = std::fma(-(dmin * a.d), static_cast<float>(_mm512_reduce_add_epi32(_mm512_zextsi256_si512(msum[v]))), acc[v]);
+            if constexpr (K == k_q4_k) {
+                acc[v] = std::fma(-(dmin * a.d), static_cast<float>(_mm512_reduce_add_epi32(_mm512_zextsi256_si512(msum[v]))), acc[v]);
+            }
         }
     }
     UNROLL for (int v = 0; v < NV; v++) out[v] = acc[v];
@@ -1323,11 +1286,11 @@ AVX512 void rows16_32(const uint8_t * w, int64_t rb, int64_t nb, const uint8_t *
             }
         }
         UNROLL for (int v = 0; v < NV; v++) {
-            const q8_32x & a = reinterpret_cast<const q8_32x *>(xq + v * xs)[i];
+            const q8_32 & a = reinterpret_cast<const q8_32 *>(xq + v * xs)[i];
             __m512i p = _mm512_set1_epi32(-above * a.sum);
             UNROLL for (int k = 0; k < 8; k++) p = _mm512_dpbusd_epi32(p, q[k], _mm512_set1_epi32(dword_at(a.qs + 4 * k)));
             acc[v] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(a.d)), _mm512_cvtepi32_ps(p), acc[v]);
-            if constexpr (has_min) acc[v] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.dsum), acc[v]);
+            if constexpr (has_min) acc[v] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.d * static_cast<float>(a.sum)), acc[v]);
         }
     }
     UNROLL for (int v = 0; v < NV; v++) _mm512_storeu_ps(y + v * ys, acc[v]);
@@ -1389,9 +1352,9 @@ using rows_fn = void (*)(const uint8_t *, int64_t, int64_t, const uint8_t *, int
 constexpr int max_nv = 8; // the most activations any kernel multiplies per pass over a row
 constexpr int group_rows = 16; // the rows a rows_fn takes
 
-// How x is laid out for a kernel set: q8_256 and q8_32 (every kernel but AVX-512's), q8_pair
-// (AVX-512's 32-element types), q8_k512 in natural order (Q6_K) or paired sub-blocks (Q4_K, Q5_K).
-enum class act { q8_256, q8_32, f32, q8_32x, q8_k512, q8_k512_paired };
+// How x is laid out for a kernel set: q8_32 (the 32-element types, every kernel), q8_256 (the K-quants
+// but on AVX-512), q8_k512 in natural order (AVX-512's Q6_K) or paired sub-blocks (its Q4_K, Q5_K).
+enum class act { q8_256, q8_32, f32, q8_k512, q8_k512_paired };
 
 struct kernel_set {
     act     activation;
@@ -1429,8 +1392,7 @@ PEBBLE_DOT(k45_avx2, dot_k45_avx2)
 PEBBLE_DOT(float_avx2, dot_float_avx2)
 PEBBLE_DOT(k45_avx512, dot_k45_avx512)
 template <int K> struct q6_avx2 { template <int NV> struct at { static constexpr dot_fn fn = dot_q6_k_avx2<NV>; }; };
-template <int K> struct q6_avx512 { template <int NV> struct at { static constexpr dot_fn fn = dot_q6_k_avx512<NV>; }; };
-template <int K> struct q4_k_exact { template <int NV> struct at { static constexpr dot_fn fn = dot_q4_k_exact_avx512<NV>; }; };
+PEBBLE_DOT(k_exact_avx512, dot_k_exact_avx512)
 PEBBLE_DOT(dot32_avx512, dot_32_avx512)
 #endif
 #undef PEBBLE_DOT
@@ -1480,14 +1442,14 @@ kernel_set kernels_for(int32_t type) {
 #ifdef PEBBLE_X86
     if (level == simd::avx512) {
         switch (type) {
-            case 2:  return with_rows<rows32<k_q4_0>::template at>(set_of<dot32_avx512, k_q4_0>(act::q8_32x, 32, 18, 8), upto<8>{});
-            case 3:  return with_rows<rows32<k_q4_1>::template at>(set_of<dot32_avx512, k_q4_1>(act::q8_32x, 32, 20, 8), upto<8>{});
-            case 6:  return with_rows<rows32<k_q5_0>::template at>(set_of<dot32_avx512, k_q5_0>(act::q8_32x, 32, 22, 8), upto<8>{});
-            case 7:  return with_rows<rows32<k_q5_1>::template at>(set_of<dot32_avx512, k_q5_1>(act::q8_32x, 32, 24, 8), upto<8>{});
-            case 8:  return with_rows<rows32<k_q8_0>::template at>(set_of<dot32_avx512, k_q8_0>(act::q8_32x, 32, 34, 8), upto<8>{});
-            case 12: return with_rows<q4_k_rows>(set_of<q4_k_exact, 0>(act::q8_k512_paired, 256, 144, 8), upto<8>{});
+            case 2:  return with_rows<rows32<k_q4_0>::template at>(set_of<dot32_avx512, k_q4_0>(act::q8_32, 32, 18, 8), upto<8>{});
+            case 3:  return with_rows<rows32<k_q4_1>::template at>(set_of<dot32_avx512, k_q4_1>(act::q8_32, 32, 20, 8), upto<8>{});
+            case 6:  return with_rows<rows32<k_q5_0>::template at>(set_of<dot32_avx512, k_q5_0>(act::q8_32, 32, 22, 8), upto<8>{});
+            case 7:  return with_rows<rows32<k_q5_1>::template at>(set_of<dot32_avx512, k_q5_1>(act::q8_32, 32, 24, 8), upto<8>{});
+            case 8:  return with_rows<rows32<k_q8_0>::template at>(set_of<dot32_avx512, k_q8_0>(act::q8_32, 32, 34, 8), upto<8>{});
+            case 12: return with_rows<q4_k_rows>(set_of<k_exact_avx512, k_q4_k>(act::q8_k512_paired, 256, 144, 8), upto<8>{});
             case 13: return set_of<k45_avx512, k_q5_k>(act::q8_k512_paired, 256, 176, 8);
-            case 14: return with_rows<q6_k_rows>(set_of<q6_avx512, 0>(act::q8_k512, 256, 210, 8), upto<8>{});
+            case 14: return with_rows<q6_k_rows>(set_of<k_exact_avx512, k_q6_k>(act::q8_k512, 256, 210, 8), upto<8>{});
         }
     }
     if (level != simd::portable) return four_at_a_time<float_avx2, dot32_avx2, k45_avx2, q6_avx2>(type);
@@ -1503,7 +1465,6 @@ int64_t activation_bytes(act a, int64_t n_cols) {
         case act::q8_32:          return (n_cols / 32) * static_cast<int64_t>(sizeof(q8_32));
         case act::f32:            return n_cols * static_cast<int64_t>(sizeof(float));
 #ifdef PEBBLE_X86
-        case act::q8_32x:         return (n_cols / 32) * static_cast<int64_t>(sizeof(q8_32x));
         case act::q8_k512:
         case act::q8_k512_paired: return (n_cols / 256) * static_cast<int64_t>(sizeof(q8_k512));
 #else
@@ -1519,7 +1480,6 @@ void quantize_activation(act a, const uint16_t * x, int64_t n_cols, uint8_t * ou
         case act::q8_32:  quantize_32(x, n_cols, reinterpret_cast<q8_32 *>(out)); break;
         case act::f32:    to_float(x, n_cols, reinterpret_cast<float *>(out)); break;
 #ifdef PEBBLE_X86
-        case act::q8_32x:         quantize_32x(x, n_cols, reinterpret_cast<q8_32x *>(out)); break;
         case act::q8_k512:        quantize_k512(x, n_cols, false, reinterpret_cast<q8_k512 *>(out)); break;
         case act::q8_k512_paired: quantize_k512(x, n_cols, true, reinterpret_cast<q8_k512 *>(out)); break;
 #else
