@@ -1710,7 +1710,7 @@ AVX2 void attend_avx2(void * ctx, int64_t begin, int64_t end) {
 // query heads that read it (Heads of them), so each K and V row is loaded and converted once for both.
 // Scores four keys at a time (Heads x 4 accumulators), the softmax eight scores at a time
 // (exp8_nonpositive), the weighted sum of V 32 dims at a time for both heads.
-constexpr int32_t max_pair_head_dim = 512; // the two scaled queries, on the stack
+constexpr int32_t max_pair_head_dim = 512; // the scaled queries of a unit (up to 6), on the stack
 
 template <int Heads>
 AVX2 __attribute__((always_inline)) inline void attend_heads_avx2(const attend_job & j, int64_t b, int64_t h0) {
@@ -1822,6 +1822,31 @@ AVX2 void attend_pairs_avx2(void * ctx, int64_t begin, int64_t end) {
         const int64_t first = (rest / pairs) * group + 2 * (rest % pairs);
         if (2 * (rest % pairs) + 1 < group) attend_heads_avx2<2>(j, b, first);
         else attend_heads_avx2<1>(j, b, first);
+    }
+}
+
+// Units of (sequence, KV head, up to 6 of its query heads) where the CPU has AVX-512: the same per-head
+// arithmetic as attend_pairs_avx2 (each head's sums its own, so the same bits), its registers 16..31 holding
+// the further heads' accumulators, so that a K/V row is converted once for 6 query heads instead of once a
+// pair (Qwen2.5's 12 heads over 2 KV heads read each row three times).
+constexpr int64_t max_group_heads = 6;
+
+inline int64_t groups_per_kv(int64_t group) { return (group + max_group_heads - 1) / max_group_heads; }
+
+AVX512 void attend_groups_avx512(void * ctx, int64_t begin, int64_t end) {
+    const attend_job & j = *static_cast<const attend_job *>(ctx);
+    const int64_t group = j.n_head / j.n_head_kv, units = groups_per_kv(group), per = (group + units - 1) / units;
+    for (int64_t u = begin; u < end; u++) {
+        const int64_t b = u / (j.n_head_kv * units), rest = u % (j.n_head_kv * units), c = rest % units;
+        const int64_t first = (rest / units) * group + c * per, heads = std::min(per, group - c * per);
+        switch (heads) {
+            case 1: attend_heads_avx2<1>(j, b, first); break;
+            case 2: attend_heads_avx2<2>(j, b, first); break;
+            case 3: attend_heads_avx2<3>(j, b, first); break;
+            case 4: attend_heads_avx2<4>(j, b, first); break;
+            case 5: attend_heads_avx2<5>(j, b, first); break;
+            default: attend_heads_avx2<6>(j, b, first); break;
+        }
     }
 }
 
@@ -1940,6 +1965,11 @@ pebble_status attend(int32_t n_seq, const float * q, int32_t kv_type, void * con
     if (simd_in_use() != simd::portable) {
         const bool blocks = kv_blocked(kv_type) && head_dim <= max_block_head_dim;
         if (!kv_blocked(kv_type) && head_dim % 8 == 0 && head_dim <= max_pair_head_dim) {
+            if (simd_in_use() == simd::avx512) {
+                parallel_ranges(int64_t(n_seq) * n_head_kv * groups_per_kv(n_head / n_head_kv), work,
+                                attend_groups_avx512, &job);
+                return PEBBLE_OK;
+            }
             const int64_t pairs = (n_head / n_head_kv + 1) / 2;
             parallel_ranges(int64_t(n_seq) * n_head_kv * pairs, work, attend_pairs_avx2, &job);
             return PEBBLE_OK;

@@ -25,10 +25,11 @@ def to_host(a) -> np.ndarray:
 
 def reference(q, k, v, n, scale, softcap) -> np.ndarray:
     """[n_head * head_dim] float64: softmax((q * scale) . k) over rows 0..n-1, query head h reading KV
-    head h // (N_HEAD // N_KV), soft-capped where asked."""
-    group = N_HEAD // N_KV
-    out = np.empty((N_HEAD, HEAD_DIM))
-    for h in range(N_HEAD):
+    head h // (n_head // n_kv) (q [n_head, head_dim], k and v [rows, n_kv, head_dim]), soft-capped where asked."""
+    n_head, head_dim = q.shape
+    group = n_head // k.shape[1]
+    out = np.empty((n_head, head_dim))
+    for h in range(n_head):
         keys, values = k[:n, h // group].astype(np.float64), v[:n, h // group].astype(np.float64)
         scores = keys @ (q[h].astype(np.float32) * np.float32(scale)).astype(np.float64)
         if softcap:
@@ -57,6 +58,20 @@ def test_each_sequence_attends_over_its_own_rows(kernels, dtype, softcap):
         alone = to_host(kernels.attend(xp.asarray(q[b:b + 1]), [(xp.asarray(k), xp.asarray(v))], [n], N_KV, scale,
                                        softcap))
         np.testing.assert_array_equal(alone[0], got[b])
+
+
+@pytest.mark.parametrize("n_head, n_kv", [(4, 4), (9, 3), (12, 2), (14, 2), (16, 2), (32, 4)])
+def test_every_grouping_of_query_heads_reads_its_own_kv_head(kernels, n_head, n_kv):
+    """Query heads per KV head from 1 to 8 (the host library takes up to 6 of a KV head's query heads at
+    once on AVX-512, two at once on AVX2: 7 and 8 are split): each head against the float64 reference."""
+    rng = np.random.default_rng(n_head)
+    xp, n_pos, head_dim = kernels.xp, [N_ROWS, 9], 32
+    q = rng.standard_normal((len(n_pos), n_head, head_dim)).astype(np.float32)
+    caches = [tuple(rng.standard_normal((N_ROWS, n_kv, head_dim)).astype(np.float16) for _ in range(2)) for _ in n_pos]
+    got = to_host(kernels.attend(xp.asarray(q), [(xp.asarray(k), xp.asarray(v)) for k, v in caches], n_pos, n_kv,
+                                 1 / np.sqrt(head_dim), 0.0))
+    for b, ((k, v), n) in enumerate(zip(caches, n_pos)):
+        np.testing.assert_allclose(got[b], reference(q[b], k, v, n, 1 / np.sqrt(head_dim), 0.0), rtol=1e-5, atol=1e-5)
 
 
 def test_malformed_calls_are_refused_naming_what_was_wrong(kernels):
