@@ -1020,7 +1020,7 @@ AVX512 __attribute__((always_inline)) inline float q6_k_block_ints(const uint8_t
 // Sixteen rows at a time (AVX-512): a register's sixteen 32-bit lanes are sixteen weight rows, so that a
 // block's scales multiply sixteen rows' integer sums in one operation, and x's four quants a dword are
 // broadcast to every lane. A row kernel reduces its row across lanes instead, then pays its float
-// epilogue per block and row: with 8 activations it took most of their time (Q4_K 3072 x 1024 x 8 on one
+// epilogue per block and row: with 8 activations it took most of their time (Q4_K 512 x 1024 x 8 on one
 // core: 123 GOP/s row by row, 211 sixteen rows at a time). A group's blocks are transposed on the way in
 // (16 bytes of each of 16 rows: four 4 x 4 transposes of dwords); out[v * ys + r] for rows r < 16.
 
