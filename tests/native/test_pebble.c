@@ -24,6 +24,17 @@ static void fill(unsigned char * buf, size_t n, unsigned seed) {
     for (size_t i = 0; i < n; i++) buf[i] = (unsigned char)(seed * 31u + i * 7u);
 }
 
+// Two decode steps of one sequence at position 0, each from x = 1 (n elements), each giving `want`.
+static void two_steps_of_ones(pebble_decoder_t d, float * x, const float * want, int n) {
+    int32_t seqs[1] = {0};
+    int64_t pos[1] = {0};
+    for (int step = 0; step < 2; step++) {
+        for (int i = 0; i < n; i++) x[i] = 1.0f;
+        EXPECT(pebble_decoder_step(d, 1, seqs, pos, x, NULL, NULL) == PEBBLE_OK &&
+               memcmp(x, want, sizeof(float) * (size_t)n) == 0);
+    }
+}
+
 int main(void) {
     enum { N = 4096 };
     unsigned char src[N], dst[N];
@@ -361,11 +372,7 @@ int main(void) {
             layer.expert_cache = cache;
             memset(k0, 0, sizeof k0), memset(v0, 0, sizeof v0);
             EXPECT(pebble_decoder_create(&model, &layer, ks, vs, &d) == PEBBLE_OK);
-            for (int step = 0; step < 2; step++) {
-                for (int i = 0; i < E; i++) x[i] = 1.0f;
-                EXPECT(pebble_decoder_step(d, 1, seqs, pos, x, NULL, NULL) == PEBBLE_OK &&
-                       memcmp(x, merged, sizeof x) == 0);
-            }
+            two_steps_of_ones(d, x, merged, E);
             EXPECT(pebble_decoder_stats(d, &stats) == PEBBLE_OK && stats.expert_hits == (uint64_t)cache &&
                    stats.expert_misses == (uint64_t)(2 - cache) &&
                    stats.expert_bytes_restored == (uint64_t)(2 - cache) * 3 * E * E * sizeof(float) &&
@@ -380,11 +387,7 @@ int main(void) {
             layer.expert_cache = cache;
             memset(k0, 0, sizeof k0), memset(v0, 0, sizeof v0);
             EXPECT(pebble_decoder_create(&model, &layer, ks, vs, &d) == PEBBLE_OK);
-            for (int step = 0; step < 2; step++) {
-                for (int i = 0; i < E; i++) x[i] = 1.0f;
-                EXPECT(pebble_decoder_step(d, 1, seqs, pos, x, NULL, NULL) == PEBBLE_OK &&
-                       memcmp(x, merged, sizeof x) == 0);
-            }
+            two_steps_of_ones(d, x, merged, E);
             const uint64_t early = cache ? 1 : 2;
             EXPECT(pebble_decoder_stats(d, &stats) == PEBBLE_OK && stats.expert_hits == 2 && stats.expert_misses == 0 &&
                    stats.expert_guesses == 2 && stats.expert_guesses_right == 2 && stats.expert_prefetches == early &&
