@@ -825,10 +825,11 @@ AVX2 void dot_float_avx2(const uint8_t * w, int64_t n, const uint8_t * xq, int64
 
 #    define AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")))
 
+// One 256-element block of x for the K-quants: its q in the order the weight type's registers hold
+// its quants (see quantize_k512), the sum of each 16 in natural order, and d.
 struct alignas(64) q8_k512 {
     int8_t  qs[256];
     int16_t sums[16];
-    int32_t neg32_sums[16]; // -32 * sums: Q6_K's offset of 32, for its sixteen-row kernel
     float   d;
 };
 
@@ -844,7 +845,6 @@ void quantize_k512(const uint16_t * x, int64_t n, bool paired, q8_k512 * out) {
             int sum = 0;
             for (int i = 0; i < 16; i++) sum += q[16 * g + i];
             o.sums[g] = static_cast<int16_t>(sum);
-            o.neg32_sums[g] = -32 * sum;
         }
         for (int c = 0; c < 8; c++) std::memcpy(o.qs + 32 * c, q + 32 * (paired ? order[c] : c), 32);
     }
@@ -1045,8 +1045,7 @@ AVX512 __attribute__((always_inline)) inline void load_16x4(const uint8_t * p, i
 // more than the hardware's prefetchers follow. While a group reads its block i, the bytes two groups on
 // are asked for in order, 16 blocks' worth, into the second-level cache only (prefetcht2: AMD's L2), so
 // that a group's rows are there when it starts. Fetched into the first-level cache instead (prefetcht0),
-// or one group ahead, Qwen2.5-1.5B's 8960 x 1536 Q4_K matrices read half as fast; with no prefetch at all,
-// a third as fast.
+// Qwen2.5-1.5B's 8960 x 1536 Q4_K matrices read half as fast; with no prefetch at all, a third as fast.
 constexpr int64_t groups_ahead = 2;
 
 inline void prefetch_group_bytes(const uint8_t * p, int64_t n) {
@@ -1133,6 +1132,7 @@ AVX512 void rows16_q4_k(const uint8_t * w, int64_t rb, int64_t nb, const uint8_t
     }
     UNROLL for (int v = 0; v < NV; v++) _mm512_storeu_ps(y + v * ys, acc[v]);
 }
+
 // Q6_K: each group of 16 quants times x, less 32 times x's sum over the group (its offset), a 32-bit integer
 // per row, times the row's signed 8-bit scale of the group, added up over the block; then d times x's d.
 template <int NV>
@@ -1171,7 +1171,7 @@ AVX512 void rows16_q6_k(const uint8_t * w, int64_t rb, int64_t nb, const uint8_t
                     UNROLL for (int v = 0; v < NV; v++) {
                         const q8_k512 & a = reinterpret_cast<const q8_k512 *>(xq + v * xs)[i];
                         const int8_t * x = a.qs + 128 * n + 32 * run + 16 * h;
-                        __m512i p = _mm512_set1_epi32(a.neg32_sums[g]);
+                        __m512i p = _mm512_set1_epi32(-32 * a.sums[g]); // the offset of 32, through x's sum
                         UNROLL for (int m = 0; m < 4; m++) p = _mm512_dpbusd_epi32(p, q[run][m], _mm512_set1_epi32(dword_at(x + 4 * m)));
                         sumi[v] = _mm512_add_epi32(sumi[v], _mm512_mullo_epi32(p, scale));
                     }
@@ -1706,10 +1706,11 @@ AVX2 void attend_avx2(void * ctx, int64_t begin, int64_t end) {
         }
     }
 }
-// F32 and F16 caches, head_dim a multiple of 8: a unit is one sequence's KV head and up to two of the
-// query heads that read it (Heads of them), so each K and V row is loaded and converted once for both.
-// Scores four keys at a time (Heads x 4 accumulators), the softmax eight scores at a time
-// (exp8_nonpositive), the weighted sum of V 32 dims at a time for both heads.
+
+// F32 and F16 caches, head_dim a multiple of 8: a unit is one sequence's KV head and Heads of the query
+// heads that read it (two on AVX2, up to six on AVX-512), so each K and V row is loaded and converted
+// once for all of them. Scores four keys at a time (Heads x 4 accumulators), the softmax eight scores at a
+// time (exp8_nonpositive), the weighted sum of V 32 dims at a time for every head of the unit.
 constexpr int32_t max_pair_head_dim = 512; // the scaled queries of a unit (up to 6), on the stack
 
 template <int Heads>
@@ -1813,39 +1814,45 @@ AVX2 __attribute__((always_inline)) inline void attend_heads_avx2(const attend_j
     }
 }
 
-// Units of (sequence, KV head, pair of its query heads): pairs_per_kv = (group + 1) / 2.
+// A unit of the decode attention: sequence b, query heads first .. first + heads - 1 of one KV head, whose
+// `group` query heads go in units_per_kv(group, most) units of at most `most`, as even as they come.
+inline int64_t units_per_kv(int64_t group, int64_t most) { return (group + most - 1) / most; }
+
+struct attend_unit { int64_t b, first, heads; };
+
+inline attend_unit unit_of(const attend_job & j, int64_t u, int64_t most) {
+    const int64_t group = j.n_head / j.n_head_kv, units = units_per_kv(group, most), per = (group + units - 1) / units;
+    const int64_t rest = u % (j.n_head_kv * units), c = rest % units;
+    return {u / (j.n_head_kv * units), (rest / units) * group + c * per, std::min(per, group - c * per)};
+}
+
+// Units of two query heads (AVX2's 16 registers hold two heads' sums).
 AVX2 void attend_pairs_avx2(void * ctx, int64_t begin, int64_t end) {
     const attend_job & j = *static_cast<const attend_job *>(ctx);
-    const int64_t group = j.n_head / j.n_head_kv, pairs = (group + 1) / 2;
     for (int64_t u = begin; u < end; u++) {
-        const int64_t b = u / (j.n_head_kv * pairs), rest = u % (j.n_head_kv * pairs);
-        const int64_t first = (rest / pairs) * group + 2 * (rest % pairs);
-        if (2 * (rest % pairs) + 1 < group) attend_heads_avx2<2>(j, b, first);
-        else attend_heads_avx2<1>(j, b, first);
+        const attend_unit a = unit_of(j, u, 2);
+        if (a.heads == 2) attend_heads_avx2<2>(j, a.b, a.first);
+        else attend_heads_avx2<1>(j, a.b, a.first);
     }
 }
 
-// Units of (sequence, KV head, up to 6 of its query heads) where the CPU has AVX-512: the same per-head
-// arithmetic as attend_pairs_avx2 (each head's sums its own, so the same bits), its registers 16..31 holding
-// the further heads' accumulators, so that a K/V row is converted once for 6 query heads instead of once a
-// pair (Qwen2.5's 12 heads over 2 KV heads read each row three times).
+// Units of up to 6 query heads where the CPU has AVX-512: the same per-head arithmetic (each head's sums
+// its own, so the same bits as in pairs), registers 16..31 holding the further heads' sums, so that a K/V
+// row is converted once for 6 query heads instead of once a pair (Qwen2.5's 12 heads over 2 KV heads read
+// each row three times in pairs).
 constexpr int64_t max_group_heads = 6;
-
-inline int64_t groups_per_kv(int64_t group) { return (group + max_group_heads - 1) / max_group_heads; }
 
 AVX512 void attend_groups_avx512(void * ctx, int64_t begin, int64_t end) {
     const attend_job & j = *static_cast<const attend_job *>(ctx);
-    const int64_t group = j.n_head / j.n_head_kv, units = groups_per_kv(group), per = (group + units - 1) / units;
     for (int64_t u = begin; u < end; u++) {
-        const int64_t b = u / (j.n_head_kv * units), rest = u % (j.n_head_kv * units), c = rest % units;
-        const int64_t first = (rest / units) * group + c * per, heads = std::min(per, group - c * per);
-        switch (heads) {
-            case 1: attend_heads_avx2<1>(j, b, first); break;
-            case 2: attend_heads_avx2<2>(j, b, first); break;
-            case 3: attend_heads_avx2<3>(j, b, first); break;
-            case 4: attend_heads_avx2<4>(j, b, first); break;
-            case 5: attend_heads_avx2<5>(j, b, first); break;
-            default: attend_heads_avx2<6>(j, b, first); break;
+        const attend_unit a = unit_of(j, u, max_group_heads);
+        switch (a.heads) {
+            case 1: attend_heads_avx2<1>(j, a.b, a.first); break;
+            case 2: attend_heads_avx2<2>(j, a.b, a.first); break;
+            case 3: attend_heads_avx2<3>(j, a.b, a.first); break;
+            case 4: attend_heads_avx2<4>(j, a.b, a.first); break;
+            case 5: attend_heads_avx2<5>(j, a.b, a.first); break;
+            default: attend_heads_avx2<6>(j, a.b, a.first); break;
         }
     }
 }
@@ -1965,13 +1972,9 @@ pebble_status attend(int32_t n_seq, const float * q, int32_t kv_type, void * con
     if (simd_in_use() != simd::portable) {
         const bool blocks = kv_blocked(kv_type) && head_dim <= max_block_head_dim;
         if (!kv_blocked(kv_type) && head_dim % 8 == 0 && head_dim <= max_pair_head_dim) {
-            if (simd_in_use() == simd::avx512) {
-                parallel_ranges(int64_t(n_seq) * n_head_kv * groups_per_kv(n_head / n_head_kv), work,
-                                attend_groups_avx512, &job);
-                return PEBBLE_OK;
-            }
-            const int64_t pairs = (n_head / n_head_kv + 1) / 2;
-            parallel_ranges(int64_t(n_seq) * n_head_kv * pairs, work, attend_pairs_avx2, &job);
+            const bool wide = simd_in_use() == simd::avx512;
+            const int64_t units = int64_t(n_seq) * n_head_kv * units_per_kv(n_head / n_head_kv, wide ? max_group_heads : 2);
+            parallel_ranges(units, work, wide ? attend_groups_avx512 : attend_pairs_avx2, &job);
             return PEBBLE_OK;
         }
         parallel_ranges(int64_t(n_seq) * n_head, work, blocks ? attend_blocks_avx2 : attend_avx2, &job);
