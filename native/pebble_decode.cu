@@ -97,7 +97,7 @@ __host__ __device__ inline float with_bias(const float * y, const pebble_tensor_
 }
 
 // One thread per element of q, k and v: biases, RoPE on q and k (kv_row_kernel then stores k and v).
-__global__ void qkv_kernel(qkv_args a) {
+[[maybe_unused]] __global__ void qkv_kernel(qkv_args a) {
     const int64_t total = static_cast<int64_t>(a.n_q) + 2 * static_cast<int64_t>(a.n_kv);
     const int64_t p = *a.pos;
     const float * cos = a.cos + p * a.head_dim, * sin = a.sin + p * a.head_dim;
@@ -116,6 +116,31 @@ __global__ void qkv_kernel(qkv_args a) {
         }
     }
 }
+
+#ifdef PEBBLE_HOST_BUILD
+// qkv_kernel's arithmetic on the host, head by head (the kernel's per-element division by head_dim was
+// most of its cost on a CPU): the same values, bit for bit.
+void qkv_rows(const qkv_args & a) {
+    const int64_t p = *a.pos;
+    const float * cos = a.cos + p * a.head_dim, * sin = a.sin + p * a.head_dim;
+    for (int pass = 0; pass < 2; pass++) {
+        const float * y = pass ? a.k : a.q;
+        const pebble_tensor_ref & bias = pass ? a.bk : a.bq;
+        float * out = pass ? a.k_out : a.q_out;
+        for (int64_t head = 0; head < (pass ? a.n_kv : a.n_q); head += a.head_dim) {
+            for (int32_t d = 0; d < a.head_dim; d++) {
+                const int64_t j = head + d, partner = head + rope_partner(d, a.rope_dims, a.rope_neox);
+                out[j] = with_bias(y, bias, j) * cos[d] + with_bias(y, bias, partner) * sin[d];
+            }
+        }
+    }
+    for (int64_t j = 0; j < a.n_kv; j++) a.v_out[j] = with_bias(a.v, a.bv, j);
+}
+
+// What a value of qkv_rows and kv_row_kernel costs, in the pool's units (about a multiply-add): measured at
+// 3-4 ns a value on one core, so a step of 8 sequences is split between threads.
+constexpr int64_t qkv_work_per_value = 160;
+#endif
 
 // One thread per unit (a value, or a block of 32: pebble_kv.h) of the new K and V rows (float32, n_kv
 // each) into the token's row of the caches: row pos, or pos % kv_rows in a ring.
@@ -1094,15 +1119,29 @@ pebble_status step_layer(pebble_decoder & d, int32_t i, int32_t n, const int32_t
     for (int32_t b = 0; b < n; b++) {
         k_of[b] = d.k[size_t(i) * n_seq + seqs[b]];
         v_of[b] = d.v[size_t(i) * n_seq + seqs[b]];
-        const qkv_args qa{fq + b * q, fk + b * kv, fv + b * kv, w.bq, w.bk, w.bv, static_cast<int32_t>(q),
-                          static_cast<int32_t>(kv), s.head_dim, s.rope_dims, s.rope_neox, L.rope_cos,
-                          L.rope_sin, dev_pos + b, q_rot + b * q, k_new + b * kv, v_new + b * kv};
-        LAUNCH(qkv_kernel, grid_for(q + 2 * kv, threads), threads, stream, qa);
+    }
+    auto qkv_of = [&](int64_t b) {
+        return qkv_args{fq + b * q, fk + b * kv, fv + b * kv, w.bq, w.bk, w.bv, static_cast<int32_t>(q),
+                        static_cast<int32_t>(kv), s.head_dim, s.rope_dims, s.rope_neox, L.rope_cos,
+                        L.rope_sin, dev_pos + b, q_rot + b * q, k_new + b * kv, v_new + b * kv};
+    };
+#ifdef PEBBLE_HOST_BUILD
+    // The sequences' biases, RoPE and new cache rows among the pool's threads (a few microseconds each).
+    pebble_cpu::parallel_for(n, int64_t(n) * (q + 2 * kv) * qkv_work_per_value, [&](int64_t first, int64_t end) {
+        for (int64_t b = first; b < end; b++) {
+            qkv_rows(qkv_of(b));
+            kv_row_kernel(k_new + b * kv, v_new + b * kv, k_of[b], v_of[b], kv_type, kv, dev_pos + b, L.kv_rows, s.ring);
+        }
+    });
+#else
+    for (int32_t b = 0; b < n; b++) {
+        LAUNCH(qkv_kernel, grid_for(q + 2 * kv, threads), threads, stream, qkv_of(b));
         TRY(launched());
         LAUNCH(kv_row_kernel, grid_for(2 * kv_units(kv_type, kv), threads), threads, stream, k_new + b * kv,
                v_new + b * kv, k_of[b], v_of[b], kv_type, kv, dev_pos + b, L.kv_rows, s.ring);
         TRY(launched());
     }
+#endif
 #ifdef PEBBLE_HOST_BUILD
     int64_t n_pos[PEBBLE_DECODER_MAX_BATCH];
     for (int32_t b = 0; b < n; b++) n_pos[b] = std::min(host_pos[b] + 1, L.kv_rows); // a ring's filled rows: its window
