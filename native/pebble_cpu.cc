@@ -2049,9 +2049,9 @@ void gated(bool gelu, const float * gate, const float * up, int64_t n, float * o
     });
 }
 
-pebble_status matmul(int32_t ggml_type, const uint8_t * w, int64_t n_rows, int64_t n_cols, const void * x, bool x_f32,
-                     int64_t n_tok, float * y, const char * fn, bool exact_f32) {
-    TRY(check_threads(fn));
+namespace {
+
+const kernel_set & kernels_of(int32_t ggml_type) {
     static const kernel_set sets[PEBBLE_TYPE_COUNT] = {
         kernels_for(0), kernels_for(1), kernels_for(2), kernels_for(3), kernels_for(4), kernels_for(5),
         kernels_for(6), kernels_for(7), kernels_for(8), kernels_for(9), kernels_for(10), kernels_for(11),
@@ -2060,13 +2060,14 @@ pebble_status matmul(int32_t ggml_type, const uint8_t * w, int64_t n_rows, int64
         kernels_for(24), kernels_for(25), kernels_for(26), kernels_for(27), kernels_for(28), kernels_for(29),
         kernels_for(30),
     };
-    const kernel_set & k = sets[ggml_type];
-    if (k.block_elements == 0) {
-        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: %s has no CPU kernels", fn,
-                    pebble_internal::ggml_type_name(ggml_type));
-    }
-    const int64_t nb = n_cols / k.block_elements;
-    // The activations, quantized once for the whole call (one 64-byte aligned buffer).
+    return sets[ggml_type];
+}
+
+// x's n_tok vectors as kernel set k's activations, quantized once (one 64-byte aligned buffer of n_tok rows
+// of *xs bytes, the caller's to std::free), or taken as they are where dense weights are given float32
+// vectors and exact_f32 asks for it.
+pebble_status quantize_x(const kernel_set & k, int32_t ggml_type, int64_t n_cols, const void * x, bool x_f32,
+                         int64_t n_tok, bool exact_f32, const char * fn, uint8_t ** out, int64_t * xs_out) {
     const int64_t xs = activation_bytes(k.activation, n_cols); // a multiple of 64 where a kernel needs it
     if (n_tok > (INT64_MAX - 63) / xs) {
         return fail(PEBBLE_ERR_SIZE_MISMATCH, "%s: %s: %" PRId64 " activations of %" PRId64 " take more than "
@@ -2077,7 +2078,6 @@ pebble_status matmul(int32_t ggml_type, const uint8_t * w, int64_t n_rows, int64
         return fail(PEBBLE_ERR_HOST_OOM, "%s: %s: no memory for %" PRId64 " quantized activations of %" PRId64
                     " (%" PRId64 " bytes)", fn, pebble_internal::ggml_type_name(ggml_type), n_tok, n_cols, n_tok * xs);
     }
-    // Dense weights take float32 vectors as they are where asked (exact_f32): nothing to quantize.
     const bool as_they_are = x_f32 && exact_f32 && k.activation == act::f32;
     if (as_they_are) std::memcpy(xq, x, static_cast<size_t>(n_tok * n_cols) * sizeof(float));
     struct quantize_ctx { act a; const void * x; bool f32; int64_t n_cols, xs; uint8_t * xq; } qc{k.activation, x, x_f32,
@@ -2104,22 +2104,89 @@ pebble_status matmul(int32_t ggml_type, const uint8_t * w, int64_t n_rows, int64
         return fail(PEBBLE_ERR_HOST_OOM, "%s: %s: no memory for a vector of %" PRId64 " fp16 elements", fn,
                     pebble_internal::ggml_type_name(ggml_type), n_cols);
     }
-    // Tiles of rows: small enough that the threads share decode's few rows evenly, large enough that a
-    // prefill tile is read once for many activations.
-    const int64_t row_bytes = nb * k.block_bytes;
+    *out = xq;
+    *xs_out = xs;
+    return PEBBLE_OK;
+}
+
+// The job of one matrix: tiles of rows small enough that the threads share decode's few rows evenly, large
+// enough that a prefill tile is read once for many activations; and what the pool judges it by (*work): a
+// prefill's multiply-adds; a decode call's weights, four times over whatever its number of vectors (each
+// row is one pass for all of them), so that a matrix of 2^18 weights or more is split: a single request's
+// 512 x 512 product ran 1.5x faster on two threads, while a 128 x 384 matrix times 8 vectors ran faster on
+// one.
+matmul_job job_of(const kernel_set & k, const uint8_t * w, int64_t n_rows, int64_t n_cols, int64_t n_tok,
+                  const uint8_t * xq, int64_t xs, float * y, int64_t * tiles, int64_t * work) {
+    const int64_t nb = n_cols / k.block_elements, row_bytes = nb * k.block_bytes;
     int64_t tile_rows = n_tok > k.nv ? std::max<int64_t>(1, (32 << 10) / std::max<int64_t>(row_bytes, 1)) : 8;
     tile_rows = std::clamp<int64_t>(tile_rows, 1, 64);
     if (k.rows[max_nv - 1]) tile_rows = (tile_rows + group_rows - 1) / group_rows * group_rows; // whole groups
-    const int64_t tiles = (n_rows + tile_rows - 1) / tile_rows;
-    matmul_job job{&k, w, row_bytes, nb, n_rows, n_tok, xq, xs, y, tile_rows};
-    // What the pool judges the call by: a prefill's multiply-adds; a decode call's weights, four times over
-    // whatever its number of vectors (each row is one pass for all of them), so that a matrix of 2^18
-    // weights or more is split: a single request's 512 x 512 product ran 1.5x faster on two threads, while
-    // a 128 x 384 matrix times 8 vectors ran faster on one.
-    const int64_t work = n_tok > k.nv ? n_rows * n_cols * n_tok : n_rows * n_cols * 4;
-    parallel_ranges(tiles, work, matmul_tiles, &job);
-    std::free(xq);
-    return PEBBLE_OK;
+    *tiles = (n_rows + tile_rows - 1) / tile_rows;
+    *work = n_tok > k.nv ? n_rows * n_cols * n_tok : n_rows * n_cols * 4;
+    return matmul_job{&k, w, row_bytes, nb, n_rows, n_tok, xq, xs, y, tile_rows};
+}
+
+pebble_status no_kernels(const char * fn, int32_t ggml_type) {
+    return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: %s has no CPU kernels", fn, pebble_internal::ggml_type_name(ggml_type));
+}
+
+} // namespace
+
+pebble_status matmul(int32_t ggml_type, const uint8_t * w, int64_t n_rows, int64_t n_cols, const void * x, bool x_f32,
+                     int64_t n_tok, float * y, const char * fn, bool exact_f32) {
+    const matmul_part part{ggml_type, w, n_rows, y};
+    return matmul_parts(&part, 1, n_cols, x, x_f32, n_tok, fn, exact_f32);
+}
+
+pebble_status matmul_parts(const matmul_part * parts, int n_parts, int64_t n_cols, const void * x, bool x_f32,
+                           int64_t n_tok, const char * fn, bool exact_f32) {
+    TRY(check_threads(fn));
+    if (n_parts < 1 || n_parts > max_matmul_parts) {
+        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: %d matrices in one product; 1 to %d are accepted", fn,
+                    n_parts, max_matmul_parts);
+    }
+    struct parts_job {
+        matmul_job jobs[max_matmul_parts];
+        int64_t    first_tile[max_matmul_parts + 1]; // part p's tiles are [first_tile[p], first_tile[p + 1])
+        int        n;
+    } job{};
+    uint8_t * xq[max_matmul_parts] = {};
+    int64_t xs[max_matmul_parts] = {}, work = 0;
+    pebble_status status = PEBBLE_OK;
+    job.n = n_parts;
+    for (int p = 0; p < n_parts && status == PEBBLE_OK; p++) {
+        const kernel_set & k = kernels_of(parts[p].ggml_type);
+        if (k.block_elements == 0) {
+            status = no_kernels(fn, parts[p].ggml_type);
+            break;
+        }
+        // x quantized once per kind of activation the parts take
+        int same = -1;
+        for (int e = 0; e < p && same < 0; e++) same = job.jobs[e].k->activation == k.activation ? e : -1;
+        if (same >= 0) {
+            xq[p] = nullptr;
+            xs[p] = xs[same];
+        } else {
+            status = quantize_x(k, parts[p].ggml_type, n_cols, x, x_f32, n_tok, exact_f32, fn, &xq[p], &xs[p]);
+            if (status != PEBBLE_OK) break;
+        }
+        int64_t tiles = 0, part_work = 0;
+        job.jobs[p] = job_of(k, parts[p].w, parts[p].n_rows, n_cols, n_tok, same >= 0 ? job.jobs[same].xq : xq[p],
+                             xs[p], parts[p].y, &tiles, &part_work);
+        job.first_tile[p + 1] = job.first_tile[p] + tiles;
+        work += part_work;
+    }
+    if (status == PEBBLE_OK) {
+        parallel_ranges(job.first_tile[n_parts], work, [](void * ctx, int64_t begin, int64_t end) {
+            const parts_job & j = *static_cast<const parts_job *>(ctx);
+            for (int p = 0; p < j.n; p++) {
+                const int64_t b = std::max(begin, j.first_tile[p]), e = std::min(end, j.first_tile[p + 1]);
+                if (b < e) matmul_tiles(const_cast<matmul_job *>(&j.jobs[p]), b - j.first_tile[p], e - j.first_tile[p]);
+            }
+        }, &job);
+    }
+    for (int p = 0; p < n_parts; p++) std::free(xq[p]);
+    return status;
 }
 
 } // namespace pebble_cpu

@@ -36,6 +36,22 @@ pebble_status check_threads(const char * fn);
 pebble_status matmul(int32_t ggml_type, const uint8_t * w, int64_t n_rows, int64_t n_cols, const void * x, bool x_f32,
                      int64_t n_tok, float * y, const char * fn, bool exact_f32 = false);
 
+// One matrix of a matmul_parts call: n_rows rows of ggml_type at w, the products into y (n_tok rows of n_rows).
+struct matmul_part {
+    int32_t         ggml_type;
+    const uint8_t * w;
+    int64_t         n_rows;
+    float *         y;
+};
+constexpr int max_matmul_parts = 4;
+
+// matmul for 1..max_matmul_parts matrices of n_cols columns times the same vectors (a layer's q, k and v;
+// its gate and up): x quantized once for each kind of activation the parts take, and every part's tiles in
+// one pass of the pool, so that the threads wait for each other once, not once a matrix. Each part gets
+// the bits matmul gives it alone.
+pebble_status matmul_parts(const matmul_part * parts, int n_parts, int64_t n_cols, const void * x, bool x_f32,
+                           int64_t n_tok, const char * fn, bool exact_f32 = false);
+
 // pebble_attend (pebble.h), the arguments already checked: each (sequence, head) pair on one thread,
 // scores in scratch (n_seq x n_head x n_rows floats), dot products and the weighted sum of V with SIMD.
 pebble_status attend(int32_t n_seq, const float * q, int32_t kv_type, void * const * k_caches, void * const * v_caches,

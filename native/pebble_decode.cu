@@ -1101,9 +1101,9 @@ pebble_status step_layer(pebble_decoder & d, int32_t i, int32_t n, const int32_t
     LAUNCH(rms_rows_kernel, grid_for(n, heads_per_block), dim3(warp_lanes, heads_per_block), stream, x, n, e,
            w.attn_norm.data, w.attn_norm.ggml_type, s.rms_eps, h16);
     TRY(launched());
-    TRY(matvec_many(w.wq.ggml_type, w.wq.data, q, e, h16, n, fq, stream));
-    TRY(matvec_many(w.wk.ggml_type, w.wk.data, kv, e, h16, n, fk, stream));
-    TRY(matvec_many(w.wv.ggml_type, w.wv.data, kv, e, h16, n, fv, stream));
+    const matvec_part qkv[3] = {{w.wq.ggml_type, w.wq.data, q, fq}, {w.wk.ggml_type, w.wk.data, kv, fk},
+                                {w.wv.ggml_type, w.wv.data, kv, fv}};
+    TRY(matvec_parts(qkv, 3, e, h16, n, stream));
     if (w.q_norm.data) {
         LAUNCH(head_norm_kernel, grid_for(int64_t(n) * s.n_head, heads_per_block), dim3(warp_lanes, heads_per_block),
                stream, fq, n * s.n_head, s.head_dim, w.q_norm.data, w.q_norm.ggml_type, s.rms_eps);
@@ -1167,8 +1167,9 @@ pebble_status step_layer(pebble_decoder & d, int32_t i, int32_t n, const int32_t
     if (s.n_expert) {
         TRY(experts_ffn(d, i, n, h16, o, stream));
     } else {
-        TRY(matvec_many(w.w_gate.ggml_type, w.w_gate.data, s.n_ff, e, h16, n, gate, stream));
-        TRY(matvec_many(w.w_up.ggml_type, w.w_up.data, s.n_ff, e, h16, n, up, stream));
+        const matvec_part gate_up[2] = {{w.w_gate.ggml_type, w.w_gate.data, s.n_ff, gate},
+                                        {w.w_up.ggml_type, w.w_up.data, s.n_ff, up}};
+        TRY(matvec_parts(gate_up, 2, e, h16, n, stream));
         const int64_t ff = int64_t(n) * s.n_ff;
         TRY(gate_times_up(s.gelu, gate, up, ff, h16, stream));
         TRY(matvec_many(w.w_down.ggml_type, w.w_down.data, e, s.n_ff, h16, n, o, stream));

@@ -36,6 +36,16 @@ pebble_status matvec_one(int32_t ggml_type, const void * w, int64_t n_rows, int6
 // ones: pebble_cpu::matmul's exact_f32) and fp16 in the CUDA build;
 pebble_status matvec_many(int32_t ggml_type, const void * w, int64_t n_rows, int64_t n_cols, const void * x,
                           int64_t n_vec, float * y, cudaStream_t stream);
+// matvec_many for up to 4 matrices of n_cols columns times the same vectors: on the host one pass of the
+// CPU's threads for them all (pebble_cpu::matmul_parts), on the GPU one launch each;
+struct matvec_part {
+    int32_t      ggml_type;
+    const void * w;
+    int64_t      n_rows;
+    float *      y;
+};
+pebble_status matvec_parts(const matvec_part * parts, int n_parts, int64_t n_cols, const void * x, int64_t n_vec,
+                           cudaStream_t stream);
 #ifndef PEBBLE_HOST_BUILD
 // PEBBLE_OK unless `ptr` is pageable host memory, which a kernel cannot read.
 pebble_status check_device_pointer(const void * ptr, const char * what, const char * fn);

@@ -548,6 +548,28 @@ pebble_status matvec_many(int32_t ggml_type, const void * w, int64_t n_rows, int
     });
 }
 
+pebble_status matvec_parts(const matvec_part * parts, int n_parts, int64_t n_cols, const void * x, int64_t n_vec,
+                           cudaStream_t stream) {
+#ifdef PEBBLE_HOST_BUILD
+    (void)stream;
+    pebble_cpu::matmul_part cpu[pebble_cpu::max_matmul_parts];
+    if (n_parts < 1 || n_parts > pebble_cpu::max_matmul_parts) {
+        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_decoder_step: %d matrices in one product; 1 to %d are "
+                    "accepted", n_parts, pebble_cpu::max_matmul_parts);
+    }
+    for (int p = 0; p < n_parts; p++) {
+        TRY(with_type(parts[p].ggml_type, "pebble_decoder_step", [](auto) { return PEBBLE_OK; }));
+        cpu[p] = {parts[p].ggml_type, static_cast<const uint8_t *>(parts[p].w), parts[p].n_rows, parts[p].y};
+    }
+    return pebble_cpu::matmul_parts(cpu, n_parts, n_cols, x, true, n_vec, "pebble_decoder_step", true);
+#else
+    for (int p = 0; p < n_parts; p++) {
+        TRY(matvec_many(parts[p].ggml_type, parts[p].w, parts[p].n_rows, n_cols, x, n_vec, parts[p].y, stream));
+    }
+    return PEBBLE_OK;
+#endif
+}
+
 #ifndef PEBBLE_HOST_BUILD
 pebble_status check_device_pointer(const void * ptr, const char * what, const char * fn) {
     cudaPointerAttributes attr = {};
