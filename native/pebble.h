@@ -382,10 +382,13 @@ struct pebble_step_layer {
     // is streamed (the store's copies are not).
     int32_t       streamed;
     int32_t       weight_ids[PEBBLE_LAYER_WEIGHTS];
-    // Experts as pebbles (shape.n_expert > 0 and experts_stored 1; 0: the merged tensors of `weights`): expert
-    // j of the layer is the store entry expert_ids + j of the model's store, its gate rows, then its up rows, then its down rows, in the
-    // types weights.ffn_gate_exps, ffn_up_exps and ffn_down_exps give (their data are not read). The
-    // decoder keeps expert_cache of the layer's experts in device memory, the least recently used replaced;
+    // Experts as pebbles (shape.n_expert > 0 and experts_stored 1 or 2; 0: the merged tensors of `weights`):
+    // with 1, expert j of the layer is the store entry expert_ids + j of the model's store (or expert_store),
+    // its gate rows, then its up rows, then its down rows; with 2, it is read out of the merged tensors'
+    // own entries in the model's store, weight_ids[17], [18] and [19] (ffn_gate_exps, ffn_up_exps,
+    // ffn_down_exps: expert j's rows are the j-th n_expert-th of each), so the host tier holds each
+    // expert's bytes once (expert_ids is not read). Either way in the types weights.ffn_gate_exps,
+    // ffn_up_exps and ffn_down_exps give (their data are not read). The decoder keeps expert_cache of the layer's experts in device memory, the least recently used replaced;
     // a step restores each expert its tokens chose that the cache lacks before that expert's FFN runs (0:
     // every routed expert restored at each use, into the decoder's staging slots; pebble_step_model's
     // expert_policy and expert_prefetch).

@@ -855,10 +855,33 @@ size_t staging_victim(const pebble_decoder & d, int32_t i) {
     return pick;
 }
 
+// The entries of the merged expert tensors (experts_stored 2): weight_ids of ffn_gate_exps, ffn_up_exps and
+// ffn_down_exps, in the order of an expert's slot.
+constexpr int merged_expert_fields[3] = {17, 18, 19};
+
+// Whether a streamed layer's slot takes field f of its weights: the entries it names, but not the merged
+// experts it reads expert by expert (experts_stored 2).
+bool streams_field(const pebble_step_layer & L, int f) {
+    if (L.weight_ids[f] < 0) return false;
+    return L.experts_stored != 2 || (f != merged_expert_fields[0] && f != merged_expert_fields[1] &&
+                                     f != merged_expert_fields[2]);
+}
+
 pebble_status restore_expert(pebble_decoder & d, int32_t i, int32_t j, uint8_t * slot, cudaStream_t stream) {
     const pebble_step_layer & L = d.layers[size_t(i)];
-    const uint64_t nbytes = d.experts[size_t(i)].nbytes;
-    const pebble_status st = pebble_restore(expert_store(d), i, L.expert_ids + j, slot, nbytes, stream);
+    const pebble_decoder::expert_cache & c = d.experts[size_t(i)];
+    const uint64_t nbytes = c.nbytes;
+    pebble_status st = PEBBLE_OK;
+    if (L.experts_stored == 2) { // the j-th n_expert-th of each merged tensor, one after another
+        const uint64_t parts[3] = {c.gate_bytes, c.up_bytes, c.nbytes - c.gate_bytes - c.up_bytes};
+        uint64_t at = 0;
+        for (int m = 0; m < 3 && st == PEBBLE_OK; at += parts[m], m++) {
+            st = pebble_read(d.model.store, i, L.weight_ids[merged_expert_fields[m]], uint64_t(j) * parts[m], slot + at,
+                             parts[m], stream);
+        }
+    } else {
+        st = pebble_restore(expert_store(d), i, L.expert_ids + j, slot, nbytes, stream);
+    }
     if (st != PEBBLE_OK) {
         char where[96];
         snprintf(where, sizeof where, "pebble_decoder_step: layer %d: expert %d", i, j);
@@ -1221,7 +1244,7 @@ pebble_status restore_streamed(pebble_decoder & d, int32_t n, int32_t n_tok, con
     }
 #endif
     for (int f = 0; f < PEBBLE_LAYER_WEIGHTS; f++) {
-        if (L.weight_ids[f] < 0) continue;
+        if (!streams_field(L, f)) continue;
         const pebble_tensor_ref & ref = L.weights.*weight_fields[f];
         pebble_status st = pebble_restore(d.model.store, i, L.weight_ids[f], const_cast<void *>(ref.data),
                                           d.weight_bytes[size_t(i)][size_t(f)], COPY_STREAM(d));
@@ -1430,7 +1453,7 @@ pebble_status describe_streamed(pebble_decoder & d, const char * fn, int32_t i) 
     for (int f = 0; f < PEBBLE_LAYER_WEIGHTS; f++) {
         pebble_tensor_ref & ref = L.weights.*weight_fields[f];
         ref.data = nullptr;
-        if (L.weight_ids[f] < 0) continue;
+        if (!streams_field(L, f)) continue;
         struct pebble_entry_info info{};
         const pebble_status st = pebble_entry_info(m.store, i, L.weight_ids[f], &info);
         if (st != PEBBLE_OK) {
@@ -1544,18 +1567,31 @@ pebble_status place_experts(pebble_decoder & d, const char * fn) {
         const pebble_step_layer & L = d.layers[i];
         if (L.experts_stored == 0) continue;
         const pebble_layer_shape & s = L.shape;
-        if (L.experts_stored != 1 || s.n_expert < 1 || !expert_store(d) || L.expert_ids < 0 ||
-            L.expert_ids > INT32_MAX - s.n_expert || L.expert_cache < 0 || L.expert_cache > s.n_expert) {
-            return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: layer %zu: experts_stored %d needs 0, or 1 with experts "
-                        "(n_expert %d), the model's store, expert_ids %d at least 0 and expert_cache %d within "
-                        "0..n_expert", fn, i, L.experts_stored, s.n_expert, L.expert_ids, L.expert_cache);
+        const bool merged = L.experts_stored == 2;
+        if ((L.experts_stored != 1 && !merged) || s.n_expert < 1 || !(merged ? m.store : expert_store(d)) ||
+            (!merged && (L.expert_ids < 0 || L.expert_ids > INT32_MAX - s.n_expert)) || L.expert_cache < 0 ||
+            L.expert_cache > s.n_expert) {
+            return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: layer %zu: experts_stored %d needs 0, or 1 or 2 with experts "
+                        "(n_expert %d), the model's store, (for 1) expert_ids %d at least 0 and expert_cache %d "
+                        "within 0..n_expert", fn, i, L.experts_stored, s.n_expert, L.expert_ids, L.expert_cache);
         }
         pebble_decoder::expert_cache & c = d.experts[i];
         c.gate_bytes = row_bytes(L.weights.ffn_gate_exps.ggml_type, s.n_embd) * uint64_t(s.n_ff_exp);
         c.up_bytes = row_bytes(L.weights.ffn_up_exps.ggml_type, s.n_embd) * uint64_t(s.n_ff_exp);
         c.nbytes = c.gate_bytes + c.up_bytes +
                    row_bytes(L.weights.ffn_down_exps.ggml_type, s.n_ff_exp) * uint64_t(s.n_embd);
-        for (int32_t j = 0; j < s.n_expert; j++) {
+        const uint64_t parts[3] = {c.gate_bytes, c.up_bytes, c.nbytes - c.gate_bytes - c.up_bytes};
+        for (int f = 0; f < 3 && merged; f++) {
+            struct pebble_entry_info info{};
+            const int32_t id = L.weight_ids[merged_expert_fields[f]];
+            if (pebble_entry_info(m.store, static_cast<int32_t>(i), id, &info) != PEBBLE_OK ||
+                info.nbytes != parts[f] * uint64_t(s.n_expert)) {
+                return fail(PEBBLE_ERR_SIZE_MISMATCH, "%s: layer %zu: %s (tensor %d) is not an entry of %" PRIu64
+                            " bytes (%d experts of %" PRIu64 ")", fn, i, weight_names[merged_expert_fields[f]], id,
+                            parts[f] * uint64_t(s.n_expert), s.n_expert, parts[f]);
+            }
+        }
+        for (int32_t j = 0; j < s.n_expert && !merged; j++) {
             struct pebble_entry_info info{};
             if (pebble_entry_info(expert_store(d), static_cast<int32_t>(i), L.expert_ids + j, &info) != PEBBLE_OK ||
                 info.nbytes != c.nbytes) {
@@ -1679,7 +1715,7 @@ extern "C" pebble_status pebble_decoder_create(const pebble_step_model * model, 
     }
     for (int32_t i = 0; i < m.n_layer; i++) {
         const pebble_step_layer & L = d->layers[size_t(i)];
-        TRY(check_layer(fn, i, L.shape, L.weights, L.kv_rows, L.experts_stored == 1));
+        TRY(check_layer(fn, i, L.shape, L.weights, L.kv_rows, L.experts_stored != 0));
         if (L.shape.n_embd != m.n_embd) {
             return fail(PEBBLE_ERR_SIZE_MISMATCH, "%s: layer %d is %d wide; the model is %d", fn, i, L.shape.n_embd,
                         m.n_embd);

@@ -202,6 +202,23 @@ def expert_store(backend, model, wrong=()):
     return store
 
 
+MERGED = (200, 201, 202)  # entry ids of the merged gate, up and down expert tensors in these tests
+
+
+def merged_store(backend, model, short=None):
+    """A store of `backend` holding each layer's merged gate, up and down expert tensors as entries MERGED
+    (expert j's rows the j-th n_expert-th of each), the one named `short` (layer, name) 64 bytes short."""
+    from pyplugin.model.moe import expert_rows
+    cfg = model.config
+    store = backend.open_store(0, cfg.n_layer, "minimal")
+    for i, lw in enumerate(model.layers):
+        for tid, (name, rows) in zip(MERGED, (("ffn_gate_exps", cfg.n_ff_exp), ("ffn_up_exps", cfg.n_ff_exp),
+                                              ("ffn_down_exps", cfg.n_embd))):
+            data = np.concatenate([expert_rows(getattr(lw, name), j, rows).data.ravel() for j in range(cfg.n_expert)])
+            store.save(i, tid, np.ascontiguousarray(data[:-64] if short == (i, name) else data), tier="host")
+    return store
+
+
 def run_steps(kernels, model, n_ctx, n_steps, n_seq, **decoder_args):
     """Logits of n_steps decode steps of n_seq sequences (each its own tokens), and the decoder's stats."""
     from pyplugin.model import KVCache, embed
@@ -222,22 +239,26 @@ def run_steps(kernels, model, n_ctx, n_steps, n_seq, **decoder_args):
 
 @pytest.mark.parametrize("backend", store_backend_params(("host", "stub")))
 @pytest.mark.parametrize("case", ["qwen2moe", "mixtral"])
-def test_experts_as_pebbles_decode_what_the_merged_experts_decode(backend, case):
+@pytest.mark.parametrize("entries", ["per expert", "merged"])
+def test_experts_as_pebbles_decode_what_the_merged_experts_decode(backend, case, entries):
     """Whatever the cache (none, some, every expert), a step restores each expert its tokens chose that the
     cache lacks, once for the whole batch, and computes exactly what the merged experts compute; a bigger
-    cache (least recently used out first) never restores more."""
+    cache (least recently used out first) never restores more. The experts are an entry each
+    (experts_stored 1) or read out of the merged tensors' entries (2)."""
     from pyplugin.store import backend_named
     be = backend_named(backend)
     model = load_model(path_of(case, weight_type="Q8_0"), weights="quantized", progress=False)
     cfg = model.config
     merged, stats = run_steps(be.kernels, model, 16, 6, 3)
     assert stats["expert_hits"] == stats["expert_misses"] == 0
-    store = expert_store(be, model)
-    nbytes = store.entry_info(0, FIRST_EXPERT).nbytes
+    store = expert_store(be, model) if entries == "per expert" else merged_store(be, model)
+    first = FIRST_EXPERT if entries == "per expert" else MERGED
+    nbytes = sum(store.entry_info(0, tid).nbytes for tid in MERGED) // cfg.n_expert if entries == "merged" else \
+        store.entry_info(0, FIRST_EXPERT).nbytes
     used, misses = None, []
     try:
         for cache in (0, 1, 2, cfg.n_expert):
-            experts = {i: (FIRST_EXPERT, cache) for i in range(cfg.n_layer)}
+            experts = {i: (first, cache) for i in range(cfg.n_layer)}
             logits, stats = run_steps(be.kernels, model, 16, 6, 3, store=store, experts=experts)
             np.testing.assert_array_equal(logits, merged)
             ran = stats["expert_hits"] + stats["expert_misses"]  # (step, layer, expert chosen) triples
@@ -268,14 +289,21 @@ def test_an_expert_entry_of_the_wrong_size_is_refused_by_name(backend):
             run_steps(be.kernels, model, 16, 1, 1, store=store, experts={0: (FIRST_EXPERT, 2), 1: (FIRST_EXPERT, 2)})
     finally:
         store.close()
+    store = merged_store(be, model, short=(1, "ffn_up_exps"))
+    try:
+        with pytest.raises(PebblingError, match=r"layer 1: ffn_up_exps \(tensor 201\) is not an entry of \d+ bytes"):
+            run_steps(be.kernels, model, 16, 1, 1, store=store, experts={0: (MERGED, 2), 1: (MERGED, 2)})
+    finally:
+        store.close()
 
 
 @pytest.mark.parametrize("backend", store_backend_params(("host", "stub")))
 @pytest.mark.parametrize("strategy", ["none", "sqrt", "minimal", "every:2", "adaptive"])
-def test_an_expert_cache_gives_the_tokens_of_none_and_reports_what_it_restored(backend, strategy):
+def test_an_expert_cache_gives_the_tokens_of_none_and_reports_what_it_restored(backend, strategy, monkeypatch):
     """pebbling_expert_cache: every cache size gives the tokens of the experts kept in their layers; the
     report counts hits, misses and expert bytes per token, fewer bytes for a bigger cache (minimal caches
-    none); the layers' merged experts leave the device tier, the decoder's expert slots hold what the plan says."""
+    none); the layers' merged experts leave the device tier, the decoder's expert slots hold what the plan says,
+    and no copy of an expert is made."""
     model = load_model(path_of("qwen3moe", weight_type="Q8_0"), weights="quantized", progress=False)
     cfg = model.config
     options = Options(temperature=0, num_predict=8, num_ctx=48, num_batch=4)
@@ -288,6 +316,9 @@ def test_an_expert_cache_gives_the_tokens_of_none_and_reports_what_it_restored(b
             return list(gen.tokens(tokens)), gen.report()["experts"]
         expected, plain = run()
         assert plain["cache_per_layer"] is None and plain["hits"] == plain["misses"] == 0
+        entries, opened = pebbled.store.stats().entries, []
+        open_store = pebbled.backend.open_store
+        monkeypatch.setattr(pebbled.backend, "open_store", lambda *a, **k: opened.append(a) or open_store(*a, **k))
         resident = [i for i in range(cfg.n_layer) if pebbled.store.should_checkpoint(i)]
         merged = {i: [t for t in pebbled.layouts[i] if t.name.endswith("_exps")] for i in range(cfg.n_layer)}
         assert all(pebbled.store.entry_info(i, t.tensor_id).on_device for i in resident for t in merged[i])
@@ -313,7 +344,9 @@ def test_an_expert_cache_gives_the_tokens_of_none_and_reports_what_it_restored(b
         else:
             assert per_token[0] > per_token[1] > per_token[2]
             assert experts["misses"] <= cfg.n_layer * cfg.n_expert  # the whole cache: once each
-        assert pebbled.expert_store.stats().device_bytes == 0
+        # no entry was made for an expert: each is read out of its layer's merged tensors, whose bytes the
+        # host tier holds once (a copy per expert doubled the host memory of a model's experts)
+        assert pebbled.store.stats().entries == entries and not opened
         run()  # experts with their layers again: the merged experts of resident layers back on the device
         assert all(pebbled.store.entry_info(i, t.tensor_id).on_device for i in resident for t in merged[i])
     finally:

@@ -7,8 +7,9 @@ experts from the hidden state entering it, and they are restored early) and ``pe
 (which cached expert gives way: "lru", the least recently used, or "lfu", the least often used). The plan
 then holds the dense part of each layer (attention, norms, router, shared expert) by the strategy's rule
 and gives the rest of the budget to the cache (ExpertMemory): a smaller budget caches fewer experts. The
-layers' merged expert tensors stay in the host tier (the store's keep_on_host); the entries are made the
-first time a plan asks, from them. The report counts hits, misses, prefetch guesses and bytes.
+layers' merged expert tensors stay in the host tier (the store's keep_on_host), and an expert is read out of
+them as it is restored (its rows of each), so the host holds every expert's bytes once: on the host library
+they are the GGUF file's memory map itself. The report counts hits, misses, prefetch guesses and bytes.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from ..store.kernels import EXPERT_MATRICES, EXPERT_POLICIES
 from ..xp import to_numpy
 from .layout import StoredTensor
 
-EXPERT_ID = 1 << 16  # the entry of expert j of a layer: EXPERT_ID + j (past every weight and KV id)
 SLOT_ALIGN = 256     # the decoder's expert slots are whole multiples of this (pebble_step_model)
 
 
@@ -104,41 +104,27 @@ def keep_merged_on_host(pebbled: Any, keep: bool) -> None:
     pebbled._merged_kept = keep
 
 
-def save_expert_entries(pebbled: Any) -> None:
-    """Saves each expert of each layer of experts as an entry of a store of their own (once per model:
-    `pebbled.expert_store`, whose host tier keeps them whatever the layers' residency), from the merged
-    tensors the layers' store holds."""
-    if pebbled.expert_store is not None:
-        return
-    n_expert = pebbled.model.config.n_expert
-    store = pebbled.backend.open_store(0, pebbled.model.config.n_layer, "minimal")
-    for i in expert_layers(pebbled):
-        tensors = {t.name: t for t in pebbled.layouts[i]}
-        parts = []
-        for name in EXPERT_MATRICES:
-            raw = np.empty(tensors[name].nbytes, np.uint8)
-            pebbled.store.restore(i, tensors[name].tensor_id, raw)
-            parts.append(raw.reshape(n_expert, -1))             # expert j's rows: row j
-        for j in range(n_expert):
-            store.save(i, EXPERT_ID + j, np.concatenate([p[j] for p in parts]), tier="host")
-    pebbled.expert_store = store
+def merged_entries(pebbled: Any, i: int) -> tuple[int, int, int]:
+    """The store entries of layer i's merged gate, up and down expert tensors: where the decode step (and a
+    prefill) read each expert from, its j-th n_expert-th of each (pebble_step_layer.experts_stored 2), so
+    that the host tier holds every expert's bytes once."""
+    ids = {t.name: t.tensor_id for t in pebbled.layouts[i]}
+    return tuple(ids[name] for name in EXPERT_MATRICES)
 
 
-def decoder_experts(layers: Any) -> dict[int, tuple[int, int]] | None:
-    """For a StoreLayers whose plan holds experts as pebbles: {layer: (EXPERT_ID, experts cached)} for the
-    decoder (Kernels.decoder's `experts`), the entries made first; else None."""
+def decoder_experts(layers: Any) -> dict[int, tuple[tuple[int, int, int], int]] | None:
+    """For a StoreLayers whose plan holds experts as pebbles: {layer: (its merged expert tensors' entries,
+    experts cached)} for the decoder (Kernels.decoder's `experts`); else None."""
     if layers.plan.expert_cache is None:
         return None
-    save_expert_entries(layers.pebbled)
-    return {i: (EXPERT_ID, layers.plan.expert_cache) for i in expert_layers(layers.pebbled)}
+    return {i: (merged_entries(layers.pebbled, i), layers.plan.expert_cache) for i in expert_layers(layers.pebbled)}
 
 
 class PrefillExperts:
-    """moe_ffn's `experts` for layer i of a prefill where the arrays are device memory: expert j restored
-    from its entry into one working slot (the plan's workspace counts it) as each is asked for."""
+    """moe_ffn's `experts` for layer i of a prefill where the arrays are device memory: expert j read
+    out of the layer's merged tensors' entries into one working slot (the plan's workspace counts it) as each is asked for."""
 
     def __init__(self, pebbled: Any, i: int, slot: Any):
-        save_expert_entries(pebbled)
         cfg, self.pebbled, self.layer, self.slot = pebbled.model.config, pebbled, i, slot
         rows = {"ffn_gate_exps": cfg.n_ff_exp, "ffn_up_exps": cfg.n_ff_exp, "ffn_down_exps": cfg.n_embd}
         self.parts = [StoredTensor(t.tensor_id, t.name, (rows[t.name], t.shape[1]), t.nbytes // cfg.n_expert, t.qtype)
@@ -147,9 +133,9 @@ class PrefillExperts:
 
     def __call__(self, j: int) -> tuple:
         raw = self.slot[:self.nbytes]
-        self.pebbled.expert_store.restore(self.layer, EXPERT_ID + j, raw)
         out, at = [], 0
-        for t in self.parts:
+        for t in self.parts:  # expert j's rows of each merged tensor, read from its entry
+            self.pebbled.store.read(self.layer, t.tensor_id, j * t.nbytes, raw[at:at + t.nbytes])
             out.append(t.view(raw[at:at + t.nbytes], self.pebbled.dtype, self.pebbled.kernels))
             at += t.nbytes
         return tuple(out)

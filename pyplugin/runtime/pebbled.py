@@ -112,12 +112,8 @@ class PebbledModel:
         self.restored: dict[int, int] = {}      # per sequence: tokens its last claim brought back from the host tier
         self._overhead: int | None = None
 
-    expert_store = None  # the experts' entries, once a request asks for experts as pebbles (runtime.experts)
-
     def close(self) -> None:
         self.store.close()
-        if self.expert_store is not None:
-            self.expert_store.close()
 
     def layer_weights(self, i: int) -> LayerWeights:
         """A copy of layer i's weights from the store, in new arrays of the compute module."""

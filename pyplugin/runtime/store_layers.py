@@ -304,7 +304,7 @@ class StoreLayers:
             self._decoder = self.pebbled.kernels.decoder(
                 self.pebbled.model.config, weights, caches, self.outer, self.n_ctx, streamed=streamed or None,
                 store=self.store if streamed or stored else None, kv_ids=[kv_ids(seq) for seq in range(self.n_seqs)],
-                slots=self.slots if streamed else (), experts=stored, expert_store=stored and self.pebbled.expert_store,
+                slots=self.slots if streamed else (), experts=stored,
                 expert_policy=self.pebbling.expert_policy, expert_prefetch=self.pebbling.expert_prefetch)
         return self._decoder
 

@@ -13,7 +13,7 @@ from ..ggml_types import DENSE_TYPES
 from ..kv_types import KV_BY_GGML
 from .abi import INT32_MAX, INT32_MIN, INT64_MAX, INT64_MIN
 from .interface import check_attend_counts, stream_pointer
-from .kernels import DECODE_WEIGHTS, DECODER_STATS
+from .kernels import DECODE_WEIGHTS, DECODER_STATS, EXPERT_MATRICES
 from .native import _DEVICE_MEMORY, _buffer, _c_int, _check, ffi, load_library
 
 
@@ -224,10 +224,17 @@ class NativeDecoder:
                     c.weight_ids[f] = _c_int(ids[name], f"layer {i} {name}'s entry", INT32_MIN, INT32_MAX,
                                              InvalidArgumentError, "does not fit in int32")
             if layer.experts is not None:
-                c.experts_stored = 1
-                c.expert_ids, c.expert_cache = (_c_int(v, f"layer {i}'s {what}", INT32_MIN, INT32_MAX, InvalidArgumentError,
-                                                       "does not fit in int32")
-                                                for v, what in zip(layer.experts, ("expert_ids", "expert_cache")))
+                ids, cache = layer.experts
+                merged = isinstance(ids, tuple)  # the merged tensors' entries (gate, up, down), or expert 0's entry
+                c.experts_stored = 2 if merged else 1
+                as_int = lambda v, what: _c_int(v, f"layer {i}'s {what}", INT32_MIN, INT32_MAX,  # noqa: E731
+                                                InvalidArgumentError, "does not fit in int32")
+                c.expert_cache = as_int(cache, "expert_cache")
+                if merged:
+                    for name, tid in zip(EXPERT_MATRICES, ids, strict=True):
+                        c.weight_ids[DECODE_WEIGHTS.index(name)] = as_int(tid, f"{name}'s entry")
+                else:
+                    c.expert_ids = as_int(ids, "expert_ids")
             for name, (ggml_type, buffer) in layer.weights.items():
                 if layer.streamed is not None or buffer is None:
                     getattr(c.weights, name).ggml_type = _c_type(ggml_type)

@@ -30,8 +30,10 @@ class _LayerCache:
 
 
 class ExpertSlots:
-    """The decoder's slots for the layers whose experts are entries of `store`: `layers` maps a layer to
-    (its LayerShape, the types of its expert matrices, the entry of its expert 0, experts cached)."""
+    """The decoder's slots for the layers whose experts are pebbles of `store`: `layers` maps a layer to
+    (its LayerShape, the types of its expert matrices, where its experts are, experts cached): the entry of
+    its expert 0 (experts_stored 1: an entry per expert), or the entries of its merged gate, up and down
+    tensors (experts_stored 2: expert j the j-th n_expert-th of each)."""
 
     def __init__(self, kernels, store, layers: dict, policy: int, prefetch: bool, stats: dict):
         fn = "pebble_decoder_create"
@@ -41,22 +43,28 @@ class ExpertSlots:
         self.kernels, self.store, self.policy, self.prefetching, self.stats = kernels, store, policy, prefetch, stats
         self.layers: dict[int, _LayerCache] = {}
         for i, (shape, types, first_id, slots) in layers.items():
-            if store is None or shape.n_expert < 1 or first_id < 0 or not 0 <= slots <= shape.n_expert:
-                raise InvalidArgumentError(f"{fn}: layer {i}: experts stored need experts (n_expert {shape.n_expert}), "
-                                           f"the model's store, expert_ids {first_id} at least 0 and expert_cache "
-                                           f"{slots} within 0..n_expert")
-            e, ff = shape.n_embd, shape.n_ff_exp
-            nbytes = ff * (row_bytes(types["ffn_gate_exps"], e) + row_bytes(types["ffn_up_exps"], e)) + \
-                e * row_bytes(types["ffn_down_exps"], ff)
-            for j in range(shape.n_expert):
+            merged = isinstance(first_id, tuple)
+            if store is None or shape.n_expert < 1 or (not merged and first_id < 0) or not 0 <= slots <= shape.n_expert:
+                raise InvalidArgumentError(f"{fn}: layer {i}: experts_stored {2 if merged else 1} needs 0, or 1 or 2 with "
+                                           f"experts (n_expert {shape.n_expert}), the model's store, (for 1) expert_ids "
+                                           f"{first_id} at least 0 and expert_cache {slots} within 0..n_expert")
+            c = _LayerCache(shape, types, first_id, slots, 0)
+            c.nbytes = sum(c.sizes)
+
+            def held(tensor_id):
                 try:
-                    held = store.entry_info(i, first_id + j).nbytes
+                    return store.entry_info(i, tensor_id).nbytes
                 except Exception:  # an unknown entry: the same refusal as a wrong size
-                    held = None
-                if held != nbytes:
+                    return None
+            for (name, _, _), size, tid in zip(c.parts, c.sizes, first_id if merged else (), strict=False):
+                if held(tid) != size * shape.n_expert:
+                    raise SizeMismatchError(f"{fn}: layer {i}: {name} (tensor {tid}) is not an entry of "
+                                            f"{size * shape.n_expert} bytes ({shape.n_expert} experts of {size})")
+            for j in range(0 if merged else shape.n_expert):
+                if held(first_id + j) != c.nbytes:
                     raise SizeMismatchError(f"{fn}: layer {i}: expert {j} (tensor {first_id + j}) is not an entry of "
-                                            f"{nbytes} bytes (its gate, up and down rows)")
-            self.layers[i] = _LayerCache(shape, types, first_id, slots, nbytes)
+                                            f"{c.nbytes} bytes (its gate, up and down rows)")
+            self.layers[i] = c
         if not self.layers:
             return
         self.slot_bytes = max(_aligned(c.nbytes) for c in self.layers.values())
@@ -175,7 +183,13 @@ class ExpertSlots:
 
     def _restore(self, i: int, j: int, slot: np.ndarray) -> None:
         c = self.layers[i]
-        self.store.restore(i, c.first_id + j, slot[:c.nbytes])
+        if isinstance(c.first_id, tuple):  # the j-th n_expert-th of each merged tensor, one after another
+            at = 0
+            for tensor_id, size in zip(c.first_id, c.sizes, strict=True):
+                self.store.read(i, tensor_id, j * size, slot[at:at + size])
+                at += size
+        else:
+            self.store.restore(i, c.first_id + j, slot[:c.nbytes])
         self.stats["expert_bytes_restored"] += c.nbytes
 
     def _views(self, c: _LayerCache, slot: np.ndarray) -> tuple:
