@@ -177,7 +177,8 @@ def test_the_expert_options_are_checked():
 
 def test_estimate_plans_experts_as_pebbles(capsys):
     """--expert-cache: each strategy's dense part by its rule and as many experts per layer as the limit
-    leaves room for."""
+    leaves room for; restored/token counts the routed experts the cache misses (uniform routing), on a
+    backend that restores no layer too."""
     import json
 
     from pyplugin.cli import main
@@ -191,6 +192,10 @@ def test_estimate_plans_experts_as_pebbles(capsys):
     r = json.loads(capsys.readouterr().out)
     assert r["experts_as_pebbles"] is True and r["strategies"]["none"]["experts_cached_per_layer"] == 8
     assert r["strategies"]["minimal"]["experts_cached_per_layer"] == 0
+    assert {s["restored_bytes_per_token_estimate"] for s in plain["strategies"].values()} == {0}  # stub: in place
+    routed, n_expert = r["experts"]["routed_bytes_per_token"], r["experts"]["n_expert"]
+    assert r["strategies"]["minimal"]["restored_bytes_per_token_estimate"] == routed  # no cache: every one
+    assert r["strategies"]["none"]["restored_bytes_per_token_estimate"] == round(routed * (1 - 8 / n_expert))
     caches = {c["cache_per_layer"]: c for c in r["experts"]["caches"]}
     limit = caches[1]["budget_none"]
     assert main(["estimate", path, *flags, "--expert-cache", "8", "--memory-limit", str(limit)]) == 0

@@ -252,8 +252,8 @@ def render(r: dict[str, Any]) -> str:
                       "ms/token (predicted)", "slowdown (predicted)",
                       *(f"peak, KV {t}" for t in r["kv_cache_bytes_by_type"]), "fits the limit"], table),
         "",
-        "restored/token: none on this backend: a streamed layer is computed from the host tier in place "
-        "(its arrays are host memory), so nothing is copied, and the ms/token has no transfer in it."
+        "restored/token: no layer on this backend: a streamed layer is computed from the host tier in place "
+        "(its arrays are host memory), so its weights are not copied."
         if not r["restores"] else
         f"restored/token: weights of the streamed layers + their KV rows 0..{pos - 1} (a sliding layer's: "
         f"its window's), for a decode step at context position {pos}." if r["sliding_layers"] else
@@ -262,6 +262,10 @@ def render(r: dict[str, Any]) -> str:
         + (f"; a step of {r['parallel']} sequences restores the weights once, so each token pays 1/"
            f"{r['parallel']} of them and its own KV rows. Peaks hold {r['parallel']} KV caches. No speed "
            "is predicted for a batch (its compute is not measured here)." if r["parallel"] > 1 else "."),
+        *(["restored/token also counts the routed experts a plan's expert cache (C exp.) misses, copied into "
+           "the decoder's expert slots on every backend: under uniform routing a cache of C hits C / n_expert "
+           "of the time (a real model's routing hits more)."]
+          if any(s["experts_cached_per_layer"] is not None for s in r["strategies"].values()) else []),
         "ms/token: the layer stack only (embedding, output and sampling left out); calls = store calls "
         "per token (a restore per streamed weight tensor, K and V read and written per streamed layer); "
         + ("copies overlap compute: max(L x layer + calls x call, restored/bandwidth + layer)."

@@ -58,12 +58,19 @@ class ExpertMemory:
     slot_bytes: int   # one slot: the largest of the layers' experts (gate, up and down rows), aligned
     most: int         # experts per layer the request allows at most (pebbling_expert_cache)
     prefetch: bool
+    routed_bytes: int = 0  # the experts a token runs, over every layer of experts (their gate, up and down rows)
 
     def staging(self, cache: int) -> int:
         return self.n_used if self.prefetch else 1 if cache == 0 else 0
 
     def device_bytes(self, cache: int) -> int:
         return self.slot_bytes * (self.layers * cache + self.staging(cache))
+
+    def restored_bytes_per_token(self, cache: int) -> int:
+        """The expert bytes a token restores with `cache` experts per layer (an estimate): what it runs that the
+        cache misses, under uniform routing (a hit C / n_expert of the time; a real model's routing, with
+        locality, hits more; prefetch's wrong guesses add theirs)."""
+        return round(self.routed_bytes * (1 - min(cache, self.n_expert) / self.n_expert))
 
     def most_within(self, room: int) -> int:
         """The largest cache per layer, at most `most`, whose slots fit `room` bytes (0 where none more does)."""
@@ -89,7 +96,8 @@ def expert_memory(pebbled: Any, pebbling: Any) -> ExpertMemory | None:
         return None
     slot = max(expert_bytes(pebbled, i) for i in layers)
     return ExpertMemory(len(layers), cfg.n_expert, cfg.n_expert_used, -(-slot // SLOT_ALIGN) * SLOT_ALIGN,
-                        pebbling.expert_cache, pebbling.expert_prefetch)
+                        pebbling.expert_cache, pebbling.expert_prefetch,
+                        sum(expert_bytes(pebbled, i) for i in layers) * cfg.n_expert_used)
 
 
 def keep_merged_on_host(pebbled: Any, keep: bool) -> None:

@@ -193,9 +193,11 @@ class PebbledModel:
 
     def restored_bytes_per_token(self, plan: Plan, context_tokens: int) -> int:
         """What a decode step under `plan` restores per token: the streamed layers' bytes where the backend's
-        arrays are device memory; nothing where they are host memory, since a streamed layer is then
-        computed from the host tier in place (StoreLayers._restore)."""
-        return plan.restored_bytes_per_token(context_tokens) if self.backend.arrays_on_device else 0
+        arrays are device memory (nothing where they are host memory, since a streamed layer is then
+        computed from the host tier in place: StoreLayers._restore); and with experts as pebbles, on every
+        backend, the routed experts its cache misses (copied into the decoder's expert slots)."""
+        streamed = plan.restored_bytes_per_token(context_tokens) if self.backend.arrays_on_device else 0
+        return streamed + plan.expert_restored_bytes_per_token()
 
     def longest_prompt_within(self, options: Options, budget: int) -> int:
         """The longest prompt (tokens, at most num_ctx - 1) whose request fits `budget` with minimal,

@@ -76,6 +76,12 @@ class Plan:
         resident = set(self.resident)
         return tuple(i for i in range(self.memory.n_layers) if i not in resident)
 
+    def expert_restored_bytes_per_token(self) -> int:
+        """The routed experts a token restores that the plan's expert cache misses (an estimate under uniform
+        routing: ExpertMemory.restored_bytes_per_token); 0 without experts as pebbles."""
+        e = self.memory.experts
+        return e.restored_bytes_per_token(self.expert_cache) if e and self.expert_cache is not None else 0
+
     def restored_bytes_per_token(self, context_tokens: int) -> int:
         """Bytes a decode step restores per token generated with `context_tokens` already in each
         sequence's cache (an estimate): a full batch shares each streamed layer's weights, while every
