@@ -2126,10 +2126,6 @@ matmul_job job_of(const kernel_set & k, const uint8_t * w, int64_t n_rows, int64
     return matmul_job{&k, w, row_bytes, nb, n_rows, n_tok, xq, xs, y, tile_rows};
 }
 
-pebble_status no_kernels(const char * fn, int32_t ggml_type) {
-    return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: %s has no CPU kernels", fn, pebble_internal::ggml_type_name(ggml_type));
-}
-
 } // namespace
 
 pebble_status matmul(int32_t ggml_type, const uint8_t * w, int64_t n_rows, int64_t n_cols, const void * x, bool x_f32,
@@ -2157,7 +2153,8 @@ pebble_status matmul_parts(const matmul_part * parts, int n_parts, int64_t n_col
     for (int p = 0; p < n_parts && status == PEBBLE_OK; p++) {
         const kernel_set & k = kernels_of(parts[p].ggml_type);
         if (k.block_elements == 0) {
-            status = no_kernels(fn, parts[p].ggml_type);
+            status = fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: %s has no CPU kernels", fn,
+                          pebble_internal::ggml_type_name(parts[p].ggml_type));
             break;
         }
         // x quantized once per kind of activation the parts take

@@ -17,11 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from ..errors import OptionsError
 from ..store.kernels import EXPERT_MATRICES, EXPERT_POLICIES
-from ..xp import to_numpy
 from .layout import StoredTensor
 
 SLOT_ALIGN = 256     # the decoder's expert slots are whole multiples of this (pebble_step_model)
@@ -130,7 +127,8 @@ def decoder_experts(layers: Any) -> dict[int, tuple[tuple[int, int, int], int]] 
 
 class PrefillExperts:
     """moe_ffn's `experts` for layer i of a prefill where the arrays are device memory: expert j read
-    out of the layer's merged tensors' entries into one working slot (the plan's workspace counts it) as each is asked for."""
+    out of the layer's merged tensors' entries into one working slot (the plan's workspace counts it) as
+    each is asked for."""
 
     def __init__(self, pebbled: Any, i: int, slot: Any):
         cfg, self.pebbled, self.layer, self.slot = pebbled.model.config, pebbled, i, slot

@@ -44,10 +44,12 @@ class ExpertSlots:
         self.layers: dict[int, _LayerCache] = {}
         for i, (shape, types, first_id, slots) in layers.items():
             merged = isinstance(first_id, tuple)
-            if store is None or shape.n_expert < 1 or (not merged and first_id < 0) or not 0 <= slots <= shape.n_expert:
-                raise InvalidArgumentError(f"{fn}: layer {i}: experts_stored {2 if merged else 1} needs 0, or 1 or 2 with "
-                                           f"experts (n_expert {shape.n_expert}), the model's store, (for 1) expert_ids "
-                                           f"{first_id} at least 0 and expert_cache {slots} within 0..n_expert")
+            if store is None or shape.n_expert < 1 or (not merged and first_id < 0) or \
+                    not 0 <= slots <= shape.n_expert:
+                raise InvalidArgumentError(f"{fn}: layer {i}: experts_stored {2 if merged else 1} needs 0, or 1 or 2 "
+                                           f"with experts (n_expert {shape.n_expert}), the model's store, (for 1) "
+                                           f"expert_ids {first_id} at least 0 and expert_cache {slots} within "
+                                           "0..n_expert")
             c = _LayerCache(shape, types, first_id, slots, 0)
             c.nbytes = sum(c.sizes)
 
