@@ -40,7 +40,9 @@ import bench_cpu_vs_llamacpp as bench_cpu  # noqa: E402
 import serve_for_bench  # noqa: E402
 from pyplugin.model.synth import write_gguf  # noqa: E402
 
-GOAL = 4.0  # times the serial aggregate rate, on the host backend
+# Times the serial aggregate rate on the host backend: 4x for the small default model streamed with minimal;
+# 3x on a real model's shape (--shape), whose steps are dearer per token and gain less from batching.
+GOAL, SHAPE_GOAL = 4.0, 3.0
 PROMPTS = ("Why is the sky blue?", "Tell me a story about a fox.", "List three prime numbers.", "Hello there",
            "What is a pebble?", "Explain batching in one line.", "Count from one to ten.", "Good morning!")
 
@@ -149,7 +151,8 @@ def main(argv: list[str] | None = None) -> dict:
         "num_predict": args.tokens, "num_parallel": args.clients, "blas_threads": args.blas_threads,
         "serial": {k: v for k, v in serial.items() if k != "answers"},
         "batched": {k: v for k, v in batched.items() if k != "answers"},
-        "speedup": speedup, "bytes_restored_ratio": restored_ratio, "same_answers": same, "goal_speedup": GOAL,
+        "speedup": speedup, "bytes_restored_ratio": restored_ratio, "same_answers": same,
+        "goal_speedup": SHAPE_GOAL if args.shape else GOAL,
         "repeats": args.repeats,
         "speedup_per_repeat": [b["aggregate_tok_per_s"] / a["aggregate_tok_per_s"] for a, b in runs],
         "cpu_speedup": (batched["tok_per_server_cpu_s"] / serial["tok_per_server_cpu_s"]
@@ -167,7 +170,7 @@ def main(argv: list[str] | None = None) -> dict:
               f"{p['bytes_restored_per_generated_token']:,.0f} "
               f"(decode steps alone {p['decode_bytes_restored_per_token_mean']:,.0f});"
               f" largest batch {p['largest_batch']}")
-    print(f"  speedup {speedup:.2f}x (goal >= {GOAL:.0f}x on the host backend; each run: "
+    print(f"  speedup {speedup:.2f}x (goal >= {result['goal_speedup']:.0f}x on the host backend; each run: "
           + ", ".join(f"{x:.2f}x" for x in result["speedup_per_repeat"])
           + (f"; per server CPU second {result['cpu_speedup']:.2f}x" if result["cpu_speedup"] else "")
           + "); bytes restored per token "
