@@ -413,8 +413,9 @@ struct pebble_step_model {
     // K and V cache, each at a multiple of 256 bytes; slot_bytes must cover the largest streamed layer.
     void *   slots[2];
     uint64_t slot_bytes;
-    // The experts' entries (pebble_step_layer.experts_stored), or NULL for `store`'s: a store of their own
-    // keeps them in its host tier whatever residency the layers' store gives the layers.
+    // The experts' entries where a layer's experts_stored is 1 (an entry per expert), or NULL for `store`'s:
+    // a store of their own keeps them in its host tier whatever residency the layers' store gives the
+    // layers. Not read for experts_stored 2 (the merged tensors' entries are `store`'s).
     pebble_store_t expert_store;
     // Experts as pebbles: the decoder's device memory for them is slots of one expert each (the largest of
     // the layers' experts, aligned to 256 bytes): expert_cache slots per layer, plus staging slots shared by
