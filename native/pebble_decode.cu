@@ -30,6 +30,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <array>
 #include <initializer_list>
 #include <memory>
@@ -1149,10 +1150,17 @@ pebble_status step_layer(pebble_decoder & d, int32_t i, int32_t n, const int32_t
                         L.rope_sin, dev_pos + b, q_rot + b * q, k_new + b * kv, v_new + b * kv};
     };
 #ifdef PEBBLE_HOST_BUILD
-    // The sequences' biases, RoPE and new cache rows among the pool's threads (a few microseconds each).
+    // The sequences' biases, RoPE and new cache rows among the pool's threads (a few microseconds each);
+    // without SIMD (PEBBLING_SIMD=portable) through the GPU's own kernel, the same bits, so that the host's
+    // tests hold that kernel to them too.
+    const bool portable = std::strcmp(pebble_cpu::simd_level(), "portable") == 0;
     pebble_cpu::parallel_for(n, int64_t(n) * (q + 2 * kv) * qkv_work_per_value, [&](int64_t first, int64_t end) {
         for (int64_t b = first; b < end; b++) {
-            qkv_rows(qkv_of(b));
+            if (portable) {
+                qkv_kernel(qkv_of(b));
+            } else {
+                qkv_rows(qkv_of(b));
+            }
             kv_row_kernel(k_new + b * kv, v_new + b * kv, k_of[b], v_of[b], kv_type, kv, dev_pos + b, L.kv_rows, s.ring);
         }
     });

@@ -410,3 +410,21 @@ def test_streamed_layers_through_the_decoder_s_slots_give_the_resident_tokens(ba
         assert got == want and source.decoder().stats()["tokens"] == 3 * 9
     finally:
         pebbled.close()
+
+
+def test_the_portable_decode_step_equals_the_forward_pass_too():
+    """What a CPU without AVX2 runs (PEBBLING_SIMD=portable): the one-layer tests above, in a process of their
+    own with the setting, where each sequence's biases, RoPE and cache rows go through the GPU's own kernel
+    (qkv_kernel) rather than the host's qkv_rows."""
+    import os
+    import subprocess
+    import sys
+
+    from pyplugin.store import probe
+    if not probe("host").usable:
+        pytest.skip("the host library is not built here (make host)")
+    env = {**os.environ, "PEBBLING_SIMD": "portable", "PEBBLING_TEST_BACKENDS": "host"}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                           "host and (one_layer_equals or sliding_layer_keeps)"], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
