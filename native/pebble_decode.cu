@@ -668,7 +668,7 @@ struct pebble_decoder {
     // (layer, expert) not yet run; the guesses of the layer about to run and, while a layer of experts
     // runs, which of its experts the step has still to run.
     struct expert_cache {
-        uint64_t gate_bytes = 0, up_bytes = 0, nbytes = 0;
+        uint64_t part_bytes[3] = {}, nbytes = 0; // an expert's gate, up and down rows; their sum
         std::vector<uint8_t *> slot;
         std::vector<int32_t>   expert;
         std::vector<uint64_t>  used;
@@ -874,11 +874,10 @@ pebble_status restore_expert(pebble_decoder & d, int32_t i, int32_t j, uint8_t *
     const uint64_t nbytes = c.nbytes;
     pebble_status st = PEBBLE_OK;
     if (L.experts_stored == 2) { // the j-th n_expert-th of each merged tensor, one after another
-        const uint64_t parts[3] = {c.gate_bytes, c.up_bytes, c.nbytes - c.gate_bytes - c.up_bytes};
         uint64_t at = 0;
-        for (int m = 0; m < 3 && st == PEBBLE_OK; at += parts[m], m++) {
-            st = pebble_read(d.model.store, i, L.weight_ids[merged_expert_fields[m]], uint64_t(j) * parts[m], slot + at,
-                             parts[m], stream);
+        for (int m = 0; m < 3 && st == PEBBLE_OK; at += c.part_bytes[m], m++) {
+            st = pebble_read(d.model.store, i, L.weight_ids[merged_expert_fields[m]], uint64_t(j) * c.part_bytes[m],
+                             slot + at, c.part_bytes[m], stream);
         }
     } else {
         st = pebble_restore(expert_store(d), i, L.expert_ids + j, slot, nbytes, stream);
@@ -1584,19 +1583,18 @@ pebble_status place_experts(pebble_decoder & d, const char * fn) {
                         "within 0..n_expert", fn, i, L.experts_stored, s.n_expert, L.expert_ids, L.expert_cache);
         }
         pebble_decoder::expert_cache & c = d.experts[i];
-        c.gate_bytes = row_bytes(L.weights.ffn_gate_exps.ggml_type, s.n_embd) * uint64_t(s.n_ff_exp);
-        c.up_bytes = row_bytes(L.weights.ffn_up_exps.ggml_type, s.n_embd) * uint64_t(s.n_ff_exp);
-        c.nbytes = c.gate_bytes + c.up_bytes +
-                   row_bytes(L.weights.ffn_down_exps.ggml_type, s.n_ff_exp) * uint64_t(s.n_embd);
-        const uint64_t parts[3] = {c.gate_bytes, c.up_bytes, c.nbytes - c.gate_bytes - c.up_bytes};
+        c.part_bytes[0] = row_bytes(L.weights.ffn_gate_exps.ggml_type, s.n_embd) * uint64_t(s.n_ff_exp);
+        c.part_bytes[1] = row_bytes(L.weights.ffn_up_exps.ggml_type, s.n_embd) * uint64_t(s.n_ff_exp);
+        c.part_bytes[2] = row_bytes(L.weights.ffn_down_exps.ggml_type, s.n_ff_exp) * uint64_t(s.n_embd);
+        c.nbytes = c.part_bytes[0] + c.part_bytes[1] + c.part_bytes[2];
         for (int f = 0; f < 3 && merged; f++) {
             struct pebble_entry_info info{};
             const int32_t id = L.weight_ids[merged_expert_fields[f]];
             if (pebble_entry_info(m.store, static_cast<int32_t>(i), id, &info) != PEBBLE_OK ||
-                info.nbytes != parts[f] * uint64_t(s.n_expert)) {
+                info.nbytes != c.part_bytes[f] * uint64_t(s.n_expert)) {
                 return fail(PEBBLE_ERR_SIZE_MISMATCH, "%s: layer %zu: %s (tensor %d) is not an entry of %" PRIu64
                             " bytes (%d experts of %" PRIu64 ")", fn, i, weight_names[merged_expert_fields[f]], id,
-                            parts[f] * uint64_t(s.n_expert), s.n_expert, parts[f]);
+                            c.part_bytes[f] * uint64_t(s.n_expert), s.n_expert, c.part_bytes[f]);
             }
         }
         for (int32_t j = 0; j < s.n_expert && !merged; j++) {

@@ -293,6 +293,9 @@ def test_an_expert_entry_of_the_wrong_size_is_refused_by_name(backend):
     try:
         with pytest.raises(PebblingError, match=r"layer 1: ffn_up_exps \(tensor 201\) is not an entry of \d+ bytes"):
             run_steps(be.kernels, model, 16, 1, 1, store=store, experts={0: (MERGED, 2), 1: (MERGED, 2)})
+        with pytest.raises(PebblingError, match=r"layer 0: experts read from merged tensors need the entries of "
+                                                r"ffn_gate_exps, ffn_up_exps, ffn_down_exps; got 2"):
+            run_steps(be.kernels, model, 16, 1, 1, store=store, experts={0: (MERGED[:2], 2)})
     finally:
         store.close()
 

@@ -319,6 +319,9 @@ class Kernels:
                 raise InvalidArgumentError(f"decoder: layer {i} slides over {lcfg.window} positions, so its caches "
                                            f"hold that many rows (a ring), not {rows}")
             stored = (experts or {}).get(i)
+            if stored is not None and isinstance(stored[0], tuple) and len(stored[0]) != len(EXPERT_MATRICES):
+                raise InvalidArgumentError(f"decoder: layer {i}: experts read from merged tensors need the entries of "
+                                           f"{', '.join(EXPERT_MATRICES)}; got {len(stored[0])}")
             refs = {name: tensor_ref(name, getattr(lw, name)) for name in DECODE_WEIGHTS if getattr(lw, name) is not None}
             if stored is not None:  # types only: the experts come from the store
                 refs.update({name: (refs[name][0], None) for name in EXPERT_MATRICES if name in refs})

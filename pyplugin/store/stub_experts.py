@@ -18,11 +18,12 @@ def _aligned(n: int) -> int:
 
 
 class _LayerCache:
-    def __init__(self, shape, types: dict, first_id: int, slots: int, nbytes: int):
+    def __init__(self, shape, types: dict, first_id, slots: int):
         e, ff = shape.n_embd, shape.n_ff_exp
         self.parts = (("ffn_gate_exps", ff, e), ("ffn_up_exps", ff, e), ("ffn_down_exps", e, ff))
         self.sizes = [rows * row_bytes(types[name], cols) for name, rows, cols in self.parts]
-        self.shape, self.types, self.first_id, self.nbytes = shape, types, first_id, nbytes
+        self.nbytes = sum(self.sizes)  # one expert: its gate, up and down rows
+        self.shape, self.types, self.first_id = shape, types, first_id
         self.slot: list[np.ndarray] = []
         self.expert = [-1] * slots
         self.used = [0] * slots
@@ -50,8 +51,7 @@ class ExpertSlots:
                                            f"with experts (n_expert {shape.n_expert}), the model's store, (for 1) "
                                            f"expert_ids {first_id} at least 0 and expert_cache {slots} within "
                                            "0..n_expert")
-            c = _LayerCache(shape, types, first_id, slots, 0)
-            c.nbytes = sum(c.sizes)
+            c = _LayerCache(shape, types, first_id, slots)
 
             def held(tensor_id):
                 try:
