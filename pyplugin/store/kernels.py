@@ -300,12 +300,10 @@ class Kernels:
         `streamed`: {layer: {field: entry id}} for the layers copied from `store` into the decoder's slots
         each step (their `layers` and `caches` give types and shapes only), each sequence's caches the
         entries kv_ids[s] = (K id, V id); `slots` the two buffers they are copied into (equal sizes), or ()
-        for the decoder to make its own. `experts`: {layer: (where its experts are, experts cached)} for the
-        layers whose experts are pebbles of `store` (StepLayer.experts; their merged matrices in `layers` give
-        types only): the entry of expert 0, each expert an entry of `expert_store` where given, else of
-        `store` (experts_stored 1); or the entries of the merged gate, up and down tensors in `store`, expert j
-        read out of each (experts_stored 2); `expert_policy` (EXPERT_POLICIES) and `expert_prefetch`
-        as pebble_step_model has them."""
+        for the decoder to make its own. `experts`: {layer: (ids, experts cached)} for layers whose experts
+        are pebbles (their merged matrices in `layers` give types only): ids the entry of expert 0, an entry
+        each, of `expert_store` or else `store` (experts_stored 1), or the entries of the merged gate, up and
+        down tensors in `store` (2); `expert_policy` and `expert_prefetch` as pebble_step_model has them."""
         from ..model.transformer import rope_table  # noqa: PLC0415 - the store sits below the model
 
         kv_type = _kv_type("decoder", caches[0][0][0], cfg.head_dim)
