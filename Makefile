@@ -19,7 +19,7 @@ NATIVE_DEPS := $(HOST_SRC) native/pebble.h native/pebble_internal.h native/pebbl
 HOST_FLAGS  := -x c++ -std=c++17 -DPEBBLE_HOST_BUILD -fPIC -shared -pthread -fvisibility=hidden -Wall -Wextra
 SAN_FLAGS   := -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=undefined
 
-.PHONY: all cuda host host-asan venv test test-native test-sanitized fuzz serve demo-model native-best gpu-wheels gpu-check clean
+.PHONY: all cuda host host-asan venv test test-native test-sanitized fuzz serve demo-model native-best native-gpu native-stub gpu-wheels gpu-check clean
 
 all: host
 
@@ -57,13 +57,17 @@ $(VENV)/.installed: pyproject.toml CMakeLists.txt | $(PY)
 
 venv: $(VENV)/.installed
 
-# The CUDA library where nvcc and a GPU are present, else the host build (the stub needs nothing).
-native-best:
-	@if command -v $(NVCC) >/dev/null 2>&1 && command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
-		$(MAKE) --no-print-directory cuda && $(PY) -m pip install --quiet -e '.[gpu]'; \
-	elif command -v $(CXX) >/dev/null 2>&1; then \
-		$(MAKE) --no-print-directory host; \
-	else echo "no C++ compiler found: pebbling will use its pure-Python stub backend"; fi
+# The CUDA library where nvcc and a GPU are present, else the host build (the stub needs nothing). Chosen by
+# make itself, not inside a recipe, so that `make -n serve` only prints what it would do.
+HAVE_GPU    = $(shell command -v $(NVCC) >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo yes)
+HAVE_CXX    = $(shell command -v $(CXX) >/dev/null 2>&1 && echo yes)
+native-best: $(if $(HAVE_GPU),native-gpu,$(if $(HAVE_CXX),host,native-stub))
+
+native-gpu: cuda $(VENV)/.serving
+	$(PY) -m pip install --quiet -e '.[gpu]'
+
+native-stub:
+	@echo "no C++ compiler found: pebbling will use its pure-Python stub backend"
 
 test: venv host host-asan
 	$(PY) -m pytest -q

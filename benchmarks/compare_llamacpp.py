@@ -385,7 +385,7 @@ def gelu_as_ggml():
     original = transformer.gelu_tanh
 
     def gelu(x):
-        y = original(np.asarray(x).astype(np.float16).astype(np.float32))
+        y = original(x.astype(np.float16).astype(np.float32))   # numpy or CuPy, as the backend has it
         return y.astype(np.float16).astype(x.dtype)
 
     transformer.gelu_tanh = gelu

@@ -83,6 +83,38 @@ def cupy_device() -> dict:
         return {"ok": False, "why": f"{type(exc).__name__}: {exc}"}
 
 
+def device_memory() -> dict:
+    """What device memory the pieces of a process take, as pebbling measures it (NVML): whether NVML lists
+    this process (else the whole device is what is measured, other processes too), and the bytes after the
+    context and a kernel, after a matrix product (cuBLAS's handle and workspace), and after one in each of
+    two more threads (CuPy makes a handle per thread, as a server's request threads do)."""
+    import threading
+
+    sys.path.insert(0, str(ROOT))
+    try:
+        import cupy
+        from pyplugin.store import gpu
+
+        steps, first = {}, gpu.used_device_memory()
+        steps["start"] = first.bytes if first else None
+        (cupy.arange(4) + 1).sum().item()
+        steps["context_and_a_kernel"] = gpu.used_device_memory().bytes
+        a = cupy.ones((512, 512), dtype=cupy.float16)
+        (a @ a).sum().item()
+        steps["a_matrix_product"] = gpu.used_device_memory().bytes
+        for n in (1, 2):
+            worker = threading.Thread(target=lambda: (a @ a).sum().item())
+            worker.start()
+            worker.join()
+            steps[f"a_product_in_thread_{n}"] = gpu.used_device_memory().bytes
+        cupy.get_default_memory_pool().free_all_blocks()
+        steps["pool_freed"] = gpu.used_device_memory().bytes
+        use = gpu.used_device_memory()
+        return {"ok": True, "how": use.how, "this_process": use.this_process, "bytes": steps}
+    except Exception as exc:  # noqa: BLE001
+        return {"ok": False, "why": f"{type(exc).__name__}: {exc}"}
+
+
 def library(kind: str) -> dict:
     sys.path.insert(0, str(ROOT))
     try:
@@ -110,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
              "library": library(args.backend), "pebbling_info": pebbling_info()}
     if args.backend == "cuda":
         found["cupy"] = cupy_device()
+        found["device_memory"] = device_memory()
+        print(f"device memory ({found['device_memory'].get('how')}): {found['device_memory'].get('bytes')}")
     problems = []
     if not found["library"]["ok"]:
         problems.append(f"the {args.backend} library: {found['library']['why']}")

@@ -48,8 +48,9 @@ __host__ __device__ inline float kv_load(const void * p, int32_t t, int64_t i) {
     return d * static_cast<float>(q - 8);
 }
 
+// (integer conversion: pebble_device.h says why)
 __host__ __device__ inline void kv_put_scale(uint8_t * b, float d) {
-    const uint16_t h = half_from_float(d);
+    const uint16_t h = half_bits_from_float(d);
     b[0] = static_cast<uint8_t>(h & 0xFF);
     b[1] = static_cast<uint8_t>(h >> 8);
 }

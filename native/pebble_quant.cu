@@ -315,41 +315,67 @@ __global__ void dequantize_kernel(const uint8_t * __restrict__ src, uint16_t * _
 // One warp per row (blockDim = 32 x rows per block, rows grid-strided). The lanes take the row's block
 // parts in turn, so at each step the warp reads one contiguous stretch of the row, every byte of it
 // once; each lane keeps NV float32 sums, reduced across the warp by shuffles at the end of the row.
-// x's elements as float32, read from fp16 where they are used. (The host build multiplies in
-// pebble_cpu.cc instead.)
+// x (fp16) goes through shared memory a chunk of matvec_chunk elements at a time, loaded once for the
+// thread block's rows by coalesced reads: read from global memory where it is used, each warp-wide
+// load of x touched 32 lines (the lanes are a part apart), and those loads, not the weights, set the
+// time. One 4-byte word of padding every 64 elements puts the lanes' reads in different banks (a lane's
+// part is 32 or 64 elements). A chunk is whole rounds of the warp's parts, so each lane takes the parts
+// it would take reading x from global memory, in the same order: the same sums, bit for bit.
+// (The host build multiplies in pebble_cpu.cc instead.)
 #ifndef PEBBLE_HOST_BUILD
-struct half_vectors {
-    const uint16_t * p;
-    __device__ float at(int v, int64_t i, int64_t n_cols) const { return half_to_float(p[v * n_cols + i]); }
-};
-#endif
+constexpr int matvec_rows_per_block = 8;  // warps per thread block: rows sharing one staging of x
+constexpr int matvec_chunk = 2048;        // x elements staged per vector at a time
+constexpr int matvec_chunk_padded = matvec_chunk + 2 * (matvec_chunk / 64);
 
-// Rows row_begin..row_end - 1 of the n_rows (the GPU takes them all; the host build splits them among
-// its threads).
-template <typename T, int NV, typename X>
-__global__ void matvec_kernel(const uint8_t * __restrict__ w, int64_t n_rows, int64_t n_cols, X x,
-                              float * __restrict__ y, int64_t row_begin, int64_t row_end) {
+__device__ inline int staged_at(int e) { return e + 2 * (e >> 6); }
+
+template <typename T, int NV>
+__global__ void __launch_bounds__(warp_lanes * matvec_rows_per_block)
+matvec_kernel(const uint8_t * __restrict__ w, int64_t n_rows, int64_t n_cols, const uint16_t * __restrict__ x,
+              float * __restrict__ y) {
+    constexpr int part_elements = T::block_elements / T::parts;
+    static_assert(matvec_chunk % (warp_lanes * part_elements) == 0 && matvec_chunk % T::block_elements == 0,
+                  "a chunk is whole blocks and whole rounds of the warp's parts");
+    __shared__ uint16_t xs[NV][matvec_chunk_padded];
     const int64_t blocks_per_row = n_cols / T::block_elements;
-    const int64_t parts_per_row  = blocks_per_row * T::parts;
-    for (int64_t row = row_begin + grid_warp(); row < row_end; row += grid_warps()) {
-        const uint8_t * w_row = w + row * blocks_per_row * T::block_bytes;
+    const int lane = static_cast<int>(threadIdx.x), threads = warp_lanes * matvec_rows_per_block;
+    const int tid = static_cast<int>(threadIdx.y) * warp_lanes + lane;
+    for (int64_t base = int64_t(blockIdx.x) * matvec_rows_per_block; base < n_rows;
+         base += int64_t(gridDim.x) * matvec_rows_per_block) {
+        const int64_t row = base + threadIdx.y;
+        const bool active = row < n_rows; // the block's other warps still stage x and meet at the barriers
         float acc[NV] = {};
-        for (int64_t p = warp_lane(); p < parts_per_row; p += warp_lanes) {
-            const int64_t block = p / T::parts;
-            const int64_t x_block = block * T::block_elements; // element 0 of vector 0
-            auto emit = [&](int i, float weight) {
-                PEBBLE_UNROLL
-                for (int v = 0; v < NV; v++) acc[v] += weight * x.at(v, x_block + i, n_cols);
-            };
-            T::decode(w_row + block * T::block_bytes, static_cast<int>(p % T::parts), emit);
+        for (int64_t c0 = 0; c0 < n_cols; c0 += matvec_chunk) {
+            const int n = static_cast<int>(n_cols - c0 < matvec_chunk ? n_cols - c0 : matvec_chunk);
+            __syncthreads(); // every warp is done with the last chunk
+            PEBBLE_UNROLL
+            for (int v = 0; v < NV; v++) {
+                for (int e = tid; e < n; e += threads) xs[v][staged_at(e)] = x[v * n_cols + c0 + e];
+            }
+            __syncthreads();
+            if (!active) continue;
+            const uint8_t * w_row = w + row * blocks_per_row * T::block_bytes;
+            const int64_t p_end = (c0 + n) / part_elements;
+            for (int64_t p = c0 / part_elements + lane; p < p_end; p += warp_lanes) {
+                const int64_t block = p / T::parts;
+                const int first = static_cast<int>(block * T::block_elements - c0); // the block's element 0 in xs
+                auto emit = [&](int i, float weight) {
+                    const int at = staged_at(first + i);
+                    PEBBLE_UNROLL
+                    for (int v = 0; v < NV; v++) acc[v] += weight * half_to_float(xs[v][at]);
+                };
+                T::decode(w_row + block * T::block_bytes, static_cast<int>(p % T::parts), emit);
+            }
         }
+        if (!active) continue;
         PEBBLE_UNROLL
         for (int v = 0; v < NV; v++) {
-            const float sum = warp_sum(acc[v]); // every lane takes part in the shuffles
-            if (warp_lane() == 0) y[v * n_rows + row] = sum;
+            const float sum = warp_sum(acc[v]); // every lane of the warp takes part in the shuffles
+            if (lane == 0) y[v * n_rows + row] = sum;
         }
     }
 }
+#endif
 
 // ---------------------------------------------------------------------------------------------------
 // launchers
@@ -364,7 +390,6 @@ void host_parallel(int64_t n, int64_t work, F && f) {
 #endif
 
 constexpr int     dequantize_threads = 256;
-constexpr int     matvec_rows_per_block = 4;  // warps per thread block
 constexpr int64_t max_grid = int64_t(1) << 20; // fills any GPU; the grid-stride loops do the rest
 
 // GGUF type names, for messages (ids without a type are left empty).
@@ -469,8 +494,7 @@ pebble_status launch_matvec_n(const uint8_t * w, int64_t n_rows, int64_t n_cols,
 #else
     const int64_t grid = std::min(max_grid, (n_rows + matvec_rows_per_block - 1) / matvec_rows_per_block);
     const dim3 block(warp_lanes, matvec_rows_per_block);
-    matvec_kernel<T, NV><<<static_cast<unsigned>(grid), block, 0, stream>>>(w, n_rows, n_cols, half_vectors{x}, y,
-                                                                          0, n_rows);
+    matvec_kernel<T, NV><<<static_cast<unsigned>(grid), block, 0, stream>>>(w, n_rows, n_cols, x, y);
     return check_launch("pebble_matvec", T::id);
 #endif
 }

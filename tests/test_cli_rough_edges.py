@@ -63,7 +63,7 @@ def cli(*args: str) -> int:
 
 def command_into_closed_pipe(*args: str, host: str | None = None) -> subprocess.CompletedProcess:
     """`pebbling ARGS | head -0`: the reader closes the pipe before the command writes."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     if host:
         env["PEBBLING_HOST"] = host
     read, write = os.pipe()
@@ -227,7 +227,7 @@ def probe_with_library(kind: str, path: Path):
 
 
 def test_the_server_says_its_backend_and_models_when_it_starts(models_dir):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     server = subprocess.Popen([sys.executable, "-m", "pyplugin.cli", "serve", "--port", str(free_port()),
                                "--models", str(models_dir)], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
                               text=True, env=env)

@@ -14,6 +14,7 @@ import requests
 from pyplugin.model import load_model
 from pyplugin.model.synth import write_gguf
 from pyplugin.runtime import Generation, Options
+from pyplugin.store import select_backend
 from server_patch import create_app
 from server_patch.local import serving
 
@@ -21,6 +22,9 @@ TINY = dict(n_layer=4, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, n_ctx=256)
 TEXTS = ["The quick brown fox.", "A memory plugin moves layers between tiers.", "x"]
 POOLINGS = {"mean": None, "cls": 2, "last": 3}  # pooling_type in the file; mean where there is none
 F16 = {"pebbling_weights": "f16"}  # float32 on the host: the served pass is the resident one, bit for bit
+# On a GPU the served pass rounds each matrix product's activations to fp16 (2^-11 relative) where the
+# reference (numpy, float32) does not: seen there, 2.7e-4 at most after 4 layers; 1e-4 holds on the host.
+ATOL = 1e-3 if select_backend().name == "cuda" else 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +62,7 @@ def test_vectors_equal_a_float64_reference_of_the_declared_pooling(url, models_d
     got = np.asarray(r.json()["embeddings"])
     assert got.shape == (len(TEXTS), TINY["n_embd"])
     for text, vector in zip(TEXTS, got):
-        np.testing.assert_allclose(vector, reference(models_dir / f"{pooling}.gguf", text, pooling), atol=1e-4)
+        np.testing.assert_allclose(vector, reference(models_dir / f"{pooling}.gguf", text, pooling), atol=ATOL)
         assert abs(np.linalg.norm(vector) - 1) < 1e-6
     assert r.json()["prompt_eval_count"] > len(TEXTS)
 

@@ -192,12 +192,12 @@ def test_pebbling_weights_picks_the_form_and_both_forms_give_the_same_tokens(url
     assert quantized["pebbling"]["weights"] == "quantized" and f16["pebbling"]["weights"] == "f16"
     assert quantized["response"] == f16["response"] and quantized["eval_count"] == 12
     assert f16["load_duration"] > 0  # another form is another load, as a load-time option in Ollama
-    # Q8_0 is 34 bytes per 32 weights: each decoded token restores far fewer bytes than float32's; on
-    # host memory streamed weights and KV caches are computed from the host tier in place: nothing is
-    # copied in either form
+    # Q8_0 is 34 bytes per 32 weights: each decoded token restores far fewer bytes than the GPU's fp16 form
+    # (8.5 bits a weight against 16, the norms in float32 in both); on host memory streamed weights and KV
+    # caches are computed from the host tier in place: nothing is copied in either form
     restored = quantized["pebbling"]["bytes_restored_per_token"], f16["pebbling"]["bytes_restored_per_token"]
     if quantized["pebbling"]["backend"] == "cuda":
-        assert restored[0] < restored[1] / 2
+        assert restored[0] < 0.6 * restored[1]
     else:
         assert restored[0] == restored[1] == 0
     assert quantized["pebbling"]["estimated_peak_bytes"] < f16["pebbling"]["estimated_peak_bytes"]
