@@ -98,8 +98,11 @@ def test_installed_wheel_uses_its_own_host_library(wheel, tmp_path):
                            "--target", str(target), str(wheel)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     env = {k: v for k, v in os.environ.items() if k not in ("PEBBLING_LIB", "PEBBLING_BACKEND")}
+    # dependencies installed into a folder on PYTHONPATH (as on a machine without a registry) stay found;
+    # the checkout does not
+    deps = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() != ROOT]
     env["PYTHONPATH"] = os.pathsep.join([str(target), sysconfig.get_paths()["purelib"],
-                                         sysconfig.get_paths()["platlib"]])
+                                         sysconfig.get_paths()["platlib"], *deps])
     done = subprocess.run([sys.executable, "-S", "-m", "pyplugin.cli", "info"], capture_output=True,
                           text=True, timeout=120, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr

@@ -1,0 +1,93 @@
+"""Where one process's device memory goes over the life of its requests, step by step, as pebbling
+measures it (NVML): after the CUDA context, a model's load, its first plan (the warm-up its overhead is
+measured after), a first request, a longer prompt, a request from another thread, two sequences at once
+and a streamed (minimal) request; beside each, the overhead a new plan would measure and the request's
+estimated and measured peaks. Prints one JSON line and a table.
+
+    python benchmarks/gpu_memory_steps.py [--backend cuda] [--layers 8]
+
+The question it answers: which step loads memory that the warm-up did not (so that a floor named by
+`estimate` in a fresh process differs from the server's after some requests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from pyplugin.model import load_model  # noqa: E402
+from pyplugin.model.synth import write_gguf  # noqa: E402
+from pyplugin.runtime import PebbledModel  # noqa: E402
+from pyplugin.runtime.options import Options  # noqa: E402
+from pyplugin.runtime.plan import PebblingOptions  # noqa: E402
+from pyplugin.store import backend_named  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backend", default="cuda")
+    parser.add_argument("--layers", type=int, default=8)
+    args = parser.parse_args(argv)
+    backend = backend_named(args.backend)
+    steps: list[dict] = []
+
+    def used() -> int | None:
+        found = backend.used_memory()
+        return found.bytes if found else None
+
+    def step(name: str, **more) -> None:
+        steps.append({"step": name, "used_bytes": used(), **more})
+
+    step("start")
+    backend.xp.zeros(4).sum().item()
+    step("context and a kernel")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_gguf(Path(tmp) / "tiny.gguf", n_layer=args.layers, n_embd=64, n_head=4, n_head_kv=2, n_ff=128,
+                          n_ctx=256, weight_type="Q8_0")
+        model = load_model(path, progress=False)
+        pebbled = PebbledModel(model, backend=backend)
+        step("model loaded")
+        options = Options(temperature=0, num_predict=4, num_ctx=256, num_batch=64)
+
+        def overhead(n_prompt: int, n_seqs: int = 1) -> int:
+            return pebbled.memory_model(options, n_prompt, n_seqs=n_seqs).overhead_bytes
+
+        step("first plan (warm-up)", overhead=overhead(33))
+
+        def request(name: str, n_prompt: int, strategy: str = "none") -> None:
+            pebbling = PebblingOptions.from_options({"pebbling_strategy": strategy})
+            gen = pebbled.generation(options, pebbling, n_prompt)
+            tokens = list(gen.tokens([(7 * i) % 200 + 5 for i in range(n_prompt)]))
+            report = gen.report()
+            step(name, tokens=len(tokens), estimated_peak=report["estimated_peak_bytes"],
+                 measured_peak=report["measured_peak_bytes"], overhead_now=overhead(n_prompt))
+
+        request("request, 33-token prompt", 33)
+        request("same request again", 33)
+        request("request, 150-token prompt", 150)
+        worker = threading.Thread(target=request, args=("request from another thread", 33))
+        worker.start()
+        worker.join()
+        request("minimal (streamed)", 33, "minimal")
+        step("two sequences planned", overhead=overhead(33, n_seqs=2))
+        pebbled.close()
+        backend.free_pool()
+        step("model closed, pool freed")
+    print(json.dumps({"backend": args.backend, "steps": steps}))
+    base = steps[0]["used_bytes"] or 0
+    for s in steps:
+        extra = {k: v for k, v in s.items() if k not in ("step", "used_bytes")}
+        mib = f"{(s['used_bytes'] - base) / 2**20:8.1f}" if s["used_bytes"] is not None else "     n/a"
+        print(f"{s['step']:32s} {mib} MiB  {extra}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
