@@ -24,8 +24,7 @@ from .conversations import ParkedConversations
 from .generation import Generation
 from .layout import WEIGHT_IDS, StoredTensor, aligned, bytes_of, kv_ids, tensor_desc
 from .options import Options
-from .plan import (DEVICE_PAGE_BYTES, MemoryModel, PebblingOptions, Plan, format_bytes, make_plan, smallest_footprint,
-                   workspace_bytes)
+from .plan import MemoryModel, PebblingOptions, Plan, format_bytes, make_plan, smallest_footprint, workspace_bytes
 from .store_layers import StoreLayers
 from . import experts
 
@@ -188,7 +187,6 @@ class PebbledModel:
             fixed_bytes=fixed,
             workspace_bytes=workspace,
             overhead_bytes=self._overhead_bytes(),
-            page_bytes=DEVICE_PAGE_BYTES if self.backend.measures_memory else 1,
             n_seqs=n_seqs,
             request=request if n_seqs == 1 else f"{n_seqs} sequences decoding together, {request}",
             experts=expert_slots)

@@ -10,8 +10,6 @@ Peak device memory of a plan for a batch of n_seqs sequences (1 for a request al
   + with experts as pebbles (runtime.experts): the decoder's expert slots, a cache of C experts per layer
     of experts and its staging slots; the layers' weights above are then their dense part only, and C the
     most the budget leaves room for (at most what the request asks; 0 under minimal)
-rounded up to whole pages of the backend's memory where it is measured (page_bytes: NVML's per-process
-figures on an H200 came in whole 2 MiB, so a byte count short of a page was measured a page over it).
 """
 
 from __future__ import annotations
@@ -25,9 +23,6 @@ from ..errors import OptionsError
 from ..model import WEIGHT_FORMS, ModelConfig, check_weight_form
 from ..store.strategy import ADAPTIVE, NONE, Strategy, resident_layers
 from .experts import ExpertMemory, parse_expert_options
-
-
-DEVICE_PAGE_BYTES = 2 << 20  # what NVML counts a process's GPU memory in (seen on an H200)
 
 
 @dataclass(frozen=True)
@@ -45,7 +40,6 @@ class MemoryModel:
     n_seqs: int = 1                      # sequences decoding together, each with KV entries of its own
     request: str = "any request"         # what the workspace was sized for, as messages name it
     experts: ExpertMemory | None = None  # experts as pebbles: layer_weight_bytes is then the dense part
-    page_bytes: int = 1                  # the unit device memory is measured in (1: bytes are accounted)
 
     @property
     def n_layers(self) -> int:
@@ -119,7 +113,7 @@ def peak_for(memory: MemoryModel, resident: list[int] | tuple[int, ...], cache: 
     slot_bytes = max((memory.layer_bytes(i) for i in streamed), default=0)
     peak = (store_limit + n_slots * slot_bytes + memory.fixed_bytes + memory.workspace_bytes
             + memory.overhead_bytes + (memory.experts.device_bytes(cache) if memory.experts else 0))
-    return -(-peak // memory.page_bytes) * memory.page_bytes, store_limit, n_slots, slot_bytes
+    return peak, store_limit, n_slots, slot_bytes
 
 
 def smallest_footprint(memory: MemoryModel) -> int:
