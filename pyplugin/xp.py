@@ -68,3 +68,9 @@ def to_xp(array: Any, xp: ModuleType, dtype: Any = None) -> Any:
 def to_numpy(array: Any) -> np.ndarray:
     """A host numpy array (a device-to-host copy for CuPy arrays)."""
     return np.asarray(array) if get_array_module(array) is np else array.get()
+
+
+def free_cached(xp: ModuleType) -> None:
+    """Gives the memory of CuPy's pool's unused blocks back to the device (nothing to do for numpy)."""
+    if xp is not np:
+        xp.get_default_memory_pool().free_all_blocks()

@@ -23,6 +23,7 @@ import numpy as np
 from ..errors import InvalidArgumentError, SizeMismatchError
 from ..ggml_types import DENSE_TYPES
 from ..kv_types import KV_TYPES, cache_kv_type
+from ..xp import free_cached
 from .abi import DECODER_GRAPHS
 from .interface import as_int
 
@@ -192,11 +193,10 @@ class Kernels:
         # over an expanded matrix; cuBLAS on the GPU, and numpy on the stub, do better with the expansion.
         self.tiled_matmul: bool = lib.backend == "host"
         # Whether a decode step's attention runs through `attend` (one call for every sequence of a batch)
-        # rather than array operations per sequence: where the arrays are host memory. The cuda library's
-        # pebble_attend has not run on a GPU yet, so CuPy's operations stay there.
+        # rather than array operations per sequence: on host memory (on a GPU not yet timed against CuPy's).
         self.attends: bool = lib.backend in ("host", "stub")
-        # Whether float32 vectors go to the library as they are (pebble_matmul_f32 rounds them to fp16 itself,
-        # with F16C: numpy's own conversion is a scalar loop); CuPy converts them on the GPU.
+        # Whether float32 vectors go to the library as they are (it rounds them to fp16 with F16C, where numpy's
+        # conversion is a scalar loop); CuPy converts them on the GPU.
         self.takes_float32: bool = lib.backend in ("host", "stub")
         self._local = threading.local()  # each thread's fp16 workspace and decode scratch
         self._scratch_bytes: dict[tuple, int] = {}  # (LayerShape, n_ctx) or ("attend", ...) -> scratch bytes
@@ -278,11 +278,12 @@ class Kernels:
         return out
 
     def workspace(self, n_elements: int):
-        """A flat float16 array of n_elements, a view of this thread's reused workspace: it grows to the
-        largest size asked for and is kept until `release_workspace`."""
+        """A flat float16 array of n_elements, a view of this thread's reused workspace (kept until
+        `release_workspace`); it grows to the largest size asked for, the old one given back first:"""
         buffer = getattr(self._local, "buffer", None)
         if buffer is None or buffer.size < n_elements:
-            self._local.buffer = None  # the old one goes before the larger one comes
+            self._local.buffer = None  # to the device, from CuPy's pool too (NVML counts what it keeps)
+            free_cached(self.xp)
             buffer = self._local.buffer = self.xp.empty(n_elements, dtype=np.float16)
         return buffer[:n_elements]
 
@@ -365,7 +366,6 @@ class Kernels:
                         n_pos, n_rows, n_head, n_head_kv, head_dim, float(scale), float(softcap), out,
                         scratch[:max(need, 1)], stream=self._stream(), **rows)
         return out
-
 
     def attend_prompt(self, q, cache, pos: int, n_head_kv: int, scale: float, softcap: float = 0.0,
                       window: int = 0):
