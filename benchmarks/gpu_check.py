@@ -14,10 +14,14 @@ On a bare machine (the GPU image's Python with CuPy, torch, transformers, accele
   tests    the rest of the suite on the backend, with --no-skip-gpu: a skipped GPU test is a failure
            (in 4 processes where pytest-xdist imports: --test-workers)
   bench    benchmarks/bench_gpu.py (scaled by --bench-args to fit the time left)
+  profile  ncu's time of each kernel (the first 400 launches, CUDA graphs off) while bench_gpu.py runs one
+           layer of the shape with its output, batch 1: where a decode step's time goes (cuda only; where
+           ncu is not found, recorded so)
 Each stage is timed and has a timeout (its cap in CAPS, or --cap, within the time left of --budget-s,
 keeping FLOOR seconds for each later stage); one that times out or fails is recorded and the next runs.
 DIR gets: gpu_check.json (every stage's command, rc, time, timeout, pass/fail/skip counts and failures, the
-probe's findings, the benchmark's JSON), summary.txt, one log per stage, bench.json: at most 8 files, flat,
+probe's findings, the benchmark's JSON, the kernels' times), summary.txt, one log per stage, bench.json: at
+most 8 files, flat,
 so that a machine which hands back only a few files returns them all. Exit 0 when every stage passed. --backend host runs the same on a CPU machine (without --no-skip-gpu) to check this script.
 """
 
@@ -44,10 +48,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from gpu_wheels import read_pins, wheel_name  # noqa: E402
 
-STAGES = ("probe", "kernels", "tests", "bench")
+STAGES = ("probe", "kernels", "tests", "bench", "profile")
 KERNEL_TESTS = ["tests/test_quant_kernels.py", "tests/test_decode_step.py", "tests/test_attend.py"]
-CAPS = {"setup": 120, "build": 300, "probe": 90, "kernels": 150, "tests": 270, "bench": 240}
-FLOOR = {"probe": 20, "kernels": 45, "tests": 90, "bench": 60}  # what a later stage is left at the least
+CAPS = {"setup": 120, "build": 300, "probe": 120, "kernels": 150, "tests": 270, "bench": 240, "profile": 90}
+FLOOR = {"probe": 20, "kernels": 45, "tests": 90, "bench": 60, "profile": 40}  # a later stage's least
+PROFILE_ARGS = "--layers 1 --types Q4_K_M --rows none --batches 1 --prompt 16 --tokens 4 --peers none"
 # The benchmark inside the 9 minutes: a slice of the Llama-3-8B shape. The full run is its own command
 # (README: On a GPU).
 DEFAULT_BENCH_ARGS = "--layers 4 --prompt 128 --tokens 16 --types Q4_K_M,F16"
@@ -221,7 +226,44 @@ def stage_plan(args, work: Path, python: str) -> list[Stage]:
               backend_env, str(work / "tests.xml")),
         Stage("bench", [python, str(ROOT / "benchmarks" / "bench_gpu.py"), "--backend", args.backend,
                         "--json", str(bench_json), "--dir", str(work), *shlex.split(args.bench_args)], caps["bench"]),
+        Stage("profile", [ncu_path() or "ncu", "--clock-control", "none", "--launch-count", "400", "--metrics",
+                          "gpu__time_duration.sum", "--print-summary", "per-kernel", python,
+                          str(ROOT / "benchmarks" / "bench_gpu.py"), "--backend", args.backend, "--json",
+                          str(work / "profiled.json"), "--dir", str(work), *shlex.split(PROFILE_ARGS)], caps["profile"],
+              {"PEBBLING_CUDA_GRAPHS": "0"}),
     ]
+
+
+def ncu_path() -> str | None:
+    """Nsight Compute's command line, on PATH or where the CUDA images keep it."""
+    found = shutil.which("ncu") or next(iter(sorted(Path("/opt/nvidia").glob("nsight-compute/*/ncu"))), None)
+    return str(found) if found else None
+
+
+_KERNEL = re.compile(r"^  (\S.*?) \((\d+), (\d+), (\d+)\)x\((\d+), (\d+), (\d+)\), Device \d+, CC [\d.]+, "
+                     r"Invocations (\d+)$")
+_TIME = re.compile(r"gpu__time_duration\.sum\s+(\w+)\s+([\d.,]+)\s+([\d.,]+)\s+([\d.,]+)")
+_UNIT_US = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3, "s": 1e6, "second": 1e6}
+
+
+def read_profile(log: Path, top: int = 40) -> list[dict]:
+    """The kernels of ncu's per-kernel summary in `log`, the most total time first: name, grid, block,
+    invocations, mean/min/max microseconds."""
+    rows, current = [], None
+    for line in log.read_text(errors="replace").splitlines() if log.is_file() else []:
+        m = _KERNEL.match(line)
+        if m:
+            current = {"kernel": m.group(1), "grid": [int(v) for v in m.group(2, 3, 4)],
+                       "block": [int(v) for v in m.group(5, 6, 7)], "invocations": int(m.group(8))}
+            continue
+        t = _TIME.search(line)
+        if t and current and t.group(1) in _UNIT_US:
+            scale = _UNIT_US[t.group(1)]
+            mean, low, high = (round(float(v.replace(",", "")) * scale, 2) for v in t.group(4, 2, 3))
+            rows.append({**current, "mean_us": mean, "min_us": low, "max_us": high,
+                         "total_us": round(mean * current["invocations"], 1)})
+            current = None
+    return sorted(rows, key=lambda r: -r["total_us"])[:top]
 
 
 def run_all(args, out_dir: Path) -> dict:
@@ -242,6 +284,10 @@ def run_all(args, out_dir: Path) -> dict:
                                   "here: run `make cuda` where nvcc is and carry build/"))
     for stage in stage_plan(args, work, python):
         if stage.name not in args.stages:
+            continue
+        if stage.name == "profile" and (args.backend != "cuda" or not ncu_path()):
+            why = "ncu was not found" if args.backend == "cuda" else "kernels are profiled on cuda only"
+            records.append(Record("profile", "", 0, ok=True, note=f"not run: {why}"))  # a diagnostic, not a check
             continue
         left = args.budget_s - (time.monotonic() - began)
         later = sum(FLOOR[s] for s in args.stages if STAGES.index(s) > STAGES.index(stage.name))
@@ -265,6 +311,7 @@ def run_all(args, out_dir: Path) -> dict:
             result["probe"] = None
     bench = out_dir / "bench.json"
     result["bench"] = json.loads(bench.read_text()) if bench.is_file() else None
+    result["profile"] = read_profile(out_dir / "profile.log")
     shutil.rmtree(work, ignore_errors=True)
     return result
 
@@ -290,6 +337,10 @@ def summary(result: dict) -> str:
     bench = result.get("bench")
     if bench:
         lines += ["", *bench.get("table", [])]
+    if result.get("profile"):
+        lines += ["", "kernels by total time (ncu, one layer, batch 1; the first 400 launches):"]
+        lines += [f"  {k['total_us']:9.1f} us  {k['invocations']:4d} x {k['mean_us']:8.2f} us  {k['kernel'][:90]}"
+                  for k in result["profile"][:12]]
     return "\n".join(lines) + "\n"
 
 

@@ -3,7 +3,8 @@
     python benchmarks/gpu_probe.py [--backend cuda|host]
 
 Prints what it finds (nvidia-smi, NVML's driver and CUDA versions, CuPy's device, the native library,
-`pebbling info`), then one last line of JSON with every figure. Exit 0 when the library of --backend loads
+`pebbling info`; for cuda, the device memory of the context, cuBLAS and threads, and a model's requests
+step by step through gpu_memory_steps.py), then one last line of JSON with every figure. Exit 0 when the library of --backend loads
 and `pebbling info` selects that backend (and, for cuda, CuPy reaches the device); 1 otherwise, saying why.
 Every figure here is read from the machine; what cannot be read is recorded as null with the reason.
 """
@@ -115,6 +116,17 @@ def device_memory() -> dict:
         return {"ok": False, "why": f"{type(exc).__name__}: {exc}"}
 
 
+def memory_steps() -> dict:
+    """benchmarks/gpu_memory_steps.py in a process of its own: a model's device memory step by step."""
+    rc, text = _run([sys.executable, str(ROOT / "benchmarks" / "gpu_memory_steps.py")], timeout=60)
+    print(text)
+    last = [line for line in text.splitlines() if line.startswith("{")][-1:]
+    try:
+        return {"rc": rc, **json.loads(last[0])} if last else {"rc": rc, "why": text[-1000:]}
+    except json.JSONDecodeError:
+        return {"rc": rc, "why": text[-1000:]}
+
+
 def library(kind: str) -> dict:
     sys.path.insert(0, str(ROOT))
     try:
@@ -144,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         found["cupy"] = cupy_device()
         found["device_memory"] = device_memory()
         print(f"device memory ({found['device_memory'].get('how')}): {found['device_memory'].get('bytes')}")
+        found["memory_steps"] = memory_steps()
     problems = []
     if not found["library"]["ok"]:
         problems.append(f"the {args.backend} library: {found['library']['why']}")

@@ -127,6 +127,45 @@ def test_a_stage_over_its_cap_is_recorded_and_the_next_still_runs(tmp_path):
     assert "FAIL" in (out / "summary.txt").read_text()
 
 
+NCU_SUMMARY = """==PROF== Disconnected from process 1072
+[1072] python3.12@127.0.0.1
+  <unnamed>::add_kernel(float *, const float *, long, float) (16, 1, 1)x(256, 1, 1), Device 0, CC 9.0, Invocations 6
+    Section: Command line profiler metrics
+    ---------------------- ----------- ------- ------- -------
+    Metric Name            Metric Unit Minimum Maximum Average
+    ---------------------- ----------- ------- ------- -------
+    gpu__time_duration.sum          us    2.30    2.50    2.43
+    ---------------------- ----------- ------- ------- -------
+
+  void <unnamed>::dequantize_kernel<<unnamed>::type_q4_k>(const unsigned char *, unsigned short *, long) (3584, 1, 1)x(256, 1, 1), Device 0, CC 9.0, Invocations 2
+    Section: Command line profiler metrics
+    ---------------------- ----------- ------- ------- -------
+    Metric Name            Metric Unit Minimum Maximum Average
+    ---------------------- ----------- ------- ------- -------
+    gpu__time_duration.sum          ms    0.85    1.10    0.90
+    ---------------------- ----------- ------- ------- -------
+"""
+
+
+def test_the_profile_is_read_from_ncus_summary_most_total_time_first(tmp_path):
+    log = tmp_path / "profile.log"
+    log.write_text(NCU_SUMMARY)
+    first, second = gpu_check.read_profile(log)
+    assert first["kernel"].startswith("void <unnamed>::dequantize_kernel") and first["grid"] == [3584, 1, 1]
+    assert (first["invocations"], first["mean_us"], first["max_us"], first["total_us"]) == (2, 900.0, 1100.0, 1800.0)
+    assert second["kernel"].startswith("<unnamed>::add_kernel") and second["block"] == [256, 1, 1]
+    assert (second["mean_us"], second["total_us"]) == (2.43, 14.6)
+    assert gpu_check.read_profile(tmp_path / "absent.log") == []
+
+
+def test_the_profile_stage_is_recorded_as_not_run_off_cuda(tmp_path):
+    out = tmp_path / "out"
+    rc = gpu_check.main(["--dir", str(out), "--backend", "host", "--stages", "profile"])
+    result = json.loads((out / "gpu_check.json").read_text())
+    profile = [s for s in result["stages"] if s["name"] == "profile"][0]
+    assert profile["ok"] and profile["note"].startswith("not run") and rc == 0 and result["profile"] == []
+
+
 def test_the_pinned_wheel_list_parses_and_each_pin_is_exact():
     pins = gpu_wheels.read_pins()
     assert {"cffi", "gguf", "fastapi", "llguidance", "pydantic-core", "jsonschema", "pexpect"} <= set(pins)
