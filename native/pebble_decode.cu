@@ -168,41 +168,68 @@ struct attention_args {
     const int64_t * pos;                  // where not NULL, n_pos is min(*pos + 1, n_ctx), read on the device
 };
 
-// One warp per query head, over the rows of its KV head: scores, softmax (probabilities normalised
-// first), then each lane takes dims of the weighted sum of V.
-[[maybe_unused]] __global__ void attention_kernel(attention_args a) {
+// Attention of one query per head over the rows of its KV head, in three passes that each spread over the
+// GPU: one warp per head did all three (32 warps for a step's 32 heads: 31 us at 16 positions on an
+// H200, each lane's V loop the whole context long).
+//   attention_scores_kernel   a warp per (head, 32 rows): each lane one row's scaled, softcapped score
+//   attention_softmax_kernel  a warp per head: the probabilities, normalised first
+//   attention_values_kernel   a warp per (head, 32 dims): the probabilities' weighted sum of V
+// Each lane computes each value as the one-warp-per-head kernel did, in the same order: the same bits.
+// The host runs them in turn for each sequence where it has no SIMD (PEBBLING_SIMD=portable), so that
+// its tests hold them to the forward pass.
+__host__ __device__ inline int64_t attention_rows(const attention_args & a) {
+    return a.pos ? (*a.pos + 1 < a.n_ctx ? *a.pos + 1 : a.n_ctx) : a.n_pos;
+}
+
+[[maybe_unused]] __global__ void attention_scores_kernel(attention_args a) {
+    const int64_t n_pos = attention_rows(a), chunks = (n_pos + warp_lanes - 1) / warp_lanes;
     const int32_t group = a.n_head / a.n_head_kv;
     const int64_t row = static_cast<int64_t>(a.n_head_kv) * a.head_dim;
-    if (a.pos) a.n_pos = *a.pos + 1 < a.n_ctx ? *a.pos + 1 : a.n_ctx;
-    for (int64_t h = grid_warp(); h < a.n_head; h += grid_warps()) {
+    for (int64_t u = grid_warp(); u < a.n_head * chunks; u += grid_warps()) {
+        const int64_t h = u / chunks, s = (u % chunks) * warp_lanes + warp_lane();
+        if (s >= n_pos) continue; // no lane of this kernel waits for another
         const float * qh = a.q + h * a.head_dim;
         const int64_t kv = (h / group) * a.head_dim;
+        float dot = 0.0f;
+        for (int32_t d = 0; d < a.head_dim; d++) dot += (qh[d] * a.scale) * kv_load(a.k_cache, a.kv_type, s * row + kv + d);
+        if (a.softcap > 0.0f) dot = tanhf(dot / a.softcap) * a.softcap;
+        a.scores[h * a.n_ctx + s] = dot;
+    }
+}
+
+[[maybe_unused]] __global__ void attention_softmax_kernel(attention_args a) {
+    const int64_t n_pos = attention_rows(a);
+    for (int64_t h = grid_warp(); h < a.n_head; h += grid_warps()) {
         float * sc = a.scores + h * a.n_ctx;
         float top = -INFINITY;
-        for (int64_t s = warp_lane(); s < a.n_pos; s += warp_lanes) {
-            float dot = 0.0f;
-            for (int32_t d = 0; d < a.head_dim; d++) dot += (qh[d] * a.scale) * kv_load(a.k_cache, a.kv_type, s * row + kv + d);
-            if (a.softcap > 0.0f) dot = tanhf(dot / a.softcap) * a.softcap;
-            sc[s] = dot;
-            top = fmaxf(top, dot);
-        }
+        for (int64_t s = warp_lane(); s < n_pos; s += warp_lanes) top = fmaxf(top, sc[s]);
         top = warp_max(top);
         float total = 0.0f;
-        for (int64_t s = warp_lane(); s < a.n_pos; s += warp_lanes) {
+        for (int64_t s = warp_lane(); s < n_pos; s += warp_lanes) {
             sc[s] = expf(sc[s] - top);
             total += sc[s];
         }
         total = warp_sum(total);
-        for (int64_t s = warp_lane(); s < a.n_pos; s += warp_lanes) sc[s] = sc[s] / total;
-        warp_sync(); // every lane reads every probability below
-        for (int64_t d = warp_lane(); d < a.head_dim; d += warp_lanes) {
-            float acc = 0.0f;
-            for (int64_t s = 0; s < a.n_pos; s++) acc += sc[s] * kv_load(a.v_cache, a.kv_type, s * row + kv + d);
-            if (a.out_f32) {
-                a.out_f32[h * a.head_dim + d] = acc;
-            } else {
-                a.out[h * a.head_dim + d] = half_from_float(acc);
-            }
+        for (int64_t s = warp_lane(); s < n_pos; s += warp_lanes) sc[s] = sc[s] / total;
+    }
+}
+
+[[maybe_unused]] __global__ void attention_values_kernel(attention_args a) {
+    const int64_t n_pos = attention_rows(a), groups = (a.head_dim + warp_lanes - 1) / warp_lanes;
+    const int32_t group = a.n_head / a.n_head_kv;
+    const int64_t row = static_cast<int64_t>(a.n_head_kv) * a.head_dim;
+    for (int64_t u = grid_warp(); u < a.n_head * groups; u += grid_warps()) {
+        const int64_t h = u / groups, d = (u % groups) * warp_lanes + warp_lane();
+        if (d >= a.head_dim) continue;
+        const float * sc = a.scores + h * a.n_ctx;
+        const int64_t kv = (h / group) * a.head_dim;
+        float acc = 0.0f;
+        PEBBLE_UNROLL_BY_8 // the loads ahead of the sums, which stay in order
+        for (int64_t s = 0; s < n_pos; s++) acc += sc[s] * kv_load(a.v_cache, a.kv_type, s * row + kv + d);
+        if (a.out_f32) {
+            a.out_f32[h * a.head_dim + d] = acc;
+        } else {
+            a.out[h * a.head_dim + d] = half_from_float(acc);
         }
     }
 }
@@ -277,6 +304,28 @@ constexpr int64_t max_grid = int64_t(1) << 20;
 
 [[maybe_unused]] unsigned grid_for(int64_t n, int64_t per_block) {
     return static_cast<unsigned>(std::max<int64_t>(1, std::min(max_grid, (n + per_block - 1) / per_block)));
+}
+
+// One sequence's attention (attention_args): the three kernels on the stream, or run here in turn.
+pebble_status attention(const attention_args & a, cudaStream_t stream) {
+#ifdef PEBBLE_HOST_BUILD
+    (void)stream;
+    attention_scores_kernel(a);
+    attention_softmax_kernel(a);
+    attention_values_kernel(a);
+    return PEBBLE_OK;
+#else
+    const dim3 warps(warp_lanes, heads_per_block);
+    const int64_t rows = a.pos ? a.n_ctx : a.n_pos; // read on the device where pos is: a grid for every row
+    LAUNCH(attention_scores_kernel, grid_for(a.n_head * ((rows + warp_lanes - 1) / warp_lanes), heads_per_block),
+           warps, stream, a);
+    TRY(launched());
+    LAUNCH(attention_softmax_kernel, grid_for(a.n_head, heads_per_block), warps, stream, a);
+    TRY(launched());
+    LAUNCH(attention_values_kernel, grid_for(a.n_head * ((a.head_dim + warp_lanes - 1) / warp_lanes), heads_per_block),
+           warps, stream, a);
+    return launched();
+#endif
 }
 
 // out = act(gate) * up for n elements (SiLU, or GELU's tanh approximation): the host library's SIMD loop
@@ -460,6 +509,16 @@ extern "C" pebble_status pebble_attend(int32_t n_seq, const float * q, const flo
         store_row_kernel(k_new + b * kv_width, static_cast<uint8_t *>(k_caches[b]) + at, kv_type, kv_width);
         store_row_kernel(v_new + b * kv_width, static_cast<uint8_t *>(v_caches[b]) + at, kv_type, kv_width);
     }
+    if (std::strcmp(pebble_cpu::simd_level(), "portable") == 0) { // the GPU's kernels (attention, above)
+        const int64_t width = int64_t(n_head) * head_dim;
+        for (int32_t b = 0; b < n_seq; b++) {
+            TRY(attention(attention_args{q + b * width, k_caches[b], v_caches[b], kv_type, n_head, n_head_kv, head_dim,
+                                         n_pos[b], n_rows, scale, softcap,
+                                         static_cast<float *>(scratch) + int64_t(b) * n_head * n_rows, nullptr,
+                                         out + b * width, nullptr}, nullptr));
+        }
+        return PEBBLE_OK;
+    }
     return pebble_cpu::attend(n_seq, q, kv_type, k_caches, v_caches, n_pos, n_rows, n_head, n_head_kv,
                               head_dim, scale, softcap, out, static_cast<float *>(scratch));
 #else
@@ -483,8 +542,7 @@ extern "C" pebble_status pebble_attend(int32_t n_seq, const float * q, const flo
         const attention_args aa{q + b * width, k_caches[b], v_caches[b], kv_type, n_head, n_head_kv, head_dim, n_pos[b],
                                 n_rows, scale, softcap, static_cast<float *>(scratch) + int64_t(b) * n_head * n_rows,
                                 nullptr, out + b * width};
-        LAUNCH(attention_kernel, grid_for(n_head, heads_per_block), dim3(warp_lanes, heads_per_block), stream, aa);
-        TRY(launched());
+        TRY(attention(aa, stream));
     }
     return PEBBLE_OK;
 #endif
@@ -1172,19 +1230,27 @@ pebble_status step_layer(pebble_decoder & d, int32_t i, int32_t n, const int32_t
         TRY(launched());
     }
 #endif
+    auto attention_of = [&](int32_t b) { // act_t is float on the host: its rows go to out_f32 there
+        return attention_args{q_rot + b * q, k_of[b], v_of[b], kv_type, s.n_head, s.n_head_kv, s.head_dim, 0,
+                              L.kv_rows, L.attn_scale, s.attn_softcap, scores + int64_t(b) * s.n_head * L.kv_rows,
 #ifdef PEBBLE_HOST_BUILD
-    int64_t n_pos[PEBBLE_DECODER_MAX_BATCH];
-    for (int32_t b = 0; b < n; b++) n_pos[b] = std::min(host_pos[b] + 1, L.kv_rows); // a ring's filled rows: its window
-    TRY(pebble_cpu::attend(n, q_rot, kv_type, k_of, v_of, n_pos, L.kv_rows, s.n_head, s.n_head_kv,
-                           s.head_dim, L.attn_scale, s.attn_softcap, h16, scores)); // act_t is float here
+                              nullptr, h16 + b * q,
 #else
-    for (int32_t b = 0; b < n; b++) {
-        const attention_args aa{q_rot + b * q, k_of[b], v_of[b], kv_type, s.n_head, s.n_head_kv, s.head_dim, 0,
-                                L.kv_rows, L.attn_scale, s.attn_softcap, scores + int64_t(b) * s.n_head * L.kv_rows,
-                                h16 + b * q, nullptr, dev_pos + b};
-        LAUNCH(attention_kernel, grid_for(s.n_head, heads_per_block), dim3(warp_lanes, heads_per_block), stream, aa);
-        TRY(launched());
+                              h16 + b * q, nullptr,
+#endif
+                              dev_pos + b};
+    };
+#ifdef PEBBLE_HOST_BUILD
+    if (portable) { // the GPU's kernels (attention), so that the host's tests hold them to the forward pass
+        for (int32_t b = 0; b < n; b++) TRY(attention(attention_of(b), stream));
+    } else {
+        int64_t n_pos[PEBBLE_DECODER_MAX_BATCH];
+        for (int32_t b = 0; b < n; b++) n_pos[b] = std::min(host_pos[b] + 1, L.kv_rows); // a ring's filled rows
+        TRY(pebble_cpu::attend(n, q_rot, kv_type, k_of, v_of, n_pos, L.kv_rows, s.n_head, s.n_head_kv,
+                               s.head_dim, L.attn_scale, s.attn_softcap, h16, scores));
     }
+#else
+    for (int32_t b = 0; b < n; b++) TRY(attention(attention_of(b), stream));
 #endif
     TRY(matvec_many(w.wo.ggml_type, w.wo.data, e, q, h16, n, o, stream));
     for (int32_t b = 0; b < n && w.post_attn_norm.data; b++) TRY(residual(x + b * e, o + b * e, e, w.post_attn_norm, s, stream));

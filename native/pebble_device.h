@@ -11,9 +11,11 @@
 #    define __device__
 #    define __global__
 #    define PEBBLE_UNROLL
+#    define PEBBLE_UNROLL_BY_8
 #else
 #    include <cuda_fp16.h>
 #    define PEBBLE_UNROLL _Pragma("unroll")
+#    define PEBBLE_UNROLL_BY_8 _Pragma("unroll 8")
 #endif
 
 namespace pebble_internal {

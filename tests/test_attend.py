@@ -169,3 +169,23 @@ def test_caches_attended_over_die_with_their_owner(kernels):
     got = to_host(kernels.attend(q1, [(k, v)], [5], N_KV, 0.5))[0]
     np.testing.assert_allclose(got, reference(to_host(q1)[0], to_host(k), to_host(v), 5, 0.5, 0.0), rtol=1e-5,
                                atol=1e-5)
+
+
+def test_the_portable_attention_is_the_gpus_three_kernels_held_to_the_reference_too():
+    """What a CPU without AVX2 runs (PEBBLING_SIMD=portable): the host tests above, and test_kv_types.py's
+    attention over block caches, in a process of their own with the setting, where pebble_attend goes
+    through the GPU's own attention kernels (scores, softmax, values) rather than the host's."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from pyplugin.store import probe
+    if not probe("host").usable:
+        pytest.skip("the host library is not built here (make host)")
+    env = {**os.environ, "PEBBLING_SIMD": "portable", "PEBBLING_TEST_BACKENDS": "host"}
+    kv_types = Path(__file__).with_name("test_kv_types.py")
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, str(kv_types),
+                           "-k", "host and not portable and (attend or attention)"], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
