@@ -6,7 +6,7 @@
 On a bare machine (the GPU image's Python with CuPy, torch, transformers, accelerate; no registry):
   setup    installs what is missing from the wheels in .whl/ (make gpu-wheels), --no-index, into a folder
            of its own on PYTHONPATH beside the tree (a pinned package already importable is left as it
-           is); uses build/libpebble_cuda.so as carried (builds it only where it is missing and nvcc
+           is), and the benchmark's peers from .peers/ where there are any (README: On a GPU); uses build/libpebble_cuda.so as carried (builds it only where it is missing and nvcc
            exists)
   probe    benchmarks/gpu_probe.py: nvidia-smi, driver and CUDA versions, CuPy's device, the library
            loads, `pebbling info` selects the backend
@@ -205,6 +205,36 @@ def install_missing(wheels: Path, site: Path, python: str) -> tuple[Record, list
     return record, missing
 
 
+def install_peers(peers: Path, site: Path, python: str, record: Record) -> list[str]:
+    """The benchmark's peers (README: On a GPU): the wheels in `peers` (llama-cpp-python built with CUDA, and
+    what it needs that the image lacks), into `site` beside the pinned ones; their names, or none. Not
+    pebbling's dependencies: where they are absent or do not install, the benchmark records its peer absent."""
+    wheels = sorted(peers.glob("*.whl")) if peers.is_dir() else []
+    if not wheels:
+        return []
+    argv = [python, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir",
+            "--disable-pip-version-check", "--target", str(site), *map(str, wheels)]
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=CAPS["setup"])
+        if done.returncode:
+            record.note += f" peers from {peers.name}/ did not install: {done.stderr[-500:]}"
+            return []
+    except subprocess.TimeoutExpired:
+        record.note += f" peers from {peers.name}/: pip timed out"
+        return []
+    record.counts = {**(record.counts or {}), "peers": len(wheels)}
+    return [wheel_name(w.name)[0] for w in wheels]
+
+
+def cuda_library_dirs() -> list[str]:
+    """Where the image keeps cuBLAS and the CUDA runtime (its toolkit, or the nvidia-* wheels beside torch),
+    for a peer's libraries that link them."""
+    found = [Path("/usr/local/cuda/lib64")]
+    for entry in map(Path, sys.path):
+        found += sorted((entry / "nvidia").glob("*/lib")) if (entry / "nvidia").is_dir() else []
+    return [str(p) for p in found if p.is_dir() and any(p.glob("libcublas*.so*"))]
+
+
 def stage_plan(args, work: Path, python: str) -> list[Stage]:
     caps = args.caps
     no_skip = ["--no-skip-gpu"] if args.backend == "cuda" else []
@@ -271,9 +301,12 @@ def run_all(args, out_dir: Path) -> dict:
     work = Path(tempfile.mkdtemp(prefix="pebbling-gpu-check-"))
     site = work / "site"
     setup, missing = install_missing(ROOT / ".whl", site, python)
+    peers = install_peers(ROOT / ".peers", site, python, setup)
     env = dict(os.environ, PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), str(site) if missing else "",
-                                                      os.environ.get("PYTHONPATH", "")) if p))
+               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), str(site) if missing or peers else "",
+                                                      os.environ.get("PYTHONPATH", "")) if p),
+               LD_LIBRARY_PATH=os.pathsep.join(cuda_library_dirs() + [os.environ.get("LD_LIBRARY_PATH", "")]).strip(
+                   os.pathsep))
     records = [setup]
     lib = ROOT / "build" / f"libpebble_{args.backend}.so"
     if not lib.is_file():
