@@ -9,6 +9,7 @@ in `make test-sanitized`), and on the cuda library where a GPU is present.
 
 from __future__ import annotations
 
+import os
 import re
 
 import numpy as np
@@ -50,6 +51,15 @@ def activation_blocks(qtype: Q) -> int:
     if qtype not in QUANTIZED:
         return 0
     return 256 if qtype in K_QUANTS else 32
+
+
+def quantizes_x(backend: str, qtype: Q) -> bool:
+    """Whether the backend's matvec multiplies x quantized to 8-bit blocks of activation_blocks(qtype): the
+    host library's for every quantized type; the cuda library's for Q4_K, its integer kernel (unless
+    PEBBLING_CUDA_MATVEC=float), which quantizes x as the host does."""
+    if backend == "cuda":
+        return qtype == Q.Q4_K and os.environ.get("PEBBLING_CUDA_MATVEC") != "float"
+    return backend == "host" and bool(activation_blocks(qtype))
 
 
 def quantized_activation(x: np.ndarray, n: int) -> np.ndarray:
@@ -270,8 +280,8 @@ def test_matvec_matches_float64_product_of_gguf_weights(backend, qtype, n_vec):
     assert not np.isnan(got).any(), f"outputs left unwritten at {np.argwhere(np.isnan(got)).tolist()}"
     norms = np.outer(np.linalg.norm(x.astype(np.float64), axis=1), np.linalg.norm(weights, axis=1))
     rtol = MATVEC_RTOL
-    if backend == "host" and activation_blocks(qtype):
-        # The host library multiplies x quantized to 8-bit blocks: the product with that x exactly (up to
+    if quantizes_x(backend, qtype):
+        # The library multiplies x quantized to 8-bit blocks: the product with that x exactly (up to
         # float32 sums), and within the documented bound of the product with x itself.
         x_q = quantized_activation(x, activation_blocks(qtype)).astype(np.float64)
         assert_within(got, x_q @ weights.T, MATVEC_RTOL * norms, "quantized x")
@@ -424,7 +434,7 @@ def test_matmul_takes_any_number_of_vectors_as_matvec_computes_them(backend, qty
     got = to_numpy(kernels_of(backend).matmul(qtype, raw, n_rows, n_cols, x, out=out))
     assert not np.isnan(got).any()
     norms = np.outer(np.linalg.norm(x.astype(np.float64), axis=1), np.linalg.norm(weights, axis=1))
-    if backend == "host" and activation_blocks(qtype):
+    if quantizes_x(backend, qtype):
         x_q = quantized_activation(x, activation_blocks(qtype)).astype(np.float64)
         assert_within(got, x_q @ weights.T, MATVEC_RTOL * norms, "quantized x")
     else:
