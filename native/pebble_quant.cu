@@ -415,21 +415,64 @@ matvec_kernel(const uint8_t * __restrict__ w, int64_t n_rows, int64_t n_cols, co
 }
 #endif
 
-// Q4_K through 8-bit x and integer dot products (dp4a: four byte products and their sum in one
+// Q4_K and Q6_K through 8-bit x and integer dot products (dp4a: four byte products and their sum in one
 // instruction), where matvec_kernel decodes each weight to float and multiplies it by x's fp16 value
-// (I2FP, HADD2, two FFMAs and its shared-memory address for every weight and vector: 0.9 TB/s on an H200,
-// a quarter of its copy rate). x is quantized as the host library quantizes it for the K-quants
-// (pebble_cpu.cc quantize_block<256>: d = max|x| / 127, q = round-half-even(x / d), a block with an
-// infinity or NaN d = NaN and q = 0), per 256 elements while a chunk is staged, with each 32 elements'
-// sum of q; then a lane's part (64 weights: two 32-element sub-blocks sharing 32 bytes of nibbles) is
-//   d_x * ((d sc_A) dot(q_A, x_A) + (d sc_B) dot(q_B, x_B) - (dmin m_A) sum(x_A) - (dmin m_B) sum(x_B))
-// with the dot products exact in integers. Lanes take parts as matvec_kernel's do; each vector's sums are
-// its own, whatever the vectors beside it.
+// (I2FP, HADD2, two FFMAs and its shared-memory address for every weight and vector: 0.9 TB/s for Q4_K
+// and 1 TB/s for Q6_K on an H200, a quarter of its copy rate). x is quantized as the host library
+// quantizes it for the K-quants (pebble_cpu.cc quantize_block<256>: d = max|x| / 127, q =
+// round-half-even(x / d); a block with an infinity or NaN d = NaN and q = 0) per 256 elements while a
+// chunk is staged, with each 16 elements' sum of q; then a lane's part of a block (64 weights) is
+// d_x times an exact integer sum over its 16- or 32-element groups, scaled in float once a group
+// (Q4_K: d sc dot - dmin m sum) or once a part (Q6_K: d times sum of sc (dot - 32 sum)). Lanes take
+// parts as matvec_kernel's do; each vector's sums are its own, whatever the vectors beside it.
 #ifndef PEBBLE_HOST_BUILD
 constexpr int q8_chunk = 2048;                                 // x elements staged per vector at a time
 constexpr int q8_chunk_bytes = q8_chunk + 4 * (q8_chunk / 64); // one word of padding every 64 (banks)
 
 __device__ inline int q8_at(int e) { return e + 4 * (e >> 6); }
+
+template <int NV> struct q8_stage {
+    int8_t q[NV][q8_chunk_bytes];   // x's q, element e of the chunk at q8_at(e)
+    float d[NV][q8_chunk / 256];    // each 256's d
+    int32_t sum[NV][q8_chunk / 16]; // each 16's sum of q
+};
+
+// Vector v's elements [c0, c0 + n) of x (fp16, n a multiple of 256) into st, a warp a 256-block, eight
+// elements a lane; every warp of the thread block takes part.
+template <int NV>
+__device__ void stage_q8(const uint16_t * __restrict__ x, int64_t n_cols, int64_t c0, int n, q8_stage<NV> & st) {
+    const int lane = static_cast<int>(threadIdx.x), blocks = n / 256;
+    for (int vb = static_cast<int>(threadIdx.y); vb < NV * blocks; vb += static_cast<int>(blockDim.y)) {
+        const int v = vb / blocks, b = vb % blocks, e = 256 * b + 8 * lane;
+        const uint4 raw = *reinterpret_cast<const uint4 *>(x + v * n_cols + c0 + e);
+        const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+        float f[8], amax = 0.0f;
+        bool finite = true;
+        PEBBLE_UNROLL
+        for (int k = 0; k < 8; k++) {
+            f[k] = half_to_float(static_cast<uint16_t>(words[k / 2] >> (16 * (k % 2))));
+            finite = finite && isfinite(f[k]);
+            amax = fmaxf(amax, fabsf(f[k]));
+        }
+        amax = warp_max(amax);
+        finite = __all_sync(0xffffffffu, finite);
+        const float d = finite ? amax / 127.0f : NAN, id = finite && d != 0.0f ? 1.0f / d : 0.0f;
+        uint32_t packed[2] = {0, 0};
+        int sum = 0;
+        PEBBLE_UNROLL
+        for (int k = 0; k < 8; k++) {
+            const int q = finite ? __float2int_rn(f[k] * id) : 0;
+            sum += q;
+            packed[k / 4] |= (static_cast<uint32_t>(q) & 0xffu) << (8 * (k % 4));
+        }
+        int32_t * to = reinterpret_cast<int32_t *>(&st.q[v][q8_at(e)]); // 8 bytes within a padding group
+        to[0] = static_cast<int32_t>(packed[0]);
+        to[1] = static_cast<int32_t>(packed[1]);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1); // two lanes a 16-element group
+        if (lane % 2 == 0) st.sum[v][e / 16] = sum;
+        if (lane == 0) st.d[v][b] = d;
+    }
+}
 
 // The scale bytes of a Q4_K block (its bytes 4..15) as loaded with its first 16 (head), read from the
 // registers (a byte array indexed by the run-time sub-block would be local memory).
@@ -441,94 +484,110 @@ struct scale_bytes {
     }
 };
 
+// Part `part` of Q4_K block bb, whose element 0 is element `first` of the chunk: sub-blocks 2 part (the
+// low nibbles of 32 bytes) and 2 part + 1 (their high nibbles), 16-byte loads (a block is 144 bytes).
 template <int NV>
+__device__ void q4_k_part(const uint8_t * __restrict__ bb, int part, int first, const q8_stage<NV> & st,
+                          float (&acc)[NV]) {
+    const uint4 head = *reinterpret_cast<const uint4 *>(bb); // d, dmin, the 12 bytes of scales
+    const uint4 lo = *reinterpret_cast<const uint4 *>(bb + 16 + 32 * part);
+    const uint4 hi = *reinterpret_cast<const uint4 *>(bb + 32 + 32 * part);
+    const float d = half_to_float(static_cast<uint16_t>(head.x)), dmin = half_to_float(static_cast<uint16_t>(head.x >> 16));
+    const scale_bytes scales{head};
+    int sc_a, m_a, sc_b, m_b;
+    type_q4_k::scale_min(scales, 2 * part, sc_a, m_a);
+    type_q4_k::scale_min(scales, 2 * part + 1, sc_b, m_b);
+    const float d_a = d * static_cast<float>(sc_a), d_b = d * static_cast<float>(sc_b);
+    const float min_a = dmin * static_cast<float>(m_a), min_b = dmin * static_cast<float>(m_b);
+    const uint32_t qs[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+    const int local = first + 64 * part, g = local / 16;
+    PEBBLE_UNROLL
+    for (int v = 0; v < NV; v++) {
+        const int32_t * xa = reinterpret_cast<const int32_t *>(&st.q[v][q8_at(local)]); // A's 32, then B's
+        int dot_a = 0, dot_b = 0;
+        PEBBLE_UNROLL
+        for (int k = 0; k < 8; k++) {
+            dot_a = __dp4a(static_cast<int>(qs[k] & 0x0f0f0f0fu), xa[k], dot_a);
+            dot_b = __dp4a(static_cast<int>((qs[k] >> 4) & 0x0f0f0f0fu), xa[8 + k], dot_b);
+        }
+        const int sum_a = st.sum[v][g] + st.sum[v][g + 1], sum_b = st.sum[v][g + 2] + st.sum[v][g + 3];
+        acc[v] += st.d[v][local / 256] * (d_a * static_cast<float>(dot_a) + d_b * static_cast<float>(dot_b)
+                                          - min_a * static_cast<float>(sum_a) - min_b * static_cast<float>(sum_b));
+    }
+}
+
+// Part `part` of Q6_K block bb (type_q6_k: half h = part / 2, quarters j = part % 2 and j + 2, which
+// share 32 bytes of ql; 32 bytes of qh; a scale a 16 elements): q - 32 as (dot - 32 sum) in integers,
+// each 16's times its scale, summed exactly. A block is 210 bytes: its loads are as aligned as it is.
+template <int NV>
+__device__ void q6_k_part(const uint8_t * __restrict__ bb, int part, int first, const q8_stage<NV> & st,
+                          float (&acc)[NV]) {
+    const int h = part >> 1, j = part & 1;
+    uint32_t ql[8], qh[8];
+    load_words<32>(ql, bb + 64 * h + 32 * j);
+    load_words<32>(qh, bb + 128 + 32 * h);
+    const int8_t * sc = reinterpret_cast<const int8_t *>(bb + 192 + 8 * h + 2 * j); // lo 0, 1; hi 4, 5
+    const int sc_lo0 = sc[0], sc_lo1 = sc[1], sc_hi0 = sc[4], sc_hi1 = sc[5];
+    const float d = half_to_float(load_u16(bb + 208));
+    uint32_t q_lo[8], q_hi[8];
+    PEBBLE_UNROLL
+    for (int k = 0; k < 8; k++) {
+        q_lo[k] = (ql[k] & 0x0f0f0f0fu) | (((qh[k] >> (2 * j)) & 0x03030303u) << 4);
+        q_hi[k] = ((ql[k] >> 4) & 0x0f0f0f0fu) | (((qh[k] >> (2 * j + 4)) & 0x03030303u) << 4);
+    }
+    const int lo_first = first + 128 * h + 32 * j, hi_first = lo_first + 64; // quarters j and j + 2
+    PEBBLE_UNROLL
+    for (int v = 0; v < NV; v++) {
+        const int32_t * xl = reinterpret_cast<const int32_t *>(&st.q[v][q8_at(lo_first)]);
+        const int32_t * xh = reinterpret_cast<const int32_t *>(&st.q[v][q8_at(hi_first)]);
+        int dot[4] = {0, 0, 0, 0}; // lo 0..15, lo 16..31, hi 0..15, hi 16..31
+        PEBBLE_UNROLL
+        for (int k = 0; k < 8; k++) {
+            dot[k / 4] = __dp4a(static_cast<int>(q_lo[k]), xl[k], dot[k / 4]);
+            dot[2 + k / 4] = __dp4a(static_cast<int>(q_hi[k]), xh[k], dot[2 + k / 4]);
+        }
+        const int32_t * sl = &st.sum[v][lo_first / 16], * sh = &st.sum[v][hi_first / 16];
+        const int total = sc_lo0 * (dot[0] - 32 * sl[0]) + sc_lo1 * (dot[1] - 32 * sl[1])
+                          + sc_hi0 * (dot[2] - 32 * sh[0]) + sc_hi1 * (dot[3] - 32 * sh[1]);
+        acc[v] += st.d[v][first / 256] * (d * static_cast<float>(total));
+    }
+}
+
+template <typename T, int NV>
 __global__ void __launch_bounds__(warp_lanes * matvec_rows_per_block)
-matvec_q4_k_kernel(const uint8_t * __restrict__ w, int64_t n_rows, int64_t n_cols, const uint16_t * __restrict__ x,
-                   float * __restrict__ y) {
-    __shared__ __align__(16) int8_t xq[NV][q8_chunk_bytes];
-    __shared__ float xd[NV][q8_chunk / 256];
-    __shared__ int32_t xsum[NV][q8_chunk / 32];
-    const int64_t blocks_per_row = n_cols / type_q4_k::block_elements;
-    const int lane = static_cast<int>(threadIdx.x), warp = static_cast<int>(threadIdx.y);
+matvec_q8_kernel(const uint8_t * __restrict__ w, int64_t n_rows, int64_t n_cols, const uint16_t * __restrict__ x,
+                 float * __restrict__ y) {
+    static_assert(T::block_elements == 256 && T::parts == 4, "64 weights a part, four parts a block");
+    __shared__ __align__(16) q8_stage<NV> st;
+    const int64_t blocks_per_row = n_cols / T::block_elements;
+    const int lane = static_cast<int>(threadIdx.x);
     for (int64_t base = int64_t(blockIdx.x) * matvec_rows_per_block; base < n_rows;
          base += int64_t(gridDim.x) * matvec_rows_per_block) {
-        const int64_t row = base + warp;
-        const bool active = row < n_rows;
+        const int64_t row = base + threadIdx.y;
+        const bool active = row < n_rows; // the block's other warps still stage x and meet at the barriers
         float acc[NV] = {};
         for (int64_t c0 = 0; c0 < n_cols; c0 += q8_chunk) {
-            const int n = static_cast<int>(n_cols - c0 < q8_chunk ? n_cols - c0 : q8_chunk), blocks = n / 256;
+            const int n = static_cast<int>(n_cols - c0 < q8_chunk ? n_cols - c0 : q8_chunk);
             __syncthreads(); // every warp is done with the last chunk
-            for (int vb = warp; vb < NV * blocks; vb += matvec_rows_per_block) { // a warp a 256-block, 8 a lane
-                const int v = vb / blocks, b = vb % blocks, e = 256 * b + 8 * lane;
-                const uint4 raw = *reinterpret_cast<const uint4 *>(x + v * n_cols + c0 + e);
-                const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
-                float f[8], amax = 0.0f;
-                bool finite = true;
-                PEBBLE_UNROLL
-                for (int k = 0; k < 8; k++) {
-                    f[k] = half_to_float(static_cast<uint16_t>(words[k / 2] >> (16 * (k % 2))));
-                    finite = finite && isfinite(f[k]);
-                    amax = fmaxf(amax, fabsf(f[k]));
-                }
-                amax = warp_max(amax);
-                finite = __all_sync(0xffffffffu, finite);
-                const float d = finite ? amax / 127.0f : NAN, id = finite && d != 0.0f ? 1.0f / d : 0.0f;
-                uint32_t packed[2] = {0, 0};
-                int sum = 0;
-                PEBBLE_UNROLL
-                for (int k = 0; k < 8; k++) {
-                    const int q = finite ? __float2int_rn(f[k] * id) : 0;
-                    sum += q;
-                    packed[k / 4] |= (static_cast<uint32_t>(q) & 0xffu) << (8 * (k % 4));
-                }
-                int32_t * to = reinterpret_cast<int32_t *>(&xq[v][q8_at(e)]); // 8 bytes within a padding group
-                to[0] = static_cast<int32_t>(packed[0]);
-                to[1] = static_cast<int32_t>(packed[1]);
-                sum += __shfl_xor_sync(0xffffffffu, sum, 1); // four lanes a 32-element sub-block
-                sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-                if (lane % 4 == 0) xsum[v][e / 32] = sum;
-                if (lane == 0) xd[v][b] = d;
-            }
+            stage_q8<NV>(x, n_cols, c0, n, st);
             __syncthreads();
             if (!active) continue;
-            const uint8_t * w_row = w + row * blocks_per_row * type_q4_k::block_bytes;
+            const uint8_t * w_row = w + row * blocks_per_row * T::block_bytes;
             const int64_t p_end = (c0 + n) / 64;
             for (int64_t p = c0 / 64 + lane; p < p_end; p += warp_lanes) {
                 const int64_t block = p / 4;
-                const int part = static_cast<int>(p % 4); // sub-blocks 2 part (low nibbles), 2 part + 1 (high)
-                const uint8_t * bb = w_row + block * type_q4_k::block_bytes;
-                const uint4 head = *reinterpret_cast<const uint4 *>(bb); // d, dmin, the 12 bytes of scales
-                const uint4 lo = *reinterpret_cast<const uint4 *>(bb + 16 + 32 * part);
-                const uint4 hi = *reinterpret_cast<const uint4 *>(bb + 32 + 32 * part);
-                const float d = half_to_float(static_cast<uint16_t>(head.x)), dmin = half_to_float(static_cast<uint16_t>(head.x >> 16));
-                const scale_bytes scales{head};
-                int sc_a, m_a, sc_b, m_b;
-                type_q4_k::scale_min(scales, 2 * part, sc_a, m_a);
-                type_q4_k::scale_min(scales, 2 * part + 1, sc_b, m_b);
-                const float d_a = d * static_cast<float>(sc_a), d_b = d * static_cast<float>(sc_b);
-                const float min_a = dmin * static_cast<float>(m_a), min_b = dmin * static_cast<float>(m_b);
-                const uint32_t qs[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-                const int local = static_cast<int>(block * type_q4_k::block_elements - c0) + 64 * part;
-                PEBBLE_UNROLL
-                for (int v = 0; v < NV; v++) {
-                    const int32_t * xa = reinterpret_cast<const int32_t *>(&xq[v][q8_at(local)]); // A, then B
-                    int dot_a = 0, dot_b = 0;
-                    PEBBLE_UNROLL
-                    for (int k = 0; k < 8; k++) {
-                        dot_a = __dp4a(static_cast<int>(qs[k] & 0x0f0f0f0fu), xa[k], dot_a);
-                        dot_b = __dp4a(static_cast<int>((qs[k] >> 4) & 0x0f0f0f0fu), xa[8 + k], dot_b);
-                    }
-                    const float part_sum = d_a * static_cast<float>(dot_a) + d_b * static_cast<float>(dot_b)
-                                           - min_a * static_cast<float>(xsum[v][local / 32])
-                                           - min_b * static_cast<float>(xsum[v][local / 32 + 1]);
-                    acc[v] += xd[v][local / 256] * part_sum;
+                const int first = static_cast<int>(block * T::block_elements - c0);
+                if constexpr (T::id == type_q4_k::id) {
+                    q4_k_part<NV>(w_row + block * T::block_bytes, static_cast<int>(p % 4), first, st, acc);
+                } else {
+                    q6_k_part<NV>(w_row + block * T::block_bytes, static_cast<int>(p % 4), first, st, acc);
                 }
             }
         }
         if (!active) continue;
         PEBBLE_UNROLL
         for (int v = 0; v < NV; v++) {
-            const float sum = warp_sum(acc[v]);
+            const float sum = warp_sum(acc[v]); // every lane of the warp takes part in the shuffles
             if (lane == 0) y[v * n_rows + row] = sum;
         }
     }
@@ -649,8 +708,8 @@ pebble_status launch_dequantize(const uint8_t * src, uint16_t * dst, int64_t n_b
 }
 
 #ifndef PEBBLE_HOST_BUILD
-// PEBBLING_CUDA_MATVEC=float keeps Q4_K on matvec_kernel (x in fp16, no integer products): to compare the
-// two on a GPU, or to go on where the integer kernel is in doubt. Anything else, or nothing: integer.
+// PEBBLING_CUDA_MATVEC=float keeps Q4_K and Q6_K on matvec_kernel (x in fp16, no integer products): to
+// compare the two on a GPU, or to go on where the integer kernel is in doubt. Anything else: integer.
 bool integer_matvec() {
     static const bool integer = [] {
         const char * env = std::getenv("PEBBLING_CUDA_MATVEC");
@@ -669,9 +728,10 @@ pebble_status launch_matvec_n(const uint8_t * w, int64_t n_rows, int64_t n_cols,
 #else
     const int64_t grid = std::min(max_grid, (n_rows + matvec_rows_per_block - 1) / matvec_rows_per_block);
     const dim3 block(warp_lanes, matvec_rows_per_block);
-    if constexpr (T::id == type_q4_k::id) { // its 16-byte loads want the weights and x 16-byte aligned
-        if (((reinterpret_cast<uintptr_t>(w) | reinterpret_cast<uintptr_t>(x)) & 15) == 0 && integer_matvec()) {
-            matvec_q4_k_kernel<NV><<<static_cast<unsigned>(grid), block, 0, stream>>>(w, n_rows, n_cols, x, y);
+    if constexpr (T::id == type_q4_k::id || T::id == type_q6_k::id) { // 16-byte loads of x (and Q4_K's weights)
+        const uintptr_t aligned = reinterpret_cast<uintptr_t>(x) | (T::id == type_q4_k::id ? reinterpret_cast<uintptr_t>(w) : 0);
+        if ((aligned & 15) == 0 && integer_matvec()) {
+            matvec_q8_kernel<T, NV><<<static_cast<unsigned>(grid), block, 0, stream>>>(w, n_rows, n_cols, x, y);
             return check_launch("pebble_matvec", T::id);
         }
     }

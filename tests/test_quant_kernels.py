@@ -55,10 +55,10 @@ def activation_blocks(qtype: Q) -> int:
 
 def quantizes_x(backend: str, qtype: Q) -> bool:
     """Whether the backend's matvec multiplies x quantized to 8-bit blocks of activation_blocks(qtype): the
-    host library's for every quantized type; the cuda library's for Q4_K, its integer kernel (unless
-    PEBBLING_CUDA_MATVEC=float), which quantizes x as the host does."""
+    host library's for every quantized type; the cuda library's for Q4_K and Q6_K, its integer kernel
+    (unless PEBBLING_CUDA_MATVEC=float), which quantizes x as the host does."""
     if backend == "cuda":
-        return qtype == Q.Q4_K and os.environ.get("PEBBLING_CUDA_MATVEC") != "float"
+        return qtype in (Q.Q4_K, Q.Q6_K) and os.environ.get("PEBBLING_CUDA_MATVEC") != "float"
     return backend == "host" and bool(activation_blocks(qtype))
 
 
