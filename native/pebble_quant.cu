@@ -415,36 +415,40 @@ matvec_kernel(const uint8_t * __restrict__ w, int64_t n_rows, int64_t n_cols, co
 }
 #endif
 
-// Q4_K and Q6_K through 8-bit x and integer dot products (dp4a: four byte products and their sum in one
-// instruction), where matvec_kernel decodes each weight to float and multiplies it by x's fp16 value
+// Q4_K, Q6_K, Q8_0 and Q4_0 through 8-bit x and integer dot products (dp4a: four byte products and their
+// sum in one instruction), where matvec_kernel decodes each weight to float and multiplies it by x's fp16 value
 // (I2FP, HADD2, two FFMAs and its shared-memory address for every weight and vector: 0.9 TB/s for Q4_K
 // and 1 TB/s for Q6_K on an H200, a quarter of its copy rate). x is quantized as the host library
-// quantizes it for the K-quants (pebble_cpu.cc quantize_block<256>: d = max|x| / 127, q =
-// round-half-even(x / d); a block with an infinity or NaN d = NaN and q = 0) per 256 elements while a
-// chunk is staged, with each 16 elements' sum of q; then a lane's part of a block (64 weights) is
-// d_x times an exact integer sum over its 16- or 32-element groups, scaled in float once a group
-// (Q4_K: d sc dot - dmin m sum) or once a part (Q6_K: d times sum of sc (dot - 32 sum)). Lanes take
-// parts as matvec_kernel's do; each vector's sums are its own, whatever the vectors beside it.
+// quantizes it (pebble_cpu.cc quantize_block: d = max|x| / 127, q = round-half-even(x / d); a block with
+// an infinity or NaN d = NaN and q = 0), per 256 elements for the K-quants and per 32 for the others,
+// while a chunk is staged, with each 16 elements' sum of q; then a lane's part of a block (64 weights, or
+// a block of 32) is d_x times an exact integer sum over its groups, scaled in float once a group (Q4_K:
+// d sc dot - dmin m sum) or once a part (Q6_K: d times sum of sc (dot - 32 sum); Q8_0: d dot; Q4_0:
+// d (dot - 8 sum)). Lanes take parts as matvec_kernel's do; each vector's sums are its own, whatever the
+// vectors beside it.
 #ifndef PEBBLE_HOST_BUILD
 constexpr int q8_chunk = 2048;                                 // x elements staged per vector at a time
 constexpr int q8_chunk_bytes = q8_chunk + 4 * (q8_chunk / 64); // one word of padding every 64 (banks)
 
 __device__ inline int q8_at(int e) { return e + 4 * (e >> 6); }
 
-template <int NV> struct q8_stage {
+template <int NV, int QB> struct q8_stage { // QB: the elements of one d (256 for the K-quants, else 32)
     int8_t q[NV][q8_chunk_bytes];   // x's q, element e of the chunk at q8_at(e)
-    float d[NV][q8_chunk / 256];    // each 256's d
+    float d[NV][q8_chunk / QB];     // each QB's d
     int32_t sum[NV][q8_chunk / 16]; // each 16's sum of q
 };
 
-// Vector v's elements [c0, c0 + n) of x (fp16, n a multiple of 256) into st, a warp a 256-block, eight
-// elements a lane; every warp of the thread block takes part.
-template <int NV>
-__device__ void stage_q8(const uint16_t * __restrict__ x, int64_t n_cols, int64_t c0, int n, q8_stage<NV> & st) {
-    const int lane = static_cast<int>(threadIdx.x), blocks = n / 256;
+// Vector v's elements [c0, c0 + n) of x (fp16, n a multiple of QB) into st, a warp 256 elements, eight a
+// lane, QB / 8 lanes a d; every warp of the thread block takes part, and every lane of a warp in its
+// shuffles (past n, a whole d's lanes read nothing and store nothing).
+template <int NV, int QB>
+__device__ void stage_q8(const uint16_t * __restrict__ x, int64_t n_cols, int64_t c0, int n, q8_stage<NV, QB> & st) {
+    static_assert(QB == 32 || QB == 256, "the host library's two block sizes");
+    const int lane = static_cast<int>(threadIdx.x), blocks = (n + 255) / 256;
     for (int vb = static_cast<int>(threadIdx.y); vb < NV * blocks; vb += static_cast<int>(blockDim.y)) {
         const int v = vb / blocks, b = vb % blocks, e = 256 * b + 8 * lane;
-        const uint4 raw = *reinterpret_cast<const uint4 *>(x + v * n_cols + c0 + e);
+        const bool here = e < n;
+        const uint4 raw = here ? *reinterpret_cast<const uint4 *>(x + v * n_cols + c0 + e) : make_uint4(0, 0, 0, 0);
         const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
         float f[8], amax = 0.0f;
         bool finite = true;
@@ -454,8 +458,13 @@ __device__ void stage_q8(const uint16_t * __restrict__ x, int64_t n_cols, int64_
             finite = finite && isfinite(f[k]);
             amax = fmaxf(amax, fabsf(f[k]));
         }
-        amax = warp_max(amax);
-        finite = __all_sync(0xffffffffu, finite);
+        int all_finite = finite;
+        PEBBLE_UNROLL
+        for (int o = 1; o < QB / 8; o <<= 1) { // over the lanes of one d
+            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+            all_finite &= __shfl_xor_sync(0xffffffffu, all_finite, o);
+        }
+        finite = all_finite != 0;
         const float d = finite ? amax / 127.0f : NAN, id = finite && d != 0.0f ? 1.0f / d : 0.0f;
         uint32_t packed[2] = {0, 0};
         int sum = 0;
@@ -465,12 +474,13 @@ __device__ void stage_q8(const uint16_t * __restrict__ x, int64_t n_cols, int64_
             sum += q;
             packed[k / 4] |= (static_cast<uint32_t>(q) & 0xffu) << (8 * (k % 4));
         }
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1); // two lanes a 16-element group
+        if (!here) continue;
         int32_t * to = reinterpret_cast<int32_t *>(&st.q[v][q8_at(e)]); // 8 bytes within a padding group
         to[0] = static_cast<int32_t>(packed[0]);
         to[1] = static_cast<int32_t>(packed[1]);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1); // two lanes a 16-element group
         if (lane % 2 == 0) st.sum[v][e / 16] = sum;
-        if (lane == 0) st.d[v][b] = d;
+        if (lane % (QB / 8) == 0) st.d[v][e / QB] = d;
     }
 }
 
@@ -487,7 +497,7 @@ struct scale_bytes {
 // Part `part` of Q4_K block bb, whose element 0 is element `first` of the chunk: sub-blocks 2 part (the
 // low nibbles of 32 bytes) and 2 part + 1 (their high nibbles), 16-byte loads (a block is 144 bytes).
 template <int NV>
-__device__ void q4_k_part(const uint8_t * __restrict__ bb, int part, int first, const q8_stage<NV> & st,
+__device__ void q4_k_part(const uint8_t * __restrict__ bb, int part, int first, const q8_stage<NV, 256> & st,
                           float (&acc)[NV]) {
     const uint4 head = *reinterpret_cast<const uint4 *>(bb); // d, dmin, the 12 bytes of scales
     const uint4 lo = *reinterpret_cast<const uint4 *>(bb + 16 + 32 * part);
@@ -520,7 +530,7 @@ __device__ void q4_k_part(const uint8_t * __restrict__ bb, int part, int first, 
 // share 32 bytes of ql; 32 bytes of qh; a scale a 16 elements): q - 32 as (dot - 32 sum) in integers,
 // each 16's times its scale, summed exactly. A block is 210 bytes: its loads are as aligned as it is.
 template <int NV>
-__device__ void q6_k_part(const uint8_t * __restrict__ bb, int part, int first, const q8_stage<NV> & st,
+__device__ void q6_k_part(const uint8_t * __restrict__ bb, int part, int first, const q8_stage<NV, 256> & st,
                           float (&acc)[NV]) {
     const int h = part >> 1, j = part & 1;
     uint32_t ql[8], qh[8];
@@ -553,12 +563,52 @@ __device__ void q6_k_part(const uint8_t * __restrict__ bb, int part, int first, 
     }
 }
 
+// Q8_0 block bb (32 int8 weights after an fp16 d, 34 bytes) whose element 0 is element `first` of the
+// chunk: d d_x dot, x quantized per 32 as the host quantizes it for these types.
+template <int NV>
+__device__ void q8_0_block(const uint8_t * __restrict__ bb, int first, const q8_stage<NV, 32> & st, float (&acc)[NV]) {
+    uint32_t qs[8];
+    load_words<32>(qs, bb + 2);
+    const float d = half_to_float(load_u16(bb));
+    PEBBLE_UNROLL
+    for (int v = 0; v < NV; v++) {
+        const int32_t * xw = reinterpret_cast<const int32_t *>(&st.q[v][q8_at(first)]);
+        int dot = 0;
+        PEBBLE_UNROLL
+        for (int k = 0; k < 8; k++) dot = __dp4a(static_cast<int>(qs[k]), xw[k], dot);
+        acc[v] += st.d[v][first / 32] * (d * static_cast<float>(dot));
+    }
+}
+
+// Q4_0 block bb (an fp16 d, then 16 bytes: element i's nibble low in byte i, element 16 + i's high, each
+// less 8): d d_x (dot - 8 sum).
+template <int NV>
+__device__ void q4_0_block(const uint8_t * __restrict__ bb, int first, const q8_stage<NV, 32> & st, float (&acc)[NV]) {
+    uint32_t qs[4];
+    load_words<16>(qs, bb + 2);
+    const float d = half_to_float(load_u16(bb));
+    PEBBLE_UNROLL
+    for (int v = 0; v < NV; v++) {
+        const int32_t * xw = reinterpret_cast<const int32_t *>(&st.q[v][q8_at(first)]); // elements 0..15, 16..31
+        int dot = 0;
+        PEBBLE_UNROLL
+        for (int k = 0; k < 4; k++) {
+            dot = __dp4a(static_cast<int>(qs[k] & 0x0f0f0f0fu), xw[k], dot);
+            dot = __dp4a(static_cast<int>((qs[k] >> 4) & 0x0f0f0f0fu), xw[4 + k], dot);
+        }
+        const int sum = st.sum[v][first / 16] + st.sum[v][first / 16 + 1];
+        acc[v] += st.d[v][first / 32] * (d * static_cast<float>(dot - 8 * sum));
+    }
+}
+
 template <typename T, int NV>
 __global__ void __launch_bounds__(warp_lanes * matvec_rows_per_block)
 matvec_q8_kernel(const uint8_t * __restrict__ w, int64_t n_rows, int64_t n_cols, const uint16_t * __restrict__ x,
                  float * __restrict__ y) {
-    static_assert(T::block_elements == 256 && T::parts == 4, "64 weights a part, four parts a block");
-    __shared__ __align__(16) q8_stage<NV> st;
+    constexpr bool k_quant = T::block_elements == 256;
+    constexpr int part_elements = T::block_elements / T::parts; // 64 for the K-quants, else a block of 32
+    static_assert(part_elements == (k_quant ? 64 : 32), "the parts this kernel reads");
+    __shared__ __align__(16) q8_stage<NV, k_quant ? 256 : 32> st;
     const int64_t blocks_per_row = n_cols / T::block_elements;
     const int lane = static_cast<int>(threadIdx.x);
     for (int64_t base = int64_t(blockIdx.x) * matvec_rows_per_block; base < n_rows;
@@ -573,14 +623,19 @@ matvec_q8_kernel(const uint8_t * __restrict__ w, int64_t n_rows, int64_t n_cols,
             __syncthreads();
             if (!active) continue;
             const uint8_t * w_row = w + row * blocks_per_row * T::block_bytes;
-            const int64_t p_end = (c0 + n) / 64;
-            for (int64_t p = c0 / 64 + lane; p < p_end; p += warp_lanes) {
-                const int64_t block = p / 4;
-                const int first = static_cast<int>(block * T::block_elements - c0);
+            const int64_t p_end = (c0 + n) / part_elements;
+            for (int64_t p = c0 / part_elements + lane; p < p_end; p += warp_lanes) {
+                const int64_t block = p / T::parts;
+                const uint8_t * bb = w_row + block * T::block_bytes;
+                const int first = static_cast<int>(block * T::block_elements - c0), part = static_cast<int>(p % T::parts);
                 if constexpr (T::id == type_q4_k::id) {
-                    q4_k_part<NV>(w_row + block * T::block_bytes, static_cast<int>(p % 4), first, st, acc);
+                    q4_k_part<NV>(bb, part, first, st, acc);
+                } else if constexpr (T::id == type_q6_k::id) {
+                    q6_k_part<NV>(bb, part, first, st, acc);
+                } else if constexpr (T::id == type_q8_0::id) {
+                    q8_0_block<NV>(bb, first, st, acc);
                 } else {
-                    q6_k_part<NV>(w_row + block * T::block_bytes, static_cast<int>(p % 4), first, st, acc);
+                    q4_0_block<NV>(bb, first, st, acc);
                 }
             }
         }
@@ -708,8 +763,8 @@ pebble_status launch_dequantize(const uint8_t * src, uint16_t * dst, int64_t n_b
 }
 
 #ifndef PEBBLE_HOST_BUILD
-// PEBBLING_CUDA_MATVEC=float keeps Q4_K and Q6_K on matvec_kernel (x in fp16, no integer products): to
-// compare the two on a GPU, or to go on where the integer kernel is in doubt. Anything else: integer.
+// PEBBLING_CUDA_MATVEC=float keeps Q4_K, Q6_K, Q8_0 and Q4_0 on matvec_kernel (x in fp16, no integer
+// products): to compare the two on a GPU, or to go on where the integer kernel is in doubt.
 bool integer_matvec() {
     static const bool integer = [] {
         const char * env = std::getenv("PEBBLING_CUDA_MATVEC");
@@ -728,7 +783,8 @@ pebble_status launch_matvec_n(const uint8_t * w, int64_t n_rows, int64_t n_cols,
 #else
     const int64_t grid = std::min(max_grid, (n_rows + matvec_rows_per_block - 1) / matvec_rows_per_block);
     const dim3 block(warp_lanes, matvec_rows_per_block);
-    if constexpr (T::id == type_q4_k::id || T::id == type_q6_k::id) { // 16-byte loads of x (and Q4_K's weights)
+    if constexpr (T::id == type_q4_k::id || T::id == type_q6_k::id || T::id == type_q8_0::id ||
+                  T::id == type_q4_0::id) { // 16-byte loads of x (and Q4_K's weights)
         const uintptr_t aligned = reinterpret_cast<uintptr_t>(x) | (T::id == type_q4_k::id ? reinterpret_cast<uintptr_t>(w) : 0);
         if ((aligned & 15) == 0 && integer_matvec()) {
             matvec_q8_kernel<T, NV><<<static_cast<unsigned>(grid), block, 0, stream>>>(w, n_rows, n_cols, x, y);

@@ -55,10 +55,10 @@ def activation_blocks(qtype: Q) -> int:
 
 def quantizes_x(backend: str, qtype: Q) -> bool:
     """Whether the backend's matvec multiplies x quantized to 8-bit blocks of activation_blocks(qtype): the
-    host library's for every quantized type; the cuda library's for Q4_K and Q6_K, its integer kernel
-    (unless PEBBLING_CUDA_MATVEC=float), which quantizes x as the host does."""
+    host library's for every quantized type; the cuda library's for Q4_K, Q6_K, Q8_0 and Q4_0, its integer
+    kernel (unless PEBBLING_CUDA_MATVEC=float), which quantizes x as the host does."""
     if backend == "cuda":
-        return qtype in (Q.Q4_K, Q.Q6_K) and os.environ.get("PEBBLING_CUDA_MATVEC") != "float"
+        return qtype in (Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q4_0) and os.environ.get("PEBBLING_CUDA_MATVEC") != "float"
     return backend == "host" and bool(activation_blocks(qtype))
 
 
@@ -300,7 +300,7 @@ def test_matvec_of_one_vector_returns_one_row_of_outputs(backend):
     raw, n_cols = matvec_case(Q.Q8_0, 5, 3, seed=11)
     x = np.random.default_rng(12).standard_normal(n_cols).astype(np.float16)
     got = to_numpy(kernels_of(backend).matvec(Q.Q8_0, raw, 5, n_cols, x))
-    if backend == "host":  # x quantized to 8-bit blocks, as pebble.h says
+    if quantizes_x(backend, Q.Q8_0):  # x quantized to 8-bit blocks, as pebble.h says
         x = quantized_activation(x, activation_blocks(Q.Q8_0))
     want = reference(Q.Q8_0, raw, 5).astype(np.float64) @ x.astype(np.float64)
     assert got.shape == (5,) and got.dtype == np.float32
