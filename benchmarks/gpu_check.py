@@ -206,24 +206,31 @@ def install_missing(wheels: Path, site: Path, python: str) -> tuple[Record, list
 
 
 def install_peers(peers: Path, site: Path, python: str, record: Record) -> list[str]:
-    """The benchmark's peers (README: On a GPU): the wheels in `peers` (llama-cpp-python built with CUDA, and
-    what it needs that the image lacks), into `site` beside the pinned ones; their names, or none. Not
-    pebbling's dependencies: where they are absent or do not install, the benchmark records its peer absent."""
+    """The benchmark's peers (README: On a GPU): the wheels in `peers`, and its .tar.xz archives of installed
+    packages (llama-cpp-python built with CUDA: its wheel holds each library three times over, past what a
+    GPU machine is sent), into `site` beside the pinned ones; their names, or none. Not pebbling's
+    dependencies: where they are absent or do not install, the benchmark records its peer absent."""
+    import tarfile
+
     wheels = sorted(peers.glob("*.whl")) if peers.is_dir() else []
-    if not wheels:
-        return []
-    argv = [python, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir",
-            "--disable-pip-version-check", "--target", str(site), *map(str, wheels)]
+    archives = sorted(peers.glob("*.tar.xz")) if peers.is_dir() else []
     try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=CAPS["setup"])
-        if done.returncode:
-            record.note += f" peers from {peers.name}/ did not install: {done.stderr[-500:]}"
-            return []
-    except subprocess.TimeoutExpired:
-        record.note += f" peers from {peers.name}/: pip timed out"
+        if wheels:
+            done = subprocess.run([python, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps", "--no-compile",
+                                   "--no-cache-dir", "--disable-pip-version-check", "--target", str(site),
+                                   *map(str, wheels)], capture_output=True, text=True, timeout=CAPS["setup"])
+            if done.returncode:
+                record.note += f" peers from {peers.name}/ did not install: {done.stderr[-500:]}"
+                return []
+        for archive in archives:
+            with tarfile.open(archive) as tar:
+                tar.extractall(site, filter="tar")
+    except (subprocess.TimeoutExpired, OSError, tarfile.TarError) as exc:
+        record.note += f" peers from {peers.name}/: {type(exc).__name__}: {exc}"
         return []
-    record.counts = {**(record.counts or {}), "peers": len(wheels)}
-    return [wheel_name(w.name)[0] for w in wheels]
+    if wheels or archives:
+        record.counts = {**(record.counts or {}), "peers": len(wheels) + len(archives)}
+    return [wheel_name(w.name)[0] for w in wheels] + [a.name.split("-")[0] for a in archives]
 
 
 def cuda_library_dirs() -> list[str]:
@@ -301,7 +308,7 @@ def run_all(args, out_dir: Path) -> dict:
     work = Path(tempfile.mkdtemp(prefix="pebbling-gpu-check-"))
     site = work / "site"
     setup, missing = install_missing(ROOT / ".whl", site, python)
-    peers = install_peers(ROOT / ".peers", site, python, setup)
+    peers = install_peers(ROOT / ".peers", site, python, setup) if args.backend == "cuda" else []
     env = dict(os.environ, PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), str(site) if missing or peers else "",
                                                       os.environ.get("PYTHONPATH", "")) if p),

@@ -189,3 +189,24 @@ def test_wheels_are_checked_against_the_pins(tmp_path):
     problems = gpu_wheels.check_wheels(tmp_path, pins)
     assert any("gguf" in p and "0.18.0" in p for p in problems)
     assert any("extra-thing" in p for p in problems) and not any(p.startswith("cffi") for p in problems)
+
+
+def test_peers_are_installed_from_their_archives_links_kept(tmp_path):
+    """.peers/'s .tar.xz archives (a package as installed, its libraries once, the other names links) go
+    into the site folder as they are; nothing in .peers/, nothing installed."""
+    import tarfile
+
+    package = tmp_path / "build" / "peerpkg"
+    (package / "lib").mkdir(parents=True)
+    (package / "__init__.py").write_text("VALUE = 7\n")
+    (package / "lib" / "libpeer.so.0").write_bytes(b"\x7fELF not really")
+    (package / "lib" / "libpeer.so").symlink_to("libpeer.so.0")
+    peers, site = tmp_path / ".peers", tmp_path / "site"
+    peers.mkdir()
+    record = gpu_check.Record("setup", "", 1)
+    assert gpu_check.install_peers(peers, site, sys.executable, record) == []
+    with tarfile.open(peers / "peerpkg-1.0-cuda.tar.xz", "w:xz") as tar:
+        tar.add(package, arcname="peerpkg")
+    assert gpu_check.install_peers(peers, site, sys.executable, record) == ["peerpkg"]
+    assert (site / "peerpkg" / "lib" / "libpeer.so").is_symlink() and record.counts["peers"] == 1
+    assert (site / "peerpkg" / "lib" / "libpeer.so").read_bytes() == b"\x7fELF not really"
