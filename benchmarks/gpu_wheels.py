@@ -106,6 +106,14 @@ def main(argv: list[str] | None = None) -> int:
           f"(limit {mib(WHEELS_LIMIT)})")
     print(f"travels with carry=['build', '.whl']: tree {mib(tree)} + build/ {mib(build)} + wheels {mib(wheels)} "
           f"= {mib(total)} of {mib(TRAVEL_LIMIT)}")
+    peers = folder_bytes(ROOT / ".peers")
+    if peers:  # the benchmark's peers (README: On a GPU), sent beside the two libraries, not all of build/
+        libraries = sum(p.stat().st_size for name in ("libpebble_cuda.so", "libpebble_host.so")
+                        if (p := ROOT / "build" / name).is_file())
+        with_peers = tree + libraries + wheels + peers
+        over = " (over: send the peers in a call of their own)" if with_peers > TRAVEL_LIMIT else ""
+        print(f"with carry=['build/libpebble_cuda.so', 'build/libpebble_host.so', '.whl', '.peers']: "
+              f"{mib(with_peers)} of {mib(TRAVEL_LIMIT)}{over}")
     if wheels > WHEELS_LIMIT:
         problems.append(f"the wheels take {mib(wheels)}, over their {mib(WHEELS_LIMIT)}")
     if total > TRAVEL_LIMIT:
