@@ -6,8 +6,8 @@
 On a bare machine (the GPU image's Python with CuPy, torch, transformers, accelerate; no registry):
   setup    installs what is missing from the wheels in .whl/ (make gpu-wheels), --no-index, into a folder
            of its own on PYTHONPATH beside the tree (a pinned package already importable is left as it
-           is), and the benchmark's peers from .peers/ where there are any (README: On a GPU); uses build/libpebble_cuda.so as carried (builds it only where it is missing and nvcc
-           exists)
+           is), and the benchmark's peers from .peers/ where there are any (README: On a GPU); uses
+           build/libpebble_cuda.so as carried (builds it only where it is missing and nvcc exists)
   probe    benchmarks/gpu_probe.py: nvidia-smi, driver and CUDA versions, CuPy's device, the library
            loads, `pebbling info` selects the backend
   kernels  the kernel tests first, under CUDA_LAUNCH_BLOCKING=1, so that a fault names its kernel
@@ -21,8 +21,7 @@ Each stage is timed and has a timeout (its cap in CAPS, or --cap, within the tim
 keeping FLOOR seconds for each later stage); one that times out or fails is recorded and the next runs.
 DIR gets: gpu_check.json (every stage's command, rc, time, timeout, pass/fail/skip counts and failures, the
 probe's findings, the benchmark's JSON, the kernels' times), summary.txt, one log per stage, bench.json: at
-most 8 files, flat,
-so that a machine which hands back only a few files returns them all. Exit 0 when every stage passed. --backend host runs the same on a CPU machine (without --no-skip-gpu) to check this script.
+most 8 files, flat, so that a machine which hands back only a few files returns them all. Exit 0 when every stage passed. --backend host runs the same on a CPU machine (without --no-skip-gpu) to check this script.
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@
 
 Prints what it finds (nvidia-smi, NVML's driver and CUDA versions, CuPy's device, the native library,
 `pebbling info`; for cuda, the device memory of the context, cuBLAS and threads, and a model's requests
-step by step through gpu_memory_steps.py), then one last line of JSON with every figure. Exit 0 when the library of --backend loads
-and `pebbling info` selects that backend (and, for cuda, CuPy reaches the device); 1 otherwise, saying why.
+step by step through gpu_memory_steps.py), then one last line of JSON with every figure. Exit 0 when the
+library of --backend loads and `pebbling info` selects that backend (and, for cuda, CuPy reaches the
+device); 1 otherwise, saying why.
 Every figure here is read from the machine; what cannot be read is recorded as null with the reason.
 """
 

@@ -250,6 +250,14 @@ __global__ void add_kernel(float * __restrict__ x, const float * __restrict__ y,
 // round them to fp16 for quantized weights and take them as they are for dense ones, as the forward pass
 // does), fp16 on the GPU.
 #ifdef PEBBLE_HOST_BUILD
+// Whether the host runs the GPU's own kernels where it has SIMD code of its own (qkv_rows, pebble_cpu's
+// attend): without SIMD (PEBBLING_SIMD=portable), so that the host's tests hold those kernels to the
+// forward pass too.
+bool host_runs_gpu_kernels() {
+    static const bool portable = std::strcmp(pebble_cpu::simd_level(), "portable") == 0;
+    return portable;
+}
+
 using act_t = float;
 __host__ __device__ inline void put(float * p, int64_t i, float v) { p[i] = v; }
 __host__ __device__ inline float act_value(const float * p, int64_t i) { return p[i]; }
@@ -509,7 +517,7 @@ extern "C" pebble_status pebble_attend(int32_t n_seq, const float * q, const flo
         store_row_kernel(k_new + b * kv_width, static_cast<uint8_t *>(k_caches[b]) + at, kv_type, kv_width);
         store_row_kernel(v_new + b * kv_width, static_cast<uint8_t *>(v_caches[b]) + at, kv_type, kv_width);
     }
-    if (std::strcmp(pebble_cpu::simd_level(), "portable") == 0) { // the GPU's kernels (attention, above)
+    if (host_runs_gpu_kernels()) { // the GPU's kernels (attention, above)
         const int64_t width = int64_t(n_head) * head_dim;
         for (int32_t b = 0; b < n_seq; b++) {
             TRY(attention(attention_args{q + b * width, k_caches[b], v_caches[b], kv_type, n_head, n_head_kv, head_dim,
@@ -1210,9 +1218,8 @@ pebble_status step_layer(pebble_decoder & d, int32_t i, int32_t n, const int32_t
     };
 #ifdef PEBBLE_HOST_BUILD
     // The sequences' biases, RoPE and new cache rows among the pool's threads (a few microseconds each);
-    // without SIMD (PEBBLING_SIMD=portable) through the GPU's own kernel, the same bits, so that the host's
-    // tests hold that kernel to them too.
-    const bool portable = std::strcmp(pebble_cpu::simd_level(), "portable") == 0;
+    // through the GPU's own kernel, the same bits, where host_runs_gpu_kernels.
+    const bool portable = host_runs_gpu_kernels();
     pebble_cpu::parallel_for(n, int64_t(n) * (q + 2 * kv) * qkv_work_per_value, [&](int64_t first, int64_t end) {
         for (int64_t b = first; b < end; b++) {
             if (portable) {
@@ -1243,7 +1250,7 @@ pebble_status step_layer(pebble_decoder & d, int32_t i, int32_t n, const int32_t
                               dev_pos + b};
     };
 #ifdef PEBBLE_HOST_BUILD
-    if (portable) { // the GPU's kernels (attention), so that the host's tests hold them to the forward pass
+    if (portable) { // the GPU's kernels (attention)
         for (int32_t b = 0; b < n; b++) TRY(attention(attention_of(b), stream));
     } else {
         int64_t n_pos[PEBBLE_DECODER_MAX_BATCH];

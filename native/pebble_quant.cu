@@ -316,9 +316,10 @@ __global__ void dequantize_kernel(const uint8_t * __restrict__ src, uint16_t * _
 #ifndef PEBBLE_HOST_BUILD
 constexpr int dequantize_threads = 256;
 
-// halves at element e of a staged stretch: one 4-byte word of padding every 64 elements, so that
-// threads a part (32 or 64 elements) apart use different banks
-__device__ inline int staged_at(int e) { return e + 2 * (e >> 6); }
+// Where element e of a stretch staged in shared memory lies, in elements of `Size` bytes: one 4-byte word of
+// padding every 64 elements, so that threads a part (32 or 64 elements) apart use different banks. Size 2
+// for fp16 stretches, 1 for 8-bit x.
+template <int Size> __device__ inline int staged_at(int e) { return e + 4 / Size * (e >> 6); }
 
 // dequantize_kernel for block types (32 or more elements a part): a thread block's parts are
 // consecutive, so their elements are one stretch of the output; each thread decodes its part into shared
@@ -338,7 +339,7 @@ dequantize_tiled_kernel(const uint8_t * __restrict__ src, uint16_t * __restrict_
         if (p < n_parts) {
             const int64_t block = p / T::parts;
             const int offset = static_cast<int>(block * T::block_elements - tile_start); // the block's element 0
-            auto emit = [&](int i, float value) { staged[staged_at(offset + i)] = half_from_float(value); };
+            auto emit = [&](int i, float value) { staged[staged_at<2>(offset + i)] = half_from_float(value); };
             T::decode(src + block * T::block_bytes, static_cast<int>(p % T::parts), emit);
         }
         __syncthreads();
@@ -388,7 +389,7 @@ matvec_kernel(const uint8_t * __restrict__ w, int64_t n_rows, int64_t n_cols, co
             __syncthreads(); // every warp is done with the last chunk
             PEBBLE_UNROLL
             for (int v = 0; v < NV; v++) {
-                for (int e = tid; e < n; e += threads) xs[v][staged_at(e)] = x[v * n_cols + c0 + e];
+                for (int e = tid; e < n; e += threads) xs[v][staged_at<2>(e)] = x[v * n_cols + c0 + e];
             }
             __syncthreads();
             if (!active) continue;
@@ -398,7 +399,7 @@ matvec_kernel(const uint8_t * __restrict__ w, int64_t n_rows, int64_t n_cols, co
                 const int64_t block = p / T::parts;
                 const int first = static_cast<int>(block * T::block_elements - c0); // the block's element 0 in xs
                 auto emit = [&](int i, float weight) {
-                    const int at = staged_at(first + i);
+                    const int at = staged_at<2>(first + i);
                     PEBBLE_UNROLL
                     for (int v = 0; v < NV; v++) acc[v] += weight * half_to_float(xs[v][at]);
                 };
@@ -430,10 +431,8 @@ matvec_kernel(const uint8_t * __restrict__ w, int64_t n_rows, int64_t n_cols, co
 constexpr int q8_chunk = 2048;                                 // x elements staged per vector at a time
 constexpr int q8_chunk_bytes = q8_chunk + 4 * (q8_chunk / 64); // one word of padding every 64 (banks)
 
-__device__ inline int q8_at(int e) { return e + 4 * (e >> 6); }
-
 template <int NV, int QB> struct q8_stage { // QB: the elements of one d (256 for the K-quants, else 32)
-    int8_t q[NV][q8_chunk_bytes];   // x's q, element e of the chunk at q8_at(e)
+    int8_t q[NV][q8_chunk_bytes];   // x's q, element e of the chunk at staged_at<1>(e)
     float d[NV][q8_chunk / QB];     // each QB's d
     int32_t sum[NV][q8_chunk / 16]; // each 16's sum of q
 };
@@ -476,7 +475,7 @@ __device__ void stage_q8(const uint16_t * __restrict__ x, int64_t n_cols, int64_
         }
         sum += __shfl_xor_sync(0xffffffffu, sum, 1); // two lanes a 16-element group
         if (!here) continue;
-        int32_t * to = reinterpret_cast<int32_t *>(&st.q[v][q8_at(e)]); // 8 bytes within a padding group
+        int32_t * to = reinterpret_cast<int32_t *>(&st.q[v][staged_at<1>(e)]); // 8 bytes within a padding group
         to[0] = static_cast<int32_t>(packed[0]);
         to[1] = static_cast<int32_t>(packed[1]);
         if (lane % 2 == 0) st.sum[v][e / 16] = sum;
@@ -513,7 +512,7 @@ __device__ void q4_k_part(const uint8_t * __restrict__ bb, int part, int first, 
     const int local = first + 64 * part, g = local / 16;
     PEBBLE_UNROLL
     for (int v = 0; v < NV; v++) {
-        const int32_t * xa = reinterpret_cast<const int32_t *>(&st.q[v][q8_at(local)]); // A's 32, then B's
+        const int32_t * xa = reinterpret_cast<const int32_t *>(&st.q[v][staged_at<1>(local)]); // A's 32, then B's
         int dot_a = 0, dot_b = 0;
         PEBBLE_UNROLL
         for (int k = 0; k < 8; k++) {
@@ -548,8 +547,8 @@ __device__ void q6_k_part(const uint8_t * __restrict__ bb, int part, int first, 
     const int lo_first = first + 128 * h + 32 * j, hi_first = lo_first + 64; // quarters j and j + 2
     PEBBLE_UNROLL
     for (int v = 0; v < NV; v++) {
-        const int32_t * xl = reinterpret_cast<const int32_t *>(&st.q[v][q8_at(lo_first)]);
-        const int32_t * xh = reinterpret_cast<const int32_t *>(&st.q[v][q8_at(hi_first)]);
+        const int32_t * xl = reinterpret_cast<const int32_t *>(&st.q[v][staged_at<1>(lo_first)]);
+        const int32_t * xh = reinterpret_cast<const int32_t *>(&st.q[v][staged_at<1>(hi_first)]);
         int dot[4] = {0, 0, 0, 0}; // lo 0..15, lo 16..31, hi 0..15, hi 16..31
         PEBBLE_UNROLL
         for (int k = 0; k < 8; k++) {
@@ -563,41 +562,26 @@ __device__ void q6_k_part(const uint8_t * __restrict__ bb, int part, int first, 
     }
 }
 
-// Q8_0 block bb (32 int8 weights after an fp16 d, 34 bytes) whose element 0 is element `first` of the
-// chunk: d d_x dot, x quantized per 32 as the host quantizes it for these types.
-template <int NV>
-__device__ void q8_0_block(const uint8_t * __restrict__ bb, int first, const q8_stage<NV, 32> & st, float (&acc)[NV]) {
-    uint32_t qs[8];
-    load_words<32>(qs, bb + 2);
+// Q8_0 or Q4_0 block bb whose element 0 is element `first` of the chunk, x quantized per 32 as the host
+// quantizes it for these types. Q8_0: an fp16 d, 32 int8 weights; d d_x dot. Q4_0: an fp16 d, 16 bytes,
+// element i's nibble low in byte i and element 16 + i's high, each less 8; d d_x (dot - 8 sum).
+template <typename T, int NV>
+__device__ void block32(const uint8_t * __restrict__ bb, int first, const q8_stage<NV, 32> & st, float (&acc)[NV]) {
+    constexpr bool q8 = T::id == type_q8_0::id;
+    uint32_t qs[q8 ? 8 : 4];
+    load_words<q8 ? 32 : 16>(qs, bb + 2);
     const float d = half_to_float(load_u16(bb));
     PEBBLE_UNROLL
     for (int v = 0; v < NV; v++) {
-        const int32_t * xw = reinterpret_cast<const int32_t *>(&st.q[v][q8_at(first)]);
+        const int32_t * xw = reinterpret_cast<const int32_t *>(&st.q[v][staged_at<1>(first)]);
         int dot = 0;
         PEBBLE_UNROLL
-        for (int k = 0; k < 8; k++) dot = __dp4a(static_cast<int>(qs[k]), xw[k], dot);
-        acc[v] += st.d[v][first / 32] * (d * static_cast<float>(dot));
-    }
-}
-
-// Q4_0 block bb (an fp16 d, then 16 bytes: element i's nibble low in byte i, element 16 + i's high, each
-// less 8): d d_x (dot - 8 sum).
-template <int NV>
-__device__ void q4_0_block(const uint8_t * __restrict__ bb, int first, const q8_stage<NV, 32> & st, float (&acc)[NV]) {
-    uint32_t qs[4];
-    load_words<16>(qs, bb + 2);
-    const float d = half_to_float(load_u16(bb));
-    PEBBLE_UNROLL
-    for (int v = 0; v < NV; v++) {
-        const int32_t * xw = reinterpret_cast<const int32_t *>(&st.q[v][q8_at(first)]); // elements 0..15, 16..31
-        int dot = 0;
-        PEBBLE_UNROLL
-        for (int k = 0; k < 4; k++) {
-            dot = __dp4a(static_cast<int>(qs[k] & 0x0f0f0f0fu), xw[k], dot);
-            dot = __dp4a(static_cast<int>((qs[k] >> 4) & 0x0f0f0f0fu), xw[4 + k], dot);
+        for (int k = 0; k < 8; k++) {
+            const uint32_t w = q8 ? qs[k] : (qs[k % 4] >> (4 * (k / 4))) & 0x0f0f0f0fu; // Q4_0: low, then high
+            dot = __dp4a(static_cast<int>(w), xw[k], dot);
         }
-        const int sum = st.sum[v][first / 16] + st.sum[v][first / 16 + 1];
-        acc[v] += st.d[v][first / 32] * (d * static_cast<float>(dot - 8 * sum));
+        const int bias = q8 ? 0 : 8 * (st.sum[v][first / 16] + st.sum[v][first / 16 + 1]);
+        acc[v] += st.d[v][first / 32] * (d * static_cast<float>(dot - bias));
     }
 }
 
@@ -632,10 +616,8 @@ matvec_q8_kernel(const uint8_t * __restrict__ w, int64_t n_rows, int64_t n_cols,
                     q4_k_part<NV>(bb, part, first, st, acc);
                 } else if constexpr (T::id == type_q6_k::id) {
                     q6_k_part<NV>(bb, part, first, st, acc);
-                } else if constexpr (T::id == type_q8_0::id) {
-                    q8_0_block<NV>(bb, first, st, acc);
                 } else {
-                    q4_0_block<NV>(bb, first, st, acc);
+                    block32<T, NV>(bb, first, st, acc);
                 }
             }
         }
