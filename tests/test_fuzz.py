@@ -256,5 +256,5 @@ def test_no_request_gets_a_5xx_or_an_undocumented_status(server):
           f"at the end ({(rss_end - rss_start) / 2**20:+.1f} MiB)")
     assert rss_end - rss_start < RSS_SLACK, f"the server grew {(rss_end - rss_start) / 2**20:.1f} MiB"
     # hypothesis draws differ between its versions (derandomized, yet not a fair coin): 36% aimed at the models
-    # on one GPU image, 2026-11; a third is the floor that keeps the generation path well exercised
+    # on one GPU image, 2026-11; 30% is the floor that keeps the generation path well exercised
     assert total > 0.9 * EXAMPLES and kinds[True] > 0.3 * total
