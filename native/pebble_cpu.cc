@@ -34,6 +34,7 @@
 #include <mutex>
 #include <new>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include <pthread.h>
@@ -1604,7 +1605,7 @@ void attend_portable(void * ctx, int64_t begin, int64_t end) {
 #ifdef PEBBLE_X86
 // Values i..i+7 of a cache (i a multiple of 8, so a block type's eight lie in one block), as float32: the
 // same products of scale and value as kv_load, so either way a score is the same.
-AVX2 inline __m256 load8_cache(const void * p, int32_t type, int64_t i) {
+AVX2 __attribute__((always_inline)) inline __m256 load8_cache(const void * p, int32_t type, int64_t i) {
     if (type == kv_f16) {
         return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(static_cast<const uint16_t *>(p) + i)));
     }
@@ -1704,156 +1705,6 @@ AVX2 void attend_avx2(void * ctx, int64_t begin, int64_t end) {
             float acc = 0.0f;
             for (int64_t t = 0; t < n; t++) acc += sc[t] * cache_value(v, j.type, t * row + kv + d);
             o[d] = acc;
-        }
-    }
-}
-
-// F32 and F16 caches, head_dim a multiple of 8: a unit is one sequence's KV head and Heads of the query
-// heads that read it (two on AVX2, up to six on AVX-512), so each K and V row is loaded and converted
-// once for all of them. Scores four keys at a time (Heads x 4 accumulators), the softmax eight scores at a
-// time (exp8_nonpositive), the weighted sum of V 32 dims at a time for every head of the unit.
-constexpr int32_t max_pair_head_dim = 512; // the scaled queries of a unit (up to 6), on the stack
-
-template <int Heads>
-AVX2 __attribute__((always_inline)) inline void attend_heads_avx2(const attend_job & j, int64_t b, int64_t h0) {
-    const int32_t hd = j.head_dim;
-    const int64_t group = j.n_head / j.n_head_kv, row = int64_t(j.n_head_kv) * hd, n = j.n_pos[b];
-    const int64_t kv = (h0 / group) * hd;
-    const void * k = j.k[b], * v = j.v[b];
-    alignas(32) float qs[Heads][max_pair_head_dim];
-    float * sc[Heads];
-    float top[Heads];
-    for (int i = 0; i < Heads; i++) {
-        const float * qh = j.q + (b * j.n_head + h0 + i) * hd;
-        for (int32_t d = 0; d < hd; d++) qs[i][d] = qh[d] * j.scale;
-        sc[i] = j.scratch + (b * j.n_head + h0 + i) * j.n_rows;
-        top[i] = -INFINITY;
-    }
-    auto keep = [&](int i, int64_t s, float sum) AVX2 {
-        if (j.softcap > 0.0f) sum = std::tanh(sum / j.softcap) * j.softcap;
-        sc[i][s] = sum;
-        top[i] = std::max(top[i], sum);
-    };
-    int64_t s = 0;
-    for (; s + 4 <= n; s += 4) {
-        __m256 acc[Heads][4];
-        UNROLL for (int i = 0; i < Heads; i++) UNROLL for (int r = 0; r < 4; r++) acc[i][r] = _mm256_setzero_ps();
-        for (int32_t d = 0; d < hd; d += 8) {
-            const int64_t at = s * row + kv + d;
-            const __m256 k0 = load8_cache(k, j.type, at), k1 = load8_cache(k, j.type, at + row);
-            const __m256 k2 = load8_cache(k, j.type, at + 2 * row), k3 = load8_cache(k, j.type, at + 3 * row);
-            UNROLL for (int i = 0; i < Heads; i++) {
-                const __m256 qv = _mm256_load_ps(qs[i] + d);
-                acc[i][0] = _mm256_fmadd_ps(qv, k0, acc[i][0]);
-                acc[i][1] = _mm256_fmadd_ps(qv, k1, acc[i][1]);
-                acc[i][2] = _mm256_fmadd_ps(qv, k2, acc[i][2]);
-                acc[i][3] = _mm256_fmadd_ps(qv, k3, acc[i][3]);
-            }
-        }
-        for (int i = 0; i < Heads; i++) {
-            float sums[4];
-            hsum4_ps(acc[i][0], acc[i][1], acc[i][2], acc[i][3], sums);
-            for (int r = 0; r < 4; r++) keep(i, s + r, sums[r]);
-        }
-    }
-    for (; s < n; s++) {
-        for (int i = 0; i < Heads; i++) {
-            __m256 acc = _mm256_setzero_ps();
-            for (int32_t d = 0; d < hd; d += 8) {
-                acc = _mm256_fmadd_ps(_mm256_load_ps(qs[i] + d), load8_cache(k, j.type, s * row + kv + d), acc);
-            }
-            keep(i, s, hsum_ps(acc));
-        }
-    }
-    for (int i = 0; i < Heads; i++) { // softmax: exp(s - top) eight at a time, then 1 / total
-        const __m256 t = _mm256_set1_ps(top[i]);
-        __m256 total8 = _mm256_setzero_ps();
-        int64_t c = 0;
-        for (; c + 8 <= n; c += 8) {
-            const __m256 e = exp8_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(sc[i] + c), t));
-            _mm256_storeu_ps(sc[i] + c, e);
-            total8 = _mm256_add_ps(total8, e);
-        }
-        float total = hsum_ps(total8);
-        for (; c < n; c++) {
-            sc[i][c] = exp_nonpositive(sc[i][c] - top[i]);
-            total += sc[i][c];
-        }
-        const __m256 inv = _mm256_set1_ps(1.0f / total);
-        for (c = 0; c + 8 <= n; c += 8) _mm256_storeu_ps(sc[i] + c, _mm256_mul_ps(_mm256_loadu_ps(sc[i] + c), inv));
-        for (; c < n; c++) sc[i][c] *= 1.0f / total;
-    }
-    int32_t d = 0;
-    for (; d + 32 <= hd; d += 32) { // 4 registers per head over every row
-        __m256 acc[Heads][4];
-        UNROLL for (int i = 0; i < Heads; i++) UNROLL for (int r = 0; r < 4; r++) acc[i][r] = _mm256_setzero_ps();
-        for (int64_t t = 0; t < n; t++) {
-            const int64_t at = t * row + kv + d;
-            const __m256 v0 = load8_cache(v, j.type, at), v1 = load8_cache(v, j.type, at + 8);
-            const __m256 v2 = load8_cache(v, j.type, at + 16), v3 = load8_cache(v, j.type, at + 24);
-            UNROLL for (int i = 0; i < Heads; i++) {
-                const __m256 p = _mm256_set1_ps(sc[i][t]);
-                acc[i][0] = _mm256_fmadd_ps(p, v0, acc[i][0]);
-                acc[i][1] = _mm256_fmadd_ps(p, v1, acc[i][1]);
-                acc[i][2] = _mm256_fmadd_ps(p, v2, acc[i][2]);
-                acc[i][3] = _mm256_fmadd_ps(p, v3, acc[i][3]);
-            }
-        }
-        for (int i = 0; i < Heads; i++) {
-            float * o = j.out + (b * j.n_head + h0 + i) * hd + d;
-            UNROLL for (int r = 0; r < 4; r++) _mm256_storeu_ps(o + 8 * r, acc[i][r]);
-        }
-    }
-    for (; d < hd; d += 8) {
-        __m256 acc[Heads];
-        for (int i = 0; i < Heads; i++) acc[i] = _mm256_setzero_ps();
-        for (int64_t t = 0; t < n; t++) {
-            const __m256 x = load8_cache(v, j.type, t * row + kv + d);
-            for (int i = 0; i < Heads; i++) acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(sc[i][t]), x, acc[i]);
-        }
-        for (int i = 0; i < Heads; i++) _mm256_storeu_ps(j.out + (b * j.n_head + h0 + i) * hd + d, acc[i]);
-    }
-}
-
-// A unit of the decode attention: sequence b, query heads first .. first + heads - 1 of one KV head, whose
-// `group` query heads go in units_per_kv(group, most) units of at most `most`, as even as they come.
-inline int64_t units_per_kv(int64_t group, int64_t most) { return (group + most - 1) / most; }
-
-struct attend_unit { int64_t b, first, heads; };
-
-inline attend_unit unit_of(const attend_job & j, int64_t u, int64_t most) {
-    const int64_t group = j.n_head / j.n_head_kv, units = units_per_kv(group, most), per = (group + units - 1) / units;
-    const int64_t rest = u % (j.n_head_kv * units), c = rest % units;
-    return {u / (j.n_head_kv * units), (rest / units) * group + c * per, std::min(per, group - c * per)};
-}
-
-// Units of two query heads (AVX2's 16 registers hold two heads' sums).
-AVX2 void attend_pairs_avx2(void * ctx, int64_t begin, int64_t end) {
-    const attend_job & j = *static_cast<const attend_job *>(ctx);
-    for (int64_t u = begin; u < end; u++) {
-        const attend_unit a = unit_of(j, u, 2);
-        if (a.heads == 2) attend_heads_avx2<2>(j, a.b, a.first);
-        else attend_heads_avx2<1>(j, a.b, a.first);
-    }
-}
-
-// Units of up to 6 query heads where the CPU has AVX-512: the same per-head arithmetic (each head's sums
-// its own, so the same bits as in pairs), registers 16..31 holding the further heads' sums, so that a K/V
-// row is converted once for 6 query heads instead of once a pair (Qwen2.5's 12 heads over 2 KV heads read
-// each row three times in pairs).
-constexpr int64_t max_group_heads = 6;
-
-AVX512 void attend_groups_avx512(void * ctx, int64_t begin, int64_t end) {
-    const attend_job & j = *static_cast<const attend_job *>(ctx);
-    for (int64_t u = begin; u < end; u++) {
-        const attend_unit a = unit_of(j, u, max_group_heads);
-        switch (a.heads) {
-            case 1: attend_heads_avx2<1>(j, a.b, a.first); break;
-            case 2: attend_heads_avx2<2>(j, a.b, a.first); break;
-            case 3: attend_heads_avx2<3>(j, a.b, a.first); break;
-            case 4: attend_heads_avx2<4>(j, a.b, a.first); break;
-            case 5: attend_heads_avx2<5>(j, a.b, a.first); break;
-            default: attend_heads_avx2<6>(j, a.b, a.first); break;
         }
     }
 }
@@ -1958,6 +1809,219 @@ AVX2 void attend_blocks_avx2(void * ctx, int64_t begin, int64_t end) {
         }
     }
 }
+
+// F32 and F16 caches, head_dim a multiple of 8, read in the order they lie in memory. A cache row holds
+// every KV head of one position; reading one KV head down all the rows (256 of every 2048 bytes for
+// Qwen3-0.6B's 8 heads of 128) left the hardware's prefetchers behind: on two threads of an AMD EPYC (Zen 4)
+// over caches not in its caches, 0.44-0.67 ms a layer at 1000 rows, 0.23-0.30 ms read row after row (28
+// layers of caches attended in turn, the two orders interleaved). Reading even two rows side by side
+// (rows t and t + 1 for each KV head) lost half of that again. So a unit is a chunk of one sequence's rows
+// (flash-decoding's split of the context) and its K rows are read in order, every query head's score from
+// each, while the same rows of V are asked into L2 (software prefetch, in order); then each score s
+// becomes exp(s - m), m the chunk's largest, l their total; then V, now in L2, is summed in registers, 16
+// or 32 dims of up to 6 heads over all the chunk's rows at a time: o = sum exp(s - m) v. A sequence of one
+// chunk ends there (out = o / l); the chunks of a longer one are combined by attend_combine_avx2:
+// out = sum_c exp(m_c - M) o_c / sum_c exp(m_c - M) l_c, M the largest m_c. How a sequence's rows are
+// chunked depends on its own row count alone, so its result is the same beside any others.
+constexpr int64_t attend_chunk_rows = 128, attend_most_chunks = 64;
+
+inline int64_t attend_chunks(int64_t n) { return std::min(attend_most_chunks, (n + attend_chunk_rows - 1) / attend_chunk_rows); }
+
+struct rows_job {
+    const attend_job * j;
+    const int64_t *    first;  // first[b]: sequence b's first unit; first[n_seq]: every unit
+    const float *      qs;     // [n_seq][n_head][head_dim]: q times scale
+    float *            part;   // per unit: o [n_head][head_dim], then m [n_head], then l [n_head]
+};
+
+inline int64_t part_floats(const attend_job & j) { return int64_t(j.n_head) * (j.head_dim + 2); }
+
+// Up to 8 query heads of one KV head: their scores against one cache row (out[i * stride]). Each head sums
+// in A registers (A = 8 / G), so that about eight chains of multiply-adds run side by side: with one a
+// head, Qwen3's pairs of heads waited on each add's latency.
+template <int G>
+AVX2 inline void row_scores(const float * q, int32_t hd, const void * k, int32_t type, int64_t at, float * out,
+                            int64_t stride) {
+    constexpr int A = G == 1 ? 8 : G == 2 ? 4 : G <= 4 ? 2 : 1;
+    __m256 acc[G][A];
+    UNROLL for (int i = 0; i < G; i++) UNROLL for (int a = 0; a < A; a++) acc[i][a] = _mm256_setzero_ps();
+    int32_t d = 0;
+    for (; d + 8 * A <= hd; d += 8 * A) {
+        UNROLL for (int a = 0; a < A; a++) {
+            const __m256 x = load8_cache(k, type, at + d + 8 * a);
+            UNROLL for (int i = 0; i < G; i++) {
+                acc[i][a] = _mm256_fmadd_ps(_mm256_loadu_ps(q + i * hd + d + 8 * a), x, acc[i][a]);
+            }
+        }
+    }
+    for (; d < hd; d += 8) {
+        const __m256 x = load8_cache(k, type, at + d);
+        UNROLL for (int i = 0; i < G; i++) acc[i][0] = _mm256_fmadd_ps(_mm256_loadu_ps(q + i * hd + d), x, acc[i][0]);
+    }
+    UNROLL for (int i = 0; i < G; i++) {
+        UNROLL for (int a = 1; a < A; a++) acc[i][0] = _mm256_add_ps(acc[i][0], acc[i][a]);
+        out[i * stride] = hsum_ps(acc[i][0]);
+    }
+}
+
+// 8 * NB dims of up to 6 query heads of one KV head, summed over the rows s0..s1 of V (in L2 by now):
+// o[i * hd + d] = sum_t p[i * stride + t] v_t[d], for the NB blocks of 8 dims from `at`.
+template <int G, int NB>
+AVX2 inline void column_values(const float * p, int64_t stride, const void * v, int32_t type, int64_t at, int64_t row,
+                               int64_t s0, int64_t s1, float * o, int32_t hd) {
+    __m256 acc[G][NB];
+    UNROLL for (int i = 0; i < G; i++) UNROLL for (int c = 0; c < NB; c++) acc[i][c] = _mm256_setzero_ps();
+    for (int64_t t = s0; t < s1; t++) {
+        __m256 x[NB];
+        UNROLL for (int c = 0; c < NB; c++) x[c] = load8_cache(v, type, at + t * row + 8 * c);
+        UNROLL for (int i = 0; i < G; i++) {
+            const __m256 w = _mm256_broadcast_ss(p + i * stride + t);
+            UNROLL for (int c = 0; c < NB; c++) acc[i][c] = _mm256_fmadd_ps(w, x[c], acc[i][c]);
+        }
+    }
+    UNROLL for (int i = 0; i < G; i++) UNROLL for (int c = 0; c < NB; c++) _mm256_storeu_ps(o + i * hd + 8 * c, acc[i][c]);
+}
+
+// f(std::integral_constant<int, g>) for g in 1..8.
+template <typename F>
+AVX2 inline void with_heads(int g, F && f) {
+    switch (g) {
+        case 1: f(std::integral_constant<int, 1>{}); break;
+        case 2: f(std::integral_constant<int, 2>{}); break;
+        case 3: f(std::integral_constant<int, 3>{}); break;
+        case 4: f(std::integral_constant<int, 4>{}); break;
+        case 5: f(std::integral_constant<int, 5>{}); break;
+        case 6: f(std::integral_constant<int, 6>{}); break;
+        case 7: f(std::integral_constant<int, 7>{}); break;
+        default: f(std::integral_constant<int, 8>{}); break;
+    }
+}
+
+// The query heads h0 .. h0 + group - 1 of one KV head in runs of at most `most`, as even as they come
+// (group 8 in 6s: 4 and 4): f(first head, heads).
+template <typename F>
+inline void head_runs(int64_t h0, int64_t group, int64_t most, F && f) {
+    const int64_t runs = (group + most - 1) / most, per = (group + runs - 1) / runs;
+    for (int64_t h = 0; h < group; h += per) f(h0 + h, std::min(per, group - h));
+}
+
+// The chunk's scores into exp(s - m), m their largest (returned), and their total into *l.
+AVX2 inline float chunk_softmax(float * p, int64_t s0, int64_t s1, float softcap, float * l) {
+    if (softcap > 0.0f) {
+        for (int64_t s = s0; s < s1; s++) p[s] = std::tanh(p[s] / softcap) * softcap;
+    }
+    __m256 top8 = _mm256_set1_ps(-INFINITY);
+    int64_t s = s0;
+    for (; s + 8 <= s1; s += 8) top8 = _mm256_max_ps(top8, _mm256_loadu_ps(p + s));
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, top8);
+    float top = -INFINITY;
+    for (float x : lanes) top = std::max(top, x);
+    for (; s < s1; s++) top = std::max(top, p[s]);
+    const __m256 t = _mm256_set1_ps(top);
+    __m256 total8 = _mm256_setzero_ps();
+    for (s = s0; s + 8 <= s1; s += 8) {
+        const __m256 e = exp8_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(p + s), t));
+        _mm256_storeu_ps(p + s, e);
+        total8 = _mm256_add_ps(total8, e);
+    }
+    float total = hsum_ps(total8);
+    for (; s < s1; s++) {
+        p[s] = exp_nonpositive(p[s] - top);
+        total += p[s];
+    }
+    *l = total;
+    return top;
+}
+
+AVX2 void attend_rows_avx2(void * ctx, int64_t begin, int64_t end) {
+    const rows_job & r = *static_cast<const rows_job *>(ctx);
+    const attend_job & j = *r.j;
+    const int32_t hd = j.head_dim;
+    const int64_t group = j.n_head / j.n_head_kv, row = int64_t(j.n_head_kv) * hd;
+    const int64_t row_bytes = pebble_internal::kv_bytes(j.type, row);
+    int64_t b = 0;
+    for (int64_t u = begin; u < end; u++) {
+        while (r.first[b + 1] <= u) b++;
+        const int64_t n = j.n_pos[b], chunks = r.first[b + 1] - r.first[b], c = u - r.first[b];
+        const int64_t s0 = n * c / chunks, s1 = n * (c + 1) / chunks;
+        const float * q = r.qs + b * j.n_head * hd;
+        float * sc = j.scratch + b * j.n_head * j.n_rows;
+        // one chunk: straight into the output, divided by l below; else the unit's partial sums
+        float * o = chunks == 1 ? j.out + b * j.n_head * hd : r.part + u * part_floats(j);
+        float * m = r.part + u * part_floats(j) + int64_t(j.n_head) * hd, * l = m + j.n_head;
+        const void * k = j.k[b], * v = j.v[b];
+        for (int64_t s = s0; s < s1; s++) {
+            const char * vr = static_cast<const char *>(v) + s * row_bytes;
+            for (int64_t i = 0; i < row_bytes; i += 64) _mm_prefetch(vr + i, _MM_HINT_T1);
+            for (int64_t g = 0; g < j.n_head_kv; g++) {
+                head_runs(g * group, group, 8, [&](int64_t h, int64_t heads) AVX2 {
+                    with_heads(int(heads), [&](auto G) AVX2 {
+                        row_scores<decltype(G)::value>(q + h * hd, hd, k, j.type, s * row + g * hd,
+                                                       sc + h * j.n_rows + s, j.n_rows);
+                    });
+                });
+            }
+        }
+        for (int64_t h = 0; h < j.n_head; h++) m[h] = chunk_softmax(sc + h * j.n_rows, s0, s1, j.softcap, l + h);
+        for (int64_t g = 0; g < j.n_head_kv; g++) {
+            head_runs(g * group, group, 6, [&](int64_t h, int64_t heads) AVX2 {
+                with_heads(int(heads), [&](auto G) AVX2 {
+                    constexpr int H = decltype(G)::value;
+                    if constexpr (H <= 6) {
+                        constexpr int NB = H <= 2 ? 4 : 2;
+                        int32_t d = 0;
+                        for (; d + 8 * NB <= hd; d += 8 * NB) {
+                            column_values<H, NB>(sc + h * j.n_rows, j.n_rows, v, j.type, g * hd + d, row, s0, s1,
+                                                 o + h * hd + d, hd);
+                        }
+                        for (; d < hd; d += 8) {
+                            column_values<H, 1>(sc + h * j.n_rows, j.n_rows, v, j.type, g * hd + d, row, s0, s1,
+                                                o + h * hd + d, hd);
+                        }
+                    }
+                });
+            });
+        }
+        if (chunks == 1) {
+            for (int64_t h = 0; h < j.n_head; h++) {
+                const __m256 inv = _mm256_set1_ps(1.0f / l[h]);
+                for (int32_t d = 0; d < hd; d += 8) {
+                    _mm256_storeu_ps(o + h * hd + d, _mm256_mul_ps(_mm256_loadu_ps(o + h * hd + d), inv));
+                }
+            }
+        }
+    }
+}
+
+// The chunks of sequence u / n_head, head u % n_head, combined into its output (sequences of one chunk
+// are done already).
+AVX2 void attend_combine_avx2(void * ctx, int64_t begin, int64_t end) {
+    const rows_job & r = *static_cast<const rows_job *>(ctx);
+    const attend_job & j = *r.j;
+    const int32_t hd = j.head_dim;
+    const int64_t per = part_floats(j), ml = int64_t(j.n_head) * hd; // a unit's floats; where its m begin
+    for (int64_t u = begin; u < end; u++) {
+        const int64_t b = u / j.n_head, h = u % j.n_head, first = r.first[b], chunks = r.first[b + 1] - first;
+        if (chunks == 1) continue;
+        const float * part = r.part + first * per;
+        float top = -INFINITY, total = 0.0f, w[attend_most_chunks];
+        for (int64_t c = 0; c < chunks; c++) top = std::max(top, part[c * per + ml + h]);
+        for (int64_t c = 0; c < chunks; c++) {
+            w[c] = exp_nonpositive(part[c * per + ml + h] - top);
+            total += w[c] * part[c * per + ml + j.n_head + h];
+        }
+        for (int64_t c = 0; c < chunks; c++) w[c] /= total;
+        float * out = j.out + u * hd;
+        for (int32_t d = 0; d < hd; d += 8) {
+            __m256 acc = _mm256_setzero_ps();
+            for (int64_t c = 0; c < chunks; c++) {
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(w[c]), _mm256_loadu_ps(part + c * per + h * hd + d), acc);
+            }
+            _mm256_storeu_ps(out + d, acc);
+        }
+    }
+}
 #endif
 
 } // namespace
@@ -1976,10 +2040,27 @@ pebble_status attend(int32_t n_seq, const float * q, int32_t kv_type, void * con
 #ifdef PEBBLE_X86
     if (simd_in_use() != simd::portable) {
         const bool blocks = kv_blocked(kv_type) && head_dim <= max_block_head_dim;
-        if (!kv_blocked(kv_type) && head_dim % 8 == 0 && head_dim <= max_pair_head_dim) {
-            const bool wide = simd_in_use() == simd::avx512;
-            const int64_t units = int64_t(n_seq) * n_head_kv * units_per_kv(n_head / n_head_kv, wide ? max_group_heads : 2);
-            parallel_ranges(units, work, wide ? attend_groups_avx512 : attend_pairs_avx2, &job);
+        if (!kv_blocked(kv_type) && head_dim % 8 == 0) {
+            // The scaled queries and each chunk's partial sums: the calling thread's, kept for its next call.
+            static thread_local std::vector<int64_t> first;
+            static thread_local std::vector<float> floats;
+            int64_t units = 0;
+            try {
+                first.resize(size_t(n_seq) + 1);
+                for (int32_t b = 0; b < n_seq; b++) first[b] = units, units += attend_chunks(n_pos[b]);
+                first[n_seq] = units;
+                floats.resize(size_t(int64_t(n_seq) * n_head * head_dim + units * part_floats(job)));
+            } catch (const std::bad_alloc &) {
+                return fail(PEBBLE_ERR_HOST_OOM, "pebble_attend: no host memory for the partial sums of %" PRId64
+                            " chunks of %" PRId64 " rows", units, attend_chunk_rows);
+            }
+            float * qs = floats.data();
+            for (int64_t i = 0; i < int64_t(n_seq) * n_head * head_dim; i++) qs[i] = q[i] * scale;
+            rows_job rows{&job, first.data(), qs, qs + int64_t(n_seq) * n_head * head_dim};
+            parallel_ranges(units, work, attend_rows_avx2, &rows);
+            if (units > n_seq) {
+                parallel_ranges(int64_t(n_seq) * n_head, units * n_head * head_dim, attend_combine_avx2, &rows);
+            }
             return PEBBLE_OK;
         }
         parallel_ranges(int64_t(n_seq) * n_head, work, blocks ? attend_blocks_avx2 : attend_avx2, &job);
