@@ -1842,7 +1842,7 @@ inline int64_t part_floats(const attend_job & j) { return int64_t(j.n_head) * (j
 template <int G>
 AVX2 inline void row_scores(const float * q, int32_t hd, const void * k, int32_t type, int64_t at, float * out,
                             int64_t stride) {
-    constexpr int A = G == 1 ? 8 : G == 2 ? 4 : G <= 4 ? 2 : 1;
+    constexpr int A = G == 1 ? 8 : G == 2 ? 4 : G <= 6 ? 2 : 1;
     __m256 acc[G][A];
     UNROLL for (int i = 0; i < G; i++) UNROLL for (int a = 0; a < A; a++) acc[i][a] = _mm256_setzero_ps();
     int32_t d = 0;
@@ -1858,10 +1858,14 @@ AVX2 inline void row_scores(const float * q, int32_t hd, const void * k, int32_t
         const __m256 x = load8_cache(k, type, at + d);
         UNROLL for (int i = 0; i < G; i++) acc[i][0] = _mm256_fmadd_ps(_mm256_loadu_ps(q + i * hd + d), x, acc[i][0]);
     }
-    UNROLL for (int i = 0; i < G; i++) {
-        UNROLL for (int a = 1; a < A; a++) acc[i][0] = _mm256_add_ps(acc[i][0], acc[i][a]);
-        out[i * stride] = hsum_ps(acc[i][0]);
+    UNROLL for (int i = 0; i < G; i++) UNROLL for (int a = 1; a < A; a++) acc[i][0] = _mm256_add_ps(acc[i][0], acc[i][a]);
+    int i = 0;
+    for (; i + 4 <= G; i += 4) { // four heads' lanes summed together, each as hsum_ps sums
+        float sums[4];
+        hsum4_ps(acc[i][0], acc[i + 1][0], acc[i + 2][0], acc[i + 3][0], sums);
+        UNROLL for (int c = 0; c < 4; c++) out[(i + c) * stride] = sums[c];
     }
+    for (; i < G; i++) out[i * stride] = hsum_ps(acc[i][0]);
 }
 
 // 8 * NB dims of up to 6 query heads of one KV head, summed over the rows s0..s1 of V (in L2 by now):
@@ -1897,11 +1901,16 @@ AVX2 inline void with_heads(int g, F && f) {
     }
 }
 
-// The query heads h0 .. h0 + group - 1 of one KV head in runs of at most `most`, as even as they come
-// (group 8 in 6s: 4 and 4): f(first head, heads).
+// The query heads of one KV head in runs of at most `most`, as even as they come (8 in 6s: 4 and 4): how
+// many a run takes (worked out once per call: two divisions a row and KV head cost a fifth of the scores).
+inline int64_t run_heads(int64_t group, int64_t most) {
+    const int64_t runs = (group + most - 1) / most;
+    return (group + runs - 1) / runs;
+}
+
+// f(first head, heads) for the runs of `per` (run_heads) of query heads h0 .. h0 + group - 1.
 template <typename F>
-inline void head_runs(int64_t h0, int64_t group, int64_t most, F && f) {
-    const int64_t runs = (group + most - 1) / most, per = (group + runs - 1) / runs;
+inline void head_runs(int64_t h0, int64_t group, int64_t per, F && f) {
     for (int64_t h = 0; h < group; h += per) f(h0 + h, std::min(per, group - h));
 }
 
@@ -1940,6 +1949,7 @@ AVX2 void attend_rows_avx2(void * ctx, int64_t begin, int64_t end) {
     const int32_t hd = j.head_dim;
     const int64_t group = j.n_head / j.n_head_kv, row = int64_t(j.n_head_kv) * hd;
     const int64_t row_bytes = pebble_internal::kv_bytes(j.type, row);
+    const int64_t score_run = run_heads(group, 8), value_run = run_heads(group, 6);
     int64_t b = 0;
     for (int64_t u = begin; u < end; u++) {
         while (r.first[b + 1] <= u) b++;
@@ -1955,7 +1965,7 @@ AVX2 void attend_rows_avx2(void * ctx, int64_t begin, int64_t end) {
             const char * vr = static_cast<const char *>(v) + s * row_bytes;
             for (int64_t i = 0; i < row_bytes; i += 64) _mm_prefetch(vr + i, _MM_HINT_T1);
             for (int64_t g = 0; g < j.n_head_kv; g++) {
-                head_runs(g * group, group, 8, [&](int64_t h, int64_t heads) AVX2 {
+                head_runs(g * group, group, score_run, [&](int64_t h, int64_t heads) AVX2 {
                     with_heads(int(heads), [&](auto G) AVX2 {
                         row_scores<decltype(G)::value>(q + h * hd, hd, k, j.type, s * row + g * hd,
                                                        sc + h * j.n_rows + s, j.n_rows);
@@ -1965,7 +1975,7 @@ AVX2 void attend_rows_avx2(void * ctx, int64_t begin, int64_t end) {
         }
         for (int64_t h = 0; h < j.n_head; h++) m[h] = chunk_softmax(sc + h * j.n_rows, s0, s1, j.softcap, l + h);
         for (int64_t g = 0; g < j.n_head_kv; g++) {
-            head_runs(g * group, group, 6, [&](int64_t h, int64_t heads) AVX2 {
+            head_runs(g * group, group, value_run, [&](int64_t h, int64_t heads) AVX2 {
                 with_heads(int(heads), [&](auto G) AVX2 {
                     constexpr int H = decltype(G)::value;
                     if constexpr (H <= 6) {
