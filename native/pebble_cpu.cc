@@ -1731,86 +1731,8 @@ AVX2 inline void block32(const uint8_t * qs, int32_t type, __m256 out[4]) {
     out[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
 }
 
-constexpr int32_t max_block_head_dim = 1024; // the scaled query of a head, on the stack
-
-// Q8_0 and Q4_0 caches, straight from their blocks: a block's quants converted in registers and its scale
-// applied once (to the block's part of a score; folded into a row's probability for V), so that a block
-// costs little more than fp16's eight-at-a-time conversion while reading about half (or a quarter) of the
-// bytes. The same values as kv_load's, summed in another order: within float32 rounding of attend_head.
-// Scores four rows at a time, V 64 dims (two blocks) at a time in registers over every row.
-AVX2 void attend_blocks_avx2(void * ctx, int64_t begin, int64_t end) {
-    const attend_job & j = *static_cast<const attend_job *>(ctx);
-    const int32_t hd = j.head_dim, nb = hd / kv_block;
-    const int64_t bb = kv_block_bytes(j.type), group = j.n_head / j.n_head_kv;
-    const int64_t row_bytes = int64_t(j.n_head_kv) * nb * bb;
-    alignas(32) float qs[max_block_head_dim];
-    for (int64_t u = begin; u < end; u++) {
-        const int64_t b = u / j.n_head, h = u % j.n_head, n = j.n_pos[b];
-        const int64_t head_at = (h / group) * nb * bb;
-        const float * qh = j.q + (b * j.n_head + h) * hd;
-        for (int32_t d = 0; d < hd; d++) qs[d] = qh[d] * j.scale;
-        const uint8_t * k = static_cast<const uint8_t *>(j.k[b]) + head_at;
-        const uint8_t * v = static_cast<const uint8_t *>(j.v[b]) + head_at;
-        float * sc = j.scratch + u * j.n_rows;
-        float top = -INFINITY;
-        auto keep = [&](int64_t s, float sum) AVX2 {
-            if (j.softcap > 0.0f) sum = std::tanh(sum / j.softcap) * j.softcap;
-            sc[s] = sum;
-            top = std::max(top, sum);
-        };
-        int64_t s = 0;
-        for (; s + 4 <= n; s += 4) {
-            __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-            for (int32_t c = 0; c < nb; c++) {
-                const __m256 q0 = _mm256_load_ps(qs + 32 * c), q1 = _mm256_load_ps(qs + 32 * c + 8);
-                const __m256 q2 = _mm256_load_ps(qs + 32 * c + 16), q3 = _mm256_load_ps(qs + 32 * c + 24);
-                UNROLL for (int r = 0; r < 4; r++) {
-                    const uint8_t * blk = k + (s + r) * row_bytes + c * bb;
-                    __m256 x[4];
-                    block32(blk + 2, j.type, x);
-                    __m256 part = _mm256_mul_ps(q0, x[0]);
-                    part = _mm256_fmadd_ps(q1, x[1], part);
-                    part = _mm256_fmadd_ps(q2, x[2], part);
-                    part = _mm256_fmadd_ps(q3, x[3], part);
-                    acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(f16c(blk)), part, acc[r]);
-                }
-            }
-            float sums[4];
-            hsum4_ps(acc[0], acc[1], acc[2], acc[3], sums);
-            for (int r = 0; r < 4; r++) keep(s + r, sums[r]);
-        }
-        for (; s < n; s++) {
-            __m256 acc = _mm256_setzero_ps();
-            for (int32_t c = 0; c < nb; c++) {
-                const uint8_t * blk = k + s * row_bytes + c * bb;
-                __m256 x[4], part = _mm256_setzero_ps();
-                block32(blk + 2, j.type, x);
-                for (int i = 0; i < 4; i++) part = _mm256_fmadd_ps(_mm256_load_ps(qs + 32 * c + 8 * i), x[i], part);
-                acc = _mm256_fmadd_ps(_mm256_set1_ps(f16c(blk)), part, acc);
-            }
-            keep(s, hsum_ps(acc));
-        }
-        softmax_scores(sc, n, top);
-        float * o = j.out + (b * j.n_head + h) * hd;
-        for (int32_t c0 = 0; c0 < nb; c0 += 2) {
-            const int blocks = nb - c0 >= 2 ? 2 : 1;
-            __m256 acc[8];
-            UNROLL for (int r = 0; r < 8; r++) acc[r] = _mm256_setzero_ps();
-            for (int64_t t = 0; t < n; t++) {
-                const uint8_t * blk = v + t * row_bytes + c0 * bb;
-                for (int c = 0; c < blocks; c++, blk += bb) {
-                    const __m256 p = _mm256_set1_ps(sc[t] * f16c(blk));
-                    __m256 x[4];
-                    block32(blk + 2, j.type, x);
-                    UNROLL for (int i = 0; i < 4; i++) acc[4 * c + i] = _mm256_fmadd_ps(p, x[i], acc[4 * c + i]);
-                }
-            }
-            for (int r = 0; r < 4 * blocks; r++) _mm256_storeu_ps(o + 32 * c0 + 8 * r, acc[r]);
-        }
-    }
-}
-
-// F32 and F16 caches, head_dim a multiple of 8, read in the order they lie in memory. A cache row holds
+// Caches of every type (F32 and F16 with head_dim a multiple of 8; Q8_0 and Q4_0, whose head_dim is a
+// multiple of 32), read in the order they lie in memory. A cache row holds
 // every KV head of one position; reading one KV head down all the rows (256 of every 2048 bytes for
 // Qwen3-0.6B's 8 heads of 128) left the hardware's prefetchers behind: on two threads of an AMD EPYC (Zen 4)
 // over caches not in its caches, 0.44-0.67 ms a layer at 1000 rows, 0.23-0.30 ms read row after row (28
@@ -1886,6 +1808,50 @@ AVX2 inline void column_values(const float * p, int64_t stride, const void * v, 
     UNROLL for (int i = 0; i < G; i++) UNROLL for (int c = 0; c < NB; c++) _mm256_storeu_ps(o + i * hd + 8 * c, acc[i][c]);
 }
 
+// row_scores over Q8_0 or Q4_0 blocks (k: the KV head's first block in the row): a block's quants converted
+// in registers once for the G heads and its scale applied once to each head's part of the score.
+template <int G>
+AVX2 inline void row_scores_blocks(const float * q, int32_t hd, const uint8_t * k, int32_t type, float * out,
+                                   int64_t stride) {
+    const int64_t bb = kv_block_bytes(type);
+    __m256 acc[G];
+    UNROLL for (int i = 0; i < G; i++) acc[i] = _mm256_setzero_ps();
+    for (int32_t c = 0; c < hd; c += kv_block, k += bb) {
+        __m256 x[4];
+        block32(k + 2, type, x);
+        const __m256 d = _mm256_set1_ps(f16c(k));
+        UNROLL for (int i = 0; i < G; i++) {
+            const float * qi = q + i * hd + c;
+            __m256 part = _mm256_mul_ps(_mm256_loadu_ps(qi), x[0]);
+            part = _mm256_fmadd_ps(_mm256_loadu_ps(qi + 8), x[1], part);
+            part = _mm256_fmadd_ps(_mm256_loadu_ps(qi + 16), x[2], part);
+            part = _mm256_fmadd_ps(_mm256_loadu_ps(qi + 24), x[3], part);
+            acc[i] = _mm256_fmadd_ps(d, part, acc[i]);
+        }
+    }
+    UNROLL for (int i = 0; i < G; i++) out[i * stride] = hsum_ps(acc[i]);
+}
+
+// column_values over one block (32 dims) of Q8_0 or Q4_0 for G <= 2 heads (v: the block in row 0), the
+// block's scale folded into each row's weight.
+template <int G>
+AVX2 inline void column_values_blocks(const float * p, int64_t stride, const uint8_t * v, int32_t type,
+                                      int64_t row_bytes, int64_t s0, int64_t s1, float * o, int32_t hd) {
+    __m256 acc[G][4];
+    UNROLL for (int i = 0; i < G; i++) UNROLL for (int c = 0; c < 4; c++) acc[i][c] = _mm256_setzero_ps();
+    for (int64_t t = s0; t < s1; t++) {
+        const uint8_t * blk = v + t * row_bytes;
+        __m256 x[4];
+        block32(blk + 2, type, x);
+        const float d = f16c(blk);
+        UNROLL for (int i = 0; i < G; i++) {
+            const __m256 w = _mm256_set1_ps(p[i * stride + t] * d);
+            UNROLL for (int c = 0; c < 4; c++) acc[i][c] = _mm256_fmadd_ps(w, x[c], acc[i][c]);
+        }
+    }
+    UNROLL for (int i = 0; i < G; i++) UNROLL for (int c = 0; c < 4; c++) _mm256_storeu_ps(o + i * hd + 8 * c, acc[i][c]);
+}
+
 // f(std::integral_constant<int, g>) for g in 1..8.
 template <typename F>
 AVX2 inline void with_heads(int g, F && f) {
@@ -1949,7 +1915,9 @@ AVX2 void attend_rows_avx2(void * ctx, int64_t begin, int64_t end) {
     const int32_t hd = j.head_dim;
     const int64_t group = j.n_head / j.n_head_kv, row = int64_t(j.n_head_kv) * hd;
     const int64_t row_bytes = pebble_internal::kv_bytes(j.type, row);
-    const int64_t score_run = run_heads(group, 8), value_run = run_heads(group, 6);
+    const int64_t score_run = run_heads(group, 8), value_run = run_heads(group, 6), block_run = run_heads(group, 2);
+    const bool blocked = kv_blocked(j.type);
+    const int64_t head_bytes = pebble_internal::kv_bytes(j.type, hd); // a KV head's part of a row
     int64_t b = 0;
     for (int64_t u = begin; u < end; u++) {
         while (r.first[b + 1] <= u) b++;
@@ -1967,14 +1935,31 @@ AVX2 void attend_rows_avx2(void * ctx, int64_t begin, int64_t end) {
             for (int64_t g = 0; g < j.n_head_kv; g++) {
                 head_runs(g * group, group, score_run, [&](int64_t h, int64_t heads) AVX2 {
                     with_heads(int(heads), [&](auto G) AVX2 {
-                        row_scores<decltype(G)::value>(q + h * hd, hd, k, j.type, s * row + g * hd,
-                                                       sc + h * j.n_rows + s, j.n_rows);
+                        constexpr int H = decltype(G)::value;
+                        if (blocked) {
+                            row_scores_blocks<H>(q + h * hd, hd, static_cast<const uint8_t *>(k) + s * row_bytes +
+                                                 g * head_bytes, j.type, sc + h * j.n_rows + s, j.n_rows);
+                        } else {
+                            row_scores<H>(q + h * hd, hd, k, j.type, s * row + g * hd, sc + h * j.n_rows + s, j.n_rows);
+                        }
                     });
                 });
             }
         }
         for (int64_t h = 0; h < j.n_head; h++) m[h] = chunk_softmax(sc + h * j.n_rows, s0, s1, j.softcap, l + h);
-        for (int64_t g = 0; g < j.n_head_kv; g++) {
+        for (int64_t g = 0; blocked && g < j.n_head_kv; g++) {
+            head_runs(g * group, group, block_run, [&](int64_t h, int64_t heads) AVX2 {
+                for (int32_t c = 0; c < hd; c += kv_block) {
+                    const uint8_t * vb = static_cast<const uint8_t *>(v) + g * head_bytes + c / kv_block * kv_block_bytes(j.type);
+                    if (heads == 2) {
+                        column_values_blocks<2>(sc + h * j.n_rows, j.n_rows, vb, j.type, row_bytes, s0, s1, o + h * hd + c, hd);
+                    } else {
+                        column_values_blocks<1>(sc + h * j.n_rows, j.n_rows, vb, j.type, row_bytes, s0, s1, o + h * hd + c, hd);
+                    }
+                }
+            });
+        }
+        for (int64_t g = 0; !blocked && g < j.n_head_kv; g++) {
             head_runs(g * group, group, value_run, [&](int64_t h, int64_t heads) AVX2 {
                 with_heads(int(heads), [&](auto G) AVX2 {
                     constexpr int H = decltype(G)::value;
@@ -2049,8 +2034,7 @@ pebble_status attend(int32_t n_seq, const float * q, int32_t kv_type, void * con
     work *= 8;
 #ifdef PEBBLE_X86
     if (simd_in_use() != simd::portable) {
-        const bool blocks = kv_blocked(kv_type) && head_dim <= max_block_head_dim;
-        if (!kv_blocked(kv_type) && head_dim % 8 == 0) {
+        if (head_dim % 8 == 0) { // the block types' head_dim is a multiple of 32 (pebble_attend's check)
             // The scaled queries and each chunk's partial sums: the calling thread's, kept for its next call.
             static thread_local std::vector<int64_t> first;
             static thread_local std::vector<float> floats;
@@ -2073,7 +2057,7 @@ pebble_status attend(int32_t n_seq, const float * q, int32_t kv_type, void * con
             }
             return PEBBLE_OK;
         }
-        parallel_ranges(int64_t(n_seq) * n_head, work, blocks ? attend_blocks_avx2 : attend_avx2, &job);
+        parallel_ranges(int64_t(n_seq) * n_head, work, attend_avx2, &job);
         return PEBBLE_OK;
     }
 #endif

@@ -75,23 +75,28 @@ def test_every_grouping_of_query_heads_reads_its_own_kv_head(kernels, n_head, n_
 
 
 
+@pytest.mark.parametrize("kv, head_dim", [("f16", 48), ("q8_0", 64), ("q4_0", 64)])
 @pytest.mark.parametrize("n_head, n_kv, softcap", [(8, 2, 0.0), (16, 1, 0.0), (6, 3, 30.0)])
-def test_long_contexts_read_in_chunks_give_the_reference(kernels, n_head, n_kv, softcap):
+def test_long_contexts_read_in_chunks_give_the_reference(kernels, n_head, n_kv, softcap, kv, head_dim):
     """Contexts of one row to past 128 rows (the host library reads a sequence's rows in chunks of up to 128,
-    combined at the end, and a KV head's query heads in runs of up to 8 and 6: 16 heads over one KV head
-    are split), sequences of one chunk and of several in one call: each against the float64 reference, and
-    each the same, bit for bit, alone as beside the others."""
+    combined at the end, and a KV head's query heads in runs of up to 8, 6 and 2: 16 heads over one KV head
+    are split), sequences of one chunk and of several in one call, caches of fp16 and of blocks: each
+    against the float64 reference over the values the cache holds, and each the same, bit for bit, alone
+    as beside the others."""
+    from pyplugin.kv_types import KV_TYPES, decode, encode
+
     rng = np.random.default_rng(n_head)
-    xp, n_rows, head_dim = kernels.xp, 700, 48
+    xp, n_rows, t = kernels.xp, 700, KV_TYPES[kv]
     n_pos = [700, 1, 129, 128, 300]
     q = rng.standard_normal((len(n_pos), n_head, head_dim)).astype(np.float32)
-    caches = [tuple((4 * rng.standard_normal((n_rows, n_kv, head_dim))).astype(np.float16) for _ in range(2))
-              for _ in n_pos]
+    caches = [tuple(encode((4 * rng.standard_normal((n_rows, n_kv, head_dim))).astype(np.float32), t)
+                    for _ in range(2)) for _ in n_pos]
     scale = 1 / np.sqrt(head_dim)
     got = to_host(kernels.attend(xp.asarray(q), [(xp.asarray(k), xp.asarray(v)) for k, v in caches], n_pos, n_kv,
                                  scale, softcap))
     for b, ((k, v), n) in enumerate(zip(caches, n_pos)):
-        np.testing.assert_allclose(got[b], reference(q[b], k, v, n, scale, softcap), rtol=2e-5, atol=2e-5)
+        np.testing.assert_allclose(got[b], reference(q[b], decode(k, t), decode(v, t), n, scale, softcap),
+                                   rtol=2e-5, atol=2e-5)
         alone = to_host(kernels.attend(xp.asarray(q[b:b + 1]), [(xp.asarray(k), xp.asarray(v))], [n], n_kv, scale,
                                        softcap))
         np.testing.assert_array_equal(alone[0], got[b])
