@@ -107,23 +107,31 @@ thread_setting read_thread_setting() {
     return s;
 }
 
-// Ranges of one job are claimed from `state`, which packs the job's generation (16 bits), its number
-// of ranges (24) and the next range to claim (24): a worker that wakes late sees another generation,
-// or no range left, and touches nothing of a job it did not claim part of. The caller waits until
-// every range is done, not until every worker has looked.
+// A job's ranges are split into one stretch per thread, in order: each thread runs its own stretch from
+// the front, range after range, so that what it reads lies in one run of memory (its prefetches, two
+// groups of rows ahead, land in what it reads next); a thread whose stretch is done takes ranges from
+// the back of the stretch with the most left. Against ranges handed out in turn (thread 0 range 0,
+// thread 1 range 1, thread 0 range 2, ...), each thread's next range cold: one vector through
+// Qwen2.5-1.5B's 8960 x 1536 Q4_K matrix 25.7 -> 28-31 GB/s on two threads of an AMD EPYC (Zen 4), its
+// 1536 x 1536 ones 14-17 -> 21-26 GB/s (28 matrices each, not in the CPU's caches, interleaved runs).
+// `state` packs the job's generation (16 bits) and number of ranges (24); each stretch, the generation
+// and its next and end ranges (24 bits each): a worker that wakes late sees another generation, or no
+// range left, and touches nothing of a job it did not claim part of. The caller waits until every range
+// is done, not until every worker has looked.
 class pool {
 public:
     explicit pool(int threads) {
         for (int i = 0; i < threads - 1; i++) {
             try {
-                workers_.emplace_back([this] { work(); });
+                workers_.emplace_back([this, i] { work(i + 1); });
             } catch (...) { // std::system_error: no more threads; the ones started share the work
                 break;
             }
         }
+        n_threads_ = static_cast<int>(workers_.size()) + 1;
     }
 
-    int threads() const { return static_cast<int>(workers_.size()) + 1; }
+    int threads() const { return n_threads_; }
 
     // False when another call holds the pool: the caller then does the work itself.
     bool run(int64_t n_ranges, void (*fn)(void *, int64_t), void * ctx) {
@@ -132,13 +140,18 @@ public:
         fn_ = fn;
         ctx_ = ctx;
         done_.store(0, std::memory_order_relaxed);
-        const uint64_t generation = (state_.load(std::memory_order_relaxed) >> 48) + 1;
+        const uint64_t generation = ((state_.load(std::memory_order_relaxed) >> 48) + 1) & 0xffff;
+        for (int t = 0; t < n_threads_; t++) {
+            const uint64_t first = static_cast<uint64_t>(n_ranges * t / n_threads_);
+            const uint64_t end = static_cast<uint64_t>(n_ranges * (t + 1) / n_threads_);
+            stretch_[t].v.store(pack(generation, first, end), std::memory_order_relaxed);
+        }
         {
             std::lock_guard<std::mutex> lock(mutex_);
-            state_.store((generation & 0xffff) << 48 | static_cast<uint64_t>(n_ranges) << 24, std::memory_order_release);
+            state_.store(generation << 48 | static_cast<uint64_t>(n_ranges) << 24, std::memory_order_release);
         }
         wake_.notify_all();
-        drain(); // the calling thread takes ranges too
+        drain(0); // the calling thread takes ranges too
         const auto spin_until = std::chrono::steady_clock::now() + spin_time;
         for (int spin = 0; done_.load(std::memory_order_acquire) < n_ranges; spin++) {
             if ((spin & 63) != 63 || std::chrono::steady_clock::now() < spin_until) {
@@ -167,23 +180,54 @@ private:
 #endif
     }
 
-    // Claims and runs ranges of the current job until none is left.
-    void drain() {
-        uint64_t s = state_.load(std::memory_order_acquire);
+    static uint64_t pack(uint64_t generation, uint64_t next, uint64_t end) { return generation << 48 | next << 24 | end; }
+    static uint64_t generation_of(uint64_t s) { return s >> 48; }
+    static uint64_t next_of(uint64_t s) { return (s >> 24) & 0xffffff; }
+    static uint64_t end_of(uint64_t s) { return s & 0xffffff; }
+
+    // Claims one range of job `generation` from stretch t: its front (the owner) or its back (a thief).
+    // -1 when the stretch has none left, or belongs to another job.
+    int64_t claim(int t, uint64_t generation, bool front) {
+        uint64_t s = stretch_[t].v.load(std::memory_order_acquire);
         for (;;) {
-            const uint64_t n = (s >> 24) & 0xffffff, next = s & 0xffffff;
-            if (next >= n) return;
-            if (!state_.compare_exchange_weak(s, s + 1, std::memory_order_acq_rel, std::memory_order_acquire)) continue;
-            fn_(ctx_, static_cast<int64_t>(next));
+            if (generation_of(s) != generation || next_of(s) >= end_of(s)) return -1;
+            const uint64_t taken = front ? pack(generation, next_of(s) + 1, end_of(s))
+                                         : pack(generation, next_of(s), end_of(s) - 1);
+            if (stretch_[t].v.compare_exchange_weak(s, taken, std::memory_order_acq_rel, std::memory_order_acquire)) {
+                return static_cast<int64_t>(front ? next_of(s) : end_of(s) - 1);
+            }
+        }
+    }
+
+    // Runs ranges of the current job until none is left: thread `me`'s own stretch, then the others'.
+    void drain(int me) {
+        const uint64_t s = state_.load(std::memory_order_acquire);
+        const uint64_t generation = s >> 48, n = (s >> 24) & 0xffffff;
+        for (;;) {
+            int64_t r = claim(me, generation, true);
+            if (r < 0) { // steal from the stretch with the most left
+                int most = -1;
+                uint64_t left = 0;
+                for (int t = 0; t < n_threads_; t++) {
+                    const uint64_t st = stretch_[t].v.load(std::memory_order_acquire);
+                    if (generation_of(st) == generation && next_of(st) < end_of(st) && end_of(st) - next_of(st) > left) {
+                        most = t;
+                        left = end_of(st) - next_of(st);
+                    }
+                }
+                if (most < 0) return;
+                r = claim(most, generation, false);
+                if (r < 0) continue;
+            }
+            fn_(ctx_, r);
             if (done_.fetch_add(1, std::memory_order_acq_rel) + 1 == static_cast<int64_t>(n)) {
                 std::lock_guard<std::mutex> lock(mutex_);
                 if (waiting_) finished_.notify_one();
             }
-            s = state_.load(std::memory_order_acquire);
         }
     }
 
-    void work() {
+    void work(int me) {
         uint64_t seen = state_.load(std::memory_order_acquire) >> 48;
         for (;;) {
             const auto spin_until = std::chrono::steady_clock::now() + spin_time;
@@ -196,14 +240,17 @@ private:
                 wake_.wait(lock, [&] { return (state_.load(std::memory_order_acquire) >> 48) != seen; });
             }
             seen = state_.load(std::memory_order_acquire) >> 48;
-            drain();
+            drain(me);
         }
     }
 
     std::vector<std::thread> workers_;
+    int n_threads_ = 1;
     std::mutex submit_, mutex_;
     std::condition_variable wake_, finished_;
     std::atomic<uint64_t> state_{0};
+    struct alignas(64) stretch { std::atomic<uint64_t> v{0}; }; // a line each: claimed from by different threads
+    stretch stretch_[max_threads];
     std::atomic<int64_t> done_{0};
     bool waiting_ = false;
     void (*fn_)(void *, int64_t) = nullptr;
