@@ -20,7 +20,8 @@ pebbling `none`, pebbling `minimal`, then again), and each process measures:
            sides
 
 and the greedy tokens. --busy-neighbour runs it all beside a process spinning on one core, as a
-shared machine is. The table gives medians over --runs, the ratios pebbling / llama.cpp, and
+shared machine is. The table gives medians over --runs, the ratios pebbling / llama.cpp of
+those medians, each run's decode ratio over the llama.cpp run just before it (and their median), and
 whether the greedy tokens are equal. Every figure is measured here; the machine may be shared, which
 moves absolute figures between runs: the interleaving is there so that the ratios see the same
 conditions.
@@ -216,6 +217,16 @@ def summarize(runs: list[dict], n_prompt: int, n_decode: int) -> dict:
                 tokens_stable=all(r["tokens"] == runs[0]["tokens"] for r in runs))
 
 
+def paired_ratios(base: list[dict], runs: list[dict]) -> dict:
+    """Each run's prefill and decode rate over the llama.cpp run just before it, and their medians: on a
+    machine whose speed drifts during the runs, the ratio of the two medians can fall on runs of different
+    conditions, where each pair saw nearly the same."""
+    decode = [b["decode_s"] / r["decode_s"] for b, r in zip(base, runs)]
+    prefill = [b["prefill_s"] / r["prefill_s"] for b, r in zip(base, runs)]
+    return dict(decode=decode, prefill=prefill, decode_median=statistics.median(decode),
+                prefill_median=statistics.median(prefill))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--llama-python", default=sys.executable, help="an interpreter with llama_cpp")
@@ -280,6 +291,8 @@ def run_all(args, names: list[str], engines: list[str]) -> dict:
                           f"{(args.decode_tokens - 1) / r['decode_s']:.1f} tok/s, peak RSS {r['rss'] / 2**20:.0f} MiB",
                           file=sys.stderr, flush=True)
             results[name] = {e: summarize(runs[e], args.prompt_tokens, args.decode_tokens) for e in engines}
+            for e in engines[1:]:
+                results[name][e]["paired"] = paired_ratios(runs["llama.cpp"], runs[e])
             results[name]["file_bytes"] = path.stat().st_size
             results[name]["llama_cpp_build"] = runs["llama.cpp"][0].get("build", "unknown")
     return results
@@ -333,6 +346,11 @@ def print_table(results: dict, args) -> None:
                 f"differ from token {next(i for i, (a, b) in enumerate(zip(e['tokens'], base['tokens'])) if a != b)}")
             print(f"  {engine:17s} {e['load_s']:7.2f} {e['prefill_tok_s']:14.1f} {e['decode_tok_s']:13.1f} "
                   f"{e['peak_rss'] / 2**20:13.0f}  {ratios:36s} {same}")
+            if e.get("paired"):
+                pr = e["paired"]
+                print(f"  {'':17s} run by run, over the llama.cpp run before it: decode "
+                      f"{' '.join(f'{x:.2f}' for x in pr['decode'])} (median {pr['decode_median']:.2f}x), prefill "
+                      f"median {pr['prefill_median']:.2f}x")
             if e.get("accounted"):
                 print(f"  {'':17s} (the store's accounted peak: {e['accounted'] / 2**20:.0f} MiB)")
         none, minimal = r.get("pebbling none"), r.get("pebbling minimal")

@@ -1,11 +1,14 @@
 """bench_cpu_vs_llamacpp says when the llama.cpp it measures was built without the vector extensions this CPU
-has and pebbling's kernels use: such a build (a generic wheel) is slower than llama.cpp can be here."""
+has and pebbling's kernels use: such a build (a generic wheel) is slower than llama.cpp can be here; and it
+pairs each run with the llama.cpp run before it."""
 
 from __future__ import annotations
 
 import math
 import sys
 from pathlib import Path
+
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import bench_cpu_vs_llamacpp as bench  # noqa: E402
@@ -50,3 +53,13 @@ def test_the_qwen3_30b_a3b_file_is_its_q4_k_m_like_mix_of_17_gib():
     assert kinds["output.weight"] == kinds["token_embd.weight"] == "Q6_K"
     assert kinds["blk.3.ffn_gate_inp.weight"] == "F32"
     assert 17.0 < total / 2**30 < 17.6
+
+
+def test_each_run_is_paired_with_the_llama_cpp_run_before_it():
+    """A machine that slows down half-way: the medians' ratio pairs a fast llama.cpp run with a slow pebbling
+    one, each run's own ratio does not."""
+    base = [dict(decode_s=1.0, prefill_s=2.0), dict(decode_s=1.0, prefill_s=2.0), dict(decode_s=2.0, prefill_s=4.0)]
+    runs = [dict(decode_s=0.9, prefill_s=1.0), dict(decode_s=1.8, prefill_s=2.0), dict(decode_s=1.8, prefill_s=2.0)]
+    paired = bench.paired_ratios(base, runs)
+    assert paired["decode"] == pytest.approx([1 / 0.9, 1 / 1.8, 2 / 1.8])
+    assert paired["decode_median"] == pytest.approx(1 / 0.9) and paired["prefill_median"] == pytest.approx(2.0)
