@@ -12,8 +12,10 @@ library's handle; they do not grow with the layer count: tests/test_decode_step.
 cost (a few microseconds a step) is counted as native time. Every figure is measured in this run.
 
 It also times the decode step's attention alone (pebble_attend, the same code the step runs per layer) for
-one token over caches of the shape's heads filled to each of --attention-contexts rows: milliseconds per
-layer and per token (all layers), and nanoseconds per cached row per KV head.
+one token over caches of the shape's heads filled to each of --attention-contexts rows: over the same
+caches again and again (in the CPU's caches), milliseconds per layer and per token (all layers) and
+nanoseconds per cached row per KV head; and over every layer's caches in turn, as a decode step reads them
+(from memory where they outgrow the CPU's caches), milliseconds per layer and per token.
 
 --kv-type takes KV cache types (comma-separated): each run measures each type in turn, over the same
 prompt, and the rates are compared with the first type's (a decode rate ratio, and the attention's).
@@ -98,27 +100,40 @@ def profile(path: Path, context: int, tokens: int, runs: int, kv_types: tuple[st
 
 
 def attention_cost(shape: dict, contexts: list[int], repeats: int = 20, kv_type: str = "f16") -> list[dict]:
-    """pebble_attend of one token over `context` cached rows of kv_type, timed (the median of `repeats` calls)."""
+    """pebble_attend of one token over `context` cached rows of kv_type, timed two ways: over the same caches
+    again and again (in the CPU's caches: the median of `repeats` calls), and over each of n_layer layers'
+    caches in turn, as a decode step reads them (from memory, where they exceed the CPU's caches: the
+    median over `repeats` // 4 passes through the layers)."""
     from pyplugin.kv_types import KV_TYPES, encode  # noqa: PLC0415
     from pyplugin.store import backend_named  # noqa: PLC0415
 
     kernels = backend_named("host").kernels
-    n_head, n_head_kv = shape["n_head"], shape["n_head_kv"]
+    n_head, n_head_kv, n_layer = shape["n_head"], shape["n_head_kv"], shape["n_layer"]
     head_dim = shape.get("key_length") or shape["n_embd"] // n_head
     rng, out = np.random.default_rng(0), []
     for context in contexts:
         q = rng.standard_normal((1, n_head, head_dim)).astype(np.float32)
-        caches = [tuple(encode(rng.standard_normal((context, n_head_kv, head_dim)).astype(np.float32), KV_TYPES[kv_type])
-                        for _ in range(2))]
+        one = tuple(encode(rng.standard_normal((context, n_head_kv, head_dim)).astype(np.float32), KV_TYPES[kv_type])
+                    for _ in range(2))
+        layers = [[tuple(c.copy() for c in one)] for _ in range(n_layer)]  # the same values, n_layer places
         times = []
         for _ in range(repeats):
             start = time.perf_counter()
-            kernels.attend(q, caches, [context], n_head_kv, 1.0 / head_dim ** 0.5)
+            kernels.attend(q, layers[0], [context], n_head_kv, 1.0 / head_dim ** 0.5)
             times.append(time.perf_counter() - start)
-        per_layer = statistics.median(times)
+        passes = []
+        for _ in range(max(1, repeats // 4)):
+            start = time.perf_counter()
+            for caches in layers:
+                kernels.attend(q, caches, [context], n_head_kv, 1.0 / head_dim ** 0.5)
+            passes.append((time.perf_counter() - start) / n_layer)
+        per_layer, from_memory = statistics.median(times), statistics.median(passes)
         out.append({"context": context, "ms_per_layer": 1e3 * per_layer,
-                    "ms_per_token": 1e3 * per_layer * shape["n_layer"],
-                    "ns_per_row_per_kv_head": 1e9 * per_layer / context / n_head_kv})
+                    "ms_per_token": 1e3 * per_layer * n_layer,
+                    "ns_per_row_per_kv_head": 1e9 * per_layer / context / n_head_kv,
+                    "ms_per_layer_from_memory": 1e3 * from_memory,
+                    "ms_per_token_from_memory": 1e3 * from_memory * n_layer})
+        del layers
     return out
 
 
@@ -175,9 +190,10 @@ def report_type(kv: str, runs: list[dict], attention: list[dict], n_layer: int) 
     print(f"  median: {100 * m['native_share']:.1f}% native, {100 * (1 - m['native_share']):.1f}% Python "
           f"({m['python_ms_per_token']:.2f} ms/token), {m['native_calls_per_step']:g} native calls per step")
     for a in attention:
-        print(f"  attention alone over {a['context']} cached rows: {a['ms_per_layer']:.3f} ms a layer, "
-              f"{a['ms_per_token']:.2f} ms a token ({n_layer} layers), {a['ns_per_row_per_kv_head']:.2f} ns per "
-              f"row per KV head")
+        print(f"  attention alone over {a['context']} cached rows: {a['ms_per_layer']:.3f} ms a layer in the CPU's "
+              f"caches, {a['ms_per_token']:.2f} ms a token ({n_layer} layers), {a['ns_per_row_per_kv_head']:.2f} ns "
+              f"per row per KV head; each layer's caches in turn, as a step reads them: "
+              f"{a['ms_per_layer_from_memory']:.3f} ms a layer, {a['ms_per_token_from_memory']:.2f} ms a token")
     return {"runs": runs, "median": m, "attention": attention}
 
 

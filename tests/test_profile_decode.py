@@ -29,9 +29,11 @@ def test_a_tiny_profile_reports_where_decode_time_goes(tmp_path, capsys):
             assert 1 <= run["native_calls_per_step"] <= 4
         assert [a["context"] for a in kv["attention"]] == [64, 256]
         assert all(a["ms_per_layer"] > 0 and a["ms_per_token"] == pytest.approx(2 * a["ms_per_layer"])
+                   and a["ms_per_layer_from_memory"] > 0
+                   and a["ms_per_token_from_memory"] == pytest.approx(2 * a["ms_per_layer_from_memory"])
                    for a in kv["attention"])
     q8 = result["kv_types"]["q8_0"]
     assert q8["decode_vs_first"] == pytest.approx(q8["median"]["decode_tok_per_s"]
                                                   / result["kv_types"]["f16"]["median"]["decode_tok_per_s"])
     text = capsys.readouterr().out
-    assert "native calls per step" in text and "KV q8_0 decodes at" in text
+    assert "native calls per step" in text and "KV q8_0 decodes at" in text and "as a step reads them" in text
