@@ -21,7 +21,7 @@ pebbling `none`, pebbling `minimal`, then again), and each process measures:
 
 and the greedy tokens. --busy-neighbour runs it all beside a process spinning on one core, as a
 shared machine is. The table gives medians over --runs, the ratios pebbling / llama.cpp of
-those medians, each run's decode ratio over the llama.cpp run just before it (and their median), and
+those medians, each run's decode ratio over the llama.cpp run of the same round (and their median), and
 whether the greedy tokens are equal. Every figure is measured here; the machine may be shared, which
 moves absolute figures between runs: the interleaving is there so that the ratios see the same
 conditions.
@@ -218,7 +218,7 @@ def summarize(runs: list[dict], n_prompt: int, n_decode: int) -> dict:
 
 
 def paired_ratios(base: list[dict], runs: list[dict]) -> dict:
-    """Each run's prefill and decode rate over the llama.cpp run just before it, and their medians: on a
+    """Each run's prefill and decode rate over the llama.cpp run of the same round, and their medians: on a
     machine whose speed drifts during the runs, the ratio of the two medians can fall on runs of different
     conditions, where each pair saw nearly the same."""
     decode = [b["decode_s"] / r["decode_s"] for b, r in zip(base, runs)]
@@ -348,7 +348,7 @@ def print_table(results: dict, args) -> None:
                   f"{e['peak_rss'] / 2**20:13.0f}  {ratios:36s} {same}")
             if e.get("paired"):
                 pr = e["paired"]
-                print(f"  {'':17s} run by run, over the llama.cpp run before it: decode "
+                print(f"  {'':17s} run by run, over the llama.cpp run of its round: decode "
                       f"{' '.join(f'{x:.2f}' for x in pr['decode'])} (median {pr['decode_median']:.2f}x), prefill "
                       f"median {pr['prefill_median']:.2f}x")
             if e.get("accounted"):

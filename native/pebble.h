@@ -319,8 +319,9 @@ struct pebble_layer_weights {
 // out (n_seq x n_head x head_dim float32) = the softmax-weighted sum of V. Each
 // sequence's result is the same whatever the others in the call. scratch holds at least
 // pebble_attend_scratch_bytes. The host library splits each sequence's rows into chunks of up to 128,
-// read in the order they lie, among its threads, and combines the chunks' softmaxes; the cuda library runs the decode step's attention kernel per sequence (not yet
-// run on a GPU). Errors: PEBBLE_ERR_INVALID_ARGUMENT for a NULL pointer (k_new without v_new or the
+// read in the order they lie, among its threads, and combines the chunks' softmaxes; the cuda library
+// runs the decode step's attention kernels per sequence (not yet run on a GPU).
+// Errors: PEBBLE_ERR_INVALID_ARGUMENT for a NULL pointer (k_new without v_new or the
 // reverse included), a count below 1, heads that do not divide, another kv_type, or
 // a block type with a head_dim of part of a block;
 // PEBBLE_ERR_SIZE_MISMATCH for an n_pos outside 1..n_rows or scratch too small.

@@ -112,8 +112,9 @@ thread_setting read_thread_setting() {
 // groups of rows ahead, land in what it reads next); a thread whose stretch is done takes ranges from
 // the back of the stretch with the most left. Against ranges handed out in turn (thread 0 range 0,
 // thread 1 range 1, thread 0 range 2, ...), each thread's next range cold: one vector through
-// Qwen2.5-1.5B's 8960 x 1536 Q4_K matrix 25.7 -> 28-31 GB/s on two threads of an AMD EPYC (Zen 4), its
-// 1536 x 1536 ones 14-17 -> 21-26 GB/s (28 matrices each, not in the CPU's caches, interleaved runs).
+// Qwen2.5-1.5B's matrices on two threads of an AMD EPYC (Zen 4), 28 of each not in the CPU's caches, the
+// two pools' libraries in turn in one process: 8960 x 1536 Q4_K 27.9 -> 30.1 GB/s, 1536 x 8960 Q6_K
+// 26.1 -> 30.5, 1536 x 1536 Q4_K 29.0 -> 35.3.
 // `state` packs the job's generation (16 bits) and number of ranges (24); each stretch, the generation
 // and its next and end ranges (24 bits each): a worker that wakes late sees another generation, or no
 // range left, and touches nothing of a job it did not claim part of. The caller waits until every range
@@ -1787,8 +1788,9 @@ AVX2 inline void block32(const uint8_t * qs, int32_t type, __m256 out[4]) {
 // (rows t and t + 1 for each KV head) lost half of that again. So a unit is a chunk of one sequence's rows
 // (flash-decoding's split of the context) and its K rows are read in order, every query head's score from
 // each, while the same rows of V are asked into L2 (software prefetch, in order); then each score s
-// becomes exp(s - m), m the chunk's largest, l their total; then V, now in L2, is summed in registers, 16
-// or 32 dims of up to 6 heads over all the chunk's rows at a time: o = sum exp(s - m) v. A sequence of one
+// becomes exp(s - m), m the chunk's largest, l their total; then V, now in L2, is summed in registers over
+// all the chunk's rows, 16 or 32 dims of up to 6 heads at a time (a 32-value block of up to 2 heads for
+// Q8_0 and Q4_0): o = sum exp(s - m) v. A sequence of one
 // chunk ends there (out = o / l); the chunks of a longer one are combined by attend_combine_avx2:
 // out = sum_c exp(m_c - M) o_c / sum_c exp(m_c - M) l_c, M the largest m_c. How a sequence's rows are
 // chunked depends on its own row count alone, so its result is the same beside any others.
@@ -1806,8 +1808,8 @@ struct rows_job {
 inline int64_t part_floats(const attend_job & j) { return int64_t(j.n_head) * (j.head_dim + 2); }
 
 // Up to 8 query heads of one KV head: their scores against one cache row (out[i * stride]). Each head sums
-// in A registers (A = 8 / G), so that about eight chains of multiply-adds run side by side: with one a
-// head, Qwen3's pairs of heads waited on each add's latency.
+// in A registers (8 for one head, 4 for two, 2 for up to six, else 1), so that several chains of
+// multiply-adds run side by side: with one a head, Qwen3's pairs of heads waited on each add's latency.
 template <int G>
 AVX2 inline void row_scores(const float * q, int32_t hd, const void * k, int32_t type, int64_t at, float * out,
                             int64_t stride) {
@@ -2083,8 +2085,8 @@ pebble_status attend(int32_t n_seq, const float * q, int32_t kv_type, void * con
     if (simd_in_use() != simd::portable) {
         if (head_dim % 8 == 0) { // the block types' head_dim is a multiple of 32 (pebble_attend's check)
             // The scaled queries and each chunk's partial sums: the calling thread's, kept for its next call.
-            static thread_local std::vector<int64_t> first;
-            static thread_local std::vector<float> floats;
+            thread_local std::vector<int64_t> first;
+            thread_local std::vector<float> floats;
             int64_t units = 0;
             try {
                 first.resize(size_t(n_seq) + 1);

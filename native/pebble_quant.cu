@@ -368,6 +368,18 @@ constexpr int matvec_rows_per_block = 8;  // warps per thread block: rows sharin
 constexpr int matvec_chunk = 2048;        // x elements staged per vector at a time
 constexpr int matvec_chunk_padded = matvec_chunk + 2 * (matvec_chunk / 64);
 
+// Row `row` of y for each of the NV vectors: the sum of the warp's lanes' acc, stored by lane 0 (every
+// lane of the warp takes part in the shuffles).
+template <int NV>
+__device__ inline void store_row_sums(const float (&acc)[NV], int lane, float * __restrict__ y, int64_t n_rows,
+                                      int64_t row) {
+    PEBBLE_UNROLL
+    for (int v = 0; v < NV; v++) {
+        const float sum = warp_sum(acc[v]);
+        if (lane == 0) y[v * n_rows + row] = sum;
+    }
+}
+
 template <typename T, int NV>
 __global__ void __launch_bounds__(warp_lanes * matvec_rows_per_block)
 matvec_kernel(const uint8_t * __restrict__ w, int64_t n_rows, int64_t n_cols, const uint16_t * __restrict__ x,
@@ -406,12 +418,7 @@ matvec_kernel(const uint8_t * __restrict__ w, int64_t n_rows, int64_t n_cols, co
                 T::decode(w_row + block * T::block_bytes, static_cast<int>(p % T::parts), emit);
             }
         }
-        if (!active) continue;
-        PEBBLE_UNROLL
-        for (int v = 0; v < NV; v++) {
-            const float sum = warp_sum(acc[v]); // every lane of the warp takes part in the shuffles
-            if (lane == 0) y[v * n_rows + row] = sum;
-        }
+        if (active) store_row_sums(acc, lane, y, n_rows, row);
     }
 }
 #endif
@@ -621,12 +628,7 @@ matvec_q8_kernel(const uint8_t * __restrict__ w, int64_t n_rows, int64_t n_cols,
                 }
             }
         }
-        if (!active) continue;
-        PEBBLE_UNROLL
-        for (int v = 0; v < NV; v++) {
-            const float sum = warp_sum(acc[v]); // every lane of the warp takes part in the shuffles
-            if (lane == 0) y[v * n_rows + row] = sum;
-        }
+        if (active) store_row_sums(acc, lane, y, n_rows, row);
     }
 }
 #endif

@@ -1,6 +1,6 @@
 """bench_cpu_vs_llamacpp says when the llama.cpp it measures was built without the vector extensions this CPU
 has and pebbling's kernels use: such a build (a generic wheel) is slower than llama.cpp can be here; and it
-pairs each run with the llama.cpp run before it."""
+pairs each run with the llama.cpp run of the same round."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def test_the_qwen3_30b_a3b_file_is_its_q4_k_m_like_mix_of_17_gib():
     assert 17.0 < total / 2**30 < 17.6
 
 
-def test_each_run_is_paired_with_the_llama_cpp_run_before_it():
+def test_each_run_is_paired_with_the_llama_cpp_run_of_its_round():
     """A machine that slows down half-way: the medians' ratio pairs a fast llama.cpp run with a slow pebbling
     one, each run's own ratio does not."""
     base = [dict(decode_s=1.0, prefill_s=2.0), dict(decode_s=1.0, prefill_s=2.0), dict(decode_s=2.0, prefill_s=4.0)]

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import PebbleError, PebblingError
-from ..xp import array_module, compute_dtype
+from ..xp import array_module, compute_dtype, free_cached
 from . import gpu
 from .abi import TIER_DEVICE
 from .interface import Store
@@ -192,7 +192,7 @@ class CudaBackend(Backend):
         self.current_stream().synchronize()
 
     def free_pool(self) -> None:
-        self.xp.get_default_memory_pool().free_all_blocks()
+        free_cached(self.xp)
 
     def pool_bytes(self) -> int:
         return int(self.xp.get_default_memory_pool().total_bytes())
