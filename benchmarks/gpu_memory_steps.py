@@ -1,8 +1,8 @@
 """Where one process's device memory goes over the life of its requests, step by step, as pebbling
 measures it (NVML): after the CUDA context, a model's load, its first plan (the warm-up its overhead is
-measured after), a first request, a longer prompt, a request from another thread, two sequences at once
-and a streamed (minimal) request; beside each, the overhead a new plan would measure and the request's
-estimated and measured peaks. Prints one JSON line and a table.
+measured after), a first request, a longer prompt, a request from another thread, two sequences at once,
+a streamed (minimal) request and a second model after the first closed; beside each, the overhead a new
+plan would measure and the request's estimated and measured peaks. Prints one JSON line and a table.
 
     python benchmarks/gpu_memory_steps.py [--backend cuda] [--layers 8]
 
@@ -80,6 +80,11 @@ def main(argv: list[str] | None = None) -> int:
         pebbled.close()
         backend.free_pool()
         step("model closed, pool freed")
+        # As `run` then `estimate` in one process (the tests do): a second PebbledModel's own warm-up.
+        pebbled = PebbledModel(model, backend=backend)
+        step("second model's first plan", overhead=overhead(33))
+        request("second model's request", 33)
+        pebbled.close()
     print(json.dumps({"backend": args.backend, "steps": steps}))
     base = steps[0]["used_bytes"] or 0
     for s in steps:

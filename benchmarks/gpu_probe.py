@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -22,9 +23,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _run(command: list[str], timeout: float = 60) -> tuple[int | None, str]:
+def _run(command: list[str], timeout: float = 60, env: dict[str, str] | None = None) -> tuple[int | None, str]:
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return None, f"{type(exc).__name__}: {exc}"
     return done.returncode, (done.stdout + done.stderr).strip()
@@ -88,8 +89,23 @@ def cupy_device() -> dict:
 def device_memory() -> dict:
     """What device memory the pieces of a process take, as pebbling measures it (NVML): whether NVML lists
     this process (else the whole device is what is measured, other processes too), and the bytes after the
-    context and a kernel, after a matrix product (cuBLAS's handle and workspace), and after one in each of
-    two more threads (CuPy makes a handle per thread, as a server's request threads do)."""
+    context and a kernel, after a matrix product (cuBLAS's handle and workspace), after one on each of two
+    new streams (pebbling computes on a stream of its own), and in a thread while it lives and after it
+    ends (CuPy makes a handle per thread, as a server's model threads do). The same again in a process
+    with cuBLAS's workspace set small (CUBLAS_WORKSPACE_CONFIG): whether that is what a handle costs."""
+    out = _memory_pieces()
+    small = {**os.environ, "CUBLAS_WORKSPACE_CONFIG": SMALL_WORKSPACE}
+    rc, text = _run([sys.executable, __file__, "--pieces-only"], env=small)
+    last = [line for line in text.splitlines() if line.startswith("{")][-1:]
+    out["with_small_workspace"] = ({"config": SMALL_WORKSPACE, **json.loads(last[0])} if rc == 0 and last
+                                   else {"config": SMALL_WORKSPACE, "rc": rc, "why": text[-1000:]})
+    return out
+
+
+SMALL_WORKSPACE = ":4096:2"  # cuBLAS's documented form :KiB:count, two 4 MiB buffers
+
+
+def _memory_pieces() -> dict:
     import threading
 
     sys.path.insert(0, str(ROOT))
@@ -97,20 +113,36 @@ def device_memory() -> dict:
         import cupy
         from pyplugin.store import gpu
 
-        steps, first = {}, gpu.used_device_memory()
-        steps["start"] = first.bytes if first else None
+        def used() -> int | None:
+            now = gpu.used_device_memory()
+            return now.bytes if now else None
+
+        steps = {"start": used()}
         (cupy.arange(4) + 1).sum().item()
-        steps["context_and_a_kernel"] = gpu.used_device_memory().bytes
+        steps["context_and_a_kernel"] = used()
         a = cupy.ones((512, 512), dtype=cupy.float16)
         (a @ a).sum().item()
-        steps["a_matrix_product"] = gpu.used_device_memory().bytes
+        steps["a_matrix_product"] = used()
         for n in (1, 2):
-            worker = threading.Thread(target=lambda: (a @ a).sum().item())
-            worker.start()
-            worker.join()
-            steps[f"a_product_in_thread_{n}"] = gpu.used_device_memory().bytes
+            with cupy.cuda.Stream(non_blocking=True):
+                (a @ a).sum().item()
+            steps[f"a_product_on_new_stream_{n}"] = used()
+        computed, measured = threading.Event(), threading.Event()
+
+        def in_thread():
+            (a @ a).sum().item()
+            computed.set()
+            measured.wait(30)
+
+        worker = threading.Thread(target=in_thread)
+        worker.start()
+        computed.wait(30)
+        steps["a_product_in_a_living_thread"] = used()
+        measured.set()
+        worker.join()
+        steps["that_thread_ended"] = used()
         cupy.get_default_memory_pool().free_all_blocks()
-        steps["pool_freed"] = gpu.used_device_memory().bytes
+        steps["pool_freed"] = used()
         use = gpu.used_device_memory()
         return {"ok": True, "how": use.how, "this_process": use.this_process, "bytes": steps}
     except Exception as exc:  # noqa: BLE001
@@ -150,7 +182,11 @@ def pebbling_info() -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", default="cuda", choices=("cuda", "host"))
+    parser.add_argument("--pieces-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.pieces_only:  # device_memory's second process
+        print(json.dumps(_memory_pieces()))
+        return 0
     found = {"python": sys.version.split()[0], "nvidia_smi": nvidia_smi(), "nvml": nvml(),
              "library": library(args.backend), "pebbling_info": pebbling_info()}
     if args.backend == "cuda":
