@@ -7,6 +7,7 @@ needs a GPU and never pays CuPy's import time.
 
 from __future__ import annotations
 
+import os
 from types import ModuleType
 from typing import Any
 
@@ -15,6 +16,12 @@ import numpy as np
 from .errors import PebblingError
 
 NAMES = ("numpy", "cupy")
+
+# cuBLAS's workspace, per handle, and CuPy makes a handle per thread that multiplies: by default 64 MiB on
+# an H200, held while the thread lives (a server's model thread, a request thread), which a plan measured
+# on another thread does not see. Two 4 MiB buffers (cuBLAS's :KiB:count form) took 8 MiB a handle there;
+# read when a handle is made, so set before CuPy makes one. A value in the environment is kept.
+CUBLAS_WORKSPACE = ":4096:2"
 
 
 def get_array_module(*arrays: Any) -> ModuleType:
@@ -32,6 +39,7 @@ def array_module(name: str = "numpy") -> ModuleType:
         return np
     if name != "cupy":
         raise PebblingError(f"unknown array module {name!r}; valid: {', '.join(NAMES)}")
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
     try:
         import cupy
     except ImportError as exc:

@@ -117,3 +117,24 @@ def test_final_counts_and_durations(engine):
     assert len(final.context) == final.report["cached_tokens"] + final.prompt_eval_count + final.eval_count
     (running,) = engine.running()
     assert running.expires_at == FOREVER and running.active == 0
+
+
+def test_a_models_overhead_is_measured_on_its_own_thread_before_a_request_plans(tmp_path, monkeypatch):
+    """On the GPU each thread that multiplies holds a cuBLAS handle of its own while it lives: the model's
+    thread computes every request, so its warm-up (what the overhead is measured after) runs there, and the
+    load waits for it before the request's first plan."""
+    from pyplugin.runtime import PebbledModel
+
+    write_gguf(tmp_path / "tiny.gguf", n_layer=2, n_embd=32, n_head=2, n_head_kv=1, n_ff=64, n_ctx=256)
+    calls: list[str] = []
+    real_warm_up, real_plan = PebbledModel.warm_up, PebbledModel.plan
+    monkeypatch.setattr(PebbledModel, "warm_up", lambda self: (calls.append(threading.current_thread().name),
+                                                               real_warm_up(self))[1])
+    monkeypatch.setattr(PebbledModel, "plan", lambda self, *a, **k: (calls.append("plan"), real_plan(self, *a, **k))[1])
+    eng = Engine(tmp_path)
+    try:
+        text, final = eng.submit(GenerationRequest("tiny", prompt="Hello", options={"num_predict": 2})).result()
+    finally:
+        eng.close()
+    assert final.eval_count == 2
+    assert calls[:2] == ["pebbling-model-tiny", "plan"], calls

@@ -7,6 +7,8 @@ its estimate says.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from helpers import store_backend_params, tiny_model
@@ -14,7 +16,7 @@ from pyplugin.errors import OptionsError, StrategyError
 from pyplugin.runtime import Generation, PebbledModel
 from pyplugin.runtime.options import Options
 from pyplugin.runtime.layout import WEIGHT_IDS
-from pyplugin.runtime.plan import PebblingOptions, make_plan, peak_for, smallest_footprint
+from pyplugin.runtime.plan import MEASURED_MARGIN_BYTES, PebblingOptions, make_plan, peak_for, smallest_footprint
 from pyplugin.store.strategy import ADAPTIVE, resident_layers
 
 N_LAYER = 16
@@ -114,6 +116,19 @@ def test_adaptive_fits_any_budget_above_the_smallest_footprint(model, pebbled, r
     # one more resident layer would not have fitted
     one_more = resident_layers(ADAPTIVE, len(plan.resident) + 1, N_LAYER)
     assert peak_for(memory, one_more)[0] > budget
+
+
+def test_where_memory_is_measured_plans_keep_two_pages_over_the_bytes(model, pebbled):
+    """NVML counts a process's GPU memory in whole 2 MiB pages, each allocation's rounded up apart: every
+    estimate and the floor keep two pages over the bytes there (so a budget adaptive fits is one the
+    measured peak keeps), and nothing where bytes are accounted."""
+    memory = pebbled.memory_model(OPTIONS, len(PROMPT))
+    assert memory.margin_bytes == (MEASURED_MARGIN_BYTES if pebbled.backend.measures_memory else 0)
+    bare, wide = replace(memory, margin_bytes=0), replace(memory, margin_bytes=MEASURED_MARGIN_BYTES)
+    for strategy in ("none", "sqrt", "minimal"):
+        assert (make_plan(wide, strategy).estimated_peak_bytes
+                == make_plan(bare, strategy).estimated_peak_bytes + MEASURED_MARGIN_BYTES)
+    assert smallest_footprint(wide) == smallest_footprint(bare) + MEASURED_MARGIN_BYTES
 
 
 def test_adaptive_interleaves_streamed_layers_between_resident_ones(model, pebbled):

@@ -5,6 +5,7 @@ changes which of them are resident, and `generation()` turns options into a runn
 
 from __future__ import annotations
 
+import threading
 from dataclasses import replace
 from typing import Callable, Sequence
 
@@ -24,7 +25,8 @@ from .conversations import ParkedConversations
 from .generation import Generation
 from .layout import WEIGHT_IDS, StoredTensor, aligned, bytes_of, kv_ids, tensor_desc
 from .options import Options
-from .plan import MemoryModel, PebblingOptions, Plan, format_bytes, make_plan, smallest_footprint, workspace_bytes
+from .plan import (MEASURED_MARGIN_BYTES, MemoryModel, PebblingOptions, Plan, format_bytes, make_plan,
+                   smallest_footprint, workspace_bytes)
 from .store_layers import StoreLayers
 from . import experts
 
@@ -111,6 +113,7 @@ class PebbledModel:
         self.parked = ParkedConversations(self, parked_kv_bytes)
         self.restored: dict[int, int] = {}      # per sequence: tokens its last claim brought back from the host tier
         self._overhead: int | None = None
+        self._overhead_lock = threading.RLock()
 
     def close(self) -> None:
         self.store.close()
@@ -187,6 +190,7 @@ class PebbledModel:
             fixed_bytes=fixed,
             workspace_bytes=workspace,
             overhead_bytes=self._overhead_bytes(),
+            margin_bytes=MEASURED_MARGIN_BYTES if self.backend.measures_memory else 0,
             n_seqs=n_seqs,
             request=request if n_seqs == 1 else f"{n_seqs} sequences decoding together, {request}",
             experts=expert_slots)
@@ -211,21 +215,28 @@ class PebbledModel:
                 hi = mid - 1
         return lo
 
+    def warm_up(self) -> None:
+        """Measures the backend's overhead on the calling thread, where it is not yet measured: a server
+        calls it on the thread that computes, whose cuBLAS handle (one a thread, held while it lives) is
+        then part of what every plan counts."""
+        self._overhead_bytes()
+
     def _overhead_bytes(self) -> int:
         """The backend's own fixed cost: on the GPU, what NVML counts beyond the store's device tier
         and CuPy's pool (the CUDA context, cuBLAS, loaded kernels); 0 on host and stub, which account
         bytes. Measured after a warm-up forward, and never lowered: it only grows as kernels load."""
         if not self.backend.measures_memory:
             return 0
-        if self._overhead is None:
-            self._warm_up()
-            self._overhead = 0
-        self.backend.free_pool()
-        used = self.backend.used_memory()
-        if used is not None:
-            now = used.bytes - self.backend.pool_bytes() - self.store.stats().device_bytes
-            self._overhead = max(self._overhead, now)
-        return self._overhead
+        with self._overhead_lock:
+            if self._overhead is None:
+                self._warm_up()
+                self._overhead = 0
+            self.backend.free_pool()
+            used = self.backend.used_memory()
+            if used is not None:
+                now = used.bytes - self.backend.pool_bytes() - self.store.stats().device_bytes
+                self._overhead = max(self._overhead, now)
+            return self._overhead
 
     def _warm_up(self) -> None:
         """A prefill and a decode step of one layer and the output, so that the kernels and library

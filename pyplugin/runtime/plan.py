@@ -7,6 +7,9 @@ Peak device memory of a plan for a batch of n_seqs sequences (1 for a request al
   + fixed tensors (output norm and output matrix)
   + the workspace of one prefill chunk of num_batch tokens, or of a decode step over the batch
   + the backend's fixed overhead (the CUDA context and allocator on the GPU; 0 on host and stub)
+  + where device memory is measured, the measurement's granularity (margin_bytes: NVML counts a
+    process's memory in whole 2 MiB pages, and allocations in different pages each round up; on the
+    H200 a peak stood up to 1.5 pages over the byte count, so two pages are allowed)
   + with experts as pebbles (runtime.experts): the decoder's expert slots, a cache of C experts per layer
     of experts and its staging slots; the layers' weights above are then their dense part only, and C the
     most the budget leaves room for (at most what the request asks; 0 under minimal)
@@ -25,6 +28,9 @@ from ..store.strategy import ADAPTIVE, NONE, Strategy, resident_layers
 from .experts import ExpertMemory, parse_expert_options
 
 
+MEASURED_MARGIN_BYTES = 2 * (2 << 20)  # two of the 2 MiB pages NVML counts a process's GPU memory in
+
+
 @dataclass(frozen=True)
 class MemoryModel:
     """What one model costs in device memory, in bytes, for one num_ctx, num_batch, dtype and batch size."""
@@ -40,6 +46,7 @@ class MemoryModel:
     n_seqs: int = 1                      # sequences decoding together, each with KV entries of its own
     request: str = "any request"         # what the workspace was sized for, as messages name it
     experts: ExpertMemory | None = None  # experts as pebbles: layer_weight_bytes is then the dense part
+    margin_bytes: int = 0                # what a measured peak may stand over the bytes (0: accounted)
 
     @property
     def n_layers(self) -> int:
@@ -112,7 +119,8 @@ def peak_for(memory: MemoryModel, resident: list[int] | tuple[int, ...], cache: 
     n_slots = min(2, len(streamed))  # double buffering: one computes while the next is restored
     slot_bytes = max((memory.layer_bytes(i) for i in streamed), default=0)
     peak = (store_limit + n_slots * slot_bytes + memory.fixed_bytes + memory.workspace_bytes
-            + memory.overhead_bytes + (memory.experts.device_bytes(cache) if memory.experts else 0))
+            + memory.overhead_bytes + memory.margin_bytes
+            + (memory.experts.device_bytes(cache) if memory.experts else 0))
     return peak, store_limit, n_slots, slot_bytes
 
 

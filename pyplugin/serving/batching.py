@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -73,8 +74,15 @@ class Batcher:
         self.source: StoreLayers | None = None
         self.key: tuple | None = None
         self.round: set[int] = set()  # the requests of the running group that were waiting when it started
+        self.ready = threading.Event()  # set once the model's overhead is measured on this thread
 
     def run(self) -> None:
+        try:  # on the thread that computes, so that its cuBLAS handle is in what plans count
+            self.entry.pebbled.warm_up()
+        except Exception:  # noqa: BLE001 - a request's plan measures again on its thread and says why
+            logger.exception("model=%s: measuring the backend's overhead failed", self.entry.name)
+        finally:
+            self.ready.set()
         waiting: deque[Job] = deque()
         running: list[_Running] = []
         while True:

@@ -275,6 +275,7 @@ class Engine:
                               others=lambda: self._others(entry), run_embed=lambda job: self._run_embed(entry, job))
             entry.worker = threading.Thread(target=batcher.run, daemon=True, name=f"pebbling-model-{name}")
             entry.worker.start()
+            batcher.ready.wait()  # the overhead measured on the model's thread before a request plans
             load_ns = time.perf_counter_ns() - start
             logger.info("loaded model=%s weights=%s backend=%s layers=%d in %.0f ms", name, weights,
                         entry.pebbled.backend.name, entry.model.config.n_layer, load_ns / 1e6)
