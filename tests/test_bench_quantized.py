@@ -24,10 +24,11 @@ def test_a_tiny_run_measures_both_forms_and_every_distinct_matrix(backend, tmp_p
     q, f = result["forms"]["quantized"], result["forms"]["f16"]
     runs = [form["decode"]["step"]["tokens"] for form in (q, f)]
     assert len(runs[0]) == len(runs[1]) == 3
-    # The host library multiplies quantized weights by the activation quantized to 8-bit blocks
-    # (pebble.h), which can turn a near-tie of this random model; elsewhere the forms agree.
+    # The native libraries multiply quantized weights by the activation quantized to 8-bit blocks
+    # (pebble.h: the host's every type, the GPU's Q4_K and Q6_K among them), which can turn a near-tie of
+    # this random model; the stub's kernels take it as it is, and there the forms agree.
     forms_agree = runs[0] == runs[1]
-    assert forms_agree or backend == "host"
+    assert forms_agree or backend != "stub"
     assert q["stored_weight_bytes"] < f["stored_weight_bytes"] / 2  # Q4_K/Q6_K against float32 (fp16 on GPU)
     if backend != "cuda":
         assert q["device_weight_bytes"] == q["stored_weight_bytes"]  # the store's own accounting

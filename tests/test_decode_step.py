@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from helpers import store_backend_params, tiny_model
+from helpers import quantizes_x, store_backend_params, tiny_model
 from pyplugin.errors import ClosedError, InvalidArgumentError, SizeMismatchError
 from pyplugin.runtime import PebbledModel
 from pyplugin.model import QuantWeight, layer_forward
@@ -62,16 +62,21 @@ def setup(kernels, arch, overrides, form, pos, seed=0):
 def reference(cfg, lw, k, v, x, pos, kernels):
     """The model's forward pass on numpy, float32, weights as the decode step sees them: quantized or
     dense matrices through the same fp16-vector matvec (dense ones wrapped as F32/F16 QuantWeights).
-    The matvec is the stub's (x as it is), or on the host library its own, which quantizes x to 8-bit
-    blocks for the quantized types (pebble.h; test_quant_kernels holds it to its documented bound)."""
-    stub = kernels if kernels.name == "host" else backend_named("stub").kernels
+    Each matrix's matvec takes x as the step's does: the stub's (x as it is), or the host library's where
+    the step's kernels quantize x to 8-bit blocks (pebble.h: the host library for the quantized types,
+    the cuda library's integer kernel for four, quantizing as the host does; test_quant_kernels holds
+    both to the documented bound)."""
+    stub = backend_named("stub").kernels
+    native = backend_named("host").kernels if kernels.name in ("host", "cuda") else stub
 
     def as_numpy(a):
         if isinstance(a, QuantWeight):
-            return QuantWeight(a.qtype, a.shape, host(a.data), stub)
+            by = native if kernels.name == "host" or quantizes_x(kernels.name, a.qtype) else stub
+            return QuantWeight(a.qtype, a.shape, host(a.data), by)
         a = host(a).astype(np.float32)
         if a.ndim == 2:  # a dense matrix: its float32 bytes, so the matvec rounds x to fp16 as the step does
-            return QuantWeight(0, a.shape, a.view(np.uint8).reshape(a.shape[0], -1), stub)
+            return QuantWeight(0, a.shape, a.view(np.uint8).reshape(a.shape[0], -1),
+                               native if kernels.name == "host" else stub)
         return a
 
     lw = lw.map(as_numpy)

@@ -9,7 +9,6 @@ in `make test-sanitized`), and on the cuda library where a GPU is present.
 
 from __future__ import annotations
 
-import os
 import re
 
 import numpy as np
@@ -18,7 +17,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import quants as gguf_quants
 from gguf.constants import GGML_QUANT_SIZES
 
-from helpers import store_backend_params
+from helpers import quantizes_x, store_backend_params
 from pyplugin.ggml_types import SUPPORTED_TYPES
 from pyplugin.store import backend_named, native, probe
 from pyplugin.errors import InvalidArgumentError, SizeMismatchError
@@ -51,15 +50,6 @@ def activation_blocks(qtype: Q) -> int:
     if qtype not in QUANTIZED:
         return 0
     return 256 if qtype in K_QUANTS else 32
-
-
-def quantizes_x(backend: str, qtype: Q) -> bool:
-    """Whether the backend's matvec multiplies x quantized to 8-bit blocks of activation_blocks(qtype): the
-    host library's for every quantized type; the cuda library's for Q4_K, Q6_K, Q8_0 and Q4_0, its integer
-    kernel (unless PEBBLING_CUDA_MATVEC=float), which quantizes x as the host does."""
-    if backend == "cuda":
-        return qtype in (Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q4_0) and os.environ.get("PEBBLING_CUDA_MATVEC") != "float"
-    return backend == "host" and bool(activation_blocks(qtype))
 
 
 def quantized_activation(x: np.ndarray, n: int) -> np.ndarray:

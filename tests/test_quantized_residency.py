@@ -53,17 +53,18 @@ _references: dict[tuple[str, str], list[int]] = {}
 
 
 def reference_tokens(name: str, backend: str = "stub") -> list[int]:
-    """Greedy tokens of the f16 form, every layer resident, no store. On the host library, whose matrix
-    kernels multiply the activation quantized to 8-bit blocks (pebble.h), those of the quantized form
-    resident on its own kernels: random-weight models have near-ties that this rounding can turn (as it
-    does llama.cpp's, which quantizes them alike), so the store's paths are held to the library's own
-    resident result; test_quant_kernels bounds the difference itself."""
-    key = (name, "host" if backend == "host" else "f16")
+    """Greedy tokens of the f16 form, every layer resident, no store. On the native libraries, whose matrix
+    kernels multiply the activation quantized to 8-bit blocks (pebble.h: the host library for every
+    quantized type, the cuda library for four), those of the quantized form resident on the library's own
+    kernels: random-weight models have near-ties that this rounding can turn (as it does llama.cpp's,
+    which quantizes them alike), so the store's paths are held to the library's own resident result;
+    test_quant_kernels bounds the difference itself."""
+    key = (name, backend if backend in ("host", "cuda") else "f16")
     if key not in _references:
         arch, overrides = MODELS[name]
-        if key[1] == "host":
+        if key[1] != "f16":
             model = tiny_model(arch, weights="quantized", **overrides)
-            layers = ResidentLayers(model, OPTIONS.num_ctx, backend_named("host").kernels)
+            layers = ResidentLayers(model, OPTIONS.num_ctx, backend_named(backend).kernels)
             tokens = list(Generation(model, OPTIONS, layers=layers).tokens(PROMPT))
         else:
             tokens = list(Generation(tiny_model(arch, weights="f16", **overrides), OPTIONS).tokens(PROMPT))

@@ -184,13 +184,30 @@ def test_a_strategy_change_keeps_the_loaded_model_and_its_tokens(url):
     assert minimal["estimated_peak_bytes"] < reference["pebbling"]["estimated_peak_bytes"]
 
 
+# Where the forms' greedy tokens may part: the native libraries multiply the quantized form by x quantized to
+# 8-bit blocks (pebble.h), the f16 form by x as it is, and that rounding can turn a near-tie of this random
+# model's logits (as it does llama.cpp's). The forms parted here only where the f16 form's two best tokens
+# stood 0.001-0.002 apart in log-probability; a tie is taken as anything under ten times that.
+NEAR_TIE = 0.02
+
+
+def same_tokens_up_to_a_near_tie(a: list[dict], b: list[dict]) -> bool:
+    """Equal tokens until the first difference, and that one a near tie in `b` between the two tokens."""
+    for x, y in zip(a, b):
+        if x["token"] != y["token"]:
+            best, second = y["top_logprobs"][:2]
+            return x["token"] == second["token"] and best["logprob"] - second["logprob"] <= NEAR_TIE
+    return len(a) == len(b)
+
+
 def test_pebbling_weights_picks_the_form_and_both_forms_give_the_same_tokens(url, models_dir):
     write_gguf(models_dir / "tiny-q8.gguf", **{**TINY, "weight_type": "Q8_0"})
     options = {**GREEDY, "num_predict": 12, "pebbling_strategy": "minimal"}
-    quantized = generate(url, model="tiny-q8", options=options).json()
-    f16 = generate(url, model="tiny-q8", options={**options, "pebbling_weights": "f16"}).json()
+    quantized = generate(url, model="tiny-q8", options=options, logprobs=True, top_logprobs=2).json()
+    f16 = generate(url, model="tiny-q8", options={**options, "pebbling_weights": "f16"}, logprobs=True,
+                   top_logprobs=2).json()
     assert quantized["pebbling"]["weights"] == "quantized" and f16["pebbling"]["weights"] == "f16"
-    assert quantized["response"] == f16["response"] and quantized["eval_count"] == 12
+    assert quantized["eval_count"] == 12 and same_tokens_up_to_a_near_tie(quantized["logprobs"], f16["logprobs"])
     assert f16["load_duration"] > 0  # another form is another load, as a load-time option in Ollama
     # Q8_0 is 34 bytes per 32 weights: each decoded token restores far fewer bytes than the GPU's fp16 form
     # (8.5 bits a weight against 16, the norms in float32 in both); on host memory streamed weights and KV
