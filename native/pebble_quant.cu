@@ -364,7 +364,17 @@ dequantize_tiled_kernel(const uint8_t * __restrict__ src, uint16_t * __restrict_
 // it would take reading x from global memory, in the same order: the same sums, bit for bit.
 // (The host build multiplies in pebble_cpu.cc instead.)
 #ifndef PEBBLE_HOST_BUILD
-constexpr int matvec_rows_per_block = 8;  // warps per thread block: rows sharing one staging of x
+#ifndef PEBBLE_MATVEC_ROWS // a build may set these three to compare (benchmarks/bench_matvec.py --libs)
+#    define PEBBLE_MATVEC_ROWS 8
+#endif
+#ifndef PEBBLE_Q8_CHUNK
+#    define PEBBLE_Q8_CHUNK 2048
+#endif
+#ifndef PEBBLE_MATVEC_UNROLL // a lane's parts of a chunk unrolled by this, so their loads can go out together
+#    define PEBBLE_MATVEC_UNROLL 1
+#endif
+constexpr int matvec_unroll = PEBBLE_MATVEC_UNROLL;
+constexpr int matvec_rows_per_block = PEBBLE_MATVEC_ROWS; // warps per thread block: rows sharing one staging of x
 constexpr int matvec_chunk = 2048;        // x elements staged per vector at a time
 constexpr int matvec_chunk_padded = matvec_chunk + 2 * (matvec_chunk / 64);
 
@@ -407,6 +417,7 @@ matvec_kernel(const uint8_t * __restrict__ w, int64_t n_rows, int64_t n_cols, co
             if (!active) continue;
             const uint8_t * w_row = w + row * blocks_per_row * T::block_bytes;
             const int64_t p_end = (c0 + n) / part_elements;
+#pragma unroll matvec_unroll
             for (int64_t p = c0 / part_elements + lane; p < p_end; p += warp_lanes) {
                 const int64_t block = p / T::parts;
                 const int first = static_cast<int>(block * T::block_elements - c0); // the block's element 0 in xs
@@ -435,7 +446,7 @@ matvec_kernel(const uint8_t * __restrict__ w, int64_t n_rows, int64_t n_cols, co
 // d (dot - 8 sum)). Lanes take parts as matvec_kernel's do; each vector's sums are its own, whatever the
 // vectors beside it.
 #ifndef PEBBLE_HOST_BUILD
-constexpr int q8_chunk = 2048;                                 // x elements staged per vector at a time
+constexpr int q8_chunk = PEBBLE_Q8_CHUNK;                      // x elements staged per vector at a time
 constexpr int q8_chunk_bytes = q8_chunk + 4 * (q8_chunk / 64); // one word of padding every 64 (banks)
 
 template <int NV, int QB> struct q8_stage { // QB: the elements of one d (256 for the K-quants, else 32)
@@ -615,6 +626,7 @@ matvec_q8_kernel(const uint8_t * __restrict__ w, int64_t n_rows, int64_t n_cols,
             if (!active) continue;
             const uint8_t * w_row = w + row * blocks_per_row * T::block_bytes;
             const int64_t p_end = (c0 + n) / part_elements;
+#pragma unroll matvec_unroll
             for (int64_t p = c0 / part_elements + lane; p < p_end; p += warp_lanes) {
                 const int64_t block = p / T::parts;
                 const uint8_t * bb = w_row + block * T::block_bytes;

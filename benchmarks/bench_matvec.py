@@ -1,0 +1,149 @@
+"""The matrix-vector kernels on Llama-3-8B's matrices, the weights read from device memory (not the L2):
+GB/s of weights against the device's own copy bandwidth, at 1 and 8 vectors.
+
+    python benchmarks/bench_matvec.py [--backend cuda|host] [--libs A.so,B.so] [--vectors 1,8]
+        [--repeats 9] [--scale 1.0] [--json FILE]
+
+Each matrix is random blocks of its type (each scale a small finite fp16, as files have), in enough
+copies that one round of calls reads over 3x the L2 (so the weights come from memory, as a decode step's
+do); a round is timed with CUDA events, the median of --repeats rounds kept. The device's bandwidth is a
+device-to-device copy of 1 GiB in the same run (bytes read + written over its time).
+
+--libs: the same in one process per library (PEBBLING_LIB), side by side: to compare builds of the cuda
+library (say, PEBBLE_MATVEC_ROWS and PEBBLE_Q8_CHUNK set by -D). On host the clock is the host's and the
+"device" a memcpy; --scale shrinks the rows there: a check of this script, not a GPU figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from pyplugin.store import backend_named  # noqa: E402
+
+# Llama-3-8B's matrices as Q4_K_M lays them out (attn_v, ffn_down and the output in Q6_K), and Q8_0.
+SHAPES = [("Q4_K", 14336, 4096, "ffn_gate, ffn_up"), ("Q6_K", 4096, 14336, "ffn_down"),
+          ("Q4_K", 4096, 4096, "attn_q, attn_output"), ("Q4_K", 1024, 4096, "attn_k"), ("Q6_K", 1024, 4096, "attn_v"),
+          ("Q6_K", 128256, 4096, "output"), ("Q8_0", 14336, 4096, "ffn_up (Q8_0)")]
+SCALE_AT = {Q.Q4_K: (0, 2), Q.Q6_K: (208,), Q.Q8_0: (0,), Q.Q4_0: (0,)}  # each block's fp16 scales (bytes)
+L2_BYTES = 60 << 20  # an H200's (probe reads it); over 3x that per round leaves none in the cache
+
+
+def random_blocks(qtype: Q, n_rows: int, n_cols: int, rng: np.random.Generator) -> np.ndarray:
+    elements, block_bytes = GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, size=(n_rows * n_cols // elements, block_bytes), dtype=np.uint8)
+    scale = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    for at in SCALE_AT[qtype]:
+        blocks[:, at:at + 2] = scale
+    return blocks.reshape(n_rows, -1)
+
+
+def copy_bandwidth(xp, nbytes: int, timed) -> float:
+    src = xp.ones(nbytes, np.uint8)
+    dst = xp.empty_like(src)
+    return 2 * nbytes / timed(lambda: dst.__setitem__(slice(None), src))
+
+
+def measure(backend: str, vectors: list[int], repeats: int, scale: float) -> dict:
+    kernels = backend_named(backend).kernels
+    xp = kernels.xp
+    gpu = xp is not np
+
+    def timed(fn) -> float:
+        fn()  # warm-up
+        seconds = []
+        for _ in range(repeats):
+            if gpu:
+                start, stop = xp.cuda.Event(), xp.cuda.Event()
+                start.record()
+                fn()
+                stop.record()
+                stop.synchronize()
+                seconds.append(xp.cuda.get_elapsed_time(start, stop) / 1e3)
+            else:
+                t0 = time.perf_counter()
+                fn()
+                seconds.append(time.perf_counter() - t0)
+        return statistics.median(seconds)
+
+    copy_bw = copy_bandwidth(xp, int((1 << 30) * (scale if not gpu else 1)), timed)
+    rng = np.random.default_rng(0)
+    rows = []
+    for type_name, n_rows, n_cols, what in SHAPES:
+        qtype = Q[type_name]
+        n_rows = max(256, int(n_rows * scale)) if not gpu else n_rows
+        one = random_blocks(qtype, n_rows, n_cols, rng)
+        copies = max(2, -(-3 * L2_BYTES // one.nbytes)) if gpu else 2
+        weights = [xp.asarray(one) for _ in range(copies)]
+        for nv in vectors:
+            x = xp.asarray(rng.standard_normal((nv, n_cols)).astype(np.float16))
+            out = xp.empty((nv, n_rows), np.float32)
+
+            def round_() -> None:
+                for w in weights:
+                    kernels.matvec(int(qtype), w, n_rows, n_cols, x, out=out)
+
+            per_call = timed(round_) / copies
+            rows.append({"type": type_name, "rows": n_rows, "cols": n_cols, "tensor": what, "vectors": nv,
+                         "weight_bytes": one.nbytes, "copies": copies, "us": per_call * 1e6,
+                         "GBps": one.nbytes / per_call / 1e9, "of_copy": one.nbytes / per_call / copy_bw})
+    return {"backend": backend, "library": os.environ.get("PEBBLING_LIB", "(default)"), "copy_GBps": copy_bw / 1e9,
+            "rows": rows}
+
+
+def table(results: list[dict]) -> str:
+    lines = ["device copy: " + ", ".join(f"{r['copy_GBps']:.0f} GB/s ({Path(r['library']).name})" for r in results)]
+    head = f"{'type':5} {'shape':>13} {'vec':>3} " + " ".join(f"{Path(r['library']).name[:26]:>26}" for r in results)
+    lines += [head, "-" * len(head)]
+    for i, row in enumerate(results[0]["rows"]):
+        cells = " ".join(f"{r['rows'][i]['us']:9.2f} us {r['rows'][i]['GBps']:6.0f} GB/s {r['rows'][i]['of_copy']:4.0%}"
+                         if i < len(r["rows"]) else f"{'-':>26}" for r in results)
+        lines.append(f"{row['type']:5} {row['rows']:>6}x{row['cols']:<6} {row['vectors']:>3} {cells}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backend", default="cuda", choices=("cuda", "host"))
+    parser.add_argument("--libs", default="", help="comma-separated library paths, each run in its own process")
+    parser.add_argument("--vectors", default="1,8")
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--scale", type=float, default=1.0, help="rows x scale off the GPU (a check)")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    vectors = [int(v) for v in args.vectors.split(",")]
+    if not args.libs:
+        results = [measure(args.backend, vectors, args.repeats, args.scale)]
+    else:
+        results = []
+        for lib in args.libs.split(","):
+            with tempfile.NamedTemporaryFile(suffix=".json") as out:
+                argv_one = [sys.executable, __file__, "--backend", args.backend, "--vectors", args.vectors,
+                            "--repeats", str(args.repeats), "--scale", str(args.scale), "--json", out.name]
+                done = subprocess.run(argv_one, env={**os.environ, "PEBBLING_LIB": str(Path(lib).resolve())},
+                                      capture_output=True, text=True)
+                if done.returncode != 0:
+                    print(f"{lib}: exit {done.returncode}\n{done.stderr[-2000:]}", file=sys.stderr)
+                    continue
+                results.extend(json.loads(Path(out.name).read_text()))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    print(table(results) if results else "no library ran")
+    return 0 if results else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""benchmarks/bench_matvec.py at a tiny size on the host library: every Llama-3-8B matrix is timed at each
+vector count, in a process per library with --libs (its GPU figures come from a GPU run; here the logic)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from pyplugin.store import probe
+from pyplugin.store.native import load_library
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import bench_matvec as bench  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not probe("host").usable, reason="the host library is not built here (make host)")
+TINY = ["--backend", "host", "--scale", "0.002", "--repeats", "1", "--vectors", "1,2"]
+
+
+def test_each_matrix_at_each_vector_count(tmp_path, capsys):
+    assert bench.main(TINY + ["--json", str(tmp_path / "m.json")]) == 0
+    (result,) = json.loads((tmp_path / "m.json").read_text())
+    assert [(r["type"], r["cols"], r["vectors"]) for r in result["rows"]] == [
+        (t, cols, nv) for t, _, cols, _ in bench.SHAPES for nv in (1, 2)]
+    assert all(r["us"] > 0 and r["GBps"] > 0 for r in result["rows"]) and result["copy_GBps"] > 0
+    assert "Q6_K" in capsys.readouterr().out
+
+
+def test_libs_run_each_library_in_its_own_process_and_a_bad_one_is_reported(tmp_path, capsys):
+    _, path = load_library("host")
+    assert bench.main(TINY + ["--libs", f"{path},{tmp_path / 'absent.so'}", "--json", str(tmp_path / "m.json")]) == 0
+    results = json.loads((tmp_path / "m.json").read_text())
+    assert [r["library"] for r in results] == [str(Path(path).resolve())]
+    assert "absent.so: exit" in capsys.readouterr().err
