@@ -2,7 +2,7 @@
 GB/s of weights against the device's own copy bandwidth, at 1 and 8 vectors.
 
     python benchmarks/bench_matvec.py [--backend cuda|host] [--libs A.so,B.so] [--vectors 1,8]
-        [--repeats 9] [--scale 1.0] [--json FILE]
+        [--repeats 9] [--scale 1.0] [--json FILE] [--best FILE]
 
 Each matrix is random blocks of its type (each scale a small finite fp16, as files have), in enough
 copies that one round of calls reads over 3x the L2 (so the weights come from memory, as a decode step's
@@ -10,7 +10,9 @@ do); a round is timed with CUDA events, the median of --repeats rounds kept. The
 device-to-device copy of 1 GiB in the same run (bytes read + written over its time).
 
 --libs: the same in one process per library (PEBBLING_LIB), side by side: to compare builds of the cuda
-library (say, PEBBLE_MATVEC_ROWS and PEBBLE_Q8_CHUNK set by -D). On host the clock is the host's and the
+library (PEBBLE_MATVEC_ROWS, PEBBLE_Q8_CHUNK and PEBBLE_MATVEC_UNROLL set by -D); each library's
+matrix-vector time of one Llama-3-8B Q4_K_M token is printed, and --best writes the path of the fastest
+(the first unless another is over 3% faster) to a file. On host the clock is the host's and the
 "device" a memcpy; --scale shrinks the rows there: a check of this script, not a GPU figure.
 """
 
@@ -39,6 +41,9 @@ SHAPES = [("Q4_K", 14336, 4096, "ffn_gate, ffn_up"), ("Q6_K", 4096, 14336, "ffn_
           ("Q4_K", 4096, 4096, "attn_q, attn_output"), ("Q4_K", 1024, 4096, "attn_k"), ("Q6_K", 1024, 4096, "attn_v"),
           ("Q6_K", 128256, 4096, "output"), ("Q8_0", 14336, 4096, "ffn_up (Q8_0)")]
 SCALE_AT = {Q.Q4_K: (0, 2), Q.Q6_K: (208,), Q.Q8_0: (0,), Q.Q4_0: (0,)}  # each block's fp16 scales (bytes)
+PER_TOKEN = {"ffn_gate, ffn_up": 64, "ffn_down": 32, "attn_q, attn_output": 64, "attn_k": 32, "attn_v": 32,
+             "output": 1}  # each matrix's calls in a Llama-3-8B Q4_K_M token (32 layers)
+NOISE = 0.03  # a library is picked over the first only when its token is this much faster
 L2_BYTES = 60 << 20  # an H200's (probe reads it); over 3x that per round leaves none in the cache
 
 
@@ -104,6 +109,21 @@ def measure(backend: str, vectors: list[int], repeats: int, scale: float) -> dic
             "rows": rows}
 
 
+def token_seconds(result: dict, vectors: int) -> float:
+    """The matrix-vector time of one Llama-3-8B Q4_K_M token at `vectors` vectors (a step of that batch)."""
+    return sum(PER_TOKEN[r["tensor"]] * r["us"] / 1e6 for r in result["rows"]
+               if r["vectors"] == vectors and r["tensor"] in PER_TOKEN)
+
+
+def best(results: list[dict]) -> dict:
+    """The library whose tokens (summed over the vector counts) take least, the first unless another is
+    over NOISE faster."""
+    def total(r: dict) -> float:
+        return sum(token_seconds(r, nv) for nv in {row["vectors"] for row in r["rows"]})
+    fastest = min(results, key=total)
+    return fastest if total(fastest) < (1 - NOISE) * total(results[0]) else results[0]
+
+
 def table(results: list[dict]) -> str:
     lines = ["device copy: " + ", ".join(f"{r['copy_GBps']:.0f} GB/s ({Path(r['library']).name})" for r in results)]
     head = f"{'type':5} {'shape':>13} {'vec':>3} " + " ".join(f"{Path(r['library']).name[:26]:>26}" for r in results)
@@ -112,6 +132,9 @@ def table(results: list[dict]) -> str:
         cells = " ".join(f"{r['rows'][i]['us']:9.2f} us {r['rows'][i]['GBps']:6.0f} GB/s {r['rows'][i]['of_copy']:4.0%}"
                          if i < len(r["rows"]) else f"{'-':>26}" for r in results)
         lines.append(f"{row['type']:5} {row['rows']:>6}x{row['cols']:<6} {row['vectors']:>3} {cells}")
+    for nv in sorted({row["vectors"] for row in results[0]["rows"]}):
+        lines.append(f"Llama-3-8B Q4_K_M matvecs a token, {nv} vector(s): "
+                     + ", ".join(f"{token_seconds(r, nv) * 1e3:.3f} ms" for r in results))
     return "\n".join(lines)
 
 
@@ -123,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--scale", type=float, default=1.0, help="rows x scale off the GPU (a check)")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--best", type=Path, help="write the fastest library's path here (see best())")
     args = parser.parse_args(argv)
     vectors = [int(v) for v in args.vectors.split(",")]
     if not args.libs:
@@ -142,6 +166,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     print(table(results) if results else "no library ran")
+    if args.best and results:
+        chosen = best(results)
+        args.best.write_text(chosen["library"])
+        print(f"best: {chosen['library']}")
     return 0 if results else 1
 
 

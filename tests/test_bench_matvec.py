@@ -34,3 +34,16 @@ def test_libs_run_each_library_in_its_own_process_and_a_bad_one_is_reported(tmp_
     results = json.loads((tmp_path / "m.json").read_text())
     assert [r["library"] for r in results] == [str(Path(path).resolve())]
     assert "absent.so: exit" in capsys.readouterr().err
+
+
+def test_best_is_the_first_library_unless_another_is_clearly_faster():
+    def result(name: str, us: float) -> dict:
+        rows = [{"tensor": t, "vectors": nv, "us": us * (8 if nv == 8 else 1)} for _, _, _, t in bench.SHAPES
+                for nv in (1, 8)]
+        return {"library": name, "rows": rows}
+
+    first, close, faster = result("a", 10.0), result("b", 9.8), result("c", 9.0)
+    assert bench.token_seconds(first, 1) == pytest.approx(sum(bench.PER_TOKEN.values()) * 10e-6)
+    assert bench.best([first, close])["library"] == "a"      # 2% is within the noise
+    assert bench.best([first, close, faster])["library"] == "c"
+    assert bench.best([faster, first])["library"] == "c"
