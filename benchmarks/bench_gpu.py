@@ -125,7 +125,8 @@ def row_figures(case: dict, batch: int, run: dict, n_prompt: int, n_decode: int,
                 bus_bps: float, hbm_bps: float) -> dict:
     r = run["report"]
     step_s = run["decode_s"] / n_decode
-    per_step = r.get("bytes_restored_per_token") or 0
+    # A batch's report is sequence 0's: its share of each step's restores, a step's bytes over the batch.
+    per_step = (r.get("bytes_restored_per_token") or 0) * batch
     measured = run["nvml_peak_bytes"] or r["measured_peak_bytes"]
     return {
         "label": case["label"], "strategy": r["strategy"], "batch": batch, "budget_bytes": case["budget"],

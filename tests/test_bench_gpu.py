@@ -138,3 +138,18 @@ def test_a_row_that_breaks_is_recorded_and_the_other_rows_still_run(tmp_path, mo
     failed = [c for c in got["acceptance"] if c["verdict"] == "FAIL"]
     assert [c["check"] for c in failed] == ["F16 25% batch 1: the row ran"]
     assert any("ERROR" in line for line in got["table"])
+
+
+def test_a_batchs_restores_a_step_are_every_sequences_share():
+    """A batch's report is sequence 0's, whose restored bytes a token are its share of each step (the
+    step's over the batch): a step of 8 restores 8 shares, and the transfer bound is the step's."""
+    report = {"bytes_restored_per_token": 1_000_000, "strategy": "minimal", "resident_layers": 0, "n_layers": 4,
+              "estimated_peak_bytes": 100, "measured_peak_bytes": 100, "measured_peak_how": "x",
+              "bytes_restored": 64_000_000}
+    run = {"report": report, "prefill_s": 1.0, "decode_s": 0.08, "nvml_peak_bytes": 100, "nvml_peak_how": "x",
+           "tokens": [[1]] * 8}
+    case = {"label": "minimal", "budget": None, "note": ""}
+    row = bench_gpu.row_figures(case, 8, run, 8, 8, 1000, bus_bps=50e9, hbm_bps=4e12)
+    assert row["bytes_restored_per_step"] == 8_000_000
+    assert row["transfer_bound_ms"] == pytest.approx(8e6 / 50e9 * 1e3, rel=1e-3)
+    assert row["achieved_h2d_GBps"] == pytest.approx(8e6 / 0.01 / 1e9, rel=1e-3)
