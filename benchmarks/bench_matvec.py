@@ -47,10 +47,12 @@ NOISE = 0.03  # a library is picked over the first only when its token is this m
 L2_BYTES = 60 << 20  # an H200's (probe reads it); over 3x that per round leaves none in the cache
 
 
-def random_blocks(qtype: Q, n_rows: int, n_cols: int, rng: np.random.Generator) -> np.ndarray:
+def random_blocks(xp, qtype: Q, n_rows: int, n_cols: int, rng) -> object:
+    """n_rows rows of random blocks of qtype, made where they are used (a 431 MB output matrix takes
+    seconds in numpy), each block's scales set to 0.01."""
     elements, block_bytes = GGML_QUANT_SIZES[qtype]
-    blocks = rng.integers(0, 256, size=(n_rows * n_cols // elements, block_bytes), dtype=np.uint8)
-    scale = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    blocks = rng.randint(0, 256, size=(n_rows * n_cols // elements, block_bytes), dtype=np.uint8)
+    scale = xp.asarray(np.frombuffer(np.float16(0.01).tobytes(), np.uint8))
     for at in SCALE_AT[qtype]:
         blocks[:, at:at + 2] = scale
     return blocks.reshape(n_rows, -1)
@@ -85,16 +87,16 @@ def measure(backend: str, vectors: list[int], repeats: int, scale: float) -> dic
         return statistics.median(seconds)
 
     copy_bw = copy_bandwidth(xp, int((1 << 30) * (scale if not gpu else 1)), timed)
-    rng = np.random.default_rng(0)
+    rng = xp.random.RandomState(0)
     rows = []
     for type_name, n_rows, n_cols, what in SHAPES:
         qtype = Q[type_name]
         n_rows = max(256, int(n_rows * scale)) if not gpu else n_rows
-        one = random_blocks(qtype, n_rows, n_cols, rng)
+        one = random_blocks(xp, qtype, n_rows, n_cols, rng)
         copies = max(2, -(-3 * L2_BYTES // one.nbytes)) if gpu else 2
-        weights = [xp.asarray(one) for _ in range(copies)]
+        weights = [one.copy() for _ in range(copies)]
         for nv in vectors:
-            x = xp.asarray(rng.standard_normal((nv, n_cols)).astype(np.float16))
+            x = rng.standard_normal((nv, n_cols)).astype(np.float16)
             out = xp.empty((nv, n_rows), np.float32)
 
             def round_() -> None:
