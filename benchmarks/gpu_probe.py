@@ -91,18 +91,21 @@ def device_memory() -> dict:
     this process (else the whole device is what is measured, other processes too), and the bytes after the
     context and a kernel, after a matrix product (cuBLAS's handle and workspace), after one on each of two
     new streams (pebbling computes on a stream of its own), and in a thread while it lives and after it
-    ends (CuPy makes a handle per thread, as a server's model threads do). The same again in a process
-    with cuBLAS's workspace set small (CUBLAS_WORKSPACE_CONFIG): whether that is what a handle costs."""
+    ends (CuPy makes a handle per thread, as a server's model threads do), and the time of a prefill's
+    product (512 x 4096 by 4096 x 14336, fp16). The same again in a process for each of WORKSPACES
+    (CUBLAS_WORKSPACE_CONFIG): what a handle costs and what its workspace buys."""
     out = _memory_pieces()
-    small = {**os.environ, "CUBLAS_WORKSPACE_CONFIG": SMALL_WORKSPACE}
-    rc, text = _run([sys.executable, __file__, "--pieces-only"], env=small)
-    last = [line for line in text.splitlines() if line.startswith("{")][-1:]
-    out["with_small_workspace"] = ({"config": SMALL_WORKSPACE, **json.loads(last[0])} if rc == 0 and last
-                                   else {"config": SMALL_WORKSPACE, "rc": rc, "why": text[-1000:]})
+    out["with_workspace"] = {}
+    for config in WORKSPACES:
+        env = {**os.environ, "CUBLAS_WORKSPACE_CONFIG": config}
+        rc, text = _run([sys.executable, __file__, "--pieces-only"], env=env)
+        last = [line for line in text.splitlines() if line.startswith("{")][-1:]
+        out["with_workspace"][config] = json.loads(last[0]) if rc == 0 and last else {"rc": rc, "why": text[-1000:]}
     return out
 
 
-SMALL_WORKSPACE = ":4096:2"  # cuBLAS's documented form :KiB:count, two 4 MiB buffers
+# cuBLAS's documented form :KiB:count: two 4 MiB buffers (pebbling's setting, pyplugin.xp), and none
+WORKSPACES = (":4096:2", ":0:0")
 
 
 def _memory_pieces() -> dict:
@@ -143,8 +146,22 @@ def _memory_pieces() -> dict:
         steps["that_thread_ended"] = used()
         cupy.get_default_memory_pool().free_all_blocks()
         steps["pool_freed"] = used()
+        # what the workspace costs a prefill's product: 512 tokens through a 14336 x 4096 fp16 matrix
+        x, w = (cupy.random.standard_normal(s, dtype=cupy.float32).astype(cupy.float16)
+                for s in ((512, 4096), (4096, 14336)))
+        times = []
+        for _ in range(21):
+            start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+            start.record()
+            x @ w
+            stop.record()
+            stop.synchronize()
+            times.append(cupy.cuda.get_elapsed_time(start, stop) * 1e3)
+        prefill_us = sorted(times[1:])[10]
         use = gpu.used_device_memory()
-        return {"ok": True, "how": use.how, "this_process": use.this_process, "bytes": steps}
+        return {"ok": True, "how": use.how, "this_process": use.this_process, "bytes": steps,
+                "workspace": os.environ.get("CUBLAS_WORKSPACE_CONFIG", "(cuBLAS's default)"),
+                "prefill_product_us": round(prefill_us, 1)}
     except Exception as exc:  # noqa: BLE001
         return {"ok": False, "why": f"{type(exc).__name__}: {exc}"}
 

@@ -365,13 +365,13 @@ dequantize_tiled_kernel(const uint8_t * __restrict__ src, uint16_t * __restrict_
 // (The host build multiplies in pebble_cpu.cc instead.)
 #ifndef PEBBLE_HOST_BUILD
 #ifndef PEBBLE_MATVEC_ROWS // a build may set these three to compare (benchmarks/bench_matvec.py --libs)
-#    define PEBBLE_MATVEC_ROWS 8
+#    define PEBBLE_MATVEC_ROWS 16
 #endif
 #ifndef PEBBLE_Q8_CHUNK
-#    define PEBBLE_Q8_CHUNK 2048
+#    define PEBBLE_Q8_CHUNK 4096
 #endif
 #ifndef PEBBLE_MATVEC_UNROLL // a lane's parts of a chunk unrolled by this, so their loads can go out together
-#    define PEBBLE_MATVEC_UNROLL 1
+#    define PEBBLE_MATVEC_UNROLL 4
 #endif
 constexpr int matvec_unroll = PEBBLE_MATVEC_UNROLL;
 constexpr int matvec_rows_per_block = PEBBLE_MATVEC_ROWS; // warps per thread block: rows sharing one staging of x

@@ -19,9 +19,11 @@ NAMES = ("numpy", "cupy")
 
 # cuBLAS's workspace, per handle, and CuPy makes a handle per thread that multiplies: by default 64 MiB on
 # an H200, held while the thread lives (a server's model thread, a request thread), which a plan measured
-# on another thread does not see. Two 4 MiB buffers (cuBLAS's :KiB:count form) took 8 MiB a handle there;
-# read when a handle is made, so set before CuPy makes one. A value in the environment is kept.
-CUBLAS_WORKSPACE = ":4096:2"
+# on another thread does not see. No workspace (cuBLAS's :KiB:count form) made a handle cost nothing
+# there, two 4 MiB buffers 8 MiB; a prefill's product (512 x 4096 by 4096 x 14336, fp16) took 118.7 us,
+# 124.2 and 108.7 by default (one process each, H200, 11-27). Read when a handle is made, so set before
+# CuPy makes one; a value in the environment is kept.
+CUBLAS_WORKSPACE = ":0:0"
 
 
 def get_array_module(*arrays: Any) -> ModuleType:

@@ -41,3 +41,4 @@ def test_cupy_weights_and_cache_live_on_the_device():
     assert isinstance(lw.wq, cupy.ndarray) and lw.wq.dtype == np.float16
     assert isinstance(gen.layers.kv.k[0], cupy.ndarray) and gen.layers.kv.k[0].dtype == np.float16
     assert isinstance(gen.outer.token_embd, np.ndarray)   # rows are gathered on the host
+
