@@ -364,7 +364,7 @@ dequantize_tiled_kernel(const uint8_t * __restrict__ src, uint16_t * __restrict_
 // it would take reading x from global memory, in the same order: the same sums, bit for bit.
 // (The host build multiplies in pebble_cpu.cc instead.)
 #ifndef PEBBLE_HOST_BUILD
-#ifndef PEBBLE_MATVEC_ROWS // a build may set these three to compare (benchmarks/bench_matvec.py --libs)
+#ifndef PEBBLE_MATVEC_ROWS // a build may set these four to compare (benchmarks/bench_matvec.py --libs)
 #    define PEBBLE_MATVEC_ROWS 16
 #endif
 #ifndef PEBBLE_Q8_CHUNK
@@ -373,6 +373,10 @@ dequantize_tiled_kernel(const uint8_t * __restrict__ src, uint16_t * __restrict_
 #ifndef PEBBLE_MATVEC_UNROLL // a lane's parts of a chunk unrolled by this, so their loads can go out together
 #    define PEBBLE_MATVEC_UNROLL 4
 #endif
+#ifndef PEBBLE_MATVEC_PERSIST // 1: x staged once a block where a row fits one chunk (0: once a row group)
+#    define PEBBLE_MATVEC_PERSIST 1
+#endif
+constexpr bool matvec_persist = PEBBLE_MATVEC_PERSIST != 0;
 constexpr int matvec_unroll = PEBBLE_MATVEC_UNROLL;
 constexpr int matvec_rows_per_block = PEBBLE_MATVEC_ROWS; // warps per thread block: rows sharing one staging of x
 constexpr int matvec_chunk = 2048;        // x elements staged per vector at a time
@@ -613,6 +617,13 @@ matvec_q8_kernel(const uint8_t * __restrict__ w, int64_t n_rows, int64_t n_cols,
     __shared__ __align__(16) q8_stage<NV, k_quant ? 256 : 32> st;
     const int64_t blocks_per_row = n_cols / T::block_elements;
     const int lane = static_cast<int>(threadIdx.x);
+    // A row that fits one chunk: x staged once, then every row the block takes read without a barrier
+    // (the launcher gives such a product only the blocks the GPU holds at once, so each stages once).
+    const bool whole = matvec_persist && n_cols <= q8_chunk;
+    if (whole) {
+        stage_q8<NV>(x, n_cols, 0, static_cast<int>(n_cols), st);
+        __syncthreads();
+    }
     for (int64_t base = int64_t(blockIdx.x) * matvec_rows_per_block; base < n_rows;
          base += int64_t(gridDim.x) * matvec_rows_per_block) {
         const int64_t row = base + threadIdx.y;
@@ -620,9 +631,11 @@ matvec_q8_kernel(const uint8_t * __restrict__ w, int64_t n_rows, int64_t n_cols,
         float acc[NV] = {};
         for (int64_t c0 = 0; c0 < n_cols; c0 += q8_chunk) {
             const int n = static_cast<int>(n_cols - c0 < q8_chunk ? n_cols - c0 : q8_chunk);
-            __syncthreads(); // every warp is done with the last chunk
-            stage_q8<NV>(x, n_cols, c0, n, st);
-            __syncthreads();
+            if (!whole) {
+                __syncthreads(); // every warp is done with the last chunk
+                stage_q8<NV>(x, n_cols, c0, n, st);
+                __syncthreads();
+            }
             if (!active) continue;
             const uint8_t * w_row = w + row * blocks_per_row * T::block_bytes;
             const int64_t p_end = (c0 + n) / part_elements;
@@ -759,6 +772,20 @@ pebble_status launch_dequantize(const uint8_t * src, uint16_t * dst, int64_t n_b
 }
 
 #ifndef PEBBLE_HOST_BUILD
+// The thread blocks of `kernel` (of `threads` threads) the device holds at once: its multiprocessors times
+// the blocks one of them holds; max_grid where the runtime cannot say.
+template <typename K>
+int64_t resident_blocks(K kernel, int threads) {
+    int device = 0, sms = 0, per_sm = 0;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0) != cudaSuccess || sms * per_sm < 1) {
+        cudaGetLastError(); // not an error of the launch that follows
+        return max_grid;
+    }
+    return int64_t(sms) * per_sm;
+}
+
 // PEBBLING_CUDA_MATVEC=float keeps Q4_K, Q6_K, Q8_0 and Q4_0 on matvec_kernel (x in fp16, no integer
 // products): to compare the two on a GPU, or to go on where the integer kernel is in doubt.
 bool integer_matvec() {
@@ -783,7 +810,9 @@ pebble_status launch_matvec_n(const uint8_t * w, int64_t n_rows, int64_t n_cols,
                   T::id == type_q4_0::id) { // 16-byte loads of x (and Q4_K's weights)
         const uintptr_t aligned = reinterpret_cast<uintptr_t>(x) | (T::id == type_q4_k::id ? reinterpret_cast<uintptr_t>(w) : 0);
         if ((aligned & 15) == 0 && integer_matvec()) {
-            matvec_q8_kernel<T, NV><<<static_cast<unsigned>(grid), block, 0, stream>>>(w, n_rows, n_cols, x, y);
+            static const int64_t held = resident_blocks(matvec_q8_kernel<T, NV>, warp_lanes * matvec_rows_per_block);
+            const int64_t blocks = matvec_persist && n_cols <= q8_chunk ? std::min(grid, held) : grid;
+            matvec_q8_kernel<T, NV><<<static_cast<unsigned>(blocks), block, 0, stream>>>(w, n_rows, n_cols, x, y);
             return check_launch("pebble_matvec", T::id);
         }
     }
