@@ -4,10 +4,13 @@ measured after), a first request, a longer prompt, a request from another thread
 a streamed (minimal) request and a second model after the first closed; beside each, the overhead a new
 plan would measure and the request's estimated and measured peaks. Prints one JSON line and a table.
 
-    python benchmarks/gpu_memory_steps.py [--backend cuda] [--layers 8]
+    python benchmarks/gpu_memory_steps.py [--backend cuda] [--layers 8] [--n-embd 64] [--n-ff 128]
+        [--n-head 4] [--n-head-kv 2] [--num-batch 64]
 
 The question it answers: which step loads memory that the warm-up did not (so that a floor named by
-`estimate` in a fresh process differs from the server's after some requests).
+`estimate` in a fresh process differs from the server's after some requests). At a real width (4096,
+14336, a prompt chunk of 128) it also shows whether a prompt's products load kernels the warm-up's short
+chunk did not (cuBLAS loads a kernel's module when it is first used).
 """
 
 from __future__ import annotations
@@ -30,10 +33,18 @@ from pyplugin.runtime.plan import PebblingOptions  # noqa: E402
 from pyplugin.store import backend_named  # noqa: E402
 
 
+SHAPE_ARGS = ("layers", "n_embd", "n_ff", "n_head", "n_head_kv", "num_batch")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", default="cuda")
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--n-embd", type=int, default=64)
+    parser.add_argument("--n-ff", type=int, default=128)
+    parser.add_argument("--n-head", type=int, default=4)
+    parser.add_argument("--n-head-kv", type=int, default=2)
+    parser.add_argument("--num-batch", type=int, default=64, help="a prompt's chunk: its products' shapes")
     args = parser.parse_args(argv)
     backend = backend_named(args.backend)
     steps: list[dict] = []
@@ -49,12 +60,12 @@ def main(argv: list[str] | None = None) -> int:
     backend.xp.zeros(4).sum().item()
     step("context and a kernel")
     with tempfile.TemporaryDirectory() as tmp:
-        path = write_gguf(Path(tmp) / "tiny.gguf", n_layer=args.layers, n_embd=64, n_head=4, n_head_kv=2, n_ff=128,
-                          n_ctx=256, weight_type="Q8_0")
+        path = write_gguf(Path(tmp) / "model.gguf", n_layer=args.layers, n_embd=args.n_embd, n_head=args.n_head,
+                          n_head_kv=args.n_head_kv, n_ff=args.n_ff, n_ctx=256, weight_type="Q8_0")
         model = load_model(path, progress=False)
         pebbled = PebbledModel(model, backend=backend)
         step("model loaded")
-        options = Options(temperature=0, num_predict=4, num_ctx=256, num_batch=64)
+        options = Options(temperature=0, num_predict=4, num_ctx=256, num_batch=args.num_batch)
 
         def overhead(n_prompt: int, n_seqs: int = 1) -> int:
             return pebbled.memory_model(options, n_prompt, n_seqs=n_seqs).overhead_bytes
@@ -85,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         step("second model's first plan", overhead=overhead(33))
         request("second model's request", 33)
         pebbled.close()
-    print(json.dumps({"backend": args.backend, "steps": steps}))
+    print(json.dumps({"backend": args.backend, "shape": {k: getattr(args, k) for k in SHAPE_ARGS}, "steps": steps}))
     base = steps[0]["used_bytes"] or 0
     for s in steps:
         extra = {k: v for k, v in s.items() if k not in ("step", "used_bytes")}

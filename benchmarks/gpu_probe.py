@@ -167,14 +167,21 @@ def _memory_pieces() -> dict:
 
 
 def memory_steps() -> dict:
-    """benchmarks/gpu_memory_steps.py in a process of its own: a model's device memory step by step."""
-    rc, text = _run([sys.executable, str(ROOT / "benchmarks" / "gpu_memory_steps.py")], timeout=60)
-    print(text)
-    last = [line for line in text.splitlines() if line.startswith("{")][-1:]
-    try:
-        return {"rc": rc, **json.loads(last[0])} if last else {"rc": rc, "why": text[-1000:]}
-    except json.JSONDecodeError:
-        return {"rc": rc, "why": text[-1000:]}
+    """benchmarks/gpu_memory_steps.py in a process of its own: a model's device memory step by step, for
+    the tiny model and for one layer of Llama-3-8B's width with prompt chunks of 128."""
+    found = {}
+    for name, extra, timeout in (("tiny", [], 60), ("llama3_8b_width", WIDE, 120)):
+        rc, text = _run([sys.executable, str(ROOT / "benchmarks" / "gpu_memory_steps.py"), *extra], timeout=timeout)
+        print(text)
+        last = [line for line in text.splitlines() if line.startswith("{")][-1:]
+        try:
+            found[name] = {"rc": rc, **json.loads(last[0])} if last else {"rc": rc, "why": text[-1000:]}
+        except json.JSONDecodeError:
+            found[name] = {"rc": rc, "why": text[-1000:]}
+    return found
+
+
+WIDE = ["--layers", "1", "--n-embd", "4096", "--n-ff", "14336", "--n-head", "32", "--n-head-kv", "8", "--num-batch", "128"]
 
 
 def library(kind: str) -> dict:
