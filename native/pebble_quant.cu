@@ -364,11 +364,14 @@ dequantize_tiled_kernel(const uint8_t * __restrict__ src, uint16_t * __restrict_
 // it would take reading x from global memory, in the same order: the same sums, bit for bit.
 // (The host build multiplies in pebble_cpu.cc instead.)
 #ifndef PEBBLE_HOST_BUILD
-#ifndef PEBBLE_MATVEC_ROWS // a build may set these four to compare (benchmarks/bench_matvec.py --libs)
+#ifndef PEBBLE_MATVEC_ROWS // a build may set these five to compare (benchmarks/bench_matvec.py --libs)
 #    define PEBBLE_MATVEC_ROWS 16
 #endif
 #ifndef PEBBLE_Q8_CHUNK
 #    define PEBBLE_Q8_CHUNK 4096
+#endif
+#ifndef PEBBLE_Q8_CHUNK_FEW // the same at one or two vectors
+#    define PEBBLE_Q8_CHUNK_FEW 16384
 #endif
 #ifndef PEBBLE_MATVEC_UNROLL // a lane's parts of a chunk unrolled by this, so their loads can go out together
 #    define PEBBLE_MATVEC_UNROLL 4
@@ -450,13 +453,15 @@ matvec_kernel(const uint8_t * __restrict__ w, int64_t n_rows, int64_t n_cols, co
 // d (dot - 8 sum)). Lanes take parts as matvec_kernel's do; each vector's sums are its own, whatever the
 // vectors beside it.
 #ifndef PEBBLE_HOST_BUILD
-constexpr int q8_chunk = PEBBLE_Q8_CHUNK;                      // x elements staged per vector at a time
-constexpr int q8_chunk_bytes = q8_chunk + 4 * (q8_chunk / 64); // one word of padding every 64 (banks)
+// x elements staged per vector at a time: at one or two vectors a 14336-column row (Llama-3-8B's
+// ffn_down) fits one chunk within the 48 KB a block's static shared memory may take; more take 4096.
+template <int NV> constexpr int q8_chunk = NV <= 2 ? PEBBLE_Q8_CHUNK_FEW : PEBBLE_Q8_CHUNK;
+constexpr int q8_chunk_bytes(int chunk) { return chunk + 4 * (chunk / 64); } // a word of padding every 64 (banks)
 
 template <int NV, int QB> struct q8_stage { // QB: the elements of one d (256 for the K-quants, else 32)
-    int8_t q[NV][q8_chunk_bytes];   // x's q, element e of the chunk at staged_at<1>(e)
-    float d[NV][q8_chunk / QB];     // each QB's d
-    int32_t sum[NV][q8_chunk / 16]; // each 16's sum of q
+    int8_t q[NV][q8_chunk_bytes(q8_chunk<NV>)]; // x's q, element e of the chunk at staged_at<1>(e)
+    float d[NV][q8_chunk<NV> / QB];             // each QB's d
+    int32_t sum[NV][q8_chunk<NV> / 16];         // each 16's sum of q
 };
 
 // Vector v's elements [c0, c0 + n) of x (fp16, n a multiple of QB) into st, a warp 256 elements, eight a
@@ -619,7 +624,8 @@ matvec_q8_kernel(const uint8_t * __restrict__ w, int64_t n_rows, int64_t n_cols,
     const int lane = static_cast<int>(threadIdx.x);
     // A row that fits one chunk: x staged once, then every row the block takes read without a barrier
     // (the launcher gives such a product only the blocks the GPU holds at once, so each stages once).
-    const bool whole = matvec_persist && n_cols <= q8_chunk;
+    constexpr int chunk = q8_chunk<NV>;
+    const bool whole = matvec_persist && n_cols <= chunk;
     if (whole) {
         stage_q8<NV>(x, n_cols, 0, static_cast<int>(n_cols), st);
         __syncthreads();
@@ -629,8 +635,8 @@ matvec_q8_kernel(const uint8_t * __restrict__ w, int64_t n_rows, int64_t n_cols,
         const int64_t row = base + threadIdx.y;
         const bool active = row < n_rows; // the block's other warps still stage x and meet at the barriers
         float acc[NV] = {};
-        for (int64_t c0 = 0; c0 < n_cols; c0 += q8_chunk) {
-            const int n = static_cast<int>(n_cols - c0 < q8_chunk ? n_cols - c0 : q8_chunk);
+        for (int64_t c0 = 0; c0 < n_cols; c0 += chunk) {
+            const int n = static_cast<int>(n_cols - c0 < chunk ? n_cols - c0 : chunk);
             if (!whole) {
                 __syncthreads(); // every warp is done with the last chunk
                 stage_q8<NV>(x, n_cols, c0, n, st);
@@ -811,7 +817,7 @@ pebble_status launch_matvec_n(const uint8_t * w, int64_t n_rows, int64_t n_cols,
         const uintptr_t aligned = reinterpret_cast<uintptr_t>(x) | (T::id == type_q4_k::id ? reinterpret_cast<uintptr_t>(w) : 0);
         if ((aligned & 15) == 0 && integer_matvec()) {
             static const int64_t held = resident_blocks(matvec_q8_kernel<T, NV>, warp_lanes * matvec_rows_per_block);
-            const int64_t blocks = matvec_persist && n_cols <= q8_chunk ? std::min(grid, held) : grid;
+            const int64_t blocks = matvec_persist && n_cols <= q8_chunk<NV> ? std::min(grid, held) : grid;
             matvec_q8_kernel<T, NV><<<static_cast<unsigned>(blocks), block, 0, stream>>>(w, n_rows, n_cols, x, y);
             return check_launch("pebble_matvec", T::id);
         }
