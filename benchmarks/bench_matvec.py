@@ -107,8 +107,10 @@ def measure(backend: str, vectors: list[int], repeats: int, scale: float) -> dic
             rows.append({"type": type_name, "rows": n_rows, "cols": n_cols, "tensor": what, "vectors": nv,
                          "weight_bytes": one.nbytes, "copies": copies, "us": per_call * 1e6,
                          "GBps": one.nbytes / per_call / 1e9, "of_copy": one.nbytes / per_call / copy_bw})
-    return {"backend": backend, "library": os.environ.get("PEBBLING_LIB", "(default)"), "copy_GBps": copy_bw / 1e9,
-            "rows": rows}
+    result = {"backend": backend, "library": os.environ.get("PEBBLING_LIB", "(default)"), "copy_GBps": copy_bw / 1e9,
+              "rows": rows}
+    result["token_ms"] = {str(nv): token_seconds(result, nv) * 1e3 for nv in vectors}
+    return result
 
 
 def token_seconds(result: dict, vectors: int) -> float:

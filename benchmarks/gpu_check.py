@@ -17,11 +17,16 @@ On a bare machine (the GPU image's Python with CuPy, torch, transformers, accele
   profile  ncu's time of each kernel (the first 400 launches, CUDA graphs off) while bench_gpu.py runs one
            layer of the shape with its output, batch 1: where a decode step's time goes (cuda only; where
            ncu is not found, recorded so)
+  matvec   benchmarks/bench_matvec.py over build/libpebble_<backend>.so and every build in build/variants/
+           (each a -D setting of the integer matvec, made where nvcc is and carried): each library's time
+           of a Llama-3-8B Q4_K_M token's products, side by side
 Each stage is timed and has a timeout (its cap in CAPS, or --cap, within the time left of --budget-s,
 keeping FLOOR seconds for each later stage); one that times out or fails is recorded and the next runs.
 DIR gets: gpu_check.json (every stage's command, rc, time, timeout, pass/fail/skip counts and failures, the
-probe's findings, the benchmark's JSON, the kernels' times), summary.txt, one log per stage, bench.json: at
-most 8 files, flat, so that a machine which hands back only a few files returns them all. Exit 0 when every stage passed. --backend host runs the same on a CPU machine (without --no-skip-gpu) to check this script.
+probe's findings, the benchmark's and the matvec comparison's JSON, the kernels' times), summary.txt and
+one log per stage: at most 8 files, flat, so that a machine which hands back only a few files returns them
+all. Exit 0 when every stage passed. --backend host runs the same on a CPU machine (without --no-skip-gpu)
+to check this script.
 """
 
 from __future__ import annotations
@@ -47,10 +52,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from gpu_wheels import read_pins, wheel_name  # noqa: E402
 
-STAGES = ("probe", "kernels", "tests", "bench", "profile")
+STAGES = ("probe", "kernels", "tests", "bench", "profile", "matvec")
 KERNEL_TESTS = ["tests/test_quant_kernels.py", "tests/test_decode_step.py", "tests/test_attend.py"]
-CAPS = {"setup": 120, "build": 300, "probe": 120, "kernels": 150, "tests": 270, "bench": 240, "profile": 90}
-FLOOR = {"probe": 20, "kernels": 45, "tests": 90, "bench": 60, "profile": 40}  # a later stage's least
+CAPS = {"setup": 120, "build": 300, "probe": 120, "kernels": 150, "tests": 270, "bench": 240, "profile": 90,
+        "matvec": 120}
+FLOOR = {"probe": 20, "kernels": 45, "tests": 90, "bench": 60, "profile": 40, "matvec": 30}  # a later stage's least
 PROFILE_ARGS = "--layers 1 --types Q4_K_M --rows none --batches 1 --prompt 16 --tokens 4 --peers none"
 # The benchmark inside the 9 minutes: a slice of the Llama-3-8B shape. The full run is its own command
 # (README: On a GPU).
@@ -252,7 +258,9 @@ def stage_plan(args, work: Path, python: str) -> list[Stage]:
     workers = ["-n", str(args.test_workers)] if args.test_workers > 0 else []
     # the kernel tests ran in their own stage just before: the suite takes the rest
     done = [f"--ignore={t}" for t in args.kernel_tests if "kernels" in args.stages and args.tests == ["tests"]]
-    bench_json = Path(args.dir) / "bench.json"
+    bench_json = work / "bench.json"
+    variants = sorted((ROOT / "build" / "variants").glob("*.so")) if args.backend == "cuda" else []  # cuda builds
+    libs = [ROOT / "build" / f"libpebble_{args.backend}.so", *variants]
     return [
         Stage("probe", [python, str(ROOT / "benchmarks" / "gpu_probe.py"), "--backend", args.backend], caps["probe"],
               probe_env),
@@ -267,6 +275,9 @@ def stage_plan(args, work: Path, python: str) -> list[Stage]:
                           str(ROOT / "benchmarks" / "bench_gpu.py"), "--backend", args.backend, "--json",
                           str(work / "profiled.json"), "--dir", str(work), *shlex.split(PROFILE_ARGS)], caps["profile"],
               {"PEBBLING_CUDA_GRAPHS": "0"}),
+        Stage("matvec", [python, str(ROOT / "benchmarks" / "bench_matvec.py"), "--backend", args.backend,
+                         "--libs", ",".join(str(lib) for lib in libs), "--json", str(work / "matvec.json"),
+                         *([] if args.backend == "cuda" else ["--scale", "0.002", "--repeats", "1"])], caps["matvec"]),
     ]
 
 
@@ -348,8 +359,9 @@ def run_all(args, out_dir: Path) -> dict:
             result["probe"] = json.loads(last[0]) if last else None
         except json.JSONDecodeError:
             result["probe"] = None
-    bench = out_dir / "bench.json"
-    result["bench"] = json.loads(bench.read_text()) if bench.is_file() else None
+    for name in ("bench", "matvec"):
+        found = work / f"{name}.json"
+        result[name] = json.loads(found.read_text()) if found.is_file() else None
     result["profile"] = read_profile(out_dir / "profile.log")
     shutil.rmtree(work, ignore_errors=True)
     return result
@@ -376,6 +388,9 @@ def summary(result: dict) -> str:
     bench = result.get("bench")
     if bench:
         lines += ["", *bench.get("table", [])]
+    for lib in result.get("matvec") or []:
+        lines.append(f"  matvec {Path(lib['library']).name}: a Llama-3-8B Q4_K_M token's products "
+                     + ", ".join(f"{ms:.3f} ms at {nv} vector(s)" for nv, ms in lib.get("token_ms", {}).items()))
     if result.get("profile"):
         lines += ["", "kernels by total time (ncu, one layer, batch 1; the first 400 launches):"]
         lines += [f"  {k['total_us']:9.1f} us  {k['invocations']:4d} x {k['mean_us']:8.2f} us  {k['kernel'][:90]}"

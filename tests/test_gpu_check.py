@@ -210,3 +210,15 @@ def test_peers_are_installed_from_their_archives_links_kept(tmp_path):
     assert gpu_check.install_peers(peers, site, sys.executable, record) == ["peerpkg"]
     assert (site / "peerpkg" / "lib" / "libpeer.so").is_symlink() and record.counts["peers"] == 1
     assert (site / "peerpkg" / "lib" / "libpeer.so").read_bytes() == b"\x7fELF not really"
+
+
+def test_the_matvec_stage_times_the_library_and_its_variants(tmp_path):
+    out = tmp_path / "out"
+    rc = gpu_check.main(["--dir", str(out), "--backend", "host", "--stages", "matvec", "--cap", "matvec=120"])
+    result = json.loads((out / "gpu_check.json").read_text())
+    (stage,) = [s for s in result["stages"] if s["name"] == "matvec"]
+    assert stage["ok"] and rc == 0, stage
+    first = result["matvec"][0]
+    assert Path(first["library"]).name == "libpebble_host.so" and set(first["token_ms"]) == {"1", "8"}
+    assert all(ms > 0 for ms in first["token_ms"].values())
+    assert "a Llama-3-8B Q4_K_M token's products" in (out / "summary.txt").read_text()
