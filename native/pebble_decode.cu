@@ -84,6 +84,26 @@ __host__ __device__ inline int64_t rope_partner(int64_t d, int32_t rope_dims, in
     return d < half ? d + half : d - half;
 }
 
+// A kernel's arguments for up to launch_group sequences of a step, launched once with the sequence in
+// blockIdx.y (the host build runs them in turn): a step of 8 sequences made 8 launches of each per layer.
+constexpr int32_t launch_group = 8;
+
+template <typename A> struct arg_group {
+    A       a[launch_group];
+    int32_t n = 0;
+};
+
+// body(a) for the sequence of this thread block, or for each in turn on the host.
+#ifdef PEBBLE_HOST_BUILD
+template <typename A, typename F> inline void for_group(const arg_group<A> & g, F && body) {
+    for (int32_t b = 0; b < g.n; b++) body(g.a[b]);
+}
+#else
+template <typename A, typename F> __device__ inline void for_group(const arg_group<A> & g, F && body) {
+    if (static_cast<int32_t>(blockIdx.y) < g.n) body(g.a[blockIdx.y]);
+}
+#endif
+
 struct qkv_args {
     const float * q, * k, * v;            // the projections
     pebble_tensor_ref bq, bk, bv;         // biases, data NULL when absent
@@ -98,24 +118,26 @@ __host__ __device__ inline float with_bias(const float * y, const pebble_tensor_
 }
 
 // One thread per element of q, k and v: biases, RoPE on q and k (kv_row_kernel then stores k and v).
-[[maybe_unused]] __global__ void qkv_kernel(qkv_args a) {
-    const int64_t total = static_cast<int64_t>(a.n_q) + 2 * static_cast<int64_t>(a.n_kv);
-    const int64_t p = *a.pos;
-    const float * cos = a.cos + p * a.head_dim, * sin = a.sin + p * a.head_dim;
-    for (int64_t i = grid_thread(); i < total; i += grid_threads()) {
-        if (i < a.n_q + a.n_kv) {
-            const bool is_q = i < a.n_q;
-            const int64_t j = is_q ? i : i - a.n_q;
-            const float * y = is_q ? a.q : a.k;
-            const pebble_tensor_ref & b = is_q ? a.bq : a.bk;
-            const int64_t d = j % a.head_dim, partner = j - d + rope_partner(d, a.rope_dims, a.rope_neox);
-            const float rotated = with_bias(y, b, j) * cos[d] + with_bias(y, b, partner) * sin[d];
-            (is_q ? a.q_out : a.k_out)[j] = rotated;
-        } else {
-            const int64_t j = i - a.n_q - a.n_kv;
-            a.v_out[j] = with_bias(a.v, a.bv, j);
+[[maybe_unused]] __global__ void qkv_kernel(arg_group<qkv_args> g) {
+    for_group(g, [](const qkv_args & a) {
+        const int64_t total = static_cast<int64_t>(a.n_q) + 2 * static_cast<int64_t>(a.n_kv);
+        const int64_t p = *a.pos;
+        const float * cos = a.cos + p * a.head_dim, * sin = a.sin + p * a.head_dim;
+        for (int64_t i = grid_thread(); i < total; i += grid_threads()) {
+            if (i < a.n_q + a.n_kv) {
+                const bool is_q = i < a.n_q;
+                const int64_t j = is_q ? i : i - a.n_q;
+                const float * y = is_q ? a.q : a.k;
+                const pebble_tensor_ref & b = is_q ? a.bq : a.bk;
+                const int64_t d = j % a.head_dim, partner = j - d + rope_partner(d, a.rope_dims, a.rope_neox);
+                const float rotated = with_bias(y, b, j) * cos[d] + with_bias(y, b, partner) * sin[d];
+                (is_q ? a.q_out : a.k_out)[j] = rotated;
+            } else {
+                const int64_t j = i - a.n_q - a.n_kv;
+                a.v_out[j] = with_bias(a.v, a.bv, j);
+            }
         }
-    }
+    });
 }
 
 #ifdef PEBBLE_HOST_BUILD
@@ -145,15 +167,28 @@ constexpr int64_t qkv_work_per_value = 160;
 
 // One thread per unit (a value, or a block of 32: pebble_kv.h) of the new K and V rows (float32, n_kv
 // each) into the token's row of the caches: row pos, or pos % kv_rows in a ring.
-__global__ void kv_row_kernel(const float * __restrict__ k, const float * __restrict__ v, void * k_cache,
-                              void * v_cache, int32_t type, int64_t n_kv, const int64_t * pos, int64_t kv_rows,
-                              int32_t ring) {
-    const int64_t p = *pos, row = ring ? p % kv_rows : p, units = kv_units(type, n_kv);
-    const int64_t at = row * kv_bytes(type, n_kv);
+struct kv_row_args {
+    const float * k, * v;                 // the new rows, float32
+    void *        k_cache, * v_cache;
+    int32_t       type;
+    int64_t       n_kv;
+    const int64_t * pos;
+    int64_t       kv_rows;
+    int32_t       ring;
+};
+
+__device__ inline void kv_row(const kv_row_args & a) {
+    const int64_t p = *a.pos, row = a.ring ? p % a.kv_rows : p, units = kv_units(a.type, a.n_kv);
+    const int64_t at = row * kv_bytes(a.type, a.n_kv);
     for (int64_t u = grid_thread(); u < 2 * units; u += grid_threads()) {
         const bool is_k = u < units;
-        kv_store_unit(is_k ? k : v, static_cast<uint8_t *>(is_k ? k_cache : v_cache) + at, type, is_k ? u : u - units);
+        kv_store_unit(is_k ? a.k : a.v, static_cast<uint8_t *>(is_k ? a.k_cache : a.v_cache) + at, a.type,
+                      is_k ? u : u - units);
     }
+}
+
+[[maybe_unused]] __global__ void kv_row_kernel(arg_group<kv_row_args> g) {
+    for_group(g, [](const kv_row_args & a) { kv_row(a); });
 }
 
 struct attention_args {
@@ -181,57 +216,63 @@ __host__ __device__ inline int64_t attention_rows(const attention_args & a) {
     return a.pos ? (*a.pos + 1 < a.n_ctx ? *a.pos + 1 : a.n_ctx) : a.n_pos;
 }
 
-[[maybe_unused]] __global__ void attention_scores_kernel(attention_args a) {
-    const int64_t n_pos = attention_rows(a), chunks = (n_pos + warp_lanes - 1) / warp_lanes;
-    const int32_t group = a.n_head / a.n_head_kv;
-    const int64_t row = static_cast<int64_t>(a.n_head_kv) * a.head_dim;
-    for (int64_t u = grid_warp(); u < a.n_head * chunks; u += grid_warps()) {
-        const int64_t h = u / chunks, s = (u % chunks) * warp_lanes + warp_lane();
-        if (s >= n_pos) continue; // no lane of this kernel waits for another
-        const float * qh = a.q + h * a.head_dim;
-        const int64_t kv = (h / group) * a.head_dim;
-        float dot = 0.0f;
-        for (int32_t d = 0; d < a.head_dim; d++) dot += (qh[d] * a.scale) * kv_load(a.k_cache, a.kv_type, s * row + kv + d);
-        if (a.softcap > 0.0f) dot = tanhf(dot / a.softcap) * a.softcap;
-        a.scores[h * a.n_ctx + s] = dot;
-    }
+[[maybe_unused]] __global__ void attention_scores_kernel(arg_group<attention_args> g) {
+    for_group(g, [](const attention_args & a) {
+        const int64_t n_pos = attention_rows(a), chunks = (n_pos + warp_lanes - 1) / warp_lanes;
+        const int32_t group = a.n_head / a.n_head_kv;
+        const int64_t row = static_cast<int64_t>(a.n_head_kv) * a.head_dim;
+        for (int64_t u = grid_warp(); u < a.n_head * chunks; u += grid_warps()) {
+            const int64_t h = u / chunks, s = (u % chunks) * warp_lanes + warp_lane();
+            if (s >= n_pos) continue; // no lane of this kernel waits for another
+            const float * qh = a.q + h * a.head_dim;
+            const int64_t kv = (h / group) * a.head_dim;
+            float dot = 0.0f;
+            for (int32_t d = 0; d < a.head_dim; d++) dot += (qh[d] * a.scale) * kv_load(a.k_cache, a.kv_type, s * row + kv + d);
+            if (a.softcap > 0.0f) dot = tanhf(dot / a.softcap) * a.softcap;
+            a.scores[h * a.n_ctx + s] = dot;
+        }
+    });
 }
 
-[[maybe_unused]] __global__ void attention_softmax_kernel(attention_args a) {
-    const int64_t n_pos = attention_rows(a);
-    for (int64_t h = grid_warp(); h < a.n_head; h += grid_warps()) {
-        float * sc = a.scores + h * a.n_ctx;
-        float top = -INFINITY;
-        for (int64_t s = warp_lane(); s < n_pos; s += warp_lanes) top = fmaxf(top, sc[s]);
-        top = warp_max(top);
-        float total = 0.0f;
-        for (int64_t s = warp_lane(); s < n_pos; s += warp_lanes) {
-            sc[s] = expf(sc[s] - top);
-            total += sc[s];
+[[maybe_unused]] __global__ void attention_softmax_kernel(arg_group<attention_args> g) {
+    for_group(g, [](const attention_args & a) {
+        const int64_t n_pos = attention_rows(a);
+        for (int64_t h = grid_warp(); h < a.n_head; h += grid_warps()) {
+            float * sc = a.scores + h * a.n_ctx;
+            float top = -INFINITY;
+            for (int64_t s = warp_lane(); s < n_pos; s += warp_lanes) top = fmaxf(top, sc[s]);
+            top = warp_max(top);
+            float total = 0.0f;
+            for (int64_t s = warp_lane(); s < n_pos; s += warp_lanes) {
+                sc[s] = expf(sc[s] - top);
+                total += sc[s];
+            }
+            total = warp_sum(total);
+            for (int64_t s = warp_lane(); s < n_pos; s += warp_lanes) sc[s] = sc[s] / total;
         }
-        total = warp_sum(total);
-        for (int64_t s = warp_lane(); s < n_pos; s += warp_lanes) sc[s] = sc[s] / total;
-    }
+    });
 }
 
-[[maybe_unused]] __global__ void attention_values_kernel(attention_args a) {
-    const int64_t n_pos = attention_rows(a), groups = (a.head_dim + warp_lanes - 1) / warp_lanes;
-    const int32_t group = a.n_head / a.n_head_kv;
-    const int64_t row = static_cast<int64_t>(a.n_head_kv) * a.head_dim;
-    for (int64_t u = grid_warp(); u < a.n_head * groups; u += grid_warps()) {
-        const int64_t h = u / groups, d = (u % groups) * warp_lanes + warp_lane();
-        if (d >= a.head_dim) continue;
-        const float * sc = a.scores + h * a.n_ctx;
-        const int64_t kv = (h / group) * a.head_dim;
-        float acc = 0.0f;
-        PEBBLE_UNROLL_BY_8 // the loads ahead of the sums, which stay in order
-        for (int64_t s = 0; s < n_pos; s++) acc += sc[s] * kv_load(a.v_cache, a.kv_type, s * row + kv + d);
-        if (a.out_f32) {
-            a.out_f32[h * a.head_dim + d] = acc;
-        } else {
-            a.out[h * a.head_dim + d] = half_from_float(acc);
+[[maybe_unused]] __global__ void attention_values_kernel(arg_group<attention_args> g) {
+    for_group(g, [](const attention_args & a) {
+        const int64_t n_pos = attention_rows(a), groups = (a.head_dim + warp_lanes - 1) / warp_lanes;
+        const int32_t group = a.n_head / a.n_head_kv;
+        const int64_t row = static_cast<int64_t>(a.n_head_kv) * a.head_dim;
+        for (int64_t u = grid_warp(); u < a.n_head * groups; u += grid_warps()) {
+            const int64_t h = u / groups, d = (u % groups) * warp_lanes + warp_lane();
+            if (d >= a.head_dim) continue;
+            const float * sc = a.scores + h * a.n_ctx;
+            const int64_t kv = (h / group) * a.head_dim;
+            float acc = 0.0f;
+            PEBBLE_UNROLL_BY_8 // the loads ahead of the sums, which stay in order
+            for (int64_t s = 0; s < n_pos; s++) acc += sc[s] * kv_load(a.v_cache, a.kv_type, s * row + kv + d);
+            if (a.out_f32) {
+                a.out_f32[h * a.head_dim + d] = acc;
+            } else {
+                a.out[h * a.head_dim + d] = half_from_float(acc);
+            }
         }
-    }
+    });
 }
 
 // A float32 row of n values into a cache row of `type` (pebble_attend's new K and V rows), a unit a thread.
@@ -314,26 +355,41 @@ constexpr int64_t max_grid = int64_t(1) << 20;
     return static_cast<unsigned>(std::max<int64_t>(1, std::min(max_grid, (n + per_block - 1) / per_block)));
 }
 
-// One sequence's attention (attention_args): the three kernels on the stream, or run here in turn.
-pebble_status attention(const attention_args & a, cudaStream_t stream) {
+// The attention of a group of sequences (attention_args each): the three kernels on the stream, each one
+// launch for the group, or run here in turn.
+pebble_status attention(const arg_group<attention_args> & g, cudaStream_t stream) {
 #ifdef PEBBLE_HOST_BUILD
     (void)stream;
-    attention_scores_kernel(a);
-    attention_softmax_kernel(a);
-    attention_values_kernel(a);
+    attention_scores_kernel(g);
+    attention_softmax_kernel(g);
+    attention_values_kernel(g);
     return PEBBLE_OK;
 #else
     const dim3 warps(warp_lanes, heads_per_block);
-    const int64_t rows = a.pos ? a.n_ctx : a.n_pos; // read on the device where pos is: a grid for every row
-    LAUNCH(attention_scores_kernel, grid_for(a.n_head * ((rows + warp_lanes - 1) / warp_lanes), heads_per_block),
-           warps, stream, a);
+    const attention_args & a = g.a[0]; // heads and dims are the group's; rows the most any sequence may take
+    int64_t rows = 0;
+    for (int32_t b = 0; b < g.n; b++) rows = std::max(rows, g.a[b].pos ? g.a[b].n_ctx : g.a[b].n_pos); // pos: read
+    const unsigned n = static_cast<unsigned>(g.n);                                                    // on the device
+    LAUNCH(attention_scores_kernel, dim3(grid_for(a.n_head * ((rows + warp_lanes - 1) / warp_lanes), heads_per_block), n),
+           warps, stream, g);
     TRY(launched());
-    LAUNCH(attention_softmax_kernel, grid_for(a.n_head, heads_per_block), warps, stream, a);
+    LAUNCH(attention_softmax_kernel, dim3(grid_for(a.n_head, heads_per_block), n), warps, stream, g);
     TRY(launched());
-    LAUNCH(attention_values_kernel, grid_for(a.n_head * ((a.head_dim + warp_lanes - 1) / warp_lanes), heads_per_block),
-           warps, stream, a);
+    LAUNCH(attention_values_kernel, dim3(grid_for(a.n_head * ((a.head_dim + warp_lanes - 1) / warp_lanes),
+                                                  heads_per_block), n), warps, stream, g);
     return launched();
 #endif
+}
+
+// The attention of sequences 0..n-1, args(b) each one's arguments, a launch of each kernel per group.
+template <typename F> pebble_status attention_in_groups(int32_t n, F && args, cudaStream_t stream) {
+    for (int32_t first = 0; first < n; first += launch_group) {
+        arg_group<attention_args> g;
+        g.n = std::min(launch_group, n - first);
+        for (int32_t b = 0; b < g.n; b++) g.a[b] = args(first + b);
+        TRY(attention(g, stream));
+    }
+    return PEBBLE_OK;
 }
 
 // out = act(gate) * up for n elements (SiLU, or GELU's tanh approximation): the host library's SIMD loop
@@ -519,13 +575,12 @@ extern "C" pebble_status pebble_attend(int32_t n_seq, const float * q, const flo
     }
     if (host_runs_gpu_kernels()) { // the GPU's kernels (attention, above)
         const int64_t width = int64_t(n_head) * head_dim;
-        for (int32_t b = 0; b < n_seq; b++) {
-            TRY(attention(attention_args{q + b * width, k_caches[b], v_caches[b], kv_type, n_head, n_head_kv, head_dim,
-                                         n_pos[b], n_rows, scale, softcap,
-                                         static_cast<float *>(scratch) + int64_t(b) * n_head * n_rows, nullptr,
-                                         out + b * width, nullptr}, nullptr));
-        }
-        return PEBBLE_OK;
+        return attention_in_groups(n_seq, [&](int32_t b) {
+            return attention_args{q + b * width, k_caches[b], v_caches[b], kv_type, n_head, n_head_kv, head_dim,
+                                  n_pos[b], n_rows, scale, softcap,
+                                  static_cast<float *>(scratch) + int64_t(b) * n_head * n_rows, nullptr,
+                                  out + b * width, nullptr};
+        }, nullptr);
     }
     return pebble_cpu::attend(n_seq, q, kv_type, k_caches, v_caches, n_pos, n_rows, n_head, n_head_kv,
                               head_dim, scale, softcap, out, static_cast<float *>(scratch));
@@ -547,12 +602,12 @@ extern "C" pebble_status pebble_attend(int32_t n_seq, const float * q, const flo
             LAUNCH(store_row_kernel, grid_for(units, threads), threads, stream, v_new + b * kv_width,
                    static_cast<uint8_t *>(v_caches[b]) + at, kv_type, kv_width);
         }
-        const attention_args aa{q + b * width, k_caches[b], v_caches[b], kv_type, n_head, n_head_kv, head_dim, n_pos[b],
-                                n_rows, scale, softcap, static_cast<float *>(scratch) + int64_t(b) * n_head * n_rows,
-                                nullptr, out + b * width};
-        TRY(attention(aa, stream));
     }
-    return PEBBLE_OK;
+    return attention_in_groups(n_seq, [&](int32_t b) {
+        return attention_args{q + b * width, k_caches[b], v_caches[b], kv_type, n_head, n_head_kv, head_dim, n_pos[b],
+                              n_rows, scale, softcap, static_cast<float *>(scratch) + int64_t(b) * n_head * n_rows,
+                              nullptr, out + b * width, nullptr};
+    }, stream);
 #endif
 }
 
@@ -1239,6 +1294,9 @@ pebble_status step_layer(pebble_decoder & d, int32_t i, int32_t n, const int32_t
                         static_cast<int32_t>(kv), s.head_dim, s.rope_dims, s.rope_neox, L.rope_cos,
                         L.rope_sin, dev_pos + b, q_rot + b * q, k_new + b * kv, v_new + b * kv};
     };
+    auto kv_row_of = [&](int64_t b) {
+        return kv_row_args{k_new + b * kv, v_new + b * kv, k_of[b], v_of[b], kv_type, kv, dev_pos + b, L.kv_rows, s.ring};
+    };
 #ifdef PEBBLE_HOST_BUILD
     // The sequences' biases, RoPE and new cache rows among the pool's threads (a few microseconds each);
     // through the GPU's own kernel, the same bits, where host_runs_gpu_kernels.
@@ -1246,19 +1304,28 @@ pebble_status step_layer(pebble_decoder & d, int32_t i, int32_t n, const int32_t
     pebble_cpu::parallel_for(n, int64_t(n) * (q + 2 * kv) * qkv_work_per_value, [&](int64_t first, int64_t end) {
         for (int64_t b = first; b < end; b++) {
             if (portable) {
-                qkv_kernel(qkv_of(b));
+                arg_group<qkv_args> one;
+                one.n = 1;
+                one.a[0] = qkv_of(b);
+                qkv_kernel(one);
             } else {
                 qkv_rows(qkv_of(b));
             }
-            kv_row_kernel(k_new + b * kv, v_new + b * kv, k_of[b], v_of[b], kv_type, kv, dev_pos + b, L.kv_rows, s.ring);
+            kv_row(kv_row_of(b));
         }
     });
 #else
-    for (int32_t b = 0; b < n; b++) {
-        LAUNCH(qkv_kernel, grid_for(q + 2 * kv, threads), threads, stream, qkv_of(b));
+    for (int32_t first = 0; first < n; first += launch_group) { // the sequences in groups, a launch each
+        arg_group<qkv_args> qg;
+        arg_group<kv_row_args> kg;
+        qg.n = kg.n = std::min(launch_group, n - first);
+        for (int32_t b = 0; b < qg.n; b++) {
+            qg.a[b] = qkv_of(first + b);
+            kg.a[b] = kv_row_of(first + b);
+        }
+        LAUNCH(qkv_kernel, dim3(grid_for(q + 2 * kv, threads), unsigned(qg.n)), threads, stream, qg);
         TRY(launched());
-        LAUNCH(kv_row_kernel, grid_for(2 * kv_units(kv_type, kv), threads), threads, stream, k_new + b * kv,
-               v_new + b * kv, k_of[b], v_of[b], kv_type, kv, dev_pos + b, L.kv_rows, s.ring);
+        LAUNCH(kv_row_kernel, dim3(grid_for(2 * kv_units(kv_type, kv), threads), unsigned(kg.n)), threads, stream, kg);
         TRY(launched());
     }
 #endif
@@ -1274,7 +1341,7 @@ pebble_status step_layer(pebble_decoder & d, int32_t i, int32_t n, const int32_t
     };
 #ifdef PEBBLE_HOST_BUILD
     if (portable) { // the GPU's kernels (attention)
-        for (int32_t b = 0; b < n; b++) TRY(attention(attention_of(b), stream));
+        TRY(attention_in_groups(n, attention_of, stream));
     } else {
         int64_t n_pos[PEBBLE_DECODER_MAX_BATCH];
         for (int32_t b = 0; b < n; b++) n_pos[b] = std::min(host_pos[b] + 1, L.kv_rows); // a ring's filled rows
@@ -1282,7 +1349,7 @@ pebble_status step_layer(pebble_decoder & d, int32_t i, int32_t n, const int32_t
                                s.head_dim, L.attn_scale, s.attn_softcap, h16, scores));
     }
 #else
-    for (int32_t b = 0; b < n; b++) TRY(attention(attention_of(b), stream));
+    TRY(attention_in_groups(n, attention_of, stream));
 #endif
     TRY(matvec_many(w.wo.ggml_type, w.wo.data, e, q, h16, n, o, stream));
     for (int32_t b = 0; b < n && w.post_attn_norm.data; b++) TRY(residual(x + b * e, o + b * e, e, w.post_attn_norm, s, stream));

@@ -60,6 +60,24 @@ def test_each_sequence_attends_over_its_own_rows(kernels, dtype, softcap):
         np.testing.assert_array_equal(alone[0], got[b])
 
 
+def test_more_sequences_than_one_launch_takes_each_get_their_own(kernels):
+    """Eleven sequences in one call: the GPU launches its attention kernels for eight at a time (a group, the
+    sequence in blockIdx.y), so the second group starts at the ninth; each against the reference, and the
+    same as alone."""
+    rng = np.random.default_rng(7)
+    xp = kernels.xp
+    n_pos = [1 + (7 * b) % N_ROWS for b in range(11)]
+    q = rng.standard_normal((len(n_pos), N_HEAD, HEAD_DIM)).astype(np.float32)
+    caches = [tuple(rng.standard_normal((N_ROWS, N_KV, HEAD_DIM)).astype(np.float16) for _ in range(2)) for _ in n_pos]
+    got = to_host(kernels.attend(xp.asarray(q), [(xp.asarray(k), xp.asarray(v)) for k, v in caches], n_pos, N_KV, 0.3))
+    for b, ((k, v), n) in enumerate(zip(caches, n_pos)):
+        np.testing.assert_allclose(got[b], reference(q[b], k, v, n, 0.3, 0.0), rtol=1e-5, atol=1e-5)
+    for b in (0, 7, 8, 10):  # either side of the groups' edge
+        (k, v), n = caches[b], n_pos[b]
+        alone = to_host(kernels.attend(xp.asarray(q[b:b + 1]), [(xp.asarray(k), xp.asarray(v))], [n], N_KV, 0.3))
+        np.testing.assert_array_equal(alone[0], got[b])
+
+
 @pytest.mark.parametrize("n_head, n_kv", [(4, 4), (9, 3), (12, 2), (14, 2), (16, 2), (32, 4)])
 def test_every_grouping_of_query_heads_reads_its_own_kv_head(kernels, n_head, n_kv):
     """Query heads per KV head from 1 to 8 (the host library takes up to 6 of a KV head's query heads at
