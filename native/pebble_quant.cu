@@ -397,10 +397,42 @@ __device__ inline void store_row_sums(const float (&acc)[NV], int lane, float * 
     }
 }
 
+// Up to max_stacked matrices of one type and width, times the same vectors, as one: part p's rows are
+// rows first[p] .. first[p + 1] - 1 of the stack, its products y[p] (a step's q and k, or its gate and up,
+// in one launch, staging x once for both).
+constexpr int max_stacked = 4;
+struct stacked_rows {
+    const uint8_t * w[max_stacked];
+    float *         y[max_stacked];
+    int64_t         first[max_stacked + 1];
+    int32_t         n;
+};
+
+// Row `row` of the stack: its matrix's row (w_row), where its sums go (y, of rows rows), and which row there.
+struct stacked_row {
+    const uint8_t * w_row;
+    float *         y;
+    int64_t         rows, row;
+};
+
+// (The parts are tried in an unrolled loop: indexed by a run-time part, the parameter was copied to each
+// thread's stack, 112 bytes.)
+__device__ inline stacked_row locate(const stacked_rows & m, int64_t row, int64_t row_bytes) {
+    stacked_row at = {m.w[0] + row * row_bytes, m.y[0], m.first[1], row};
+    PEBBLE_UNROLL
+    for (int p = 1; p < max_stacked; p++) {
+        if (p < m.n && row >= m.first[p]) {
+            const int64_t local = row - m.first[p];
+            at = {m.w[p] + local * row_bytes, m.y[p], m.first[p + 1] - m.first[p], local};
+        }
+    }
+    return at;
+}
+
 template <typename T, int NV>
 __global__ void __launch_bounds__(warp_lanes * matvec_rows_per_block)
-matvec_kernel(const uint8_t * __restrict__ w, int64_t n_rows, int64_t n_cols, const uint16_t * __restrict__ x,
-              float * __restrict__ y) {
+matvec_kernel(const __grid_constant__ stacked_rows m, int64_t n_cols, const uint16_t * __restrict__ x) {
+    const int64_t n_rows = m.first[m.n];
     constexpr int part_elements = T::block_elements / T::parts;
     static_assert(matvec_chunk % (warp_lanes * part_elements) == 0 && matvec_chunk % T::block_elements == 0,
                   "a chunk is whole blocks and whole rounds of the warp's parts");
@@ -422,7 +454,7 @@ matvec_kernel(const uint8_t * __restrict__ w, int64_t n_rows, int64_t n_cols, co
             }
             __syncthreads();
             if (!active) continue;
-            const uint8_t * w_row = w + row * blocks_per_row * T::block_bytes;
+            const uint8_t * w_row = locate(m, row, blocks_per_row * T::block_bytes).w_row;
             const int64_t p_end = (c0 + n) / part_elements;
 #pragma unroll matvec_unroll
             for (int64_t p = c0 / part_elements + lane; p < p_end; p += warp_lanes) {
@@ -436,7 +468,10 @@ matvec_kernel(const uint8_t * __restrict__ w, int64_t n_rows, int64_t n_cols, co
                 T::decode(w_row + block * T::block_bytes, static_cast<int>(p % T::parts), emit);
             }
         }
-        if (active) store_row_sums(acc, lane, y, n_rows, row);
+        if (active) {
+            const stacked_row at = locate(m, row, blocks_per_row * T::block_bytes);
+            store_row_sums(acc, lane, at.y, at.rows, at.row);
+        }
     }
 }
 #endif
@@ -614,8 +649,8 @@ __device__ void block32(const uint8_t * __restrict__ bb, int first, const q8_sta
 
 template <typename T, int NV>
 __global__ void __launch_bounds__(warp_lanes * matvec_rows_per_block)
-matvec_q8_kernel(const uint8_t * __restrict__ w, int64_t n_rows, int64_t n_cols, const uint16_t * __restrict__ x,
-                 float * __restrict__ y) {
+matvec_q8_kernel(const __grid_constant__ stacked_rows m, int64_t n_cols, const uint16_t * __restrict__ x) {
+    const int64_t n_rows = m.first[m.n];
     constexpr bool k_quant = T::block_elements == 256;
     constexpr int part_elements = T::block_elements / T::parts; // 64 for the K-quants, else a block of 32
     static_assert(part_elements == (k_quant ? 64 : 32), "the parts this kernel reads");
@@ -643,7 +678,7 @@ matvec_q8_kernel(const uint8_t * __restrict__ w, int64_t n_rows, int64_t n_cols,
                 __syncthreads();
             }
             if (!active) continue;
-            const uint8_t * w_row = w + row * blocks_per_row * T::block_bytes;
+            const uint8_t * w_row = locate(m, row, blocks_per_row * T::block_bytes).w_row;
             const int64_t p_end = (c0 + n) / part_elements;
 #pragma unroll matvec_unroll
             for (int64_t p = c0 / part_elements + lane; p < p_end; p += warp_lanes) {
@@ -659,7 +694,10 @@ matvec_q8_kernel(const uint8_t * __restrict__ w, int64_t n_rows, int64_t n_cols,
                 }
             }
         }
-        if (active) store_row_sums(acc, lane, y, n_rows, row);
+        if (active) {
+            const stacked_row at = locate(m, row, blocks_per_row * T::block_bytes);
+            store_row_sums(acc, lane, at.y, at.rows, at.row);
+        }
     }
 }
 #endif
@@ -803,6 +841,55 @@ bool integer_matvec() {
 }
 #endif
 
+#ifndef PEBBLE_HOST_BUILD
+template <typename T, int NV>
+pebble_status launch_stacked_n(const stacked_rows & m, int64_t n_cols, const uint16_t * x, cudaStream_t stream) {
+    const int64_t n_rows = m.first[m.n];
+    const int64_t grid = std::min(max_grid, (n_rows + matvec_rows_per_block - 1) / matvec_rows_per_block);
+    const dim3 block(warp_lanes, matvec_rows_per_block);
+    if constexpr (T::id == type_q4_k::id || T::id == type_q6_k::id || T::id == type_q8_0::id ||
+                  T::id == type_q4_0::id) { // 16-byte loads of x (and Q4_K's weights)
+        uintptr_t aligned = reinterpret_cast<uintptr_t>(x);
+        for (int32_t p = 0; p < m.n && T::id == type_q4_k::id; p++) aligned |= reinterpret_cast<uintptr_t>(m.w[p]);
+        if ((aligned & 15) == 0 && integer_matvec()) {
+            static const int64_t held = resident_blocks(matvec_q8_kernel<T, NV>, warp_lanes * matvec_rows_per_block);
+            const int64_t blocks = matvec_persist && n_cols <= q8_chunk<NV> ? std::min(grid, held) : grid;
+            matvec_q8_kernel<T, NV><<<static_cast<unsigned>(blocks), block, 0, stream>>>(m, n_cols, x);
+            return check_launch("pebble_matvec", T::id);
+        }
+    }
+    matvec_kernel<T, NV><<<static_cast<unsigned>(grid), block, 0, stream>>>(m, n_cols, x);
+    return check_launch("pebble_matvec", T::id);
+}
+
+// The number of vectors is a template argument, so that each lane's sums stay in registers.
+template <typename T>
+pebble_status launch_stacked(const stacked_rows & m, int64_t n_cols, const uint16_t * x, int32_t n_vec,
+                             cudaStream_t stream) {
+    static_assert(PEBBLE_MATVEC_MAX_VEC == 8, "one case per vector count");
+    switch (n_vec) {
+        case 1: return launch_stacked_n<T, 1>(m, n_cols, x, stream);
+        case 2: return launch_stacked_n<T, 2>(m, n_cols, x, stream);
+        case 3: return launch_stacked_n<T, 3>(m, n_cols, x, stream);
+        case 4: return launch_stacked_n<T, 4>(m, n_cols, x, stream);
+        case 5: return launch_stacked_n<T, 5>(m, n_cols, x, stream);
+        case 6: return launch_stacked_n<T, 6>(m, n_cols, x, stream);
+        case 7: return launch_stacked_n<T, 7>(m, n_cols, x, stream);
+        case 8: return launch_stacked_n<T, 8>(m, n_cols, x, stream);
+    }
+    return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_matvec: n_vec %d is outside 1..%d", n_vec, PEBBLE_MATVEC_MAX_VEC);
+}
+
+stacked_rows one_matrix(const uint8_t * w, int64_t n_rows, float * y) {
+    stacked_rows m = {};
+    m.w[0] = w;
+    m.y[0] = y;
+    m.first[1] = n_rows;
+    m.n = 1;
+    return m;
+}
+#endif
+
 template <typename T, int NV>
 pebble_status launch_matvec_n(const uint8_t * w, int64_t n_rows, int64_t n_cols, const uint16_t * x, float * y,
                               cudaStream_t stream) {
@@ -810,27 +897,15 @@ pebble_status launch_matvec_n(const uint8_t * w, int64_t n_rows, int64_t n_cols,
     (void)stream; // the host's kernels (pebble_cpu.cc): x quantized once, integer SIMD dot products
     return pebble_cpu::matmul(T::id, w, n_rows, n_cols, x, false, NV, y, "pebble_matvec");
 #else
-    const int64_t grid = std::min(max_grid, (n_rows + matvec_rows_per_block - 1) / matvec_rows_per_block);
-    const dim3 block(warp_lanes, matvec_rows_per_block);
-    if constexpr (T::id == type_q4_k::id || T::id == type_q6_k::id || T::id == type_q8_0::id ||
-                  T::id == type_q4_0::id) { // 16-byte loads of x (and Q4_K's weights)
-        const uintptr_t aligned = reinterpret_cast<uintptr_t>(x) | (T::id == type_q4_k::id ? reinterpret_cast<uintptr_t>(w) : 0);
-        if ((aligned & 15) == 0 && integer_matvec()) {
-            static const int64_t held = resident_blocks(matvec_q8_kernel<T, NV>, warp_lanes * matvec_rows_per_block);
-            const int64_t blocks = matvec_persist && n_cols <= q8_chunk<NV> ? std::min(grid, held) : grid;
-            matvec_q8_kernel<T, NV><<<static_cast<unsigned>(blocks), block, 0, stream>>>(w, n_rows, n_cols, x, y);
-            return check_launch("pebble_matvec", T::id);
-        }
-    }
-    matvec_kernel<T, NV><<<static_cast<unsigned>(grid), block, 0, stream>>>(w, n_rows, n_cols, x, y);
-    return check_launch("pebble_matvec", T::id);
+    return launch_stacked_n<T, NV>(one_matrix(w, n_rows, y), n_cols, x, stream);
 #endif
 }
 
-// The number of vectors is a template argument, so that each lane's sums stay in registers.
+// One matrix times n_vec (1..8) vectors.
 template <typename T>
 pebble_status launch_matvec(const uint8_t * w, int64_t n_rows, int64_t n_cols, const uint16_t * x, int32_t n_vec,
                             float * y, cudaStream_t stream) {
+#ifdef PEBBLE_HOST_BUILD
     static_assert(PEBBLE_MATVEC_MAX_VEC == 8, "one case per vector count");
     switch (n_vec) {
         case 1: return launch_matvec_n<T, 1>(w, n_rows, n_cols, x, y, stream);
@@ -843,6 +918,9 @@ pebble_status launch_matvec(const uint8_t * w, int64_t n_rows, int64_t n_cols, c
         case 8: return launch_matvec_n<T, 8>(w, n_rows, n_cols, x, y, stream);
     }
     return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_matvec: n_vec %d is outside 1..%d", n_vec, PEBBLE_MATVEC_MAX_VEC);
+#else
+    return launch_stacked<T>(one_matrix(w, n_rows, y), n_cols, x, n_vec, stream);
+#endif
 }
 
 } // namespace
@@ -911,8 +989,25 @@ pebble_status matvec_parts(const matvec_part * parts, int n_parts, int64_t n_col
     }
     return pebble_cpu::matmul_parts(cpu, n_parts, n_cols, x, true, n_vec, "pebble_decoder_step", true);
 #else
-    for (int p = 0; p < n_parts; p++) {
-        TRY(matvec_many(parts[p].ggml_type, parts[p].w, parts[p].n_rows, n_cols, x, n_vec, parts[p].y, stream));
+    const uint16_t * x16 = static_cast<const uint16_t *>(x);
+    for (int p = 0; p < n_parts;) {
+        int end = p + 1; // the parts of p's type that follow it: one stack
+        while (end < n_parts && end - p < max_stacked && parts[end].ggml_type == parts[p].ggml_type) end++;
+        TRY(with_type(parts[p].ggml_type, "pebble_decoder_step", [&](auto t) {
+            using T = decltype(t);
+            for (int64_t v = 0; v < n_vec; v += PEBBLE_MATVEC_MAX_VEC) {
+                stacked_rows m = {};
+                for (int k = p; k < end; k++, m.n++) {
+                    m.w[m.n] = static_cast<const uint8_t *>(parts[k].w);
+                    m.y[m.n] = parts[k].y + v * parts[k].n_rows;
+                    m.first[m.n + 1] = m.first[m.n] + parts[k].n_rows;
+                }
+                const int32_t group = static_cast<int32_t>(std::min<int64_t>(PEBBLE_MATVEC_MAX_VEC, n_vec - v));
+                TRY(launch_stacked<T>(m, n_cols, x16 + v * n_cols, group, stream));
+            }
+            return PEBBLE_OK;
+        }));
+        p = end;
     }
     return PEBBLE_OK;
 #endif
