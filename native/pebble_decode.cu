@@ -65,15 +65,54 @@ __global__ void head_norm_kernel(float * __restrict__ y, int32_t n_heads, int32_
     }
 }
 
-// One warp: x += rms_norm(o) * w * scale (the Gemmas' norm on a block's output before its residual).
-__global__ void norm_add_kernel(float * __restrict__ x, const float * __restrict__ o, int64_t n, const void * w,
-                                int32_t w_type, float eps, float scale) {
-    if (grid_warp() != 0) return;
+// The norms over a row of the hidden state run a thread block a row on the GPU (a decode step has one to
+// eight rows: one warp a row, reading 4096 floats 32 at a time, took 15.7 us on the H200, most of a layer's
+// small kernels); the host build's one thread walks each row in order.
+constexpr int norm_threads = 256;
+
+#ifndef PEBBLE_HOST_BUILD
+// The sum of the squares of row xr's n values over the thread block: each thread its own elements (i = its
+// index, then every norm_threads), the warps' sums met in shared memory and added by every thread in one
+// order, so that each has the same total.
+__device__ inline float block_sum_squares(const float * xr, int64_t n, float (&partial)[norm_threads / 32]) {
+    const int t = static_cast<int>(threadIdx.x);
     float sum = 0.0f;
-    for (int64_t i = warp_lane(); i < n; i += warp_lanes) sum += o[i] * o[i];
+    PEBBLE_UNROLL_BY_8 // loads ahead of the sums, which stay in order
+    for (int64_t i = t; i < n; i += norm_threads) sum += xr[i] * xr[i];
     sum = warp_sum(sum);
-    const float norm = 1.0f / sqrtf(sum / static_cast<float>(n) + eps);
-    for (int64_t i = warp_lane(); i < n; i += warp_lanes) x[i] = x[i] + o[i] * norm * load_value(w, w_type, i) * scale;
+    __syncthreads(); // every thread has read the last row's partials
+    if (t % 32 == 0) partial[t / 32] = sum;
+    __syncthreads();
+    float total = 0.0f;
+    PEBBLE_UNROLL
+    for (int k = 0; k < norm_threads / 32; k++) total += partial[k];
+    return total;
+}
+#endif
+
+// x[r] += rms_norm(o[r]) * w * scale for each of n_rows rows of n (the Gemmas' norm on a block's output
+// before its residual), every row in one launch.
+__global__ void norm_add_rows_kernel(float * __restrict__ x, const float * __restrict__ o, int64_t n_rows, int64_t n,
+                                     const void * w, int32_t w_type, float eps, float scale) {
+#ifdef PEBBLE_HOST_BUILD
+    for (int64_t r = 0; r < n_rows; r++) {
+        const float * orow = o + r * n;
+        float * xr = x + r * n;
+        float sum = 0.0f;
+        for (int64_t i = 0; i < n; i++) sum += orow[i] * orow[i];
+        const float norm = 1.0f / sqrtf(sum / static_cast<float>(n) + eps);
+        for (int64_t i = 0; i < n; i++) xr[i] = xr[i] + orow[i] * norm * load_value(w, w_type, i) * scale;
+    }
+#else
+    __shared__ float partial[norm_threads / 32];
+    const int t = static_cast<int>(threadIdx.x);
+    for (int64_t r = blockIdx.x; r < n_rows; r += gridDim.x) {
+        const float * orow = o + r * n;
+        float * xr = x + r * n;
+        const float norm = 1.0f / sqrtf(block_sum_squares(orow, n, partial) / static_cast<float>(n) + eps);
+        for (int64_t i = t; i < n; i += norm_threads) xr[i] = xr[i] + orow[i] * norm * load_value(w, w_type, i) * scale;
+    }
+#endif
 }
 
 // The dim that dim d of a head is rotated with (itself past rope_dims, where sin is 0).
@@ -456,13 +495,13 @@ pebble_status check_shape(const pebble_layer_shape * s, int64_t n_ctx) {
 }
 
 // x += o (normed by `norm` where given) * residual_scale
-pebble_status residual(float * x, const float * o, int64_t e, const pebble_tensor_ref & norm,
+pebble_status residual(float * x, const float * o, int64_t n_rows, int64_t e, const pebble_tensor_ref & norm,
                        const pebble_layer_shape & s, [[maybe_unused]] cudaStream_t stream) {
     if (norm.data) {
-        LAUNCH(norm_add_kernel, 1, dim3(warp_lanes, 1), stream, x, o, e, norm.data, norm.ggml_type, s.rms_eps,
-               s.residual_scale);
+        LAUNCH(norm_add_rows_kernel, grid_for(n_rows, 1), norm_threads, stream, x, o, n_rows, e, norm.data,
+               norm.ggml_type, s.rms_eps, s.residual_scale);
     } else {
-        LAUNCH(add_kernel, grid_for(e, threads), threads, stream, x, o, e, s.residual_scale);
+        LAUNCH(add_kernel, grid_for(n_rows * e, threads), threads, stream, x, o, n_rows * e, s.residual_scale);
     }
     return launched();
 }
@@ -649,13 +688,7 @@ extern "C" pebble_status pebble_attend_prompt(const float * q, int64_t n_tok, in
 
 namespace {
 
-// One warp per row of x [n_rows][n]: out = x * (1 / sqrt(mean(x^2) + eps)) * w.
-// out[r] = x[r] / rms(x[r]) * w for each of n_rows rows of n: on the GPU a thread block of norm_threads a
-// row (a decode step has one to eight rows: one warp a row, reading 4096 floats 32 at a time, took 15.7 us
-// on the H200, most of a layer's small kernels), its warps' sums met in shared memory and added by every
-// thread in one order; the host build's one thread walks each row in order.
-constexpr int norm_threads = 256;
-
+// out[r] = x[r] / rms(x[r]) * w for each of n_rows rows of n.
 __global__ void rms_rows_kernel(const float * __restrict__ x, int64_t n_rows, int64_t n, const void * w, int32_t w_type,
                                 float eps, act_t * __restrict__ out) {
 #ifdef PEBBLE_HOST_BUILD
@@ -671,17 +704,30 @@ __global__ void rms_rows_kernel(const float * __restrict__ x, int64_t n_rows, in
     const int t = static_cast<int>(threadIdx.x);
     for (int64_t r = blockIdx.x; r < n_rows; r += gridDim.x) {
         const float * xr = x + r * n;
-        float sum = 0.0f;
+        const float scale = 1.0f / sqrtf(block_sum_squares(xr, n, partial) / static_cast<float>(n) + eps);
         PEBBLE_UNROLL_BY_8
-        for (int64_t i = t; i < n; i += norm_threads) sum += xr[i] * xr[i];
-        sum = warp_sum(sum);
-        __syncthreads(); // every thread has read the last row's partials
-        if (t % 32 == 0) partial[t / 32] = sum;
-        __syncthreads();
-        float total = 0.0f;
-        PEBBLE_UNROLL
-        for (int k = 0; k < norm_threads / 32; k++) total += partial[k];
-        const float scale = 1.0f / sqrtf(total / static_cast<float>(n) + eps);
+        for (int64_t i = t; i < n; i += norm_threads) put(out, r * n + i, xr[i] * scale * load_value(w, w_type, i));
+    }
+#endif
+}
+
+// x[r] += o[r] * add_scale (a residual), then out[r] = x[r] / rms(x[r]) * w: add_kernel and rms_rows_kernel
+// in one launch, the same values (each thread adds the elements it then sums and normalizes).
+__global__ void add_rms_rows_kernel(float * __restrict__ x, const float * __restrict__ o, int64_t n_rows, int64_t n,
+                                    float add_scale, const void * w, int32_t w_type, float eps,
+                                    act_t * __restrict__ out) {
+#ifdef PEBBLE_HOST_BUILD
+    for (int64_t i = 0; i < n_rows * n; i++) x[i] = add_scale == 1.0f ? x[i] + o[i] : x[i] + o[i] * add_scale;
+    rms_rows_kernel(x, n_rows, n, w, w_type, eps, out);
+#else
+    __shared__ float partial[norm_threads / 32];
+    const int t = static_cast<int>(threadIdx.x);
+    for (int64_t r = blockIdx.x; r < n_rows; r += gridDim.x) {
+        float * xr = x + r * n;
+        const float * orow = o + r * n;
+        PEBBLE_UNROLL_BY_8
+        for (int64_t i = t; i < n; i += norm_threads) xr[i] = add_scale == 1.0f ? xr[i] + orow[i] : xr[i] + orow[i] * add_scale;
+        const float scale = 1.0f / sqrtf(block_sum_squares(xr, n, partial) / static_cast<float>(n) + eps);
         PEBBLE_UNROLL_BY_8
         for (int64_t i = t; i < n; i += norm_threads) put(out, r * n + i, xr[i] * scale * load_value(w, w_type, i));
     }
@@ -1352,12 +1398,16 @@ pebble_status step_layer(pebble_decoder & d, int32_t i, int32_t n, const int32_t
     TRY(attention_in_groups(n, attention_of, stream));
 #endif
     TRY(matvec_many(w.wo.ggml_type, w.wo.data, e, q, h16, n, o, stream));
-    for (int32_t b = 0; b < n && w.post_attn_norm.data; b++) TRY(residual(x + b * e, o + b * e, e, w.post_attn_norm, s, stream));
-    if (!w.post_attn_norm.data) TRY(residual(x, o, int64_t(n) * e, w.post_attn_norm, s, stream));
 
-    // feed-forward
-    LAUNCH(rms_rows_kernel, grid_for(n, 1), norm_threads, stream, x, n, e,
-           w.ffn_norm.data, w.ffn_norm.ggml_type, s.rms_eps, h16);
+    // feed-forward, its norm in one launch with the attention's residual where that has no norm of its own
+    if (w.post_attn_norm.data) {
+        TRY(residual(x, o, n, e, w.post_attn_norm, s, stream));
+        LAUNCH(rms_rows_kernel, grid_for(n, 1), norm_threads, stream, x, n, e,
+               w.ffn_norm.data, w.ffn_norm.ggml_type, s.rms_eps, h16);
+    } else {
+        LAUNCH(add_rms_rows_kernel, grid_for(n, 1), norm_threads, stream, x, o, n, e, s.residual_scale,
+               w.ffn_norm.data, w.ffn_norm.ggml_type, s.rms_eps, h16);
+    }
     TRY(launched());
     if (s.n_expert) {
         TRY(experts_ffn(d, i, n, h16, o, stream));
@@ -1369,9 +1419,7 @@ pebble_status step_layer(pebble_decoder & d, int32_t i, int32_t n, const int32_t
         TRY(gate_times_up(s.gelu, gate, up, ff, h16, stream));
         TRY(matvec_many(w.w_down.ggml_type, w.w_down.data, e, s.n_ff, h16, n, o, stream));
     }
-    for (int32_t b = 0; b < n && w.post_ffn_norm.data; b++) TRY(residual(x + b * e, o + b * e, e, w.post_ffn_norm, s, stream));
-    if (!w.post_ffn_norm.data) TRY(residual(x, o, int64_t(n) * e, w.post_ffn_norm, s, stream));
-    return PEBBLE_OK;
+    return residual(x, o, n, e, w.post_ffn_norm, s, stream);
 }
 
 // The fields of pebble_layer_weights in their order (pebble_step_layer.weight_ids).
