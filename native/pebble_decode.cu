@@ -110,7 +110,9 @@ __global__ void norm_add_rows_kernel(float * __restrict__ x, const float * __res
         const float * orow = o + r * n;
         float * xr = x + r * n;
         const float norm = 1.0f / sqrtf(block_sum_squares(orow, n, partial) / static_cast<float>(n) + eps);
-        for (int64_t i = t; i < n; i += norm_threads) xr[i] = xr[i] + orow[i] * norm * load_value(w, w_type, i) * scale;
+        for (int64_t i = t; i < n; i += norm_threads) {
+            xr[i] = xr[i] + orow[i] * norm * load_value(w, w_type, i) * scale;
+        }
     }
 #endif
 }
@@ -266,7 +268,9 @@ __host__ __device__ inline int64_t attention_rows(const attention_args & a) {
             const float * qh = a.q + h * a.head_dim;
             const int64_t kv = (h / group) * a.head_dim;
             float dot = 0.0f;
-            for (int32_t d = 0; d < a.head_dim; d++) dot += (qh[d] * a.scale) * kv_load(a.k_cache, a.kv_type, s * row + kv + d);
+            for (int32_t d = 0; d < a.head_dim; d++) {
+                dot += (qh[d] * a.scale) * kv_load(a.k_cache, a.kv_type, s * row + kv + d);
+            }
             if (a.softcap > 0.0f) dot = tanhf(dot / a.softcap) * a.softcap;
             a.scores[h * a.n_ctx + s] = dot;
         }
@@ -320,10 +324,11 @@ __global__ void store_row_kernel(const float * __restrict__ src, void * dst, int
 }
 
 // x += y * scale
+// x + y * scale, y as it is where scale is 1 (the residual add, wherever it is made)
+__host__ __device__ inline float added(float x, float y, float scale) { return scale == 1.0f ? x + y : x + y * scale; }
+
 __global__ void add_kernel(float * __restrict__ x, const float * __restrict__ y, int64_t n, float scale) {
-    for (int64_t i = grid_thread(); i < n; i += grid_threads()) {
-        x[i] = scale == 1.0f ? x[i] + y[i] : x[i] + y[i] * scale;
-    }
+    for (int64_t i = grid_thread(); i < n; i += grid_threads()) x[i] = added(x[i], y[i], scale);
 }
 
 // The decode step's activations, what its matrix products read: float32 in the host build (whose kernels
@@ -405,12 +410,14 @@ pebble_status attention(const arg_group<attention_args> & g, cudaStream_t stream
     return PEBBLE_OK;
 #else
     const dim3 warps(warp_lanes, heads_per_block);
-    const attention_args & a = g.a[0]; // heads and dims are the group's; rows the most any sequence may take
+    // Heads and dims are the group's; the scores' grid covers the most rows a sequence may attend (every row
+    // of its cache where its position is read on the device).
+    const attention_args & a = g.a[0];
     int64_t rows = 0;
-    for (int32_t b = 0; b < g.n; b++) rows = std::max(rows, g.a[b].pos ? g.a[b].n_ctx : g.a[b].n_pos); // pos: read
-    const unsigned n = static_cast<unsigned>(g.n);                                                    // on the device
-    LAUNCH(attention_scores_kernel, dim3(grid_for(a.n_head * ((rows + warp_lanes - 1) / warp_lanes), heads_per_block), n),
-           warps, stream, g);
+    for (int32_t b = 0; b < g.n; b++) rows = std::max(rows, g.a[b].pos ? g.a[b].n_ctx : g.a[b].n_pos);
+    const unsigned n = static_cast<unsigned>(g.n);
+    LAUNCH(attention_scores_kernel, dim3(grid_for(a.n_head * ((rows + warp_lanes - 1) / warp_lanes), heads_per_block),
+                                         n), warps, stream, g);
     TRY(launched());
     LAUNCH(attention_softmax_kernel, dim3(grid_for(a.n_head, heads_per_block), n), warps, stream, g);
     TRY(launched());
@@ -605,6 +612,12 @@ extern "C" pebble_status pebble_attend(int32_t n_seq, const float * q, const flo
         }
     }
     const int64_t kv_width = int64_t(n_head_kv) * head_dim, kv_row_bytes = kv_bytes(kv_type, kv_width);
+    const int64_t width = int64_t(n_head) * head_dim;
+    auto args_of = [&](int32_t b) { // sequence b's, its float32 output at out
+        return attention_args{q + b * width, k_caches[b], v_caches[b], kv_type, n_head, n_head_kv, head_dim, n_pos[b],
+                              n_rows, scale, softcap, static_cast<float *>(scratch) + int64_t(b) * n_head * n_rows,
+                              nullptr, out + b * width, nullptr};
+    };
 #ifdef PEBBLE_HOST_BUILD
     (void)stream_ptr;
     for (int32_t b = 0; k_new && b < n_seq; b++) {
@@ -612,20 +625,11 @@ extern "C" pebble_status pebble_attend(int32_t n_seq, const float * q, const flo
         store_row_kernel(k_new + b * kv_width, static_cast<uint8_t *>(k_caches[b]) + at, kv_type, kv_width);
         store_row_kernel(v_new + b * kv_width, static_cast<uint8_t *>(v_caches[b]) + at, kv_type, kv_width);
     }
-    if (host_runs_gpu_kernels()) { // the GPU's kernels (attention, above)
-        const int64_t width = int64_t(n_head) * head_dim;
-        return attention_in_groups(n_seq, [&](int32_t b) {
-            return attention_args{q + b * width, k_caches[b], v_caches[b], kv_type, n_head, n_head_kv, head_dim,
-                                  n_pos[b], n_rows, scale, softcap,
-                                  static_cast<float *>(scratch) + int64_t(b) * n_head * n_rows, nullptr,
-                                  out + b * width, nullptr};
-        }, nullptr);
-    }
+    if (host_runs_gpu_kernels()) return attention_in_groups(n_seq, args_of, nullptr); // the GPU's kernels
     return pebble_cpu::attend(n_seq, q, kv_type, k_caches, v_caches, n_pos, n_rows, n_head, n_head_kv,
                               head_dim, scale, softcap, out, static_cast<float *>(scratch));
 #else
     cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
-    const int64_t width = int64_t(n_head) * head_dim;
     if (k_new) {
         TRY(check_device_pointer(k_new, "k_new", "pebble_attend"));
         TRY(check_device_pointer(v_new, "v_new", "pebble_attend"));
@@ -642,11 +646,7 @@ extern "C" pebble_status pebble_attend(int32_t n_seq, const float * q, const flo
                    static_cast<uint8_t *>(v_caches[b]) + at, kv_type, kv_width);
         }
     }
-    return attention_in_groups(n_seq, [&](int32_t b) {
-        return attention_args{q + b * width, k_caches[b], v_caches[b], kv_type, n_head, n_head_kv, head_dim, n_pos[b],
-                              n_rows, scale, softcap, static_cast<float *>(scratch) + int64_t(b) * n_head * n_rows,
-                              nullptr, out + b * width, nullptr};
-    }, stream);
+    return attention_in_groups(n_seq, args_of, stream);
 #endif
 }
 
@@ -711,13 +711,20 @@ __global__ void rms_rows_kernel(const float * __restrict__ x, int64_t n_rows, in
 #endif
 }
 
+// rms_rows_kernel over n rows of e values, normed by w: one launch.
+pebble_status norm_rows(const float * x, int64_t n, int64_t e, const pebble_tensor_ref & w, float eps, act_t * out,
+                        [[maybe_unused]] cudaStream_t stream) {
+    LAUNCH(rms_rows_kernel, grid_for(n, 1), norm_threads, stream, x, n, e, w.data, w.ggml_type, eps, out);
+    return launched();
+}
+
 // x[r] += o[r] * add_scale (a residual), then out[r] = x[r] / rms(x[r]) * w: add_kernel and rms_rows_kernel
 // in one launch, the same values (each thread adds the elements it then sums and normalizes).
 __global__ void add_rms_rows_kernel(float * __restrict__ x, const float * __restrict__ o, int64_t n_rows, int64_t n,
                                     float add_scale, const void * w, int32_t w_type, float eps,
                                     act_t * __restrict__ out) {
 #ifdef PEBBLE_HOST_BUILD
-    for (int64_t i = 0; i < n_rows * n; i++) x[i] = add_scale == 1.0f ? x[i] + o[i] : x[i] + o[i] * add_scale;
+    for (int64_t i = 0; i < n_rows * n; i++) x[i] = added(x[i], o[i], add_scale);
     rms_rows_kernel(x, n_rows, n, w, w_type, eps, out);
 #else
     __shared__ float partial[norm_threads / 32];
@@ -726,7 +733,7 @@ __global__ void add_rms_rows_kernel(float * __restrict__ x, const float * __rest
         float * xr = x + r * n;
         const float * orow = o + r * n;
         PEBBLE_UNROLL_BY_8
-        for (int64_t i = t; i < n; i += norm_threads) xr[i] = add_scale == 1.0f ? xr[i] + orow[i] : xr[i] + orow[i] * add_scale;
+        for (int64_t i = t; i < n; i += norm_threads) xr[i] = added(xr[i], orow[i], add_scale);
         const float scale = 1.0f / sqrtf(block_sum_squares(xr, n, partial) / static_cast<float>(n) + eps);
         PEBBLE_UNROLL_BY_8
         for (int64_t i = t; i < n; i += norm_threads) put(out, r * n + i, xr[i] * scale * load_value(w, w_type, i));
@@ -1146,9 +1153,7 @@ pebble_status prefetch_experts(pebble_decoder & d, int32_t i, int32_t n, const f
     const int64_t e = s.n_embd, E = s.n_expert;
     act_t * h16 = at_offset<act_t>(d.scratch, d.at.h16);
     float * router = at_offset<float>(d.scratch, d.at.router);
-    LAUNCH(rms_rows_kernel, grid_for(n, 1), norm_threads, stream, x, n, e,
-           L.weights.ffn_norm.data, L.weights.ffn_norm.ggml_type, s.rms_eps, h16);
-    TRY(launched());
+    TRY(norm_rows(x, n, e, L.weights.ffn_norm, s.rms_eps, h16, stream));
     TRY(matvec_many(L.weights.ffn_gate_inp.ggml_type, L.weights.ffn_gate_inp.data, E, e, h16, n, router, stream));
     CUDA_CHECK(cudaMemcpyAsync(d.router_host.data(), router, sizeof(float) * size_t(n) * size_t(E), cudaMemcpyDefault,
                                stream));
@@ -1313,9 +1318,7 @@ pebble_status step_layer(pebble_decoder & d, int32_t i, int32_t n, const int32_t
     float * k_new = at_offset<float>(d.scratch, d.at.kv_new), * v_new = k_new + int64_t(n) * kv;
 
     // attention
-    LAUNCH(rms_rows_kernel, grid_for(n, 1), norm_threads, stream, x, n, e,
-           w.attn_norm.data, w.attn_norm.ggml_type, s.rms_eps, h16);
-    TRY(launched());
+    TRY(norm_rows(x, n, e, w.attn_norm, s.rms_eps, h16, stream));
     const matvec_part qkv[3] = {{w.wq.ggml_type, w.wq.data, q, fq}, {w.wk.ggml_type, w.wk.data, kv, fk},
                                 {w.wv.ggml_type, w.wv.data, kv, fv}};
     TRY(matvec_parts(qkv, 3, e, h16, n, stream));
@@ -1402,13 +1405,12 @@ pebble_status step_layer(pebble_decoder & d, int32_t i, int32_t n, const int32_t
     // feed-forward, its norm in one launch with the attention's residual where that has no norm of its own
     if (w.post_attn_norm.data) {
         TRY(residual(x, o, n, e, w.post_attn_norm, s, stream));
-        LAUNCH(rms_rows_kernel, grid_for(n, 1), norm_threads, stream, x, n, e,
-               w.ffn_norm.data, w.ffn_norm.ggml_type, s.rms_eps, h16);
+        TRY(norm_rows(x, n, e, w.ffn_norm, s.rms_eps, h16, stream));
     } else {
         LAUNCH(add_rms_rows_kernel, grid_for(n, 1), norm_threads, stream, x, o, n, e, s.residual_scale,
                w.ffn_norm.data, w.ffn_norm.ggml_type, s.rms_eps, h16);
+        TRY(launched());
     }
-    TRY(launched());
     if (s.n_expert) {
         TRY(experts_ffn(d, i, n, h16, o, stream));
     } else {
@@ -1558,9 +1560,7 @@ pebble_status enqueue_step(pebble_decoder & d, int32_t n, const int32_t * seqs, 
 #endif
     if (logits) {
         act_t * h16 = at_offset<act_t>(d.scratch, d.at.h16);
-        LAUNCH(rms_rows_kernel, grid_for(n, 1), norm_threads, stream, x, n, m.n_embd,
-               m.output_norm.data, m.output_norm.ggml_type, m.rms_eps, h16);
-        TRY(launched());
+        TRY(norm_rows(x, n, m.n_embd, m.output_norm, m.rms_eps, h16, stream));
         TRY(matvec_many(m.output.ggml_type, m.output.data, m.n_vocab, m.n_embd, h16, n, logits, stream));
         if (m.logit_scale != 1.0f || m.final_softcap > 0.0f) {
             const int64_t total = int64_t(n) * m.n_vocab;

@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 #ifdef PEBBLE_HOST_BUILD
 #    include "pebble_cpu.h"
 #endif
@@ -841,6 +842,23 @@ bool integer_matvec() {
 }
 #endif
 
+// f(std::integral_constant<int, n_vec>{}) for n_vec in 1..8: the number of vectors is a template argument,
+// so that each lane's sums stay in registers.
+template <typename F> pebble_status with_vectors(int32_t n_vec, F && f) {
+    static_assert(PEBBLE_MATVEC_MAX_VEC == 8, "one case per vector count");
+    switch (n_vec) {
+        case 1: return f(std::integral_constant<int, 1>{});
+        case 2: return f(std::integral_constant<int, 2>{});
+        case 3: return f(std::integral_constant<int, 3>{});
+        case 4: return f(std::integral_constant<int, 4>{});
+        case 5: return f(std::integral_constant<int, 5>{});
+        case 6: return f(std::integral_constant<int, 6>{});
+        case 7: return f(std::integral_constant<int, 7>{});
+        case 8: return f(std::integral_constant<int, 8>{});
+    }
+    return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_matvec: n_vec %d is outside 1..%d", n_vec, PEBBLE_MATVEC_MAX_VEC);
+}
+
 #ifndef PEBBLE_HOST_BUILD
 template <typename T, int NV>
 pebble_status launch_stacked_n(const stacked_rows & m, int64_t n_cols, const uint16_t * x, cudaStream_t stream) {
@@ -862,22 +880,10 @@ pebble_status launch_stacked_n(const stacked_rows & m, int64_t n_cols, const uin
     return check_launch("pebble_matvec", T::id);
 }
 
-// The number of vectors is a template argument, so that each lane's sums stay in registers.
 template <typename T>
 pebble_status launch_stacked(const stacked_rows & m, int64_t n_cols, const uint16_t * x, int32_t n_vec,
                              cudaStream_t stream) {
-    static_assert(PEBBLE_MATVEC_MAX_VEC == 8, "one case per vector count");
-    switch (n_vec) {
-        case 1: return launch_stacked_n<T, 1>(m, n_cols, x, stream);
-        case 2: return launch_stacked_n<T, 2>(m, n_cols, x, stream);
-        case 3: return launch_stacked_n<T, 3>(m, n_cols, x, stream);
-        case 4: return launch_stacked_n<T, 4>(m, n_cols, x, stream);
-        case 5: return launch_stacked_n<T, 5>(m, n_cols, x, stream);
-        case 6: return launch_stacked_n<T, 6>(m, n_cols, x, stream);
-        case 7: return launch_stacked_n<T, 7>(m, n_cols, x, stream);
-        case 8: return launch_stacked_n<T, 8>(m, n_cols, x, stream);
-    }
-    return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_matvec: n_vec %d is outside 1..%d", n_vec, PEBBLE_MATVEC_MAX_VEC);
+    return with_vectors(n_vec, [&](auto nv) { return launch_stacked_n<T, decltype(nv)::value>(m, n_cols, x, stream); });
 }
 
 stacked_rows one_matrix(const uint8_t * w, int64_t n_rows, float * y) {
@@ -906,18 +912,9 @@ template <typename T>
 pebble_status launch_matvec(const uint8_t * w, int64_t n_rows, int64_t n_cols, const uint16_t * x, int32_t n_vec,
                             float * y, cudaStream_t stream) {
 #ifdef PEBBLE_HOST_BUILD
-    static_assert(PEBBLE_MATVEC_MAX_VEC == 8, "one case per vector count");
-    switch (n_vec) {
-        case 1: return launch_matvec_n<T, 1>(w, n_rows, n_cols, x, y, stream);
-        case 2: return launch_matvec_n<T, 2>(w, n_rows, n_cols, x, y, stream);
-        case 3: return launch_matvec_n<T, 3>(w, n_rows, n_cols, x, y, stream);
-        case 4: return launch_matvec_n<T, 4>(w, n_rows, n_cols, x, y, stream);
-        case 5: return launch_matvec_n<T, 5>(w, n_rows, n_cols, x, y, stream);
-        case 6: return launch_matvec_n<T, 6>(w, n_rows, n_cols, x, y, stream);
-        case 7: return launch_matvec_n<T, 7>(w, n_rows, n_cols, x, y, stream);
-        case 8: return launch_matvec_n<T, 8>(w, n_rows, n_cols, x, y, stream);
-    }
-    return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_matvec: n_vec %d is outside 1..%d", n_vec, PEBBLE_MATVEC_MAX_VEC);
+    return with_vectors(n_vec, [&](auto nv) {
+        return launch_matvec_n<T, decltype(nv)::value>(w, n_rows, n_cols, x, y, stream);
+    });
 #else
     return launch_stacked<T>(one_matrix(w, n_rows, y), n_cols, x, n_vec, stream);
 #endif
