@@ -127,9 +127,13 @@ def test_a_models_overhead_is_measured_on_its_own_thread_before_a_request_plans(
 
     write_gguf(tmp_path / "tiny.gguf", n_layer=2, n_embd=32, n_head=2, n_head_kv=1, n_ff=64, n_ctx=256)
     calls: list[str] = []
-    real_warm_up, real_plan = PebbledModel.warm_up, PebbledModel.plan
-    monkeypatch.setattr(PebbledModel, "warm_up", lambda self: (calls.append(threading.current_thread().name),
-                                                               real_warm_up(self))[1])
+    real_measure, real_plan = PebbledModel.measure_overhead, PebbledModel.plan
+
+    def measure(self):
+        calls.append(threading.current_thread().name)
+        return real_measure(self)
+
+    monkeypatch.setattr(PebbledModel, "measure_overhead", measure)
     monkeypatch.setattr(PebbledModel, "plan", lambda self, *a, **k: (calls.append("plan"), real_plan(self, *a, **k))[1])
     eng = Engine(tmp_path)
     try:

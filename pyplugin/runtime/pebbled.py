@@ -215,7 +215,7 @@ class PebbledModel:
                 hi = mid - 1
         return lo
 
-    def warm_up(self) -> None:
+    def measure_overhead(self) -> None:
         """Measures the backend's overhead on the calling thread, where it is not yet measured: a server
         calls it on the thread that computes, whose cuBLAS handle (one a thread, held while it lives) is
         then part of what every plan counts."""

@@ -78,7 +78,7 @@ class Batcher:
 
     def run(self) -> None:
         try:  # on the thread that computes, so that its cuBLAS handle is in what plans count
-            self.entry.pebbled.warm_up()
+            self.entry.pebbled.measure_overhead()
         except Exception:  # noqa: BLE001 - a request's plan measures again on its thread and says why
             logger.exception("model=%s: measuring the backend's overhead failed", self.entry.name)
         finally:
