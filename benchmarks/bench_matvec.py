@@ -117,7 +117,7 @@ def table(results: list[dict]) -> str:
                          if i < len(r["rows"]) else f"{'-':>26}" for r in results)
         lines.append(f"{row['type']:5} {row['rows']:>6}x{row['cols']:<6} {row['vectors']:>3} {cells}")
     for nv in sorted({row["vectors"] for row in results[0]["rows"]}):
-        lines.append(f"Llama-3-8B Q4_K_M matvecs a token, {nv} vector(s): "
+        lines.append(f"Llama-3-8B Q4_K_M matvecs a token (each matrix's measured call x its calls), {nv} vector(s): "
                      + ", ".join(f"{token_seconds(r, nv) * 1e3:.3f} ms" for r in results))
     return "\n".join(lines)
 

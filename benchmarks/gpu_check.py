@@ -389,7 +389,7 @@ def summary(result: dict) -> str:
     if bench:
         lines += ["", *bench.get("table", [])]
     for lib in result.get("matvec") or []:
-        lines.append(f"  matvec {Path(lib['library']).name}: a Llama-3-8B Q4_K_M token's products "
+        lines.append(f"  matvec {Path(lib['library']).name}: a Llama-3-8B Q4_K_M token's products (measured calls x calls) "
                      + ", ".join(f"{ms:.3f} ms at {nv} vector(s)" for nv, ms in lib.get("token_ms", {}).items()))
     if result.get("profile"):
         lines += ["", "kernels by total time (ncu, one layer, batch 1; the first 400 launches):"]
