@@ -1,0 +1,82 @@
+"""top_k: the k largest logits found among a pool bounded by block maxima (sampling.top_k_candidates), held
+to a full sort by (-logit, id) on every shape of logits a model or a constraint makes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pyplugin.runtime import sampling
+from pyplugin.runtime.options import Options
+from pyplugin.runtime.sampling import Sampler, top_k_candidates
+
+
+def by_sorting(logits: np.ndarray, k: int) -> np.ndarray:
+    """The reference: every id sorted by logit, largest first, equal logits lowest id first."""
+    order = np.lexsort((np.arange(logits.size), -logits))
+    return order if not 0 < k < logits.size else order[:k]
+
+
+def logits_of(kind: str, n: int, rng) -> np.ndarray:
+    if kind == "normal":
+        return rng.standard_normal(n)
+    if kind == "few values":  # ties everywhere, across the k-th largest too
+        return rng.integers(-3, 3, n).astype(np.float64)
+    if kind == "equal":
+        return np.zeros(n)
+    if kind == "masked":  # a constraint's mask: fewer allowed tokens than k, the rest -inf
+        out = np.full(n, -np.inf)
+        out[rng.integers(0, n, 7)] = rng.standard_normal(7)
+        return out
+    if kind == "ascending":  # every block's maximum at its end: the bound lets most through
+        return np.sort(rng.standard_normal(n))
+    out = rng.standard_normal(n)  # "+inf": a vanishing repeat penalty's
+    out[rng.integers(0, n, 3)] = np.inf
+    return out
+
+
+KINDS = ("normal", "few values", "equal", "masked", "ascending", "+inf")
+
+
+@pytest.mark.parametrize("n", [10, 5000, 32000, 128256, 151936])
+@pytest.mark.parametrize("kind", KINDS)
+def test_top_k_is_a_full_sorts_first_k(n, kind):
+    """Vocabularies below and above the blocks' use (10 has none; 128256 and 151936 are not whole blocks:
+    their last logits are past every block), k from 1 to past the vocabulary, float32 and float64."""
+    rng = np.random.default_rng(n + KINDS.index(kind))
+    logits = logits_of(kind, n, rng)
+    for dtype in (np.float32, np.float64):
+        x = logits.astype(dtype)
+        for k in (0, 1, 5, 40, 100, sampling.TOP_K_BLOCKS, sampling.TOP_K_BLOCKS + 1, n - 1, n, n + 5):
+            np.testing.assert_array_equal(top_k_candidates(x, k), by_sorting(x, k), err_msg=f"k={k} {dtype}")
+
+
+def test_the_largest_logit_past_the_last_whole_block_is_found():
+    """128256 logits make 1024 blocks of 125 and 256 left over: the largest of all among those."""
+    logits = np.random.default_rng(1).standard_normal(128256)
+    logits[-1] = 50.0
+    logits[-200] = 40.0
+    assert list(top_k_candidates(logits, 2)) == [128255, 128056]
+
+
+def test_a_models_logits_are_ranked_within_a_small_pool():
+    """What makes it fast: on a spread of logits the pool is a few hundred of 128256, not the vocabulary."""
+    logits = np.random.default_rng(2).standard_normal(128256).astype(np.float32)
+    pool = sampling._pool(logits, 40)
+    assert pool is not None and 40 <= pool.size <= 2000
+    assert set(by_sorting(logits, 40)) <= set(pool)
+
+
+def test_nan_logits_rank_below_every_number_as_numpy_sorts_them():
+    """A NaN (a broken model's) ranks below every number (numpy sorts NaN last); nothing is lost or raised."""
+    logits = np.random.default_rng(3).standard_normal(5000)
+    logits[[10, 20]] = np.nan
+    as_lowest = np.where(np.isnan(logits), -np.inf, logits)
+    np.testing.assert_array_equal(top_k_candidates(logits, 4), by_sorting(as_lowest, 4))
+    np.testing.assert_array_equal(top_k_candidates(logits, 4999)[:4998], by_sorting(as_lowest, 4998))  # then a NaN
+
+
+def test_a_seeded_draw_is_the_same_token_each_time():
+    logits = np.random.default_rng(4).standard_normal(128256).astype(np.float32)
+    draws = [Sampler(Options(seed=42, temperature=0.8, top_k=40, top_p=0.9))(logits, [1, 2, 3]) for _ in range(3)]
+    assert len(set(draws)) == 1 and draws[0] in set(by_sorting(logits, 40))
