@@ -1,7 +1,7 @@
 """The matrix-vector kernels on Llama-3-8B's matrices, the weights read from device memory (not the L2):
 GB/s of weights against the device's own copy bandwidth, at 1 and 8 vectors.
 
-    python benchmarks/bench_matvec.py [--backend cuda|host] [--libs A.so,B.so] [--vectors 1,8]
+    python benchmarks/bench_matvec.py [--backend cuda|host] [--libs A.so,VAR=V,B.so] [--vectors 1,8]
         [--repeats 9] [--scale 1.0] [--json FILE] [--best FILE]
 
 Each matrix is random blocks of its type (each scale a small finite fp16, as files have), in enough
@@ -11,10 +11,12 @@ and each call's time is the round's over its calls: each call is made from Pytho
 time is the call's own cost (about 26 us on the H200 machine), not its kernel's. The device's bandwidth
 is bench_gpu's device-to-device copy of 1 GiB in the same run (bytes read + written over its time).
 
---libs: the same in one process per library (PEBBLING_LIB), side by side: to compare builds of the cuda
-library (PEBBLE_MATVEC_ROWS, PEBBLE_Q8_CHUNK and PEBBLE_MATVEC_UNROLL set by -D); each library's
-matrix-vector time of one Llama-3-8B Q4_K_M token is printed, and --best writes the path of the fastest
-(the first unless another is over 3% faster) to a file. On host the clock is the host's and the
+--libs: the same in one process per item, side by side: a library path (PEBBLING_LIB), to compare builds
+of the cuda library (PEBBLE_MATVEC_ROWS, PEBBLE_Q8_CHUNK, PEBBLE_Q8_CHUNK_FEW and PEBBLE_MATVEC_UNROLL set
+by -D), or settings of the default library's switches (VAR=VALUE, several joined by +, such as
+PEBBLING_CUDA_PERSIST=0: README, Environment); each item's matrix-vector time of one Llama-3-8B Q4_K_M
+token is printed, and --best writes the fastest item (the first unless another is over 3% faster) to a
+file. On host the clock is the host's and the
 "device" a memcpy; --scale shrinks the rows there: a check of this script, not a GPU figure.
 """
 
@@ -85,10 +87,19 @@ def measure(name: str, vectors: list[int], repeats: int, scale: float) -> dict:
             rows.append({"type": type_name, "rows": n_rows, "cols": n_cols, "tensor": what, "vectors": nv,
                          "weight_bytes": one.nbytes, "copies": copies, "us": per_call * 1e6,
                          "GBps": one.nbytes / per_call / 1e9, "of_copy": one.nbytes / per_call / 1e9 / copy["GBps"]})
-    result = {"backend": name, "library": os.environ.get("PEBBLING_LIB", "(default)"), "copy_GBps": copy["GBps"],
+    result = {"backend": name, "library": os.environ.get("BENCH_MATVEC_ITEM") or os.environ.get("PEBBLING_LIB", "(default)"),
+              "copy_GBps": copy["GBps"],
               "copy_how": copy["how"], "rows": rows}
     result["token_ms"] = {str(nv): token_seconds(result, nv) * 1e3 for nv in vectors}
     return result
+
+
+def item_env(item: str) -> dict[str, str]:
+    """The environment of one --libs item: a library path, or VAR=VALUE settings joined by +."""
+    if "=" not in item:
+        return {"PEBBLING_LIB": str(Path(item).resolve()), "BENCH_MATVEC_ITEM": item}
+    settings = dict(part.split("=", 1) for part in item.split("+"))
+    return {**settings, "BENCH_MATVEC_ITEM": item}
 
 
 def token_seconds(result: dict, vectors: int) -> float:
@@ -125,7 +136,8 @@ def table(results: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", default="cuda", choices=("cuda", "host"))
-    parser.add_argument("--libs", default="", help="comma-separated library paths, each run in its own process")
+    parser.add_argument("--libs", default="", help="comma-separated library paths or VAR=VALUE settings (+ joins "
+                        "several), each run in its own process")
     parser.add_argument("--vectors", default="1,8")
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--scale", type=float, default=1.0, help="rows x scale off the GPU (a check)")
@@ -141,8 +153,7 @@ def main(argv: list[str] | None = None) -> int:
             with tempfile.NamedTemporaryFile(suffix=".json") as out:
                 argv_one = [sys.executable, __file__, "--backend", args.backend, "--vectors", args.vectors,
                             "--repeats", str(args.repeats), "--scale", str(args.scale), "--json", out.name]
-                done = subprocess.run(argv_one, env={**os.environ, "PEBBLING_LIB": str(Path(lib).resolve())},
-                                      capture_output=True, text=True)
+                done = subprocess.run(argv_one, env={**os.environ, **item_env(lib)}, capture_output=True, text=True)
                 if done.returncode != 0:
                     print(f"{lib}: exit {done.returncode}\n{done.stderr[-2000:]}", file=sys.stderr)
                     continue

@@ -10,16 +10,19 @@ On a bare machine (the GPU image's Python with CuPy, torch, transformers, accele
            build/libpebble_cuda.so as carried (builds it only where it is missing and nvcc exists)
   probe    benchmarks/gpu_probe.py: nvidia-smi, driver and CUDA versions, CuPy's device, the library
            loads, `pebbling info` selects the backend
-  kernels  the kernel tests first, under CUDA_LAUNCH_BLOCKING=1, so that a fault names its kernel
+  kernels  the kernel tests first, under CUDA_LAUNCH_BLOCKING=1, so that a fault names its kernel; where
+           any fail on cuda, they run again under each of SWITCHES (README, Environment: each puts back
+           the way the decode step ran before), and then under all of them, logged after the kernels'
+           run: which change is at fault, named in the same call
   tests    the rest of the suite on the backend, with --no-skip-gpu: a skipped GPU test is a failure
            (in 4 processes where pytest-xdist imports: --test-workers)
   bench    benchmarks/bench_gpu.py (scaled by --bench-args to fit the time left)
   profile  ncu's time of each kernel (the first 400 launches, CUDA graphs off) while bench_gpu.py runs one
            layer of the shape with its output, batch 1: where a decode step's time goes (cuda only; where
            ncu is not found, recorded so)
-  matvec   benchmarks/bench_matvec.py over build/libpebble_<backend>.so and every build in build/variants/
-           (each a -D setting of the integer matvec, made where nvcc is and carried): each library's time
-           of a Llama-3-8B Q4_K_M token's products, side by side
+  matvec   benchmarks/bench_matvec.py over build/libpebble_<backend>.so, the same with PEBBLING_CUDA_PERSIST=0,
+           and every build in build/variants/ (each a -D setting of the integer matvec, made where nvcc is
+           and carried): each one's time of a Llama-3-8B Q4_K_M token's products, side by side
 Each stage is timed and has a timeout (its cap in CAPS, or --cap, within the time left of --budget-s,
 keeping FLOOR seconds for each later stage); one that times out or fails is recorded and the next runs.
 DIR gets: gpu_check.json (every stage's command, rc, time, timeout, pass/fail/skip counts and failures, the
@@ -57,6 +60,9 @@ KERNEL_TESTS = ["tests/test_quant_kernels.py", "tests/test_decode_step.py", "tes
 CAPS = {"setup": 120, "build": 300, "probe": 120, "kernels": 150, "tests": 270, "bench": 240, "profile": 90,
         "matvec": 120}
 FLOOR = {"probe": 20, "kernels": 45, "tests": 90, "bench": 60, "profile": 40, "matvec": 30}  # a later stage's least
+# Settings that each put back one change of the decode step (README, Environment), tried where kernel tests fail.
+SWITCHES = ("PEBBLING_CUDA_STACK=0", "PEBBLING_CUDA_GROUP=1", "PEBBLING_CUDA_PERSIST=0", "PEBBLING_CUDA_MATVEC=float")
+SWITCHES_CAP = 150  # seconds for all of their runs together, within the budget
 PROFILE_ARGS = "--layers 1 --types Q4_K_M --rows none --batches 1 --prompt 16 --tokens 4 --peers none"
 # The benchmark inside the 9 minutes: a slice of the Llama-3-8B shape. The full run is its own command
 # (README: On a GPU).
@@ -87,15 +93,16 @@ class Record:
     skips: list = field(default_factory=list)
     last_test: str | None = None  # the last test a timed-out pytest started
     note: str = ""
+    switches: dict | None = None  # kernels: each of SWITCHES's runs of the failed tests (see try_switches)
 
 
-def run_stage(stage: Stage, out_dir: Path, base_env: dict[str, str]) -> Record:
-    """Runs one stage as its own process group, output to DIR/<name>.log; past its timeout the group is
-    ended (TERM, then KILL) and the record says so."""
-    log = out_dir / f"{stage.name}.log"
+def run_stage(stage: Stage, out_dir: Path, base_env: dict[str, str], log_name: str | None = None) -> Record:
+    """Runs one stage as its own process group, output to DIR/<name>.log (or after what DIR/<log_name>
+    holds); past its timeout the group is ended (TERM, then KILL) and the record says so."""
+    log = out_dir / (log_name or f"{stage.name}.log")
     record = Record(stage.name, shlex.join(stage.argv), round(stage.timeout_s, 1), log=log.name)
     start = time.monotonic()
-    with open(log, "w") as sink:
+    with open(log, "a" if log_name else "w") as sink:
         sink.write(f"$ {record.command}\n")
         sink.flush()
         try:
@@ -169,6 +176,45 @@ def _read_pytest(record: Record, junit: Path, log: Path) -> None:
             last = line.split()[0]
     record.counts = {**counts, "from": "log (no junit: the run did not finish)"}
     record.last_test = last
+
+
+def node_id(test: str) -> str:
+    """pytest's id of a junit test name (tests.test_x::name[params] -> tests/test_x.py::name[params])."""
+    module, _, name = test.partition("::")
+    parts = module.split(".")
+    for cut in range(len(parts), 0, -1):  # the module's file, then any classes inside it
+        path = Path(*parts[:cut]).with_suffix(".py")
+        if (ROOT / path).is_file():
+            return "::".join([str(path), *parts[cut:], name])
+    return test
+
+
+def try_switches(failed: Record, pytest: list[str], env: dict[str, str], out_dir: Path, seconds: float) -> dict:
+    """The failed kernel tests again under each of SWITCHES, then under all of them: passed and failed for
+    each, so that the change at fault is named. Logged after the kernels' run; within `seconds` in all."""
+    ids = sorted({node_id(f["test"]) for f in failed.failures})[:40]
+    settings = [*SWITCHES, "+".join(SWITCHES)]
+    found, end = {"tests": ids}, time.monotonic() + seconds
+    for setting in settings:
+        left = end - time.monotonic()
+        if left < 10:
+            found[setting] = {"note": "not run: out of time"}
+            continue
+        junit = out_dir / ".switch.xml"
+        stage = Stage("kernels", [*pytest, f"--junitxml={junit}", *ids], left,
+                      {**env, **dict(part.split("=", 1) for part in setting.split("+"))}, str(junit))
+        with open(out_dir / failed.log, "a") as sink:
+            sink.write(f"\n\n=== the failed tests again with {setting}\n")
+        run = run_stage(stage, out_dir, {}, log_name=failed.log)
+        junit.unlink(missing_ok=True)
+        found[setting] = {"passed": (run.counts or {}).get("passed", 0), "failed": (run.counts or {}).get("failed", 0)
+                          + (run.counts or {}).get("errors", 0), "seconds": run.seconds, "timed_out": run.timed_out}
+    return found
+
+
+def switches_text(found: dict) -> str:
+    return "; ".join(f"{k}: " + (v["note"] if "note" in v else f"{v['passed']} passed, {v['failed']} failed")
+                     for k, v in found.items() if k != "tests")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -260,7 +306,8 @@ def stage_plan(args, work: Path, python: str) -> list[Stage]:
     done = [f"--ignore={t}" for t in args.kernel_tests if "kernels" in args.stages and args.tests == ["tests"]]
     bench_json = work / "bench.json"
     variants = sorted((ROOT / "build" / "variants").glob("*.so")) if args.backend == "cuda" else []  # cuda builds
-    libs = [ROOT / "build" / f"libpebble_{args.backend}.so", *variants]
+    libs = [ROOT / "build" / f"libpebble_{args.backend}.so", *(["PEBBLING_CUDA_PERSIST=0"] if args.backend == "cuda" else []),
+            *variants]
     return [
         Stage("probe", [python, str(ROOT / "benchmarks" / "gpu_probe.py"), "--backend", args.backend], caps["probe"],
               probe_env),
@@ -347,6 +394,11 @@ def run_all(args, out_dir: Path) -> dict:
         r = records[-1]
         print(f"gpu-check: {stage.name}: {'ok' if r.ok else 'FAILED'} rc={r.rc} {r.seconds:.1f} s "
               f"{_counts_text(r.counts)} {r.note}".rstrip(), flush=True)
+        if stage.name == "kernels" and r.failures and args.backend == "cuda":
+            left = args.budget_s - (time.monotonic() - began) - later
+            pytest = [a for a in stage.argv if not a.startswith("--junitxml=") and a not in args.kernel_tests]
+            r.switches = try_switches(r, pytest, {**env, **stage.env}, out_dir, min(SWITCHES_CAP, left))
+            print(f"gpu-check: kernels again under each switch: {switches_text(r.switches)}", flush=True)
     result = {"ok": all(r.ok for r in records), "backend": args.backend, "budget_s": args.budget_s,
               "test_workers": args.test_workers, "bench_args": args.bench_args,
               "total_seconds": round(time.monotonic() - began, 2), "started_utc": args.started,
@@ -385,6 +437,8 @@ def summary(result: dict) -> str:
                      f"(timeout {s['timeout_s']:.0f}) {_counts_text(s['counts'])} {s['note'][:200]}".rstrip())
         for f in s["failures"][:15]:
             lines.append(f"      {f['kind']}: {f['test']}: {f['message'][:160]}")
+        if s.get("switches"):
+            lines.append(f"      the failed tests again: {switches_text(s['switches'])}")
     bench = result.get("bench")
     if bench:
         lines += ["", *bench.get("table", [])]

@@ -127,7 +127,8 @@ __host__ __device__ inline int64_t rope_partner(int64_t d, int32_t rope_dims, in
 
 // A kernel's arguments for up to launch_group sequences of a step, launched once with the sequence in
 // blockIdx.y (the host build runs them in turn): a step of 8 sequences made 8 launches of each per layer.
-constexpr int32_t launch_group = 8;
+// PEBBLING_CUDA_GROUP sets fewer (switches().group).
+constexpr int32_t launch_group = pebble_internal::max_launch_group;
 
 template <typename A> struct arg_group {
     A       a[launch_group];
@@ -429,9 +430,10 @@ pebble_status attention(const arg_group<attention_args> & g, cudaStream_t stream
 
 // The attention of sequences 0..n-1, args(b) each one's arguments, a launch of each kernel per group.
 template <typename F> pebble_status attention_in_groups(int32_t n, F && args, cudaStream_t stream) {
-    for (int32_t first = 0; first < n; first += launch_group) {
+    const int32_t group = switches().group;
+    for (int32_t first = 0; first < n; first += group) {
         arg_group<attention_args> g;
-        g.n = std::min(launch_group, n - first);
+        g.n = std::min(group, n - first);
         for (int32_t b = 0; b < g.n; b++) g.a[b] = args(first + b);
         TRY(attention(g, stream));
     }
@@ -1364,10 +1366,11 @@ pebble_status step_layer(pebble_decoder & d, int32_t i, int32_t n, const int32_t
         }
     });
 #else
-    for (int32_t first = 0; first < n; first += launch_group) { // the sequences in groups, a launch each
+    const int32_t group = switches().group;
+    for (int32_t first = 0; first < n; first += group) { // the sequences in groups, a launch each
         arg_group<qkv_args> qg;
         arg_group<kv_row_args> kg;
-        qg.n = kg.n = std::min(launch_group, n - first);
+        qg.n = kg.n = std::min(group, n - first);
         for (int32_t b = 0; b < qg.n; b++) {
             qg.a[b] = qkv_of(first + b);
             kg.a[b] = kv_row_of(first + b);

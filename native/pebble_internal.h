@@ -46,6 +46,17 @@ struct matvec_part {
 };
 pebble_status matvec_parts(const matvec_part * parts, int n_parts, int64_t n_cols, const void * x, int64_t n_vec,
                            cudaStream_t stream);
+// The GPU decode path's run-time switches, read once from the environment (README: PEBBLING_CUDA_*): each
+// puts back the way a step ran before, to compare the two on a GPU or to go on where the new way is in
+// doubt. A value other than those below leaves the default (pyplugin refuses it before the library runs).
+constexpr int32_t max_launch_group = 8; // the most sequences one launch of a per-sequence kernel takes
+struct cuda_switches {
+    bool    integer_matvec; // PEBBLING_CUDA_MATVEC=float: false, x in fp16 (default: 8-bit x, dp4a)
+    bool    persist;        // PEBBLING_CUDA_PERSIST=0: false, x staged a row group at a time (default 1)
+    bool    stack;          // PEBBLING_CUDA_STACK=0: false, one launch a matrix (default 1: q/k, gate/up)
+    int32_t group;          // PEBBLING_CUDA_GROUP=1..8: sequences a launch of a per-sequence kernel takes (8)
+};
+const cuda_switches & switches();
 #ifndef PEBBLE_HOST_BUILD
 // PEBBLE_OK unless `ptr` is pageable host memory, which a kernel cannot read.
 pebble_status check_device_pointer(const void * ptr, const char * what, const char * fn);

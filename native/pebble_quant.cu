@@ -365,7 +365,7 @@ dequantize_tiled_kernel(const uint8_t * __restrict__ src, uint16_t * __restrict_
 // it would take reading x from global memory, in the same order: the same sums, bit for bit.
 // (The host build multiplies in pebble_cpu.cc instead.)
 #ifndef PEBBLE_HOST_BUILD
-#ifndef PEBBLE_MATVEC_ROWS // a build may set these five to compare (benchmarks/bench_matvec.py --libs)
+#ifndef PEBBLE_MATVEC_ROWS // a build may set these four to compare (benchmarks/bench_matvec.py --libs)
 #    define PEBBLE_MATVEC_ROWS 16
 #endif
 #ifndef PEBBLE_Q8_CHUNK
@@ -377,10 +377,6 @@ dequantize_tiled_kernel(const uint8_t * __restrict__ src, uint16_t * __restrict_
 #ifndef PEBBLE_MATVEC_UNROLL // a lane's parts of a chunk unrolled by this, so their loads can go out together
 #    define PEBBLE_MATVEC_UNROLL 4
 #endif
-#ifndef PEBBLE_MATVEC_PERSIST // 1: x staged once a block where a row fits one chunk (0: once a row group)
-#    define PEBBLE_MATVEC_PERSIST 1
-#endif
-constexpr bool matvec_persist = PEBBLE_MATVEC_PERSIST != 0;
 constexpr int matvec_unroll = PEBBLE_MATVEC_UNROLL;
 constexpr int matvec_rows_per_block = PEBBLE_MATVEC_ROWS; // warps per thread block: rows sharing one staging of x
 constexpr int matvec_chunk = 2048;        // x elements staged per vector at a time
@@ -650,7 +646,7 @@ __device__ void block32(const uint8_t * __restrict__ bb, int first, const q8_sta
 
 template <typename T, int NV>
 __global__ void __launch_bounds__(warp_lanes * matvec_rows_per_block)
-matvec_q8_kernel(const __grid_constant__ stacked_rows m, int64_t n_cols, const uint16_t * __restrict__ x) {
+matvec_q8_kernel(const __grid_constant__ stacked_rows m, int64_t n_cols, const uint16_t * __restrict__ x, bool whole) {
     const int64_t n_rows = m.first[m.n];
     constexpr bool k_quant = T::block_elements == 256;
     constexpr int part_elements = T::block_elements / T::parts; // 64 for the K-quants, else a block of 32
@@ -658,10 +654,10 @@ matvec_q8_kernel(const __grid_constant__ stacked_rows m, int64_t n_cols, const u
     __shared__ __align__(16) q8_stage<NV, k_quant ? 256 : 32> st;
     const int64_t blocks_per_row = n_cols / T::block_elements;
     const int lane = static_cast<int>(threadIdx.x);
-    // A row that fits one chunk: x staged once, then every row the block takes read without a barrier
-    // (the launcher gives such a product only the blocks the GPU holds at once, so each stages once).
+    // whole (a row that fits one chunk, unless PEBBLING_CUDA_PERSIST=0): x staged once, then every row the
+    // block takes read without a barrier (the launcher gives such a product only the blocks the GPU holds
+    // at once, so each stages once).
     constexpr int chunk = q8_chunk<NV>;
-    const bool whole = matvec_persist && n_cols <= chunk;
     if (whole) {
         stage_q8<NV>(x, n_cols, 0, static_cast<int>(n_cols), st);
         __syncthreads();
@@ -831,15 +827,6 @@ int64_t resident_blocks(K kernel, int threads) {
     return int64_t(sms) * per_sm;
 }
 
-// PEBBLING_CUDA_MATVEC=float keeps Q4_K, Q6_K, Q8_0 and Q4_0 on matvec_kernel (x in fp16, no integer
-// products): to compare the two on a GPU, or to go on where the integer kernel is in doubt.
-bool integer_matvec() {
-    static const bool integer = [] {
-        const char * env = std::getenv("PEBBLING_CUDA_MATVEC");
-        return !(env && std::strcmp(env, "float") == 0);
-    }();
-    return integer;
-}
 #endif
 
 // f(std::integral_constant<int, n_vec>{}) for n_vec in 1..8: the number of vectors is a template argument,
@@ -869,10 +856,11 @@ pebble_status launch_stacked_n(const stacked_rows & m, int64_t n_cols, const uin
                   T::id == type_q4_0::id) { // 16-byte loads of x (and Q4_K's weights)
         uintptr_t aligned = reinterpret_cast<uintptr_t>(x);
         for (int32_t p = 0; p < m.n && T::id == type_q4_k::id; p++) aligned |= reinterpret_cast<uintptr_t>(m.w[p]);
-        if ((aligned & 15) == 0 && integer_matvec()) {
+        if ((aligned & 15) == 0 && pebble_internal::switches().integer_matvec) {
             static const int64_t held = resident_blocks(matvec_q8_kernel<T, NV>, warp_lanes * matvec_rows_per_block);
-            const int64_t blocks = matvec_persist && n_cols <= q8_chunk<NV> ? std::min(grid, held) : grid;
-            matvec_q8_kernel<T, NV><<<static_cast<unsigned>(blocks), block, 0, stream>>>(m, n_cols, x);
+            const bool whole = pebble_internal::switches().persist && n_cols <= q8_chunk<NV>;
+            const int64_t blocks = whole ? std::min(grid, held) : grid;
+            matvec_q8_kernel<T, NV><<<static_cast<unsigned>(blocks), block, 0, stream>>>(m, n_cols, x, whole);
             return check_launch("pebble_matvec", T::id);
         }
     }
@@ -928,6 +916,21 @@ pebble_status launch_matvec(const uint8_t * w, int64_t n_rows, int64_t n_cols, c
 namespace pebble_internal {
 
 const char * ggml_type_name(int32_t ggml_type) { return type_name(ggml_type); }
+
+const cuda_switches & switches() {
+    static const cuda_switches read = [] {
+        auto is = [](const char * name, const char * value) {
+            const char * env = std::getenv(name);
+            return env && std::strcmp(env, value) == 0;
+        };
+        cuda_switches s = {!is("PEBBLING_CUDA_MATVEC", "float"), !is("PEBBLING_CUDA_PERSIST", "0"),
+                           !is("PEBBLING_CUDA_STACK", "0"), max_launch_group};
+        const char * group = std::getenv("PEBBLING_CUDA_GROUP");
+        if (group && group[0] >= '1' && group[0] < '1' + max_launch_group && group[1] == '\0') s.group = group[0] - '0';
+        return s;
+    }();
+    return read;
+}
 
 bool type_block(int32_t ggml_type, int64_t * block_elements, int64_t * block_bytes) {
     return visit_type(ggml_type, [&](auto t) {
@@ -989,7 +992,8 @@ pebble_status matvec_parts(const matvec_part * parts, int n_parts, int64_t n_col
     const uint16_t * x16 = static_cast<const uint16_t *>(x);
     for (int p = 0; p < n_parts;) {
         int end = p + 1; // the parts of p's type that follow it: one stack
-        while (end < n_parts && end - p < max_stacked && parts[end].ggml_type == parts[p].ggml_type) end++;
+        const int most = switches().stack ? max_stacked : 1;
+        while (end < n_parts && end - p < most && parts[end].ggml_type == parts[p].ggml_type) end++;
         TRY(with_type(parts[p].ggml_type, "pebble_decoder_step", [&](auto t) {
             using T = decltype(t);
             for (int64_t v = 0; v < n_vec; v += PEBBLE_MATVEC_MAX_VEC) {

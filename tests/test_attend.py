@@ -216,6 +216,24 @@ def test_caches_attended_over_die_with_their_owner(kernels):
                                atol=1e-5)
 
 
+def test_fewer_sequences_a_launch_give_the_same_attention():
+    """PEBBLING_CUDA_GROUP=3 (a switch to compare on a GPU, or to go on where a group is in doubt): the
+    portable host path, which runs the GPU's attention kernels in the same groups, over eleven sequences in
+    four groups, each against the reference and the same alone, in a process of its own."""
+    import os
+    import subprocess
+    import sys
+
+    from pyplugin.store import probe
+    if not probe("host").usable:
+        pytest.skip("the host library is not built here (make host)")
+    env = {**os.environ, "PEBBLING_SIMD": "portable", "PEBBLING_TEST_BACKENDS": "host", "PEBBLING_CUDA_GROUP": "3"}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+                           "-k", "host and more_sequences_than_one_launch"], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+
+
 def test_the_portable_attention_is_the_gpus_three_kernels_held_to_the_reference_too():
     """What a CPU without AVX2 runs (PEBBLING_SIMD=portable): the host tests above, and test_kv_types.py's
     attention over block caches, in a process of their own with the setting, where pebble_attend goes

@@ -47,3 +47,11 @@ def test_best_is_the_first_library_unless_another_is_clearly_faster():
     assert bench.best([first, close])["library"] == "a"      # 2% is within the noise
     assert bench.best([first, close, faster])["library"] == "c"
     assert bench.best([faster, first])["library"] == "c"
+
+
+def test_an_item_is_a_library_or_settings_of_the_default_librarys_switches():
+    lib = bench.item_env("build/variants/libpebble_cuda_x.so")
+    assert Path(lib["PEBBLING_LIB"]).is_absolute() and lib["BENCH_MATVEC_ITEM"] == "build/variants/libpebble_cuda_x.so"
+    settings = bench.item_env("PEBBLING_CUDA_PERSIST=0+PEBBLING_CUDA_STACK=0")
+    assert settings == {"PEBBLING_CUDA_PERSIST": "0", "PEBBLING_CUDA_STACK": "0",
+                        "BENCH_MATVEC_ITEM": "PEBBLING_CUDA_PERSIST=0+PEBBLING_CUDA_STACK=0"}

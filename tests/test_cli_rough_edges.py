@@ -210,6 +210,16 @@ def test_backend_cuda_without_a_library_mentions_make_cuda(capsys):
     assert "make cuda" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("name, value", [("PEBBLING_CUDA_GROUP", "9"), ("PEBBLING_CUDA_STACK", "off"),
+                                         ("PEBBLING_CUDA_MATVEC", "fp16"), ("PEBBLING_CUDA_GRAPHS", "yes")])
+def test_a_switch_set_to_a_value_it_does_not_take_is_refused_naming_what_it_takes(name, value, monkeypatch, capsys):
+    """The library would take the value as its default: the command says so instead, before it runs."""
+    monkeypatch.setenv(name, value)
+    assert cli("run", "tiny", "hi", *GREEDY) == 1
+    err = capsys.readouterr().err
+    assert f"{name}={value!r}" in err and "accepted:" in err
+
+
 def probe_with_library(kind: str, path: Path):
     old = os.environ.get("PEBBLING_LIB")
     os.environ["PEBBLING_LIB"] = str(path)

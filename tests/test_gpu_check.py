@@ -222,3 +222,40 @@ def test_the_matvec_stage_times_the_library_and_its_variants(tmp_path):
     assert Path(first["library"]).name == "libpebble_host.so" and set(first["token_ms"]) == {"1", "8"}
     assert all(ms > 0 for ms in first["token_ms"].values())
     assert "a Llama-3-8B Q4_K_M token's products" in (out / "summary.txt").read_text()
+
+
+def test_a_pytest_id_is_made_from_a_junit_name():
+    assert gpu_check.node_id("tests.test_decode_step::test_one[cuda-llama-Q4_K_M-23]") == \
+        "tests/test_decode_step.py::test_one[cuda-llama-Q4_K_M-23]"
+    assert gpu_check.node_id("no.such.module::test_x") == "no.such.module::test_x"
+
+
+FAKE_PYTEST = '''
+import os, sys
+junit = next(a.split("=", 1)[1] for a in sys.argv if a.startswith("--junitxml="))
+ids = [a for a in sys.argv[1:] if "::" in a]
+bad = os.environ.get("PEBBLING_CUDA_STACK") != "0"  # the stacked launch "at fault"
+cases = "".join(f'<testcase classname="m" name="{i}">' + ('<failure message="wrong"/>' if bad else "") + "</testcase>"
+                for i in ids)
+open(junit, "w").write(f'<testsuite tests="{len(ids)}" failures="{len(ids) if bad else 0}" errors="0" skipped="0">'
+                       f"{cases}</testsuite>")
+print("ran", ids, "stack", os.environ.get("PEBBLING_CUDA_STACK"))
+raise SystemExit(1 if bad else 0)
+'''
+
+
+def test_failed_kernel_tests_run_again_under_each_switch_naming_the_one_that_mends_them(tmp_path):
+    """try_switches on a stand-in for pytest whose tests pass only with PEBBLING_CUDA_STACK=0: that switch and
+    all of them together pass, each other fails; every run is logged after the kernels' own."""
+    failed = gpu_check.Record("kernels", "", 1, log="kernels.log",
+                              failures=[{"test": "tests.test_decode_step::test_a[cuda]", "kind": "failure"},
+                                        {"test": "tests.test_attend::test_b", "kind": "failure"}])
+    (tmp_path / "kernels.log").write_text("the kernels' run\n")
+    found = gpu_check.try_switches(failed, [sys.executable, "-c", FAKE_PYTEST], {"PATH": "/usr/bin:/bin"}, tmp_path, 120)
+    assert found["tests"] == ["tests/test_attend.py::test_b", "tests/test_decode_step.py::test_a[cuda]"]
+    assert {k: (v["passed"], v["failed"]) for k, v in found.items() if k != "tests"} == {
+        "PEBBLING_CUDA_STACK=0": (2, 0), "PEBBLING_CUDA_GROUP=1": (0, 2), "PEBBLING_CUDA_PERSIST=0": (0, 2),
+        "PEBBLING_CUDA_MATVEC=float": (0, 2), "+".join(gpu_check.SWITCHES): (2, 0)}
+    log = (tmp_path / "kernels.log").read_text()
+    assert log.startswith("the kernels' run") and log.count("=== the failed tests again with") == 5
+    assert "stack 0" in log and "PEBBLING_CUDA_STACK=0: 2 passed, 0 failed" in gpu_check.switches_text(found)

@@ -37,3 +37,26 @@ HEADER_NAMES = {
     "PEBBLE_MATVEC_MAX_VEC": MATVEC_MAX_VEC, "PEBBLE_DECODER_MAX_BATCH": DECODER_MAX_BATCH,
     "PEBBLE_DECODER_GRAPHS": DECODER_GRAPHS, "PEBBLE_LAYER_WEIGHTS": LAYER_WEIGHTS,
 }
+
+
+# The native library's run-time switches (native/pebble_internal.h, cuda_switches; README): each
+# variable's accepted values, the default first. The library reads them once and takes any other
+# value as the default, so check_switches refuses it before a library is chosen.
+SWITCHES = {
+    "PEBBLING_CUDA_MATVEC": ("integer", "float"),
+    "PEBBLING_CUDA_PERSIST": ("1", "0"),
+    "PEBBLING_CUDA_STACK": ("1", "0"),
+    "PEBBLING_CUDA_GROUP": ("8", "1", "2", "3", "4", "5", "6", "7"),
+    "PEBBLING_CUDA_GRAPHS": ("1", "0"),
+}
+
+
+def check_switches(environ) -> None:
+    """Raises ValueError naming the first switch in `environ` set to a value it does not take, and the values
+    it does."""
+    for name, accepted in SWITCHES.items():
+        value = environ.get(name)
+        if value and value not in accepted:  # empty: unset
+            raise ValueError(f"{name}={value!r} is not a value it takes; accepted: {', '.join(accepted)} "
+                             f"(default {accepted[0]})")
+

@@ -26,7 +26,7 @@ import numpy as np
 from ..errors import PebbleError, PebblingError
 from ..xp import array_module, compute_dtype, free_cached
 from . import gpu
-from .abi import TIER_DEVICE
+from .abi import TIER_DEVICE, check_switches
 from .interface import Store
 from .kernels import Kernels
 
@@ -283,7 +283,12 @@ class BackendChoice:
 
 def choose_backend(requested: str | Backend | None = None) -> BackendChoice:
     """The backend to use and why: `requested`, else $PEBBLING_BACKEND, else the first of cuda, host,
-    stub that works. A requested backend that is unknown or cannot be used raises PebblingError."""
+    stub that works. A requested backend that is unknown or cannot be used, or a PEBBLING_CUDA_* switch set
+    to a value it does not take, raises PebblingError."""
+    try:
+        check_switches(os.environ)
+    except ValueError as exc:
+        raise PebblingError(str(exc)) from None
     if isinstance(requested, Backend):
         return BackendChoice(requested, "given by the caller")
     source = "requested by the caller"
