@@ -14,7 +14,9 @@ at batch 1 and batch 8 (8 prompts prefilled, then decoded in one native call per
 and decode tokens/s; device memory at its peak (the report's, and NVML sampled every 2 ms through the row)
 beside the plan's estimate; bytes restored per step and the host->device rate they were moved at, against
 the bus's rate measured in this run through the store; weight bytes read per step over the time per step,
-against a device-to-device copy measured in this run (the roofline fraction); greedy tokens equal to none's.
+against a device-to-device copy measured in this run (the roofline fraction); greedy tokens equal to none's;
+where a step's time goes: its wall time, the host's time inside the library's step call, and (on a GPU)
+the device's time over the call's work, from CUDA events on its stream (StepTimes).
 Peers: transformers + accelerate (random F16 weights of the same shape, fully on the GPU and with
 max_memory[0] at each budget), llama.cpp on the Q4_K_M file where llama_cpp imports (else recorded absent).
 Every figure is measured in this run, except those listed under "estimates" in the JSON and marked (est.)
@@ -51,6 +53,7 @@ from pyplugin.runtime.options import Options  # noqa: E402
 from pyplugin.runtime.plan import PebblingOptions, full_residency_peak  # noqa: E402
 from pyplugin.runtime.store_layers import StoreLayers  # noqa: E402
 from pyplugin.store import probe, select_backend  # noqa: E402
+from pyplugin.store.kernels import Decoder  # noqa: E402
 
 ESTIMATES = {
     "estimated_peak_bytes": "the plan's estimate of the row's peak device memory, shown beside the measured peaks",
@@ -84,6 +87,52 @@ def nominal_bus() -> dict:
         return {"nominal_link_GBps": None, "why": f"{type(exc).__name__}: {exc}"}
 
 
+class StepTimes:
+    """Each decode step's library call (Decoder.step, one a step) timed while in use: the host's time inside
+    the call, and on a GPU the device's from just before the call's work to just after it (CUDA events on
+    the step's stream). Beside the step's wall time they say where a token goes: the device's work, the
+    launches and waits inside the call, or the Python around it (embedding, the logits' copy, sampling)."""
+
+    def __init__(self, xp):
+        cuda = getattr(xp, "cuda", None)
+        self.cuda = cuda if cuda is not None and hasattr(cuda, "Event") else None
+        self.inside, self.calls, self._events = 0.0, 0, []
+
+    def __enter__(self) -> "StepTimes":
+        self._step, timer = Decoder.step, self
+
+        def timed(decoder, *args, **kwargs):
+            stream = decoder._stream() if timer.cuda else None
+            begin = timer._record(stream)
+            start = time.perf_counter()
+            try:
+                return timer._step(decoder, *args, **kwargs)
+            finally:
+                timer.inside += time.perf_counter() - start
+                timer.calls += 1
+                if begin is not None:
+                    timer._events.append((begin, timer._record(stream)))
+        Decoder.step = timed
+        return self
+
+    def __exit__(self, *exc) -> None:
+        Decoder.step = self._step
+
+    def _record(self, stream):
+        if self.cuda is None:
+            return None
+        event = self.cuda.Event()
+        event.record(stream)
+        return event
+
+    def device_seconds(self) -> float | None:
+        """The device's time over every call (None without events); waits for the last."""
+        if not self._events:
+            return None
+        self._events[-1][1].synchronize()
+        return sum(self.cuda.get_elapsed_time(a, b) for a, b in self._events) / 1e3
+
+
 def run_row(pebbled: PebbledModel, options: Options, prompts: list[list[int]], case: dict, n_decode: int) -> dict:
     """One row: the prompts prefilled, then n_decode greedy steps for all of them together."""
     pebbling = PebblingOptions.from_options({"pebbling_strategy": case["strategy"],
@@ -105,20 +154,22 @@ def run_row(pebbled: PebbledModel, options: Options, prompts: list[list[int]], c
             gen.start(prompt)
         prefill_s = time.perf_counter() - start
         tokens = [[] for _ in prompts]
-        start = time.perf_counter()
-        for _ in range(n_decode):
-            step = [gen.next_token() for gen in gens]
-            for out, token in zip(tokens, step):
-                out.append(token)
-            if len(gens) == 1:
-                gens[0].logits = gens[0].decode_one(step[0])
-            else:
-                for gen, logits in zip(gens, decode_batch(source, gens, step)):
-                    gen.logits = logits
-        decode_s = time.perf_counter() - start
+        with StepTimes(backend.xp) as timer:
+            start = time.perf_counter()
+            for _ in range(n_decode):
+                step = [gen.next_token() for gen in gens]
+                for out, token in zip(tokens, step):
+                    out.append(token)
+                if len(gens) == 1:
+                    gens[0].logits = gens[0].decode_one(step[0])
+                else:
+                    for gen, logits in zip(gens, decode_batch(source, gens, step)):
+                        gen.logits = logits
+            decode_s = time.perf_counter() - start
     report = gens[0].report() if len(gens) == 1 else source.report(gens[0].stats, 0)
     return {"tokens": tokens, "report": report, "prefill_s": prefill_s, "decode_s": decode_s,
-            "nvml_peak_bytes": sampler.peak, "nvml_peak_how": sampler.how}
+            "nvml_peak_bytes": sampler.peak, "nvml_peak_how": sampler.how, "step_calls": timer.calls,
+            "inside_step_s": timer.inside, "device_step_s": timer.device_seconds()}
 
 
 def row_figures(case: dict, batch: int, run: dict, n_prompt: int, n_decode: int, weight_bytes: int,
@@ -134,6 +185,11 @@ def row_figures(case: dict, batch: int, run: dict, n_prompt: int, n_decode: int,
         "prefill_tokens_per_s": round(batch * n_prompt / run["prefill_s"], 2),
         "decode_tokens_per_s": round(batch * n_decode / run["decode_s"], 3),
         "decode_ms_per_step": round(step_s * 1e3, 3),
+        # where a step's time goes (StepTimes): the library call's host time, the device's time over it
+        "step_calls": run["step_calls"],
+        "inside_step_ms": round(run["inside_step_s"] / max(run["step_calls"], 1) * 1e3, 3),
+        "device_step_ms": None if run["device_step_s"] is None else
+        round(run["device_step_s"] / max(run["step_calls"], 1) * 1e3, 3),
         "estimated_peak_bytes": r["estimated_peak_bytes"],
         "report_peak_bytes": r["measured_peak_bytes"], "report_peak_how": r["measured_peak_how"],
         "nvml_peak_bytes": run["nvml_peak_bytes"], "nvml_peak_how": run["nvml_peak_how"],
@@ -251,6 +307,10 @@ def _reader(path: Path):
     return GGUFReader(path)
 
 
+def _ms(value) -> str:
+    return f"{value:8.3f}" if value is not None else f"{'-':>8s}"
+
+
 def table(result: dict) -> list[str]:
     cfg = result["config"]
     lines = [f"bench_gpu: {cfg['shape']} ({cfg['n_layer']} layers), backend {cfg['backend']}, prompt "
@@ -259,7 +319,8 @@ def table(result: dict) -> list[str]:
              f"(nominal link {result.get('bus', {}).get('nominal_link_GBps') or 'n/a'} GB/s est.), memory roof "
              f"{result.get('hbm', {}).get('GBps')} GB/s measured ({result.get('hbm', {}).get('how')})",
              f"  {'file':7s} {'row':8s} {'B':>2s} {'decode t/s':>11s} {'prefill t/s':>12s} {'peak GiB':>9s} "
-             f"{'est. GiB':>9s} {'MB/step':>9s} {'bus eff':>8s} {'roofline':>9s} same"]
+             f"{'est. GiB':>9s} {'MB/step':>9s} {'bus eff':>8s} {'roofline':>9s} same {'ms/step':>8s} {'in call':>8s} "
+             f"{'device':>8s}"]
     for f in result["files"]:
         if f.get("error"):
             lines.append(f"  {f['type']:7s} ERROR {f['error'][:300]}")
@@ -272,7 +333,8 @@ def table(result: dict) -> list[str]:
             lines.append(f"  {f['type']:7s} {r['label']:8s} {r['batch']:2d} {r['decode_tokens_per_s']:11.2f} "
                          f"{r['prefill_tokens_per_s']:12.1f} {peak / 2**30:9.3f} {r['estimated_peak_bytes'] / 2**30:9.3f} "
                          f"{r['bytes_restored_per_step'] / 1e6:9.1f} {eff:>8s} {r['roofline_fraction']:9.4f} "
-                         f"{'yes' if r['tokens_equal'] else 'NO'}")
+                         f"{'yes' if r['tokens_equal'] else ' NO'} {r['decode_ms_per_step']:8.3f} "
+                         f"{_ms(r.get('inside_step_ms'))} {_ms(r.get('device_step_ms'))}")
     for name, peer in result.get("peers", {}).items():
         if not peer.get("present"):
             lines.append(f"  peer {name}: absent ({peer.get('why')})")

@@ -47,6 +47,10 @@ def test_every_row_of_every_file_and_batch_is_there_with_measured_figures(result
             # no GPU: the peak is the store's byte accounting, and NVML's sampled peak says why it is absent
             assert r["nvml_peak_bytes"] is None and r["nvml_peak_how"].startswith("not measured")
             assert r["report_peak_how"].startswith("byte-accounted")
+            # one library step call a decoded token (a step of the batch), inside the step's wall time;
+            # no device time without CUDA events
+            assert r["step_calls"] == 4 and 0 < r["inside_step_ms"] < r["decode_ms_per_step"]
+            assert r["device_step_ms"] is None
         assert positive(f["write_s"]) and positive(f["load_s"]) and f["layer_bytes_stored"] > 0
         assert f["device_over_stored"] == pytest.approx(1.0, abs=0.02)
 
@@ -147,9 +151,10 @@ def test_a_batchs_restores_a_step_are_every_sequences_share():
               "estimated_peak_bytes": 100, "measured_peak_bytes": 100, "measured_peak_how": "x",
               "bytes_restored": 64_000_000}
     run = {"report": report, "prefill_s": 1.0, "decode_s": 0.08, "nvml_peak_bytes": 100, "nvml_peak_how": "x",
-           "tokens": [[1]] * 8}
+           "tokens": [[1]] * 8, "step_calls": 8, "inside_step_s": 0.06, "device_step_s": 0.072}
     case = {"label": "minimal", "budget": None, "note": ""}
     row = bench_gpu.row_figures(case, 8, run, 8, 8, 1000, bus_bps=50e9, hbm_bps=4e12)
     assert row["bytes_restored_per_step"] == 8_000_000
     assert row["transfer_bound_ms"] == pytest.approx(8e6 / 50e9 * 1e3, rel=1e-3)
     assert row["achieved_h2d_GBps"] == pytest.approx(8e6 / 0.01 / 1e9, rel=1e-3)
+    assert (row["inside_step_ms"], row["device_step_ms"]) == (7.5, 9.0)
