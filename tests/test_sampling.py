@@ -80,3 +80,34 @@ def test_a_seeded_draw_is_the_same_token_each_time():
     logits = np.random.default_rng(4).standard_normal(128256).astype(np.float32)
     draws = [Sampler(Options(seed=42, temperature=0.8, top_k=40, top_p=0.9))(logits, [1, 2, 3]) for _ in range(3)]
     assert len(set(draws)) == 1 and draws[0] in set(by_sorting(logits, 40))
+
+
+def test_without_top_k_the_kept_tokens_and_probabilities_are_the_full_orders():
+    """nucleus ranks only as many of the largest as top_p and min_p look at: what they keep is the head of
+    the whole vocabulary's order (by probability, lowest id first among equals), the same probabilities,
+    on peaked and flat logits, ties, and every temperature, top_p and min_p mix."""
+    rng = np.random.default_rng(5)
+    for trial in range(60):
+        n = int(rng.integers(10, 160000))
+        logits = rng.standard_normal(n) * float(rng.choice([0.1, 1.0, 3.0, 30.0]))
+        if trial % 5 == 0:
+            logits = np.round(logits)
+        t, p, min_p = (float(rng.choice(c)) for c in ([0.2, 0.8, 2.0], [0.5, 0.9, 0.999], [0.0, 0.0, 0.01, 0.1]))
+        ids, probs = sampling.nucleus(logits, t, p, min_p)
+        keep = min(sampling.top_p_count(probs, p), sampling.min_p_count(probs, min_p))
+        order = by_sorting(logits, 0)
+        whole = sampling.softmax(logits, t)[order]
+        want = min(sampling.top_p_count(whole, p), sampling.min_p_count(whole, min_p))
+        assert keep == want, (trial, n, t, p, min_p)
+        np.testing.assert_array_equal(ids[:keep], order[:keep])
+        np.testing.assert_array_equal(probs[:keep], whole[:keep])
+
+
+def test_without_top_k_top_p_or_min_p_every_token_is_drawn_by_its_probability():
+    """Nothing cut: no ranking, every id in order with its probability; a seeded draw's frequencies follow."""
+    logits = np.log(np.array([0.5, 0.3, 0.2]))
+    ids, probs = sampling.nucleus(logits, 1.0, 1.0, 0.0)
+    assert list(ids) == [0, 1, 2] and np.allclose(probs, [0.5, 0.3, 0.2])
+    sampler = Sampler(Options(seed=1, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0))
+    counts = np.bincount([sampler(logits) for _ in range(4000)], minlength=3) / 4000
+    np.testing.assert_allclose(counts, [0.5, 0.3, 0.2], atol=0.03)

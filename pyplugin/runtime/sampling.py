@@ -110,6 +110,30 @@ def min_p_count(probs: np.ndarray, min_p: float) -> int:
     return max(1, int(np.count_nonzero(probs >= min_p * probs[0])))
 
 
+def nucleus(logits: np.ndarray, temperature: float, top_p: float, min_p: float) -> tuple[np.ndarray, np.ndarray]:
+    """Without top_k: every token's probability, in descending order as far as top_p and min_p look (ids,
+    probs). Sorting a 128k vocabulary took 18 ms a token on this project's 2-core test machine, so the
+    largest NUCLEUS_FIRST are ranked first (top_k_candidates), then four times as many, until they hold
+    top_p's mass or a token below min_p times the largest: what top_p_count and min_p_count read of them
+    is then what they would read of the whole order; past an eighth of the vocabulary, the whole order.
+    With top_p 1 and no min_p nothing is cut, and the draw needs no order: every token, in id order."""
+    probs = softmax(logits, temperature)
+    if top_p >= 1.0 and min_p <= 0.0:
+        return np.arange(logits.size), probs
+    m = NUCLEUS_FIRST
+    while m <= logits.size // 8:
+        ids = top_k_candidates(logits, m)
+        head = probs[ids]
+        if (top_p < 1.0 and np.cumsum(head)[-1] >= top_p) or (min_p > 0.0 and head[-1] < min_p * head[0]):
+            return ids, head
+        m *= 4
+    ids = top_k_candidates(logits, 0)
+    return ids, probs[ids]
+
+
+NUCLEUS_FIRST = 256  # the largest probabilities nucleus ranks first
+
+
 class Sampler:
     """Picks tokens for one request."""
 
@@ -130,8 +154,11 @@ class Sampler:
             logits = apply_presence_frequency(logits, recent, o.presence_penalty, o.frequency_penalty)
         if o.temperature <= 0.0:
             return int(np.argmax(logits))
-        ids = top_k_candidates(logits, o.top_k)
-        probs = softmax(logits[ids], o.temperature)
+        if 0 < o.top_k < logits.size:
+            ids = top_k_candidates(logits, o.top_k)
+            probs = softmax(logits[ids], o.temperature)
+        else:
+            ids, probs = nucleus(logits, o.temperature, o.top_p, o.min_p)
         keep = min(top_p_count(probs, o.top_p), min_p_count(probs, o.min_p))
         probs = probs[:keep] / probs[:keep].sum()
         choice = int(np.searchsorted(np.cumsum(probs), self.rng.random(), side="right"))
