@@ -13,8 +13,8 @@ is bench_gpu's device-to-device copy of 1 GiB in the same run (bytes read + writ
 
 --libs: the same in one process per item, side by side: a library path (PEBBLING_LIB), to compare builds
 of the cuda library (PEBBLE_MATVEC_ROWS, PEBBLE_Q8_CHUNK, PEBBLE_Q8_CHUNK_FEW and PEBBLE_MATVEC_UNROLL set
-by -D), or settings of the default library's switches (VAR=VALUE, several joined by +, such as
-PEBBLING_CUDA_PERSIST=0: README, Environment); each item's matrix-vector time of one Llama-3-8B Q4_K_M
+by -D), settings of its switches (VAR=VALUE, such as PEBBLING_CUDA_PERSIST=0: README, Environment), or
+both, joined by + (a build with settings; settings alone are the default library's); each item's matrix-vector time of one Llama-3-8B Q4_K_M
 token is printed, and --best writes the fastest item (the first unless another is over 3% faster) to a
 file. On host the clock is the host's and the
 "device" a memcpy; --scale shrinks the rows there: a check of this script, not a GPU figure.
@@ -95,11 +95,12 @@ def measure(name: str, vectors: list[int], repeats: int, scale: float) -> dict:
 
 
 def item_env(item: str) -> dict[str, str]:
-    """The environment of one --libs item: a library path, or VAR=VALUE settings joined by +."""
-    if "=" not in item:
-        return {"PEBBLING_LIB": str(Path(item).resolve()), "BENCH_MATVEC_ITEM": item}
-    settings = dict(part.split("=", 1) for part in item.split("+"))
-    return {**settings, "BENCH_MATVEC_ITEM": item}
+    """The environment of one --libs item: parts joined by +, each a library path or a VAR=VALUE setting."""
+    env = {"BENCH_MATVEC_ITEM": item}
+    for part in item.split("+"):
+        name, is_setting, value = part.partition("=")
+        env.update({name: value} if is_setting else {"PEBBLING_LIB": str(Path(part).resolve())})
+    return env
 
 
 def token_seconds(result: dict, vectors: int) -> float:
@@ -117,11 +118,15 @@ def best(results: list[dict]) -> dict:
     return fastest if total(fastest) < (1 - NOISE) * total(results[0]) else results[0]
 
 
+def label(result: dict) -> str:
+    """An item's library by its file name, with its settings."""
+    return "+".join(part if "=" in part else Path(part).name for part in result["library"].split("+"))
+
+
 def table(results: list[dict]) -> str:
-    lines = ["copy: " + ", ".join(f"{r['copy_GBps']:.0f} GB/s, {r['copy_how']} ({Path(r['library']).name})"
-                                  for r in results),
-             "each call from Python: a small matrix's time is the call's cost, not its kernel's"]
-    head = f"{'type':5} {'shape':>13} {'vec':>3} " + " ".join(f"{Path(r['library']).name[:26]:>26}" for r in results)
+    lines = [f"#{i + 1}: {label(r)}, copy {r['copy_GBps']:.0f} GB/s ({r['copy_how']})" for i, r in enumerate(results)]
+    lines.append("each call from Python: a small matrix's time is the call's cost, not its kernel's")
+    head = f"{'type':5} {'shape':>13} {'vec':>3} " + " ".join(f"{'#' + str(i + 1):>26}" for i in range(len(results)))
     lines += [head, "-" * len(head)]
     for i, row in enumerate(results[0]["rows"]):
         cells = " ".join(f"{r['rows'][i]['us']:9.2f} us {r['rows'][i]['GBps']:6.0f} GB/s {r['rows'][i]['of_copy']:4.0%}"
@@ -136,8 +141,8 @@ def table(results: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", default="cuda", choices=("cuda", "host"))
-    parser.add_argument("--libs", default="", help="comma-separated library paths or VAR=VALUE settings (+ joins "
-                        "several), each run in its own process")
+    parser.add_argument("--libs", default="", help="comma-separated items, each a library path, VAR=VALUE "
+                        "settings, or both joined by +, each run in its own process")
     parser.add_argument("--vectors", default="1,8")
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--scale", type=float, default=1.0, help="rows x scale off the GPU (a check)")

@@ -324,10 +324,10 @@ __global__ void store_row_kernel(const float * __restrict__ src, void * dst, int
     for (int64_t u = grid_thread(); u < kv_units(type, n); u += grid_threads()) kv_store_unit(src, dst, type, u);
 }
 
-// x += y * scale
 // x + y * scale, y as it is where scale is 1 (the residual add, wherever it is made)
 __host__ __device__ inline float added(float x, float y, float scale) { return scale == 1.0f ? x + y : x + y * scale; }
 
+// x += y * scale
 __global__ void add_kernel(float * __restrict__ x, const float * __restrict__ y, int64_t n, float scale) {
     for (int64_t i = grid_thread(); i < n; i += grid_threads()) x[i] = added(x[i], y[i], scale);
 }
@@ -432,7 +432,7 @@ pebble_status attention(const arg_group<attention_args> & g, cudaStream_t stream
 template <typename F> pebble_status attention_in_groups(int32_t n, F && args, cudaStream_t stream) {
     const int32_t group = switches().group;
     for (int32_t first = 0; first < n; first += group) {
-        arg_group<attention_args> g;
+        arg_group<attention_args> g{}; // the entries past n zeroed: they travel with the launch
         g.n = std::min(group, n - first);
         for (int32_t b = 0; b < g.n; b++) g.a[b] = args(first + b);
         TRY(attention(g, stream));
@@ -1355,7 +1355,7 @@ pebble_status step_layer(pebble_decoder & d, int32_t i, int32_t n, const int32_t
     pebble_cpu::parallel_for(n, int64_t(n) * (q + 2 * kv) * qkv_work_per_value, [&](int64_t first, int64_t end) {
         for (int64_t b = first; b < end; b++) {
             if (portable) {
-                arg_group<qkv_args> one;
+                arg_group<qkv_args> one{};
                 one.n = 1;
                 one.a[0] = qkv_of(b);
                 qkv_kernel(one);
@@ -1368,8 +1368,8 @@ pebble_status step_layer(pebble_decoder & d, int32_t i, int32_t n, const int32_t
 #else
     const int32_t group = switches().group;
     for (int32_t first = 0; first < n; first += group) { // the sequences in groups, a launch each
-        arg_group<qkv_args> qg;
-        arg_group<kv_row_args> kg;
+        arg_group<qkv_args> qg{};
+        arg_group<kv_row_args> kg{};
         qg.n = kg.n = std::min(group, n - first);
         for (int32_t b = 0; b < qg.n; b++) {
             qg.a[b] = qkv_of(first + b);

@@ -992,8 +992,12 @@ pebble_status matvec_parts(const matvec_part * parts, int n_parts, int64_t n_col
     const uint16_t * x16 = static_cast<const uint16_t *>(x);
     for (int p = 0; p < n_parts;) {
         int end = p + 1; // the parts of p's type that follow it: one stack
+        // (and of its alignment: a part whose weights are not 16-byte aligned would take the whole stack
+        // to the float kernel, which multiplies x as it is, where alone the others take the integer one)
         const int most = switches().stack ? max_stacked : 1;
-        while (end < n_parts && end - p < most && parts[end].ggml_type == parts[p].ggml_type) end++;
+        auto aligned = [&](int k) { return (reinterpret_cast<uintptr_t>(parts[k].w) & 15) == 0; };
+        while (end < n_parts && end - p < most && parts[end].ggml_type == parts[p].ggml_type &&
+               aligned(end) == aligned(p)) end++;
         TRY(with_type(parts[p].ggml_type, "pebble_decoder_step", [&](auto t) {
             using T = decltype(t);
             for (int64_t v = 0; v < n_vec; v += PEBBLE_MATVEC_MAX_VEC) {

@@ -55,3 +55,5 @@ def test_an_item_is_a_library_or_settings_of_the_default_librarys_switches():
     settings = bench.item_env("PEBBLING_CUDA_PERSIST=0+PEBBLING_CUDA_STACK=0")
     assert settings == {"PEBBLING_CUDA_PERSIST": "0", "PEBBLING_CUDA_STACK": "0",
                         "BENCH_MATVEC_ITEM": "PEBBLING_CUDA_PERSIST=0+PEBBLING_CUDA_STACK=0"}
+    both = bench.item_env("build/variants/few.so+PEBBLING_CUDA_PERSIST=0")
+    assert Path(both["PEBBLING_LIB"]).name == "few.so" and both["PEBBLING_CUDA_PERSIST"] == "0"

@@ -313,6 +313,43 @@ def test_a_decode_step_makes_the_same_few_native_calls_whatever_the_layer_count(
     assert per_step[2] == per_step[8] <= 4
 
 
+@pytest.mark.parametrize("case", ["llama-Q4_K-72-rows", "gemma3-Q4_0-sandwich"])
+def test_a_step_of_eleven_sequences_gives_each_what_it_gets_alone(kernels, case):
+    """Eleven sequences in one step, at their own positions over caches of their own: the GPU launches the
+    per-sequence kernels (RoPE, the new K/V row, attention) eight at a time, the second group from the
+    ninth, and matvec takes eight vectors at a time (the second group's rows offset); q of 72 rows and k of
+    36 in one stack (their edge inside a thread block's 16 rows); the Gemmas' norm-then-add and a ring.
+    Each sequence's hidden state as the same step gives it alone."""
+    arch, overrides = (("llama", dict(weight_type="Q4_K", n_embd=256, n_ff=512, n_head=4, n_head_kv=2, key_length=18,
+                                      tensor_types={"attn_output": "F16", "attn_v": "Q6_K"}))
+                       if case == "llama-Q4_K-72-rows" else CASES[case])
+    cfg, lw, _, _, _ = setup(kernels, arch, overrides, "quantized", 0)
+    xp, n_seq, rows = kernels.xp, 11, cfg.kv_rows(0, N_CTX)
+    dtype = np.float32 if xp is np else np.float16
+    rng = np.random.default_rng(11)
+    caches = [tuple(rng.standard_normal((rows, cfg.n_head_kv, cfg.head_dim)).astype(dtype) for _ in range(2))
+              for _ in range(n_seq)]
+    positions = [int(p) for p in rng.integers(0, N_CTX, n_seq)]
+    x = rng.standard_normal((n_seq, cfg.n_embd)).astype(np.float32)
+
+    def on_device(pairs):
+        return [(xp.asarray(k.copy()), xp.asarray(v.copy())) for k, v in pairs]
+
+    decoder = kernels.decoder(cfg, [lw], [on_device(caches)], setup.outer, N_CTX)
+    together = xp.asarray(x)
+    decoder.step(list(range(n_seq)), positions, together, logits=False)
+    together = host(together)
+    decoder.close()
+    for b in range(n_seq):
+        one = kernels.decoder(cfg, [lw], [on_device(caches[b:b + 1])], setup.outer, N_CTX)
+        alone = xp.asarray(x[b:b + 1])
+        one.step([0], positions[b:b + 1], alone, logits=False)
+        one.close()
+        alone = host(alone)[0]
+        np.testing.assert_allclose(together[b], alone, rtol=0, atol=1e-5 * np.abs(alone).max(),
+                                   err_msg=f"sequence {b} of {n_seq} at position {positions[b]}")
+
+
 def test_cuda_graph_decisions_follow_the_batch(kernels, monkeypatch):
     """When a step would be captured as a CUDA graph and replayed (pebble_decode.cu's graph_policy, the stub's
     GraphPolicy): a batch stepped twice running is captured, then replayed for as long as it recurs, whatever

@@ -279,6 +279,34 @@ def test_matvec_matches_float64_product_of_gguf_weights(backend, qtype, n_vec):
     assert_within(got, want, rtol * norms, "x")
 
 
+INTEGER_TYPES = [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q4_0]  # the GPU's integer kernel (x in 8-bit blocks, dp4a)
+
+
+@pytest.mark.parametrize("n_vec", [1, 2, 3, 8])
+@pytest.mark.parametrize("shape", ["9001 short rows", "37 rows of 20480"])
+@pytest.mark.parametrize("qtype", INTEGER_TYPES, ids=lambda t: t.name)
+def test_matvec_over_many_row_groups_and_rows_of_several_chunks(backend, qtype, shape, n_vec):
+    """The GPU integer kernel's two loops, at each staging width (16384 elements at one or two vectors,
+    4096 beyond): 9001 rows of one staging take several row groups a thread block (the blocks launched
+    are those the GPU holds at once, a few thousand rows), and 20480-element rows take several stagings
+    of x, at every vector count; every output written, each within the product's bounds."""
+    blocks = 20480 // GGML_QUANT_SIZES[qtype][0] if shape.startswith("37") else 256 // GGML_QUANT_SIZES[qtype][0]
+    n_rows = 37 if shape.startswith("37") else 9001
+    raw, n_cols = matvec_case(qtype, n_rows, blocks, seed=n_vec + n_rows)
+    x = np.random.default_rng(200 + n_vec).standard_normal((n_vec, n_cols)).astype(np.float16)
+    weights = reference(qtype, raw, n_rows).astype(np.float64)
+    xp = np if backend != "cuda" else pytest.importorskip("cupy")
+    out = xp.full((n_vec, n_rows), np.nan, dtype=np.float32)
+    got = to_numpy(kernels_of(backend).matvec(qtype, raw, n_rows, n_cols, x, out=out))
+    assert not np.isnan(got).any(), f"outputs left unwritten at {np.argwhere(np.isnan(got))[:10].tolist()}"
+    norms = np.outer(np.linalg.norm(x.astype(np.float64), axis=1), np.linalg.norm(weights, axis=1))
+    if quantizes_x(backend, qtype):
+        x_q = quantized_activation(x, activation_blocks(qtype)).astype(np.float64)
+        assert_within(got, x_q @ weights.T, MATVEC_RTOL * norms, "quantized x")
+    else:
+        assert_within(got, x.astype(np.float64) @ weights.T, MATVEC_RTOL * norms, "x")
+
+
 def assert_within(got: np.ndarray, want: np.ndarray, tolerance: np.ndarray, what: str) -> None:
     excess = np.abs(got - want) - tolerance
     worst = np.unravel_index(np.argmax(excess), excess.shape)
