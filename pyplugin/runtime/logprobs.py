@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..model import Tokenizer
+from .sampling import top_k_candidates
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's and Ollama's limit
 
@@ -51,8 +52,6 @@ def token_logprob(logits: np.ndarray, token: int, n_top: int) -> TokenLogprob:
     lp = log_softmax(logits)
     top: tuple[tuple[int, float], ...] = ()
     if n_top > 0:
-        n = min(n_top, lp.size)
-        ids = np.argpartition(-lp, n - 1)[:n]
-        ids = ids[np.lexsort((ids, -lp[ids]))]
+        ids = top_k_candidates(lp, min(n_top, lp.size))  # largest first, equal ones lowest id first
         top = tuple((int(i), float(lp[i])) for i in ids)
     return TokenLogprob(int(token), float(lp[token]), top)
