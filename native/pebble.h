@@ -320,7 +320,7 @@ struct pebble_layer_weights {
 // sequence's result is the same whatever the others in the call. scratch holds at least
 // pebble_attend_scratch_bytes. The host library splits each sequence's rows into chunks of up to 128,
 // read in the order they lie, among its threads, and combines the chunks' softmaxes; the cuda library
-// runs the decode step's attention kernels per sequence (not yet run on a GPU).
+// runs the decode step's attention kernels for up to eight sequences a launch, V summed in one pass.
 // Errors: PEBBLE_ERR_INVALID_ARGUMENT for a NULL pointer (k_new without v_new or the
 // reverse included), a count below 1, heads that do not divide, another kv_type, or
 // a block type with a head_dim of part of a block;
@@ -463,6 +463,7 @@ typedef struct pebble_decoder * pebble_decoder_t;
 
 #define PEBBLE_DECODER_MAX_BATCH 64 // sequences one decoder holds
 #define PEBBLE_DECODER_GRAPHS    8  // CUDA graphs one decoder keeps
+#define PEBBLE_DECODER_SPLIT_ROWS 64 // a decode step's attention sums V over this many rows a part, then the parts
 
 // layers: n_layer entries; k_caches, v_caches: n_layer * n_seq pointers, layer i's cache of sequence s at
 // [i * n_seq + s], each kv_rows x n_head_kv x head_dim of kv_type.

@@ -243,7 +243,15 @@ struct attention_args {
     uint16_t * out;                       // n_head x head_dim, fp16
     float * out_f32;                      // ... or float32 where this is not NULL (pebble_attend)
     const int64_t * pos;                  // where not NULL, n_pos is min(*pos + 1, n_ctx), read on the device
+    float * parts;                        // where not NULL, V summed a part of split_rows rows at a time into
+                                          // n_head x split_parts(n_ctx) x head_dim, then the parts in order
 };
+
+// A decode step's weighted sum of V in parts of split_rows rows, each part's warps apart, then the parts
+// summed in order (attention_parts_kernel): one warp's loop over every row set the step's time at long
+// contexts (9.2 us at 144 rows on an H200, growing with the rows; PEBBLING_CUDA_SPLIT=0 puts it back).
+constexpr int64_t split_rows = PEBBLE_DECODER_SPLIT_ROWS;
+__host__ __device__ inline int64_t split_parts(int64_t rows) { return (rows + split_rows - 1) / split_rows; }
 
 // Attention of one query per head over the rows of its KV head, in three passes that each spread over the
 // GPU: one warp per head did all three (32 warps for a step's 32 heads: 31 us at 16 positions on an
@@ -297,24 +305,49 @@ __host__ __device__ inline int64_t attention_rows(const attention_args & a) {
     });
 }
 
+// The output of query head h, dim d: float32 where out_f32 is given (pebble_attend), else fp16.
+__host__ __device__ inline void put_attention(const attention_args & a, int64_t h, int64_t d, float value) {
+    if (a.out_f32) {
+        a.out_f32[h * a.head_dim + d] = value;
+    } else {
+        a.out[h * a.head_dim + d] = half_from_float(value);
+    }
+}
+
 [[maybe_unused]] __global__ void attention_values_kernel(arg_group<attention_args> g) {
     for_group(g, [](const attention_args & a) {
         const int64_t n_pos = attention_rows(a), groups = (a.head_dim + warp_lanes - 1) / warp_lanes;
+        const int64_t parts = a.parts ? split_parts(n_pos) : 1, span = a.parts ? split_rows : n_pos;
         const int32_t group = a.n_head / a.n_head_kv;
         const int64_t row = static_cast<int64_t>(a.n_head_kv) * a.head_dim;
-        for (int64_t u = grid_warp(); u < a.n_head * groups; u += grid_warps()) {
-            const int64_t h = u / groups, d = (u % groups) * warp_lanes + warp_lane();
+        for (int64_t u = grid_warp(); u < a.n_head * parts * groups; u += grid_warps()) {
+            const int64_t h = u / (parts * groups), part = u / groups % parts;
+            const int64_t d = (u % groups) * warp_lanes + warp_lane();
             if (d >= a.head_dim) continue;
             const float * sc = a.scores + h * a.n_ctx;
-            const int64_t kv = (h / group) * a.head_dim;
+            const int64_t kv = (h / group) * a.head_dim, end = part * span + span < n_pos ? part * span + span : n_pos;
             float acc = 0.0f;
             PEBBLE_UNROLL_BY_8 // the loads ahead of the sums, which stay in order
-            for (int64_t s = 0; s < n_pos; s++) acc += sc[s] * kv_load(a.v_cache, a.kv_type, s * row + kv + d);
-            if (a.out_f32) {
-                a.out_f32[h * a.head_dim + d] = acc;
+            for (int64_t s = part * span; s < end; s++) acc += sc[s] * kv_load(a.v_cache, a.kv_type, s * row + kv + d);
+            if (a.parts) {
+                a.parts[(h * split_parts(a.n_ctx) + part) * a.head_dim + d] = acc;
             } else {
-                a.out[h * a.head_dim + d] = half_from_float(acc);
+                put_attention(a, h, d, acc);
             }
+        }
+    });
+}
+
+// The parts' sums in order, a thread per (head, dim) (after attention_values_kernel, where a.parts is given).
+[[maybe_unused]] __global__ void attention_parts_kernel(arg_group<attention_args> g) {
+    for_group(g, [](const attention_args & a) {
+        const int64_t parts = split_parts(attention_rows(a)), stride = split_parts(a.n_ctx) * a.head_dim;
+        for (int64_t u = grid_thread(); u < a.n_head * a.head_dim; u += grid_threads()) {
+            const int64_t h = u / a.head_dim, d = u % a.head_dim;
+            const float * p = a.parts + h * stride + d;
+            float acc = 0.0f;
+            for (int64_t part = 0; part < parts; part++) acc += p[part * a.head_dim];
+            put_attention(a, h, d, acc);
         }
     });
 }
@@ -408,6 +441,7 @@ pebble_status attention(const arg_group<attention_args> & g, cudaStream_t stream
     attention_scores_kernel(g);
     attention_softmax_kernel(g);
     attention_values_kernel(g);
+    if (g.a[0].parts) attention_parts_kernel(g);
     return PEBBLE_OK;
 #else
     const dim3 warps(warp_lanes, heads_per_block);
@@ -422,8 +456,12 @@ pebble_status attention(const arg_group<attention_args> & g, cudaStream_t stream
     TRY(launched());
     LAUNCH(attention_softmax_kernel, dim3(grid_for(a.n_head, heads_per_block), n), warps, stream, g);
     TRY(launched());
-    LAUNCH(attention_values_kernel, dim3(grid_for(a.n_head * ((a.head_dim + warp_lanes - 1) / warp_lanes),
+    const int64_t parts = a.parts ? split_parts(rows) : 1; // every part a sequence of the group may have
+    LAUNCH(attention_values_kernel, dim3(grid_for(a.n_head * parts * ((a.head_dim + warp_lanes - 1) / warp_lanes),
                                                   heads_per_block), n), warps, stream, g);
+    TRY(launched());
+    if (!a.parts) return PEBBLE_OK;
+    LAUNCH(attention_parts_kernel, dim3(grid_for(int64_t(a.n_head) * a.head_dim, threads), n), threads, stream, g);
     return launched();
 #endif
 }
@@ -618,7 +656,7 @@ extern "C" pebble_status pebble_attend(int32_t n_seq, const float * q, const flo
     auto args_of = [&](int32_t b) { // sequence b's, its float32 output at out
         return attention_args{q + b * width, k_caches[b], v_caches[b], kv_type, n_head, n_head_kv, head_dim, n_pos[b],
                               n_rows, scale, softcap, static_cast<float *>(scratch) + int64_t(b) * n_head * n_rows,
-                              nullptr, out + b * width, nullptr};
+                              nullptr, out + b * width, nullptr, nullptr}; // V summed in one pass
     };
 #ifdef PEBBLE_HOST_BUILD
     (void)stream_ptr;
@@ -755,7 +793,7 @@ __global__ void logits_kernel(float * __restrict__ y, int64_t n, float scale, fl
 
 
 struct step_scratch {
-    uint64_t h16, q, k, v, q_rot, kv_new, scores, o, gate, up, pos, x, logits, bytes;
+    uint64_t h16, q, k, v, q_rot, kv_new, scores, parts, o, gate, up, pos, x, logits, bytes;
     uint64_t router, rows, act, y;  // experts: the router's scores, the gathered rows, the gated FFN, its out
 };
 
@@ -860,6 +898,7 @@ struct pebble_decoder {
     std::vector<void *> k, v;          // [layer * n_seq + s]
     step_scratch at{};
     int64_t widest = 0, max_q = 0, max_kv = 0, max_ff = 0, max_heads = 0, max_rows = 0, max_expert = 0;
+    int64_t parts_per_seq = 0; // floats of a sequence's attention parts (attention_args.parts)
     std::vector<float> router_host;    // the router's scores of a step, read back
     std::vector<float> router_p;       // one token's expert probabilities, and the experts by them (kept, so
     std::vector<int32_t> router_order; // that a step allocates nothing)
@@ -1318,6 +1357,7 @@ pebble_status step_layer(pebble_decoder & d, int32_t i, int32_t n, const int32_t
     float * scores = at_offset<float>(d.scratch, d.at.scores), * o = at_offset<float>(d.scratch, d.at.o);
     float * gate = at_offset<float>(d.scratch, d.at.gate), * up = at_offset<float>(d.scratch, d.at.up);
     float * k_new = at_offset<float>(d.scratch, d.at.kv_new), * v_new = k_new + int64_t(n) * kv;
+    float * parts = switches().split ? at_offset<float>(d.scratch, d.at.parts) : nullptr;
 
     // attention
     TRY(norm_rows(x, n, e, w.attn_norm, s.rms_eps, h16, stream));
@@ -1389,7 +1429,7 @@ pebble_status step_layer(pebble_decoder & d, int32_t i, int32_t n, const int32_t
 #else
                               h16 + b * q, nullptr,
 #endif
-                              dev_pos + b};
+                              dev_pos + b, parts ? parts + b * d.parts_per_seq : nullptr};
     };
 #ifdef PEBBLE_HOST_BUILD
     if (portable) { // the GPU's kernels (attention)
@@ -1993,6 +2033,8 @@ extern "C" pebble_status pebble_decoder_create(const pebble_step_model * model, 
     l.q_rot = take(4 * B * uint64_t(d->max_q));
     l.kv_new = take(4 * 2 * B * uint64_t(d->max_kv));  // the new K and V rows before they are stored
     l.scores = take(4 * B * uint64_t(d->max_heads) * uint64_t(d->max_rows));
+    d->parts_per_seq = d->max_q * split_parts(d->max_rows); // each layer's n_head x parts x head_dim fits
+    l.parts = take(4 * B * uint64_t(d->parts_per_seq));
     l.o = take(4 * B * uint64_t(m.n_embd));
     l.gate = take(4 * B * uint64_t(d->max_ff));
     l.up = take(4 * B * uint64_t(d->max_ff));

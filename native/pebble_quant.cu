@@ -924,7 +924,7 @@ const cuda_switches & switches() {
             return env && std::strcmp(env, value) == 0;
         };
         cuda_switches s = {!is("PEBBLING_CUDA_MATVEC", "float"), !is("PEBBLING_CUDA_PERSIST", "0"),
-                           !is("PEBBLING_CUDA_STACK", "0"), max_launch_group};
+                           !is("PEBBLING_CUDA_STACK", "0"), max_launch_group, !is("PEBBLING_CUDA_SPLIT", "0")};
         const char * group = std::getenv("PEBBLING_CUDA_GROUP");
         if (group && group[0] >= '1' && group[0] < '1' + max_launch_group && group[1] == '\0') s.group = group[0] - '0';
         return s;

@@ -45,15 +45,15 @@ def host(a):
     return a.get() if type(a).__module__.partition(".")[0] == "cupy" else a
 
 
-def setup(kernels, arch, overrides, form, pos, seed=0):
-    """(cfg, weights on the kernels' side, caches with rows 0..pos-1 filled, x float32)."""
+def setup(kernels, arch, overrides, form, pos, seed=0, n_ctx=N_CTX):
+    """(cfg, weights on the kernels' side, caches of n_ctx rows with rows 0..pos-1 filled, x float32)."""
     model = tiny_model(arch, weights=form, n_layer=1, **overrides)
     cfg, xp = model.config.for_layer(0), kernels.xp
     setup.outer = model.outer_weights(kernels)
     dtype = np.float32 if xp is np else np.float16
     lw = model.layers[0].map(lambda a: a.to(xp, kernels) if isinstance(a, QuantWeight) else xp.asarray(a, dtype))
     rng = np.random.default_rng(seed)
-    shape = (cfg.kv_rows(0, N_CTX), cfg.n_head_kv, cfg.head_dim)  # a sliding layer: a ring of its window
+    shape = (cfg.kv_rows(0, n_ctx), cfg.n_head_kv, cfg.head_dim)  # a sliding layer: a ring of its window
     k, v = (xp.asarray(rng.standard_normal(shape).astype(dtype)) for _ in range(2))
     x = rng.standard_normal(cfg.n_embd).astype(np.float32)
     return cfg, lw, k, v, x
@@ -131,6 +131,24 @@ def test_one_layer_equals_the_forward_pass(kernels, case, pos):
     rest = [r for r in range(k.shape[0]) if r != row]
     np.testing.assert_array_equal(k[rest], before_k[rest])
     np.testing.assert_array_equal(v[rest], before_v[rest])
+
+
+@pytest.mark.parametrize("pos", [63, 64, 130, 199])
+@pytest.mark.parametrize("case", ["llama-Q4_K_M", "qwen3-Q8_0-qk-norm", "phi3-Q4_0-neox"])
+def test_a_long_context_sums_v_in_parts_as_the_forward_pass_does(kernels, case, pos):
+    """A 200-row context: the GPU (and the host without SIMD, which runs its kernels) sums V in parts of
+    DECODER_SPLIT_ROWS rows on warps apart, then the parts in order; 64, 65, 131 and 200 rows attended
+    are one, two, three and four parts, the last one short. Held to the forward pass as one layer is."""
+    from pyplugin.store.abi import DECODER_SPLIT_ROWS
+    assert DECODER_SPLIT_ROWS == 64  # the positions above are chosen around its parts' edges
+    n_ctx = 200
+    arch, overrides = CASES[case]
+    cfg, lw, k, v, x = setup(kernels, arch, overrides, "quantized", pos, n_ctx=n_ctx)
+    want, _, _ = reference(cfg, lw, k, v, x, pos, kernels)
+    got = host(step_one(kernels, cfg, lw, k, v, x, pos, n_ctx))
+    quantized_x = any(isinstance(w, QuantWeight) and quantizes_x(kernels.name, w.qtype) for _, w in lw.arrays())
+    scale = np.abs(want).max()
+    assert np.abs(got - want).max() <= step_tolerance(kernels, quantized_x) * scale, (np.abs(got - want).max(), scale)
 
 
 @pytest.mark.parametrize("pos", [3, 13, 21])
@@ -467,7 +485,8 @@ def test_streamed_layers_through_the_decoder_s_slots_give_the_resident_tokens(ba
 def test_the_portable_decode_step_equals_the_forward_pass_too():
     """What a CPU without AVX2 runs (PEBBLING_SIMD=portable): the one-layer tests above, in a process of their
     own with the setting, where each sequence's biases, RoPE and cache rows go through the GPU's own kernel
-    (qkv_kernel) rather than the host's qkv_rows."""
+    (qkv_kernel) rather than the host's qkv_rows, and the attention through the GPU's kernels (V summed in
+    parts at the long context, eleven sequences in two groups)."""
     import os
     import subprocess
     import sys
@@ -477,6 +496,6 @@ def test_the_portable_decode_step_equals_the_forward_pass_too():
         pytest.skip("the host library is not built here (make host)")
     env = {**os.environ, "PEBBLING_SIMD": "portable", "PEBBLING_TEST_BACKENDS": "host"}
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                           "host and (one_layer_equals or sliding_layer_keeps)"], env=env, capture_output=True,
-                          text=True, timeout=600)
+                           "host and (one_layer_equals or sliding_layer_keeps or long_context or eleven)"], env=env,
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]

@@ -21,6 +21,7 @@ MAX_DIMS = 4         # PEBBLE_MAX_DIMS
 MATVEC_MAX_VEC = 8   # PEBBLE_MATVEC_MAX_VEC: the most vectors one matvec call takes
 DECODER_MAX_BATCH = 64  # PEBBLE_DECODER_MAX_BATCH: the most sequences one decoder holds
 DECODER_GRAPHS = 8      # PEBBLE_DECODER_GRAPHS: the most CUDA graphs one decoder keeps
+DECODER_SPLIT_ROWS = 64  # PEBBLE_DECODER_SPLIT_ROWS: rows of V a decode step's attention sums a part
 LAYER_WEIGHTS = 24      # PEBBLE_LAYER_WEIGHTS: the fields of struct pebble_layer_weights
 
 INT32_MIN, INT32_MAX = -2**31, 2**31 - 1
@@ -36,6 +37,7 @@ HEADER_NAMES = {
     "PEBBLE_TYPE_BYTES": TYPE_BYTES, "PEBBLE_TYPE_COUNT": TYPE_COUNT, "PEBBLE_MAX_DIMS": MAX_DIMS,
     "PEBBLE_MATVEC_MAX_VEC": MATVEC_MAX_VEC, "PEBBLE_DECODER_MAX_BATCH": DECODER_MAX_BATCH,
     "PEBBLE_DECODER_GRAPHS": DECODER_GRAPHS, "PEBBLE_LAYER_WEIGHTS": LAYER_WEIGHTS,
+    "PEBBLE_DECODER_SPLIT_ROWS": DECODER_SPLIT_ROWS,
 }
 
 
@@ -48,6 +50,7 @@ SWITCHES = {
     "PEBBLING_CUDA_STACK": ("1", "0"),
     "PEBBLING_CUDA_GROUP": ("8", "1", "2", "3", "4", "5", "6", "7"),
     "PEBBLING_CUDA_GRAPHS": ("1", "0"),
+    "PEBBLING_CUDA_SPLIT": ("1", "0"),
 }
 
 
