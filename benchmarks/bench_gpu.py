@@ -93,13 +93,18 @@ class StepTimes:
     the step's stream). Beside the step's wall time they say where a token goes: the device's work, the
     launches and waits inside the call, or the Python around it (embedding, the logits' copy, sampling)."""
 
-    def __init__(self, xp):
+    def __init__(self, xp, profile: bool = False):
+        """`profile`: the CUDA profiler on while in use (cudaProfilerStart/Stop), for a profiler started with
+        profiling off (ncu --profile-from-start off: the decode steps' kernels alone)."""
         cuda = getattr(xp, "cuda", None)
         self.cuda = cuda if cuda is not None and hasattr(cuda, "Event") else None
+        self.profile = profile and self.cuda is not None
         self.inside, self.calls, self._events = 0.0, 0, []
 
     def __enter__(self) -> "StepTimes":
         self._step, timer = Decoder.step, self
+        if self.profile:
+            self.cuda.profiler.start()
 
         def timed(decoder, *args, **kwargs):
             stream = decoder._stream() if timer.cuda else None
@@ -117,6 +122,8 @@ class StepTimes:
 
     def __exit__(self, *exc) -> None:
         Decoder.step = self._step
+        if self.profile:
+            self.cuda.profiler.stop()
 
     def _record(self, stream):
         if self.cuda is None:
@@ -133,8 +140,10 @@ class StepTimes:
         return sum(self.cuda.get_elapsed_time(a, b) for a, b in self._events) / 1e3
 
 
-def run_row(pebbled: PebbledModel, options: Options, prompts: list[list[int]], case: dict, n_decode: int) -> dict:
-    """One row: the prompts prefilled, then n_decode greedy steps for all of them together."""
+def run_row(pebbled: PebbledModel, options: Options, prompts: list[list[int]], case: dict, n_decode: int,
+            profile: bool = False) -> dict:
+    """One row: the prompts prefilled, then n_decode greedy steps for all of them together (`profile`: with
+    the CUDA profiler on for those steps alone: StepTimes)."""
     pebbling = PebblingOptions.from_options({"pebbling_strategy": case["strategy"],
                                              "pebbling_memory_limit": case["budget"]})
     backend = pebbled.backend
@@ -154,7 +163,7 @@ def run_row(pebbled: PebbledModel, options: Options, prompts: list[list[int]], c
             gen.start(prompt)
         prefill_s = time.perf_counter() - start
         tokens = [[] for _ in prompts]
-        with StepTimes(backend.xp) as timer:
+        with StepTimes(backend.xp, profile) as timer:
             start = time.perf_counter()
             for _ in range(n_decode):
                 step = [gen.next_token() for gen in gens]
@@ -278,7 +287,7 @@ def run_rows(entry: dict, pebbled: PebbledModel, path: Path, args, result: dict,
                 continue
             case = cases[0]
             try:
-                run = run_row(pebbled, options, prompts[:batch], case, n_decode)
+                run = run_row(pebbled, options, prompts[:batch], case, n_decode, args.profile_decode)
             except Exception as exc:  # noqa: BLE001 - a row that breaks is a finding: the next rows still run
                 entry["rows"].append({"label": case["label"], "batch": batch, "error": _error(exc)})
                 save()
@@ -363,6 +372,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--peers", default="transformers,llama.cpp", help="or none")
     parser.add_argument("--peer-tokens", type=int, default=32, help="tokens the peers decode (timed after a warm-up)")
     parser.add_argument("--seed", type=int, default=3)
+    parser.add_argument("--profile-decode", action="store_true",
+                        help="the CUDA profiler on for each row's decode steps alone (under ncu --profile-from-start off)")
     parser.add_argument("--dir", help="where the GGUF files are written (and deleted)")
     parser.add_argument("--json")
     parser.add_argument("--text")

@@ -17,9 +17,10 @@ On a bare machine (the GPU image's Python with CuPy, torch, transformers, accele
   tests    the rest of the suite on the backend, with --no-skip-gpu: a skipped GPU test is a failure
            (in 4 processes where pytest-xdist imports: --test-workers)
   bench    benchmarks/bench_gpu.py (scaled by --bench-args to fit the time left)
-  profile  ncu's time of each kernel (the first 400 launches, CUDA graphs off) while bench_gpu.py runs one
-           layer of the shape with its output, batch 1: where a decode step's time goes (cuda only; where
-           ncu is not found, recorded so)
+  profile  ncu's time of each kernel of the decode steps alone (bench_gpu.py --profile-decode turns the
+           profiler on for them; CUDA graphs off) while bench_gpu.py runs one layer of the shape with its
+           output, batch 1, 8 tokens after a 512-token prompt: where a decode step's time goes (cuda only;
+           where ncu is not found, recorded so)
   matvec   benchmarks/bench_matvec.py over build/libpebble_<backend>.so and every build in build/variants/
            (each a -D setting of the integer matvec, made where nvcc is and carried), on cuda each also with
            PEBBLING_CUDA_PERSIST=0: each one's time of a Llama-3-8B Q4_K_M token's products, side by side
@@ -65,7 +66,7 @@ FLOOR = {"probe": 20, "kernels": 45, "tests": 90, "bench": 60, "profile": 40, "m
 SWITCHES = ("PEBBLING_CUDA_STACK=0", "PEBBLING_CUDA_GROUP=1", "PEBBLING_CUDA_PERSIST=0", "PEBBLING_CUDA_SPLIT=0",
             "PEBBLING_CUDA_MATVEC=float")
 SWITCHES_CAP = 150  # seconds for all of their runs together, within the budget
-PROFILE_ARGS = "--layers 1 --types Q4_K_M --rows none --batches 1 --prompt 16 --tokens 4 --peers none"
+PROFILE_ARGS = "--layers 1 --types Q4_K_M --rows none --batches 1 --prompt 512 --tokens 8 --peers none --profile-decode"
 # The benchmark inside the 9 minutes: a slice of the Llama-3-8B shape. The full run is its own command
 # (README: On a GPU).
 DEFAULT_BENCH_ARGS = "--layers 4 --prompt 128 --tokens 16 --types Q4_K_M,F16"
@@ -321,7 +322,7 @@ def stage_plan(args, work: Path, python: str) -> list[Stage]:
               backend_env, str(work / "tests.xml")),
         Stage("bench", [python, str(ROOT / "benchmarks" / "bench_gpu.py"), "--backend", args.backend,
                         "--json", str(bench_json), "--dir", str(work), *shlex.split(args.bench_args)], caps["bench"]),
-        Stage("profile", [ncu_path() or "ncu", "--clock-control", "none", "--launch-count", "400", "--metrics",
+        Stage("profile", [ncu_path() or "ncu", "--clock-control", "none", "--profile-from-start", "off", "--metrics",
                           "gpu__time_duration.sum", "--print-summary", "per-kernel", python,
                           str(ROOT / "benchmarks" / "bench_gpu.py"), "--backend", args.backend, "--json",
                           str(work / "profiled.json"), "--dir", str(work), *shlex.split(PROFILE_ARGS)], caps["profile"],
@@ -450,7 +451,7 @@ def summary(result: dict) -> str:
         lines.append(f"  matvec {bench_matvec_label(lib)}: a Llama-3-8B Q4_K_M token's products (measured calls x calls) "
                      + ", ".join(f"{ms:.3f} ms at {nv} vector(s)" for nv, ms in lib.get("token_ms", {}).items()))
     if result.get("profile"):
-        lines += ["", "kernels by total time (ncu, one layer, batch 1; the first 400 launches):"]
+        lines += ["", "decode kernels by total time (ncu, one layer and the output, batch 1, 8 steps after 512 tokens):"]
         lines += [f"  {k['total_us']:9.1f} us  {k['invocations']:4d} x {k['mean_us']:8.2f} us  {k['kernel'][:90]}"
                   for k in result["profile"][:12]]
     return "\n".join(lines) + "\n"

@@ -128,10 +128,10 @@ def test_the_acceptance_checks_report_what_a_cpu_run_can_judge_and_leave_the_res
 def test_a_row_that_breaks_is_recorded_and_the_other_rows_still_run(tmp_path, monkeypatch):
     real = bench_gpu.run_row
 
-    def breaks_at_25(pebbled, options, prompts, case, n_decode):
+    def breaks_at_25(pebbled, options, prompts, case, n_decode, *rest):
         if case.get("label") == "25%":
             raise RuntimeError("a kernel fault, say")
-        return real(pebbled, options, prompts, case, n_decode)
+        return real(pebbled, options, prompts, case, n_decode, *rest)
 
     monkeypatch.setattr(bench_gpu, "run_row", breaks_at_25)
     got = bench_gpu.main(["--backend", "host", "--shape", "tiny", "--layers", "2", "--tokens", "2", "--prompt", "4",
