@@ -19,7 +19,7 @@ NATIVE_DEPS := $(HOST_SRC) native/pebble.h native/pebble_internal.h native/pebbl
 HOST_FLAGS  := -x c++ -std=c++17 -DPEBBLE_HOST_BUILD -fPIC -shared -pthread -fvisibility=hidden -Wall -Wextra
 SAN_FLAGS   := -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=undefined
 
-.PHONY: all cuda host host-asan venv test test-native test-sanitized fuzz serve demo-model native-best native-gpu native-stub gpu-wheels gpu-check clean
+.PHONY: all cuda cuda-variants host host-asan venv test test-native test-sanitized fuzz serve demo-model native-best native-gpu native-stub gpu-wheels gpu-check clean
 
 all: host
 
@@ -31,6 +31,17 @@ build/libpebble_cuda.so: $(NATIVE_DEPS)
 	@command -v $(NVCC) >/dev/null 2>&1 || { echo "make cuda: nvcc was not found on PATH, so the CUDA library cannot be built here; install the CUDA toolkit or set NVCC=/path/to/nvcc." >&2; exit 1; }
 	@mkdir -p build
 	$(NVCC) -O3 -std=c++17 -shared -Xcompiler -fPIC,-fvisibility=hidden $(CUDA_ARCH) -o $@ $(NATIVE_SRC)
+
+# Builds of the integer matrix-vector kernel to time beside the library (gpu-check's matvec stage, which also
+# checks their products equal the library's): Hopper machine code only, compressed, to travel light.
+VARIANTS    := few4096:-DPEBBLE_Q8_CHUNK_FEW=4096 warprows2:-DPEBBLE_MATVEC_WARP_ROWS=2 \
+               warprows4:-DPEBBLE_MATVEC_WARP_ROWS=4
+cuda-variants: $(foreach v,$(VARIANTS),build/variants/libpebble_cuda_$(word 1,$(subst :, ,$(v))).so)
+
+build/variants/libpebble_cuda_%.so: $(NATIVE_DEPS)
+	@mkdir -p build/variants
+	$(NVCC) -O3 -std=c++17 -shared -Xcompiler -fPIC,-fvisibility=hidden -gencode arch=compute_90,code=sm_90 \
+		--compress-mode=size $(word 2,$(subst :, ,$(filter $*:%,$(VARIANTS)))) -o $@ $(NATIVE_SRC)
 
 build/libpebble_host.so: $(NATIVE_DEPS)
 	@mkdir -p build

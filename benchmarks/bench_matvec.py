@@ -16,13 +16,15 @@ of the cuda library (PEBBLE_MATVEC_ROWS, PEBBLE_Q8_CHUNK, PEBBLE_Q8_CHUNK_FEW an
 by -D), settings of its switches (VAR=VALUE, such as PEBBLING_CUDA_PERSIST=0: README, Environment), or
 both, joined by + (a build with settings; settings alone are the default library's); each item's matrix-vector time of one Llama-3-8B Q4_K_M
 token is printed, and --best writes the fastest item (the first unless another is over 3% faster) to a
-file. On host the clock is the host's and the
+file. Each item's products are checked: every output written, and equal to the first item's bit for bit
+(the items change which warps and stagings sum a row's parts, never their order); exit 1 otherwise. On host the clock is the host's and the
 "device" a memcpy; --scale shrinks the rows there: a check of this script, not a GPU figure.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
@@ -40,6 +42,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_gpu import hbm_bandwidth  # noqa: E402
 from pyplugin.runtime.measure import median_seconds  # noqa: E402
 from pyplugin.store import backend_named  # noqa: E402
+from pyplugin.xp import to_numpy  # noqa: E402
 
 # Llama-3-8B's matrices as Q4_K_M lays them out (attn_v, ffn_down and the output in Q6_K), and Q8_0.
 SHAPES = [("Q4_K", 14336, 4096, "ffn_gate, ffn_up"), ("Q6_K", 4096, 14336, "ffn_down"),
@@ -77,14 +80,17 @@ def measure(name: str, vectors: list[int], repeats: int, scale: float) -> dict:
         weights = [one.copy() for _ in range(copies)]
         for nv in vectors:
             x = rng.standard_normal((nv, n_cols)).astype(np.float16)
-            out = xp.empty((nv, n_rows), np.float32)
+            out = xp.full((nv, n_rows), np.nan, np.float32)  # every output must be written
 
             def round_() -> None:
                 for w in weights:
                     kernels.matvec(int(qtype), w, n_rows, n_cols, x, out=out)
 
             per_call = median_seconds(round_, backend.synchronize, repeats) / copies
+            got = to_numpy(out)  # the last copy's products, which are every copy's (the same bytes)
             rows.append({"type": type_name, "rows": n_rows, "cols": n_cols, "tensor": what, "vectors": nv,
+                         "outputs": hashlib.sha256(got.tobytes()).hexdigest()[:16],
+                         "unwritten": int(np.isnan(got).sum()),
                          "weight_bytes": one.nbytes, "copies": copies, "us": per_call * 1e6,
                          "GBps": one.nbytes / per_call / 1e9, "of_copy": one.nbytes / per_call / 1e9 / copy["GBps"]})
     result = {"backend": name, "library": os.environ.get("BENCH_MATVEC_ITEM") or os.environ.get("PEBBLING_LIB", "(default)"),
@@ -123,6 +129,29 @@ def label(result: dict) -> str:
     return "+".join(part if "=" in part else Path(part).name for part in result["library"].split("+"))
 
 
+def output_differences(results: list[dict]) -> list[str]:
+    """Where an item's products are not #1's bit for bit, or leave outputs unwritten. Each item sums a row's
+    parts in the same order (the builds and switches change which warps and stagings take them, not the
+    order), so any difference is a fault of the item, not rounding."""
+    found = []
+    for i, r in enumerate(results):
+        for j, row in enumerate(r["rows"]):
+            where = f"#{i + 1} {row['type']} {row['rows']}x{row['cols']} at {row['vectors']} vector(s)"
+            if row.get("unwritten"):
+                found.append(f"{where}: {row['unwritten']} outputs unwritten")
+            first = results[0]["rows"][j] if j < len(results[0]["rows"]) else None
+            if i and first is not None and row.get("outputs") != first.get("outputs"):
+                found.append(f"{where}: products differ from #1's")
+    return found
+
+
+def outputs_text(results: list[dict]) -> str:
+    found = output_differences(results)
+    if not found:
+        return f"outputs: every product written, each item's equal to #1's bit for bit ({len(results)} items)"
+    return "outputs: " + "; ".join(found[:12]) + (f"; and {len(found) - 12} more" if len(found) > 12 else "")
+
+
 def table(results: list[dict]) -> str:
     lines = [f"#{i + 1}: {label(r)}, copy {r['copy_GBps']:.0f} GB/s ({r['copy_how']})" for i, r in enumerate(results)]
     lines.append("each call from Python: a small matrix's time is the call's cost, not its kernel's")
@@ -132,6 +161,7 @@ def table(results: list[dict]) -> str:
         cells = " ".join(f"{r['rows'][i]['us']:9.2f} us {r['rows'][i]['GBps']:6.0f} GB/s {r['rows'][i]['of_copy']:4.0%}"
                          if i < len(r["rows"]) else f"{'-':>26}" for r in results)
         lines.append(f"{row['type']:5} {row['rows']:>6}x{row['cols']:<6} {row['vectors']:>3} {cells}")
+    lines.append(outputs_text(results))
     for nv in sorted({row["vectors"] for row in results[0]["rows"]}):
         lines.append(f"Llama-3-8B Q4_K_M matvecs a token (each matrix's measured call x its calls), {nv} vector(s): "
                      + ", ".join(f"{token_seconds(r, nv) * 1e3:.3f} ms" for r in results))
@@ -170,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         chosen = best(results)
         args.best.write_text(chosen["library"])
         print(f"best: {chosen['library']}")
-    return 0 if results else 1
+    return 0 if results and not output_differences(results) else 1
 
 
 if __name__ == "__main__":

@@ -22,8 +22,9 @@ On a bare machine (the GPU image's Python with CuPy, torch, transformers, accele
            output, batch 1, 8 tokens after a 512-token prompt: where a decode step's time goes (cuda only;
            where ncu is not found, recorded so)
   matvec   benchmarks/bench_matvec.py over build/libpebble_<backend>.so and every build in build/variants/
-           (each a -D setting of the integer matvec, made where nvcc is and carried), on cuda each also with
-           PEBBLING_CUDA_PERSIST=0: each one's time of a Llama-3-8B Q4_K_M token's products, side by side
+           (each a -D setting of the integer matvec, made where nvcc is and carried), on cuda the library
+           also with PEBBLING_CUDA_PERSIST=0: each one's time of a Llama-3-8B Q4_K_M token's products, side
+           by side, and each one's products checked equal to the library's bit for bit
 Each stage is timed and has a timeout (its cap in CAPS, or --cap, within the time left of --budget-s,
 keeping FLOOR seconds for each later stage); one that times out or fails is recorded and the next runs.
 DIR gets: gpu_check.json (every stage's command, rc, time, timeout, pass/fail/skip counts and failures, the
@@ -54,7 +55,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from bench_matvec import label as bench_matvec_label  # noqa: E402
+from bench_matvec import label as bench_matvec_label, outputs_text as bench_matvec_outputs  # noqa: E402
 from gpu_wheels import read_pins, wheel_name  # noqa: E402
 
 STAGES = ("probe", "kernels", "tests", "bench", "profile", "matvec")
@@ -309,10 +310,9 @@ def stage_plan(args, work: Path, python: str) -> list[Stage]:
     done = [f"--ignore={t}" for t in args.kernel_tests if "kernels" in args.stages and args.tests == ["tests"]]
     bench_json = work / "bench.json"
     variants = sorted((ROOT / "build" / "variants").glob("*.so")) if args.backend == "cuda" else []  # cuda builds
-    # on cuda each also with PEBBLING_CUDA_PERSIST=0 (a variant built with -DPEBBLE_Q8_CHUNK_FEW=4096 then
-    # runs the integer matvec as the 11-27 measurement did)
+    # on cuda the library also with PEBBLING_CUDA_PERSIST=0 (x staged a row group at a time)
     builds = [ROOT / "build" / f"libpebble_{args.backend}.so", *variants]
-    libs = [*builds, *([f"{b}+PEBBLING_CUDA_PERSIST=0" for b in builds] if args.backend == "cuda" else [])]
+    libs = [*builds, *([f"{builds[0]}+PEBBLING_CUDA_PERSIST=0"] if args.backend == "cuda" else [])]
     return [
         Stage("probe", [python, str(ROOT / "benchmarks" / "gpu_probe.py"), "--backend", args.backend], caps["probe"],
               probe_env),
@@ -447,6 +447,8 @@ def summary(result: dict) -> str:
     bench = result.get("bench")
     if bench:
         lines += ["", *bench.get("table", [])]
+    if result.get("matvec"):
+        lines.append(f"  matvec {bench_matvec_outputs(result['matvec'])}")
     for lib in result.get("matvec") or []:
         lines.append(f"  matvec {bench_matvec_label(lib)}: a Llama-3-8B Q4_K_M token's products (measured calls x calls) "
                      + ", ".join(f"{ms:.3f} ms at {nv} vector(s)" for nv, ms in lib.get("token_ms", {}).items()))

@@ -256,32 +256,37 @@ __host__ __device__ inline int64_t split_parts(int64_t rows) { return (rows + sp
 // Attention of one query per head over the rows of its KV head, in three passes that each spread over the
 // GPU: one warp per head did all three (32 warps for a step's 32 heads: 31 us at 16 positions on an
 // H200, each lane's V loop the whole context long).
-//   attention_scores_kernel   a warp per (head, 32 rows): each lane one row's scaled, softcapped score
+//   attention_scores_kernel   a warp per (KV head, row), its lanes over the head's dims (the row's K read
+//                             once, in whole lines): each of the KV head's query heads' scaled, softcapped
+//                             score of the row (a lane a row, each reading its own row's K a value at a
+//                             time, touched 32 lines a load)
 //   attention_softmax_kernel  a warp per head: the probabilities, normalised first
-//   attention_values_kernel   a warp per (head, 32 dims): the probabilities' weighted sum of V
-// Each lane computes each value as the one-warp-per-head kernel did, in the same order: the same bits.
+//   attention_values_kernel   a warp per (head, 32 dims, part of the rows): the probabilities' weighted sum
+//                             of V (see split_rows), then attention_parts_kernel
 // The host runs them in turn for each sequence where it has no SIMD (PEBBLING_SIMD=portable), so that
-// its tests hold them to the forward pass.
+// its tests hold them to the forward pass; with its one lane a warp it sums in the order a lane of the
+// one-warp-per-head kernel did.
 __host__ __device__ inline int64_t attention_rows(const attention_args & a) {
     return a.pos ? (*a.pos + 1 < a.n_ctx ? *a.pos + 1 : a.n_ctx) : a.n_pos;
 }
 
 [[maybe_unused]] __global__ void attention_scores_kernel(arg_group<attention_args> g) {
     for_group(g, [](const attention_args & a) {
-        const int64_t n_pos = attention_rows(a), chunks = (n_pos + warp_lanes - 1) / warp_lanes;
+        const int64_t n_pos = attention_rows(a);
         const int32_t group = a.n_head / a.n_head_kv;
         const int64_t row = static_cast<int64_t>(a.n_head_kv) * a.head_dim;
-        for (int64_t u = grid_warp(); u < a.n_head * chunks; u += grid_warps()) {
-            const int64_t h = u / chunks, s = (u % chunks) * warp_lanes + warp_lane();
-            if (s >= n_pos) continue; // no lane of this kernel waits for another
-            const float * qh = a.q + h * a.head_dim;
-            const int64_t kv = (h / group) * a.head_dim;
-            float dot = 0.0f;
-            for (int32_t d = 0; d < a.head_dim; d++) {
-                dot += (qh[d] * a.scale) * kv_load(a.k_cache, a.kv_type, s * row + kv + d);
+        for (int64_t u = grid_warp(); u < a.n_head_kv * n_pos; u += grid_warps()) {
+            const int64_t s = u % n_pos, at = s * row + (u / n_pos) * a.head_dim; // KV head u / n_pos, row s
+            for (int64_t h = (u / n_pos) * group; h < (u / n_pos + 1) * group; h++) {
+                const float * qh = a.q + h * a.head_dim;
+                float dot = 0.0f;
+                for (int32_t d = warp_lane(); d < a.head_dim; d += warp_lanes) {
+                    dot += (qh[d] * a.scale) * kv_load(a.k_cache, a.kv_type, at + d);
+                }
+                dot = warp_sum(dot); // every lane of the warp is here
+                if (a.softcap > 0.0f) dot = tanhf(dot / a.softcap) * a.softcap;
+                if (warp_lane() == 0) a.scores[h * a.n_ctx + s] = dot;
             }
-            if (a.softcap > 0.0f) dot = tanhf(dot / a.softcap) * a.softcap;
-            a.scores[h * a.n_ctx + s] = dot;
         }
     });
 }
@@ -433,6 +438,24 @@ constexpr int64_t max_grid = int64_t(1) << 20;
     return static_cast<unsigned>(std::max<int64_t>(1, std::min(max_grid, (n + per_block - 1) / per_block)));
 }
 
+#ifndef PEBBLE_HOST_BUILD
+// Thread blocks of heads_per_block warps for `warps` warps' units of an attention kernel, at most as many as
+// the GPU holds at once (its loops take the rest): sized for every row of a cache (positions read on the
+// device), a grid's blocks were mostly past the rows attended, each launched only to end.
+unsigned attention_blocks(int64_t warps) {
+    static const int64_t most = [] {
+        int device = 0, sms = 0;
+        if (cudaGetDevice(&device) != cudaSuccess ||
+            cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || sms < 1) {
+            cudaGetLastError(); // not an error of the launch that follows
+            return max_grid;
+        }
+        return int64_t(sms) * (2048 / (warp_lanes * heads_per_block)); // 2048 threads a multiprocessor
+    }();
+    return static_cast<unsigned>(std::max<int64_t>(1, std::min(most, (warps + heads_per_block - 1) / heads_per_block)));
+}
+#endif
+
 // The attention of a group of sequences (attention_args each): the three kernels on the stream, each one
 // launch for the group, or run here in turn.
 pebble_status attention(const arg_group<attention_args> & g, cudaStream_t stream) {
@@ -451,14 +474,13 @@ pebble_status attention(const arg_group<attention_args> & g, cudaStream_t stream
     int64_t rows = 0;
     for (int32_t b = 0; b < g.n; b++) rows = std::max(rows, g.a[b].pos ? g.a[b].n_ctx : g.a[b].n_pos);
     const unsigned n = static_cast<unsigned>(g.n);
-    LAUNCH(attention_scores_kernel, dim3(grid_for(a.n_head * ((rows + warp_lanes - 1) / warp_lanes), heads_per_block),
-                                         n), warps, stream, g);
+    LAUNCH(attention_scores_kernel, dim3(attention_blocks(a.n_head_kv * rows), n), warps, stream, g);
     TRY(launched());
     LAUNCH(attention_softmax_kernel, dim3(grid_for(a.n_head, heads_per_block), n), warps, stream, g);
     TRY(launched());
     const int64_t parts = a.parts ? split_parts(rows) : 1; // every part a sequence of the group may have
-    LAUNCH(attention_values_kernel, dim3(grid_for(a.n_head * parts * ((a.head_dim + warp_lanes - 1) / warp_lanes),
-                                                  heads_per_block), n), warps, stream, g);
+    LAUNCH(attention_values_kernel, dim3(attention_blocks(a.n_head * parts * ((a.head_dim + warp_lanes - 1) / warp_lanes)),
+                                         n), warps, stream, g);
     TRY(launched());
     if (!a.parts) return PEBBLE_OK;
     LAUNCH(attention_parts_kernel, dim3(grid_for(int64_t(a.n_head) * a.head_dim, threads), n), threads, stream, g);

@@ -365,7 +365,7 @@ dequantize_tiled_kernel(const uint8_t * __restrict__ src, uint16_t * __restrict_
 // it would take reading x from global memory, in the same order: the same sums, bit for bit.
 // (The host build multiplies in pebble_cpu.cc instead.)
 #ifndef PEBBLE_HOST_BUILD
-#ifndef PEBBLE_MATVEC_ROWS // a build may set these four to compare (benchmarks/bench_matvec.py --libs)
+#ifndef PEBBLE_MATVEC_ROWS // a build may set these five to compare (benchmarks/bench_matvec.py --libs)
 #    define PEBBLE_MATVEC_ROWS 16
 #endif
 #ifndef PEBBLE_Q8_CHUNK
@@ -377,8 +377,12 @@ dequantize_tiled_kernel(const uint8_t * __restrict__ src, uint16_t * __restrict_
 #ifndef PEBBLE_MATVEC_UNROLL // a lane's parts of a chunk unrolled by this, so their loads can go out together
 #    define PEBBLE_MATVEC_UNROLL 4
 #endif
+#ifndef PEBBLE_MATVEC_WARP_ROWS // rows a warp of the integer kernel takes at once at 1-2 vectors (see warp_rows)
+#    define PEBBLE_MATVEC_WARP_ROWS 1
+#endif
 constexpr int matvec_unroll = PEBBLE_MATVEC_UNROLL;
 constexpr int matvec_rows_per_block = PEBBLE_MATVEC_ROWS; // warps per thread block: rows sharing one staging of x
+constexpr int matvec_warp_rows = PEBBLE_MATVEC_WARP_ROWS;
 constexpr int matvec_chunk = 2048;        // x elements staged per vector at a time
 constexpr int matvec_chunk_padded = matvec_chunk + 2 * (matvec_chunk / 64);
 
@@ -488,6 +492,9 @@ matvec_kernel(const __grid_constant__ stacked_rows m, int64_t n_cols, const uint
 // x elements staged per vector at a time: at one or two vectors a 14336-column row (Llama-3-8B's
 // ffn_down) fits one chunk within the 48 KB a block's static shared memory may take; more take 4096.
 template <int NV> constexpr int q8_chunk = NV <= 2 ? PEBBLE_Q8_CHUNK_FEW : PEBBLE_Q8_CHUNK;
+// Rows a warp takes at once: matvec_warp_rows at one or two vectors, where a row's loads are few; one at
+// more, whose sums take the registers (two rows spilled from 4 vectors up).
+template <int NV> constexpr int warp_rows = NV <= 2 ? matvec_warp_rows : 1;
 constexpr int q8_chunk_bytes(int chunk) { return chunk + 4 * (chunk / 64); } // a word of padding every 64 (banks)
 
 template <int NV, int QB> struct q8_stage { // QB: the elements of one d (256 for the K-quants, else 32)
@@ -662,11 +669,19 @@ matvec_q8_kernel(const __grid_constant__ stacked_rows m, int64_t n_cols, const u
         stage_q8<NV>(x, n_cols, 0, static_cast<int>(n_cols), st);
         __syncthreads();
     }
-    for (int64_t base = int64_t(blockIdx.x) * matvec_rows_per_block; base < n_rows;
-         base += int64_t(gridDim.x) * matvec_rows_per_block) {
-        const int64_t row = base + threadIdx.y;
-        const bool active = row < n_rows; // the block's other warps still stage x and meet at the barriers
-        float acc[NV] = {};
+    // A warp takes matvec_warp_rows rows at once, row r of them warps_per_block apart, so that the loads of
+    // their parts are in flight together.
+    constexpr int WR = warp_rows<NV>;
+    constexpr int64_t block_rows = int64_t(matvec_rows_per_block) * WR;
+    for (int64_t base = int64_t(blockIdx.x) * block_rows; base < n_rows; base += int64_t(gridDim.x) * block_rows) {
+        int64_t row[WR];
+        bool active[WR]; // the same for the warp's lanes; the block's other warps still meet at the barriers
+        float acc[WR][NV] = {};
+        PEBBLE_UNROLL
+        for (int r = 0; r < WR; r++) {
+            row[r] = base + int64_t(r) * matvec_rows_per_block + threadIdx.y;
+            active[r] = row[r] < n_rows;
+        }
         for (int64_t c0 = 0; c0 < n_cols; c0 += chunk) {
             const int n = static_cast<int>(n_cols - c0 < chunk ? n_cols - c0 : chunk);
             if (!whole) {
@@ -674,26 +689,36 @@ matvec_q8_kernel(const __grid_constant__ stacked_rows m, int64_t n_cols, const u
                 stage_q8<NV>(x, n_cols, c0, n, st);
                 __syncthreads();
             }
-            if (!active) continue;
-            const uint8_t * w_row = locate(m, row, blocks_per_row * T::block_bytes).w_row;
+            if (!active[0]) continue; // row 0 is the warp's first: none of its rows are
+            const uint8_t * w_row[WR];
+            PEBBLE_UNROLL
+            for (int r = 0; r < WR; r++) {
+                w_row[r] = active[r] ? locate(m, row[r], blocks_per_row * T::block_bytes).w_row : nullptr;
+            }
             const int64_t p_end = (c0 + n) / part_elements;
 #pragma unroll matvec_unroll
             for (int64_t p = c0 / part_elements + lane; p < p_end; p += warp_lanes) {
                 const int64_t block = p / T::parts;
-                const uint8_t * bb = w_row + block * T::block_bytes;
                 const int first = static_cast<int>(block * T::block_elements - c0), part = static_cast<int>(p % T::parts);
-                if constexpr (T::id == type_q4_k::id) {
-                    q4_k_part<NV>(bb, part, first, st, acc);
-                } else if constexpr (T::id == type_q6_k::id) {
-                    q6_k_part<NV>(bb, part, first, st, acc);
-                } else {
-                    block32<T, NV>(bb, first, st, acc);
+                PEBBLE_UNROLL
+                for (int r = 0; r < WR; r++) {
+                    if (!active[r]) continue;
+                    const uint8_t * bb = w_row[r] + block * T::block_bytes;
+                    if constexpr (T::id == type_q4_k::id) {
+                        q4_k_part<NV>(bb, part, first, st, acc[r]);
+                    } else if constexpr (T::id == type_q6_k::id) {
+                        q6_k_part<NV>(bb, part, first, st, acc[r]);
+                    } else {
+                        block32<T, NV>(bb, first, st, acc[r]);
+                    }
                 }
             }
         }
-        if (active) {
-            const stacked_row at = locate(m, row, blocks_per_row * T::block_bytes);
-            store_row_sums(acc, lane, at.y, at.rows, at.row);
+        PEBBLE_UNROLL
+        for (int r = 0; r < WR; r++) {
+            if (!active[r]) continue;
+            const stacked_row at = locate(m, row[r], blocks_per_row * T::block_bytes);
+            store_row_sums(acc[r], lane, at.y, at.rows, at.row);
         }
     }
 }
@@ -859,7 +884,9 @@ pebble_status launch_stacked_n(const stacked_rows & m, int64_t n_cols, const uin
         if ((aligned & 15) == 0 && pebble_internal::switches().integer_matvec) {
             static const int64_t held = resident_blocks(matvec_q8_kernel<T, NV>, warp_lanes * matvec_rows_per_block);
             const bool whole = pebble_internal::switches().persist && n_cols <= q8_chunk<NV>;
-            const int64_t blocks = whole ? std::min(grid, held) : grid;
+            const int64_t rows_a_block = int64_t(matvec_rows_per_block) * warp_rows<NV>;
+            const int64_t q8_grid = std::min(max_grid, (n_rows + rows_a_block - 1) / rows_a_block);
+            const int64_t blocks = whole ? std::min(q8_grid, held) : q8_grid;
             matvec_q8_kernel<T, NV><<<static_cast<unsigned>(blocks), block, 0, stream>>>(m, n_cols, x, whole);
             return check_launch("pebble_matvec", T::id);
         }

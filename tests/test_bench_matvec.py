@@ -57,3 +57,14 @@ def test_an_item_is_a_library_or_settings_of_the_default_librarys_switches():
                         "BENCH_MATVEC_ITEM": "PEBBLING_CUDA_PERSIST=0+PEBBLING_CUDA_STACK=0"}
     both = bench.item_env("build/variants/few.so+PEBBLING_CUDA_PERSIST=0")
     assert Path(both["PEBBLING_LIB"]).name == "few.so" and both["PEBBLING_CUDA_PERSIST"] == "0"
+
+
+def test_an_item_whose_products_differ_or_leave_outputs_unwritten_is_named():
+    def item(name, digest, unwritten=0):
+        return {"library": name, "rows": [{"type": "Q4_K", "rows": 8, "cols": 256, "vectors": 1, "outputs": digest,
+                                           "unwritten": unwritten}]}
+    same = [item("a.so", "0123"), item("PEBBLING_CUDA_PERSIST=0", "0123")]
+    assert bench.output_differences(same) == [] and "bit for bit" in bench.outputs_text(same)
+    found = bench.output_differences([item("a.so", "0123"), item("b.so", "4567"), item("c.so", "0123", unwritten=3)])
+    assert found == ["#2 Q4_K 8x256 at 1 vector(s): products differ from #1's",
+                     "#3 Q4_K 8x256 at 1 vector(s): 3 outputs unwritten"]
