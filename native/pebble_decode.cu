@@ -291,6 +291,28 @@ __host__ __device__ inline int64_t attention_rows(const attention_args & a) {
     });
 }
 
+// The scores as a lane a row (what ran on the H200 on 11-27; PEBBLING_CUDA_SPLIT=0): a warp per (head, 32
+// rows), each lane reading its own row's K a value at a time.
+[[maybe_unused]] __global__ void attention_scores_by_lane_kernel(arg_group<attention_args> g) {
+    for_group(g, [](const attention_args & a) {
+        const int64_t n_pos = attention_rows(a), chunks = (n_pos + warp_lanes - 1) / warp_lanes;
+        const int32_t group = a.n_head / a.n_head_kv;
+        const int64_t row = static_cast<int64_t>(a.n_head_kv) * a.head_dim;
+        for (int64_t u = grid_warp(); u < a.n_head * chunks; u += grid_warps()) {
+            const int64_t h = u / chunks, s = (u % chunks) * warp_lanes + warp_lane();
+            if (s >= n_pos) continue; // no lane of this kernel waits for another
+            const float * qh = a.q + h * a.head_dim;
+            const int64_t kv = (h / group) * a.head_dim;
+            float dot = 0.0f;
+            for (int32_t d = 0; d < a.head_dim; d++) {
+                dot += (qh[d] * a.scale) * kv_load(a.k_cache, a.kv_type, s * row + kv + d);
+            }
+            if (a.softcap > 0.0f) dot = tanhf(dot / a.softcap) * a.softcap;
+            a.scores[h * a.n_ctx + s] = dot;
+        }
+    });
+}
+
 [[maybe_unused]] __global__ void attention_softmax_kernel(arg_group<attention_args> g) {
     for_group(g, [](const attention_args & a) {
         const int64_t n_pos = attention_rows(a);
@@ -461,7 +483,11 @@ unsigned attention_blocks(int64_t warps) {
 pebble_status attention(const arg_group<attention_args> & g, cudaStream_t stream) {
 #ifdef PEBBLE_HOST_BUILD
     (void)stream;
-    attention_scores_kernel(g);
+    if (switches().split) {
+        attention_scores_kernel(g);
+    } else {
+        attention_scores_by_lane_kernel(g);
+    }
     attention_softmax_kernel(g);
     attention_values_kernel(g);
     if (g.a[0].parts) attention_parts_kernel(g);
@@ -474,7 +500,12 @@ pebble_status attention(const arg_group<attention_args> & g, cudaStream_t stream
     int64_t rows = 0;
     for (int32_t b = 0; b < g.n; b++) rows = std::max(rows, g.a[b].pos ? g.a[b].n_ctx : g.a[b].n_pos);
     const unsigned n = static_cast<unsigned>(g.n);
-    LAUNCH(attention_scores_kernel, dim3(attention_blocks(a.n_head_kv * rows), n), warps, stream, g);
+    if (switches().split) {
+        LAUNCH(attention_scores_kernel, dim3(attention_blocks(a.n_head_kv * rows), n), warps, stream, g);
+    } else {
+        LAUNCH(attention_scores_by_lane_kernel, dim3(grid_for(a.n_head * ((rows + warp_lanes - 1) / warp_lanes),
+                                                              heads_per_block), n), warps, stream, g);
+    }
     TRY(launched());
     LAUNCH(attention_softmax_kernel, dim3(grid_for(a.n_head, heads_per_block), n), warps, stream, g);
     TRY(launched());

@@ -55,8 +55,9 @@ struct cuda_switches {
     bool    persist;        // PEBBLING_CUDA_PERSIST=0: false, x staged a row group at a time (default 1)
     bool    stack;          // PEBBLING_CUDA_STACK=0: false, one launch a matrix (default 1: q/k, gate/up)
     int32_t group;          // PEBBLING_CUDA_GROUP=1..8: sequences a launch of a per-sequence kernel takes (8)
-    bool    split;          // PEBBLING_CUDA_SPLIT=0: false, a decode step's V summed in one pass a (head, 32
-                            // dims) (default 1: in parts of PEBBLE_DECODER_SPLIT_ROWS rows, then the parts)
+    bool    split;          // PEBBLING_CUDA_SPLIT=0: false, the attention as it ran on 11-27 (a lane a row's
+                            // score, V summed in one pass a head and 32 dims; default 1: a warp a KV head and
+                            // row's scores, V in parts of PEBBLE_DECODER_SPLIT_ROWS rows, then the parts)
 };
 const cuda_switches & switches();
 #ifndef PEBBLE_HOST_BUILD
