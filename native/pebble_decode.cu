@@ -257,9 +257,9 @@ __host__ __device__ inline int64_t split_parts(int64_t rows) { return (rows + sp
 // GPU: one warp per head did all three (32 warps for a step's 32 heads: 31 us at 16 positions on an
 // H200, each lane's V loop the whole context long).
 //   attention_scores_kernel   a warp per (KV head, row), its lanes over the head's dims (the row's K read
-//                             once, in whole lines): each of the KV head's query heads' scaled, softcapped
-//                             score of the row (a lane a row, each reading its own row's K a value at a
-//                             time, touched 32 lines a load)
+//                             in whole lines, from L1 after the first of the KV head's query heads): each
+//                             query head's scaled, softcapped score of the row (a lane a row, each reading
+//                             its own row's K a value at a time, touched 32 lines a load)
 //   attention_softmax_kernel  a warp per head: the probabilities, normalised first
 //   attention_values_kernel   a warp per (head, 32 dims, part of the rows): the probabilities' weighted sum
 //                             of V (see split_rows), then attention_parts_kernel
@@ -461,18 +461,21 @@ constexpr int64_t max_grid = int64_t(1) << 20;
 }
 
 #ifndef PEBBLE_HOST_BUILD
-// Thread blocks of heads_per_block warps for `warps` warps' units of an attention kernel, at most as many as
-// the GPU holds at once (its loops take the rest): sized for every row of a cache (positions read on the
-// device), a grid's blocks were mostly past the rows attended, each launched only to end.
-unsigned attention_blocks(int64_t warps) {
+// Thread blocks of heads_per_block warps for `warps` warps' units of attention kernel K, at most as many as the
+// GPU holds of K at once (its registers decide: 8 a multiprocessor for the scores, 6 for the values), the
+// kernel's loops taking the rest. Sized for every row of a cache (positions read on the device), a grid's
+// blocks were mostly past the rows attended, each launched only to end.
+template <auto K> unsigned attention_blocks(int64_t warps) {
     static const int64_t most = [] {
-        int device = 0, sms = 0;
+        int device = 0, sms = 0, per_sm = 0;
         if (cudaGetDevice(&device) != cudaSuccess ||
-            cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || sms < 1) {
+            cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, K, warp_lanes * heads_per_block, 0) != cudaSuccess ||
+            sms * per_sm < 1) {
             cudaGetLastError(); // not an error of the launch that follows
             return max_grid;
         }
-        return int64_t(sms) * (2048 / (warp_lanes * heads_per_block)); // 2048 threads a multiprocessor
+        return int64_t(sms) * per_sm;
     }();
     return static_cast<unsigned>(std::max<int64_t>(1, std::min(most, (warps + heads_per_block - 1) / heads_per_block)));
 }
@@ -501,7 +504,8 @@ pebble_status attention(const arg_group<attention_args> & g, cudaStream_t stream
     for (int32_t b = 0; b < g.n; b++) rows = std::max(rows, g.a[b].pos ? g.a[b].n_ctx : g.a[b].n_pos);
     const unsigned n = static_cast<unsigned>(g.n);
     if (switches().split) {
-        LAUNCH(attention_scores_kernel, dim3(attention_blocks(a.n_head_kv * rows), n), warps, stream, g);
+        LAUNCH(attention_scores_kernel, dim3(attention_blocks<attention_scores_kernel>(a.n_head_kv * rows), n), warps,
+               stream, g);
     } else {
         LAUNCH(attention_scores_by_lane_kernel, dim3(grid_for(a.n_head * ((rows + warp_lanes - 1) / warp_lanes),
                                                               heads_per_block), n), warps, stream, g);
@@ -510,7 +514,8 @@ pebble_status attention(const arg_group<attention_args> & g, cudaStream_t stream
     LAUNCH(attention_softmax_kernel, dim3(grid_for(a.n_head, heads_per_block), n), warps, stream, g);
     TRY(launched());
     const int64_t parts = a.parts ? split_parts(rows) : 1; // every part a sequence of the group may have
-    LAUNCH(attention_values_kernel, dim3(attention_blocks(a.n_head * parts * ((a.head_dim + warp_lanes - 1) / warp_lanes)),
+    LAUNCH(attention_values_kernel, dim3(attention_blocks<attention_values_kernel>(
+                                             a.n_head * parts * ((a.head_dim + warp_lanes - 1) / warp_lanes)),
                                          n), warps, stream, g);
     TRY(launched());
     if (!a.parts) return PEBBLE_OK;

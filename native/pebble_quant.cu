@@ -492,8 +492,9 @@ matvec_kernel(const __grid_constant__ stacked_rows m, int64_t n_cols, const uint
 // x elements staged per vector at a time: at one or two vectors a 14336-column row (Llama-3-8B's
 // ffn_down) fits one chunk within the 48 KB a block's static shared memory may take; more take 4096.
 template <int NV> constexpr int q8_chunk = NV <= 2 ? PEBBLE_Q8_CHUNK_FEW : PEBBLE_Q8_CHUNK;
-// Rows a warp takes at once: matvec_warp_rows at one or two vectors, where a row's loads are few; one at
-// more, whose sums take the registers (two rows spilled from 4 vectors up).
+// Rows a warp takes at once: matvec_warp_rows at one or two vectors, where a row's loads are few, for a
+// matrix of more row groups than the GPU holds at once (fewer blocks would leave multiprocessors idle);
+// one at more vectors, whose sums take the registers (two rows spilled from 4 vectors up).
 template <int NV> constexpr int warp_rows = NV <= 2 ? matvec_warp_rows : 1;
 constexpr int q8_chunk_bytes(int chunk) { return chunk + 4 * (chunk / 64); } // a word of padding every 64 (banks)
 
@@ -651,7 +652,7 @@ __device__ void block32(const uint8_t * __restrict__ bb, int first, const q8_sta
     }
 }
 
-template <typename T, int NV>
+template <typename T, int NV, int WR>
 __global__ void __launch_bounds__(warp_lanes * matvec_rows_per_block)
 matvec_q8_kernel(const __grid_constant__ stacked_rows m, int64_t n_cols, const uint16_t * __restrict__ x, bool whole) {
     const int64_t n_rows = m.first[m.n];
@@ -669,9 +670,8 @@ matvec_q8_kernel(const __grid_constant__ stacked_rows m, int64_t n_cols, const u
         stage_q8<NV>(x, n_cols, 0, static_cast<int>(n_cols), st);
         __syncthreads();
     }
-    // A warp takes matvec_warp_rows rows at once, row r of them warps_per_block apart, so that the loads of
-    // their parts are in flight together.
-    constexpr int WR = warp_rows<NV>;
+    // A warp takes WR rows at once, row r of them warps_per_block apart, so that the loads of their parts
+    // are in flight together (see warp_rows).
     constexpr int64_t block_rows = int64_t(matvec_rows_per_block) * WR;
     for (int64_t base = int64_t(blockIdx.x) * block_rows; base < n_rows; base += int64_t(gridDim.x) * block_rows) {
         int64_t row[WR];
@@ -882,12 +882,22 @@ pebble_status launch_stacked_n(const stacked_rows & m, int64_t n_cols, const uin
         uintptr_t aligned = reinterpret_cast<uintptr_t>(x);
         for (int32_t p = 0; p < m.n && T::id == type_q4_k::id; p++) aligned |= reinterpret_cast<uintptr_t>(m.w[p]);
         if ((aligned & 15) == 0 && pebble_internal::switches().integer_matvec) {
-            static const int64_t held = resident_blocks(matvec_q8_kernel<T, NV>, warp_lanes * matvec_rows_per_block);
+            static const int64_t held = resident_blocks(matvec_q8_kernel<T, NV, 1>, warp_lanes * matvec_rows_per_block);
             const bool whole = pebble_internal::switches().persist && n_cols <= q8_chunk<NV>;
-            const int64_t rows_a_block = int64_t(matvec_rows_per_block) * warp_rows<NV>;
-            const int64_t q8_grid = std::min(max_grid, (n_rows + rows_a_block - 1) / rows_a_block);
-            const int64_t blocks = whole ? std::min(q8_grid, held) : q8_grid;
-            matvec_q8_kernel<T, NV><<<static_cast<unsigned>(blocks), block, 0, stream>>>(m, n_cols, x, whole);
+            if constexpr (warp_rows<NV> > 1) { // only where the row groups outnumber the blocks the GPU holds:
+                if (grid > held) {             // fewer blocks would leave multiprocessors idle
+                    constexpr int64_t rows_a_block = int64_t(matvec_rows_per_block) * warp_rows<NV>;
+                    static const int64_t held_wide =
+                        resident_blocks(matvec_q8_kernel<T, NV, warp_rows<NV>>, warp_lanes * matvec_rows_per_block);
+                    const int64_t wide_grid = std::min(max_grid, (n_rows + rows_a_block - 1) / rows_a_block);
+                    const int64_t blocks = whole ? std::min(wide_grid, held_wide) : wide_grid;
+                    matvec_q8_kernel<T, NV, warp_rows<NV>>
+                        <<<static_cast<unsigned>(blocks), block, 0, stream>>>(m, n_cols, x, whole);
+                    return check_launch("pebble_matvec", T::id);
+                }
+            }
+            const int64_t blocks = whole ? std::min(grid, held) : grid;
+            matvec_q8_kernel<T, NV, 1><<<static_cast<unsigned>(blocks), block, 0, stream>>>(m, n_cols, x, whole);
             return check_launch("pebble_matvec", T::id);
         }
     }
