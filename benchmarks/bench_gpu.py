@@ -143,9 +143,9 @@ class StepTimes:
 def run_row(pebbled: PebbledModel, options: Options, prompts: list[list[int]], case: dict, n_decode: int,
             profile: bool = False) -> dict:
     """One row: the prompts prefilled, then n_decode greedy steps for all of them together (`profile`: with
-    the CUDA profiler on for those steps alone: StepTimes)."""
+    the CUDA profiler on for those steps alone: StepTimes). case["pebbling"]: more pebbling options, if any."""
     pebbling = PebblingOptions.from_options({"pebbling_strategy": case["strategy"],
-                                             "pebbling_memory_limit": case["budget"]})
+                                             "pebbling_memory_limit": case["budget"], **case.get("pebbling", {})})
     backend = pebbled.backend
     backend.free_pool()
     # The row's plan is put in place (the last row's resident layers given back, this one's slots made)
