@@ -120,6 +120,25 @@ def transformers_rows(spec, cases: list[dict], args, on_gpu: bool) -> dict:
     return out
 
 
+def llama_cpp_greedy(llm, prompt: list[int], n_decode: int) -> tuple[float, float, list[int]]:
+    """(prefill seconds, decode seconds, the tokens) of `prompt` then n_decode greedy tokens on a llama_cpp.Llama."""
+    n_vocab = llm.n_vocab()
+
+    def argmax() -> int:
+        return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n_vocab,))))
+
+    t = time.perf_counter()
+    llm.eval(prompt)
+    token, tokens = argmax(), []
+    prefill_s = time.perf_counter() - t
+    t = time.perf_counter()
+    for _ in range(n_decode):
+        tokens.append(token)
+        llm.eval([token])
+        token = argmax()
+    return prefill_s, time.perf_counter() - t, tokens
+
+
 def llama_cpp_rows(q4: dict, args, on_gpu: bool) -> dict:
     try:
         import llama_cpp
@@ -138,20 +157,7 @@ def llama_cpp_rows(q4: dict, args, on_gpu: bool) -> dict:
             llm = llama_cpp.Llama(model_path=str(q4["path"]), n_ctx=args.num_ctx, n_batch=args.prompt,
                                   n_ubatch=args.prompt, n_gpu_layers=layers, verbose=False)
             load_s = time.perf_counter() - t
-            n_vocab = llm.n_vocab()
-
-            def argmax() -> int:
-                return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n_vocab,))))
-
-            t = time.perf_counter()
-            llm.eval(prompt)
-            token = argmax()
-            prefill_s = time.perf_counter() - t
-            t = time.perf_counter()
-            for _ in range(n_decode):
-                llm.eval([token])
-                token = argmax()
-            decode_s = time.perf_counter() - t
+            prefill_s, decode_s, _ = llama_cpp_greedy(llm, prompt, n_decode)
         out["rows"].append({"label": label, "how": how, "n_gpu_layers": layers, "load_s": round(load_s, 2),
                             "prefill_tokens_per_s": round(len(prompt) / prefill_s, 2),
                             "decode_tokens_per_s": round(n_decode / decode_s, 3),

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_cpu_vs_llamacpp import SHAPES, write_files  # noqa: E402
 from bench_gpu import run_row  # noqa: E402
-from bench_gpu_peers import PeakSampler  # noqa: E402
+from bench_gpu_peers import PeakSampler, llama_cpp_greedy  # noqa: E402
 from pyplugin.model import GGUFFile, load_model  # noqa: E402
 from pyplugin.runtime import PebbledModel  # noqa: E402
 from pyplugin.runtime.options import Options  # noqa: E402
@@ -145,21 +145,7 @@ def llama_cpp_rows(path: Path, args, prompt: list[int], on_gpu: bool) -> dict:
                 llm = llama_cpp.Llama(model_path=str(path), n_ctx=args.num_ctx, n_batch=args.prompt,
                                       n_ubatch=args.prompt, n_gpu_layers=-1 if on_gpu else 0, verbose=False)
                 load_s = time.perf_counter() - t
-                n_vocab = llm.n_vocab()
-
-                def argmax() -> int:
-                    return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n_vocab,))))
-
-                t = time.perf_counter()
-                llm.eval(prompt)
-                token, tokens = argmax(), []
-                prefill_s = time.perf_counter() - t
-                t = time.perf_counter()
-                for _ in range(args.tokens):
-                    tokens.append(token)
-                    llm.eval([token])
-                    token = argmax()
-                decode_s = time.perf_counter() - t
+                prefill_s, decode_s, tokens = llama_cpp_greedy(llm, prompt, args.tokens)
             llm.close()  # its device memory given back before the next try
         finally:
             llama_cpp.llama_cpp.llama_model_default_params = default_params

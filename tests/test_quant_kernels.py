@@ -298,6 +298,12 @@ def test_matvec_over_many_row_groups_and_rows_of_several_chunks(backend, qtype, 
     xp = np if backend != "cuda" else pytest.importorskip("cupy")
     out = xp.full((n_vec, n_rows), np.nan, dtype=np.float32)
     got = to_numpy(kernels_of(backend).matvec(qtype, raw, n_rows, n_cols, x, out=out))
+    assert_product(backend, qtype, got, x, weights)
+
+
+def assert_product(backend: str, qtype: Q, got: np.ndarray, x: np.ndarray, weights: np.ndarray) -> None:
+    """Every output written, each within MATVEC_RTOL of its row's and vector's norms of the float64 product
+    with x as the library takes it (in 8-bit blocks where it quantizes x)."""
     assert not np.isnan(got).any(), f"outputs left unwritten at {np.argwhere(np.isnan(got))[:10].tolist()}"
     norms = np.outer(np.linalg.norm(x.astype(np.float64), axis=1), np.linalg.norm(weights, axis=1))
     if quantizes_x(backend, qtype):
@@ -450,13 +456,7 @@ def test_matmul_takes_any_number_of_vectors_as_matvec_computes_them(backend, qty
     xp = np if backend != "cuda" else pytest.importorskip("cupy")
     out = xp.full((n_vec, n_rows), np.nan, dtype=np.float32)
     got = to_numpy(kernels_of(backend).matmul(qtype, raw, n_rows, n_cols, x, out=out))
-    assert not np.isnan(got).any()
-    norms = np.outer(np.linalg.norm(x.astype(np.float64), axis=1), np.linalg.norm(weights, axis=1))
-    if quantizes_x(backend, qtype):
-        x_q = quantized_activation(x, activation_blocks(qtype)).astype(np.float64)
-        assert_within(got, x_q @ weights.T, MATVEC_RTOL * norms, "quantized x")
-    else:
-        assert_within(got, x.astype(np.float64) @ weights.T, MATVEC_RTOL * norms, "x")
+    assert_product(backend, qtype, got, x, weights)
     # and its rows are matvec's, group by group
     first = to_numpy(kernels_of(backend).matvec(qtype, raw, n_rows, n_cols, x[:8]))
     np.testing.assert_allclose(got[:8], first, rtol=1e-5, atol=1e-5 * max(np.abs(first).max(), 1e-30))
