@@ -264,8 +264,8 @@ __host__ __device__ inline int64_t split_parts(int64_t rows) { return (rows + sp
 //   attention_values_kernel   a warp per (head, 32 dims, part of the rows): the probabilities' weighted sum
 //                             of V (see split_rows), then attention_parts_kernel
 // The host runs them in turn for each sequence where it has no SIMD (PEBBLING_SIMD=portable), so that
-// its tests hold them to the forward pass; with its one lane a warp it sums in the order a lane of the
-// one-warp-per-head kernel did.
+// its tests hold them to the forward pass; with its one lane a warp, a score sums the dims in order, where
+// the GPU's lanes each take every 32nd and then add theirs up (the V parts are summed alike on both).
 __host__ __device__ inline int64_t attention_rows(const attention_args & a) {
     return a.pos ? (*a.pos + 1 < a.n_ctx ? *a.pos + 1 : a.n_ctx) : a.n_pos;
 }
