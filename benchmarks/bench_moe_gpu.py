@@ -149,13 +149,13 @@ def llama_cpp_rows(path: Path, args, prompt: list[int], on_gpu: bool) -> dict:
             llm.close()  # its device memory given back before the next try
         finally:
             llama_cpp.llama_cpp.llama_model_default_params = default_params
-        within = sampler.peak is None or sampler.peak <= args.budget
+        within = None if sampler.peak is None else sampler.peak <= args.budget  # None: nothing measured
         out["rows"].append({"label": f"--n-cpu-moe {first}", "experts_on_cpu_layers": first, "load_s": round(load_s, 2),
                             "prefill_tokens_per_s": round(len(prompt) / prefill_s, 2),
                             "decode_tokens_per_s": round(args.tokens / decode_s, 3),
                             "peak_bytes": sampler.peak, "peak_how": sampler.how, "within_budget": within,
                             "tokens": tokens})
-        if within or first >= len(experts):
+        if within is not False or first >= len(experts):
             break
         over = sampler.peak - args.budget  # move the layers whose experts hold at least the overage
         while over > 0 and first < len(experts):
@@ -201,7 +201,8 @@ def main(argv: list[str] | None = None) -> dict:
     for r in peer.get("rows", []):
         peak = "not measured" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**30:.2f} GiB"
         print(f"  llama.cpp {r['label']:31s} decode {r['decode_tokens_per_s']:8.2f} tok/s, prefill "
-              f"{r['prefill_tokens_per_s']:8.1f}, peak {peak}, within the budget: {r['within_budget']}")
+              f"{r['prefill_tokens_per_s']:8.1f}, peak {peak}"
+              + ("" if r["within_budget"] is None else f", within the budget: {r['within_budget']}"))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     return result

@@ -454,7 +454,6 @@ pebble_status launched() {
 constexpr int     threads = 256;
 constexpr int32_t max_experts = 1 << 12, max_experts_used = 16;
 constexpr int     heads_per_block = 4;
-constexpr int64_t max_grid = int64_t(1) << 20;
 
 [[maybe_unused]] unsigned grid_for(int64_t n, int64_t per_block) {
     return static_cast<unsigned>(std::max<int64_t>(1, std::min(max_grid, (n + per_block - 1) / per_block)));
@@ -462,21 +461,11 @@ constexpr int64_t max_grid = int64_t(1) << 20;
 
 #ifndef PEBBLE_HOST_BUILD
 // Thread blocks of heads_per_block warps for `warps` warps' units of attention kernel K, at most as many as the
-// GPU holds of K at once (its registers decide: 8 a multiprocessor for the scores, 6 for the values), the
+// GPU holds of K at once (its registers decide: about 8 a multiprocessor for the scores, 6 for the values), the
 // kernel's loops taking the rest. Sized for every row of a cache (positions read on the device), a grid's
 // blocks were mostly past the rows attended, each launched only to end.
 template <auto K> unsigned attention_blocks(int64_t warps) {
-    static const int64_t most = [] {
-        int device = 0, sms = 0, per_sm = 0;
-        if (cudaGetDevice(&device) != cudaSuccess ||
-            cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
-            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, K, warp_lanes * heads_per_block, 0) != cudaSuccess ||
-            sms * per_sm < 1) {
-            cudaGetLastError(); // not an error of the launch that follows
-            return max_grid;
-        }
-        return int64_t(sms) * per_sm;
-    }();
+    static const int64_t most = resident_blocks(K, warp_lanes * heads_per_block);
     return static_cast<unsigned>(std::max<int64_t>(1, std::min(most, (warps + heads_per_block - 1) / heads_per_block)));
 }
 #endif

@@ -60,7 +60,20 @@ struct cuda_switches {
                             // row's scores, V in parts of PEBBLE_DECODER_SPLIT_ROWS rows, then the parts)
 };
 const cuda_switches & switches();
+constexpr int64_t max_grid = int64_t(1) << 20; // thread blocks that fill any GPU; grid-stride loops do the rest
 #ifndef PEBBLE_HOST_BUILD
+// The thread blocks of `kernel` (of `threads` threads) the device holds at once: its multiprocessors times
+// the blocks one of them holds (its registers and shared memory decide); max_grid where the runtime cannot say.
+template <typename K> int64_t resident_blocks(K kernel, int threads) {
+    int device = 0, sms = 0, per_sm = 0;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0) != cudaSuccess || sms * per_sm < 1) {
+        cudaGetLastError(); // not an error of the launch that follows
+        return max_grid;
+    }
+    return int64_t(sms) * per_sm;
+}
 // PEBBLE_OK unless `ptr` is pageable host memory, which a kernel cannot read.
 pebble_status check_device_pointer(const void * ptr, const char * what, const char * fn);
 #endif

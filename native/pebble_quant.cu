@@ -736,7 +736,6 @@ void host_parallel(int64_t n, int64_t work, F && f) {
 }
 #endif
 
-constexpr int64_t max_grid = int64_t(1) << 20; // fills any GPU; the grid-stride loops do the rest
 
 // GGUF type names, for messages (ids without a type are left empty).
 const char * type_name(int32_t ggml_type) {
@@ -837,22 +836,6 @@ pebble_status launch_dequantize(const uint8_t * src, uint16_t * dst, int64_t n_b
 #endif
 }
 
-#ifndef PEBBLE_HOST_BUILD
-// The thread blocks of `kernel` (of `threads` threads) the device holds at once: its multiprocessors times
-// the blocks one of them holds; max_grid where the runtime cannot say.
-template <typename K>
-int64_t resident_blocks(K kernel, int threads) {
-    int device = 0, sms = 0, per_sm = 0;
-    if (cudaGetDevice(&device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0) != cudaSuccess || sms * per_sm < 1) {
-        cudaGetLastError(); // not an error of the launch that follows
-        return max_grid;
-    }
-    return int64_t(sms) * per_sm;
-}
-
-#endif
 
 // f(std::integral_constant<int, n_vec>{}) for n_vec in 1..8: the number of vectors is a template argument,
 // so that each lane's sums stay in registers.
@@ -881,9 +864,9 @@ pebble_status launch_stacked_n(const stacked_rows & m, int64_t n_cols, const uin
                   T::id == type_q4_0::id) { // 16-byte loads of x (and Q4_K's weights)
         uintptr_t aligned = reinterpret_cast<uintptr_t>(x);
         for (int32_t p = 0; p < m.n && T::id == type_q4_k::id; p++) aligned |= reinterpret_cast<uintptr_t>(m.w[p]);
-        if ((aligned & 15) == 0 && pebble_internal::switches().integer_matvec) {
+        if ((aligned & 15) == 0 && switches().integer_matvec) {
             static const int64_t held = resident_blocks(matvec_q8_kernel<T, NV, 1>, warp_lanes * matvec_rows_per_block);
-            const bool whole = pebble_internal::switches().persist && n_cols <= q8_chunk<NV>;
+            const bool whole = switches().persist && n_cols <= q8_chunk<NV>;
             if constexpr (warp_rows<NV> > 1) { // only where the row groups outnumber the blocks the GPU holds:
                 if (grid > held) {             // fewer blocks would leave multiprocessors idle
                     constexpr int64_t rows_a_block = int64_t(matvec_rows_per_block) * warp_rows<NV>;
