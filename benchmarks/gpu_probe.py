@@ -99,12 +99,21 @@ def device_memory() -> dict:
     for config in WORKSPACES:
         env = {**os.environ, "CUBLAS_WORKSPACE_CONFIG": config}
         rc, text = _run([sys.executable, __file__, "--pieces-only"], env=env)
-        last = [line for line in text.splitlines() if line.startswith("{")][-1:]
-        out["with_workspace"][config] = json.loads(last[0]) if rc == 0 and last else {"rc": rc, "why": text[-1000:]}
+        found = _last_json(text)
+        out["with_workspace"][config] = found if rc == 0 and "why" not in found else {"rc": rc, **found}
     return out
 
 
-# cuBLAS's documented form :KiB:count: two 4 MiB buffers (pebbling's setting, pyplugin.xp), and none
+def _last_json(text: str) -> dict:
+    """The last line of a child's output that is a JSON object, else why there is none (its output's end)."""
+    last = [line for line in text.splitlines() if line.startswith("{")][-1:]
+    try:
+        return json.loads(last[0]) if last else {"why": text[-1000:]}
+    except json.JSONDecodeError:
+        return {"why": text[-1000:]}
+
+
+# cuBLAS's documented form :KiB:count: two 4 MiB buffers, and none (pebbling's setting, pyplugin.xp)
 WORKSPACES = (":4096:2", ":0:0")
 
 
@@ -173,11 +182,7 @@ def memory_steps() -> dict:
     for name, extra, timeout in (("tiny", [], 60), ("llama3_8b_width", WIDE, 120)):
         rc, text = _run([sys.executable, str(ROOT / "benchmarks" / "gpu_memory_steps.py"), *extra], timeout=timeout)
         print(text)
-        last = [line for line in text.splitlines() if line.startswith("{")][-1:]
-        try:
-            found[name] = {"rc": rc, **json.loads(last[0])} if last else {"rc": rc, "why": text[-1000:]}
-        except json.JSONDecodeError:
-            found[name] = {"rc": rc, "why": text[-1000:]}
+        found[name] = {"rc": rc, **_last_json(text)}
     return found
 
 
