@@ -280,9 +280,10 @@ def apply_rope(cfg: ModelConfig, x: Array, cos: Array, sin: Array) -> Array:
     return x * cos + partner * sin
 
 
-def embed(outer: OuterWeights, tokens: Any, xp: Any = np, scale: float = 1.0) -> Array:
-    """Token ids -> x [T, n_embd] in xp's compute type, times `scale` (the config's embd_scale). Rows
-    are gathered where token_embd lives, so a host-side table sends only T rows to the device."""
+def embed(outer: OuterWeights, tokens: Any, xp: Any = np, scale: float = 1.0, dtype: Any = None) -> Array:
+    """Token ids -> x [T, n_embd] in `dtype` (default xp's compute type), times `scale` (the config's
+    embd_scale). Rows are gathered where token_embd lives, so a host-side table sends only T rows to the
+    device."""
     table = outer.token_embd
     if isinstance(table, QuantWeight):  # only the rows asked for are decoded
         rows = table.take_rows(tokens)
@@ -290,7 +291,7 @@ def embed(outer: OuterWeights, tokens: Any, xp: Any = np, scale: float = 1.0) ->
         rows = table[get_array_module(table).asarray(tokens, dtype=np.int64)]
     if scale != 1.0:
         rows = rows * np.float32(scale)
-    return xp.asarray(rows, dtype=compute_dtype(xp))
+    return xp.asarray(rows, dtype=compute_dtype(xp) if dtype is None else dtype)
 
 
 Attend = Callable[[ModelConfig, Array, list, list, tuple], Array]

@@ -112,9 +112,9 @@ def decode_batch(source: StoreLayers, generations: Sequence[Generation], tokens:
     position) in one call of the plan's decoder; float32 logits of each, in order. Advances each
     generation's position."""
     first, xp, outer = generations[0], source.xp, source.outer
-    x = embed(outer, list(tokens), xp, first.cfg.embd_scale)                         # [B, n_embd]
+    x = embed(outer, list(tokens), xp, first.cfg.embd_scale, np.float32)             # [B, n_embd]
     logits = source.decode_step([g.layers.seq for g in generations], [g.pos for g in generations],
-                                xp.ascontiguousarray(x, dtype=np.float32))
+                                xp.ascontiguousarray(x))
     for g in generations:
         g.pos += 1
     return list(to_numpy(logits))

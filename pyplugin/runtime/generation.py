@@ -148,7 +148,8 @@ class Generation:
         """Run tokens through every layer at the current position; float32 logits of the last one. A single
         token (a decode step) is one call of the source's decoder."""
         if len(tokens) == 1:
-            x = self.xp.ascontiguousarray(embed(self.outer, tokens, self.xp, self.cfg.embd_scale), dtype=np.float32)
+            # float32 from the table to the step (on the GPU one copy, not rounded through the compute type)
+            x = self.xp.ascontiguousarray(embed(self.outer, tokens, self.xp, self.cfg.embd_scale, np.float32))
             logits = self.layers.decode_step([self.pos], x)
             self.pos += 1
             return to_numpy(logits[0])
