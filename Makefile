@@ -30,12 +30,12 @@ host-asan: build/libpebble_host_asan.so
 build/libpebble_cuda.so: $(NATIVE_DEPS)
 	@command -v $(NVCC) >/dev/null 2>&1 || { echo "make cuda: nvcc was not found on PATH, so the CUDA library cannot be built here; install the CUDA toolkit or set NVCC=/path/to/nvcc." >&2; exit 1; }
 	@mkdir -p build
-	$(NVCC) -O3 -std=c++17 -shared -Xcompiler -fPIC,-fvisibility=hidden $(CUDA_ARCH) -o $@ $(NATIVE_SRC)
+	$(NVCC) -O3 -std=c++17 -shared -Xcompiler -fPIC,-fvisibility=hidden $(CUDA_ARCH) --compress-mode=size -o $@ $(NATIVE_SRC)
 
 # Builds of the integer matrix-vector kernel to time beside the library (gpu-check's matvec stage, which also
 # checks their products equal the library's): Hopper machine code only, compressed, to travel light.
 VARIANTS    := few4096:-DPEBBLE_Q8_CHUNK_FEW=4096 warprows2:-DPEBBLE_MATVEC_WARP_ROWS=2 \
-               warprows4:-DPEBBLE_MATVEC_WARP_ROWS=4
+               loads1:-DPEBBLE_MATVEC_LOADS=1 loads4:-DPEBBLE_MATVEC_LOADS=4
 cuda-variants: $(foreach v,$(VARIANTS),build/variants/libpebble_cuda_$(word 1,$(subst :, ,$(v))).so)
 
 build/variants/libpebble_cuda_%.so: $(NATIVE_DEPS)

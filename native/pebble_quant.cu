@@ -380,6 +380,9 @@ dequantize_tiled_kernel(const uint8_t * __restrict__ src, uint16_t * __restrict_
 #ifndef PEBBLE_MATVEC_WARP_ROWS // rows a warp of the integer kernel takes at once at 1-2 vectors (see warp_rows)
 #    define PEBBLE_MATVEC_WARP_ROWS 1
 #endif
+#ifndef PEBBLE_MATVEC_LOADS // parts a lane of the integer kernel loads before it sums the first (see part_loads)
+#    define PEBBLE_MATVEC_LOADS 2
+#endif
 constexpr int matvec_unroll = PEBBLE_MATVEC_UNROLL;
 constexpr int matvec_rows_per_block = PEBBLE_MATVEC_ROWS; // warps per thread block: rows sharing one staging of x
 constexpr int matvec_warp_rows = PEBBLE_MATVEC_WARP_ROWS;
@@ -496,6 +499,9 @@ template <int NV> constexpr int q8_chunk = NV <= 2 ? PEBBLE_Q8_CHUNK_FEW : PEBBL
 // matrix of more row groups than the GPU holds at once (fewer blocks would leave multiprocessors idle);
 // one at more vectors, whose sums take the registers (two rows spilled from 4 vectors up).
 template <int NV> constexpr int warp_rows = NV <= 2 ? matvec_warp_rows : 1;
+// Parts a lane loads before it sums the first: PEBBLE_MATVEC_LOADS over the warp's rows at once (at least
+// one), so that the registers they take stay near one row's at two (a part is 12 words of Q4_K, 21 of Q6_K).
+template <int WR> constexpr int part_loads = PEBBLE_MATVEC_LOADS / WR > 1 ? PEBBLE_MATVEC_LOADS / WR : 1;
 constexpr int q8_chunk_bytes(int chunk) { return chunk + 4 * (chunk / 64); } // a word of padding every 64 (banks)
 
 template <int NV, int QB> struct q8_stage { // QB: the elements of one d (256 for the K-quants, else 32)
@@ -560,14 +566,24 @@ struct scale_bytes {
     }
 };
 
-// Part `part` of Q4_K block bb, whose element 0 is element `first` of the chunk: sub-blocks 2 part (the
-// low nibbles of 32 bytes) and 2 part + 1 (their high nibbles), 16-byte loads (a block is 144 bytes).
+// A lane's part of a block, loaded: the weight bytes it reads, in registers, so that the loads of a lane's
+// next parts go out before the first is used (as one loop, each part's loads waited for the part before it
+// to be summed: one part's bytes in flight a lane, under half the copy rate's).
+struct q4_k_bytes { uint4 head, lo, hi; };                  // d, dmin, 12 bytes of scales; 32 of nibbles
+struct q6_k_bytes { uint32_t ql[8], qh[8]; int sc[4]; uint16_t d; };
+template <int N> struct block32_bytes { uint32_t qs[N / 4]; uint16_t d; }; // Q8_0: 32 bytes; Q4_0: 16
+
+// Part `part` of Q4_K block bb: sub-blocks 2 part (the low nibbles of 32 bytes) and 2 part + 1 (their high
+// nibbles), 16-byte loads (a block is 144 bytes).
+__device__ inline q4_k_bytes q4_k_load(const uint8_t * __restrict__ bb, int part) {
+    return {*reinterpret_cast<const uint4 *>(bb), *reinterpret_cast<const uint4 *>(bb + 16 + 32 * part),
+            *reinterpret_cast<const uint4 *>(bb + 32 + 32 * part)};
+}
+
+// That part's products with x, whose element 0 is element `first` of the chunk.
 template <int NV>
-__device__ void q4_k_part(const uint8_t * __restrict__ bb, int part, int first, const q8_stage<NV, 256> & st,
-                          float (&acc)[NV]) {
-    const uint4 head = *reinterpret_cast<const uint4 *>(bb); // d, dmin, the 12 bytes of scales
-    const uint4 lo = *reinterpret_cast<const uint4 *>(bb + 16 + 32 * part);
-    const uint4 hi = *reinterpret_cast<const uint4 *>(bb + 32 + 32 * part);
+__device__ void q4_k_part(const q4_k_bytes & w, int part, int first, const q8_stage<NV, 256> & st, float (&acc)[NV]) {
+    const uint4 head = w.head, lo = w.lo, hi = w.hi;
     const float d = half_to_float(static_cast<uint16_t>(head.x)), dmin = half_to_float(static_cast<uint16_t>(head.x >> 16));
     const scale_bytes scales{head};
     int sc_a, m_a, sc_b, m_b;
@@ -593,23 +609,34 @@ __device__ void q4_k_part(const uint8_t * __restrict__ bb, int part, int first, 
 }
 
 // Part `part` of Q6_K block bb (type_q6_k: half h = part / 2, quarters j = part % 2 and j + 2, which
-// share 32 bytes of ql; 32 bytes of qh; a scale a 16 elements): q - 32 as (dot - 32 sum) in integers,
-// each 16's times its scale, summed exactly. A block is 210 bytes: its loads are as aligned as it is.
-template <int NV>
-__device__ void q6_k_part(const uint8_t * __restrict__ bb, int part, int first, const q8_stage<NV, 256> & st,
-                          float (&acc)[NV]) {
+// share 32 bytes of ql; 32 bytes of qh; a scale a 16 elements). A block is 210 bytes: its loads are as
+// aligned as it is.
+__device__ inline q6_k_bytes q6_k_load(const uint8_t * __restrict__ bb, int part) {
     const int h = part >> 1, j = part & 1;
-    uint32_t ql[8], qh[8];
-    load_words<32>(ql, bb + 64 * h + 32 * j);
-    load_words<32>(qh, bb + 128 + 32 * h);
+    q6_k_bytes w;
+    load_words<32>(w.ql, bb + 64 * h + 32 * j);
+    load_words<32>(w.qh, bb + 128 + 32 * h);
     const int8_t * sc = reinterpret_cast<const int8_t *>(bb + 192 + 8 * h + 2 * j); // lo 0, 1; hi 4, 5
-    const int sc_lo0 = sc[0], sc_lo1 = sc[1], sc_hi0 = sc[4], sc_hi1 = sc[5];
-    const float d = half_to_float(load_u16(bb + 208));
+    w.sc[0] = sc[0];
+    w.sc[1] = sc[1];
+    w.sc[2] = sc[4];
+    w.sc[3] = sc[5];
+    w.d = load_u16(bb + 208);
+    return w;
+}
+
+// That part's products with x: q - 32 as (dot - 32 sum) in integers, each 16's times its scale, summed
+// exactly.
+template <int NV>
+__device__ void q6_k_part(const q6_k_bytes & w, int part, int first, const q8_stage<NV, 256> & st, float (&acc)[NV]) {
+    const int h = part >> 1, j = part & 1;
+    const int sc_lo0 = w.sc[0], sc_lo1 = w.sc[1], sc_hi0 = w.sc[2], sc_hi1 = w.sc[3];
+    const float d = half_to_float(w.d);
     uint32_t q_lo[8], q_hi[8];
     PEBBLE_UNROLL
     for (int k = 0; k < 8; k++) {
-        q_lo[k] = (ql[k] & 0x0f0f0f0fu) | (((qh[k] >> (2 * j)) & 0x03030303u) << 4);
-        q_hi[k] = ((ql[k] >> 4) & 0x0f0f0f0fu) | (((qh[k] >> (2 * j + 4)) & 0x03030303u) << 4);
+        q_lo[k] = (w.ql[k] & 0x0f0f0f0fu) | (((w.qh[k] >> (2 * j)) & 0x03030303u) << 4);
+        q_hi[k] = ((w.ql[k] >> 4) & 0x0f0f0f0fu) | (((w.qh[k] >> (2 * j + 4)) & 0x03030303u) << 4);
     }
     const int lo_first = first + 128 * h + 32 * j, hi_first = lo_first + 64; // quarters j and j + 2
     PEBBLE_UNROLL
@@ -632,28 +659,66 @@ __device__ void q6_k_part(const uint8_t * __restrict__ bb, int part, int first, 
 // Q8_0 or Q4_0 block bb whose element 0 is element `first` of the chunk, x quantized per 32 as the host
 // quantizes it for these types. Q8_0: an fp16 d, 32 int8 weights; d d_x dot. Q4_0: an fp16 d, 16 bytes,
 // element i's nibble low in byte i and element 16 + i's high, each less 8; d d_x (dot - 8 sum).
+template <typename T> using block32_of = block32_bytes<T::id == type_q8_0::id ? 32 : 16>;
+
+template <typename T>
+__device__ inline block32_of<T> block32_load(const uint8_t * __restrict__ bb) {
+    block32_of<T> w;
+    load_words<T::id == type_q8_0::id ? 32 : 16>(w.qs, bb + 2);
+    w.d = load_u16(bb);
+    return w;
+}
+
 template <typename T, int NV>
-__device__ void block32(const uint8_t * __restrict__ bb, int first, const q8_stage<NV, 32> & st, float (&acc)[NV]) {
+__device__ void block32(const block32_of<T> & w, int first, const q8_stage<NV, 32> & st, float (&acc)[NV]) {
     constexpr bool q8 = T::id == type_q8_0::id;
-    uint32_t qs[q8 ? 8 : 4];
-    load_words<q8 ? 32 : 16>(qs, bb + 2);
-    const float d = half_to_float(load_u16(bb));
+    const float d = half_to_float(w.d);
     PEBBLE_UNROLL
     for (int v = 0; v < NV; v++) {
         const int32_t * xw = reinterpret_cast<const int32_t *>(&st.q[v][staged_at<1>(first)]);
         int dot = 0;
         PEBBLE_UNROLL
         for (int k = 0; k < 8; k++) {
-            const uint32_t w = q8 ? qs[k] : (qs[k % 4] >> (4 * (k / 4))) & 0x0f0f0f0fu; // Q4_0: low, then high
-            dot = __dp4a(static_cast<int>(w), xw[k], dot);
+            const uint32_t x = q8 ? w.qs[k] : (w.qs[k % 4] >> (4 * (k / 4))) & 0x0f0f0f0fu; // Q4_0: low, then high
+            dot = __dp4a(static_cast<int>(x), xw[k], dot);
         }
         const int bias = q8 ? 0 : 8 * (st.sum[v][first / 16] + st.sum[v][first / 16 + 1]);
         acc[v] += st.d[v][first / 32] * (d * static_cast<float>(dot - bias));
     }
 }
 
+// A lane's part `part` of block bb of type T, loaded.
+template <typename T> struct part_bytes_of { using type = block32_of<T>; };
+template <> struct part_bytes_of<type_q4_k> { using type = q4_k_bytes; };
+template <> struct part_bytes_of<type_q6_k> { using type = q6_k_bytes; };
+
+template <typename T>
+__device__ inline typename part_bytes_of<T>::type load_part(const uint8_t * __restrict__ bb, int part) {
+    if constexpr (T::id == type_q4_k::id) {
+        return q4_k_load(bb, part);
+    } else if constexpr (T::id == type_q6_k::id) {
+        return q6_k_load(bb, part);
+    } else {
+        return block32_load<T>(bb);
+    }
+}
+
+template <typename T, int NV, typename Stage>
+__device__ inline void sum_part(const typename part_bytes_of<T>::type & w, int part, int first, const Stage & st,
+                                float (&acc)[NV]) {
+    if constexpr (T::id == type_q4_k::id) {
+        q4_k_part<NV>(w, part, first, st, acc);
+    } else if constexpr (T::id == type_q6_k::id) {
+        q6_k_part<NV>(w, part, first, st, acc);
+    } else {
+        block32<T, NV>(w, first, st, acc);
+    }
+}
+
+// Two blocks a multiprocessor (64 registers a thread): without the bound, a lane's two parts in registers
+// took 72 to 127 and one block, which halved the warps and undid the loads' gain; with it none spills.
 template <typename T, int NV, int WR>
-__global__ void __launch_bounds__(warp_lanes * matvec_rows_per_block)
+__global__ void __launch_bounds__(warp_lanes * matvec_rows_per_block, 2)
 matvec_q8_kernel(const __grid_constant__ stacked_rows m, int64_t n_cols, const uint16_t * __restrict__ x, bool whole) {
     const int64_t n_rows = m.first[m.n];
     constexpr bool k_quant = T::block_elements == 256;
@@ -695,21 +760,31 @@ matvec_q8_kernel(const __grid_constant__ stacked_rows m, int64_t n_cols, const u
             for (int r = 0; r < WR; r++) {
                 w_row[r] = active[r] ? locate(m, row[r], blocks_per_row * T::block_bytes).w_row : nullptr;
             }
+            // A lane's parts in groups of U: every load of a group goes out before its first part is summed,
+            // parts and rows summed in the order of one part at a time (the same sums, bit for bit).
+            constexpr int U = part_loads<WR>;
             const int64_t p_end = (c0 + n) / part_elements;
-#pragma unroll matvec_unroll
-            for (int64_t p = c0 / part_elements + lane; p < p_end; p += warp_lanes) {
-                const int64_t block = p / T::parts;
-                const int first = static_cast<int>(block * T::block_elements - c0), part = static_cast<int>(p % T::parts);
+            for (int64_t p0 = c0 / part_elements + lane; p0 < p_end; p0 += int64_t(U) * warp_lanes) {
+                typename part_bytes_of<T>::type w[U][WR];
                 PEBBLE_UNROLL
-                for (int r = 0; r < WR; r++) {
-                    if (!active[r]) continue;
-                    const uint8_t * bb = w_row[r] + block * T::block_bytes;
-                    if constexpr (T::id == type_q4_k::id) {
-                        q4_k_part<NV>(bb, part, first, st, acc[r]);
-                    } else if constexpr (T::id == type_q6_k::id) {
-                        q6_k_part<NV>(bb, part, first, st, acc[r]);
-                    } else {
-                        block32<T, NV>(bb, first, st, acc[r]);
+                for (int u = 0; u < U; u++) {
+                    const int64_t p = p0 + int64_t(u) * warp_lanes;
+                    if (p >= p_end) break;
+                    PEBBLE_UNROLL
+                    for (int r = 0; r < WR; r++) {
+                        if (active[r]) w[u][r] = load_part<T>(w_row[r] + p / T::parts * T::block_bytes,
+                                                              static_cast<int>(p % T::parts));
+                    }
+                }
+                PEBBLE_UNROLL
+                for (int u = 0; u < U; u++) {
+                    const int64_t p = p0 + int64_t(u) * warp_lanes;
+                    if (p >= p_end) break;
+                    const int64_t block = p / T::parts;
+                    const int first = static_cast<int>(block * T::block_elements - c0), part = static_cast<int>(p % T::parts);
+                    PEBBLE_UNROLL
+                    for (int r = 0; r < WR; r++) {
+                        if (active[r]) sum_part<T, NV>(w[u][r], part, first, st, acc[r]);
                     }
                 }
             }
