@@ -213,6 +213,15 @@ PEBBLE_API enum pebble_status pebble_type_block(int32_t ggml_type, int64_t * blo
 // out of range to +-inf), for i < n_elements; src_bytes must be the size of those elements' blocks.
 PEBBLE_API enum pebble_status pebble_dequantize(int32_t ggml_type, const void * src, uint64_t src_bytes,
                                                 uint16_t * dst_f16, int64_t n_elements, void * stream);
+// out[r * n_cols + c] = element c of row rows[r] of `table` (rows of n_cols elements, one after another as
+// GGUF stores a matrix; table_bytes a whole number of them) in float32, for r < n_rows: an embedding's
+// gather. Computed on the CPU from host memory, synchronously, by either library (llama.cpp, too, gathers
+// the input embedding on the CPU). Errors: PEBBLE_ERR_INVALID_ARGUMENT for a type without kernels, a NULL
+// pointer (with n_rows >= 1), n_cols below 1, n_rows below 0 or a row past the table (nothing written);
+// PEBBLE_ERR_SIZE_MISMATCH for n_cols not whole blocks or table_bytes not whole rows.
+PEBBLE_API enum pebble_status pebble_dequantize_rows(int32_t ggml_type, const void * table, uint64_t table_bytes,
+                                                     int64_t n_cols, const int64_t * rows, int64_t n_rows,
+                                                     float * out);
 // y[v * n_rows + r] = sum over c of W[r][c] * x_f16[v * n_cols + c], for r < n_rows, v < n_vec: W is
 // n_rows rows of n_cols elements each (a row contiguous, as GGUF stores a weight), x_f16 holds n_vec
 // fp16 vectors one after another. Each weight block is read once per call and decoded in registers;

@@ -1184,6 +1184,56 @@ extern "C" pebble_status pebble_dequantize(int32_t ggml_type, const void * src, 
     });
 }
 
+extern "C" pebble_status pebble_dequantize_rows(int32_t ggml_type, const void * table, uint64_t table_bytes,
+                                                int64_t n_cols, const int64_t * rows, int64_t n_rows, float * out) {
+    return with_type(ggml_type, __func__, [&](auto t) -> pebble_status {
+        using T = decltype(t);
+        const char * name = type_name(T::id);
+        if (n_rows < 0 || n_cols < 1) {
+            return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_dequantize_rows: %s: n_cols must be at least 1 and "
+                        "n_rows at least 0, got %" PRId64 " and %" PRId64, name, n_cols, n_rows);
+        }
+        if (n_rows == 0) return PEBBLE_OK;
+        if (!table || !rows || !out) {
+            return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_dequantize_rows: %s: table, rows and out must not be "
+                        "NULL (table %p, rows %p, out %p)", name, table, static_cast<const void *>(rows),
+                        static_cast<void *>(out));
+        }
+        if (n_cols % T::block_elements != 0) {
+            return fail(PEBBLE_ERR_SIZE_MISMATCH, "pebble_dequantize_rows: %s: n_cols %" PRId64 " is not a multiple "
+                        "of the %d-element block", name, n_cols, T::block_elements);
+        }
+        const int64_t blocks = n_cols / T::block_elements;
+        if (blocks > INT64_MAX / T::block_bytes || n_rows > INT64_MAX / n_cols) {
+            return fail(PEBBLE_ERR_SIZE_MISMATCH, "pebble_dequantize_rows: %s: %" PRId64 " rows of %" PRId64
+                        " elements take more than 2^63 bytes", name, n_rows, n_cols);
+        }
+        const uint64_t row_bytes = static_cast<uint64_t>(blocks) * T::block_bytes;
+        if (table_bytes % row_bytes != 0) {
+            return fail(PEBBLE_ERR_SIZE_MISMATCH, "pebble_dequantize_rows: %s: table_bytes %" PRIu64 " is not a "
+                        "whole number of %" PRIu64 "-byte rows of %" PRId64 " elements", name, table_bytes, row_bytes,
+                        n_cols);
+        }
+        const int64_t table_rows = static_cast<int64_t>(table_bytes / row_bytes);
+        for (int64_t r = 0; r < n_rows; r++) { // all checked before any is written
+            if (rows[r] < 0 || rows[r] >= table_rows) {
+                return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_dequantize_rows: %s: rows[%" PRId64 "] is %" PRId64
+                            "; the table has rows 0..%" PRId64, name, r, rows[r], table_rows - 1);
+            }
+        }
+        for (int64_t r = 0; r < n_rows; r++) {
+            const uint8_t * src = static_cast<const uint8_t *>(table) + static_cast<uint64_t>(rows[r]) * row_bytes;
+            float * dst = out + r * n_cols;
+            for (int64_t b = 0; b < blocks; b++) {
+                float * block_out = dst + b * T::block_elements;
+                auto emit = [&](int i, float value) { block_out[i] = value; };
+                for (int part = 0; part < T::parts; part++) T::decode(src + b * T::block_bytes, part, emit);
+            }
+        }
+        return PEBBLE_OK;
+    });
+}
+
 namespace {
 
 #ifndef PEBBLE_HOST_BUILD

@@ -240,6 +240,42 @@ def test_dequantize_writes_into_out(backend):
     np.testing.assert_array_equal(to_numpy(out), reference(Q.Q4_K, raw).reshape(-1).astype(np.float16))
 
 
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_dequantize_rows_equals_gguf_in_float32(backend, qtype):
+    """The embedding's gather (pebble_dequantize_rows, on the CPU in either library): rows picked from a table
+    of every kind of block, repeated and out of order, each bit of gguf's float32 (NaN where gguf's is)."""
+    blocks, rng = (3 if qtype in QUANTIZED else 96), np.random.default_rng(31)
+    kinds = kinds_for(qtype)
+    table = np.stack([make_raw(qtype, blocks, rng, kinds[r % len(kinds)]) for r in range(2 * len(kinds) + 1)])
+    n_cols, ids = blocks * GGML_QUANT_SIZES[qtype][0], [len(table) - 1, 0, 3, len(table) - 1, 1]
+    with np.errstate(all="ignore"):  # extreme scales: inf, and NaN where gguf's decoding gives it too
+        want = reference(qtype, table, len(table)).astype(np.float32)[ids]
+    got = kernels_of(backend).lib.dequantize_rows(qtype, table, n_cols, ids)
+    assert got.dtype == np.float32 and got.shape == (len(ids), n_cols)
+    nan = np.isnan(want)
+    np.testing.assert_array_equal(np.isnan(got), nan)
+    np.testing.assert_array_equal(np.where(nan, 0, got.view(np.uint32)), np.where(nan, 0, want.view(np.uint32)))
+
+
+def test_dequantize_rows_refuses_rows_past_the_table_and_partial_rows(backend):
+    lib = kernels_of(backend).lib
+    raw, n_cols = matvec_case(Q.Q4_K, 3, 2, seed=5)  # 3 rows of 512 elements, 288 bytes each
+    table = raw.reshape(3, -1)
+    for ids, row in (([0, 3], r"rows\[1\] is 3"), ([-1], r"rows\[0\] is -1")):
+        with pytest.raises(InvalidArgumentError, match=rf"pebble_dequantize_rows: Q4_K: {row}; the table has rows 0..2"):
+            lib.dequantize_rows(Q.Q4_K, table, n_cols, ids)
+    with pytest.raises(SizeMismatchError, match=r"Q4_K: n_cols 500 is not a multiple of the 256-element block"):
+        lib.dequantize_rows(Q.Q4_K, table, 500, [0])
+    with pytest.raises(SizeMismatchError, match=r"table_bytes 864 is not a whole number of 720-byte rows of 1280"):
+        lib.dequantize_rows(Q.Q4_K, table, 1280, [0])
+    with pytest.raises(InvalidArgumentError, match=r"n_cols must be at least 1 and n_rows at least 0, got 0 and 1"):
+        lib.dequantize_rows(Q.Q4_K, table, 0, [0])
+    with pytest.raises(InvalidArgumentError, match=r"GGUF type 10 \(Q2_K\) has no kernels"):
+        lib.dequantize_rows(Q.Q2_K, table, n_cols, [0])
+    assert lib.dequantize_rows(Q.Q4_K, table, n_cols, []).shape == (0, n_cols)
+    np.testing.assert_array_equal(lib.dequantize_rows(Q.Q4_K, table, n_cols, [2]), reference(Q.Q4_K, raw, 3)[2:])
+
+
 # ---------------------------------------------------------------------------------------------------
 # matvec
 

@@ -82,10 +82,14 @@ class Model:
         return self._converted[key]
 
     def outer_weights(self, kernels: Any) -> OuterWeights:
-        """The outer weights for `kernels`; token_embd stays on the host, where embed gathers its rows."""
+        """The outer weights for `kernels`; token_embd stays on the host, where embed gathers its rows (a
+        quantized table's decoded on the CPU by the kernels' library)."""
         key = ("outer", kernels)
         if key not in self._converted:
-            self._converted[key] = OuterWeights(self.outer.token_embd, _place(self.outer.output_norm, kernels),
+            embd = self.outer.token_embd
+            if isinstance(embd, QuantWeight):
+                embd = embd.placed(embd.data, kernels)
+            self._converted[key] = OuterWeights(embd, _place(self.outer.output_norm, kernels),
                                                 _place(self.outer.output, kernels))
         return self._converted[key]
 

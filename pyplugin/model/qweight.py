@@ -83,9 +83,12 @@ class QuantWeight:
     # -- computing from it
 
     def take_rows(self, ids: Any) -> np.ndarray:
-        """Rows `ids` as float32 on the host, as gguf decodes them (the embedding's gather)."""
+        """Rows `ids` as float32 on the host, as gguf decodes them (the embedding's gather): of host bytes, by
+        the kernels' library (pebble_dequantize_rows, on the CPU whichever the library), else by gguf."""
         from .gguf_file import dequantize_bytes
 
+        if self.kernels is not None and isinstance(self.data, np.ndarray):
+            return self.kernels.lib.dequantize_rows(self.qtype, self.data, self.shape[1], ids)
         rows = to_numpy(self.data[np.asarray(ids, dtype=np.int64)])
         return dequantize_bytes(np.ascontiguousarray(rows), self.qtype, (rows.shape[0], self.shape[1]))
 

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import weakref
 
+import numpy as np
+
 from ..errors import InvalidArgumentError, SizeMismatchError
 from .abi import INT32_MAX, INT32_MIN, INT64_MAX, INT64_MIN
-from .interface import check_attend_counts, stream_pointer
+from .interface import check_attend_counts, host_buffer, stream_pointer
 from .native import _buffer, _c_int, _check, ffi, load_library
 from .native_buffers import _c_type, _kv_bytes, _pointer
 from .native_decoder import NativeDecoder
@@ -47,6 +49,18 @@ class NativeKernels:
         _check(self._lib, self._lib.pebble_dequantize(ggml_type, src_ptr, src_bytes,
                                                       ffi.cast("uint16_t *", dst_ptr), n_elements,
                                                       ffi.cast("void *", stream_pointer(stream))))
+
+    def dequantize_rows(self, ggml_type, table, n_cols, rows) -> np.ndarray:
+        """float32 [len(rows), n_cols]: rows `rows` of the host matrix whose GGUF bytes are `table`, decoded on
+        the CPU by either library (pebble_dequantize_rows)."""
+        n_cols = _c_int(n_cols, "n_cols", INT64_MIN, INT64_MAX, InvalidArgumentError, "does not fit in int64")
+        ids = np.ascontiguousarray(rows, dtype=np.int64).reshape(-1)
+        out = np.empty((ids.size, max(n_cols, 0)), dtype=np.float32)
+        view = host_buffer(table, writable=False, what="dequantize_rows table")
+        _check(self._lib, self._lib.pebble_dequantize_rows(
+            _c_type(ggml_type), ffi.from_buffer(view), view.nbytes, n_cols, ffi.from_buffer("int64_t[]", ids),
+            ids.size, ffi.from_buffer("float[]", out, require_writable=True)))
+        return out
 
     def matvec(self, ggml_type, w, n_rows, n_cols, x, n_vec, out, *, stream=None) -> None:
         """out[v, r] = sum over c of W[r, c] * x[v, c]: W's GGUF bytes in `w`, x n_vec x n_cols fp16,

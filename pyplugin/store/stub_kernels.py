@@ -1,4 +1,4 @@
-"""The stub backend's kernels: the reference semantics of pebble_type_block, pebble_dequantize,
+"""The stub backend's kernels: the reference semantics of pebble_type_block, pebble_dequantize(_rows),
 pebble_matvec, pebble_attend, in numpy; the decode step (pebble_decoder_*) is stub_decoder's.
 
 Elements are decoded by gguf-py's own dequantize (float32), products and sums are float32, and the
@@ -84,6 +84,31 @@ class StubKernels:
             return
         with np.errstate(over="ignore"):  # beyond fp16's range: +-inf, as the kernels round
             halves[:] = self._decode(ggml_type, src, 1).reshape(-1)
+
+    def dequantize_rows(self, ggml_type, table, n_cols, rows) -> np.ndarray:
+        """pebble_dequantize_rows: rows `rows` of the matrix whose GGUF bytes are `table`, float32."""
+        ggml_type, name, elements, block_bytes = self._type("pebble_dequantize_rows", ggml_type)
+        n_cols, ids = as_int(n_cols, "n_cols"), np.asarray(rows, dtype=np.int64).reshape(-1)
+        if n_cols < 1:
+            raise InvalidArgumentError(f"pebble_dequantize_rows: {name}: n_cols must be at least 1 and n_rows at "
+                                       f"least 0, got {n_cols} and {ids.size}")
+        if ids.size == 0:
+            return np.empty((0, n_cols), dtype=np.float32)
+        src = np.frombuffer(host_buffer(table, writable=False, what="dequantize_rows table"), np.uint8)
+        if n_cols % elements:
+            raise SizeMismatchError(f"pebble_dequantize_rows: {name}: n_cols {n_cols} is not a multiple of the "
+                                    f"{elements}-element block")
+        row_bytes = n_cols // elements * block_bytes
+        if src.nbytes % row_bytes:
+            raise SizeMismatchError(f"pebble_dequantize_rows: {name}: table_bytes {src.nbytes} is not a whole number "
+                                    f"of {row_bytes}-byte rows of {n_cols} elements")
+        table_rows = src.nbytes // row_bytes
+        bad = np.flatnonzero((ids < 0) | (ids >= table_rows))
+        if bad.size:
+            raise InvalidArgumentError(f"pebble_dequantize_rows: {name}: rows[{bad[0]}] is {ids[bad[0]]}; the table "
+                                       f"has rows 0..{table_rows - 1}")
+        raw = src.reshape(table_rows, row_bytes)[ids]
+        return np.array(self._decode(ggml_type, raw, ids.size).reshape(ids.size, n_cols), dtype=np.float32)
 
     def matvec(self, ggml_type, w, n_rows, n_cols, x, n_vec, out, *, stream=None) -> None:
         self._matvec("matvec", ggml_type, w, n_rows, n_cols, x, n_vec, out)

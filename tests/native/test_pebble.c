@@ -165,6 +165,16 @@ int main(void) {
            strstr(pebble_last_error(), "Q2_K") != NULL);
     EXPECT(pebble_dequantize(8, q8, sizeof q8 - 1, half, 64, NULL) == PEBBLE_ERR_SIZE_MISMATCH);
     EXPECT(pebble_dequantize(8, NULL, sizeof q8, half, 64, NULL) == PEBBLE_ERR_INVALID_ARGUMENT);
+    // the same two blocks as a table of two rows of 32, gathered in float32: row 1, then row 0
+    float rows_out[2 * 32];
+    const int64_t picked[2] = {1, 0};
+    EXPECT(pebble_dequantize_rows(8, q8, sizeof q8, 32, picked, 2, rows_out) == PEBBLE_OK &&
+           rows_out[0] == 256.0f && rows_out[1] == -2.0f && rows_out[32] == -8.0f && rows_out[49] == 0.5f);
+    const int64_t past[1] = {2};
+    EXPECT(pebble_dequantize_rows(8, q8, sizeof q8, 32, past, 1, rows_out) == PEBBLE_ERR_INVALID_ARGUMENT &&
+           strstr(pebble_last_error(), "rows[0] is 2") != NULL);
+    EXPECT(pebble_dequantize_rows(8, q8, sizeof q8 - 1, 32, picked, 2, rows_out) == PEBBLE_ERR_SIZE_MISMATCH);
+    EXPECT(pebble_dequantize_rows(8, q8, sizeof q8, 32, NULL, 2, rows_out) == PEBBLE_ERR_INVALID_ARGUMENT);
     EXPECT(pebble_matvec(8, q8, sizeof q8, 1, 48, ones, 1, y, NULL) == PEBBLE_ERR_SIZE_MISMATCH);
     EXPECT(pebble_matvec(8, q8, sizeof q8, 1, 64, ones, 9, y, NULL) == PEBBLE_ERR_INVALID_ARGUMENT);
     EXPECT(pebble_matvec(8, q8, sizeof q8, 1, 64, NULL, 1, y, NULL) == PEBBLE_ERR_INVALID_ARGUMENT);
