@@ -44,10 +44,10 @@ from pyplugin.runtime.measure import median_seconds  # noqa: E402
 from pyplugin.store import backend_named  # noqa: E402
 from pyplugin.xp import to_numpy  # noqa: E402
 
-# Llama-3-8B's matrices as Q4_K_M lays them out (attn_v, ffn_down and the output in Q6_K), and Q8_0.
+# Llama-3-8B's matrices as Q4_K_M lays them out (attn_v, ffn_down and the output in Q6_K), and Q8_0 and F16.
 SHAPES = [("Q4_K", 14336, 4096, "ffn_gate, ffn_up"), ("Q6_K", 4096, 14336, "ffn_down"),
           ("Q4_K", 4096, 4096, "attn_q, attn_output"), ("Q4_K", 1024, 4096, "attn_k"), ("Q6_K", 1024, 4096, "attn_v"),
-          ("Q6_K", 128256, 4096, "output"), ("Q8_0", 14336, 4096, "ffn_up (Q8_0)")]
+          ("Q6_K", 128256, 4096, "output"), ("Q8_0", 14336, 4096, "ffn_up (Q8_0)"), ("F16", 14336, 4096, "ffn_up (F16)")]
 SCALE_AT = {Q.Q4_K: (0, 2), Q.Q6_K: (208,), Q.Q8_0: (0,), Q.Q4_0: (0,)}  # each block's fp16 scales (bytes)
 PER_TOKEN = {"ffn_gate, ffn_up": 64, "ffn_down": 32, "attn_q, attn_output": 64, "attn_k": 32, "attn_v": 32,
              "output": 1}  # each matrix's calls in a Llama-3-8B Q4_K_M token (32 layers)
@@ -57,7 +57,9 @@ L2_BYTES = 60 << 20  # an H200's (probe reads it); over 3x that per round leaves
 
 def random_blocks(xp, qtype: Q, n_rows: int, n_cols: int, rng) -> object:
     """n_rows rows of random blocks of qtype, made where they are used (a 431 MB output matrix takes
-    seconds in numpy), each block's scales set to 0.01."""
+    seconds in numpy), each block's scales set to 0.01; F16 standard normal values."""
+    if qtype == Q.F16:
+        return rng.standard_normal((n_rows, n_cols)).astype(np.float16).view(np.uint8)
     elements, block_bytes = GGML_QUANT_SIZES[qtype]
     blocks = rng.randint(0, 256, size=(n_rows * n_cols // elements, block_bytes), dtype=np.uint8)
     scale = xp.asarray(np.frombuffer(np.float16(0.01).tobytes(), np.uint8))

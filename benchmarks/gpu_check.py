@@ -65,7 +65,7 @@ CAPS = {"setup": 120, "build": 300, "probe": 120, "kernels": 150, "tests": 270, 
 FLOOR = {"probe": 20, "kernels": 45, "tests": 90, "bench": 60, "profile": 40, "matvec": 30}  # a later stage's least
 # Settings that each put back one change of the decode step (README, Environment), tried where kernel tests fail.
 SWITCHES = ("PEBBLING_CUDA_STACK=0", "PEBBLING_CUDA_GROUP=1", "PEBBLING_CUDA_PERSIST=0", "PEBBLING_CUDA_SPLIT=0",
-            "PEBBLING_CUDA_MATVEC=float")
+            "PEBBLING_CUDA_MATVEC=float", "PEBBLING_CUDA_DENSE=0")
 SWITCHES_CAP = 150  # seconds for all of their runs together, within the budget
 PROFILE_ARGS = "--layers 1 --types Q4_K_M --rows none --batches 1 --prompt 512 --tokens 8 --peers none --profile-decode"
 # The benchmark inside the 9 minutes: a slice of the Llama-3-8B shape. The full run is its own command

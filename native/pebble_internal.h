@@ -58,6 +58,8 @@ struct cuda_switches {
     bool    split;          // PEBBLING_CUDA_SPLIT=0: false, the attention as it ran on 11-27 (a lane a row's
                             // score, V summed in one pass a head and 32 dims; default 1: a warp a KV head and
                             // row's scores, V in parts of PEBBLE_DECODER_SPLIT_ROWS rows, then the parts)
+    bool    dense;          // PEBBLING_CUDA_DENSE=0: false, F16, BF16 and F32 matvec an element a lane's part
+                            // (default 1: eight, in 16-byte loads: matvec_dense_kernel)
 };
 const cuda_switches & switches();
 constexpr int64_t max_grid = int64_t(1) << 20; // thread blocks that fill any GPU; grid-stride loops do the rest

@@ -480,6 +480,80 @@ matvec_kernel(const __grid_constant__ stacked_rows m, int64_t n_cols, const uint
 }
 #endif
 
+// F16, BF16 and F32 weights, eight elements a lane's part (16 bytes of F16 or BF16, 32 of F32) in 16-byte
+// loads, two parts loaded before the first is summed, where matvec_kernel's parts are single elements (a
+// 2-byte load each: about 1 TB/s on an H200, a fifth of its copy rate). x is staged as there; a part's
+// products are summed into each vector's sum in element order. Rows of a multiple of 8 elements, every
+// matrix 16-byte aligned (PEBBLING_CUDA_DENSE=0: matvec_kernel).
+#ifndef PEBBLE_HOST_BUILD
+constexpr int dense_part = 8; // elements of a lane's part
+
+template <typename T> __device__ inline float dense_value(const uint4 (&w)[T::block_bytes / 2], int i) {
+    const uint32_t word = reinterpret_cast<const uint32_t *>(w)[T::block_bytes == 4 ? i : i / 2];
+    if constexpr (T::id == type_f32::id) {
+        return float_from_bits(word);
+    } else {
+        const uint32_t bits = (word >> (16 * (i % 2))) & 0xffffu;
+        return T::id == type_f16::id ? half_to_float(static_cast<uint16_t>(bits)) : float_from_bits(bits << 16);
+    }
+}
+
+template <typename T, int NV>
+__global__ void __launch_bounds__(warp_lanes * matvec_rows_per_block, 2)
+matvec_dense_kernel(const __grid_constant__ stacked_rows m, int64_t n_cols, const uint16_t * __restrict__ x) {
+    constexpr int words = T::block_bytes / 2, U = 2; // 16-byte loads a part (1 or 2), parts loaded at once
+    const int64_t n_rows = m.first[m.n];
+    __shared__ uint16_t xs[NV][matvec_chunk_padded];
+    const int lane = static_cast<int>(threadIdx.x), threads = warp_lanes * matvec_rows_per_block;
+    const int tid = static_cast<int>(threadIdx.y) * warp_lanes + lane;
+    for (int64_t base = int64_t(blockIdx.x) * matvec_rows_per_block; base < n_rows;
+         base += int64_t(gridDim.x) * matvec_rows_per_block) {
+        const int64_t row = base + threadIdx.y;
+        const bool active = row < n_rows; // the block's other warps still stage x and meet at the barriers
+        float acc[NV] = {};
+        for (int64_t c0 = 0; c0 < n_cols; c0 += matvec_chunk) {
+            const int n = static_cast<int>(n_cols - c0 < matvec_chunk ? n_cols - c0 : matvec_chunk);
+            __syncthreads(); // every warp is done with the last chunk
+            PEBBLE_UNROLL
+            for (int v = 0; v < NV; v++) {
+                for (int e = tid; e < n; e += threads) xs[v][staged_at<2>(e)] = x[v * n_cols + c0 + e];
+            }
+            __syncthreads();
+            if (!active) continue;
+            const uint4 * w_row = reinterpret_cast<const uint4 *>(locate(m, row, n_cols * T::block_bytes).w_row) +
+                                  c0 / dense_part * words;
+            const int parts = n / dense_part;
+            for (int p0 = lane; p0 < parts; p0 += U * warp_lanes) {
+                uint4 w[U][words];
+                PEBBLE_UNROLL
+                for (int u = 0; u < U; u++) {
+                    const int p = p0 + u * warp_lanes;
+                    if (p >= parts) break;
+                    PEBBLE_UNROLL
+                    for (int k = 0; k < words; k++) w[u][k] = w_row[int64_t(p) * words + k];
+                }
+                PEBBLE_UNROLL
+                for (int u = 0; u < U; u++) {
+                    const int p = p0 + u * warp_lanes;
+                    if (p >= parts) break;
+                    PEBBLE_UNROLL
+                    for (int i = 0; i < dense_part; i++) {
+                        const float weight = dense_value<T>(w[u], i);
+                        const int at = staged_at<2>(p * dense_part + i);
+                        PEBBLE_UNROLL
+                        for (int v = 0; v < NV; v++) acc[v] += weight * half_to_float(xs[v][at]);
+                    }
+                }
+            }
+        }
+        if (active) {
+            const stacked_row at = locate(m, row, n_cols * T::block_bytes);
+            store_row_sums(acc, lane, at.y, at.rows, at.row);
+        }
+    }
+}
+#endif
+
 // Q4_K, Q6_K, Q8_0 and Q4_0 through 8-bit x and integer dot products (dp4a: four byte products and their
 // sum in one instruction), where matvec_kernel decodes each weight to float and multiplies it by x's fp16 value
 // (I2FP, HADD2, two FFMAs and its shared-memory address for every weight and vector: 0.9 TB/s for Q4_K
@@ -959,6 +1033,14 @@ pebble_status launch_stacked_n(const stacked_rows & m, int64_t n_cols, const uin
             return check_launch("pebble_matvec", T::id);
         }
     }
+    if constexpr (T::id == type_f16::id || T::id == type_bf16::id || T::id == type_f32::id) {
+        uintptr_t aligned = 0;
+        for (int32_t p = 0; p < m.n; p++) aligned |= reinterpret_cast<uintptr_t>(m.w[p]);
+        if ((aligned & 15) == 0 && n_cols % dense_part == 0 && switches().dense) {
+            matvec_dense_kernel<T, NV><<<static_cast<unsigned>(grid), block, 0, stream>>>(m, n_cols, x);
+            return check_launch("pebble_matvec", T::id);
+        }
+    }
     matvec_kernel<T, NV><<<static_cast<unsigned>(grid), block, 0, stream>>>(m, n_cols, x);
     return check_launch("pebble_matvec", T::id);
 }
@@ -1019,7 +1101,8 @@ const cuda_switches & switches() {
             return env && std::strcmp(env, value) == 0;
         };
         cuda_switches s = {!is("PEBBLING_CUDA_MATVEC", "float"), !is("PEBBLING_CUDA_PERSIST", "0"),
-                           !is("PEBBLING_CUDA_STACK", "0"), max_launch_group, !is("PEBBLING_CUDA_SPLIT", "0")};
+                           !is("PEBBLING_CUDA_STACK", "0"), max_launch_group, !is("PEBBLING_CUDA_SPLIT", "0"),
+                           !is("PEBBLING_CUDA_DENSE", "0")};
         const char * group = std::getenv("PEBBLING_CUDA_GROUP");
         if (group && group[0] >= '1' && group[0] < '1' + max_launch_group && group[1] == '\0') s.group = group[0] - '0';
         return s;
@@ -1184,6 +1267,14 @@ extern "C" pebble_status pebble_dequantize(int32_t ggml_type, const void * src, 
     });
 }
 
+namespace {
+// decode's emit for pebble_dequantize_rows (a lambda here would be host code called from host-device code)
+struct float_store {
+    float * out;
+    __host__ __device__ void operator()(int i, float value) const { out[i] = value; }
+};
+} // namespace
+
 extern "C" pebble_status pebble_dequantize_rows(int32_t ggml_type, const void * table, uint64_t table_bytes,
                                                 int64_t n_cols, const int64_t * rows, int64_t n_rows, float * out) {
     return with_type(ggml_type, __func__, [&](auto t) -> pebble_status {
@@ -1225,8 +1316,7 @@ extern "C" pebble_status pebble_dequantize_rows(int32_t ggml_type, const void * 
             const uint8_t * src = static_cast<const uint8_t *>(table) + static_cast<uint64_t>(rows[r]) * row_bytes;
             float * dst = out + r * n_cols;
             for (int64_t b = 0; b < blocks; b++) {
-                float * block_out = dst + b * T::block_elements;
-                auto emit = [&](int i, float value) { block_out[i] = value; };
+                float_store emit{dst + b * T::block_elements};
                 for (int part = 0; part < T::parts; part++) T::decode(src + b * T::block_bytes, part, emit);
             }
         }

@@ -255,7 +255,8 @@ def test_failed_kernel_tests_run_again_under_each_switch_naming_the_one_that_men
     assert found["tests"] == ["tests/test_attend.py::test_b", "tests/test_decode_step.py::test_a[cuda]"]
     assert {k: (v["passed"], v["failed"]) for k, v in found.items() if k != "tests"} == {
         "PEBBLING_CUDA_STACK=0": (2, 0), "PEBBLING_CUDA_GROUP=1": (0, 2), "PEBBLING_CUDA_PERSIST=0": (0, 2),
-        "PEBBLING_CUDA_SPLIT=0": (0, 2), "PEBBLING_CUDA_MATVEC=float": (0, 2), "+".join(gpu_check.SWITCHES): (2, 0)}
+        "PEBBLING_CUDA_SPLIT=0": (0, 2), "PEBBLING_CUDA_MATVEC=float": (0, 2), "PEBBLING_CUDA_DENSE=0": (0, 2),
+        "+".join(gpu_check.SWITCHES): (2, 0)}
     log = (tmp_path / "kernels.log").read_text()
-    assert log.startswith("the kernels' run") and log.count("=== the failed tests again with") == 6
+    assert log.startswith("the kernels' run") and log.count("=== the failed tests again with") == 7
     assert "stack 0" in log and "PEBBLING_CUDA_STACK=0: 2 passed, 0 failed" in gpu_check.switches_text(found)

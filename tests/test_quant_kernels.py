@@ -320,12 +320,14 @@ INTEGER_TYPES = [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q4_0]  # the GPU's integer kernel (x 
 
 @pytest.mark.parametrize("n_vec", [1, 2, 3, 8])
 @pytest.mark.parametrize("shape", ["9001 short rows", "37 rows of 20480"])
-@pytest.mark.parametrize("qtype", INTEGER_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", INTEGER_TYPES + [Q.F16, Q.BF16, Q.F32], ids=lambda t: t.name)
 def test_matvec_over_many_row_groups_and_rows_of_several_chunks(backend, qtype, shape, n_vec):
     """The GPU integer kernel's two loops, at each staging width (16384 elements at one or two vectors,
     4096 beyond): 9001 rows of one staging take several row groups a thread block (the blocks launched
     are those the GPU holds at once, a few thousand rows), and 20480-element rows take several stagings
-    of x, at every vector count; every output written, each within the product's bounds."""
+    of x, at every vector count; every output written, each within the product's bounds. The dense types
+    take the GPU's 8-element parts there (rows of whole parts, the matrix 16-byte aligned), over row groups
+    and 2048-element stagings the same way."""
     blocks = 20480 // GGML_QUANT_SIZES[qtype][0] if shape.startswith("37") else 256 // GGML_QUANT_SIZES[qtype][0]
     n_rows = 37 if shape.startswith("37") else 9001
     raw, n_cols = matvec_case(qtype, n_rows, blocks, seed=n_vec + n_rows)

@@ -51,6 +51,7 @@ SWITCHES = {
     "PEBBLING_CUDA_GROUP": ("8", "1", "2", "3", "4", "5", "6", "7"),
     "PEBBLING_CUDA_GRAPHS": ("1", "0"),
     "PEBBLING_CUDA_SPLIT": ("1", "0"),
+    "PEBBLING_CUDA_DENSE": ("1", "0"),
 }
 
 
