@@ -1297,7 +1297,7 @@ extern "C" pebble_status pebble_dequantize_rows(int32_t ggml_type, const void * 
         const int64_t blocks = n_cols / T::block_elements;
         if (blocks > INT64_MAX / T::block_bytes || n_rows > INT64_MAX / n_cols) {
             return fail(PEBBLE_ERR_SIZE_MISMATCH, "pebble_dequantize_rows: %s: %" PRId64 " rows of %" PRId64
-                        " elements take more than 2^63 bytes", name, n_rows, n_cols);
+                        " elements overflow 64-bit sizes", name, n_rows, n_cols);
         }
         const uint64_t row_bytes = static_cast<uint64_t>(blocks) * T::block_bytes;
         if (table_bytes % row_bytes != 0) {

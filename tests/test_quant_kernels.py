@@ -326,8 +326,8 @@ def test_matvec_over_many_row_groups_and_rows_of_several_chunks(backend, qtype, 
     4096 beyond): 9001 rows of one staging take several row groups a thread block (the blocks launched
     are those the GPU holds at once, a few thousand rows), and 20480-element rows take several stagings
     of x, at every vector count; every output written, each within the product's bounds. The dense types
-    take the GPU's 8-element parts there (rows of whole parts, the matrix 16-byte aligned), over row groups
-    and 2048-element stagings the same way."""
+    take the GPU's 8-element parts there (rows of whole parts, the matrix 16-byte aligned) over 2048-element
+    stagings (their grid has a block for every 16 rows)."""
     blocks = 20480 // GGML_QUANT_SIZES[qtype][0] if shape.startswith("37") else 256 // GGML_QUANT_SIZES[qtype][0]
     n_rows = 37 if shape.startswith("37") else 9001
     raw, n_cols = matvec_case(qtype, n_rows, blocks, seed=n_vec + n_rows)
@@ -337,6 +337,20 @@ def test_matvec_over_many_row_groups_and_rows_of_several_chunks(backend, qtype, 
     out = xp.full((n_vec, n_rows), np.nan, dtype=np.float32)
     got = to_numpy(kernels_of(backend).matvec(qtype, raw, n_rows, n_cols, x, out=out))
     assert_product(backend, qtype, got, x, weights)
+
+
+@pytest.mark.parametrize("n_vec", [1, 3, 8])
+@pytest.mark.parametrize("n_cols", [2056, 4104, 8])
+@pytest.mark.parametrize("qtype", [Q.F16, Q.BF16, Q.F32], ids=lambda t: t.name)
+def test_dense_matvec_with_a_short_last_staging(backend, qtype, n_cols, n_vec):
+    """Dense rows whose last 2048-element staging holds one or a few of the GPU's 8-element parts (a lane's
+    second part of a pair missing), and a row of one part."""
+    raw, _ = matvec_case(qtype, 37, n_cols, seed=n_cols + n_vec)
+    x = np.random.default_rng(300 + n_vec).standard_normal((n_vec, n_cols)).astype(np.float16)
+    xp = np if backend != "cuda" else pytest.importorskip("cupy")
+    out = xp.full((n_vec, 37), np.nan, dtype=np.float32)
+    got = to_numpy(kernels_of(backend).matvec(qtype, raw, 37, n_cols, x, out=out))
+    assert_product(backend, qtype, got, x, reference(qtype, raw, 37).astype(np.float64))
 
 
 def assert_product(backend: str, qtype: Q, got: np.ndarray, x: np.ndarray, weights: np.ndarray) -> None:

@@ -55,8 +55,9 @@ class NativeKernels:
         the CPU by either library (pebble_dequantize_rows)."""
         n_cols = _c_int(n_cols, "n_cols", INT64_MIN, INT64_MAX, InvalidArgumentError, "does not fit in int64")
         ids = np.ascontiguousarray(rows, dtype=np.int64).reshape(-1)
-        out = np.empty((ids.size, max(n_cols, 0)), dtype=np.float32)
         view = host_buffer(table, writable=False, what="dequantize_rows table")
+        # No type packs over 2 elements a byte: wider rows are the library's to refuse, before it writes.
+        out = np.empty((ids.size, n_cols if 0 < n_cols <= 2 * view.nbytes else 0), dtype=np.float32)
         _check(self._lib, self._lib.pebble_dequantize_rows(
             _c_type(ggml_type), ffi.from_buffer(view), view.nbytes, n_cols, ffi.from_buffer("int64_t[]", ids),
             ids.size, ffi.from_buffer("float[]", out, require_writable=True)))
