@@ -248,21 +248,29 @@ struct attention_args {
 };
 
 // A decode step's weighted sum of V in parts of split_rows rows, each part's warps apart, then the parts
-// summed in order (attention_parts_kernel): one warp's loop over every row set the step's time at long
+// put together in order (attention_parts_kernel): one warp's loop over every row set the step's time at long
 // contexts (9.2 us at 144 rows on an H200, growing with the rows; PEBBLING_CUDA_SPLIT=0 puts it back).
 constexpr int64_t split_rows = PEBBLE_DECODER_SPLIT_ROWS;
 __host__ __device__ inline int64_t split_parts(int64_t rows) { return (rows + split_rows - 1) / split_rows; }
+// Part `part` of head h's (largest score, sum of exp(score - largest)), after every head's part sums in a.parts.
+__host__ __device__ inline float * part_stats(const attention_args & a, int64_t h, int64_t part) {
+    const int64_t parts = split_parts(a.n_ctx);
+    return a.parts + a.n_head * parts * a.head_dim + 2 * (h * parts + part);
+}
 
-// Attention of one query per head over the rows of its KV head, in three passes that each spread over the
-// GPU: one warp per head did all three (32 warps for a step's 32 heads: 31 us at 16 positions on an
+// Attention of one query per head over the rows of its KV head, in passes that each spread over the
+// GPU: one warp per head did it all (32 warps for a step's 32 heads: 31 us at 16 positions on an
 // H200, each lane's V loop the whole context long).
 //   attention_scores_kernel   a warp per (KV head, row), its lanes over the head's dims (the row's K read
 //                             in whole lines, from L1 after the first of the KV head's query heads): each
 //                             query head's scaled, softcapped score of the row (a lane a row, each reading
 //                             its own row's K a value at a time, touched 32 lines a load)
-//   attention_softmax_kernel  a warp per head: the probabilities, normalised first
-//   attention_values_kernel   a warp per (head, 32 dims, part of the rows): the probabilities' weighted sum
-//                             of V (see split_rows), then attention_parts_kernel
+//   attention_values_kernel   a warp per (head, 32 dims, part of the rows): the part's own softmax (its
+//                             largest score and sum of exps) and its exps' weighted sum of V (see split_rows),
+//                             then attention_parts_kernel puts the parts together (flash-decoding). With
+//                             PEBBLING_CUDA_SPLIT=0 (and in pebble_attend, which has no parts), a warp per head
+//                             first normalises the probabilities (attention_softmax_kernel: 32 warps for 32
+//                             heads, each over every row) and the values kernel sums each head in one part.
 // The host runs them in turn for each sequence where it has no SIMD (PEBBLING_SIMD=portable), so that
 // its tests hold them to the forward pass; with its one lane a warp, a score sums the dims in order, where
 // the GPU's lanes each take every 32nd and then add theirs up (the V parts are summed alike on both).
@@ -350,31 +358,61 @@ __host__ __device__ inline void put_attention(const attention_args & a, int64_t 
         for (int64_t u = grid_warp(); u < a.n_head * parts * groups; u += grid_warps()) {
             const int64_t h = u / (parts * groups), part = u / groups % parts;
             const int64_t d = (u % groups) * warp_lanes + warp_lane();
-            if (d >= a.head_dim) continue;
             const float * sc = a.scores + h * a.n_ctx;
-            const int64_t kv = (h / group) * a.head_dim, end = part * span + span < n_pos ? part * span + span : n_pos;
-            float acc = 0.0f;
-            PEBBLE_UNROLL_BY_8 // the loads ahead of the sums, which stay in order
-            for (int64_t s = part * span; s < end; s++) acc += sc[s] * kv_load(a.v_cache, a.kv_type, s * row + kv + d);
-            if (a.parts) {
-                a.parts[(h * split_parts(a.n_ctx) + part) * a.head_dim + d] = acc;
-            } else {
+            const int64_t kv = (h / group) * a.head_dim, first = part * span;
+            const int64_t end = first + span < n_pos ? first + span : n_pos;
+            if (!a.parts) { // the probabilities, normalised by attention_softmax_kernel
+                if (d >= a.head_dim) continue;
+                float acc = 0.0f;
+                PEBBLE_UNROLL_BY_8 // the loads ahead of the sums, which stay in order
+                for (int64_t s = first; s < end; s++) acc += sc[s] * kv_load(a.v_cache, a.kv_type, s * row + kv + d);
                 put_attention(a, h, d, acc);
+                continue;
             }
+            // The part's own softmax (flash-decoding): its largest score and its sum of exp(score - largest),
+            // every lane of the warp over the part's rows, then V weighted by exp(score - largest); the parts
+            // are put together by attention_parts_kernel.
+            float top = -INFINITY;
+            for (int64_t s = first + warp_lane(); s < end; s += warp_lanes) top = fmaxf(top, sc[s]);
+            top = warp_max(top);
+            const float shift = top == -INFINITY ? 0.0f : top; // a part of -inf scores weighs nothing
+            float total = 0.0f;
+            for (int64_t s = first + warp_lane(); s < end; s += warp_lanes) total += expf(sc[s] - shift);
+            total = warp_sum(total); // every lane of the warp is here
+            if (u % groups == 0 && warp_lane() == 0) {
+                float * stats = part_stats(a, h, part);
+                stats[0] = top;
+                stats[1] = total;
+            }
+            if (d >= a.head_dim) continue;
+            float acc = 0.0f;
+            PEBBLE_UNROLL_BY_8
+            for (int64_t s = first; s < end; s++) acc += expf(sc[s] - shift) * kv_load(a.v_cache, a.kv_type, s * row + kv + d);
+            a.parts[(h * split_parts(a.n_ctx) + part) * a.head_dim + d] = acc;
         }
     });
 }
 
-// The parts' sums in order, a thread per (head, dim) (after attention_values_kernel, where a.parts is given).
+// The parts put together, a thread per (head, dim) (after attention_values_kernel, where a.parts is given):
+// each part's sum weighted by exp(its largest score - the largest of all), over the parts' weighted totals,
+// the parts in order.
 [[maybe_unused]] __global__ void attention_parts_kernel(arg_group<attention_args> g) {
     for_group(g, [](const attention_args & a) {
         const int64_t parts = split_parts(attention_rows(a)), stride = split_parts(a.n_ctx) * a.head_dim;
         for (int64_t u = grid_thread(); u < a.n_head * a.head_dim; u += grid_threads()) {
             const int64_t h = u / a.head_dim, d = u % a.head_dim;
             const float * p = a.parts + h * stride + d;
-            float acc = 0.0f;
-            for (int64_t part = 0; part < parts; part++) acc += p[part * a.head_dim];
-            put_attention(a, h, d, acc);
+            float top = -INFINITY;
+            for (int64_t part = 0; part < parts; part++) top = fmaxf(top, part_stats(a, h, part)[0]);
+            const float shift = top == -INFINITY ? 0.0f : top;
+            float acc = 0.0f, total = 0.0f;
+            for (int64_t part = 0; part < parts; part++) {
+                const float * stats = part_stats(a, h, part);
+                const float weight = expf(stats[0] - shift);
+                acc += weight * p[part * a.head_dim];
+                total += weight * stats[1];
+            }
+            put_attention(a, h, d, acc / total);
         }
     });
 }
@@ -480,7 +518,7 @@ pebble_status attention(const arg_group<attention_args> & g, cudaStream_t stream
     } else {
         attention_scores_by_lane_kernel(g);
     }
-    attention_softmax_kernel(g);
+    if (!g.a[0].parts) attention_softmax_kernel(g); // else each part's own, in the values kernel
     attention_values_kernel(g);
     if (g.a[0].parts) attention_parts_kernel(g);
     return PEBBLE_OK;
@@ -500,8 +538,10 @@ pebble_status attention(const arg_group<attention_args> & g, cudaStream_t stream
                                                               heads_per_block), n), warps, stream, g);
     }
     TRY(launched());
-    LAUNCH(attention_softmax_kernel, dim3(grid_for(a.n_head, heads_per_block), n), warps, stream, g);
-    TRY(launched());
+    if (!a.parts) { // else each part's own softmax, in the values kernel
+        LAUNCH(attention_softmax_kernel, dim3(grid_for(a.n_head, heads_per_block), n), warps, stream, g);
+        TRY(launched());
+    }
     const int64_t parts = a.parts ? split_parts(rows) : 1; // every part a sequence of the group may have
     LAUNCH(attention_values_kernel, dim3(attention_blocks<attention_values_kernel>(
                                              a.n_head * parts * ((a.head_dim + warp_lanes - 1) / warp_lanes)),
@@ -2080,7 +2120,8 @@ extern "C" pebble_status pebble_decoder_create(const pebble_step_model * model, 
     l.q_rot = take(4 * B * uint64_t(d->max_q));
     l.kv_new = take(4 * 2 * B * uint64_t(d->max_kv));  // the new K and V rows before they are stored
     l.scores = take(4 * B * uint64_t(d->max_heads) * uint64_t(d->max_rows));
-    d->parts_per_seq = d->max_q * split_parts(d->max_rows); // each layer's n_head x parts x head_dim fits
+    // each layer's n_head x parts x head_dim sums and n_head x parts x 2 (largest score, sum of exps) fit
+    d->parts_per_seq = (d->max_q + 2 * d->max_heads) * split_parts(d->max_rows);
     l.parts = take(4 * B * uint64_t(d->parts_per_seq));
     l.o = take(4 * B * uint64_t(m.n_embd));
     l.gate = take(4 * B * uint64_t(d->max_ff));
