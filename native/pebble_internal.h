@@ -56,8 +56,9 @@ struct cuda_switches {
     bool    stack;          // PEBBLING_CUDA_STACK=0: false, one launch a matrix (default 1: q/k, gate/up)
     int32_t group;          // PEBBLING_CUDA_GROUP=1..8: sequences a launch of a per-sequence kernel takes (8)
     bool    split;          // PEBBLING_CUDA_SPLIT=0: false, the attention as it ran on 11-27 (a lane a row's
-                            // score, V summed in one pass a head and 32 dims; default 1: a warp a KV head and
-                            // row's scores, V in parts of PEBBLE_DECODER_SPLIT_ROWS rows, then the parts)
+                            // score, a warp a head's softmax, V summed in one pass a head and 32 dims; default
+                            // 1: a warp a KV head and row's scores, V in parts of PEBBLE_DECODER_SPLIT_ROWS rows
+                            // each with its own softmax, then the parts put together)
     bool    dense;          // PEBBLING_CUDA_DENSE=0: false, F16, BF16 and F32 matvec an element a lane's part
                             // (default 1: eight, in 16-byte loads: matvec_dense_kernel)
 };
