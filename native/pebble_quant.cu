@@ -433,9 +433,59 @@ __device__ inline stacked_row locate(const stacked_rows & m, int64_t row, int64_
     return at;
 }
 
+// F16, BF16 and F32 weights, eight elements a lane's part (16 bytes of F16 or BF16, 32 of F32) in 16-byte
+// loads, two parts loaded before the first is summed, where matvec_kernel's parts are single elements (a
+// 2-byte load each: about 1 TB/s on an H200, a fifth of its copy rate). x is staged as matvec_kernel stages
+// it; a part's products are summed into each vector's sum in element order. Rows of a multiple of 8
+// elements, every matrix 16-byte aligned (PEBBLING_CUDA_DENSE=0: an element a part).
+constexpr int dense_part = 8; // elements of a lane's part
+
+template <typename T> __device__ inline float dense_value(const uint4 (&w)[T::block_bytes / 2], int i) {
+    const uint32_t word = reinterpret_cast<const uint32_t *>(w)[T::block_bytes == 4 ? i : i / 2];
+    if constexpr (T::id == type_f32::id) {
+        return float_from_bits(word);
+    } else {
+        const uint32_t bits = (word >> (16 * (i % 2))) & 0xffffu;
+        return T::id == type_f16::id ? half_to_float(static_cast<uint16_t>(bits)) : float_from_bits(bits << 16);
+    }
+}
+
+// Lane `lane`'s 8-element parts of the chunk [c0, c0 + n) of row w_row (F16, BF16 or F32), U at a time:
+// their loads first, then each part's products, in element order, into acc.
 template <typename T, int NV>
-__global__ void __launch_bounds__(warp_lanes * matvec_rows_per_block)
-matvec_kernel(const __grid_constant__ stacked_rows m, int64_t n_cols, const uint16_t * __restrict__ x) {
+__device__ inline void dense_parts(const uint8_t * __restrict__ w_row, int64_t c0, int n, int lane,
+                                   const uint16_t (&xs)[NV][matvec_chunk_padded], float (&acc)[NV]) {
+    constexpr int words = T::block_bytes / 2, U = 2; // 16-byte loads a part (1 or 2), parts loaded at once
+    const uint4 * w = reinterpret_cast<const uint4 *>(w_row) + c0 / dense_part * words;
+    const int parts = n / dense_part;
+    for (int p0 = lane; p0 < parts; p0 += U * warp_lanes) {
+        uint4 loaded[U][words];
+        PEBBLE_UNROLL
+        for (int u = 0; u < U; u++) {
+            const int p = p0 + u * warp_lanes;
+            if (p >= parts) break;
+            PEBBLE_UNROLL
+            for (int k = 0; k < words; k++) loaded[u][k] = w[int64_t(p) * words + k];
+        }
+        PEBBLE_UNROLL
+        for (int u = 0; u < U; u++) {
+            const int p = p0 + u * warp_lanes;
+            if (p >= parts) break;
+            PEBBLE_UNROLL
+            for (int i = 0; i < dense_part; i++) {
+                const float weight = dense_value<T>(loaded[u], i);
+                const int at = staged_at<2>(p * dense_part + i);
+                PEBBLE_UNROLL
+                for (int v = 0; v < NV; v++) acc[v] += weight * half_to_float(xs[v][at]);
+            }
+        }
+    }
+}
+
+// Both kernels' work (matvec_kernel, matvec_dense_kernel): Dense, the parts of dense_parts (F16, BF16, F32
+// only); else T::decode's parts, a part's loads after the previous part's sums.
+template <typename T, int NV, bool Dense>
+__device__ inline void matvec_rows(const stacked_rows & m, int64_t n_cols, const uint16_t * __restrict__ x) {
     const int64_t n_rows = m.first[m.n];
     constexpr int part_elements = T::block_elements / T::parts;
     static_assert(matvec_chunk % (warp_lanes * part_elements) == 0 && matvec_chunk % T::block_elements == 0,
@@ -459,6 +509,10 @@ matvec_kernel(const __grid_constant__ stacked_rows m, int64_t n_cols, const uint
             __syncthreads();
             if (!active) continue;
             const uint8_t * w_row = locate(m, row, blocks_per_row * T::block_bytes).w_row;
+            if constexpr (Dense) {
+                dense_parts<T, NV>(w_row, c0, n, lane, xs, acc);
+                continue;
+            }
             const int64_t p_end = (c0 + n) / part_elements;
 #pragma unroll matvec_unroll
             for (int64_t p = c0 / part_elements + lane; p < p_end; p += warp_lanes) {
@@ -478,79 +532,20 @@ matvec_kernel(const __grid_constant__ stacked_rows m, int64_t n_cols, const uint
         }
     }
 }
-#endif
 
-// F16, BF16 and F32 weights, eight elements a lane's part (16 bytes of F16 or BF16, 32 of F32) in 16-byte
-// loads, two parts loaded before the first is summed, where matvec_kernel's parts are single elements (a
-// 2-byte load each: about 1 TB/s on an H200, a fifth of its copy rate). x is staged as there; a part's
-// products are summed into each vector's sum in element order. Rows of a multiple of 8 elements, every
-// matrix 16-byte aligned (PEBBLING_CUDA_DENSE=0: matvec_kernel).
-#ifndef PEBBLE_HOST_BUILD
-constexpr int dense_part = 8; // elements of a lane's part
-
-template <typename T> __device__ inline float dense_value(const uint4 (&w)[T::block_bytes / 2], int i) {
-    const uint32_t word = reinterpret_cast<const uint32_t *>(w)[T::block_bytes == 4 ? i : i / 2];
-    if constexpr (T::id == type_f32::id) {
-        return float_from_bits(word);
-    } else {
-        const uint32_t bits = (word >> (16 * (i % 2))) & 0xffffu;
-        return T::id == type_f16::id ? half_to_float(static_cast<uint16_t>(bits)) : float_from_bits(bits << 16);
-    }
+// T::decode's parts at the registers the compiler picks (40 for most: three blocks a multiprocessor).
+template <typename T, int NV>
+__global__ void __launch_bounds__(warp_lanes * matvec_rows_per_block)
+matvec_kernel(const __grid_constant__ stacked_rows m, int64_t n_cols, const uint16_t * __restrict__ x) {
+    matvec_rows<T, NV, false>(m, n_cols, x);
 }
 
+// dense_parts at two blocks a multiprocessor (64 registers a thread, which its two parts in flight stay
+// within; with no bound they took up to 128, and one block).
 template <typename T, int NV>
 __global__ void __launch_bounds__(warp_lanes * matvec_rows_per_block, 2)
 matvec_dense_kernel(const __grid_constant__ stacked_rows m, int64_t n_cols, const uint16_t * __restrict__ x) {
-    constexpr int words = T::block_bytes / 2, U = 2; // 16-byte loads a part (1 or 2), parts loaded at once
-    const int64_t n_rows = m.first[m.n];
-    __shared__ uint16_t xs[NV][matvec_chunk_padded];
-    const int lane = static_cast<int>(threadIdx.x), threads = warp_lanes * matvec_rows_per_block;
-    const int tid = static_cast<int>(threadIdx.y) * warp_lanes + lane;
-    for (int64_t base = int64_t(blockIdx.x) * matvec_rows_per_block; base < n_rows;
-         base += int64_t(gridDim.x) * matvec_rows_per_block) {
-        const int64_t row = base + threadIdx.y;
-        const bool active = row < n_rows; // the block's other warps still stage x and meet at the barriers
-        float acc[NV] = {};
-        for (int64_t c0 = 0; c0 < n_cols; c0 += matvec_chunk) {
-            const int n = static_cast<int>(n_cols - c0 < matvec_chunk ? n_cols - c0 : matvec_chunk);
-            __syncthreads(); // every warp is done with the last chunk
-            PEBBLE_UNROLL
-            for (int v = 0; v < NV; v++) {
-                for (int e = tid; e < n; e += threads) xs[v][staged_at<2>(e)] = x[v * n_cols + c0 + e];
-            }
-            __syncthreads();
-            if (!active) continue;
-            const uint4 * w_row = reinterpret_cast<const uint4 *>(locate(m, row, n_cols * T::block_bytes).w_row) +
-                                  c0 / dense_part * words;
-            const int parts = n / dense_part;
-            for (int p0 = lane; p0 < parts; p0 += U * warp_lanes) {
-                uint4 w[U][words];
-                PEBBLE_UNROLL
-                for (int u = 0; u < U; u++) {
-                    const int p = p0 + u * warp_lanes;
-                    if (p >= parts) break;
-                    PEBBLE_UNROLL
-                    for (int k = 0; k < words; k++) w[u][k] = w_row[int64_t(p) * words + k];
-                }
-                PEBBLE_UNROLL
-                for (int u = 0; u < U; u++) {
-                    const int p = p0 + u * warp_lanes;
-                    if (p >= parts) break;
-                    PEBBLE_UNROLL
-                    for (int i = 0; i < dense_part; i++) {
-                        const float weight = dense_value<T>(w[u], i);
-                        const int at = staged_at<2>(p * dense_part + i);
-                        PEBBLE_UNROLL
-                        for (int v = 0; v < NV; v++) acc[v] += weight * half_to_float(xs[v][at]);
-                    }
-                }
-            }
-        }
-        if (active) {
-            const stacked_row at = locate(m, row, n_cols * T::block_bytes);
-            store_row_sums(acc, lane, at.y, at.rows, at.row);
-        }
-    }
+    matvec_rows<T, NV, true>(m, n_cols, x);
 }
 #endif
 
