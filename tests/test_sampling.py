@@ -111,3 +111,25 @@ def test_without_top_k_top_p_or_min_p_every_token_is_drawn_by_its_probability():
     sampler = Sampler(Options(seed=1, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0))
     counts = np.bincount([sampler(logits) for _ in range(4000)], minlength=3) / 4000
     np.testing.assert_allclose(counts, [0.5, 0.3, 0.2], atol=0.03)
+
+
+def test_a_draw_over_blocks_is_the_draw_over_the_whole_running_sum():
+    """draw's two levels (DRAW_BLOCK blocks' sums, then one block) pick the index the whole running sum picks,
+    over vocabularies of a partial last block, zeros (masked tokens) between and at the ends, and a single
+    token holding all the mass; and u near 0 and 1."""
+    rng = np.random.default_rng(9)
+    for n in (10, 4096, 4097, 128256, 151936):
+        for kind in ("random", "zeros", "one"):
+            p = rng.random(n) ** 8
+            if kind == "zeros":
+                p[rng.random(n) < 0.7] = 0.0
+                p[:3] = p[-3:] = 0.0
+            elif kind == "one":
+                p = np.zeros(n)
+                p[n // 3] = 1.0
+            for u in [0.0, 1e-12, 1 - 1e-12, *rng.random(200)]:
+                mass = np.cumsum(p)
+                want = min(int(np.searchsorted(mass, u * mass[-1], side="right")), n - 1)
+                got = sampling.draw(p, u)
+                assert got == want or abs(mass[got] - u * mass[-1]) < 1e-9 * mass[-1], (n, kind, u, got, want)
+                assert p[got] > 0, (n, kind, u, got)

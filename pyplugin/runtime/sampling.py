@@ -6,6 +6,7 @@ Each request owns a numpy Generator, so a seed makes a run reproducible whatever
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import numpy as np
@@ -86,14 +87,17 @@ def _largest_first(logits: np.ndarray, ids: np.ndarray) -> np.ndarray:
 
 def softmax(x: np.ndarray, temperature: float = 1.0) -> np.ndarray:
     """softmax(x / temperature), for any temperature above 0 and logits up to +inf."""
-    x = np.asarray(x, dtype=np.float64)
     top = np.max(x)
     if np.isposinf(top):  # a vanishing repeat penalty sent some logits to +inf: they share all the mass
-        e = (x == top).astype(np.float64)
+        e = (np.asarray(x) == top).astype(np.float64)
     else:  # shifted first, so a vanishing temperature sends the others to -inf and never the top to +inf
+        e = np.subtract(x, top, dtype=np.float64)  # in one new array, each step in place (a 128k vocabulary)
         with np.errstate(over="ignore"):
-            e = np.exp((x - top) / temperature)
-    return e / e.sum()
+            if temperature != 1.0:
+                e /= temperature
+            np.exp(e, out=e)
+    e /= e.sum()
+    return e
 
 
 def top_p_count(probs: np.ndarray, p: float) -> int:
@@ -119,7 +123,7 @@ def nucleus(logits: np.ndarray, temperature: float, top_p: float, min_p: float) 
     With top_p 1 and no min_p nothing is cut, and the draw needs no order: every token, in id order."""
     probs = softmax(logits, temperature)
     if top_p >= 1.0 and min_p <= 0.0:
-        return np.arange(logits.size), probs
+        return _every_id(logits.size), probs
     m = NUCLEUS_FIRST
     while m <= logits.size // 8:
         ids = top_k_candidates(logits, m)
@@ -132,6 +136,38 @@ def nucleus(logits: np.ndarray, temperature: float, top_p: float, min_p: float) 
 
 
 NUCLEUS_FIRST = 256  # the largest probabilities nucleus ranks first
+
+
+@functools.lru_cache(maxsize=2)
+def _every_id(n: int) -> np.ndarray:
+    """0..n-1, read-only, made once per vocabulary size (new each token, its pages cost more than the draw)."""
+    ids = np.arange(n)
+    ids.flags.writeable = False
+    return ids
+
+
+DRAW_BLOCK = 1024  # draw's blocks: their sums, then one block's running sum, instead of a 128k running sum
+
+
+def draw(probs: np.ndarray, u: float) -> int:
+    """The first index whose running sum of probs exceeds u times their total (u in [0, 1)): the running sum
+    of DRAW_BLOCK blocks' sums finds the block, and that block's own running sum the index."""
+    if probs.size <= 4 * DRAW_BLOCK:
+        return _first_past(probs, np.cumsum(probs), u * np.sum(probs))
+    whole = probs.size // DRAW_BLOCK * DRAW_BLOCK
+    sums = np.append(probs[:whole].reshape(-1, DRAW_BLOCK).sum(axis=1), probs[whole:].sum())
+    blocks = np.cumsum(sums)
+    target = u * blocks[-1]
+    b = min(int(np.searchsorted(blocks, target, side="right")), int(np.flatnonzero(sums)[-1]))
+    block = probs[b * DRAW_BLOCK:(b + 1) * DRAW_BLOCK]
+    return b * DRAW_BLOCK + _first_past(block, np.cumsum(block) + (blocks[b - 1] if b else 0.0), target)
+
+
+def _first_past(probs: np.ndarray, running: np.ndarray, target: float) -> int:
+    """The first index whose running sum exceeds target; where rounding leaves none, the last of a nonzero
+    probability (never a token the cut or a mask gave nothing)."""
+    i = int(np.searchsorted(running, target, side="right"))
+    return i if i < probs.size else int(np.flatnonzero(probs)[-1])
 
 
 class Sampler:
@@ -160,6 +196,4 @@ class Sampler:
         else:
             ids, probs = nucleus(logits, o.temperature, o.top_p, o.min_p)
         keep = min(top_p_count(probs, o.top_p), min_p_count(probs, o.min_p))
-        probs = probs[:keep] / probs[:keep].sum()
-        choice = int(np.searchsorted(np.cumsum(probs), self.rng.random(), side="right"))
-        return int(ids[min(choice, keep - 1)])
+        return int(ids[draw(probs[:keep], self.rng.random())])  # scaled by the kept mass, not divided by it
