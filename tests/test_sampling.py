@@ -133,3 +133,12 @@ def test_a_draw_over_blocks_is_the_draw_over_the_whole_running_sum():
                 got = sampling.draw(p, u)
                 assert got == want or abs(mass[got] - u * mass[-1]) < 1e-9 * mass[-1], (n, kind, u, got, want)
                 assert p[got] > 0, (n, kind, u, got)
+
+
+def test_a_draw_over_no_mass_or_nan_still_names_a_token():
+    """Logits that give no usable mass (NaN throughout, or every probability zero) never raise: a draw is
+    an index of the vocabulary whatever the arithmetic left."""
+    for n in (10, 5000, 128256):
+        for p in (np.zeros(n), np.full(n, np.nan)):
+            assert 0 <= sampling.draw(p, 0.5) < n
+    assert 0 <= Sampler(Options(top_k=0, top_p=1.0))(np.full(4096, np.nan, dtype=np.float32), []) < 4096

@@ -158,7 +158,7 @@ def draw(probs: np.ndarray, u: float) -> int:
     sums = np.append(probs[:whole].reshape(-1, DRAW_BLOCK).sum(axis=1), probs[whole:].sum())
     blocks = np.cumsum(sums)
     target = u * blocks[-1]
-    b = min(int(np.searchsorted(blocks, target, side="right")), int(np.flatnonzero(sums)[-1]))
+    b = min(int(np.searchsorted(blocks, target, side="right")), _last_nonzero(sums))
     block = probs[b * DRAW_BLOCK:(b + 1) * DRAW_BLOCK]
     return b * DRAW_BLOCK + _first_past(block, np.cumsum(block) + (blocks[b - 1] if b else 0.0), target)
 
@@ -167,7 +167,13 @@ def _first_past(probs: np.ndarray, running: np.ndarray, target: float) -> int:
     """The first index whose running sum exceeds target; where rounding leaves none, the last of a nonzero
     probability (never a token the cut or a mask gave nothing)."""
     i = int(np.searchsorted(running, target, side="right"))
-    return i if i < probs.size else int(np.flatnonzero(probs)[-1])
+    return i if i < probs.size else _last_nonzero(probs)
+
+
+def _last_nonzero(values: np.ndarray) -> int:
+    """The last index of a nonzero value (NaN counts), else the last index."""
+    found = np.flatnonzero(values)
+    return int(found[-1]) if found.size else values.size - 1
 
 
 class Sampler:
