@@ -243,8 +243,9 @@ struct attention_args {
     uint16_t * out;                       // n_head x head_dim, fp16
     float * out_f32;                      // ... or float32 where this is not NULL (pebble_attend)
     const int64_t * pos;                  // where not NULL, n_pos is min(*pos + 1, n_ctx), read on the device
-    float * parts;                        // where not NULL, V summed a part of split_rows rows at a time into
-                                          // n_head x split_parts(n_ctx) x head_dim, then the parts in order
+    float * parts;                        // where not NULL, V summed a part of split_rows rows at a time, each
+                                          // part weighted by its own softmax, into n_head x split_parts(n_ctx)
+                                          // x head_dim, then each part's 2 (part_stats), then put together
 };
 
 // A decode step's weighted sum of V in parts of split_rows rows, each part's warps apart, then the parts
@@ -508,8 +509,9 @@ template <auto K> unsigned attention_blocks(int64_t warps) {
 }
 #endif
 
-// The attention of a group of sequences (attention_args each): the three kernels on the stream, each one
-// launch for the group, or run here in turn.
+// The attention of a group of sequences (attention_args each): its kernels on the stream (scores, then the
+// softmax where there are no parts, values, and the parts where there are), each one launch for the group,
+// or run here in turn.
 pebble_status attention(const arg_group<attention_args> & g, cudaStream_t stream) {
 #ifdef PEBBLE_HOST_BUILD
     (void)stream;

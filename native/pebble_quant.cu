@@ -999,6 +999,13 @@ template <typename F> pebble_status with_vectors(int32_t n_vec, F && f) {
 }
 
 #ifndef PEBBLE_HOST_BUILD
+// The stack's matrices' addresses or'ed together: their low bits say whether every one is 16-byte aligned.
+uintptr_t stack_addresses(const stacked_rows & m) {
+    uintptr_t bits = 0;
+    for (int32_t p = 0; p < m.n; p++) bits |= reinterpret_cast<uintptr_t>(m.w[p]);
+    return bits;
+}
+
 template <typename T, int NV>
 pebble_status launch_stacked_n(const stacked_rows & m, int64_t n_cols, const uint16_t * x, cudaStream_t stream) {
     const int64_t n_rows = m.first[m.n];
@@ -1006,8 +1013,7 @@ pebble_status launch_stacked_n(const stacked_rows & m, int64_t n_cols, const uin
     const dim3 block(warp_lanes, matvec_rows_per_block);
     if constexpr (T::id == type_q4_k::id || T::id == type_q6_k::id || T::id == type_q8_0::id ||
                   T::id == type_q4_0::id) { // 16-byte loads of x (and Q4_K's weights)
-        uintptr_t aligned = reinterpret_cast<uintptr_t>(x);
-        for (int32_t p = 0; p < m.n && T::id == type_q4_k::id; p++) aligned |= reinterpret_cast<uintptr_t>(m.w[p]);
+        const uintptr_t aligned = reinterpret_cast<uintptr_t>(x) | (T::id == type_q4_k::id ? stack_addresses(m) : 0);
         if ((aligned & 15) == 0 && switches().integer_matvec) {
             static const int64_t held = resident_blocks(matvec_q8_kernel<T, NV, 1>, warp_lanes * matvec_rows_per_block);
             const bool whole = switches().persist && n_cols <= q8_chunk<NV>;
@@ -1029,9 +1035,7 @@ pebble_status launch_stacked_n(const stacked_rows & m, int64_t n_cols, const uin
         }
     }
     if constexpr (T::id == type_f16::id || T::id == type_bf16::id || T::id == type_f32::id) {
-        uintptr_t aligned = 0;
-        for (int32_t p = 0; p < m.n; p++) aligned |= reinterpret_cast<uintptr_t>(m.w[p]);
-        if ((aligned & 15) == 0 && n_cols % dense_part == 0 && switches().dense) {
+        if ((stack_addresses(m) & 15) == 0 && n_cols % dense_part == 0 && switches().dense) {
             matvec_dense_kernel<T, NV><<<static_cast<unsigned>(grid), block, 0, stream>>>(m, n_cols, x);
             return check_launch("pebble_matvec", T::id);
         }
