@@ -44,11 +44,14 @@ from pyplugin.runtime.measure import median_seconds  # noqa: E402
 from pyplugin.store import backend_named  # noqa: E402
 from pyplugin.xp import to_numpy  # noqa: E402
 
-# Llama-3-8B's matrices as Q4_K_M lays them out (attn_v, ffn_down and the output in Q6_K), and Q8_0 and F16.
+# Llama-3-8B's matrices as Q4_K_M lays them out (attn_v, ffn_down and the output in Q6_K), and its ffn_up in
+# Q5_K (Q5_K_M files), Q5_0 (what Q4_K_M files hold where rows are not whole 256s), Q8_0 and F16.
 SHAPES = [("Q4_K", 14336, 4096, "ffn_gate, ffn_up"), ("Q6_K", 4096, 14336, "ffn_down"),
           ("Q4_K", 4096, 4096, "attn_q, attn_output"), ("Q4_K", 1024, 4096, "attn_k"), ("Q6_K", 1024, 4096, "attn_v"),
-          ("Q6_K", 128256, 4096, "output"), ("Q8_0", 14336, 4096, "ffn_up (Q8_0)"), ("F16", 14336, 4096, "ffn_up (F16)")]
-SCALE_AT = {Q.Q4_K: (0, 2), Q.Q6_K: (208,), Q.Q8_0: (0,), Q.Q4_0: (0,)}  # each block's fp16 scales (bytes)
+          ("Q6_K", 128256, 4096, "output"), ("Q5_K", 14336, 4096, "ffn_up (Q5_K)"),
+          ("Q5_0", 14336, 4096, "ffn_up (Q5_0)"), ("Q8_0", 14336, 4096, "ffn_up (Q8_0)"),
+          ("F16", 14336, 4096, "ffn_up (F16)")]
+SCALE_AT = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q5_0: (0,)}  # fp16 scales
 PER_TOKEN = {"ffn_gate, ffn_up": 64, "ffn_down": 32, "attn_q, attn_output": 64, "attn_k": 32, "attn_v": 32,
              "output": 1}  # each matrix's calls in a Llama-3-8B Q4_K_M token (32 layers)
 NOISE = 0.03  # a library is picked over the first only when its token is this much faster

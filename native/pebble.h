@@ -232,14 +232,16 @@ PEBBLE_API enum pebble_status pebble_dequantize_rows(int32_t ggml_type, const vo
 // with integer dot products: each element of x moves by at most d / 2, so a result differs from the
 // product with x itself by at most sqrt(block) / 254 * ||W[r]|| * ||x|| (0.022 relative for blocks of
 // 32, 0.063 for 256; about twenty times less on random data) beyond float32 rounding. F32, F16 and
-// BF16 weights take x as it is. The cuda library quantizes x the same way for Q4_K, Q6_K, Q8_0 and Q4_0
-// where x (and Q4_K's w) are 16-byte aligned (its integer kernel; PEBBLING_CUDA_MATVEC=float keeps x in
-// fp16 there too), and multiplies x as it is for the other types. The host library splits rows
+// BF16 weights take x as it is. The cuda library quantizes x the same way for every quantized type where
+// x (and Q4_K's and Q5_K's w) are 16-byte aligned (its integer kernel; PEBBLING_CUDA_MATVEC=float keeps x
+// in fp16 there too), and multiplies x as it is otherwise. The host library splits rows
 // among a pool of threads started once per process: one per CPU the process may run on, or
 // PEBBLING_THREADS (1..256); its kernels use AVX-512 (F, BW, DQ, VL and VNNI) for Q4_0..Q8_0, Q4_K, Q5_K and
 // Q6_K where the CPU has it, else AVX2 (with FMA and F16C), else portable C++; PEBBLING_SIMD=avx2 or
-// PEBBLING_SIMD=portable holds them to that set. Another value of either makes every matvec call fail with
-// PEBBLE_ERR_INVALID_ARGUMENT, naming it.
+// PEBBLING_SIMD=portable holds them to that set. PEBBLING_SIMD=gpu runs the quantized types of pebble_matvec,
+// pebble_matmul and pebble_matmul_f32 through the cuda library's integer kernel's arithmetic instead, a
+// part at a time on the host (slow: how the tests check that arithmetic without a GPU). Another value of
+// either makes every matvec call fail with PEBBLE_ERR_INVALID_ARGUMENT, naming it.
 PEBBLE_API enum pebble_status pebble_matvec    (int32_t ggml_type, const void * w, uint64_t w_bytes,
                                                 int64_t n_rows, int64_t n_cols, const uint16_t * x_f16,
                                                 int32_t n_vec, float * y, void * stream);

@@ -74,16 +74,17 @@ constexpr int max_threads = 256;
 // The threads to use and, for a malformed PEBBLING_THREADS, why it was refused (empty when accepted).
 struct thread_setting {
     int  threads = 1;
-    char error[200] = {};
+    char error[256] = {};
 };
 
 thread_setting read_thread_setting() {
     thread_setting s;
     const char * simd = std::getenv("PEBBLING_SIMD");
     if (simd && *simd && std::strcmp(simd, "portable") != 0 && std::strcmp(simd, "auto") != 0 &&
-        std::strcmp(simd, "avx2") != 0) {
+        std::strcmp(simd, "avx2") != 0 && std::strcmp(simd, "gpu") != 0) {
         std::snprintf(s.error, sizeof s.error, "PEBBLING_SIMD is '%.40s'; 'auto' (the best this CPU has), 'avx2' "
-                      "(no AVX-512 even where the CPU has it) or 'portable' (no SIMD intrinsics) is accepted", simd);
+                      "(no AVX-512 even where the CPU has it), 'portable' (no SIMD intrinsics) or 'gpu' (the GPU "
+                      "kernel's arithmetic) is accepted", simd);
         return s;
     }
     const char * env = std::getenv("PEBBLING_THREADS");
@@ -2112,6 +2113,22 @@ pebble_status attend(int32_t n_seq, const float * q, int32_t kv_type, void * con
 #endif
     parallel_ranges(int64_t(n_seq) * n_head, work, attend_portable, &job);
     return PEBBLE_OK;
+}
+
+bool gpu_arithmetic() {
+    static const bool gpu = [] {
+        const char * env = std::getenv("PEBBLING_SIMD");
+        return env && std::strcmp(env, "gpu") == 0;
+    }();
+    return gpu;
+}
+
+void quantize(const uint16_t * x, int n, float & d, int8_t * q) {
+    if (n == 256) {
+        quantize_block<256>(x, d, q);
+    } else {
+        quantize_block<32>(x, d, q);
+    }
 }
 
 const char * simd_level() {

@@ -66,6 +66,13 @@ pebble_status attend_prompt(const float * q, int64_t n_tok, int64_t pos, int32_t
                             const void * v_cache, int32_t n_head, int32_t n_head_kv, int32_t head_dim, int64_t window,
                             float scale, float softcap, float * out);
 
+// Whether PEBBLING_SIMD is 'gpu': pebble_matvec's quantized types then take the GPU integer kernel's
+// arithmetic, run on the host one part at a time (pebble_quant.cu host_q8_matvec), the rest as 'auto'.
+bool gpu_arithmetic();
+
+// n (32 or 256) fp16 elements of x into d and q, as the quantized types' products quantize x (pebble.h).
+void quantize(const uint16_t * x, int n, float & d, int8_t * q);
+
 // The instruction set the kernels picked on this CPU: "avx512", "avx2" or "portable".
 const char * simd_level();
 

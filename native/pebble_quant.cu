@@ -11,7 +11,8 @@
 // thread pool when there are enough of them), a warp has one lane, and the CUDA qualifiers are empty:
 // CI and the sanitizers run the GPU's dequantization. The host build's matvec is not the GPU's kernel:
 // it is pebble_cpu.cc's, which quantizes x to 8-bit blocks and multiplies with integer SIMD dot
-// products, as llama.cpp's CPU backend does (pebble.h says what that changes in the results).
+// products, as llama.cpp's CPU backend does (pebble.h says what that changes in the results); with
+// PEBBLING_SIMD=gpu it runs the GPU integer kernel's loads and sums of each part instead (host_q8_matvec).
 
 #include "pebble_device.h"
 #include "pebble_internal.h"
@@ -21,6 +22,8 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
+#include <new>
 #include <type_traits>
 #ifdef PEBBLE_HOST_BUILD
 #    include "pebble_cpu.h"
@@ -314,13 +317,13 @@ __global__ void dequantize_kernel(const uint8_t * __restrict__ src, uint16_t * _
     }
 }
 
-#ifndef PEBBLE_HOST_BUILD
-constexpr int dequantize_threads = 256;
-
 // Where element e of a stretch staged in shared memory lies, in elements of `Size` bytes: one 4-byte word of
 // padding every 64 elements, so that threads a part (32 or 64 elements) apart use different banks. Size 2
 // for fp16 stretches, 1 for 8-bit x.
-template <int Size> __device__ inline int staged_at(int e) { return e + 4 / Size * (e >> 6); }
+template <int Size> __host__ __device__ inline int staged_at(int e) { return e + 4 / Size * (e >> 6); }
+
+#ifndef PEBBLE_HOST_BUILD
+constexpr int dequantize_threads = 256;
 
 // dequantize_kernel for block types (32 or more elements a part): a thread block's parts are
 // consecutive, so their elements are one stretch of the output; each thread decodes its part into shared
@@ -549,17 +552,21 @@ matvec_dense_kernel(const __grid_constant__ stacked_rows m, int64_t n_cols, cons
 }
 #endif
 
-// Q4_K, Q6_K, Q8_0 and Q4_0 through 8-bit x and integer dot products (dp4a: four byte products and their
-// sum in one instruction), where matvec_kernel decodes each weight to float and multiplies it by x's fp16 value
+// Every quantized type through 8-bit x and integer dot products (dp4a: four byte products and their sum
+// in one instruction), where matvec_kernel decodes each weight to float and multiplies it by x's fp16 value
 // (I2FP, HADD2, two FFMAs and its shared-memory address for every weight and vector: 0.9 TB/s for Q4_K
 // and 1 TB/s for Q6_K on an H200, a quarter of its copy rate). x is quantized as the host library
 // quantizes it (pebble_cpu.cc quantize_block: d = max|x| / 127, q = round-half-even(x / d); a block with
 // an infinity or NaN d = NaN and q = 0), per 256 elements for the K-quants and per 32 for the others,
 // while a chunk is staged, with each 16 elements' sum of q; then a lane's part of a block (64 weights, or
-// a block of 32) is d_x times an exact integer sum over its groups, scaled in float once a group (Q4_K:
-// d sc dot - dmin m sum) or once a part (Q6_K: d times sum of sc (dot - 32 sum); Q8_0: d dot; Q4_0:
-// d (dot - 8 sum)). Lanes take parts as matvec_kernel's do; each vector's sums are its own, whatever the
-// vectors beside it.
+// a block of 32) is d_x times an exact integer sum over its groups, scaled in float once a group (Q4_K,
+// Q5_K: d sc dot - dmin m sum) or once a part (Q6_K: d times sum of sc (dot - 32 sum); Q8_0: d dot; Q4_0:
+// d (dot - 8 sum); Q5_0: d (dot - 16 sum); Q4_1, Q5_1: d dot + m sum). Lanes take parts as matvec_kernel's
+// do; each vector's sums are its own, whatever the vectors beside it.
+//
+// The loads and sums of a part are __host__ __device__: with PEBBLING_SIMD=gpu the host library's
+// pebble_matvec runs them (host_q8_matvec below), so that CI checks this arithmetic for every type
+// without a GPU. The staging of x and the kernel's loops are the GPU's alone.
 #ifndef PEBBLE_HOST_BUILD
 // x elements staged per vector at a time: at one or two vectors a 14336-column row (Llama-3-8B's
 // ffn_down) fits one chunk within the 48 KB a block's static shared memory may take; more take 4096.
@@ -569,7 +576,8 @@ template <int NV> constexpr int q8_chunk = NV <= 2 ? PEBBLE_Q8_CHUNK_FEW : PEBBL
 // one at more vectors, whose sums take the registers (two rows spilled from 4 vectors up).
 template <int NV> constexpr int warp_rows = NV <= 2 ? matvec_warp_rows : 1;
 // Parts a lane loads before it sums the first: PEBBLE_MATVEC_LOADS over the warp's rows at once (at least
-// one), so that the registers they take stay near one row's at two (a part is 12 words of Q4_K, 21 of Q6_K).
+// one), so that the registers they take stay near one row's at two (a part is 12 words of Q4_K, 20 of
+// Q5_K, 21 of Q6_K).
 template <int WR> constexpr int part_loads = PEBBLE_MATVEC_LOADS / WR > 1 ? PEBBLE_MATVEC_LOADS / WR : 1;
 constexpr int q8_chunk_bytes(int chunk) { return chunk + 4 * (chunk / 64); } // a word of padding every 64 (banks)
 
@@ -624,12 +632,36 @@ __device__ void stage_q8(const uint16_t * __restrict__ x, int64_t n_cols, int64_
         if (lane % (QB / 8) == 0) st.d[v][e / QB] = d;
     }
 }
+#else
+struct uint4 { uint32_t x, y, z, w; }; // CUDA's 16-byte vector, for the host's run of the parts below
+#endif
 
-// The scale bytes of a Q4_K block (its bytes 4..15) as loaded with its first 16 (head), read from the
-// registers (a byte array indexed by the run-time sub-block would be local memory).
+// a + the sum of the four products of a's and b's signed bytes (dp4a's arithmetic, on the host in C++).
+__host__ __device__ inline int dot4(int a, int b, int c) {
+#ifdef __CUDA_ARCH__
+    return __dp4a(a, b, c);
+#else
+    for (int i = 0; i < 4; i++) c += static_cast<int8_t>(a >> (8 * i)) * static_cast<int8_t>(b >> (8 * i));
+    return c;
+#endif
+}
+
+// 16 bytes at p, in one load on the GPU (p 16-byte aligned: the launcher checks the weights' alignment).
+__host__ __device__ inline uint4 load_16(const uint8_t * __restrict__ p) {
+#ifdef __CUDA_ARCH__
+    return *reinterpret_cast<const uint4 *>(p);
+#else
+    uint4 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+#endif
+}
+
+// The scale bytes of a Q4_K or Q5_K block (its bytes 4..15) as loaded with its first 16 (head), read from
+// the registers (a byte array indexed by the run-time sub-block would be local memory).
 struct scale_bytes {
     uint4 head;
-    __device__ uint32_t operator[](int i) const {
+    __host__ __device__ uint32_t operator[](int i) const {
         const uint32_t word = i < 4 ? head.y : i < 8 ? head.z : head.w;
         return (word >> (8 * (i & 3))) & 0xffu;
     }
@@ -638,20 +670,27 @@ struct scale_bytes {
 // A lane's part of a block, loaded: the weight bytes it reads, in registers, so that the loads of a lane's
 // next parts go out before the first is used (as one loop, each part's loads waited for the part before it
 // to be summed: one part's bytes in flight a lane, under half the copy rate's).
-struct q4_k_bytes { uint4 head, lo, hi; };                  // d, dmin, 12 bytes of scales; 32 of nibbles
+template <typename T> struct k_bytes { uint4 head, lo, hi; };                  // Q4_K: d, dmin, scales; 32 nibble bytes
+template <> struct k_bytes<type_q5_k> { uint4 head, lo, hi, qh_lo, qh_hi; }; // and Q5_K's 32 bytes of fifth bits
 struct q6_k_bytes { uint32_t ql[8], qh[8]; int sc[4]; uint16_t d; };
-template <int N> struct block32_bytes { uint32_t qs[N / 4]; uint16_t d; }; // Q8_0: 32 bytes; Q4_0: 16
+template <int N> struct block32_bytes { uint32_t qs[N / 4], qh; uint16_t d, m; }; // qh, m where the type has them
 
-// Part `part` of Q4_K block bb: sub-blocks 2 part (the low nibbles of 32 bytes) and 2 part + 1 (their high
-// nibbles), 16-byte loads (a block is 144 bytes).
-__device__ inline q4_k_bytes q4_k_load(const uint8_t * __restrict__ bb, int part) {
-    return {*reinterpret_cast<const uint4 *>(bb), *reinterpret_cast<const uint4 *>(bb + 16 + 32 * part),
-            *reinterpret_cast<const uint4 *>(bb + 32 + 32 * part)};
+// Part `part` of Q4_K or Q5_K block bb: sub-blocks 2 part (the low nibbles of 32 bytes) and 2 part + 1
+// (their high nibbles), and for Q5_K the 32 bytes of fifth bits, in 16-byte loads (the blocks are 144 and
+// 176 bytes, so a 16-byte aligned matrix has every block aligned).
+template <typename T>
+__host__ __device__ inline k_bytes<T> k_load(const uint8_t * __restrict__ bb, int part) {
+    if constexpr (T::id == type_q5_k::id) {
+        return {load_16(bb), load_16(bb + 48 + 32 * part), load_16(bb + 64 + 32 * part), load_16(bb + 16),
+                load_16(bb + 32)};
+    } else {
+        return {load_16(bb), load_16(bb + 16 + 32 * part), load_16(bb + 32 + 32 * part)};
+    }
 }
 
-// That part's products with x, whose element 0 is element `first` of the chunk.
-template <int NV>
-__device__ void q4_k_part(const q4_k_bytes & w, int part, int first, const q8_stage<NV, 256> & st, float (&acc)[NV]) {
+// That part's products with x, whose element 0 is element `first` of the staging st.
+template <typename T, int NV, typename Stage>
+__host__ __device__ void k_part(const k_bytes<T> & w, int part, int first, const Stage & st, float (&acc)[NV]) {
     const uint4 head = w.head, lo = w.lo, hi = w.hi;
     const float d = half_to_float(static_cast<uint16_t>(head.x)), dmin = half_to_float(static_cast<uint16_t>(head.x >> 16));
     const scale_bytes scales{head};
@@ -661,6 +700,20 @@ __device__ void q4_k_part(const q4_k_bytes & w, int part, int first, const q8_st
     const float d_a = d * static_cast<float>(sc_a), d_b = d * static_cast<float>(sc_b);
     const float min_a = dmin * static_cast<float>(m_a), min_b = dmin * static_cast<float>(m_b);
     const uint32_t qs[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+    uint32_t q_a[8], q_b[8]; // sub-block A's and B's q, four a word: a nibble, and Q5_K's fifth bit above it
+    PEBBLE_UNROLL
+    for (int k = 0; k < 8; k++) {
+        q_a[k] = qs[k] & 0x0f0f0f0fu;
+        q_b[k] = (qs[k] >> 4) & 0x0f0f0f0fu;
+    }
+    if constexpr (T::id == type_q5_k::id) { // element l's fifth bits are bits 2 part, 2 part + 1 of byte l
+        const uint32_t qh[8] = {w.qh_lo.x, w.qh_lo.y, w.qh_lo.z, w.qh_lo.w, w.qh_hi.x, w.qh_hi.y, w.qh_hi.z, w.qh_hi.w};
+        PEBBLE_UNROLL
+        for (int k = 0; k < 8; k++) {
+            q_a[k] |= ((qh[k] >> (2 * part)) & 0x01010101u) << 4;
+            q_b[k] |= ((qh[k] >> (2 * part + 1)) & 0x01010101u) << 4;
+        }
+    }
     const int local = first + 64 * part, g = local / 16;
     PEBBLE_UNROLL
     for (int v = 0; v < NV; v++) {
@@ -668,8 +721,8 @@ __device__ void q4_k_part(const q4_k_bytes & w, int part, int first, const q8_st
         int dot_a = 0, dot_b = 0;
         PEBBLE_UNROLL
         for (int k = 0; k < 8; k++) {
-            dot_a = __dp4a(static_cast<int>(qs[k] & 0x0f0f0f0fu), xa[k], dot_a);
-            dot_b = __dp4a(static_cast<int>((qs[k] >> 4) & 0x0f0f0f0fu), xa[8 + k], dot_b);
+            dot_a = dot4(static_cast<int>(q_a[k]), xa[k], dot_a);
+            dot_b = dot4(static_cast<int>(q_b[k]), xa[8 + k], dot_b);
         }
         const int sum_a = st.sum[v][g] + st.sum[v][g + 1], sum_b = st.sum[v][g + 2] + st.sum[v][g + 3];
         acc[v] += st.d[v][local / 256] * (d_a * static_cast<float>(dot_a) + d_b * static_cast<float>(dot_b)
@@ -680,7 +733,7 @@ __device__ void q4_k_part(const q4_k_bytes & w, int part, int first, const q8_st
 // Part `part` of Q6_K block bb (type_q6_k: half h = part / 2, quarters j = part % 2 and j + 2, which
 // share 32 bytes of ql; 32 bytes of qh; a scale a 16 elements). A block is 210 bytes: its loads are as
 // aligned as it is.
-__device__ inline q6_k_bytes q6_k_load(const uint8_t * __restrict__ bb, int part) {
+__host__ __device__ inline q6_k_bytes q6_k_load(const uint8_t * __restrict__ bb, int part) {
     const int h = part >> 1, j = part & 1;
     q6_k_bytes w;
     load_words<32>(w.ql, bb + 64 * h + 32 * j);
@@ -696,8 +749,8 @@ __device__ inline q6_k_bytes q6_k_load(const uint8_t * __restrict__ bb, int part
 
 // That part's products with x: q - 32 as (dot - 32 sum) in integers, each 16's times its scale, summed
 // exactly.
-template <int NV>
-__device__ void q6_k_part(const q6_k_bytes & w, int part, int first, const q8_stage<NV, 256> & st, float (&acc)[NV]) {
+template <int NV, typename Stage>
+__host__ __device__ void q6_k_part(const q6_k_bytes & w, int part, int first, const Stage & st, float (&acc)[NV]) {
     const int h = part >> 1, j = part & 1;
     const int sc_lo0 = w.sc[0], sc_lo1 = w.sc[1], sc_hi0 = w.sc[2], sc_hi1 = w.sc[3];
     const float d = half_to_float(w.d);
@@ -715,8 +768,8 @@ __device__ void q6_k_part(const q6_k_bytes & w, int part, int first, const q8_st
         int dot[4] = {0, 0, 0, 0}; // lo 0..15, lo 16..31, hi 0..15, hi 16..31
         PEBBLE_UNROLL
         for (int k = 0; k < 8; k++) {
-            dot[k / 4] = __dp4a(static_cast<int>(q_lo[k]), xl[k], dot[k / 4]);
-            dot[2 + k / 4] = __dp4a(static_cast<int>(q_hi[k]), xh[k], dot[2 + k / 4]);
+            dot[k / 4] = dot4(static_cast<int>(q_lo[k]), xl[k], dot[k / 4]);
+            dot[2 + k / 4] = dot4(static_cast<int>(q_hi[k]), xh[k], dot[2 + k / 4]);
         }
         const int32_t * sl = &st.sum[v][lo_first / 16], * sh = &st.sum[v][hi_first / 16];
         const int total = sc_lo0 * (dot[0] - 32 * sl[0]) + sc_lo1 * (dot[1] - 32 * sl[1])
@@ -725,46 +778,67 @@ __device__ void q6_k_part(const q6_k_bytes & w, int part, int first, const q8_st
     }
 }
 
-// Q8_0 or Q4_0 block bb whose element 0 is element `first` of the chunk, x quantized per 32 as the host
-// quantizes it for these types. Q8_0: an fp16 d, 32 int8 weights; d d_x dot. Q4_0: an fp16 d, 16 bytes,
-// element i's nibble low in byte i and element 16 + i's high, each less 8; d d_x (dot - 8 sum).
+// A block of 32 (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) whose element 0 is element `first` of the staging, x
+// quantized per 32 as the host quantizes it for these types. Q8_0: an fp16 d, 32 int8 weights. The others:
+// fp16 d (and m for Q4_1 and Q5_1), the 32 fifth bits of Q5_0 and Q5_1 (element i's in bit i), then 16
+// bytes of nibbles, element i's low in byte i and element 16 + i's high. Values d q (Q8_0), d (q - 8)
+// (Q4_0), d (q - 16) (Q5_0), d q + m (Q4_1, Q5_1).
 template <typename T> using block32_of = block32_bytes<T::id == type_q8_0::id ? 32 : 16>;
+template <typename T> constexpr bool has_min = T::id == type_q4_1::id || T::id == type_q5_1::id;
+template <typename T> constexpr bool has_fifth_bits = T::id == type_q5_0::id || T::id == type_q5_1::id;
 
 template <typename T>
-__device__ inline block32_of<T> block32_load(const uint8_t * __restrict__ bb) {
+__host__ __device__ inline block32_of<T> block32_load(const uint8_t * __restrict__ bb) {
+    constexpr int qs_at = 2 + (has_min<T> ? 2 : 0) + (has_fifth_bits<T> ? 4 : 0);
     block32_of<T> w;
-    load_words<T::id == type_q8_0::id ? 32 : 16>(w.qs, bb + 2);
+    load_words<T::id == type_q8_0::id ? 32 : 16>(w.qs, bb + qs_at);
     w.d = load_u16(bb);
+    w.m = has_min<T> ? load_u16(bb + 2) : 0;
+    w.qh = has_fifth_bits<T> ? load_high_bits(bb + (has_min<T> ? 4 : 2)) : 0;
     return w;
 }
 
-template <typename T, int NV>
-__device__ void block32(const block32_of<T> & w, int first, const q8_stage<NV, 32> & st, float (&acc)[NV]) {
+// Bits 4k .. 4k + 3 of qh (the fifth bits of elements 4k .. 4k + 3) as bit 4 of bytes 0..3.
+__host__ __device__ inline uint32_t fifth_bits(uint32_t qh, int k) {
+    const uint32_t b = (qh >> (4 * k)) & 0xfu;
+    return (b & 1u) << 4 | (b & 2u) << 11 | (b & 4u) << 18 | (b & 8u) << 25;
+}
+
+template <typename T, int NV, typename Stage>
+__host__ __device__ void block32(const block32_of<T> & w, int first, const Stage & st, float (&acc)[NV]) {
     constexpr bool q8 = T::id == type_q8_0::id;
-    const float d = half_to_float(w.d);
+    constexpr int offset = T::id == type_q4_0::id ? 8 : T::id == type_q5_0::id ? 16 : 0; // subtracted from q
+    const float d = half_to_float(w.d), m = half_to_float(w.m);
+    uint32_t q[8]; // element 4k .. 4k + 3's q in word k
+    PEBBLE_UNROLL
+    for (int k = 0; k < 8; k++) {
+        q[k] = q8 ? w.qs[k] : (w.qs[k % 4] >> (4 * (k / 4))) & 0x0f0f0f0fu; // nibbles: low, then high
+        if (has_fifth_bits<T>) q[k] |= fifth_bits(w.qh, k);
+    }
     PEBBLE_UNROLL
     for (int v = 0; v < NV; v++) {
         const int32_t * xw = reinterpret_cast<const int32_t *>(&st.q[v][staged_at<1>(first)]);
         int dot = 0;
         PEBBLE_UNROLL
-        for (int k = 0; k < 8; k++) {
-            const uint32_t x = q8 ? w.qs[k] : (w.qs[k % 4] >> (4 * (k / 4))) & 0x0f0f0f0fu; // Q4_0: low, then high
-            dot = __dp4a(static_cast<int>(x), xw[k], dot);
-        }
-        const int bias = q8 ? 0 : 8 * (st.sum[v][first / 16] + st.sum[v][first / 16 + 1]);
-        acc[v] += st.d[v][first / 32] * (d * static_cast<float>(dot - bias));
+        for (int k = 0; k < 8; k++) dot = dot4(static_cast<int>(q[k]), xw[k], dot);
+        const int sum = q8 ? 0 : st.sum[v][first / 16] + st.sum[v][first / 16 + 1];
+        const float part = has_min<T> ? d * static_cast<float>(dot) + m * static_cast<float>(sum)
+                                      : d * static_cast<float>(dot - offset * sum);
+        acc[v] += st.d[v][first / 32] * part;
     }
 }
 
-// A lane's part `part` of block bb of type T, loaded.
+// A lane's part `part` of block bb of type T, loaded; and its products with x.
+template <typename T> constexpr bool k45 = T::id == type_q4_k::id || T::id == type_q5_k::id;
 template <typename T> struct part_bytes_of { using type = block32_of<T>; };
-template <> struct part_bytes_of<type_q4_k> { using type = q4_k_bytes; };
+template <> struct part_bytes_of<type_q4_k> { using type = k_bytes<type_q4_k>; };
+template <> struct part_bytes_of<type_q5_k> { using type = k_bytes<type_q5_k>; };
 template <> struct part_bytes_of<type_q6_k> { using type = q6_k_bytes; };
 
 template <typename T>
-__device__ inline typename part_bytes_of<T>::type load_part(const uint8_t * __restrict__ bb, int part) {
-    if constexpr (T::id == type_q4_k::id) {
-        return q4_k_load(bb, part);
+__host__ __device__ inline typename part_bytes_of<T>::type load_part(const uint8_t * __restrict__ bb, int part) {
+    if constexpr (k45<T>) {
+        return k_load<T>(bb, part);
     } else if constexpr (T::id == type_q6_k::id) {
         return q6_k_load(bb, part);
     } else {
@@ -773,10 +847,10 @@ __device__ inline typename part_bytes_of<T>::type load_part(const uint8_t * __re
 }
 
 template <typename T, int NV, typename Stage>
-__device__ inline void sum_part(const typename part_bytes_of<T>::type & w, int part, int first, const Stage & st,
-                                float (&acc)[NV]) {
-    if constexpr (T::id == type_q4_k::id) {
-        q4_k_part<NV>(w, part, first, st, acc);
+__host__ __device__ inline void sum_part(const typename part_bytes_of<T>::type & w, int part, int first,
+                                         const Stage & st, float (&acc)[NV]) {
+    if constexpr (k45<T>) {
+        k_part<T, NV>(w, part, first, st, acc);
     } else if constexpr (T::id == type_q6_k::id) {
         q6_k_part<NV>(w, part, first, st, acc);
     } else {
@@ -784,6 +858,7 @@ __device__ inline void sum_part(const typename part_bytes_of<T>::type & w, int p
     }
 }
 
+#ifndef PEBBLE_HOST_BUILD
 // Two blocks a multiprocessor (64 registers a thread): without the bound, a lane's two parts in registers
 // took 72 to 127 and one block, which halved the warps and undid the loads' gain; with it none spills.
 template <typename T, int NV, int WR>
@@ -1011,9 +1086,8 @@ pebble_status launch_stacked_n(const stacked_rows & m, int64_t n_cols, const uin
     const int64_t n_rows = m.first[m.n];
     const int64_t grid = std::min(max_grid, (n_rows + matvec_rows_per_block - 1) / matvec_rows_per_block);
     const dim3 block(warp_lanes, matvec_rows_per_block);
-    if constexpr (T::id == type_q4_k::id || T::id == type_q6_k::id || T::id == type_q8_0::id ||
-                  T::id == type_q4_0::id) { // 16-byte loads of x (and Q4_K's weights)
-        const uintptr_t aligned = reinterpret_cast<uintptr_t>(x) | (T::id == type_q4_k::id ? stack_addresses(m) : 0);
+    if constexpr (T::block_elements > 1) { // every quantized type; 16-byte loads of x (and Q4_K's and Q5_K's weights)
+        const uintptr_t aligned = reinterpret_cast<uintptr_t>(x) | (k45<T> ? stack_addresses(m) : 0);
         if ((aligned & 15) == 0 && switches().integer_matvec) {
             static const int64_t held = resident_blocks(matvec_q8_kernel<T, NV, 1>, warp_lanes * matvec_rows_per_block);
             const bool whole = switches().persist && n_cols <= q8_chunk<NV>;
@@ -1057,6 +1131,96 @@ stacked_rows one_matrix(const uint8_t * w, int64_t n_rows, float * y) {
     m.first[1] = n_rows;
     m.n = 1;
     return m;
+}
+#endif
+
+#ifdef PEBBLE_HOST_BUILD
+// The staging of a whole row of x for host_q8_matvec, indexed as the GPU's q8_stage is (q at staged_at<1>).
+template <int NV> struct host_q8_stage {
+    const int8_t *  q[NV];
+    const float *   d[NV];
+    const int32_t * sum[NV];
+};
+
+// PEBBLING_SIMD=gpu: y = W x as the GPU's integer kernel computes it, one thread a row (rows among the
+// pool's threads): x quantized per QB elements (pebble_cpu's quantization, which the GPU's stage_q8
+// repeats), each 16's sum of q, then part p of the row summed by lane p % 32 with the GPU's load_part and
+// sum_part, and the 32 lanes' sums added as the GPU's shuffles add them. Only the fused multiply-adds the
+// GPU's compiler makes differ from the GPU's sums.
+template <typename T, int NV>
+pebble_status host_q8_matvec(const uint8_t * w, int64_t n_rows, int64_t n_cols, const uint16_t * x, float * y) {
+    constexpr int QB = T::block_elements == 256 ? 256 : 32, part_elements = T::block_elements / T::parts;
+    const int64_t staged = staged_at<1>(static_cast<int>(n_cols)) + 4, blocks = n_cols / QB;
+    std::unique_ptr<int32_t[]> q_words(new (std::nothrow) int32_t[NV * staged / 4 + 1]);
+    std::unique_ptr<float[]> d(new (std::nothrow) float[NV * blocks]);
+    std::unique_ptr<int32_t[]> sums(new (std::nothrow) int32_t[NV * (n_cols / 16)]);
+    if (!q_words || !d || !sums) {
+        return fail(PEBBLE_ERR_HOST_OOM, "pebble_matvec: %s: no host memory to stage x (%" PRId64 " columns)",
+                    type_name(T::id), n_cols);
+    }
+    int8_t * q = reinterpret_cast<int8_t *>(q_words.get());
+    host_q8_stage<NV> st;
+    for (int v = 0; v < NV; v++) {
+        int8_t * qv = q + v * staged;
+        for (int64_t b = 0; b < blocks; b++) {
+            int8_t block[256];
+            pebble_cpu::quantize(x + v * n_cols + b * QB, QB, d[v * blocks + b], block);
+            for (int i = 0; i < QB; i++) qv[staged_at<1>(static_cast<int>(b * QB + i))] = block[i];
+            for (int g = 0; g < QB / 16; g++) {
+                int s = 0;
+                for (int i = 0; i < 16; i++) s += block[16 * g + i];
+                sums[v * (n_cols / 16) + b * QB / 16 + g] = s;
+            }
+        }
+        st.q[v] = qv;
+        st.d[v] = d.get() + v * blocks;
+        st.sum[v] = sums.get() + v * (n_cols / 16);
+    }
+    const int64_t row_bytes = n_cols / T::block_elements * T::block_bytes, parts = n_cols / part_elements;
+    host_parallel(n_rows, n_rows * n_cols * NV, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; r++) {
+            float lanes[32][NV] = {};
+            for (int64_t p = 0; p < parts; p++) {
+                const uint8_t * bb = w + r * row_bytes + p / T::parts * T::block_bytes;
+                const int part = static_cast<int>(p % T::parts);
+                sum_part<T, NV>(load_part<T>(bb, part), part, static_cast<int>(p / T::parts * T::block_elements), st,
+                                lanes[p % 32]);
+            }
+            for (int offset = 16; offset > 0; offset >>= 1) { // __shfl_xor_sync's butterfly
+                float next[32][NV];
+                for (int l = 0; l < 32; l++) {
+                    for (int v = 0; v < NV; v++) next[l][v] = lanes[l][v] + lanes[l ^ offset][v];
+                }
+                memcpy(lanes, next, sizeof lanes);
+            }
+            for (int v = 0; v < NV; v++) y[v * n_rows + r] = lanes[0][v];
+        }
+    });
+    return PEBBLE_OK;
+}
+
+// pebble_matvec, pebble_matmul and pebble_matmul_f32 with PEBBLING_SIMD=gpu, as the cuda library runs them:
+// float32 x rounded to fp16 first, then host_q8_matvec over groups of up to 8 vectors.
+template <typename T>
+pebble_status host_gpu_matvec(const uint8_t * w, int64_t n_rows, int64_t n_cols, const void * x, bool x_f32,
+                              int64_t n_vec, float * y, const char * fn) {
+    TRY(pebble_cpu::check_threads(fn));
+    const uint16_t * x_f16 = static_cast<const uint16_t *>(x);
+    std::unique_ptr<uint16_t[]> half;
+    if (x_f32) {
+        half.reset(new (std::nothrow) uint16_t[n_vec * n_cols]);
+        if (!half) return fail(PEBBLE_ERR_HOST_OOM, "%s: %s: no host memory for x in fp16", fn, type_name(T::id));
+        const float * xf = static_cast<const float *>(x);
+        for (int64_t i = 0; i < n_vec * n_cols; i++) half[i] = half_from_float(xf[i]); // to_half_kernel's
+        x_f16 = half.get();
+    }
+    for (int64_t v = 0; v < n_vec; v += PEBBLE_MATVEC_MAX_VEC) {
+        const int32_t group = static_cast<int32_t>(std::min<int64_t>(PEBBLE_MATVEC_MAX_VEC, n_vec - v));
+        TRY(with_vectors(group, [&](auto nv) {
+            return host_q8_matvec<T, decltype(nv)::value>(w, n_rows, n_cols, x_f16 + v * n_cols, y + v * n_rows);
+        }));
+    }
+    return PEBBLE_OK;
 }
 #endif
 
@@ -1382,6 +1546,11 @@ pebble_status matvec_call(const char * fn, int32_t ggml_type, const void * w, ui
 #ifdef PEBBLE_HOST_BUILD
         (void)stream;
         (void)x_name;
+        if constexpr (T::block_elements > 1) {
+            if (pebble_cpu::gpu_arithmetic()) {
+                return host_gpu_matvec<T>(static_cast<const uint8_t *>(w), n_rows, n_cols, x, x_f32, n_vec, y, fn);
+            }
+        }
         return pebble_cpu::matmul(T::id, static_cast<const uint8_t *>(w), n_rows, n_cols, x, x_f32, n_vec, y, fn);
 #else
         TRY(check_reachable(w, "w", fn, T::id));

@@ -61,17 +61,16 @@ TINY_256 = dict(TINY, n_layer=1, n_embd=256, n_ff=256)
 _DIR = tempfile.TemporaryDirectory(prefix="pebbling-model-tests-")
 
 
-FLOAT_TYPES = (0, 1, 30)             # F32, F16, BF16: their matvec takes x as it is
-CUDA_INTEGER_TYPES = (12, 14, 8, 2)  # Q4_K, Q6_K, Q8_0, Q4_0: the cuda library's integer kernel
+FLOAT_TYPES = (0, 1, 30)  # F32, F16, BF16: their matvec takes x as it is
 
 
 def quantizes_x(backend: str, qtype: int) -> bool:
     """Whether the backend's matvec multiplies x quantized to 8-bit blocks (pebble.h): the host library's
-    for every quantized type; the cuda library's for Q4_K, Q6_K, Q8_0 and Q4_0, its integer kernel
-    (unless PEBBLING_CUDA_MATVEC=float), which quantizes x as the host does; the stub's never."""
-    if backend == "cuda":
-        return int(qtype) in CUDA_INTEGER_TYPES and os.environ.get("PEBBLING_CUDA_MATVEC") != "float"
-    return backend == "host" and int(qtype) not in FLOAT_TYPES
+    for every quantized type; the cuda library's too, its integer kernel (unless PEBBLING_CUDA_MATVEC=float),
+    which quantizes x as the host does; the stub's never."""
+    if backend == "cuda" and os.environ.get("PEBBLING_CUDA_MATVEC") == "float":
+        return False
+    return backend in ("host", "cuda") and int(qtype) not in FLOAT_TYPES
 
 
 def pattern(seed: int, nbytes: int) -> np.ndarray:

@@ -64,7 +64,7 @@ def reference(cfg, lw, k, v, x, pos, kernels):
     dense matrices through the same fp16-vector matvec (dense ones wrapped as F32/F16 QuantWeights).
     Each matrix's matvec takes x as the step's does: the stub's (x as it is), or the host library's where
     the step's kernels quantize x to 8-bit blocks (pebble.h: the host library for the quantized types,
-    the cuda library's integer kernel for four, quantizing as the host does; test_quant_kernels holds
+    the cuda library's integer kernel, quantizing as the host does; test_quant_kernels holds
     both to the documented bound)."""
     stub = backend_named("stub").kernels
     native = backend_named("host").kernels if kernels.name in ("host", "cuda") else stub

@@ -315,7 +315,7 @@ def test_matvec_matches_float64_product_of_gguf_weights(backend, qtype, n_vec):
     assert_within(got, want, rtol * norms, "x")
 
 
-INTEGER_TYPES = [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q4_0]  # the GPU's integer kernel (x in 8-bit blocks, dp4a)
+INTEGER_TYPES = sorted(QUANTIZED)  # the GPU's integer kernel takes every one (x in 8-bit blocks, dp4a)
 
 
 @pytest.mark.parametrize("n_vec", [1, 2, 3, 8])
@@ -468,14 +468,16 @@ def test_stub_and_native_kernels_agree(qtype):
 
 @pytest.mark.parametrize("setting, error", [({"PEBBLING_SIMD": "portable"}, None),
                                             ({"PEBBLING_SIMD": "avx2"}, None),
+                                            ({"PEBBLING_SIMD": "gpu"}, None),
                                             ({"PEBBLING_THREADS": "1"}, None),
                                             ({"PEBBLING_THREADS": "3"}, None),
                                             ({"PEBBLING_THREADS": "lots"}, "PEBBLING_THREADS is 'lots'"),
                                             ({"PEBBLING_SIMD": "sse9"}, "PEBBLING_SIMD is 'sse9'")])
 def test_host_kernels_under_each_setting(setting, error):
-    """The portable kernels (what a CPU without AVX2 runs), the AVX2 ones where the CPU has AVX-512, and
-    other pool sizes give results within the same bounds: the matvec tests above, run in a process with the setting; a malformed setting is an
-    error naming it, not ignored."""
+    """The portable kernels (what a CPU without AVX2 runs), the AVX2 ones where the CPU has AVX-512, the
+    GPU integer kernel's arithmetic (PEBBLING_SIMD=gpu: its loads and sums of each part, on the host), and
+    other pool sizes give results within the same bounds: the matvec and matmul tests above and below, run
+    in a process with the setting; a malformed setting is an error naming it, not ignored."""
     if not probe("host").usable:
         pytest.skip("the host library is not built here (make host)")
     import os
@@ -485,7 +487,7 @@ def test_host_kernels_under_each_setting(setting, error):
     env = {**os.environ, **setting, "PEBBLING_TEST_BACKENDS": "host"}
     if error is None:
         args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                "host and (test_matvec or stub_and_native) and not under_each"]
+                "host and (test_matvec or test_matmul or float32_vectors or stub_and_native) and not under_each"]
         done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         assert " passed" in done.stdout and "failed" not in done.stdout
