@@ -238,10 +238,11 @@ PEBBLE_API enum pebble_status pebble_dequantize_rows(int32_t ggml_type, const vo
 // among a pool of threads started once per process: one per CPU the process may run on, or
 // PEBBLING_THREADS (1..256); its kernels use AVX-512 (F, BW, DQ, VL and VNNI) for Q4_0..Q8_0, Q4_K, Q5_K and
 // Q6_K where the CPU has it, else AVX2 (with FMA and F16C), else portable C++; PEBBLING_SIMD=avx2 or
-// PEBBLING_SIMD=portable holds them to that set. PEBBLING_SIMD=gpu runs the quantized types of pebble_matvec,
-// pebble_matmul and pebble_matmul_f32 through the cuda library's integer kernel's arithmetic instead, a
-// part at a time on the host (slow: how the tests check that arithmetic without a GPU). Another value of
-// either makes every matvec call fail with PEBBLE_ERR_INVALID_ARGUMENT, naming it.
+// PEBBLING_SIMD=portable holds them to that set. PEBBLING_SIMD=gpu runs pebble_matvec, pebble_matmul and
+// pebble_matmul_f32 through the cuda library's integer and dense kernels' own code for a lane's parts
+// instead, each of a warp's 32 lanes in turn on the host (slow: how the tests check those kernels without a
+// GPU; dense rows that are not whole 8-element parts take the host's kernels). Another value of either
+// makes every matvec call fail with PEBBLE_ERR_INVALID_ARGUMENT, naming it.
 PEBBLE_API enum pebble_status pebble_matvec    (int32_t ggml_type, const void * w, uint64_t w_bytes,
                                                 int64_t n_rows, int64_t n_cols, const uint16_t * x_f16,
                                                 int32_t n_vec, float * y, void * stream);

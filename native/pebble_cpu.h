@@ -66,8 +66,8 @@ pebble_status attend_prompt(const float * q, int64_t n_tok, int64_t pos, int32_t
                             const void * v_cache, int32_t n_head, int32_t n_head_kv, int32_t head_dim, int64_t window,
                             float scale, float softcap, float * out);
 
-// Whether PEBBLING_SIMD is 'gpu': pebble_matvec's quantized types then take the GPU integer kernel's
-// arithmetic, run on the host one part at a time (pebble_quant.cu host_q8_matvec), the rest as 'auto'.
+// Whether PEBBLING_SIMD is 'gpu': pebble_matvec and the matmuls then run the GPU's integer and dense
+// kernels' code for each lane on the host (pebble_quant.cu host_q8_matvec, host_dense_matvec); the rest as 'auto'.
 bool gpu_arithmetic();
 
 // n (32 or 256) fp16 elements of x into d and q, as the quantized types' products quantize x (pebble.h).

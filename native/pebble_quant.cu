@@ -12,7 +12,8 @@
 // CI and the sanitizers run the GPU's dequantization. The host build's matvec is not the GPU's kernel:
 // it is pebble_cpu.cc's, which quantizes x to 8-bit blocks and multiplies with integer SIMD dot
 // products, as llama.cpp's CPU backend does (pebble.h says what that changes in the results); with
-// PEBBLING_SIMD=gpu it runs the GPU integer kernel's loads and sums of each part instead (host_q8_matvec).
+// PEBBLING_SIMD=gpu it runs the GPU integer and dense kernels' code for each lane instead (host_q8_matvec,
+// host_dense_matvec).
 
 #include "pebble_device.h"
 #include "pebble_internal.h"
@@ -81,6 +82,31 @@ __host__ __device__ inline void load_words(uint32_t (&out)[N / 4], const uint8_t
 
 __host__ __device__ inline uint32_t byte_of(const uint32_t * words, int i) {
     return (words[i >> 2] >> (8 * (i & 3))) & 0xff;
+}
+
+#ifdef PEBBLE_HOST_BUILD
+struct uint4 { uint32_t x, y, z, w; }; // CUDA's 16-byte vector, for the host's run of the parts below
+#endif
+
+// a + the sum of the four products of a's and b's signed bytes (dp4a's arithmetic, on the host in C++).
+__host__ __device__ inline int dot4(int a, int b, int c) {
+#ifdef __CUDA_ARCH__
+    return __dp4a(a, b, c);
+#else
+    for (int i = 0; i < 4; i++) c += static_cast<int8_t>(a >> (8 * i)) * static_cast<int8_t>(b >> (8 * i));
+    return c;
+#endif
+}
+
+// 16 bytes at p, in one load on the GPU (p 16-byte aligned: the launcher checks the weights' alignment).
+__host__ __device__ inline uint4 load_16(const uint8_t * __restrict__ p) {
+#ifdef __CUDA_ARCH__
+    return *reinterpret_cast<const uint4 *>(p);
+#else
+    uint4 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+#endif
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -366,8 +392,7 @@ dequantize_tiled_kernel(const uint8_t * __restrict__ src, uint16_t * __restrict_
 // time. One 4-byte word of padding every 64 elements puts the lanes' reads in different banks (a lane's
 // part is 32 or 64 elements). A chunk is whole rounds of the warp's parts, so each lane takes the parts
 // it would take reading x from global memory, in the same order: the same sums, bit for bit.
-// (The host build multiplies in pebble_cpu.cc instead.)
-#ifndef PEBBLE_HOST_BUILD
+// (The host build multiplies in pebble_cpu.cc instead, but for PEBBLING_SIMD=gpu: see host_q8_matvec.)
 #ifndef PEBBLE_MATVEC_ROWS // a build may set these five to compare (benchmarks/bench_matvec.py --libs)
 #    define PEBBLE_MATVEC_ROWS 16
 #endif
@@ -391,6 +416,19 @@ constexpr int matvec_rows_per_block = PEBBLE_MATVEC_ROWS; // warps per thread bl
 constexpr int matvec_warp_rows = PEBBLE_MATVEC_WARP_ROWS;
 constexpr int matvec_chunk = 2048;        // x elements staged per vector at a time
 constexpr int matvec_chunk_padded = matvec_chunk + 2 * (matvec_chunk / 64);
+// x elements the integer kernel stages per vector at a time: at one or two vectors a 14336-column row
+// (Llama-3-8B's ffn_down) fits one chunk within the 48 KB a block's static shared memory may take; more take 4096.
+template <int NV> constexpr int q8_chunk = NV <= 2 ? PEBBLE_Q8_CHUNK_FEW : PEBBLE_Q8_CHUNK;
+// Rows a warp of the integer kernel takes at once: matvec_warp_rows at one or two vectors, where a row's
+// loads are few, for a matrix of more row groups than the GPU holds at once (fewer blocks would leave
+// multiprocessors idle); one at more vectors, whose sums take the registers (two rows spilled from 4 vectors up).
+template <int NV> constexpr int warp_rows = NV <= 2 ? matvec_warp_rows : 1;
+// Parts a lane loads before it sums the first: PEBBLE_MATVEC_LOADS over the warp's rows at once (at least
+// one), so that the registers they take stay near one row's at two (a part is 12 words of Q4_K, 20 of
+// Q5_K, 21 of Q6_K).
+template <int WR> constexpr int part_loads = PEBBLE_MATVEC_LOADS / WR > 1 ? PEBBLE_MATVEC_LOADS / WR : 1;
+
+#ifndef PEBBLE_HOST_BUILD
 
 // Row `row` of y for each of the NV vectors: the sum of the warp's lanes' acc, stored by lane 0 (every
 // lane of the warp takes part in the shuffles).
@@ -436,6 +474,8 @@ __device__ inline stacked_row locate(const stacked_rows & m, int64_t row, int64_
     return at;
 }
 
+#endif
+
 // F16, BF16 and F32 weights, eight elements a lane's part (16 bytes of F16 or BF16, 32 of F32) in 16-byte
 // loads, two parts loaded before the first is summed, where matvec_kernel's parts are single elements (a
 // 2-byte load each: about 1 TB/s on an H200, a fifth of its copy rate). x is staged as matvec_kernel stages
@@ -443,7 +483,7 @@ __device__ inline stacked_row locate(const stacked_rows & m, int64_t row, int64_
 // elements, every matrix 16-byte aligned (PEBBLING_CUDA_DENSE=0: an element a part).
 constexpr int dense_part = 8; // elements of a lane's part
 
-template <typename T> __device__ inline float dense_value(const uint4 (&w)[T::block_bytes / 2], int i) {
+template <typename T> __host__ __device__ inline float dense_value(const uint4 (&w)[T::block_bytes / 2], int i) {
     const uint32_t word = reinterpret_cast<const uint32_t *>(w)[T::block_bytes == 4 ? i : i / 2];
     if constexpr (T::id == type_f32::id) {
         return float_from_bits(word);
@@ -453,26 +493,27 @@ template <typename T> __device__ inline float dense_value(const uint4 (&w)[T::bl
     }
 }
 
-// Lane `lane`'s 8-element parts of the chunk [c0, c0 + n) of row w_row (F16, BF16 or F32), U at a time:
-// their loads first, then each part's products, in element order, into acc.
-template <typename T, int NV>
-__device__ inline void dense_parts(const uint8_t * __restrict__ w_row, int64_t c0, int n, int lane,
-                                   const uint16_t (&xs)[NV][matvec_chunk_padded], float (&acc)[NV]) {
+// Lane `lane` (of Lanes)'s 8-element parts of the chunk [c0, c0 + n) of row w_row (F16, BF16 or F32), U at
+// a time: their loads first, then each part's products, in element order, into acc. (On the host, for
+// PEBBLING_SIMD=gpu, each of 32 lanes in turn: host_dense_matvec.)
+template <typename T, int NV, int Lanes = warp_lanes>
+__host__ __device__ inline void dense_parts(const uint8_t * __restrict__ w_row, int64_t c0, int n, int lane,
+                                            const uint16_t (&xs)[NV][matvec_chunk_padded], float (&acc)[NV]) {
     constexpr int words = T::block_bytes / 2, U = 2; // 16-byte loads a part (1 or 2), parts loaded at once
-    const uint4 * w = reinterpret_cast<const uint4 *>(w_row) + c0 / dense_part * words;
+    const uint8_t * w = w_row + c0 / dense_part * words * 16;
     const int parts = n / dense_part;
-    for (int p0 = lane; p0 < parts; p0 += U * warp_lanes) {
+    for (int p0 = lane; p0 < parts; p0 += U * Lanes) {
         uint4 loaded[U][words];
         PEBBLE_UNROLL
         for (int u = 0; u < U; u++) {
-            const int p = p0 + u * warp_lanes;
+            const int p = p0 + u * Lanes;
             if (p >= parts) break;
             PEBBLE_UNROLL
-            for (int k = 0; k < words; k++) loaded[u][k] = w[int64_t(p) * words + k];
+            for (int k = 0; k < words; k++) loaded[u][k] = load_16(w + (int64_t(p) * words + k) * 16);
         }
         PEBBLE_UNROLL
         for (int u = 0; u < U; u++) {
-            const int p = p0 + u * warp_lanes;
+            const int p = p0 + u * Lanes;
             if (p >= parts) break;
             PEBBLE_UNROLL
             for (int i = 0; i < dense_part; i++) {
@@ -485,6 +526,7 @@ __device__ inline void dense_parts(const uint8_t * __restrict__ w_row, int64_t c
     }
 }
 
+#ifndef PEBBLE_HOST_BUILD
 // Both kernels' work (matvec_kernel, matvec_dense_kernel): Dense, the parts of dense_parts (F16, BF16, F32
 // only); else T::decode's parts, a part's loads after the previous part's sums.
 template <typename T, int NV, bool Dense>
@@ -564,21 +606,11 @@ matvec_dense_kernel(const __grid_constant__ stacked_rows m, int64_t n_cols, cons
 // d (dot - 8 sum); Q5_0: d (dot - 16 sum); Q4_1, Q5_1: d dot + m sum). Lanes take parts as matvec_kernel's
 // do; each vector's sums are its own, whatever the vectors beside it.
 //
-// The loads and sums of a part are __host__ __device__: with PEBBLING_SIMD=gpu the host library's
-// pebble_matvec runs them (host_q8_matvec below), so that CI checks this arithmetic for every type
-// without a GPU. The staging of x and the kernel's loops are the GPU's alone.
+// A lane's loop over its parts (q8_lane_parts) and the loads and sums of a part are __host__ __device__:
+// with PEBBLING_SIMD=gpu the host library's pebble_matvec runs them for each of 32 lanes (host_q8_matvec
+// below), so that CI checks this code for every type without a GPU. The staging of x (stage_q8) and the
+// kernel's loop over rows and chunks are the GPU's alone.
 #ifndef PEBBLE_HOST_BUILD
-// x elements staged per vector at a time: at one or two vectors a 14336-column row (Llama-3-8B's
-// ffn_down) fits one chunk within the 48 KB a block's static shared memory may take; more take 4096.
-template <int NV> constexpr int q8_chunk = NV <= 2 ? PEBBLE_Q8_CHUNK_FEW : PEBBLE_Q8_CHUNK;
-// Rows a warp takes at once: matvec_warp_rows at one or two vectors, where a row's loads are few, for a
-// matrix of more row groups than the GPU holds at once (fewer blocks would leave multiprocessors idle);
-// one at more vectors, whose sums take the registers (two rows spilled from 4 vectors up).
-template <int NV> constexpr int warp_rows = NV <= 2 ? matvec_warp_rows : 1;
-// Parts a lane loads before it sums the first: PEBBLE_MATVEC_LOADS over the warp's rows at once (at least
-// one), so that the registers they take stay near one row's at two (a part is 12 words of Q4_K, 20 of
-// Q5_K, 21 of Q6_K).
-template <int WR> constexpr int part_loads = PEBBLE_MATVEC_LOADS / WR > 1 ? PEBBLE_MATVEC_LOADS / WR : 1;
 constexpr int q8_chunk_bytes(int chunk) { return chunk + 4 * (chunk / 64); } // a word of padding every 64 (banks)
 
 template <int NV, int QB> struct q8_stage { // QB: the elements of one d (256 for the K-quants, else 32)
@@ -632,30 +664,8 @@ __device__ void stage_q8(const uint16_t * __restrict__ x, int64_t n_cols, int64_
         if (lane % (QB / 8) == 0) st.d[v][e / QB] = d;
     }
 }
-#else
-struct uint4 { uint32_t x, y, z, w; }; // CUDA's 16-byte vector, for the host's run of the parts below
 #endif
 
-// a + the sum of the four products of a's and b's signed bytes (dp4a's arithmetic, on the host in C++).
-__host__ __device__ inline int dot4(int a, int b, int c) {
-#ifdef __CUDA_ARCH__
-    return __dp4a(a, b, c);
-#else
-    for (int i = 0; i < 4; i++) c += static_cast<int8_t>(a >> (8 * i)) * static_cast<int8_t>(b >> (8 * i));
-    return c;
-#endif
-}
-
-// 16 bytes at p, in one load on the GPU (p 16-byte aligned: the launcher checks the weights' alignment).
-__host__ __device__ inline uint4 load_16(const uint8_t * __restrict__ p) {
-#ifdef __CUDA_ARCH__
-    return *reinterpret_cast<const uint4 *>(p);
-#else
-    uint4 v;
-    memcpy(&v, p, sizeof v);
-    return v;
-#endif
-}
 
 // The scale bytes of a Q4_K or Q5_K block (its bytes 4..15) as loaded with its first 16 (head), read from
 // the registers (a byte array indexed by the run-time sub-block would be local memory).
@@ -858,6 +868,41 @@ __host__ __device__ inline void sum_part(const typename part_bytes_of<T>::type &
     }
 }
 
+// Lane `lane` (of Lanes)'s parts of the chunk [c0, c0 + n) of the warp's WR rows (w_row, where active),
+// x staged in st from element c0, in groups of U: every load of a group goes out before its first part is
+// summed, parts and rows summed in the order of one part at a time (the same sums, bit for bit). (On the
+// host, for PEBBLING_SIMD=gpu, each of 32 lanes in turn: host_q8_matvec.)
+template <typename T, int NV, int WR, int Lanes = warp_lanes, typename Stage>
+__host__ __device__ inline void q8_lane_parts(const uint8_t * const (&w_row)[WR], const bool (&active)[WR], int64_t c0,
+                                              int n, int lane, const Stage & st, float (&acc)[WR][NV]) {
+    constexpr int part_elements = T::block_elements / T::parts, U = part_loads<WR>;
+    const int64_t p_end = (c0 + n) / part_elements;
+    for (int64_t p0 = c0 / part_elements + lane; p0 < p_end; p0 += int64_t(U) * Lanes) {
+        typename part_bytes_of<T>::type w[U][WR];
+        PEBBLE_UNROLL
+        for (int u = 0; u < U; u++) {
+            const int64_t p = p0 + int64_t(u) * Lanes;
+            if (p >= p_end) break;
+            PEBBLE_UNROLL
+            for (int r = 0; r < WR; r++) {
+                if (active[r]) w[u][r] = load_part<T>(w_row[r] + p / T::parts * T::block_bytes,
+                                                      static_cast<int>(p % T::parts));
+            }
+        }
+        PEBBLE_UNROLL
+        for (int u = 0; u < U; u++) {
+            const int64_t p = p0 + int64_t(u) * Lanes;
+            if (p >= p_end) break;
+            const int64_t block = p / T::parts;
+            const int first = static_cast<int>(block * T::block_elements - c0), part = static_cast<int>(p % T::parts);
+            PEBBLE_UNROLL
+            for (int r = 0; r < WR; r++) {
+                if (active[r]) sum_part<T, NV>(w[u][r], part, first, st, acc[r]);
+            }
+        }
+    }
+}
+
 #ifndef PEBBLE_HOST_BUILD
 // Two blocks a multiprocessor (64 registers a thread): without the bound, a lane's two parts in registers
 // took 72 to 127 and one block, which halved the warps and undid the loads' gain; with it none spills.
@@ -904,34 +949,7 @@ matvec_q8_kernel(const __grid_constant__ stacked_rows m, int64_t n_cols, const u
             for (int r = 0; r < WR; r++) {
                 w_row[r] = active[r] ? locate(m, row[r], blocks_per_row * T::block_bytes).w_row : nullptr;
             }
-            // A lane's parts in groups of U: every load of a group goes out before its first part is summed,
-            // parts and rows summed in the order of one part at a time (the same sums, bit for bit).
-            constexpr int U = part_loads<WR>;
-            const int64_t p_end = (c0 + n) / part_elements;
-            for (int64_t p0 = c0 / part_elements + lane; p0 < p_end; p0 += int64_t(U) * warp_lanes) {
-                typename part_bytes_of<T>::type w[U][WR];
-                PEBBLE_UNROLL
-                for (int u = 0; u < U; u++) {
-                    const int64_t p = p0 + int64_t(u) * warp_lanes;
-                    if (p >= p_end) break;
-                    PEBBLE_UNROLL
-                    for (int r = 0; r < WR; r++) {
-                        if (active[r]) w[u][r] = load_part<T>(w_row[r] + p / T::parts * T::block_bytes,
-                                                              static_cast<int>(p % T::parts));
-                    }
-                }
-                PEBBLE_UNROLL
-                for (int u = 0; u < U; u++) {
-                    const int64_t p = p0 + int64_t(u) * warp_lanes;
-                    if (p >= p_end) break;
-                    const int64_t block = p / T::parts;
-                    const int first = static_cast<int>(block * T::block_elements - c0), part = static_cast<int>(p % T::parts);
-                    PEBBLE_UNROLL
-                    for (int r = 0; r < WR; r++) {
-                        if (active[r]) sum_part<T, NV>(w[u][r], part, first, st, acc[r]);
-                    }
-                }
-            }
+            q8_lane_parts<T, NV, WR>(w_row, active, c0, n, lane, st, acc);
         }
         PEBBLE_UNROLL
         for (int r = 0; r < WR; r++) {
@@ -1135,21 +1153,44 @@ stacked_rows one_matrix(const uint8_t * w, int64_t n_rows, float * y) {
 #endif
 
 #ifdef PEBBLE_HOST_BUILD
-// The staging of a whole row of x for host_q8_matvec, indexed as the GPU's q8_stage is (q at staged_at<1>).
+// The staging of a row of x for host_q8_matvec, indexed as the GPU's q8_stage is (q at staged_at<1>); `from`
+// gives the view of the stretch from element c0 on (a multiple of 256), as a chunk's staging is indexed.
 template <int NV> struct host_q8_stage {
     const int8_t *  q[NV];
     const float *   d[NV];
     const int32_t * sum[NV];
+
+    host_q8_stage from(int64_t c0, int qb) const {
+        host_q8_stage view = *this;
+        for (int v = 0; v < NV; v++) {
+            view.q[v] += staged_at<1>(static_cast<int>(c0));
+            view.d[v] += c0 / qb;
+            view.sum[v] += c0 / 16;
+        }
+        return view;
+    }
 };
 
-// PEBBLING_SIMD=gpu: y = W x as the GPU's integer kernel computes it, one thread a row (rows among the
-// pool's threads): x quantized per QB elements (pebble_cpu's quantization, which the GPU's stage_q8
-// repeats), each 16's sum of q, then part p of the row summed by lane p % 32 with the GPU's load_part and
-// sum_part, and the 32 lanes' sums added as the GPU's shuffles add them. Only the fused multiply-adds the
-// GPU's compiler makes differ from the GPU's sums.
+// The 32 lanes' sums of a row added as __shfl_xor_sync's butterfly adds them (warp_sum), into y's row r.
+template <int NV> void host_warp_sums(float (&lanes)[32][NV], float * y, int64_t n_rows, int64_t r) {
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        float next[32][NV];
+        for (int l = 0; l < 32; l++) {
+            for (int v = 0; v < NV; v++) next[l][v] = lanes[l][v] + lanes[l ^ offset][v];
+        }
+        memcpy(lanes, next, sizeof lanes);
+    }
+    for (int v = 0; v < NV; v++) y[v * n_rows + r] = lanes[0][v];
+}
+
+// PEBBLING_SIMD=gpu: y = W x as the GPU's integer kernel computes it (one row a warp: warp_rows 1), a row
+// at a time (rows among the pool's threads): x quantized per QB elements (pebble_cpu's quantization, which
+// the GPU's stage_q8 repeats) with each 16's sum of q, then for each of the kernel's chunks of x each of 32
+// lanes in turn through the kernel's own q8_lane_parts, and the lanes' sums added as the GPU's shuffles
+// add them. Only the fused multiply-adds the GPU's compiler makes differ from the GPU's sums.
 template <typename T, int NV>
 pebble_status host_q8_matvec(const uint8_t * w, int64_t n_rows, int64_t n_cols, const uint16_t * x, float * y) {
-    constexpr int QB = T::block_elements == 256 ? 256 : 32, part_elements = T::block_elements / T::parts;
+    constexpr int QB = T::block_elements == 256 ? 256 : 32;
     const int64_t staged = staged_at<1>(static_cast<int>(n_cols)) + 4, blocks = n_cols / QB;
     std::unique_ptr<int32_t[]> q_words(new (std::nothrow) int32_t[NV * staged / 4 + 1]);
     std::unique_ptr<float[]> d(new (std::nothrow) float[NV * blocks]);
@@ -1176,31 +1217,57 @@ pebble_status host_q8_matvec(const uint8_t * w, int64_t n_rows, int64_t n_cols, 
         st.d[v] = d.get() + v * blocks;
         st.sum[v] = sums.get() + v * (n_cols / 16);
     }
-    const int64_t row_bytes = n_cols / T::block_elements * T::block_bytes, parts = n_cols / part_elements;
+    const int64_t row_bytes = n_cols / T::block_elements * T::block_bytes;
+    constexpr int chunk = q8_chunk<NV>;
     host_parallel(n_rows, n_rows * n_cols * NV, [&](int64_t begin, int64_t end) {
         for (int64_t r = begin; r < end; r++) {
             float lanes[32][NV] = {};
-            for (int64_t p = 0; p < parts; p++) {
-                const uint8_t * bb = w + r * row_bytes + p / T::parts * T::block_bytes;
-                const int part = static_cast<int>(p % T::parts);
-                sum_part<T, NV>(load_part<T>(bb, part), part, static_cast<int>(p / T::parts * T::block_elements), st,
-                                lanes[p % 32]);
-            }
-            for (int offset = 16; offset > 0; offset >>= 1) { // __shfl_xor_sync's butterfly
-                float next[32][NV];
-                for (int l = 0; l < 32; l++) {
-                    for (int v = 0; v < NV; v++) next[l][v] = lanes[l][v] + lanes[l ^ offset][v];
+            const uint8_t * const w_row[1] = {w + r * row_bytes};
+            const bool active[1] = {true};
+            for (int64_t c0 = 0; c0 < n_cols; c0 += chunk) {
+                const int n = static_cast<int>(std::min<int64_t>(chunk, n_cols - c0));
+                const host_q8_stage<NV> view = st.from(c0, QB);
+                for (int lane = 0; lane < 32; lane++) {
+                    float acc[1][NV];
+                    memcpy(acc[0], lanes[lane], sizeof acc);
+                    q8_lane_parts<T, NV, 1, 32>(w_row, active, c0, n, lane, view, acc);
+                    memcpy(lanes[lane], acc[0], sizeof acc);
                 }
-                memcpy(lanes, next, sizeof lanes);
             }
-            for (int v = 0; v < NV; v++) y[v * n_rows + r] = lanes[0][v];
+            host_warp_sums(lanes, y, n_rows, r);
+        }
+    });
+    return PEBBLE_OK;
+}
+
+// PEBBLING_SIMD=gpu for F16, BF16 and F32 rows of whole 8-element parts: y = W x as the GPU's dense kernel
+// computes it, x staged in fp16 a chunk of matvec_chunk at a time as the kernel stages it, each of 32 lanes
+// in turn through the kernel's own dense_parts, and the lanes' sums added as the GPU's shuffles add them.
+template <typename T, int NV>
+pebble_status host_dense_matvec(const uint8_t * w, int64_t n_rows, int64_t n_cols, const uint16_t * x, float * y) {
+    const int64_t row_bytes = n_cols * T::block_bytes;
+    host_parallel(n_rows, n_rows * n_cols * NV, [&](int64_t begin, int64_t end) {
+        uint16_t xs[NV][matvec_chunk_padded]; // 34 KB at 8 vectors
+        for (int64_t r = begin; r < end; r++) {
+            float lanes[32][NV] = {};
+            for (int64_t c0 = 0; c0 < n_cols; c0 += matvec_chunk) {
+                const int n = static_cast<int>(std::min<int64_t>(matvec_chunk, n_cols - c0));
+                for (int v = 0; v < NV; v++) {
+                    for (int e = 0; e < n; e++) xs[v][staged_at<2>(e)] = x[v * n_cols + c0 + e];
+                }
+                for (int lane = 0; lane < 32; lane++) {
+                    dense_parts<T, NV, 32>(w + r * row_bytes, c0, n, lane, xs, lanes[lane]);
+                }
+            }
+            host_warp_sums(lanes, y, n_rows, r);
         }
     });
     return PEBBLE_OK;
 }
 
 // pebble_matvec, pebble_matmul and pebble_matmul_f32 with PEBBLING_SIMD=gpu, as the cuda library runs them:
-// float32 x rounded to fp16 first, then host_q8_matvec over groups of up to 8 vectors.
+// float32 x rounded to fp16 first, then host_q8_matvec (the quantized types) or host_dense_matvec (F16,
+// BF16, F32 in rows of whole 8-element parts) over groups of up to 8 vectors.
 template <typename T>
 pebble_status host_gpu_matvec(const uint8_t * w, int64_t n_rows, int64_t n_cols, const void * x, bool x_f32,
                               int64_t n_vec, float * y, const char * fn) {
@@ -1217,7 +1284,12 @@ pebble_status host_gpu_matvec(const uint8_t * w, int64_t n_rows, int64_t n_cols,
     for (int64_t v = 0; v < n_vec; v += PEBBLE_MATVEC_MAX_VEC) {
         const int32_t group = static_cast<int32_t>(std::min<int64_t>(PEBBLE_MATVEC_MAX_VEC, n_vec - v));
         TRY(with_vectors(group, [&](auto nv) {
-            return host_q8_matvec<T, decltype(nv)::value>(w, n_rows, n_cols, x_f16 + v * n_cols, y + v * n_rows);
+            constexpr int NV = decltype(nv)::value;
+            if constexpr (T::block_elements > 1) {
+                return host_q8_matvec<T, NV>(w, n_rows, n_cols, x_f16 + v * n_cols, y + v * n_rows);
+            } else {
+                return host_dense_matvec<T, NV>(w, n_rows, n_cols, x_f16 + v * n_cols, y + v * n_rows);
+            }
         }));
     }
     return PEBBLE_OK;
@@ -1546,10 +1618,8 @@ pebble_status matvec_call(const char * fn, int32_t ggml_type, const void * w, ui
 #ifdef PEBBLE_HOST_BUILD
         (void)stream;
         (void)x_name;
-        if constexpr (T::block_elements > 1) {
-            if (pebble_cpu::gpu_arithmetic()) {
-                return host_gpu_matvec<T>(static_cast<const uint8_t *>(w), n_rows, n_cols, x, x_f32, n_vec, y, fn);
-            }
+        if (pebble_cpu::gpu_arithmetic() && (T::block_elements > 1 || n_cols % dense_part == 0)) {
+            return host_gpu_matvec<T>(static_cast<const uint8_t *>(w), n_rows, n_cols, x, x_f32, n_vec, y, fn);
         }
         return pebble_cpu::matmul(T::id, static_cast<const uint8_t *>(w), n_rows, n_cols, x, x_f32, n_vec, y, fn);
 #else

@@ -475,7 +475,7 @@ def test_stub_and_native_kernels_agree(qtype):
                                             ({"PEBBLING_SIMD": "sse9"}, "PEBBLING_SIMD is 'sse9'")])
 def test_host_kernels_under_each_setting(setting, error):
     """The portable kernels (what a CPU without AVX2 runs), the AVX2 ones where the CPU has AVX-512, the
-    GPU integer kernel's arithmetic (PEBBLING_SIMD=gpu: its loads and sums of each part, on the host), and
+    GPU's integer and dense matvec kernels' code for a lane (PEBBLING_SIMD=gpu: each of 32 lanes on the host), and
     other pool sizes give results within the same bounds: the matvec and matmul tests above and below, run
     in a process with the setting; a malformed setting is an error naming it, not ignored."""
     if not probe("host").usable:
