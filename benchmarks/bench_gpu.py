@@ -16,7 +16,9 @@ beside the plan's estimate; bytes restored per step and the host->device rate th
 the bus's rate measured in this run through the store; weight bytes read per step over the time per step,
 against a device-to-device copy measured in this run (the roofline fraction); greedy tokens equal to none's;
 where a step's time goes: its wall time, the host's time inside the library's step call, and (on a GPU)
-the device's time over the call's work, from CUDA events on its stream (StepTimes).
+the device's time over the call's work, from CUDA events on its stream (StepTimes); the estimate in its
+parts beside the store's device-tier peak and CuPy's pool's sampled peak (memory_parts: which part a peak
+over the estimate came from).
 Peers: transformers + accelerate (random F16 weights of the same shape, fully on the GPU and with
 max_memory[0] at each budget), llama.cpp on the Q4_K_M file where llama_cpp imports (else recorded absent).
 Every figure is measured in this run, except those listed under "estimates" in the JSON and marked (est.)
@@ -35,6 +37,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -157,7 +160,8 @@ def run_row(pebbled: PebbledModel, options: Options, prompts: list[list[int]], c
         source = StoreLayers(pebbled, pebbled.plan(options, pebbling, len(prompts[0]), n_seqs=len(prompts)),
                              options, pebbling)
         gens = [Generation(pebbled.model, options, layers=source.sequence(s)) for s in range(len(prompts))]
-    with PeakSampler(backend.used_memory, backend.measures_memory, f"the {backend.name} backend") as sampler:
+    pool = PeakSampler(lambda: PoolUse(backend.pool_bytes()), backend.measures_memory, "CuPy's pool")
+    with PeakSampler(backend.used_memory, backend.measures_memory, f"the {backend.name} backend") as sampler, pool:
         start = time.perf_counter()
         for gen, prompt in zip(gens, prompts):
             gen.start(prompt)
@@ -178,7 +182,32 @@ def run_row(pebbled: PebbledModel, options: Options, prompts: list[list[int]], c
     report = gens[0].report() if len(gens) == 1 else source.report(gens[0].stats, 0)
     return {"tokens": tokens, "report": report, "prefill_s": prefill_s, "decode_s": decode_s,
             "nvml_peak_bytes": sampler.peak, "nvml_peak_how": sampler.how, "step_calls": timer.calls,
-            "inside_step_s": timer.inside, "device_step_s": timer.device_seconds()}
+            "inside_step_s": timer.inside, "device_step_s": timer.device_seconds(),
+            "memory": memory_parts(source if source is not None else getattr(gens[0].layers, "shared", None),
+                                   pool.peak)}
+
+
+class PoolUse(NamedTuple):
+    """What CuPy's pool holds, as PeakSampler reads it."""
+    bytes: int
+    how: str = "CuPy's pool total_bytes()"
+
+
+def memory_parts(layers, pool_peak: int | None) -> dict | None:
+    """The row's estimate in its parts beside the two measured parts they bound, so that a peak over the
+    estimate names the part it missed: the store's device tier (resident layers and their KV: native
+    memory) peaked at store_device_peak_bytes against store_limit_bytes; CuPy's pool (slots, output
+    weights, workspace, activations) at pool_peak_bytes (sampled every 2 ms) against the slots, fixed and
+    workspace bytes; what NVML saw beyond both is the overhead's (context, libraries, the decoder's own
+    memory). `layers` is the row's StoreLayers; None (no plan) gives None."""
+    plan = getattr(layers, "plan", None)
+    if plan is None:
+        return None
+    m = plan.memory
+    return {"store_limit_bytes": plan.store_limit, "slots_bytes": plan.n_slots * plan.slot_bytes,
+            "fixed_bytes": m.fixed_bytes, "workspace_bytes": m.workspace_bytes, "overhead_bytes": m.overhead_bytes,
+            "margin_bytes": m.margin_bytes, "expert_bytes": plan.expert_bytes,
+            "store_device_peak_bytes": int(layers.store.stats().device_peak_bytes), "pool_peak_bytes": pool_peak}
 
 
 def row_figures(case: dict, batch: int, run: dict, n_prompt: int, n_decode: int, weight_bytes: int,
@@ -211,6 +240,7 @@ def row_figures(case: dict, batch: int, run: dict, n_prompt: int, n_decode: int,
         "weight_bytes_per_step": weight_bytes,
         "weights_GBps": round(weight_bytes / step_s / 1e9, 3),
         "roofline_fraction": round(weight_bytes / step_s / hbm_bps, 4),
+        "memory": run.get("memory"),
         "tokens": run["tokens"],
     }
 

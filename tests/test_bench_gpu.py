@@ -66,6 +66,23 @@ def test_rows_differ_as_their_strategies_do(result):
     assert rows[("none", 8)]["estimated_peak_bytes"] > rows[("none", 1)]["estimated_peak_bytes"]
 
 
+def test_each_row_gives_its_estimate_in_parts_beside_the_parts_measured(result):
+    """The estimate's parts add up to it, and the store's device tier peaked within its part (the host
+    backend's store is byte-accounted); CuPy's pool is only sampled on a GPU."""
+    _, data, _ = result
+    for f in data["files"]:
+        for r in f["rows"]:
+            m = r["memory"]
+            parts = ("store_limit_bytes", "slots_bytes", "fixed_bytes", "workspace_bytes", "overhead_bytes",
+                     "margin_bytes", "expert_bytes")
+            assert sum(m[k] for k in parts) == r["estimated_peak_bytes"], (f["type"], r["label"], m)
+            assert 0 <= m["store_device_peak_bytes"] <= m["store_limit_bytes"], (f["type"], r["label"], m)
+            assert m["pool_peak_bytes"] is None
+    rows = {(r["label"], r["batch"]): r["memory"] for r in data["files"][0]["rows"]}
+    assert rows[("minimal", 1)]["slots_bytes"] > 0 and rows[("none", 1)]["slots_bytes"] == 0
+    assert rows[("minimal", 1)]["store_limit_bytes"] == 0 < rows[("none", 1)]["store_device_peak_bytes"]
+
+
 def test_the_bandwidths_are_measured_and_the_estimates_labelled(result):
     _, data, text = result
     assert positive(data["bus"]["h2d_restore_GBps"]) and "no GPU" in data["bus"]["path"]
