@@ -83,8 +83,8 @@ thread_setting read_thread_setting() {
     if (simd && *simd && std::strcmp(simd, "portable") != 0 && std::strcmp(simd, "auto") != 0 &&
         std::strcmp(simd, "avx2") != 0 && std::strcmp(simd, "gpu") != 0) {
         std::snprintf(s.error, sizeof s.error, "PEBBLING_SIMD is '%.40s'; 'auto' (the best this CPU has), 'avx2' "
-                      "(no AVX-512 even where the CPU has it), 'portable' (no SIMD intrinsics) or 'gpu' (the GPU "
-                      "kernel's arithmetic) is accepted", simd);
+                      "(no AVX-512 even where the CPU has it), 'portable' (no SIMD intrinsics) or 'gpu' (the GPU's "
+                      "matvec kernels' code, slowly) is accepted", simd);
         return s;
     }
     const char * env = std::getenv("PEBBLING_THREADS");

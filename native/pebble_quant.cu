@@ -1191,6 +1191,10 @@ template <int NV> void host_warp_sums(float (&lanes)[32][NV], float * y, int64_t
 template <typename T, int NV>
 pebble_status host_q8_matvec(const uint8_t * w, int64_t n_rows, int64_t n_cols, const uint16_t * x, float * y) {
     constexpr int QB = T::block_elements == 256 ? 256 : 32;
+    if (n_cols > (int64_t(1) << 30)) { // staged_at's int offsets, as the GPU's shared memory's
+        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_matvec: %s: n_cols %" PRId64 " is past the 2^30 columns "
+                    "PEBBLING_SIMD=gpu stages; unset it for the host's kernels", type_name(T::id), n_cols);
+    }
     const int64_t staged = staged_at<1>(static_cast<int>(n_cols)) + 4, blocks = n_cols / QB;
     std::unique_ptr<int32_t[]> q_words(new (std::nothrow) int32_t[NV * staged / 4 + 1]);
     std::unique_ptr<float[]> d(new (std::nothrow) float[NV * blocks]);
@@ -1542,6 +1546,10 @@ extern "C" pebble_status pebble_dequantize_rows(int32_t ggml_type, const void * 
         }
         const int64_t table_rows = static_cast<int64_t>(table_bytes / row_bytes);
         for (int64_t r = 0; r < n_rows; r++) { // all checked before any is written
+            if ((rows[r] < 0 || rows[r] >= table_rows) && table_rows == 0) {
+                return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_dequantize_rows: %s: rows[%" PRId64 "] is %" PRId64
+                            "; the table is empty (table_bytes 0): it has no rows to take", name, r, rows[r]);
+            }
             if (rows[r] < 0 || rows[r] >= table_rows) {
                 return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_dequantize_rows: %s: rows[%" PRId64 "] is %" PRId64
                             "; the table has rows 0..%" PRId64, name, r, rows[r], table_rows - 1);

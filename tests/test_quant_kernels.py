@@ -273,6 +273,8 @@ def test_dequantize_rows_refuses_rows_past_the_table_and_partial_rows(backend):
     with pytest.raises(InvalidArgumentError, match=r"GGUF type 10 \(Q2_K\) has no kernels"):
         lib.dequantize_rows(Q.Q2_K, table, n_cols, [0])
     assert lib.dequantize_rows(Q.Q4_K, table, n_cols, []).shape == (0, n_cols)
+    with pytest.raises(InvalidArgumentError, match=r"rows\[0\] is 0; the table is empty \(table_bytes 0\)"):
+        lib.dequantize_rows(Q.Q4_K, table[:0], n_cols, [0])
     np.testing.assert_array_equal(lib.dequantize_rows(Q.Q4_K, table, n_cols, [2]), reference(Q.Q4_K, raw, 3)[2:])
 
 
