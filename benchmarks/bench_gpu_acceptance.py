@@ -29,9 +29,9 @@ def _peer(result: dict, name: str, label: str) -> dict | None:
 def acceptance(result: dict) -> list[dict]:
     checks: list[dict] = []
 
-    def check(number: int, what: str, value, ok: bool | None, goal: str) -> None:
+    def check(number: int, what: str, value, ok: bool | None, goal: str, why: str | None = None) -> None:
         checks.append({"item": number, "check": what, "value": value, "goal": goal,
-                       "verdict": "n/a" if ok is None else "PASS" if ok else "FAIL"})
+                       "verdict": "n/a" if ok is None else "PASS" if ok else "FAIL", **({"why": why} if why else {})})
 
     on_gpu = result["config"]["backend"] == "cuda"
     for f in result["files"]:
@@ -49,8 +49,9 @@ def acceptance(result: dict) -> list[dict]:
                   abs(nvml / r["estimated_peak_bytes"] - 1) <= PEAK_VS_ESTIMATE if nvml else None,
                   f"within {PEAK_VS_ESTIMATE:.0%}")
             if r["budget_bytes"] is not None:
-                check(2, f"{name}: NVML peak within the budget", nvml, nvml <= r["budget_bytes"] if nvml else None,
-                      f"<= {r['budget_bytes']} B")
+                within = nvml <= r["budget_bytes"] if nvml else None
+                check(2, f"{name}: NVML peak within the budget", nvml, within, f"<= {r['budget_bytes']} B",
+                      memory_where(r) if within is False else None)
             if r["label"] in ("25%", "minimal") and r["bytes_restored_per_step"]:
                 ratio = r["decode_ms_per_step"] / r["transfer_bound_ms"]
                 check(5, f"{name}: time per step / transfer bound", round(ratio, 3),
@@ -89,9 +90,24 @@ def acceptance(result: dict) -> list[dict]:
     return checks
 
 
+def memory_where(row: dict) -> str | None:
+    """Where a row's NVML peak went, part by part against the estimate's parts (bench_gpu.memory_parts), or
+    None where the pool was not sampled: CuPy's pool (slots, output weights, workspace, expert slots), the
+    store's device tier, and what NVML saw beyond both (the overhead's: context, libraries, the decoder's)."""
+    m = row.get("memory")
+    if not m or m.get("pool_peak_bytes") is None or not row.get("nvml_peak_bytes"):
+        return None
+    pool_parts = m["slots_bytes"] + m["fixed_bytes"] + m["workspace_bytes"] + m["expert_bytes"]
+    beyond = row["nvml_peak_bytes"] - m["pool_peak_bytes"] - m["store_device_peak_bytes"]
+    return (f"pool peak {m['pool_peak_bytes']} B against {pool_parts} B estimated; store peak "
+            f"{m['store_device_peak_bytes']} B against {m['store_limit_bytes']} B; beyond both {beyond} B against "
+            f"overhead + margin {m['overhead_bytes'] + m['margin_bytes']} B")
+
+
 def acceptance_lines(checks: list[dict]) -> list[str]:
     counts = {v: sum(c["verdict"] == v for c in checks) for v in ("PASS", "FAIL", "n/a")}
     lines = [f"  acceptance (issue 25): {counts['PASS']} PASS, {counts['FAIL']} FAIL, {counts['n/a']} n/a"]
     shown = [c for c in checks if c["verdict"] == "FAIL" or (c["verdict"] == "n/a" and c["item"] != 2)]
-    lines += [f"    [{c['item']}] {c['verdict']:4s} {c['check']}: {c['value']} (goal {c['goal']})" for c in shown[:40]]
+    lines += [f"    [{c['item']}] {c['verdict']:4s} {c['check']}: {c['value']} (goal {c['goal']})"
+              + (f"; {c['why']}" if c.get("why") else "") for c in shown[:40]]
     return lines

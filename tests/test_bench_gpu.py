@@ -175,3 +175,28 @@ def test_a_batchs_restores_a_step_are_every_sequences_share():
     assert row["transfer_bound_ms"] == pytest.approx(8e6 / 50e9 * 1e3, rel=1e-3)
     assert row["achieved_h2d_GBps"] == pytest.approx(8e6 / 0.01 / 1e9, rel=1e-3)
     assert (row["inside_step_ms"], row["device_step_ms"]) == (7.5, 9.0)
+
+
+def test_a_peak_over_its_budget_says_which_part_it_came_from():
+    """A row whose NVML peak is over its budget fails item 2 with the peak part by part: CuPy's pool against
+    its parts of the estimate, the store's tier against its limit, and what lies beyond both against the
+    overhead; a row within its budget, or one whose pool was not sampled, says nothing more."""
+    from bench_gpu_acceptance import acceptance, acceptance_lines
+
+    memory = {"store_limit_bytes": 0, "slots_bytes": 600, "fixed_bytes": 100, "workspace_bytes": 50,
+              "overhead_bytes": 200, "margin_bytes": 40, "expert_bytes": 0, "store_device_peak_bytes": 0,
+              "pool_peak_bytes": 790}
+    row = {"label": "25%", "batch": 1, "budget_bytes": 990, "nvml_peak_bytes": 1002, "estimated_peak_bytes": 990,
+           "peak_over_estimate": 1.012, "tokens_equal": True, "tokens_compared_with": "none",
+           "bytes_restored_per_step": 0, "memory": memory}
+    result = {"config": {"backend": "cuda"}, "files": [{"type": "F16", "rows": [row, dict(row, label="minimal",
+              budget_bytes=None), dict(row, label="50%", budget_bytes=2000)]}]}
+    budget = [c for c in acceptance(result) if c["check"].endswith("within the budget")]
+    assert [c["verdict"] for c in budget] == ["FAIL", "PASS"]
+    assert budget[0]["why"] == ("pool peak 790 B against 750 B estimated; store peak 0 B against 0 B; beyond both "
+                                "212 B against overhead + margin 240 B")
+    assert "why" not in budget[1]
+    line = next(x for x in acceptance_lines(acceptance(result)) if "within the budget" in x)
+    assert line.endswith("; " + budget[0]["why"])
+    memory["pool_peak_bytes"] = None  # not sampled (no GPU): nothing to say
+    assert "why" not in next(c for c in acceptance(result) if c["check"].endswith("within the budget"))
