@@ -370,20 +370,22 @@ __host__ __device__ inline void put_attention(const attention_args & a, int64_t 
                 put_attention(a, h, d, acc);
                 continue;
             }
-            // The part's own softmax (flash-decoding): its largest score and its sum of exp(score - largest),
-            // every lane of the warp over the part's rows, then V weighted by exp(score - largest); the parts
-            // are put together by attention_parts_kernel.
+            // The part's own softmax (flash-decoding): its largest score (every warp of the part needs it) and,
+            // by the part's first warp alone, its sum of exp(score - largest), every lane of the warp over the
+            // part's rows; then V weighted by exp(score - largest). attention_parts_kernel puts the parts together.
             float top = -INFINITY;
             for (int64_t s = first + warp_lane(); s < end; s += warp_lanes) top = fmaxf(top, sc[s]);
             top = warp_max(top);
             const float shift = top == -INFINITY ? 0.0f : top; // a part of -inf scores weighs nothing
-            float total = 0.0f;
-            for (int64_t s = first + warp_lane(); s < end; s += warp_lanes) total += expf(sc[s] - shift);
-            total = warp_sum(total); // every lane of the warp is here
-            if (u % groups == 0 && warp_lane() == 0) {
-                float * stats = part_stats(a, h, part);
-                stats[0] = top;
-                stats[1] = total;
+            if (u % groups == 0) { // the same for the warp's lanes, so every lane of it is in warp_sum
+                float total = 0.0f;
+                for (int64_t s = first + warp_lane(); s < end; s += warp_lanes) total += expf(sc[s] - shift);
+                total = warp_sum(total);
+                if (warp_lane() == 0) {
+                    float * stats = part_stats(a, h, part);
+                    stats[0] = top;
+                    stats[1] = total;
+                }
             }
             if (d >= a.head_dim) continue;
             float acc = 0.0f;

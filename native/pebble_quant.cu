@@ -666,7 +666,6 @@ __device__ void stage_q8(const uint16_t * __restrict__ x, int64_t n_cols, int64_
 }
 #endif
 
-
 // The scale bytes of a Q4_K or Q5_K block (its bytes 4..15) as loaded with its first 16 (head), read from
 // the registers (a byte array indexed by the run-time sub-block would be local memory).
 struct scale_bytes {
@@ -1546,11 +1545,11 @@ extern "C" pebble_status pebble_dequantize_rows(int32_t ggml_type, const void * 
         }
         const int64_t table_rows = static_cast<int64_t>(table_bytes / row_bytes);
         for (int64_t r = 0; r < n_rows; r++) { // all checked before any is written
-            if ((rows[r] < 0 || rows[r] >= table_rows) && table_rows == 0) {
-                return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_dequantize_rows: %s: rows[%" PRId64 "] is %" PRId64
-                            "; the table is empty (table_bytes 0): it has no rows to take", name, r, rows[r]);
-            }
             if (rows[r] < 0 || rows[r] >= table_rows) {
+                if (table_rows == 0) {
+                    return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_dequantize_rows: %s: rows[%" PRId64 "] is %"
+                                PRId64 "; the table is empty (table_bytes 0): it has no rows to take", name, r, rows[r]);
+                }
                 return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_dequantize_rows: %s: rows[%" PRId64 "] is %" PRId64
                             "; the table has rows 0..%" PRId64, name, r, rows[r], table_rows - 1);
             }

@@ -105,8 +105,10 @@ class StubKernels:
         table_rows = src.nbytes // row_bytes
         bad = np.flatnonzero((ids < 0) | (ids >= table_rows))
         if bad.size:
-            held = "is empty (table_bytes 0): it has no rows to take" if not table_rows else f"has rows 0..{table_rows - 1}"
-            raise InvalidArgumentError(f"pebble_dequantize_rows: {name}: rows[{bad[0]}] is {ids[bad[0]]}; the table {held}")
+            held = (f"has rows 0..{table_rows - 1}" if table_rows else
+                    "is empty (table_bytes 0): it has no rows to take")
+            raise InvalidArgumentError(f"pebble_dequantize_rows: {name}: rows[{bad[0]}] is {ids[bad[0]]}; "
+                                       f"the table {held}")
         raw = src.reshape(table_rows, row_bytes)[ids]
         return np.array(self._decode(ggml_type, raw, ids.size).reshape(ids.size, n_cols), dtype=np.float32)
 
