@@ -62,6 +62,8 @@ ESTIMATES = {
     "estimated_peak_bytes": "the plan's estimate of the row's peak device memory, shown beside the measured peaks",
     "bus.nominal_link_GBps": "the PCIe link's nominal rate (generation x width, from NVML), not a measurement",
     "llama.cpp n_gpu_layers at a budget": "pebbling's resident layers at that budget, taken as what fits it",
+    "memory, but for its two *_peak_bytes": "the parts of the plan's estimate (store limit, slots, fixed, workspace, "
+                                            "overhead, margin, experts); the two peaks beside them are measured",
 }
 PCIE_LANE_GBPS = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}
 

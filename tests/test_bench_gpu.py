@@ -70,6 +70,7 @@ def test_each_row_gives_its_estimate_in_parts_beside_the_parts_measured(result):
     """The estimate's parts add up to it, and the store's device tier peaked within its part (the host
     backend's store is byte-accounted); CuPy's pool is only sampled on a GPU."""
     _, data, _ = result
+    assert any(k.startswith("memory") and "estimate" in v for k, v in data["estimates"].items())
     for f in data["files"]:
         for r in f["rows"]:
             m = r["memory"]
