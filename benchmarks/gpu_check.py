@@ -55,7 +55,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from bench_matvec import label as bench_matvec_label, outputs_text as bench_matvec_outputs  # noqa: E402
 from gpu_wheels import read_pins, wheel_name  # noqa: E402
 
 STAGES = ("probe", "kernels", "tests", "bench", "profile", "matvec")
@@ -447,11 +446,13 @@ def summary(result: dict) -> str:
     bench = result.get("bench")
     if bench:
         lines += ["", *bench.get("table", [])]
-    if result.get("matvec"):
+    if result.get("matvec"):  # bench_matvec imports gguf, which setup installs: imported only once it has run
+        from bench_matvec import label as bench_matvec_label, outputs_text as bench_matvec_outputs  # noqa: PLC0415
+
         lines.append(f"  matvec {bench_matvec_outputs(result['matvec'])}")
-    for lib in result.get("matvec") or []:
-        lines.append(f"  matvec {bench_matvec_label(lib)}: a Llama-3-8B Q4_K_M token's products (measured calls x calls) "
-                     + ", ".join(f"{ms:.3f} ms at {nv} vector(s)" for nv, ms in lib.get("token_ms", {}).items()))
+        for lib in result["matvec"]:
+            lines.append(f"  matvec {bench_matvec_label(lib)}: a Llama-3-8B Q4_K_M token's products (measured calls x "
+                         "calls) " + ", ".join(f"{ms:.3f} ms at {nv} vector(s)" for nv, ms in lib.get("token_ms", {}).items()))
     if result.get("profile"):
         lines += ["", "decode kernels by total time (ncu, one layer and the output, batch 1, 8 steps after 512 tokens):"]
         lines += [f"  {k['total_us']:9.1f} us  {k['invocations']:4d} x {k['mean_us']:8.2f} us  {k['kernel'][:90]}"

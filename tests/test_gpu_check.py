@@ -166,6 +166,26 @@ def test_the_profile_stage_is_recorded_as_not_run_off_cuda(tmp_path):
     assert profile["ok"] and profile["note"].startswith("not run") and rc == 0 and result["profile"] == []
 
 
+def test_gpu_check_starts_on_a_bare_machine_before_its_setup_installs_anything():
+    """On the GPU image nothing of the project's is installed until setup has run (11-27: an import of gguf at
+    the top of gpu_check.py stopped the whole check before it started): with every third-party package and
+    the project's own hidden, the script still imports and parses its arguments."""
+    hide = ["gguf", "numpy", "cffi", "tokenizers", "jinja2", "fastapi", "pydantic", "llguidance", "pyplugin",
+            "server_patch", "cupy", "yaml"]
+    code = textwrap.dedent(f"""
+        import sys
+        for name in {hide!r}:
+            sys.modules[name] = None  # import name raises ImportError
+        sys.path.insert(0, {str(ROOT / "benchmarks")!r})
+        sys.argv = ["gpu_check.py", "--help"]
+        import gpu_check
+        gpu_check.main()
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "--budget-s" in done.stdout
+
+
 def test_the_pinned_wheel_list_parses_and_each_pin_is_exact():
     pins = gpu_wheels.read_pins()
     assert {"cffi", "gguf", "fastapi", "llguidance", "pydantic-core", "jsonschema", "pexpect"} <= set(pins)
