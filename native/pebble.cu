@@ -250,6 +250,16 @@ pebble_status copy_async(entry & e, void * dst, const void * src, uint64_t n, cu
     return PEBBLE_OK;
 }
 
+// What a device copy of n bytes takes of the device (PEBBLE_DEVICE_PAGE_BYTES): the device tier's unit.
+uint64_t device_footprint(uint64_t n) {
+#ifdef PEBBLE_HOST_BUILD
+    return n;
+#else
+    constexpr uint64_t page = PEBBLE_DEVICE_PAGE_BYTES;
+    return n < page / 2 ? n : (n + page - 1) / page * page;
+#endif
+}
+
 void note_device(store & s, int64_t delta) {
     s.stats.device_bytes += delta;
     s.stats.device_peak_bytes = std::max(s.stats.device_peak_bytes, s.stats.device_bytes);
@@ -277,7 +287,7 @@ pebble_status drop_device_copy(store & s, entry & e) {
     if (e.dev) CUDA_CHECK(free_device_buffer(e.dev));
     e.dev = nullptr;
     s.lru.erase(e.lru);
-    note_device(s, -static_cast<int64_t>(e.nbytes));
+    note_device(s, -static_cast<int64_t>(device_footprint(e.nbytes)));
     return PEBBLE_OK;
 }
 
@@ -333,7 +343,7 @@ pebble_status make_room(store & s, uint64_t need, Keep keep, bool * fits) {
 pebble_status alloc_device_copy(store & s, entry & e, entry_key key) {
     CUDA_CHECK(cudaMalloc(&e.dev, e.nbytes));
     e.lru = s.lru.insert(s.lru.end(), key);
-    note_device(s, static_cast<int64_t>(e.nbytes));
+    note_device(s, static_cast<int64_t>(device_footprint(e.nbytes)));
     return PEBBLE_OK;
 }
 
@@ -368,7 +378,7 @@ pebble_status device_copy_from_host(store & s, entry & e, entry_key key, cudaStr
     (void)stream;
     e.dev = e.host;
     e.lru = s.lru.insert(s.lru.end(), key);
-    note_device(s, static_cast<int64_t>(e.nbytes));
+    note_device(s, static_cast<int64_t>(device_footprint(e.nbytes)));
 #else
     TRY(alloc_device_copy(s, e, key));
     TRY(copy_async(e, e.dev, e.host, e.nbytes, stream));
@@ -484,7 +494,7 @@ extern "C" pebble_status pebble_set_strategy(pebble_store_t handle, uint64_t dev
     TRY(make_room(s, 0, [](entry_key) { return false; }, &fits));
     for (entry_key key : keys) {
         entry & e = s.entries.at(key);
-        if (!resident(key) || e.dev || s.stats.device_bytes + e.nbytes > s.limit) continue;
+        if (!resident(key) || e.dev || s.stats.device_bytes + device_footprint(e.nbytes) > s.limit) continue;
         TRY(device_copy_from_host(s, e, key, s.evict_stream));
     }
     CUDA_CHECK(cudaStreamSynchronize(s.evict_stream));
@@ -591,9 +601,10 @@ extern "C" pebble_status pebble_save(pebble_store_t handle, int32_t layer, int32
     const bool kept = found != s.entries.end() && found->second.kept;
     const bool to_device = tier == PEBBLE_TIER_DEVICE ||
                            (tier == PEBBLE_TIER_AUTO && !kept && is_resident(s.strategy, s.arg, s.n_layers, layer));
-    if (to_device && nbytes > s.limit) {
-        return fail(PEBBLE_ERR_TOO_LARGE, "pebble_save: layer %d tensor %d: %" PRIu64 " bytes cannot fit a device "
-                    "tier limited to %" PRIu64 " bytes", layer, tensor_id, nbytes, s.limit);
+    if (to_device && device_footprint(nbytes) > s.limit) {
+        return fail(PEBBLE_ERR_TOO_LARGE, "pebble_save: layer %d tensor %d: %" PRIu64 " bytes (%" PRIu64 " on the "
+                    "device) cannot fit a device tier limited to %" PRIu64 " bytes", layer, tensor_id, nbytes,
+                    device_footprint(nbytes), s.limit);
     }
 
     if (found != s.entries.end() && found->second.nbytes == nbytes) TRY(own_bytes(s, found->second, layer, tensor_id));
@@ -628,7 +639,7 @@ extern "C" pebble_status pebble_save(pebble_store_t handle, int32_t layer, int32
     if (to_device) {
         if (!e.dev) {
             bool fits = false;
-            st = make_room(s, nbytes, [&](entry_key k) { return k == key; }, &fits);
+            st = make_room(s, device_footprint(nbytes), [&](entry_key k) { return k == key; }, &fits);
             if (st == PEBBLE_OK && !fits) st = fail(PEBBLE_ERR_DEVICE_OOM, "pebble_save: no room for layer %d tensor %d", layer, tensor_id);
             if (st == PEBBLE_OK) st = alloc_device_copy(s, e, key);
             if (st != PEBBLE_OK) return abandon(st);
@@ -803,16 +814,17 @@ extern "C" pebble_status pebble_prefetch(pebble_store_t handle, int32_t layer, v
     auto same_layer = [layer](entry_key k) { return static_cast<int32_t>(k >> 32) == layer; };
     uint64_t layer_device_bytes = 0; // this layer's device copies, which prefetch never evicts
     for (const auto & kv : s.entries) {
-        if (same_layer(kv.first) && kv.second.dev) layer_device_bytes += kv.second.nbytes;
+        if (same_layer(kv.first) && kv.second.dev) layer_device_bytes += device_footprint(kv.second.nbytes);
     }
     for (entry_key key : keys) {
         entry & e = s.entries.at(key);
-        if (layer_device_bytes + e.nbytes > s.limit) continue; // could not fit even after evicting the rest
+        const uint64_t need = device_footprint(e.nbytes);
+        if (layer_device_bytes + need > s.limit) continue; // could not fit even after evicting the rest
         bool fits = false;
-        TRY(make_room(s, e.nbytes, same_layer, &fits));
+        TRY(make_room(s, need, same_layer, &fits));
         if (!fits) continue;
         TRY(device_copy_from_host(s, e, key, static_cast<cudaStream_t>(stream)));
-        layer_device_bytes += e.nbytes;
+        layer_device_bytes += need;
     }
     return PEBBLE_OK;
 }

@@ -82,7 +82,8 @@ struct pebble_entry_info {
 
 struct pebble_stats {
     uint64_t device_limit_bytes;
-    uint64_t device_bytes;       // bytes held in the device tier now
+    uint64_t device_bytes;       // bytes held in the device tier now, each copy as the device holds it
+                                 // (PEBBLE_DEVICE_PAGE_BYTES); the limit is in these bytes
     uint64_t device_peak_bytes;  // most ever held in the device tier
     uint64_t host_bytes;         // bytes held in the pinned host tier now
     uint64_t host_peak_bytes;
@@ -98,6 +99,12 @@ struct pebble_stats {
 };
 
 typedef struct pebble_store * pebble_store_t;
+
+// The cuda library counts a device copy of half a page or more as whole pages of this size: the CUDA
+// driver backs such an allocation with whole 2 MiB pages (NVML on an H200, 11-27: 32 layers of a
+// Llama-3-8B Q4_K_M file held 200.5 MiB over their bytes, each tensor of 1 MiB or more rounded up to
+// 2 MiB). The host library's device tier is memory of the host's and counts bytes.
+#define PEBBLE_DEVICE_PAGE_BYTES 2097152
 
 // ---------------------------------------------------------------------------------------------------
 // lifetime

@@ -15,7 +15,7 @@ import pytest
 
 from helpers import store_backend_params
 from pyplugin.store import strategy as strategies
-from pyplugin.store.backend import open_store, probe, select_backend
+from pyplugin.store.backend import backend_named, open_store, probe, select_backend
 from pyplugin.errors import (
     ClosedError, InvalidArgumentError, LayerRangeError, PebblingError, SizeMismatchError, StrategyError,
     TooLargeError, UnknownEntryError,
@@ -244,6 +244,29 @@ def test_evicting_a_prefetched_entry_copies_nothing(make_store):
     assert after.host_bytes == before.host_bytes
 
 
+def test_the_device_tier_counts_a_copy_as_the_device_holds_it(make_store, store_backend):
+    """cuda: a copy of half a 2 MiB page or more in whole pages, as the driver backs it (pebble.h,
+    PEBBLE_DEVICE_PAGE_BYTES: 11-27, on an H200, 32 layers of Llama-3-8B Q4_K_M held 200.5 MiB past their
+    bytes), the limit in the same bytes; host and stub count bytes."""
+    page = 2 << 20
+    n = page // 2 + 1
+    held = page if store_backend == "cuda" else n
+    store = make_store(device_limit=3 * page, n_layers=2)
+    store.save(0, 0, np.zeros(n, np.uint8), tier=TIER_DEVICE)
+    store.save(0, 1, np.zeros(1000, np.uint8), tier=TIER_DEVICE)  # small: its bytes on every backend
+    assert store.stats().device_bytes == held + 1000 == store.stats().device_peak_bytes
+    assert backend_named(store_backend).device_footprint(n) == held
+    store.save(1, 0, np.zeros(n, np.uint8), tier=TIER_DEVICE)  # the limit holds two pages and 1000 bytes
+    assert store.stats().device_bytes == 2 * held + 1000
+    store.save(1, 1, np.zeros(n, np.uint8), tier=TIER_DEVICE)  # a third page evicts on cuda, not in bytes
+    assert store.stats().evictions == (1 if store_backend == "cuda" else 0)
+    assert store.stats().device_bytes <= store.stats().device_limit_bytes
+    if store_backend == "cuda":
+        small = make_store(device_limit=n + 10, n_layers=1)
+        with pytest.raises(TooLargeError, match="on the device"):
+            small.save(0, 0, np.zeros(n, np.uint8), tier=TIER_DEVICE)
+
+
 def check_accounting(store, model: dict) -> None:
     """The stats agree with the entries: bytes per tier, entry count, the limit, no entry copyless."""
     stats = store.stats()
@@ -251,7 +274,8 @@ def check_accounting(store, model: dict) -> None:
     assert stats.device_bytes <= stats.device_limit_bytes
     assert stats.device_peak_bytes <= stats.device_limit_bytes
     assert stats.entries == len(model)
-    assert stats.device_bytes == sum(i.nbytes for i in infos.values() if i.on_device)
+    held = backend_named(store.backend).device_footprint  # an entry as the device holds it (cuda: in pages)
+    assert stats.device_bytes == sum(held(i.nbytes) for i in infos.values() if i.on_device)
     assert stats.host_bytes == sum(i.nbytes for i in infos.values() if i.on_host)
     assert all(i.on_device or i.on_host for i in infos.values()), "an entry lost every copy"
     assert all(i.nbytes == len(model[key]) for key, i in infos.items())
@@ -783,3 +807,34 @@ def test_device_array_refuses_host_entries_and_wrong_shapes(make_store):
     with pytest.raises(SizeMismatchError, match="64 bytes"):
         store.device_array(0, 0, np.float32, (17,))
     assert store.device_array(0, 0, np.float16, (32,)).shape == (32,)
+
+
+def test_the_overhead_is_the_most_measured_beyond_the_pool_and_every_open_tier(monkeypatch):
+    """Backend.overhead_bytes: the process's CUDA context, libraries and kernels are counted once for every
+    model, as NVML's figure less CuPy's pool and the device tier of each store still open (another model's
+    weights are not this one's overhead), and never lowered (11-27 on the H200: two loads in one process
+    measured a floor 1 MB apart, and a plan made later named a smaller footprint than one made before)."""
+    from pyplugin.store import gpu
+    from pyplugin.store.backend import HostBackend
+
+    found = probe("host")
+    assert found.usable, found.reason
+    backend = HostBackend("host", found.library_path)  # a backend of its own: the process's is left as it is
+    nvml = {"bytes": 10_000}
+    monkeypatch.setattr(backend, "measures_memory", True)
+    monkeypatch.setattr(backend, "used_memory", lambda: gpu.DeviceUse(nvml["bytes"], True))
+    monkeypatch.setattr(backend, "pool_bytes", lambda: 1_000)
+    one, two = (backend.open_store(4096, 2, "none") for _ in range(2))
+    one.save(0, 0, np.zeros(500, np.uint8), tier=TIER_DEVICE)
+    two.save(0, 0, np.zeros(700, np.uint8), tier=TIER_DEVICE)
+    assert backend.overhead_bytes() == 10_000 - 1_000 - 500 - 700
+    nvml["bytes"] = 9_000  # lower: a floor of the process's is never lowered
+    assert backend.overhead_bytes() == 7_800
+    nvml["bytes"] = 12_000
+    assert backend.overhead_bytes() == 9_800
+    two.close()  # its tier is given back: what NVML counts now is no longer less its bytes
+    nvml["bytes"] = 11_300
+    assert backend.overhead_bytes() == 11_300 - 1_000 - 500
+    one.close()
+    monkeypatch.setattr(backend, "measures_memory", False)
+    assert backend.overhead_bytes() is None  # bytes are accounted, nothing measured

@@ -15,8 +15,9 @@ from helpers import store_backend_params, tiny_model
 from pyplugin.errors import OptionsError, StrategyError
 from pyplugin.runtime import Generation, PebbledModel
 from pyplugin.runtime.options import Options
-from pyplugin.runtime.layout import WEIGHT_IDS
+from pyplugin.runtime.layout import WEIGHT_IDS, aligned
 from pyplugin.runtime.plan import MEASURED_MARGIN_BYTES, PebblingOptions, make_plan, peak_for, smallest_footprint
+from pyplugin.store.abi import paged
 from pyplugin.store.strategy import ADAPTIVE, resident_layers
 
 N_LAYER = 16
@@ -129,6 +130,33 @@ def test_where_memory_is_measured_plans_keep_two_pages_over_the_bytes(model, peb
         assert (make_plan(wide, strategy).estimated_peak_bytes
                 == make_plan(bare, strategy).estimated_peak_bytes + MEASURED_MARGIN_BYTES)
     assert smallest_footprint(wide) == smallest_footprint(bare) + MEASURED_MARGIN_BYTES
+
+
+def test_where_the_device_holds_pages_the_plan_counts_each_entry_and_slot_in_them(pebbled, monkeypatch):
+    """cuda's device tier counts a copy of half a page or more in whole pages, as the driver backs it (pebble.h,
+    PEBBLE_DEVICE_PAGE_BYTES): the plan counts each weight and K/V entry of the tier so, and each slot (one
+    buffer) so; the bytes a token restores stay bytes. A page of 6 KiB makes this tiny model's entries (4 to 32
+    KiB, powers of two) cross it."""
+    page = 6144
+    monkeypatch.setattr(pebbled.backend, "device_page_bytes", 0)
+    flat = pebbled.memory_model(OPTIONS, len(PROMPT))
+    monkeypatch.setattr(pebbled.backend, "device_page_bytes", page)
+    paged_memory = pebbled.memory_model(OPTIONS, len(PROMPT))
+    assert not any(flat.weight_page_bytes) and not any(flat.kv_page_bytes)
+    for i, layout in enumerate(pebbled.layouts):
+        assert paged_memory.weight_page_bytes[i] == sum(max(0, paged(t.nbytes, page) - aligned(t.nbytes)) for t in layout)
+    rows = [paged_memory.kv_rows(i, OPTIONS.num_ctx) * paged_memory.kv_bytes_per_token // 2 for i in range(N_LAYER)]
+    assert paged_memory.kv_page_bytes == tuple(2 * max(0, paged(n, page) - aligned(n)) for n in rows)
+    pages = sum(paged_memory.weight_page_bytes) + sum(paged_memory.kv_page_bytes)
+    assert pages > 0
+    none_flat, none_paged = make_plan(flat, "none"), make_plan(paged_memory, "none")
+    assert none_paged.store_limit - none_flat.store_limit == pages
+    assert none_paged.estimated_peak_bytes - none_flat.estimated_peak_bytes == pages
+    low_flat, low_paged = make_plan(flat, "minimal"), make_plan(paged_memory, "minimal")
+    assert low_paged.slot_bytes == low_flat.slot_bytes and low_flat.n_slots == 2
+    assert (low_paged.estimated_peak_bytes - low_flat.estimated_peak_bytes
+            == 2 * (paged(low_flat.slot_bytes, page) - low_flat.slot_bytes) > 0)
+    assert low_paged.restored_bytes_per_token(40) == low_flat.restored_bytes_per_token(40)
 
 
 def test_adaptive_interleaves_streamed_layers_between_resident_ones(model, pebbled):

@@ -181,10 +181,13 @@ class PebbledModel:
         held = (lambda t: t.name not in EXPERT_MATRICES) if expert_slots else (lambda t: True)
         if expert_slots and self.backend.arrays_on_device:  # a prefill restores experts into one slot
             workspace += expert_slots.slot_bytes
+        kv_entry = [cfg.kv_rows(i, options.num_ctx) * kv_token // 2 for i in range(cfg.n_layer)]  # K or V
+        pages = lambda n: max(0, self.backend.device_footprint(n) - aligned(n))  # noqa: E731 - what pages add
         return MemoryModel(
             layer_weight_bytes=tuple(sum(aligned(t.nbytes) for t in layout if held(t)) for layout in self.layouts),
-            layer_kv_bytes=tuple(aligned(cfg.kv_rows(i, options.num_ctx) * kv_token // 2) * 2
-                                 for i in range(cfg.n_layer)),
+            layer_kv_bytes=tuple(aligned(n) * 2 for n in kv_entry), kv_page_bytes=tuple(2 * pages(n) for n in kv_entry),
+            weight_page_bytes=tuple(sum(pages(t.nbytes) for t in layout if held(t)) for layout in self.layouts),
+            page_bytes=self.backend.device_page_bytes,
             kv_bytes_per_token=kv_token,
             kv_windows=tuple(cfg.sliding_window if cfg.is_sliding(i) else 0 for i in range(cfg.n_layer)),
             fixed_bytes=fixed,
@@ -222,9 +225,8 @@ class PebbledModel:
         self._overhead_bytes()
 
     def _overhead_bytes(self) -> int:
-        """The backend's own fixed cost: on the GPU, what NVML counts beyond the store's device tier
-        and CuPy's pool (the CUDA context, cuBLAS, loaded kernels); 0 on host and stub, which account
-        bytes. Measured after a warm-up forward, and never lowered: it only grows as kernels load."""
+        """The backend's own fixed cost (Backend.overhead_bytes: the process's, the most measured); 0 on host
+        and stub, which account bytes. Measured after a warm-up forward, and never lowered."""
         if not self.backend.measures_memory:
             return 0
         with self._overhead_lock:
@@ -232,10 +234,7 @@ class PebbledModel:
                 self._warm_up()
                 self._overhead = 0
             self.backend.free_pool()
-            used = self.backend.used_memory()
-            if used is not None:
-                now = used.bytes - self.backend.pool_bytes() - self.store.stats().device_bytes
-                self._overhead = max(self._overhead, now)
+            self._overhead = max(self._overhead, self.backend.overhead_bytes() or 0)
             return self._overhead
 
     def _warm_up(self) -> None:

@@ -4,6 +4,7 @@ costs (an estimate, computed from the model's shape, labelled as such wherever i
 Peak device memory of a plan for a batch of n_seqs sequences (1 for a request alone) =
     resident layers' weights and every sequence's KV cache (the store's device tier)
   + working slots x the largest streamed layer's weights and every sequence's KV cache
+  (where the device holds allocations in whole pages, the tier's entries and each slot counted in pages)
   + fixed tensors (output norm and output matrix)
   + the workspace of one prefill chunk of num_batch tokens, or of a decode step over the batch
   + the backend's fixed overhead (the CUDA context and allocator on the GPU; 0 on host and stub)
@@ -24,7 +25,7 @@ from fractions import Fraction
 
 from ..errors import OptionsError
 from ..model import WEIGHT_FORMS, ModelConfig, check_weight_form
-from ..store.abi import DECODER_SPLIT_ROWS
+from ..store.abi import DECODER_SPLIT_ROWS, paged
 from ..store.strategy import ADAPTIVE, NONE, Strategy, resident_layers
 from .experts import ExpertMemory, parse_expert_options
 
@@ -48,6 +49,12 @@ class MemoryModel:
     request: str = "any request"         # what the workspace was sized for, as messages name it
     experts: ExpertMemory | None = None  # experts as pebbles: layer_weight_bytes is then the dense part
     margin_bytes: int = 0                # what a measured peak may stand over the bytes (0: accounted)
+    # Where the device holds an allocation in whole pages (cuda: PEBBLE_DEVICE_PAGE_BYTES), what the pages
+    # add per layer to its weights' entries and to one sequence's K and V entries (the store's device tier
+    # counts them so), and the page size (0: bytes are what is held)
+    weight_page_bytes: tuple[int, ...] = ()
+    kv_page_bytes: tuple[int, ...] = ()
+    page_bytes: int = 0
 
     @property
     def n_layers(self) -> int:
@@ -57,8 +64,17 @@ class MemoryModel:
         kv = self.layer_kv_bytes
         return kv if isinstance(kv, int) else kv[i]
 
-    def layer_bytes(self, i: int) -> int:
-        return self.layer_weight_bytes[i] + self.n_seqs * self.kv_bytes(i)
+    def layer_bytes(self, i: int, paged: bool = True) -> int:
+        """Layer i's weights and every sequence's KV entries, as the device tier holds them (`paged`), or in
+        bytes (a slot holds them in one buffer)."""
+        if not paged or not self.weight_page_bytes:
+            return self.layer_weight_bytes[i] + self.n_seqs * self.kv_bytes(i)
+        return (self.layer_weight_bytes[i] + self.weight_page_bytes[i]
+                + self.n_seqs * (self.kv_bytes(i) + self.kv_page_bytes[i]))
+
+    def footprint(self, nbytes: int) -> int:
+        """One allocation of `nbytes` as the device holds it (pebble.h, PEBBLE_DEVICE_PAGE_BYTES)."""
+        return paged(nbytes, self.page_bytes)
 
     def kv_rows(self, i: int, context_tokens: int) -> int:
         """KV rows layer i holds with `context_tokens` in the cache: at most its window."""
@@ -120,8 +136,8 @@ def peak_for(memory: MemoryModel, resident: list[int] | tuple[int, ...], cache: 
     streamed = [i for i in range(memory.n_layers) if i not in keep]
     store_limit = sum(memory.layer_bytes(i) for i in keep)
     n_slots = min(2, len(streamed))  # double buffering: one computes while the next is restored
-    slot_bytes = max((memory.layer_bytes(i) for i in streamed), default=0)
-    peak = (store_limit + n_slots * slot_bytes + memory.fixed_bytes + memory.workspace_bytes
+    slot_bytes = max((memory.layer_bytes(i, paged=False) for i in streamed), default=0)
+    peak = (store_limit + n_slots * memory.footprint(slot_bytes) + memory.fixed_bytes + memory.workspace_bytes
             + memory.overhead_bytes + memory.margin_bytes
             + (memory.experts.device_bytes(cache) if memory.experts else 0))
     return peak, store_limit, n_slots, slot_bytes

@@ -23,6 +23,15 @@ DECODER_MAX_BATCH = 64  # PEBBLE_DECODER_MAX_BATCH: the most sequences one decod
 DECODER_GRAPHS = 8      # PEBBLE_DECODER_GRAPHS: the most CUDA graphs one decoder keeps
 DECODER_SPLIT_ROWS = 64  # PEBBLE_DECODER_SPLIT_ROWS: rows of V a decode step's attention sums a part
 LAYER_WEIGHTS = 24      # PEBBLE_LAYER_WEIGHTS: the fields of struct pebble_layer_weights
+DEVICE_PAGE_BYTES = 2 << 20  # PEBBLE_DEVICE_PAGE_BYTES: the cuda device tier counts a copy of half or more in pages
+
+
+
+def paged(nbytes: int, page: int) -> int:
+    """An allocation of `nbytes` as a device of `page`-byte pages holds it (0: as bytes): from half a page on,
+    whole pages (pebble.cu, device_footprint)."""
+    return nbytes if not page or nbytes < page // 2 else -(-nbytes // page) * page
+
 
 INT32_MIN, INT32_MAX = -2**31, 2**31 - 1
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
@@ -37,7 +46,7 @@ HEADER_NAMES = {
     "PEBBLE_TYPE_BYTES": TYPE_BYTES, "PEBBLE_TYPE_COUNT": TYPE_COUNT, "PEBBLE_MAX_DIMS": MAX_DIMS,
     "PEBBLE_MATVEC_MAX_VEC": MATVEC_MAX_VEC, "PEBBLE_DECODER_MAX_BATCH": DECODER_MAX_BATCH,
     "PEBBLE_DECODER_GRAPHS": DECODER_GRAPHS, "PEBBLE_LAYER_WEIGHTS": LAYER_WEIGHTS,
-    "PEBBLE_DECODER_SPLIT_ROWS": DECODER_SPLIT_ROWS,
+    "PEBBLE_DECODER_SPLIT_ROWS": DECODER_SPLIT_ROWS, "PEBBLE_DEVICE_PAGE_BYTES": DEVICE_PAGE_BYTES,
 }
 
 

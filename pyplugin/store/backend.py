@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import weakref
 from dataclasses import dataclass
 from functools import cached_property
 from types import ModuleType
@@ -23,10 +24,10 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import PebbleError, PebblingError
+from ..errors import ClosedError, PebbleError, PebblingError
 from ..xp import array_module, compute_dtype, free_cached
 from . import gpu
-from .abi import TIER_DEVICE, check_switches
+from .abi import DEVICE_PAGE_BYTES, TIER_DEVICE, check_switches, paged
 from .interface import Store
 from .kernels import Kernels
 
@@ -53,9 +54,12 @@ class Backend:
     arrays_on_device = False  # whether its arrays (xp) live in device memory
     copies_overlap = False    # whether restores run beside compute (on streams of their own)
     measures_memory = False   # whether device memory is measured (else byte-accounted)
+    device_page_bytes = 0     # the device holds an allocation of half a page or more in whole pages (0: bytes)
 
     def __init__(self, name: str, library_path: str | None):
         self.name, self.library_path = name, library_path
+        self._stores: weakref.WeakSet[Store] = weakref.WeakSet()  # every store this process opened here
+        self._overhead, self._overhead_lock = 0, threading.Lock()
 
     def __repr__(self) -> str:
         return f"<Backend {self.name}>"
@@ -68,12 +72,36 @@ class Backend:
     def compute_dtype(self) -> np.dtype:
         return compute_dtype(self.xp)
 
+    def device_footprint(self, nbytes: int) -> int:
+        """What the store's device tier counts for an entry of `nbytes` (pebble.h, PEBBLE_DEVICE_PAGE_BYTES)."""
+        return paged(nbytes, self.device_page_bytes)
+
     # -- the store and the kernels
 
     def open_store(self, device_limit: int, n_layers: int, strategy, *, device: int = 0) -> Store:
         from .native import NativeStore  # cffi only once a native backend is wanted
 
-        return NativeStore(device_limit, n_layers, strategy, device=device, kind=self.name)
+        store = NativeStore(device_limit, n_layers, strategy, device=device, kind=self.name)
+        self._stores.add(store)
+        return store
+
+    def overhead_bytes(self) -> int | None:
+        """This process's own fixed cost on the device (measured where memory is measured, else None): what
+        NVML counts beyond CuPy's pool and every open store's device tier (the CUDA context, cuBLAS, loaded
+        kernels). The most ever measured: they belong to the process, not to one model, and only grow as
+        kernels load, so every model's plan counts the same, and one planned later never counts less."""
+        used = self.used_memory() if self.measures_memory else None
+        if used is None:
+            return None
+        tiers = 0
+        for store in list(self._stores):
+            try:
+                tiers += store.stats().device_bytes
+            except ClosedError:  # closed since: its memory is given back
+                pass
+        with self._overhead_lock:
+            self._overhead = max(self._overhead, used.bytes - self.pool_bytes() - tiers)
+            return self._overhead
 
     @cached_property
     def kernels(self) -> Kernels:
@@ -164,6 +192,7 @@ class CudaBackend(Backend):
     arrays_on_device = True
     copies_overlap = True
     measures_memory = True
+    device_page_bytes = DEVICE_PAGE_BYTES
 
     @cached_property
     def xp(self) -> ModuleType:
