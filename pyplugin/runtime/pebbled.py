@@ -131,7 +131,7 @@ class PebbledModel:
         """Every layer's weights as the store holds them."""
         return sum(t.nbytes for layout in self.layouts for t in layout)
 
-    def _expansion_elements(self, n_tokens: int) -> int:
+    def expansion_elements(self, n_tokens: int) -> int:
         """fp16 elements of the workspace that a chunk of n_tokens expands quantized matrices into:
         the largest such matrix when the chunk is past what the fused kernels take, else none (and
         none on kernels that multiply prefill chunks from the stored blocks: tiled_matmul)."""
@@ -166,7 +166,7 @@ class PebbledModel:
         if prompt_tokens is None:
             request = f"any prompt (prefill chunks of num_batch {options.num_batch} at num_ctx {options.num_ctx})"
             chunk = min(options.num_batch, options.num_ctx)
-            workspace = max(workspace_bytes(cfg, chunk, options.num_ctx, isz) + 2 * self._expansion_elements(chunk),
+            workspace = max(workspace_bytes(cfg, chunk, options.num_ctx, isz) + 2 * self.expansion_elements(chunk),
                             n_seqs * workspace_bytes(cfg, 1, options.num_ctx, isz))
         else:
             chunk = min(options.num_batch, prompt_tokens)
@@ -175,7 +175,7 @@ class PebbledModel:
                        + ("generating to the end of the context" if options.predict_limit is None else
                           f"generating up to {options.predict_limit}") + f" at num_ctx {options.num_ctx}")
             workspace = max(
-                workspace_bytes(cfg, chunk, prompt_tokens, isz) + 2 * self._expansion_elements(chunk),
+                workspace_bytes(cfg, chunk, prompt_tokens, isz) + 2 * self.expansion_elements(chunk),
                 n_seqs * workspace_bytes(cfg, 1, min(options.num_ctx, reach), isz))          # decode
         expert_slots = experts.expert_memory(self, pebbling)
         held = (lambda t: t.name not in EXPERT_MATRICES) if expert_slots else (lambda t: True)

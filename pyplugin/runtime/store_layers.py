@@ -149,8 +149,11 @@ class StoreLayers:
         self.pass_seqs = list(seqs)
         self.batch_index = {seq: b for b, (seq, _, _) in enumerate(seqs)}
         self._slots_shared("python")
-        if max(n for _, _, n in seqs) <= self.pebbled.kernels.max_vec:
+        most = max(n for _, _, n in seqs)
+        if most <= self.pebbled.kernels.max_vec:
             self.pebbled.kernels.release_workspace()  # the fused kernels take it all: no expanded matrix
+        elif largest := self.pebbled.expansion_elements(most):  # at its largest before a matrix holds a view:
+            self.pebbled.kernels.workspace(largest)  # grown later, the view held kept the old one (H200: +33.5 MB)
         stats = self.store.stats()
         self._pass_start = (stats.bytes_restored, stats.restores)
         for n in range(min(len(self.slots), len(self.streamed))):
