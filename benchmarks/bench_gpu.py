@@ -63,7 +63,8 @@ ESTIMATES = {
     "bus.nominal_link_GBps": "the PCIe link's nominal rate (generation x width, from NVML), not a measurement",
     "llama.cpp n_gpu_layers at a budget": "pebbling's resident layers at that budget, taken as what fits it",
     "memory, but for its two *_peak_bytes": "the parts of the plan's estimate (store limit, slots, fixed, workspace, "
-                                            "overhead, margin, experts); the two peaks beside them are measured",
+                                            "overhead, margin, experts, decoder); the two peaks beside them are "
+                                            "measured",
 }
 PCIE_LANE_GBPS = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}
 
@@ -200,15 +201,15 @@ def memory_parts(layers, pool_peak: int | None) -> dict | None:
     estimate names the part it missed: the store's device tier (resident layers and their KV: native
     memory) peaked at store_device_peak_bytes against store_limit_bytes; CuPy's pool (slots, output
     weights, workspace, activations) at pool_peak_bytes (sampled every 2 ms) against the slots, fixed and
-    workspace bytes; what NVML saw beyond both is the overhead's (context, libraries, the decoder's own
-    memory). `layers` is the row's StoreLayers; None (no plan) gives None."""
+    workspace bytes; what NVML saw beyond both is the overhead's (context, libraries) and the decoder's
+    scratch's. `layers` is the row's StoreLayers; None (no plan) gives None."""
     plan = getattr(layers, "plan", None)
     if plan is None:
         return None
     m = plan.memory
-    return {"store_limit_bytes": plan.store_limit, "slots_bytes": plan.n_slots * plan.slot_bytes,
+    return {"store_limit_bytes": plan.store_limit, "slots_bytes": plan.n_slots * m.footprint(plan.slot_bytes),
             "fixed_bytes": m.fixed_bytes, "workspace_bytes": m.workspace_bytes, "overhead_bytes": m.overhead_bytes,
-            "margin_bytes": m.margin_bytes, "expert_bytes": plan.expert_bytes,
+            "margin_bytes": m.margin_bytes, "expert_bytes": plan.expert_bytes, "decoder_bytes": m.decoder_bytes,
             "store_device_peak_bytes": int(layers.store.stats().device_peak_bytes), "pool_peak_bytes": pool_peak}
 
 

@@ -93,7 +93,8 @@ def acceptance(result: dict) -> list[dict]:
 def memory_where(row: dict) -> str | None:
     """Where a row's NVML peak went, part by part against the estimate's parts (bench_gpu.memory_parts), or
     None where the pool was not sampled: CuPy's pool (slots, output weights, workspace, expert slots), the
-    store's device tier, and what NVML saw beyond both (the overhead's: context, libraries, the decoder's)."""
+    store's device tier, and what NVML saw beyond both (the overhead's: context, libraries; and the decoder's
+    scratch)."""
     m = row.get("memory")
     if not m or m.get("pool_peak_bytes") is None or not row.get("nvml_peak_bytes"):
         return None
@@ -101,7 +102,7 @@ def memory_where(row: dict) -> str | None:
     beyond = row["nvml_peak_bytes"] - m["pool_peak_bytes"] - m["store_device_peak_bytes"]
     return (f"pool peak {m['pool_peak_bytes']} B against {pool_parts} B estimated; store peak "
             f"{m['store_device_peak_bytes']} B against {m['store_limit_bytes']} B; beyond both {beyond} B against "
-            f"overhead + margin {m['overhead_bytes'] + m['margin_bytes']} B")
+            f"overhead + margin + decoder {m['overhead_bytes'] + m['margin_bytes'] + m.get('decoder_bytes', 0)} B")
 
 
 def acceptance_lines(checks: list[dict]) -> list[str]:

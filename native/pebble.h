@@ -476,6 +476,7 @@ struct pebble_decoder_stats {
     // restored early (guesses no cache held), and of those the ones the layer ran.
     uint64_t expert_guesses, expert_guesses_right, expert_prefetches, expert_prefetch_hits;
     uint64_t expert_device_bytes;  // the device memory of the decoder's expert slots (pebble_step_model)
+    uint64_t scratch_bytes;        // the memory of the decoder's own for a step's activations (the device's on cuda)
 };
 
 typedef struct pebble_decoder * pebble_decoder_t;

@@ -2148,6 +2148,7 @@ extern "C" pebble_status pebble_decoder_create(const pebble_step_model * model, 
     // The store's copies are not captured, nor is a step whose launches follow its router's choice.
     d->graphs.enabled = m.graphs != 0 && d->streamed.empty() && d->max_expert == 0;
     TRY(alloc_scratch(&d->scratch, l.bytes));
+    d->stats.scratch_bytes = l.bytes;
     pebble_status placed = place_experts(*d, fn);
     if (placed != PEBBLE_OK) {
         release_device(*d);

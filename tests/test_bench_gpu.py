@@ -75,7 +75,7 @@ def test_each_row_gives_its_estimate_in_parts_beside_the_parts_measured(result):
         for r in f["rows"]:
             m = r["memory"]
             parts = ("store_limit_bytes", "slots_bytes", "fixed_bytes", "workspace_bytes", "overhead_bytes",
-                     "margin_bytes", "expert_bytes")
+                     "margin_bytes", "expert_bytes", "decoder_bytes")
             assert sum(m[k] for k in parts) == r["estimated_peak_bytes"], (f["type"], r["label"], m)
             assert 0 <= m["store_device_peak_bytes"] <= m["store_limit_bytes"], (f["type"], r["label"], m)
             assert m["pool_peak_bytes"] is None
@@ -185,8 +185,8 @@ def test_a_peak_over_its_budget_says_which_part_it_came_from():
     from bench_gpu_acceptance import acceptance, acceptance_lines
 
     memory = {"store_limit_bytes": 0, "slots_bytes": 600, "fixed_bytes": 100, "workspace_bytes": 50,
-              "overhead_bytes": 200, "margin_bytes": 40, "expert_bytes": 0, "store_device_peak_bytes": 0,
-              "pool_peak_bytes": 790}
+              "overhead_bytes": 200, "margin_bytes": 40, "expert_bytes": 0, "decoder_bytes": 7,
+              "store_device_peak_bytes": 0, "pool_peak_bytes": 790}
     row = {"label": "25%", "batch": 1, "budget_bytes": 990, "nvml_peak_bytes": 1002, "estimated_peak_bytes": 990,
            "peak_over_estimate": 1.012, "tokens_equal": True, "tokens_compared_with": "none",
            "bytes_restored_per_step": 0, "memory": memory}
@@ -195,7 +195,7 @@ def test_a_peak_over_its_budget_says_which_part_it_came_from():
     budget = [c for c in acceptance(result) if c["check"].endswith("within the budget")]
     assert [c["verdict"] for c in budget] == ["FAIL", "PASS"]
     assert budget[0]["why"] == ("pool peak 790 B against 750 B estimated; store peak 0 B against 0 B; beyond both "
-                                "212 B against overhead + margin 240 B")
+                                "212 B against overhead + margin + decoder 247 B")
     assert "why" not in budget[1]
     line = next(x for x in acceptance_lines(acceptance(result)) if "within the budget" in x)
     assert line.endswith("; " + budget[0]["why"])

@@ -15,6 +15,8 @@ from pyplugin.runtime.options import Options
 from pyplugin.runtime.plan import PebblingOptions
 from pyplugin.runtime.generation import Generation, ResidentLayers
 from pyplugin.store import backend_named
+from pyplugin.store.decoder_scratch import model_scratch_bytes, scratch_bytes
+from pyplugin.store.kernels import LayerShape
 
 N_CTX = 24
 CASES = {  # name: (arch, overrides); partial RoPE, NeoX, biases, GQA, every type
@@ -354,6 +356,9 @@ def test_a_step_of_eleven_sequences_gives_each_what_it_gets_alone(kernels, case)
         return [(xp.asarray(k.copy()), xp.asarray(v.copy())) for k, v in pairs]
 
     decoder = kernels.decoder(cfg, [lw], [on_device(caches)], setup.outer, N_CTX)
+    # its scratch as the plan counts it (store.decoder_scratch), for eleven sequences
+    assert decoder.stats()["scratch_bytes"] == scratch_bytes([LayerShape.of(cfg.for_layer(0))], [rows], n_seq, cfg.n_embd,
+                                                             cfg.n_vocab, on_device=xp is not np)
     together = xp.asarray(x)
     decoder.step(list(range(n_seq)), positions, together, logits=False)
     together = host(together)
@@ -499,3 +504,31 @@ def test_the_portable_decode_step_equals_the_forward_pass_too():
                            "host and (one_layer_equals or sliding_layer_keeps or long_context or eleven)"], env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("arch,overrides", [
+    ("llama", dict(weight_type="Q4_K", n_embd=256, n_ff=512, n_head=4, n_head_kv=2)),
+    ("gemma2", dict(weight_type="F16", sliding_window=8)),  # a ring of 8 rows beside whole caches
+    ("qwen3moe", dict(weight_type="Q8_0", key_length=32, n_expert=8, n_expert_used=3, n_ff_exp=32)),
+    ("qwen2moe", dict(weight_type="Q8_0", n_expert=8, n_expert_used=3, n_ff_exp=32, n_ff_shexp=64)),
+])
+@pytest.mark.parametrize("backend", store_backend_params())
+def test_the_plan_counts_the_decoders_scratch_as_the_library_allocates_it(backend, arch, overrides):
+    """pebble_decoder_stats.scratch_bytes is what the decoder took for its steps' activations; the plan counts
+    it from the model's shape before the decoder exists (decoder_bytes), where it is device memory of the
+    decoder's own (cuda: 11-27 on the H200, 14.6 to 18.8 MB of a batch of 8's peak was beyond the pool, the
+    store and the overhead), and not where it is the host's."""
+    model = tiny_model(arch, weights="quantized" if "F16" not in overrides["weight_type"] else "f16", n_layer=3,
+                       **overrides)
+    options = Options(temperature=0, num_predict=3, num_ctx=40, num_batch=16)
+    pebbled = PebbledModel(model, backend=backend)
+    try:
+        for strategy in ("none", "minimal"):
+            gen = pebbled.generation(options, PebblingOptions.from_options({"pebbling_strategy": strategy}), 5)
+            assert len(list(gen.tokens([5, 17, 42, 8, 99]))) == 3
+            held = gen.layers.shared.decoder().stats()["scratch_bytes"]
+            on_device = pebbled.backend.arrays_on_device
+            assert held == model_scratch_bytes(model.config, options.num_ctx, 1, on_device) > 0
+            assert gen.layers.shared.plan.memory.decoder_bytes == (held if on_device else 0)
+    finally:
+        pebbled.close()

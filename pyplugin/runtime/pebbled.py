@@ -18,6 +18,7 @@ from ..model.gguf_file import drop_file_pages, map_file_pages
 from ..model.qweight import needs_expansion
 from ..store import Backend, select_backend
 from ..store.arena import HostArena, fits, use_mmap
+from ..store.decoder_scratch import model_scratch_bytes
 from ..store.kernels import EXPERT_MATRICES
 from ..xp import to_numpy
 from .constraint import Constraint
@@ -187,7 +188,8 @@ class PebbledModel:
             layer_weight_bytes=tuple(sum(aligned(t.nbytes) for t in layout if held(t)) for layout in self.layouts),
             layer_kv_bytes=tuple(aligned(n) * 2 for n in kv_entry), kv_page_bytes=tuple(2 * pages(n) for n in kv_entry),
             weight_page_bytes=tuple(sum(pages(t.nbytes) for t in layout if held(t)) for layout in self.layouts),
-            page_bytes=self.backend.device_page_bytes,
+            page_bytes=self.backend.device_page_bytes, decoder_bytes=model_scratch_bytes(cfg, options.num_ctx, n_seqs)
+            if self.backend.arrays_on_device else 0,
             kv_bytes_per_token=kv_token,
             kv_windows=tuple(cfg.sliding_window if cfg.is_sliding(i) else 0 for i in range(cfg.n_layer)),
             fixed_bytes=fixed,

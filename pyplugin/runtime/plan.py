@@ -8,6 +8,8 @@ Peak device memory of a plan for a batch of n_seqs sequences (1 for a request al
   + fixed tensors (output norm and output matrix)
   + the workspace of one prefill chunk of num_batch tokens, or of a decode step over the batch
   + the backend's fixed overhead (the CUDA context and allocator on the GPU; 0 on host and stub)
+  + on the GPU, the decoder's scratch for a step of the batch (store.decoder_scratch: memory of its own, there
+    beside CuPy's pool, which keeps what a prefill chunk took)
   + where device memory is measured, the measurement's granularity (margin_bytes: NVML counts a
     process's memory in whole 2 MiB pages, and allocations in different pages each round up; on the
     H200 a peak stood up to 1.5 pages over the byte count, so two pages are allowed)
@@ -55,6 +57,7 @@ class MemoryModel:
     weight_page_bytes: tuple[int, ...] = ()
     kv_page_bytes: tuple[int, ...] = ()
     page_bytes: int = 0
+    decoder_bytes: int = 0               # the native decoder's scratch where it is device memory of its own
 
     @property
     def n_layers(self) -> int:
@@ -138,7 +141,7 @@ def peak_for(memory: MemoryModel, resident: list[int] | tuple[int, ...], cache: 
     n_slots = min(2, len(streamed))  # double buffering: one computes while the next is restored
     slot_bytes = max((memory.layer_bytes(i, paged=False) for i in streamed), default=0)
     peak = (store_limit + n_slots * memory.footprint(slot_bytes) + memory.fixed_bytes + memory.workspace_bytes
-            + memory.overhead_bytes + memory.margin_bytes
+            + memory.overhead_bytes + memory.margin_bytes + memory.decoder_bytes
             + (memory.experts.device_bytes(cache) if memory.experts else 0))
     return peak, store_limit, n_slots, slot_bytes
 

@@ -112,7 +112,7 @@ class StepModel:
 
 DECODER_STATS = ("steps", "tokens", "layer_passes", "graphs_captured", "graph_replays", "graphs_dropped",
                  "expert_hits", "expert_misses", "expert_bytes_restored", "expert_guesses", "expert_guesses_right",
-                 "expert_prefetches", "expert_prefetch_hits", "expert_device_bytes")
+                 "expert_prefetches", "expert_prefetch_hits", "expert_device_bytes", "scratch_bytes")
 EXPERT_POLICIES = ("lru", "lfu")  # pebble_step_model.expert_policy 0 and 1: least recently / least often used
 EXPERT_MATRICES = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")  # what experts as pebbles take from the store
 

@@ -13,6 +13,7 @@ from ..kv_types import KV_BY_GGML
 from ..model.transformer import (ROPE_NEOX, ROPE_NORMAL, LayerWeights, ModelConfig, OuterWeights, attention_block,
                                  ffn_block, output_logits)
 from .abi import DECODER_MAX_BATCH
+from .decoder_scratch import scratch_bytes
 from .interface import host_buffer
 from .kernels import DECODER_STATS, EXPERT_MATRICES, GraphPolicy
 from .stub_experts import ExpertSlots
@@ -49,6 +50,8 @@ class StubDecoder:
                 raise InvalidArgumentError(f"decoder: streamed layers need the store and the (K, V) entries of each "
                                            f"of {model.n_seq} sequences; got {len(model.kv_ids)}")
         self.graphs = GraphPolicy(bool(model.graphs) and not any(layer.streamed is not None for layer in layers))
+        self.stats_["scratch_bytes"] = scratch_bytes([layer.shape for layer in layers], [layer.kv_rows for layer in layers],
+                                                     model.n_seq, model.n_embd, model.n_vocab, on_device=False)
         for i, layer in enumerate(layers):
             where, s = f"{fn}: layer {i}", layer.shape
             kernels._check_shape(where, s, layer.kv_rows)
