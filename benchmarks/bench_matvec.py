@@ -71,6 +71,34 @@ def random_blocks(xp, qtype: Q, n_rows: int, n_cols: int, rng) -> object:
     return blocks.reshape(n_rows, -1)
 
 
+def graph_seconds(backend, round_, calls: int, repeats: int) -> tuple[float | None, str]:
+    """A call's time on the GPU alone: `round_` (its `calls` calls) captured once as a CUDA graph and replayed,
+    CUDA events around each replay, so that no Python stands between the launches (a call from Python takes
+    about 26 us on the H200, longer than most of these kernels); None and why where it cannot be."""
+    if not backend.arrays_on_device:
+        return None, "no GPU: a call's time is its kernel's"
+    cp = backend.xp
+    stream = cp.cuda.Stream(non_blocking=True)
+    try:
+        with stream:
+            round_()  # the library's first-call set-up, outside the capture
+            stream.begin_capture()
+            try:
+                round_()
+            finally:
+                graph = stream.end_capture()
+            start, end, times = cp.cuda.Event(), cp.cuda.Event(), []
+            for _ in range(repeats + 1):
+                start.record(stream)
+                graph.launch(stream)
+                end.record(stream)
+                end.synchronize()
+                times.append(cp.cuda.get_elapsed_time(start, end) / 1e3)
+        return float(np.median(times[1:])) / calls, "a CUDA graph of the round, replayed between CUDA events"
+    except Exception as exc:  # noqa: BLE001 - a capture the library or the driver refuses is recorded, not fatal
+        return None, f"not captured ({type(exc).__name__}: {str(exc)[:160]})"
+
+
 def measure(name: str, vectors: list[int], repeats: int, scale: float) -> dict:
     backend = backend_named(name)
     kernels, xp, gpu = backend.kernels, backend.xp, backend.measures_memory
@@ -92,16 +120,21 @@ def measure(name: str, vectors: list[int], repeats: int, scale: float) -> dict:
                     kernels.matvec(int(qtype), w, n_rows, n_cols, x, out=out)
 
             per_call = median_seconds(round_, backend.synchronize, repeats) / copies
+            kernel, kernel_how = graph_seconds(backend, round_, copies, repeats)
             got = to_numpy(out)  # the last copy's products, which are every copy's (the same bytes)
             rows.append({"type": type_name, "rows": n_rows, "cols": n_cols, "tensor": what, "vectors": nv,
                          "outputs": hashlib.sha256(got.tobytes()).hexdigest()[:16],
                          "unwritten": int(np.isnan(got).sum()),
                          "weight_bytes": one.nbytes, "copies": copies, "us": per_call * 1e6,
-                         "GBps": one.nbytes / per_call / 1e9, "of_copy": one.nbytes / per_call / 1e9 / copy["GBps"]})
+                         "GBps": one.nbytes / per_call / 1e9, "of_copy": one.nbytes / per_call / 1e9 / copy["GBps"],
+                         "kernel_us": kernel and kernel * 1e6, "kernel_how": kernel_how,
+                         "kernel_of_copy": kernel and one.nbytes / kernel / 1e9 / copy["GBps"]})
     result = {"backend": name, "library": os.environ.get("BENCH_MATVEC_ITEM") or os.environ.get("PEBBLING_LIB", "(default)"),
               "copy_GBps": copy["GBps"],
               "copy_how": copy["how"], "rows": rows}
     result["token_ms"] = {str(nv): token_seconds(result, nv) * 1e3 for nv in vectors}
+    if all(r["kernel_us"] for r in rows):
+        result["token_kernel_ms"] = {str(nv): token_seconds(result, nv, "kernel_us") * 1e3 for nv in vectors}
     return result
 
 
@@ -114,17 +147,20 @@ def item_env(item: str) -> dict[str, str]:
     return env
 
 
-def token_seconds(result: dict, vectors: int) -> float:
-    """The matrix-vector time of one Llama-3-8B Q4_K_M token at `vectors` vectors (a step of that batch)."""
-    return sum(PER_TOKEN[r["tensor"]] * r["us"] / 1e6 for r in result["rows"]
+def token_seconds(result: dict, vectors: int, key: str = "us") -> float:
+    """The matrix-vector time of one Llama-3-8B Q4_K_M token at `vectors` vectors (a step of that batch), of
+    each call from Python (`us`) or of its kernels alone (`kernel_us`)."""
+    return sum(PER_TOKEN[r["tensor"]] * r[key] / 1e6 for r in result["rows"]
                if r["vectors"] == vectors and r["tensor"] in PER_TOKEN)
 
 
 def best(results: list[dict]) -> dict:
     """The library whose tokens (summed over the vector counts) take least, the first unless another is
     over NOISE faster."""
+    key = "kernel_us" if all("token_kernel_ms" in r for r in results) else "us"  # the kernels where measured
+
     def total(r: dict) -> float:
-        return sum(token_seconds(r, nv) for nv in {row["vectors"] for row in r["rows"]})
+        return sum(token_seconds(r, nv, key) for nv in {row["vectors"] for row in r["rows"]})
     fastest = min(results, key=total)
     return fastest if total(fastest) < (1 - NOISE) * total(results[0]) else results[0]
 
@@ -167,9 +203,21 @@ def table(results: list[dict]) -> str:
                          if i < len(r["rows"]) else f"{'-':>26}" for r in results)
         lines.append(f"{row['type']:5} {row['rows']:>6}x{row['cols']:<6} {row['vectors']:>3} {cells}")
     lines.append(outputs_text(results))
+    kernels = [r for r in results if "token_kernel_ms" in r]
+    if kernels:
+        lines.append(f"each call's kernels alone ({results[0]['rows'][0]['kernel_how']}):")
+        for i, row in enumerate(results[0]["rows"]):
+            cells = " ".join(f"{r['rows'][i]['kernel_us']:9.2f} us {r['rows'][i]['kernel_of_copy']:4.0%}"
+                             if "token_kernel_ms" in r and i < len(r["rows"]) else f"{'-':>17}" for r in results)
+            lines.append(f"{row['type']:5} {row['rows']:>6}x{row['cols']:<6} {row['vectors']:>3} {cells}")
+    else:
+        lines.append(f"kernels alone: {results[0]['rows'][0]['kernel_how']}" if results[0]["rows"] else "")
     for nv in sorted({row["vectors"] for row in results[0]["rows"]}):
         lines.append(f"Llama-3-8B Q4_K_M matvecs a token (each matrix's measured call x its calls), {nv} vector(s): "
                      + ", ".join(f"{token_seconds(r, nv) * 1e3:.3f} ms" for r in results))
+        if kernels:
+            lines.append(f"... their kernels alone, {nv} vector(s): " + ", ".join(
+                f"{token_seconds(r, nv, 'kernel_us') * 1e3:.3f} ms" if "token_kernel_ms" in r else "-" for r in results))
     return "\n".join(lines)
 
 

@@ -452,7 +452,8 @@ def summary(result: dict) -> str:
         lines.append(f"  matvec {bench_matvec_outputs(result['matvec'])}")
         for lib in result["matvec"]:
             lines.append(f"  matvec {bench_matvec_label(lib)}: a Llama-3-8B Q4_K_M token's products (measured calls x "
-                         "calls) " + ", ".join(f"{ms:.3f} ms at {nv} vector(s)" for nv, ms in lib.get("token_ms", {}).items()))
+                         "calls) " + ", ".join(f"{ms:.3f} ms at {nv} vector(s)" for nv, ms in lib.get("token_ms", {}).items())
+                         + "".join(f"; kernels alone {ms:.3f} ms at {nv}" for nv, ms in lib.get("token_kernel_ms", {}).items()))
     if result.get("profile"):
         lines += ["", "decode kernels by total time (ncu, one layer and the output, batch 1, 8 steps after 512 tokens):"]
         lines += [f"  {k['total_us']:9.1f} us  {k['invocations']:4d} x {k['mean_us']:8.2f} us  {k['kernel'][:90]}"

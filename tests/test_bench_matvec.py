@@ -25,7 +25,10 @@ def test_each_matrix_at_each_vector_count(tmp_path, capsys):
     assert [(r["type"], r["cols"], r["vectors"]) for r in result["rows"]] == [
         (t, cols, nv) for t, _, cols, _ in bench.SHAPES for nv in (1, 2)]
     assert all(r["us"] > 0 and r["GBps"] > 0 for r in result["rows"]) and result["copy_GBps"] > 0
-    assert "Q6_K" in capsys.readouterr().out
+    assert all(r["kernel_us"] is None and r["kernel_how"].startswith("no GPU") for r in result["rows"])
+    assert "token_kernel_ms" not in result
+    out = capsys.readouterr().out
+    assert "Q6_K" in out and "kernels alone: no GPU" in out
 
 
 def test_libs_run_each_library_in_its_own_process_and_a_bad_one_is_reported(tmp_path, capsys):
@@ -47,6 +50,69 @@ def test_best_is_the_first_library_unless_another_is_clearly_faster():
     assert bench.best([first, close])["library"] == "a"      # 2% is within the noise
     assert bench.best([first, close, faster])["library"] == "c"
     assert bench.best([faster, first])["library"] == "c"
+    # where every item's kernels were timed alone (a CUDA graph), those decide, not the calls from Python
+    for r, kernel_us in ((first, 5.0), (close, 2.0), (faster, 9.0)):
+        for row in r["rows"]:
+            row["kernel_us"] = kernel_us * (8 if row["vectors"] == 8 else 1)
+        r["token_kernel_ms"] = {}
+    assert bench.best([first, close, faster])["library"] == "b"
+    del close["token_kernel_ms"]  # one item without them: the calls decide for all
+    assert bench.best([first, close, faster])["library"] == "c"
+
+
+class _FakeCupy:
+    """Just what graph_seconds asks of CuPy: a stream that captures, events a fixed time apart."""
+
+    def __init__(self, refuse: bool = False):
+        self.log, self.refuse = [], refuse
+        fake = self
+
+        class Stream:
+            def __init__(self, non_blocking=False):
+                pass
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                return False
+
+            def begin_capture(self):
+                if fake.refuse:
+                    raise RuntimeError("operation not permitted when stream is capturing")
+                fake.log.append("begin")
+
+            def end_capture(self):
+                fake.log.append("end")
+                return Graph()
+
+        class Graph:
+            def launch(self, stream=None):
+                fake.log.append("launch")
+
+        class Event:
+            def record(self, stream=None):
+                pass
+
+            def synchronize(self):
+                pass
+
+        self.cuda = type("cuda", (), {"Stream": Stream, "Event": Event,
+                                      "get_elapsed_time": staticmethod(lambda start, end: 2.0)})
+
+
+def test_a_call_s_kernels_are_timed_alone_by_replaying_a_captured_round():
+    cp = _FakeCupy()
+    backend = type("B", (), {"arrays_on_device": True, "xp": cp})()
+    rounds = []
+    seconds, how = bench.graph_seconds(backend, lambda: rounds.append(list(cp.log)), calls=4, repeats=3)
+    assert seconds == pytest.approx(2.0e-3 / 4) and "CUDA graph" in how
+    assert rounds == [[], ["begin"]]  # once to set up, outside the capture; once captured
+    assert cp.log == ["begin", "end"] + ["launch"] * 4  # replayed: one warm, then `repeats` timed
+    refused = _FakeCupy(refuse=True)
+    backend.xp = refused
+    seconds, how = bench.graph_seconds(backend, lambda: None, calls=4, repeats=3)
+    assert seconds is None and how.startswith("not captured (RuntimeError")
 
 
 def test_an_item_is_a_library_or_settings_of_the_default_librarys_switches():
