@@ -408,9 +408,9 @@ dequantize_tiled_kernel(const uint8_t * __restrict__ src, uint16_t * __restrict_
 #ifndef PEBBLE_MATVEC_WARP_ROWS // rows a warp of the integer kernel takes at once at 1-2 vectors (see warp_rows)
 #    define PEBBLE_MATVEC_WARP_ROWS 1
 #endif
-#ifndef PEBBLE_MATVEC_LOADS // parts a lane of the integer kernel loads before it sums the first (see part_loads)
-#    define PEBBLE_MATVEC_LOADS 2
-#endif
+#ifndef PEBBLE_MATVEC_LOADS // parts a lane of the integer kernel loads before it sums the first (see part_loads):
+#    define PEBBLE_MATVEC_LOADS 1 // H200, 11-27: 1 led 2 (also without PERSIST) and 4 at each kernel-bound shape:
+#endif                           // the Q6_K output 259 us against 312 (327) and 418, 4096 x 14336 43.5 against 59.9 (49.6), 70.1
 constexpr int matvec_unroll = PEBBLE_MATVEC_UNROLL;
 constexpr int matvec_rows_per_block = PEBBLE_MATVEC_ROWS; // warps per thread block: rows sharing one staging of x
 constexpr int matvec_warp_rows = PEBBLE_MATVEC_WARP_ROWS;
