@@ -67,10 +67,10 @@ class MemoryModel:
         kv = self.layer_kv_bytes
         return kv if isinstance(kv, int) else kv[i]
 
-    def layer_bytes(self, i: int, paged: bool = True) -> int:
-        """Layer i's weights and every sequence's KV entries, as the device tier holds them (`paged`), or in
+    def layer_bytes(self, i: int, in_pages: bool = True) -> int:
+        """Layer i's weights and every sequence's KV entries, as the device tier holds them (`in_pages`), or in
         bytes (a slot holds them in one buffer)."""
-        if not paged or not self.weight_page_bytes:
+        if not in_pages or not self.weight_page_bytes:
             return self.layer_weight_bytes[i] + self.n_seqs * self.kv_bytes(i)
         return (self.layer_weight_bytes[i] + self.weight_page_bytes[i]
                 + self.n_seqs * (self.kv_bytes(i) + self.kv_page_bytes[i]))
@@ -139,7 +139,7 @@ def peak_for(memory: MemoryModel, resident: list[int] | tuple[int, ...], cache: 
     streamed = [i for i in range(memory.n_layers) if i not in keep]
     store_limit = sum(memory.layer_bytes(i) for i in keep)
     n_slots = min(2, len(streamed))  # double buffering: one computes while the next is restored
-    slot_bytes = max((memory.layer_bytes(i, paged=False) for i in streamed), default=0)
+    slot_bytes = max((memory.layer_bytes(i, in_pages=False) for i in streamed), default=0)
     peak = (store_limit + n_slots * memory.footprint(slot_bytes) + memory.fixed_bytes + memory.workspace_bytes
             + memory.overhead_bytes + memory.margin_bytes + memory.decoder_bytes
             + (memory.experts.device_bytes(cache) if memory.experts else 0))

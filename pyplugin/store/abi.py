@@ -26,7 +26,6 @@ LAYER_WEIGHTS = 24      # PEBBLE_LAYER_WEIGHTS: the fields of struct pebble_laye
 DEVICE_PAGE_BYTES = 2 << 20  # PEBBLE_DEVICE_PAGE_BYTES: the cuda device tier counts a copy of half or more in pages
 
 
-
 def paged(nbytes: int, page: int) -> int:
     """An allocation of `nbytes` as a device of `page`-byte pages holds it (0: as bytes): from half a page on,
     whole pages (pebble.cu, device_footprint)."""
