@@ -35,7 +35,7 @@ build/libpebble_cuda.so: $(NATIVE_DEPS)
 # Builds of the integer matrix-vector kernel to time beside the library (gpu-check's matvec stage, which also
 # checks their products equal the library's): Hopper machine code only, compressed, to travel light.
 # (Three: with the library, the wheels and the peers they fill the 64 MiB a device call carries.)
-VARIANTS    := warprows2:-DPEBBLE_MATVEC_WARP_ROWS=2 loads2:-DPEBBLE_MATVEC_LOADS=2 loads4:-DPEBBLE_MATVEC_LOADS=4
+VARIANTS    := warprows2:-DPEBBLE_MATVEC_WARP_ROWS=2 loads2:-DPEBBLE_MATVEC_LOADS=2 wideloads:-DPEBBLE_MATVEC_WIDE_LOADS=1
 cuda-variants: $(foreach v,$(VARIANTS),build/variants/libpebble_cuda_$(word 1,$(subst :, ,$(v))).so)
 
 build/variants/libpebble_cuda_%.so: $(NATIVE_DEPS)

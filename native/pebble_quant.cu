@@ -45,6 +45,9 @@ __host__ __device__ inline uint16_t load_u16(const uint8_t * p) {
 
 __host__ __device__ inline int int8_from(uint32_t byte) { return static_cast<int>(byte ^ 0x80) - 128; }
 
+#ifndef PEBBLE_MATVEC_WIDE_LOADS // 1: 8-byte loads where p is 8-byte aligned, and shifted 4-byte loads where it is
+#    define PEBBLE_MATVEC_WIDE_LOADS 0 // only 2-byte aligned (half of Q6_K's and Q8_0's blocks); a variant to time
+#endif
 // N bytes at p into 32-bit words, on the GPU with the widest load p's alignment allows: Q4_K's nibbles
 // are always 16-byte aligned in a 16-byte aligned tensor; fields of the odd-sized blocks fall at 2- or
 // 4-byte alignment depending on the block's index.
@@ -62,13 +65,39 @@ __host__ __device__ inline void load_words(uint32_t (&out)[N / 4], const uint8_t
             out[4 * i + 2] = v.z;
             out[4 * i + 3] = v.w;
         }
+#if PEBBLE_MATVEC_WIDE_LOADS
+    } else if ((addr & 7) == 0) { // 8 bytes a load
+        PEBBLE_UNROLL
+        for (int i = 0; i < N / 8; i++) {
+            const uint2 v = reinterpret_cast<const uint2 *>(p)[i];
+            out[2 * i] = v.x;
+            out[2 * i + 1] = v.y;
+        }
+#endif
     } else if ((addr & 3) == 0) {
         PEBBLE_UNROLL
         for (int i = 0; i < N / 4; i++) out[i] = reinterpret_cast<const uint32_t *>(p)[i];
     } else if ((addr & 1) == 0) {
+#if PEBBLE_MATVEC_WIDE_LOADS
+        // The aligned words from p - 2 on, each word of out the high half of one and the low half of the next:
+        // N / 4 + 1 loads where 16-bit loads take N / 2. The two bytes at p - 2 are read and dropped: they lie
+        // in the same block (the field is not at its start), in the block before (a block this aligned is not
+        // a tensor's first where tensors are 16-byte aligned, as the store, the slots and CuPy place them), or
+        // else in the 16 bytes before the tensor. Nothing past p + N is read: out's last half is a 16-bit load.
+        const uint32_t * w = reinterpret_cast<const uint32_t *>(p - 2);
+        uint32_t lo = w[0];
+        PEBBLE_UNROLL
+        for (int i = 0; i < N / 4 - 1; i++) {
+            const uint32_t hi = w[i + 1];
+            out[i] = __funnelshift_r(lo, hi, 16);
+            lo = hi;
+        }
+        out[N / 4 - 1] = (lo >> 16) | static_cast<uint32_t>(reinterpret_cast<const uint16_t *>(p)[N / 2 - 1]) << 16;
+#else
         const uint16_t * p16 = reinterpret_cast<const uint16_t *>(p);
         PEBBLE_UNROLL
         for (int i = 0; i < N / 4; i++) out[i] = p16[2 * i] | static_cast<uint32_t>(p16[2 * i + 1]) << 16;
+#endif
     } else {
         PEBBLE_UNROLL
         for (int i = 0; i < N / 4; i++) {
