@@ -16,7 +16,7 @@ from reference import reference_logits
 from pyplugin.errors import ModelError
 from pyplugin.model import load_model
 from pyplugin.runtime import Generation, PebbledModel
-from pyplugin.runtime.layout import aligned
+from pyplugin.store.abi import aligned
 from pyplugin.runtime.options import Options
 from pyplugin.runtime.plan import PebblingOptions
 

@@ -15,9 +15,9 @@ from helpers import store_backend_params, tiny_model
 from pyplugin.errors import OptionsError, StrategyError
 from pyplugin.runtime import Generation, PebbledModel
 from pyplugin.runtime.options import Options
-from pyplugin.runtime.layout import WEIGHT_IDS, aligned
+from pyplugin.runtime.layout import WEIGHT_IDS
 from pyplugin.runtime.plan import MEASURED_MARGIN_BYTES, PebblingOptions, make_plan, peak_for, smallest_footprint
-from pyplugin.store.abi import paged
+from pyplugin.store.abi import aligned, paged
 from pyplugin.store.strategy import ADAPTIVE, resident_layers
 
 N_LAYER = 16

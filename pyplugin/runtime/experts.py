@@ -19,9 +19,8 @@ from typing import Any
 
 from ..errors import OptionsError
 from ..store.kernels import EXPERT_MATRICES, EXPERT_POLICIES
+from ..store.abi import aligned
 from .layout import StoredTensor
-
-SLOT_ALIGN = 256     # the decoder's expert slots are whole multiples of this (pebble_step_model)
 
 
 def parse_expert_options(options: dict) -> tuple[int | None, bool, str]:
@@ -92,7 +91,7 @@ def expert_memory(pebbled: Any, pebbling: Any) -> ExpertMemory | None:
     if pebbling is None or pebbling.expert_cache is None or not layers:
         return None
     slot = max(expert_bytes(pebbled, i) for i in layers)
-    return ExpertMemory(len(layers), cfg.n_expert, cfg.n_expert_used, -(-slot // SLOT_ALIGN) * SLOT_ALIGN,
+    return ExpertMemory(len(layers), cfg.n_expert, cfg.n_expert_used, aligned(slot),
                         pebbling.expert_cache, pebbling.expert_prefetch,
                         sum(expert_bytes(pebbled, i) for i in layers) * cfg.n_expert_used)
 

@@ -16,17 +16,12 @@ Array = Any
 
 WEIGHT_IDS = {f.name: i for i, f in enumerate(fields(LayerWeights))}  # tensor id of each weight
 K_ID, V_ID = len(WEIGHT_IDS), len(WEIGHT_IDS) + 1                         # ... of the KV cache
-_ALIGN = 256  # byte alignment of each tensor inside a working slot
 
 
 def kv_ids(seq: int) -> tuple[int, int]:
     """Tensor ids of the K and V entries of sequence `seq` of a batch (0: K_ID, V_ID). Each sequence's
     cache is pebbles of its own in every layer, resident or streamed with the layer like its weights."""
     return K_ID + 2 * seq, V_ID + 2 * seq
-
-
-def aligned(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from ..model import LayerWeights, Model, OuterWeights, QuantWeight, embed, layer
 from ..model.gguf_file import drop_file_pages, map_file_pages
 from ..model.qweight import needs_expansion
 from ..store import Backend, select_backend
+from ..store.abi import aligned
 from ..store.arena import HostArena, fits, use_mmap
 from ..store.decoder_scratch import model_scratch_bytes
 from ..store.kernels import EXPERT_MATRICES
@@ -24,7 +25,7 @@ from ..xp import to_numpy
 from .constraint import Constraint
 from .conversations import ParkedConversations
 from .generation import Generation
-from .layout import WEIGHT_IDS, StoredTensor, aligned, bytes_of, kv_ids, tensor_desc
+from .layout import WEIGHT_IDS, StoredTensor, bytes_of, kv_ids, tensor_desc
 from .options import Options
 from .plan import (MEASURED_MARGIN_BYTES, MemoryModel, PebblingOptions, Plan, format_bytes, make_plan,
                    smallest_footprint, workspace_bytes)

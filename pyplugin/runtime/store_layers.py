@@ -20,11 +20,12 @@ import numpy as np
 from ..model import LayerWeights
 from ..kv_types import kv_type
 from ..store import Decoder
+from ..store.abi import aligned
 from ..store.kernels import EXPERT_MATRICES
 from . import experts
 from .options import Options
 from .context_shift import shift_entries
-from .layout import aligned, bytes_of, kv_ids, ring_rows
+from .layout import bytes_of, kv_ids, ring_rows
 from .plan import PebblingOptions, Plan
 from .report import SequenceCost, pebbling_report
 

@@ -25,6 +25,13 @@ DECODER_SPLIT_ROWS = 64  # PEBBLE_DECODER_SPLIT_ROWS: rows of V a decode step's 
 LAYER_WEIGHTS = 24      # PEBBLE_LAYER_WEIGHTS: the fields of struct pebble_layer_weights
 DEVICE_PAGE_BYTES = 2 << 20  # PEBBLE_DEVICE_PAGE_BYTES: the cuda device tier counts a copy of half or more in pages
 
+ALIGN = 256  # the library aligns each part of a buffer it lays out to this (slots, expert slots, a decoder's scratch)
+
+
+def aligned(n: int) -> int:
+    """n bytes rounded up to a whole number of ALIGN."""
+    return -(-n // ALIGN) * ALIGN
+
 
 def paged(nbytes: int, page: int) -> int:
     """An allocation of `nbytes` as a device of `page`-byte pages holds it (0: as bytes): from half a page on,

@@ -6,12 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .abi import DECODER_SPLIT_ROWS
+from .abi import DECODER_SPLIT_ROWS, aligned
 from .kernels import LayerShape
-
-
-def _aligned(n: int) -> int:
-    return -(-n // 256) * 256  # each part 256-byte aligned (pebble_decode.cu, aligned)
 
 
 def scratch_bytes(shapes: Sequence, kv_rows: Sequence[int], n_seq: int, n_embd: int, n_vocab: int,
@@ -36,7 +32,7 @@ def scratch_bytes(shapes: Sequence, kv_rows: Sequence[int], n_seq: int, n_embd: 
         takes += [4 * b * experts, act * b * n_embd, act * b * ff, 4 * b * n_embd]
     if on_device:
         takes += [4 * b * n_embd, 4 * b * n_vocab]
-    return sum(_aligned(t) for t in takes)
+    return sum(aligned(t) for t in takes)  # each part aligned (pebble_decode.cu)
 
 
 def model_scratch_bytes(cfg, n_ctx: int, n_seq: int, on_device: bool = True) -> int:

@@ -11,10 +11,7 @@ from ..errors import InvalidArgumentError, SizeMismatchError
 from ..ggml_types import row_bytes
 from ..model.moe import router_probabilities
 from ..model.transformer import rms_norm
-
-
-def _aligned(n: int) -> int:
-    return (n + 255) // 256 * 256
+from .abi import aligned
 
 
 class _LayerCache:
@@ -69,7 +66,7 @@ class ExpertSlots:
             self.layers[i] = c
         if not self.layers:
             return
-        self.slot_bytes = max(_aligned(c.nbytes) for c in self.layers.values())
+        self.slot_bytes = max(aligned(c.nbytes) for c in self.layers.values())
         most_used = max(c.shape.n_expert_used for c in self.layers.values())
         uncached = any(not c.expert for c in self.layers.values())
         n_staging = most_used if prefetch else 1 if uncached else 0
