@@ -139,7 +139,7 @@ def _write_blocks(writer: GGUFWriter, spec: SynthSpec, n_vocab: int) -> None:
 
 
 _VALUE_TYPES = {bool: GGUFValueType.BOOL, int: GGUFValueType.INT64, float: GGUFValueType.FLOAT32,
-                str: GGUFValueType.STRING, np.uint32: GGUFValueType.UINT32}
+                str: GGUFValueType.STRING, np.uint32: GGUFValueType.UINT32, list: GGUFValueType.ARRAY}
 
 
 def _add_hparams(w: GGUFWriter, spec: SynthSpec, n_vocab: int) -> None:

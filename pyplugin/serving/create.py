@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from ..errors import ModelError, OptionsError
+from ..model import GGUFFile
+from ..model.tokenizer import check_vocabulary
 from ..runtime import Options
 from ..runtime.options import NEUTRAL
 from . import ollama_store, store_write
@@ -66,6 +68,8 @@ def create_model(spec: CreateSpec, catalogue: Catalogue, root: Path | None = Non
         source = _uploaded_gguf(spec.files, catalogue, root)
         return _run(name, new_layers, root, gguf=source)
     base = _base_model(spec.from_, catalogue, root)
+    if isinstance(base, Path):
+        _check_tokenizer(base, f"'from': model '{spec.from_}'")
     return _run(name, new_layers, root, base=base, details=_details(base, catalogue))
 
 
@@ -155,8 +159,19 @@ def _uploaded_gguf(files: Any, catalogue: Catalogue, root: Path | None) -> dict[
     except ModelError as exc:
         raise StoreError(f"'files': {filename} cannot be read as a GGUF model: "
                          f"{str(exc).replace(str(blob), filename)}") from None
+    _check_tokenizer(blob, f"'files': {filename}")
     return {"mediaType": MODEL_MEDIA_TYPE, "digest": f"sha256:{store_write.digest_hex(digest)}",
             "size": blob.stat().st_size, "details": details}
+
+
+def _check_tokenizer(path: Path, shown: str) -> None:
+    """Refuses a file whose tokenizer a load would refuse (check_vocabulary: a per-token array that is not
+    the vocabulary's length, a merge of tokens it lacks), naming it as `shown`, never by its path."""
+    try:
+        with GGUFFile(path) as f:
+            check_vocabulary(f.metadata, shown)
+    except ModelError as exc:
+        raise StoreError(str(exc)) from None
 
 
 def _base_model(name: str, catalogue: Catalogue, root: Path | None) -> ollama_store.OllamaName | Path:

