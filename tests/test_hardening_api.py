@@ -139,3 +139,46 @@ def test_create_refuses_such_a_file_with_a_400_naming_the_key(url, models, craft
     r = requests.post(f"{url}/api/create", json={"model": f"from-{name}", "from": name, "stream": False}, timeout=60)
     assert_400(r, f"'from': model '{name}'", crafted[name][1])
     assert not {f"made-{name}:latest", f"from-{name}:latest"} & listed(url)
+
+
+# ---------------------------------------------------------------------------------------------------
+# layers the store's reader would refuse
+
+
+@pytest.mark.parametrize("fields,field", [
+    ({"parameters": {"stop": [f"stop-{i:06d}" for i in range(200_000)]}}, "'parameters'"),
+    ({"messages": [{"role": "user", "content": "x" * LIMIT}]}, "'messages'"),
+    ({"system": "s" * (LIMIT + 1)}, "'system'"),
+    ({"license": ["MIT", "l" * (LIMIT + 1)]}, "'license'"),
+])
+def test_create_refuses_a_layer_the_store_could_not_read_back(url, models, store, fields, field):
+    digest = upload(url, (models / "tiny.gguf").read_bytes())
+    r = requests.post(f"{url}/api/create", json={"model": "too-big", "files": {"tiny.gguf": digest},
+                                                "stream": False, **fields}, timeout=120)
+    assert_400(r, field, f"over {LIMIT} bytes")
+    assert "too-big:latest" not in listed(url)
+    assert not (store / "manifests" / "registry.ollama.ai" / "library" / "too-big").exists()
+    still_serves(url)
+
+
+def test_create_checks_the_parameters_as_merged_with_the_base_models(url, models):
+    digest = upload(url, (models / "tiny.gguf").read_bytes())
+    stops = [f"stop-{i:06d}" for i in range(45_000)]  # about 0.6 MiB as JSON: a layer the store reads
+    r = requests.post(f"{url}/api/create", json={"model": "base-stops", "files": {"tiny.gguf": digest},
+                                                "parameters": {"stop": stops}, "stream": False}, timeout=120)
+    assert r.status_code == 200, r.text[:300]
+    assert "base-stops:latest" in listed(url)
+    # mirostat_eta is Ollama's and means nothing without mirostat: kept as given, here 0.6 MiB of it
+    more = {"mirostat_eta": "e" * (600 << 10)}
+    r = requests.post(f"{url}/api/create", json={"model": "more-stops", "from": "base-stops", "parameters": more,
+                                                "stream": False}, timeout=120)
+    assert_400(r, "'parameters'", f"over {LIMIT} bytes")
+    assert "more-stops:latest" not in listed(url)
+
+
+def test_the_store_reader_and_create_share_one_check():
+    assert ollama_store.check_layer("params", b'{"stop": ["x"]}') == '{"stop": ["x"]}'
+    for kind, data, says in [("params", b"[1]", "is not a JSON object"), ("messages", b"[1]", "list of objects"),
+                             ("messages", b"{", "is not valid JSON"), ("system", b"s" * (LIMIT + 1), "over")]:
+        with pytest.raises(ValueError, match=says):
+            ollama_store.check_layer(kind, data)

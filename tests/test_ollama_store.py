@@ -113,7 +113,7 @@ def test_a_modelfiles_layers_are_read(tmp_path):
 
 def test_a_params_layer_that_is_not_json_is_an_error_naming_the_model(tmp_path):
     add_model(tmp_path, "registry.ollama.ai", "library", "bad", "latest", layers={"params": "{temperature"})
-    with pytest.raises(ModelError, match="model 'bad:latest': its params or messages layer is not valid JSON"):
+    with pytest.raises(ModelError, match="model 'bad:latest': its params layer is not valid JSON"):
         resolve("bad", tmp_path)
 
 

@@ -27,6 +27,7 @@ from .store_write import StoreError
 
 TEXT_KINDS = ("template", "system", "license")
 GGUF_MAGIC = b"GGUF"
+FIELD_OF_LAYER = {"params": "parameters"}  # the request's field a layer is made from, where it is not its kind
 
 
 @dataclass
@@ -199,6 +200,40 @@ def _details(base: ollama_store.OllamaName | Path, catalogue: Catalogue) -> dict
 def _run(name: ollama_store.OllamaName, new: dict[str, Any], root: Path | None, *,
          gguf: dict[str, Any] | None = None, base: ollama_store.OllamaName | Path | None = None,
          details: dict[str, Any] | None = None) -> Iterator[dict[str, Any]]:
+    """Checks each layer the request adds as the store's reader will check it (StoreError naming the field:
+    a layer the reader refuses would make a model that is never listed), then returns the progress of
+    writing the model."""
+    manifest = None
+    if gguf is None and not isinstance(base, Path):
+        manifest = store_write.read_manifest(base, root)
+        if manifest is None:
+            raise store_write.ModelNotInStore(f"model '{base.display}' not found")
+    base_layers = [dict(layer) for layer in manifest["layers"] if isinstance(layer, dict)] if manifest else []
+    params: dict[str, Any] = {}
+    for layer in base_layers:
+        kind = str(layer.get("mediaType", "")).removeprefix(LAYER_PREFIX)
+        if kind == "params" and "params" in new:  # the new PARAMETERs over the base's, as Ollama merges them
+            try:
+                params = json.loads(store_write.blob_path(layer["digest"], root).read_text())
+            except (OSError, ValueError, KeyError):
+                params = {}
+            params = params if isinstance(params, dict) else {}
+    texts = [(kind, text.encode()) for kind, value in new.items() for text in _layer_texts(kind, value, params)]
+    for kind, data in texts:
+        try:
+            ollama_store.check_layer(kind, data)
+        except ValueError as exc:
+            field = FIELD_OF_LAYER.get(kind, kind)
+            raise StoreError(f"'{field}' makes a {kind} layer of {len(data)} bytes, which the store cannot read: "
+                             f"the layer {exc}; send less") from None
+    return _write(name, new, texts, root, gguf=gguf, base=base, base_layers=base_layers,
+                  base_config=manifest.get("config") if manifest else None, details=details)
+
+
+def _write(name: ollama_store.OllamaName, new: dict[str, Any], texts: list[tuple[str, bytes]], root: Path | None,
+           *, gguf: dict[str, Any] | None, base: ollama_store.OllamaName | Path | None,
+           base_layers: list[dict[str, Any]], base_config: Any, details: dict[str, Any] | None
+           ) -> Iterator[dict[str, Any]]:
     catalogue_details: dict[str, Any] = details or {}
     if gguf is not None:
         yield {"status": "parsing GGUF"}
@@ -208,30 +243,20 @@ def _run(name: ollama_store.OllamaName, new: dict[str, Any], root: Path | None, 
         yield {"status": f"importing {base.name if not base.name.startswith('sha256-') else 'model'}"}
         layers = [{"mediaType": MODEL_MEDIA_TYPE, **store_write.import_file(base, root)}]
     else:
-        manifest = store_write.read_manifest(base, root)
-        layers = [dict(layer) for layer in manifest["layers"] if isinstance(layer, dict)]
-        config = manifest.get("config")
-        if isinstance(config, dict):
-            catalogue_details = _config_details(config, root)
-    params: dict[str, Any] = {}
+        layers = base_layers
+        if isinstance(base_config, dict):
+            catalogue_details = _config_details(base_config, root)
     kept = []
     for layer in layers:
-        kind = str(layer.get("mediaType", "")).removeprefix(LAYER_PREFIX)
-        if kind == "params" and "params" in new:  # the new PARAMETERs over the base's, as Ollama merges them
-            try:
-                params = json.loads(store_write.blob_path(layer["digest"], root).read_text())
-            except (OSError, ValueError, KeyError):
-                params = {}
-        if kind in new:
+        if str(layer.get("mediaType", "")).removeprefix(LAYER_PREFIX) in new:
             continue
         yield {"status": f"using existing layer {layer.get('digest')}"}
         kept.append(layer)
     added = []
-    for kind, value in new.items():
-        for text in _layer_texts(kind, value, params):
-            layer = {"mediaType": LAYER_PREFIX + kind, **store_write.write_blob(text.encode(), root)}
-            yield {"status": f"creating new layer {layer['digest']}"}
-            added.append(layer)
+    for kind, data in texts:
+        layer = {"mediaType": LAYER_PREFIX + kind, **store_write.write_blob(data, root)}
+        yield {"status": f"creating new layer {layer['digest']}"}
+        added.append(layer)
     layers = kept + added
     config = store_write.config_layer(catalogue_details, layers, root)
     yield {"status": "writing manifest"}

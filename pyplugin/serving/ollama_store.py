@@ -231,6 +231,26 @@ def _layer_text(layer: dict, root: Path, display: str, kind: str) -> str:
     except OSError:
         raise ModelError(f"model '{display}': its {kind} layer is missing; run `ollama pull {display}` "
                          "again") from None
+    try:
+        return check_layer(kind, data)
+    except ValueError as exc:
+        raise ModelError(f"model '{display}': its {kind} layer {exc}") from None
+
+
+def check_layer(kind: str, data: bytes) -> str:
+    """A Modelfile layer's blob as its text, checked as the store is read: at most MAX_LAYER_BYTES, and for
+    params and messages JSON of their shape (an object; a list of objects). ValueError says what is wrong.
+    Create checks each layer it writes with it, so that no model is made that the store then cannot list."""
     if len(data) > MAX_LAYER_BYTES:
-        raise ModelError(f"model '{display}': its {kind} layer is over {MAX_LAYER_BYTES} bytes")
-    return data.decode("utf-8", errors="replace")
+        raise ValueError(f"is over {MAX_LAYER_BYTES} bytes")
+    text = data.decode("utf-8", errors="replace")
+    if kind in ("params", "messages"):
+        try:
+            value = json.loads(text)
+        except ValueError as exc:
+            raise ValueError(f"is not valid JSON ({exc})") from None
+        if kind == "params" and not isinstance(value, dict):
+            raise ValueError("is not a JSON object")
+        if kind == "messages" and not (isinstance(value, list) and all(isinstance(m, dict) for m in value)):
+            raise ValueError("is not a JSON list of objects")
+    return text
