@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import json
 import secrets
-from typing import Any, AsyncIterator
+from typing import Annotated, Any, AsyncIterator, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import Field
+from pydantic import BeforeValidator, Field
 
 from pyplugin.serving import Final, GenerationRequest, Output, ToolCall
 
@@ -28,10 +28,31 @@ router = APIRouter(prefix="/v1", tags=["openai"])
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 
 
+class InputItem(_Body):
+    """One item of `input`, each field typed, so that a value of the wrong kind (an object where a role is
+    named, say) is a 400 naming its place (input.0.role) and what is accepted, before any of it is used."""
+
+    type: Literal["message", "function_call", "function_call_output", "reasoning"] = Field(
+        "message", description="reasoning items (a model's earlier thinking) are skipped, as templates drop them")
+    role: Literal["user", "assistant", "system", "developer"] | None = Field(
+        None, description="a message's; developer is read as system")
+    content: Any = Field(None, description="a message's: a string or a list of input_text parts")
+    name: str | None = Field(None, description="a function_call's function")
+    call_id: str | None = Field(None, description="a function_call's id; a function_call_output: the call it answers")
+    arguments: Any = Field(None, description="a function_call's: a JSON object, or its text")
+    output: str | None = Field(None, description="a function_call_output's result")
+
+
+def _as_items(value: Any) -> Any:
+    """`input` as a string is one user message."""
+    return [{"role": "user", "content": value}] if isinstance(value, str) else value
+
+
 class ResponsesRequest(_Body):
     model: str
-    input: Any = Field(description="a string, or a list of items: messages {role, content}, function_call and "
-                                   "function_call_output items")
+    input: Annotated[list[InputItem], BeforeValidator(_as_items)] = Field(
+        description="a string (a user message), or a list of items: messages {role, content}, function_call and "
+                    "function_call_output items")
     instructions: str | None = Field(None, description="a system message put first")
     stream: bool = False
     temperature: float | None = None
@@ -109,47 +130,37 @@ def _finished(shell: dict, items: list[dict], f: Final) -> dict:
 # the request, as the engine takes it
 
 
-def _messages(items: Any, instructions: str | None) -> list[dict[str, Any]]:
+def _messages(items: list[InputItem], instructions: str | None) -> list[dict[str, Any]]:
     messages: list[dict[str, Any]] = [{"role": "system", "content": instructions}] if instructions else []
-    if isinstance(items, str):
-        return messages + [{"role": "user", "content": items}]
-    if not isinstance(items, list) or not items:
+    if not items:
         raise BadRequest("'input' must be a string or a non-empty list of items (messages {\"role\", \"content\"}, "
                          "function_call and function_call_output items)")
     names: dict[str, str] = {}  # call id -> function name, for the output that answers it
     for i, item in enumerate(items):
-        if not isinstance(item, dict):
-            raise BadRequest(f"input[{i}] must be an object, got {dumps(item)[:60]}")
-        kind = item.get("type", "message")
-        if kind == "message":
-            role = ROLES.get(item.get("role"))
-            if role is None:
-                raise BadRequest(f"input[{i}].role must be one of {', '.join(ROLES)}, got {dumps(item.get('role'))[:40]}")
-            messages.append({"role": role, "content": _text(item.get("content"), f"input[{i}].content")})
-        elif kind == "function_call":
-            name, call_id = item.get("name"), item.get("call_id")
-            if not isinstance(name, str) or not isinstance(call_id, str):
+        if item.type == "message":
+            if item.role is None:
+                raise BadRequest(f"input[{i}]: a message needs a role, one of {', '.join(ROLES)}")
+            messages.append({"role": ROLES[item.role], "content": _text(item.content, f"input[{i}].content")})
+        elif item.type == "function_call":
+            name, call_id = item.name, item.call_id
+            if name is None or call_id is None:
                 raise BadRequest(f"input[{i}]: a function_call needs 'name' and 'call_id' strings")
-            arguments = _arguments(item.get("arguments", "{}"), f"input[{i}].arguments")
+            arguments = _arguments(item.arguments, f"input[{i}].arguments")
             names[call_id] = name
             call = {"type": "function", "id": call_id, "function": {"name": name, "arguments": arguments}}
             if messages and messages[-1]["role"] == "assistant" and "tool_calls" in messages[-1]:
                 messages[-1]["tool_calls"].append(call)  # calls made together, in one turn
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        elif kind == "function_call_output":
-            call_id, output = item.get("call_id"), item.get("output")
-            if not isinstance(call_id, str) or not isinstance(output, str):
+        elif item.type == "function_call_output":
+            call_id, output = item.call_id, item.output
+            if call_id is None or output is None:
                 raise BadRequest(f"input[{i}]: a function_call_output needs 'call_id' and 'output' strings")
             message = {"role": "tool", "content": output, "tool_call_id": call_id}
             if call_id in names:
                 message["name"] = message["tool_name"] = names[call_id]
             messages.append(message)
-        elif kind == "reasoning":
-            continue  # a model's earlier reasoning: templates drop it from past turns
-        else:
-            raise BadRequest(f"input[{i}].type {dumps(kind)[:40]} is not supported: send message, function_call "
-                             "or function_call_output items (pebbling serves text-only models)")
+        # a reasoning item, a model's earlier thinking: templates drop it from past turns
     return messages
 
 

@@ -98,6 +98,39 @@ def still_serves(url: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------
+# a field of the wrong kind
+
+
+ACCEPTED_ROLES = "'user', 'assistant', 'system' or 'developer'"
+
+
+@pytest.mark.parametrize("item,needles", [
+    ({"role": {"name": "user"}, "content": "hi"}, ["'input.0.role'", ACCEPTED_ROLES]),
+    ({"role": ["user"], "content": "hi"}, ["'input.0.role'", ACCEPTED_ROLES]),
+    ({"type": "message", "role": [{"a": 1}], "content": "hi"}, ["'input.0.role'", ACCEPTED_ROLES]),
+    ({"type": {"message": 1}, "role": "user", "content": "hi"}, ["'input.0.type'", "'message', 'function_call'"]),
+    ({"type": "function_call", "name": ["f"], "call_id": "c", "arguments": "{}"}, ["'input.0.name'", "string"]),
+    ({"type": "function_call", "name": "f", "call_id": {"id": 1}}, ["'input.0.call_id'", "string"]),
+    ({"type": "function_call_output", "call_id": ["c"], "output": "x"}, ["'input.0.call_id'", "string"]),
+    ({"type": "function_call_output", "call_id": "c", "output": {"x": 1}}, ["'input.0.output'", "string"]),
+])
+def test_a_responses_input_item_field_of_the_wrong_kind_is_a_400_naming_it(url, item, needles):
+    r = requests.post(f"{url}/v1/responses", json={"model": "tiny", "input": [item], "max_output_tokens": 2},
+                      timeout=60)
+    assert_400(r, *needles)
+    still_serves(url)
+
+
+@pytest.mark.parametrize("field,value", [("role", {"r": 1}), ("role", ["user"]), ("name", ["bob"]),
+                                         ("tool_call_id", {"id": 1}), ("reasoning_content", ["x"])])
+def test_a_chat_completions_message_field_of_the_wrong_kind_is_a_400_naming_it(url, field, value):
+    message = {"role": "user", "content": "hi", field: value}
+    r = requests.post(f"{url}/v1/chat/completions", json={"model": "tiny", "messages": [message], "max_tokens": 2},
+                      timeout=60)
+    assert_400(r, f"'messages.0.{field}'", "string")
+
+
+# ---------------------------------------------------------------------------------------------------
 # tokenizer arrays that do not fit the vocabulary
 
 

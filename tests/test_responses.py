@@ -118,7 +118,7 @@ def test_text_format_json_schema_is_followed(ai):
 
 @pytest.mark.parametrize("extra,says", [
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "only text parts"),
-    ({"input": [{"role": "robot", "content": "x"}]}, "role must be one of"),
+    ({"input": [{"role": "robot", "content": "x"}]}, "'input.0.role': Input should be 'user', 'assistant', 'system' or 'developer'"),
     ({"input": []}, "'input' must be a string or a non-empty list"),
     ({"input": "x", "previous_response_id": "resp_1"}, "stores no responses"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "only function tools"),
