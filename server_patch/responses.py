@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BeforeValidator, Field
 
 from pyplugin.serving import Final, GenerationRequest, Output, ToolCall
+from pyplugin.serving.tool_calls import CutCall
 
 from .schemas import _Body
 from .streaming import BadRequest, collect_output, dumps, now_unix, outputs, submit
@@ -110,7 +111,8 @@ async def responses(body: ResponsesRequest, request: Request) -> Response:
     out, f = await collect_output(job, request)
     if f is None:
         return Response(status_code=499)
-    items = _reasoning(out.thinking) + _message(out.content) + [_call(c) for c in out.tool_calls]
+    calls = [_call(c) for c in _calls(out)]
+    items = _reasoning(out.thinking) + _message(out.content, cut=f.done_reason == "length" and not calls) + calls
     return JSONResponse(_finished(shell, items, f))
 
 
@@ -235,20 +237,29 @@ def _reasoning(text: str) -> list[dict]:
              "content": [{"type": "reasoning_text", "text": text}]}] if text else []
 
 
-def _message(text: str, item_id: str | None = None) -> list[dict]:
+def _message(text: str, item_id: str | None = None, *, cut: bool = False) -> list[dict]:
+    """The reply's text as a message item; `cut`: the token limit ended it (status incomplete)."""
     if not text and item_id is None:
         return []
-    return [{"type": "message", "id": item_id or f"msg_{secrets.token_hex(12)}", "status": "completed",
-             "role": "assistant", "content": [_text_part(text)]}]
+    return [{"type": "message", "id": item_id or f"msg_{secrets.token_hex(12)}",
+             "status": "incomplete" if cut else "completed", "role": "assistant", "content": [_text_part(text)]}]
 
 
 def _text_part(text: str) -> dict:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
-def _call(call: ToolCall) -> dict:
+def _calls(out: Output) -> list[ToolCall | CutCall]:
+    """The calls of an output, then the forced call the token limit cut short, if it did."""
+    return [*(out.tool_calls or ()), *([out.cut_call] if out.cut_call else [])]
+
+
+def _call(call: ToolCall | CutCall) -> dict:
+    """A call as a function_call item: a cut one (CutCall) is incomplete, its arguments the JSON text written."""
+    cut = isinstance(call, CutCall)
     return {"type": "function_call", "id": f"fc_{secrets.token_hex(12)}", "call_id": f"call_{secrets.token_hex(12)}",
-            "name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False), "status": "completed"}
+            "name": call.name, "arguments": call.arguments if cut else json.dumps(call.arguments, ensure_ascii=False),
+            "status": "incomplete" if cut else "completed"}
 
 
 async def _events(items: AsyncIterator[Output | Final], shell: dict) -> AsyncIterator[str]:
@@ -265,11 +276,11 @@ async def _events(items: AsyncIterator[Output | Final], shell: dict) -> AsyncIte
     done: list[dict] = []
     thinking, text, message_id = "", "", None
 
-    def close_message() -> list[str]:
+    def close_message(cut: bool = False) -> list[str]:
         nonlocal message_id, text
         if message_id is None:
             return []
-        item = _message(text, message_id)[0]
+        item = _message(text, message_id, cut=cut)[0]
         whole, index, message_id, text = text, len(done), None, ""
         done.append(item)
         return [event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
@@ -291,7 +302,7 @@ async def _events(items: AsyncIterator[Output | Final], shell: dict) -> AsyncIte
     try:
         async for out in items:
             if isinstance(out, Final):
-                for line in close_reasoning() + close_message():
+                for line in close_reasoning() + close_message(cut=out.done_reason == "length"):
                     yield line
                 final = _finished(shell, done, out)
                 yield event("response.incomplete" if final["status"] == "incomplete" else "response.completed",
@@ -312,7 +323,7 @@ async def _events(items: AsyncIterator[Output | Final], shell: dict) -> AsyncIte
                 text += out.content
                 yield event("response.output_text.delta", item_id=message_id, output_index=len(done),
                             content_index=0, delta=out.content, logprobs=[])
-            for call in out.tool_calls or ():
+            for call in _calls(out):
                 for line in close_reasoning() + close_message():
                     yield line
                 item, index = _call(call), len(done)

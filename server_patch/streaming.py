@@ -148,6 +148,7 @@ async def collect_output(job: Job, request: Request) -> tuple[Output, Final | No
             whole.content += item.content
             whole.thinking += item.thinking
             whole.tool_calls += item.tool_calls
+            whole.cut_call = item.cut_call or whole.cut_call
     return whole, final
 
 

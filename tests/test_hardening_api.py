@@ -13,11 +13,12 @@ import json
 import pytest
 import requests
 
-from helpers import tiny_spec
+from helpers import script_replies, tiny_spec
 from pyplugin.errors import ModelError
 from pyplugin.model import GGUFFile, Tokenizer, load_model
 from pyplugin.model.synth import write_gguf
 from pyplugin.serving import ollama_store
+from pyplugin.serving.tool_calls import LLAMA3, QWEN, CutCall, ToolCall, ToolCallParser
 from server_patch import create_app
 from server_patch.local import serving
 
@@ -215,3 +216,99 @@ def test_the_store_reader_and_create_share_one_check():
                              ("messages", b"{", "is not valid JSON"), ("system", b"s" * (LIMIT + 1), "over")]:
         with pytest.raises(ValueError, match=says):
             ollama_store.check_layer(kind, data)
+
+
+# ---------------------------------------------------------------------------------------------------
+# a forced call cut by the token limit
+
+
+def test_a_forced_call_cut_short_is_kept_apart_from_the_content():
+    bare = ToolCallParser(LLAMA3, [WEATHER, ADD], forced=[WEATHER])
+    assert bare.feed('{"name":"get_weather","parameters":{"city":"Par') == ("", [])
+    assert bare.finish() == ("", []) and bare.cut == CutCall("get_weather", '{"city":"Par')
+    tagged = ToolCallParser(QWEN, [WEATHER, ADD], forced=[WEATHER, ADD])
+    assert tagged.feed('<tool_call>\n{"name":"ad') == ("", [])
+    assert tagged.finish() == ("", []) and tagged.cut == CutCall("", "")
+    # the model chose (auto): what it wrote stays its text, as before
+    chosen = ToolCallParser(LLAMA3, [WEATHER, ADD])
+    chosen.feed('{"name":"get_weather","par')
+    assert chosen.finish() == ('{"name":"get_weather","par', []) and chosen.cut is None
+
+
+@pytest.mark.parametrize("forced", [None, [ADD]])
+def test_a_call_whole_but_for_its_closing_tag_is_a_call(forced):
+    parser = ToolCallParser(QWEN, [WEATHER, ADD], forced=forced)
+    parser.feed('<tool_call>\n{"name":"add","arguments":{"a":1}}\n</tool_')
+    assert parser.finish() == ("", [ToolCall("add", {"a": 1})]) and parser.cut is None
+
+
+CALLS = {"llama": '{"name":"get_weather","parameters":{"city":"Paris in the spring"}}',
+         "qwen": '<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris in the spring"}}\n</tool_call>'}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture
+def cut_call(monkeypatch, models):
+    """`cut(model)`: the model's next replies write a get_weather call; returns the token limit that cuts it
+    inside its arguments, just past "Paris"."""
+    write = script_replies(monkeypatch, models)
+
+    def cut(model: str) -> int:
+        write(model, CALLS[model])
+        with GGUFFile(models / f"{model}.gguf") as f:
+            tokenizer = Tokenizer.from_metadata(f.metadata, model)
+        ids = tokenizer.encode_fragment(CALLS[model])
+        return next(n for n in range(len(ids)) if '"city":"Paris' in tokenizer.decode(ids[:n]))
+    return cut
+
+
+def check_cut_item(item: dict) -> None:
+    assert item["type"] == "function_call" and item["status"] == "incomplete" and item["name"] == "get_weather"
+    assert item["arguments"].startswith('{"city":"Paris') and item["arguments"] != '{"city":"Paris in the spring"}'
+    assert '{"city":"Paris in the spring"}'.startswith(item["arguments"])
+
+
+@pytest.mark.parametrize("model", CALLS)
+def test_a_forced_call_cut_by_the_token_limit_is_no_text_on_chat_completions(url, cut_call, model):
+    body = {"model": model, "messages": ASK, "tools": [WEATHER], "tool_choice": "required",
+            "max_tokens": cut_call(model)}
+    r = requests.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+    (choice,) = r.json()["choices"]
+    assert choice["finish_reason"] == "length" and not choice["message"]["content"], choice
+    assert "tool_calls" not in choice["message"]
+    r = requests.post(f"{url}/v1/chat/completions", json={**body, "stream": True}, timeout=60)
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert "".join(d.get("content") or "" for d in deltas) == "" and not any("tool_calls" in d for d in deltas)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("model", CALLS)
+def test_a_forced_call_cut_by_the_token_limit_is_an_incomplete_function_call_item(url, cut_call, model):
+    body = {"model": model, "input": ASK, "tools": [{"type": "function", **WEATHER["function"]}],
+            "tool_choice": "required", "max_output_tokens": cut_call(model)}
+    r = requests.post(f"{url}/v1/responses", json=body, timeout=60).json()
+    assert r["status"] == "incomplete" and r["incomplete_details"] == {"reason": "max_output_tokens"}
+    (item,) = r["output"]
+    check_cut_item(item)
+    r = requests.post(f"{url}/v1/responses", json={**body, "stream": True}, timeout=60)
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[-1]["type"] == "response.incomplete"
+    assert not [e for e in events if e["type"] == "response.output_text.delta"]
+    (item,) = events[-1]["response"]["output"]
+    check_cut_item(item)
+    (done,) = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert done == item
+
+
+def test_a_message_the_token_limit_cuts_is_an_incomplete_item(url, monkeypatch, models):
+    script_replies(monkeypatch, models)("tiny", "The weather in Paris is mild in the spring.")
+    body = {"model": "tiny", "input": "Weather?", "max_output_tokens": 3}
+    r = requests.post(f"{url}/v1/responses", json=body, timeout=60).json()
+    assert r["status"] == "incomplete" and [item["status"] for item in r["output"]] == ["incomplete"]
+    events = [json.loads(line[6:]) for line in requests.post(f"{url}/v1/responses", json={**body, "stream": True},
+                                                             timeout=60).text.splitlines() if line.startswith("data: ")]
+    (done,) = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert done["status"] == "incomplete" and events[-1]["response"]["output"] == [done]
+    whole = requests.post(f"{url}/v1/responses", json={**body, "max_output_tokens": 100}, timeout=60).json()
+    assert whole["status"] == "completed" and [item["status"] for item in whole["output"]] == ["completed"]

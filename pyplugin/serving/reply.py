@@ -18,8 +18,8 @@ from typing import Any
 
 from ..errors import OptionsError
 from .jobs import GenerationRequest
-from .tool_calls import (ToolCall, ToolCallParser, ToolFormat, call_grammar, check_tools, forced_tools, held_back,
-                         tool_format)
+from .tool_calls import (CutCall, ToolCall, ToolCallParser, ToolFormat, call_grammar, check_tools, forced_tools,
+                         held_back, tool_format)
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 EMPTY_THINKING = "<think>\n\n</think>\n\n"
@@ -39,9 +39,10 @@ class Output:
     thinking: str = ""
     tool_calls: list[ToolCall] = field(default_factory=list)
     logprobs: list[dict[str, Any]] | None = None  # of the tokens behind it, when the request asked
+    cut_call: CutCall | None = None  # at the end: the forced call the token limit cut short, if it did
 
     def __bool__(self) -> bool:
-        return bool(self.content or self.thinking or self.tool_calls)
+        return bool(self.content or self.thinking or self.tool_calls or self.cut_call)
 
 
 class ThinkingParser:
@@ -107,7 +108,7 @@ class OutputParser:
         if final:
             more, more_calls = self.tools.finish()
             content, calls = content + more, calls + more_calls
-        return Output(content, thinking, calls)
+        return Output(content, thinking, calls, cut_call=self.tools.cut if final else None)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -173,5 +174,5 @@ class ReplyPlan:
     def parser(self, prompt: str) -> OutputParser | None:
         """The parser for the reply to `prompt`, or None when the text stays as the model writes it."""
         thinking = ThinkingParser(inside=prompt.rstrip().endswith(THINK_OPEN)) if self.think else None
-        tools = ToolCallParser(self.tool_format, self.tools) if self.tools else None
+        tools = ToolCallParser(self.tool_format, self.tools, self.forced) if self.tools else None
         return OutputParser(thinking, tools) if thinking or tools else None

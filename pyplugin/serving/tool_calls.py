@@ -59,6 +59,19 @@ class ToolCall:
     arguments: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class CutCall:
+    """The call a forced output (tool_choice) was writing when the token limit ended it: never content, and
+    never a call to make. `name`: the function's, where it was written whole (else the one tool it could be,
+    else ""); `arguments`: their JSON text so far."""
+
+    name: str
+    arguments: str = ""
+
+
+_NAME = re.compile(r'"name"\s*:\s*("(?:[^"\\]|\\.)*")')
+
+
 # ---------------------------------------------------------------------------------------------------
 # the request's tools
 
@@ -197,21 +210,36 @@ def held_back(text: str, marker: str) -> int:
 
 class ToolCallParser:
     """Splits text as it streams into content and calls. `feed(text)` and `finish()` return
-    (content, calls): content is passed on at once, except what may still turn out to be part of a call."""
+    (content, calls): content is passed on at once, except what may still turn out to be part of a call.
 
-    def __init__(self, fmt: ToolFormat, tools: list[dict[str, Any]]):
+    `forced`: the tools tool_choice forces one call of (the output follows call_grammar). Then the output
+    holds no content at all: text left over at the end is that call, cut short by the token limit, kept as
+    `cut` rather than passed on as content."""
+
+    def __init__(self, fmt: ToolFormat, tools: list[dict[str, Any]], forced: list[dict[str, Any]] | None = None):
         self.fmt, self.names = fmt, set(tool_names(tools))
+        self.forced = tool_names(forced) if forced else None
+        self.cut: CutCall | None = None
         self._pending = ""
         self._in_call = False            # tagged: inside <tool_call>
         self._bare = None                # bare: None (undecided), True (reading calls), False (content)
         self._found = 0                  # bare: calls read so far
+        self._calls = 0                  # calls returned so far
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         self._pending += text
-        return self._tagged(False) if self.fmt.open else self._bare_calls(False)
+        content, calls = self._tagged(False) if self.fmt.open else self._bare_calls(False)
+        self._calls += len(calls)
+        return content, calls
 
     def finish(self) -> tuple[str, list[ToolCall]]:
-        return self._tagged(True) if self.fmt.open else self._bare_calls(True)
+        content, calls = self._tagged(True) if self.fmt.open else self._bare_calls(True)
+        self._calls += len(calls)
+        if self.forced is not None and content:
+            if not self._calls:
+                self.cut = _cut_call(content, self.fmt, self.forced)
+            content = ""
+        return content, calls
 
     def _tagged(self, final: bool) -> tuple[str, list[ToolCall]]:
         content, calls, fmt = [], [], self.fmt
@@ -228,7 +256,9 @@ class ToolCallParser:
             at = self._pending.find(fmt.close)
             if at < 0 and not final:
                 break
-            body = self._pending if at < 0 else self._pending[:at]
+            # ended without the closing tag, or inside it: the call is what comes before
+            body = self._pending[:len(self._pending) - held_back(self._pending, fmt.close)] if at < 0 \
+                else self._pending[:at]
             try:  # a model may stop after the object without closing the tag
                 call = _as_call(json.loads(body), fmt, None)
             except ValueError:
@@ -293,3 +323,18 @@ class ToolCallParser:
         self._bare = False
         content, self._pending = self._pending, ""
         return content, []
+
+
+def _cut_call(text: str, fmt: ToolFormat, forced: list[str]) -> CutCall:
+    """What there is of a call in `text`, a call_grammar's output that the token limit ended: the grammar
+    writes the name first, then the arguments."""
+    found = _NAME.search(text)
+    try:
+        name = json.loads(found.group(1)) if found else None
+    except ValueError:
+        name = None
+    if not isinstance(name, str):
+        name = forced[0] if len(forced) == 1 else ""
+    rest = text[found.end():] if found else ""
+    at = re.match(r'\s*,\s*"%s"\s*:\s*' % re.escape(fmt.arguments), rest)
+    return CutCall(name, rest[at.end():] if at else "")
