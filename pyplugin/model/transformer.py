@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields, replace
 from functools import cached_property, lru_cache
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Protocol
 
 import numpy as np
 
@@ -294,7 +294,17 @@ def embed(outer: OuterWeights, tokens: Any, xp: Any = np, scale: float = 1.0, dt
     return xp.asarray(rows, dtype=compute_dtype(xp) if dtype is None else dtype)
 
 
-Attend = Callable[[ModelConfig, Array, list, list, tuple], Array]
+class Attend(Protocol):
+    """The kernels' attention in place of ``attention`` (runtime.generation.KernelAttention), told the case:
+    B sequences of a row each and one sequence's chunk of B rows are both q [B, n_head, head_dim]."""
+
+    def tokens(self, cfg: ModelConfig, q: Array, caches: list, n_pos: list, new: tuple | None) -> Array:
+        """A row per sequence: q [B, n_head, head_dim] rotated, over B (K, V) `caches` of n_pos[b] rows; `new`
+        (k, v) [B, n_head_kv, head_dim] written into row n_pos[b] - 1 first (None: written). float32 [B, -1]."""
+
+    def chunk(self, cfg: ModelConfig, q: Array, cache: tuple, n_pos: int) -> Array:
+        """One sequence's prompt chunk, its rows written: q [T, n_head, head_dim] rotated, the queries ending at
+        row n_pos - 1 of `cache` (K, V), the layer's window applied. float32 [T, n_head * head_dim]."""
 
 
 def layer_forward(cfg: ModelConfig, x: Array, lw: LayerWeights, k_cache: Array, v_cache: Array,
@@ -313,13 +323,9 @@ def attention_block(cfg: ModelConfig, x: Array, lw: LayerWeights, k_cache: Array
     positions the layer sees. A cache of fewer rows than pos+T is a ring (a sliding layer's window):
     position p is row p % rows, and the keys still needed are read before the new ones are written.
     Returns the new x [T, n_embd]. `rope`: the (cos, sin) rows of these positions, each [T, 1, head_dim]
-    as ``rope_table`` lays them out; None takes them from ``rope_table``. `attend(cfg, q, caches, n_pos,
-    (k, v))`: where given, the attention of one token (q [B, n_head, head_dim] rotated, caches B (K, V)
-    pairs, n_pos the rows each attends over, k and v [B, n_head_kv, head_dim] the new rows it writes into
-    row n_pos[b] - 1 first; float32 [B, n_head * head_dim]) on a layer without a window, in place of
-    ``attention``: the kernels' own, which a batch of sequences calls once for all of them. A prompt chunk
-    (T > 1, one cache, its rows written, None for the new rows) goes through `attend` too, on any layer
-    whose cache is not a ring: T queries ending at row n_pos[0] - 1, the layer's window applied.
+    as ``rope_table`` lays them out; None takes them from ``rope_table``. `attend`: the kernels' attention in
+    place of ``attention``: `tokens` for one token on a layer without a window (its row written by that
+    call), `chunk` for a prompt chunk (T > 1) on any layer whose cache is not a ring.
     """
     T = x.shape[0]
     xp = get_array_module(x)
@@ -355,11 +361,11 @@ def attention_block(cfg: ModelConfig, x: Array, lw: LayerWeights, k_cache: Array
         attn = attention(cfg, apply_rope(cfg, q, cos, sin), keys, values, pos, lo)
     else:
         if attend is not None and T == 1 and not cfg.window:  # the row written (encoded) by the kernels' call
-            attn = attend(cfg, apply_rope(cfg, q, cos, sin), [(k_cache, v_cache)], [pos + 1], (k, v))
+            attn = attend.tokens(cfg, apply_rope(cfg, q, cos, sin), [(k_cache, v_cache)], [pos + 1], (k, v))
         else:
             k_cache[pos:pos + T], v_cache[pos:pos + T] = encode(k, kv), encode(v, kv)
             if attend is not None and T > 1:  # a prompt chunk: the kernels' attention over the rows written
-                attn = attend(cfg, apply_rope(cfg, q, cos, sin), [(k_cache, v_cache)], [pos + T], None)
+                attn = attend.chunk(cfg, apply_rope(cfg, q, cos, sin), (k_cache, v_cache), pos + T)
             else:
                 attn = attention(cfg, apply_rope(cfg, q, cos, sin), decode(k_cache[:pos + T], kv, dt),
                                  decode(v_cache[:pos + T], kv, dt), pos)

@@ -48,7 +48,8 @@ def batched_layer(cfg: ModelConfig, x: Array, lw: LayerWeights, caches: Sequence
     """One transformer block on x [n, n_embd] holding lengths[b] rows (default 1) of the sequence at
     positions[b].. whose caches are caches[b]: `transformer.layer_forward` for each sequence's rows, with
     every row-wise step over all rows at once (a decode step's tokens, or the prompts of a batched prefill)
-    and the attention per sequence, or one `attend` call (the kernels' attention) where each has one row."""
+    and the attention per sequence, or one `attend.tokens` call (the kernels' attention) where each has one
+    row."""
     lengths = list(lengths) if lengths is not None else [1] * len(positions)
     n, xp, n_ctx = x.shape[0], get_array_module(x), caches[0][0].shape[0]
     for pos, T in zip(positions, lengths):
@@ -67,16 +68,22 @@ def batched_layer(cfg: ModelConfig, x: Array, lw: LayerWeights, caches: Sequence
     cos, sin = (table[xp.asarray(rows)] for table in rope_table(cfg, n_ctx, xp))  # [n, 1, hd]
     q, k = apply_rope(cfg, q, cos, sin), apply_rope(cfg, k, cos, sin)
     if attend is not None and n == len(positions):  # a token each: stored and attended in one call
-        attn = attend(cfg, q, list(caches), [pos + 1 for pos in positions], (k, v))  # [n, n_head * hd]
+        attn = attend.tokens(cfg, q, list(caches), [pos + 1 for pos in positions], (k, v))  # [n, n_head * hd]
     else:
         kv, dt = cache_kv_type(caches[0][0], cfg.head_dim), x.dtype  # the caches' type, read back as x's
         for (k_cache, v_cache), pos, T, s in zip(caches, positions, lengths, starts):
             k_cache[pos:pos + T] = encode(k[s:s + T], kv)
             v_cache[pos:pos + T] = encode(v[s:s + T], kv)
-        attn = xp.concatenate([
-            attend(cfg, q[s:s + T], [(k_cache, v_cache)], [pos + T], None) if attend is not None else
-            attention(cfg, q[s:s + T], decode(k_cache[:pos + T], kv, dt), decode(v_cache[:pos + T], kv, dt), pos)
-            for (k_cache, v_cache), pos, T, s in zip(caches, positions, lengths, starts)])
+        parts = []
+        for (k_cache, v_cache), pos, T, s in zip(caches, positions, lengths, starts):
+            if attend is None:
+                parts.append(attention(cfg, q[s:s + T], decode(k_cache[:pos + T], kv, dt),
+                                       decode(v_cache[:pos + T], kv, dt), pos))
+            elif T == 1:  # one token, its row written
+                parts.append(attend.tokens(cfg, q[s:s + 1], [(k_cache, v_cache)], [pos + 1], None))
+            else:
+                parts.append(attend.chunk(cfg, q[s:s + T], (k_cache, v_cache), pos + T))
+        attn = xp.concatenate(parts)
     x = x + linear_rows(attn, lw.wo)                                               # [n, n_embd]
     h = rms_norm(x, lw.ffn_norm, cfg.rms_eps)
     gated = silu(linear_rows(h, lw.w_gate))                                        # [n, n_ff] SwiGLU

@@ -54,18 +54,23 @@ class LayerSource(Protocol):
         """Every layer's caches of a context of n_past shifted (model.kv_shift.shift_caches)."""
 
 
+class KernelAttention:
+    """The model's Attend (transformer.Attend) over `kernels`: pebble_attend and pebble_attend_prompt."""
+
+    def __init__(self, kernels: Kernels):
+        self.kernels = kernels
+
+    def tokens(self, cfg, q, caches, n_pos, new):
+        return self.kernels.attend(q, caches, n_pos, cfg.n_head_kv, cfg.query_scale, cfg.attn_softcap, new)
+
+    def chunk(self, cfg, q, cache, n_pos):
+        return self.kernels.attend_prompt(q, cache, n_pos - q.shape[0], cfg.n_head_kv, cfg.query_scale,
+                                          cfg.attn_softcap, cfg.window)
+
+
 def attend_through(kernels: Kernels | None) -> Attend | None:
     """The model's `attend` (transformer.layer_forward) over `kernels`' attention, or None."""
-    if kernels is None:
-        return None
-
-    def attend(cfg, q, caches, n_pos, new):
-        if q.shape[0] > 1:  # a prompt chunk of one sequence, its rows written: pebble_attend_prompt
-            (cache,) = caches
-            return kernels.attend_prompt(q, cache, n_pos[0] - q.shape[0], cfg.n_head_kv, cfg.query_scale,
-                                         cfg.attn_softcap, cfg.window)
-        return kernels.attend(q, caches, n_pos, cfg.n_head_kv, cfg.query_scale, cfg.attn_softcap, new)
-    return attend
+    return KernelAttention(kernels) if kernels is not None else None
 
 
 class ResidentLayers:
