@@ -1,8 +1,10 @@
 """The engine's side of the third hardening round (issue 44): two cached chats prefilled together in one
-pass answer as each does alone (a pass of one row per sequence is never read as one sequence's chunk)."""
+pass answer as each does alone; the catalogue keeps a bounded amount of model files' details and nothing of
+a model deleted."""
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 import threading
 import time
@@ -12,6 +14,7 @@ import pytest
 import requests
 
 from helpers import store_backend_params, tiny_model, tiny_path
+from pyplugin.model.synth import write_gguf
 from pyplugin.runtime import PebbledModel
 from pyplugin.runtime.batch import prefill_batch, prefills_together
 from pyplugin.runtime.generation import Generation
@@ -19,6 +22,8 @@ from pyplugin.runtime.options import Options
 from pyplugin.runtime.plan import PebblingOptions
 from pyplugin.runtime.store_layers import StoreLayers
 from pyplugin.serving import Engine, batching
+from pyplugin.serving import catalogue as catalogue_module
+from pyplugin.serving.catalogue import Catalogue
 from server_patch import create_app
 from server_patch.local import serving
 
@@ -118,3 +123,60 @@ def test_two_cached_chats_at_once_both_answer(tmp_path, backend, slow_tokens, mo
     for text, reply in replies.items():
         assert reply.status_code == 200, reply.text[:300]
         assert reply.json()["message"]["content"] == alone[text]["message"]["content"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# the catalogue's memory of model files
+
+
+def test_the_catalogue_keeps_the_details_of_a_bounded_number_of_files(tmp_path):
+    source, bound = tiny_path("llama"), catalogue_module.INFO_CACHE_ENTRIES
+    catalogue = Catalogue(tmp_path)
+    for n in range(bound + 20):
+        path = tmp_path / f"m{n}.gguf"
+        shutil.copy(source, path)
+        assert catalogue.info(path)["size"] == source.stat().st_size
+        assert catalogue.cached()[0] <= bound
+    assert catalogue.cached()[0] == bound
+
+
+def test_the_catalogue_keeps_a_bounded_number_of_bytes_and_one_entry_a_file(tmp_path):
+    """Files of 4000 metadata strings (about 0.6 MB of details each) under a bound of 1 MiB: one is kept at
+    a time; a file rewritten replaces its entry; a file larger than the bound is read but not kept."""
+    catalogue = Catalogue(tmp_path, cache_bytes=1 << 20)
+    shape = dict(n_layer=1, n_embd=32, n_head=2, n_head_kv=1, n_ff=64, n_ctx=64)
+    notes = {f"general.note_{i}": f"value {i} " + "x" * 20 for i in range(4000)}
+    for n in range(3):
+        write_gguf(tmp_path / f"big{n}.gguf", **shape, metadata=notes)
+        assert len(catalogue.info(tmp_path / f"big{n}.gguf")["show"]["model_info"]) > 4000
+        count, held = catalogue.cached()
+        assert count == 1 and 400_000 < held <= 1 << 20
+    write_gguf(tmp_path / "big2.gguf", **shape, metadata={**notes, "general.more": "y"})  # changed
+    catalogue.info(tmp_path / "big2.gguf")
+    assert catalogue.cached()[0] == 1
+    write_gguf(tmp_path / "huge.gguf", **shape, metadata={f"general.note_{i}": "x" * 40 for i in range(8000)})
+    assert catalogue.info(tmp_path / "huge.gguf")["size"] > 0
+    count, held = catalogue.cached()
+    assert count == 1 and held <= 1 << 20 and str((tmp_path / "huge.gguf").resolve()) not in catalogue._info_cache
+
+
+def test_a_deleted_models_details_are_not_kept(tmp_path, monkeypatch):
+    store, models = tmp_path / "ollama", tmp_path / "models"
+    models.mkdir()
+    monkeypatch.setenv("OLLAMA_MODELS", str(store))
+    gguf = tiny_path("qwen2").read_bytes()
+    digest = "sha256:" + hashlib.sha256(gguf).hexdigest()
+    app = create_app(models_dir=models)
+    catalogue = app.state.engine.catalogue
+    with serving(app) as url:
+        assert requests.post(f"{url}/api/blobs/{digest}", data=gguf, timeout=60).status_code == 201
+        r = requests.post(f"{url}/api/create", json={"model": "brief", "files": {"m.gguf": digest}, "stream": False},
+                          timeout=60)
+        assert r.status_code == 200, r.text
+        assert requests.post(f"{url}/api/show", json={"model": "brief"}, timeout=30).status_code == 200
+        blob = str((store / "blobs" / digest.replace(":", "-")).resolve())
+        assert any(blob in str(key) for key in catalogue._info_cache)
+        assert requests.delete(f"{url}/api/delete", json={"model": "brief"}, timeout=30).status_code == 200
+        assert not (store / "blobs" / digest.replace(":", "-")).exists()
+        assert requests.get(f"{url}/api/tags", timeout=30).status_code == 200  # `ollama rm`, then `ollama ls`
+        assert not any(blob in str(key) for key in catalogue._info_cache)

@@ -1,16 +1,18 @@
 """The model catalogue: every model that can be served and what is known of it before loading.
 
 Names resolve through one lookup, registry.locate: the demo, the models directory, then Ollama's local
-store (ollama_store.py) with the Modelfile layers of the name found there; listings and /api/show details are read from the file's header and cached while
-the file is unchanged.
+store (ollama_store.py) with the Modelfile layers of the name found there; listings and /api/show details
+are read from the file's header and cached while the file is unchanged, within a bound: /api/show holds
+every scalar of a file's metadata, which a crafted file makes tens of MB.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+import os
 import threading
-from collections import Counter
+from collections import Counter, OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,12 +83,24 @@ class RunningModel:
     active: int                       # requests queued or running on it
 
 
+# What the catalogue keeps of files' headers, the least recently used going first past either bound; a
+# file's details alone past the bytes are read again each time rather than kept.
+INFO_CACHE_ENTRIES = 64
+INFO_CACHE_BYTES = 16 << 20
+_ITEM_BYTES = 128  # a metadata item in memory beside its text: its key and value objects and its dict slot
+
+
 class Catalogue:
     """The models of one models directory, the demo and Ollama's store; thread-safe."""
 
-    def __init__(self, models_dir: str | Path | None = None):
+    def __init__(self, models_dir: str | Path | None = None, *, cache_entries: int = INFO_CACHE_ENTRIES,
+                 cache_bytes: int = INFO_CACHE_BYTES):
+        """`cache_entries`, `cache_bytes`: the most files' details kept, and the most bytes they hold."""
         self.models_dir = Path(models_dir) if models_dir is not None else registry.default_models_dir()
-        self._info_cache: dict[tuple, dict[str, Any]] = {}
+        self.cache_entries, self.cache_bytes = cache_entries, cache_bytes
+        # By resolved path: (size, mtime_ns) of the version read, its details, about the bytes they hold
+        self._info_cache: OrderedDict[str, tuple[tuple[int, int], dict[str, Any], int]] = OrderedDict()
+        self._cached_bytes = 0
         self._lock = threading.Lock()
 
     def resolve(self, name: str) -> Path:
@@ -97,6 +111,7 @@ class Catalogue:
     def find(self, name: str) -> tuple[Path, ollama_store.ModelLayers]:
         """The GGUF file for a model name and its Modelfile layers (none outside Ollama's store)."""
         ollama_store.parse_name(name)
+        self.drop_stale()
         try:
             return registry.locate(name, self.models_dir, allow_paths=False)
         except registry.NotFoundError as exc:
@@ -107,6 +122,7 @@ class Catalogue:
 
     def list_models(self) -> list[ModelListing]:
         """Every model that can be served: the demo, the models directory, Ollama's store."""
+        self.drop_stale()
         found: dict[str, Path] = {}
         for name in registry.available(self.models_dir):
             try:
@@ -130,16 +146,60 @@ class Catalogue:
 
     def info(self, path: Path) -> dict[str, Any]:
         """Details read from the file's header (size, modified, digest, details, show), cached while
-        the file is unchanged."""
+        the file is unchanged (a file changed replaces its entry)."""
         st = path.stat()
-        key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+        key, stamp = str(path.resolve()), (st.st_size, st.st_mtime_ns)
         with self._lock:
-            info = self._info_cache.get(key)
-        if info is None:
-            info = _read_info(path, st)
-            with self._lock:
-                self._info_cache[key] = info
+            held = self._info_cache.get(key)
+            if held is not None and held[0] == stamp:
+                self._info_cache.move_to_end(key)
+                return held[1]
+        info = _read_info(path, st)
+        self.drop_stale()
+        with self._lock:
+            self._forget(key)
+            size = _held_bytes(info)
+            if size <= self.cache_bytes:
+                self._info_cache[key] = (stamp, info, size)
+                self._cached_bytes += size
+            while len(self._info_cache) > self.cache_entries or self._cached_bytes > self.cache_bytes:
+                self._forget(next(iter(self._info_cache)))
         return info
+
+    def drop_stale(self) -> None:
+        """Forgets the details of files deleted or changed since they were read (a model deleted, a blob
+        replaced): nothing is kept of a file that is gone."""
+        with self._lock:
+            held = [(key, stamp) for key, (stamp, _, _) in self._info_cache.items()]
+        stale = [key for key, stamp in held if _stamp(key) != stamp]
+        with self._lock:
+            for key in stale:
+                self._forget(key)
+
+    def cached(self) -> tuple[int, int]:
+        """(files whose details are kept, about the bytes they hold)."""
+        with self._lock:
+            return len(self._info_cache), self._cached_bytes
+
+    def _forget(self, key: str) -> None:
+        held = self._info_cache.pop(key, None)
+        if held is not None:
+            self._cached_bytes -= held[2]
+
+
+def _stamp(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_size, st.st_mtime_ns
+
+
+def _held_bytes(info: dict[str, Any]) -> int:
+    """About the memory a file's details hold: its metadata's scalars, each a key and a value."""
+    show = info["show"]
+    items = sum(_ITEM_BYTES + len(k) + (len(v) if isinstance(v, str) else 0) for k, v in show["model_info"].items())
+    return 4096 + items + len(show["template"]) + len(show["license"])
 
 
 def _read_info(path: Path, st) -> dict[str, Any]:
