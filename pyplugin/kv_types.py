@@ -77,13 +77,28 @@ def kv_type(name: Any, what: str = "option 'pebbling_kv_type'") -> KVType:
     raise OptionsError(f"{what}: got {str(name)[:40]!r}; accepted: {', '.join(KV_TYPES)}")
 
 
-def default_kv_type() -> str:
-    """The server's KV type: PEBBLING_KV_CACHE_TYPE, else OLLAMA_KV_CACHE_TYPE, else f16."""
+def default_kv_type(head_dim: int | None = None) -> str:
+    """The server's KV type: PEBBLING_KV_CACHE_TYPE, else OLLAMA_KV_CACHE_TYPE, else f16; for a model whose
+    heads are `head_dim` wide, f16 where that type's blocks do not divide them, as Ollama falls back
+    (kv_fallback says why). An unknown name is an OptionsError listing the accepted ones: a server refuses
+    it when it starts."""
     for env in KV_ENV:
         value = os.environ.get(env, "").strip()
         if value:
-            return kv_type(value, f"environment variable {env}").name
+            name = kv_type(value, f"environment variable {env}").name
+            return DEFAULT_KV_TYPE if head_dim is not None and head_dim % KV_TYPES[name].block else name
     return DEFAULT_KV_TYPE
+
+
+def kv_fallback(head_dim: int) -> str:
+    """Why a model whose heads are `head_dim` wide holds its KV cache in f16 rather than in the server's
+    type (default_kv_type), or "" where it holds the server's."""
+    name = default_kv_type()
+    if default_kv_type(head_dim) == name:
+        return ""
+    env = next(e for e in KV_ENV if os.environ.get(e, "").strip())
+    return (f"{env}={name} needs a head_dim that is a multiple of {KV_TYPES[name].block}; this model's is "
+            f"{head_dim}: its KV cache is {DEFAULT_KV_TYPE}, as Ollama falls back")
 
 
 def cache_kv_type(cache: Array, head_dim: int) -> KVType:

@@ -1,10 +1,12 @@
 """The engine's side of the third hardening round (issue 44): two cached chats prefilled together in one
 pass answer as each does alone; the catalogue keeps a bounded amount of model files' details and nothing of
-a model deleted."""
+a model deleted; a server KV type that a model's heads cannot hold falls back to f16 for that model, and an
+unknown one stops the server at start."""
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import shutil
 import threading
 import time
@@ -14,6 +16,8 @@ import pytest
 import requests
 
 from helpers import store_backend_params, tiny_model, tiny_path
+from pyplugin.cli import main as cli_main
+from pyplugin.errors import OptionsError
 from pyplugin.model.synth import write_gguf
 from pyplugin.runtime import PebbledModel
 from pyplugin.runtime.batch import prefill_batch, prefills_together
@@ -21,7 +25,7 @@ from pyplugin.runtime.generation import Generation
 from pyplugin.runtime.options import Options
 from pyplugin.runtime.plan import PebblingOptions
 from pyplugin.runtime.store_layers import StoreLayers
-from pyplugin.serving import Engine, batching
+from pyplugin.serving import Engine, GenerationRequest, batching
 from pyplugin.serving import catalogue as catalogue_module
 from pyplugin.serving.catalogue import Catalogue
 from server_patch import create_app
@@ -180,3 +184,49 @@ def test_a_deleted_models_details_are_not_kept(tmp_path, monkeypatch):
         assert not (store / "blobs" / digest.replace(":", "-")).exists()
         assert requests.get(f"{url}/api/tags", timeout=30).status_code == 200  # `ollama rm`, then `ollama ls`
         assert not any(blob in str(key) for key in catalogue._info_cache)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the server's KV cache type
+
+
+@pytest.fixture
+def head_models(tmp_path):
+    """head48: heads 48 wide, which no 32-element block divides; head32: heads of one block."""
+    shape = dict(n_layer=2, n_head_kv=1, n_ff=128, n_ctx=256)
+    write_gguf(tmp_path / "head48.gguf", n_embd=96, n_head=2, **shape)
+    write_gguf(tmp_path / "head32.gguf", n_embd=64, n_head=2, **shape)
+    return tmp_path
+
+
+def test_a_server_kv_type_that_the_heads_cannot_hold_falls_back_to_f16_for_that_model(head_models, monkeypatch,
+                                                                                      caplog):
+    monkeypatch.setenv("PEBBLING_KV_CACHE_TYPE", "q4_0")
+    engine = Engine(head_models, backend="stub")
+    try:
+        with caplog.at_level(logging.WARNING, logger="pebbling"):
+            _, narrow = engine.submit(GenerationRequest("head48", prompt="Hello", options=GREEDY)).result()
+        _, wide = engine.submit(GenerationRequest("head32", prompt="Hello", options=GREEDY)).result()
+        with pytest.raises(OptionsError, match="multiple of 32"):  # asked for by name: refused, as before
+            engine.submit(GenerationRequest("head48", prompt="Hello", options={"pebbling_kv_type": "q4_0"}))
+    finally:
+        engine.close()
+    assert narrow.eval_count == 4 and narrow.report["kv_type"] == "f16"
+    note = narrow.report["kv_type_fallback"]
+    assert "PEBBLING_KV_CACHE_TYPE=q4_0" in note and "48" in note
+    assert any("head48" in r.getMessage() and "q4_0" in r.getMessage() for r in caplog.records)
+    assert wide.report["kv_type"] == "q4_0" and "kv_type_fallback" not in wide.report
+
+
+def test_an_unknown_server_kv_type_stops_the_server_at_start(tmp_path, monkeypatch, capsys):
+    import uvicorn
+
+    monkeypatch.setenv("PEBBLING_KV_CACHE_TYPE", "bogus")
+    started = []
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: started.append(a))
+    for make in (lambda: Engine(tmp_path), lambda: create_app(models_dir=tmp_path)):
+        with pytest.raises(OptionsError, match="PEBBLING_KV_CACHE_TYPE: got 'bogus'; accepted: f16, q8_0, q4_0"):
+            make()
+    assert cli_main(["serve", "--port", "1"]) == 1 and not started
+    err = capsys.readouterr().err
+    assert err.startswith("pebbling: error: ") and "'bogus'" in err and "q8_0" in err and err.count("\n") == 1

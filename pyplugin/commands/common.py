@@ -35,7 +35,7 @@ def load_pebbled(name: str, backend: str | None = None, weights: str = "quantize
 def options_from_flags(model: Model, **given) -> Options:
     """Ollama's options from the flags that were given (None: not given), checked against the model."""
     return Options.from_dict({k: v for k, v in given.items() if v is not None},
-                             n_ctx_train=model.config.n_ctx_train)
+                             n_ctx_train=model.config.n_ctx_train, head_dim=model.config.head_dim)
 
 
 def chat_tokens(model: Model, prompt: str, *, raw: bool = False) -> list[int]:

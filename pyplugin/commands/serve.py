@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from ..errors import PebblingError
+from ..kv_types import default_kv_type
 from ..serving.registry import MODELS_ENV
 from ..serving.settings import HOST_ENV, ORIGINS_ENV, is_loopback
 from .client import DEFAULT_HOST, DEFAULT_PORT, parse_host
@@ -56,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
 
     from ..serving.engine import describe
 
+    default_kv_type()  # an unknown PEBBLING_KV_CACHE_TYPE stops the server before it starts, naming the accepted ones
     if args.host is None or args.port is None:
         where = parse_host(os.environ.get(HOST_ENV))  # the one-line error for a bad $PEBBLING_HOST
         args.host, args.port = args.host or where.host, where.port if args.port is None else args.port

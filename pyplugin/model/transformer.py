@@ -177,7 +177,7 @@ class KVCache:
     @classmethod
     def allocate(cls, cfg: ModelConfig, n_ctx: int, xp: Any = np, kv: KVType | str | None = None) -> "KVCache":
         """Caches of KV type `kv` (a name or a KVType; default the server's, kv_types.default_kv_type)."""
-        kv = kv if isinstance(kv, KVType) else kv_type(kv or default_kv_type())
+        kv = kv if isinstance(kv, KVType) else kv_type(kv or default_kv_type(cfg.head_dim))
         kv.check_head_dim(cfg.head_dim)
         shapes = [kv.shape(cfg.kv_rows(i, n_ctx), cfg.n_head_kv, cfg.head_dim) for i in range(cfg.n_layer)]
         return cls([xp.zeros(shape, kv.dtype) for shape in shapes], [xp.zeros(shape, kv.dtype) for shape in shapes])

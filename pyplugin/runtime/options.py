@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Mapping
 
 from ..errors import OptionsError
-from ..kv_types import default_kv_type, kv_type
+from ..kv_types import default_kv_type, kv_fallback, kv_type
 
 DEFAULT_NUM_CTX = 2048
 OPEN_ENDED_CONTEXTS = 10  # Ollama's bound on num_predict: 10 x num_ctx (llm/server.go, llm/llama_server.go)
@@ -38,6 +38,7 @@ class Options:
     frequency_penalty: float = 0.0  # ... times the number of times it appears there
     kv_type: str = field(default_factory=default_kv_type)  # pebbling_kv_type, else the server's (kv_types.py)
     shift: bool = True            # the request's `shift` (not an option): a full context shifts to go on
+    kv_fallback: str = ""         # (not an option) why kv_type is f16, not the server's (kv_types.kv_fallback)
 
     @property
     def predict_limit(self) -> int | None:
@@ -55,11 +56,13 @@ class Options:
         return self.shift and self.num_predict != -2
 
     @classmethod
-    def from_dict(cls, values: Mapping[str, Any] | None = None, *,
-                  n_ctx_train: int | None = None, max_ctx: int | None = None) -> "Options":
+    def from_dict(cls, values: Mapping[str, Any] | None = None, *, n_ctx_train: int | None = None,
+                  max_ctx: int | None = None, head_dim: int | None = None) -> "Options":
         """Validated options. ``n_ctx_train`` (the model's training context) and ``max_ctx`` (the
         server's limit) bound num_ctx: a larger num_ctx, or the default, is lowered to them (clamped, as
-        Ollama does, rather than refused; the caller compares with what was asked to warn)."""
+        Ollama does, rather than refused; the caller compares with what was asked to warn). ``head_dim``
+        (the model's): without pebbling_kv_type, the server's KV type where its blocks fit such heads,
+        else f16 (kv_fallback says why), where a type the request names that does not fit is refused."""
         if values is None:
             values = {}
         if not isinstance(values, Mapping):
@@ -72,6 +75,8 @@ class Options:
                 parsed[f.name] = _CHECKS[f.name](f.name, values[f.name])
         if values.get("pebbling_kv_type") is not None:
             parsed["kv_type"] = kv_type(values["pebbling_kv_type"]).name
+        elif head_dim is not None:
+            parsed["kv_type"], parsed["kv_fallback"] = default_kv_type(head_dim), kv_fallback(head_dim)
         if parsed.get("seed") == -1:
             parsed["seed"] = None
         limits = [b for b in (n_ctx_train, max_ctx) if b]

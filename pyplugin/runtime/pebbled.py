@@ -107,7 +107,7 @@ class PebbledModel:
             drop_file_pages(output.data)
         self.outer: OuterWeights = outer
         self._kv_ctx: int | None = None        # the num_ctx the KV entries are sized for
-        self.kv: KVType = KV_TYPES[default_kv_type()]  # ... and the type they hold
+        self.kv: KVType = KV_TYPES[default_kv_type(self.model.config.head_dim)]  # ... and the type they hold
         self._kv_seqs: set[int] = set()         # the sequences whose KV entries exist
         self._kv_tokens: dict[int, list[int]] = {}  # per sequence: the tokens its KV entries hold, in order
         self._kv_used: dict[int, int] = {}      # per sequence: when a request last claimed it
@@ -313,7 +313,7 @@ class PebbledModel:
         """How many leading `tokens` sequence `seq`'s KV entries already hold for a request at `n_ctx`
         with KV type `kv` (else the server's; the last token always runs again: its logits are what the
         request samples from first)."""
-        if self._kv_ctx != n_ctx or self.kv.name != (kv or default_kv_type()):
+        if self._kv_ctx != n_ctx or self.kv.name != (kv or default_kv_type(self.model.config.head_dim)):
             return 0
         n = 0
         for a, b in zip(self._kv_tokens.get(seq, ()), tokens[:len(tokens) - 1]):
@@ -339,7 +339,7 @@ class PebbledModel:
         best = max(going_on, key=found.get) if going_on else None  # the first of the longest
         # A parked conversation comes back into entries of its own num_ctx and KV type only: entries of
         # another are made again by the plan (prepare), which would drop what was written into them.
-        same = self._kv_ctx == n_ctx and self.kv.name == (kv or default_kv_type())
+        same = self._kv_ctx == n_ctx and self.kv.name == (kv or default_kv_type(self.model.config.head_dim))
         key, parked = self.parked.best(tokens, n_ctx, self.kv.name) if same else (None, 0)
         if key is not None and parked > (found[best] if best is not None else 0):
             seq = order[0]  # the conversation comes back from the host tier into the least recently used
@@ -385,7 +385,7 @@ class PebbledModel:
         (else the server's) and at most the plan's sequences (those of other sequences, and their
         conversations, are dropped)."""
         store, n_layers = self.store, self.model.config.n_layer
-        kv = kv or KV_TYPES[default_kv_type()]
+        kv = kv or KV_TYPES[default_kv_type(self.model.config.head_dim)]
         drop = set(self._kv_seqs) if self._kv_ctx not in (None, n_ctx) or kv != self.kv else \
             {s for s in self._kv_seqs if s >= plan.memory.n_seqs}
         for seq in drop:

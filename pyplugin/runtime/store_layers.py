@@ -57,6 +57,7 @@ class StoreLayers:
         self._prefill_slot = None
         # Per layer: a sliding-window layer's cache is a ring of its window's rows, in the request's KV type.
         self.kv = kv_type(options.kv_type)
+        self.kv_fallback = options.kv_fallback  # why that is f16 and not the server's type, for the report
         self.kv_dtype = self.kv.dtype
         self.kv_shapes = [pebbled.kv_shape(self.n_ctx, i, self.kv) for i in range(len(pebbled.layouts))]
         self.kv_row_bytes = int(np.prod(self.kv_shapes[0][1:])) * self.kv_dtype.itemsize

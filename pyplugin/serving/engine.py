@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import OptionsError, PebblingError
+from ..kv_types import default_kv_type, kv_fallback
 from ..model import Model, load_model
 from ..runtime import Options, PebbledModel, PebblingOptions
 from ..runtime.constraint import Constraint
@@ -80,6 +81,7 @@ class Engine:
             else parked_kv_bytes
         if self.num_parallel < 1:
             raise ValueError(f"num_parallel must be at least 1, got {self.num_parallel}")
+        default_kv_type()  # an unknown PEBBLING_KV_CACHE_TYPE is refused now, not by every request
         self.catalogue = Catalogue(models_dir)
         self.models_dir = self.catalogue.models_dir
         self.default_keep_alive = default_keep_alive
@@ -131,7 +133,8 @@ class Engine:
         try:
             model = entry.model
             options = replace(Options.from_dict(request.options, n_ctx_train=model.config.n_ctx_train,
-                                                max_ctx=self.max_context), shift=request.shift)
+                                                max_ctx=self.max_context, head_dim=model.config.head_dim),
+                              shift=request.shift)
             asked = request.options.get("num_ctx") if isinstance(request.options, dict) else None
             if isinstance(asked, (int, float)) and asked > options.num_ctx:
                 logger.warning("model=%s: num_ctx=%s lowered to %d (the most this model and server allow)",
@@ -279,6 +282,8 @@ class Engine:
             load_ns = time.perf_counter_ns() - start
             logger.info("loaded model=%s weights=%s backend=%s layers=%d in %.0f ms", name, weights,
                         entry.pebbled.backend.name, entry.model.config.n_layer, load_ns / 1e6)
+            if fallback := kv_fallback(entry.model.config.head_dim):  # requests naming no KV type hold f16
+                logger.warning("model=%s: %s", name, fallback)
             return entry, load_ns
 
     def _release(self, entry: _Loaded, keep_alive: float | None) -> None:
