@@ -1,7 +1,8 @@
 """The engine's side of the third hardening round (issue 44): two cached chats prefilled together in one
 pass answer as each does alone; the catalogue keeps a bounded amount of model files' details and nothing of
-a model deleted; a server KV type that a model's heads cannot hold falls back to f16 for that model, and an
-unknown one stops the server at start."""
+a model deleted; keep_alive 0 unloads the copy that is loaded, in whatever weight form, loading nothing; a
+server KV type that a model's heads cannot hold falls back to f16 for that model, and an unknown one stops
+the server at start; a chat without messages only loads a model, whatever SYSTEM its Modelfile has."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from pyplugin.runtime.generation import Generation
 from pyplugin.runtime.options import Options
 from pyplugin.runtime.plan import PebblingOptions
 from pyplugin.runtime.store_layers import StoreLayers
-from pyplugin.serving import Engine, GenerationRequest, batching
+from pyplugin.serving import Engine, GenerationRequest, batching, engine as engine_module
 from pyplugin.serving import catalogue as catalogue_module
 from pyplugin.serving.catalogue import Catalogue
 from server_patch import create_app
@@ -38,6 +39,10 @@ def chat(url, model, content, **body):
     messages = [{"role": "user", "content": content}] if content is not None else []
     return requests.post(f"{url}/api/chat", json={"model": model, "stream": False, "options": GREEDY,
                                                   "messages": messages, **body}, timeout=60)
+
+
+def running(url) -> list[dict]:
+    return requests.get(f"{url}/api/ps", timeout=10).json()["models"]
 
 
 @pytest.fixture
@@ -187,6 +192,51 @@ def test_a_deleted_models_details_are_not_kept(tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------------
+# keep_alive 0 and the weight forms
+
+
+@pytest.fixture
+def loads(monkeypatch) -> list:
+    """The forms of every model file the engine loads from here on."""
+    seen, real = [], engine_module.load_model
+
+    def load_model(path, *, weights, **kwargs):
+        seen.append(weights)
+        return real(path, weights=weights, **kwargs)
+
+    monkeypatch.setattr(engine_module, "load_model", load_model)
+    return seen
+
+
+def _forms(engine) -> list[str]:
+    return sorted(m.details["pebbling_weights"] for m in engine.running())
+
+
+def test_keep_alive_zero_unloads_the_form_loaded_without_loading_another(tmp_path, loads):
+    shutil.copy(tiny_path("llama", weight_type="Q8_0"), tmp_path / "tiny.gguf")
+    engine = Engine(tmp_path, backend="stub")
+    try:
+        ask = {"model": "tiny", "prompt": "Hello", "options": {**GREEDY, "pebbling_weights": "f16"}}
+        assert engine.submit(GenerationRequest(**ask)).result()[1].eval_count == 4
+        assert _forms(engine) == ["f16"] and loads == ["f16"]
+        # `pebbling stop` / `ollama stop`: the name and keep_alive 0, no options
+        text, final = engine.submit(GenerationRequest("tiny", keep_alive=0)).result()
+        assert (text, final.done_reason, final.load_duration) == ("", "unload", 0)
+        assert _forms(engine) == [] and loads == ["f16"]
+        # With both forms loaded, a request naming one unloads that one
+        engine.submit(GenerationRequest(**ask)).result()
+        engine.submit(GenerationRequest("tiny", prompt="Hello", options=GREEDY)).result()
+        assert _forms(engine) == ["f16", "quantized"]
+        engine.submit(GenerationRequest("tiny", keep_alive=0, options={"pebbling_weights": "quantized"})).result()
+        assert _forms(engine) == ["f16"]
+        # A request that generates with keep_alive 0 unloads the copy it used
+        engine.submit(GenerationRequest(**ask, keep_alive=0)).result()
+        assert _forms(engine) == [] and loads == ["f16", "f16", "quantized"]
+    finally:
+        engine.close()
+
+
+# ---------------------------------------------------------------------------------------------------
 # the server's KV cache type
 
 
@@ -230,3 +280,36 @@ def test_an_unknown_server_kv_type_stops_the_server_at_start(tmp_path, monkeypat
     assert cli_main(["serve", "--port", "1"]) == 1 and not started
     err = capsys.readouterr().err
     assert err.startswith("pebbling: error: ") and "'bogus'" in err and "q8_0" in err and err.count("\n") == 1
+
+
+# ---------------------------------------------------------------------------------------------------
+# a chat without messages
+
+
+def test_a_chat_without_messages_only_loads_a_model_whose_modelfile_has_a_system(tmp_path, monkeypatch):
+    """Ollama's rule is on the request's messages: none loads the model (keep_alive 0 unloads it) and
+    answers an empty done response, whatever SYSTEM or MESSAGE turns the Modelfile adds."""
+    store, models = tmp_path / "ollama", tmp_path / "models"
+    models.mkdir()
+    shutil.copy(tiny_path("llama"), models / "plain.gguf")
+    monkeypatch.setenv("OLLAMA_MODELS", str(store))
+    gguf = tiny_path("qwen2").read_bytes()
+    digest = "sha256:" + hashlib.sha256(gguf).hexdigest()
+    with serving(create_app(models_dir=models)) as url:
+        assert requests.post(f"{url}/api/blobs/{digest}", data=gguf, timeout=60).status_code == 201
+        r = requests.post(f"{url}/api/create", json={
+            "model": "mario", "files": {"m.gguf": digest}, "system": "You are Mario.", "stream": False,
+            "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "It's-a me!"}]},
+            timeout=60)
+        assert r.status_code == 200, r.text
+        for model in ("mario", "plain"):
+            loaded = chat(url, model, None)
+            assert loaded.status_code == 200, loaded.text[:300]
+            body = loaded.json()
+            assert (body["done"], body["done_reason"], body["message"]["content"]) == (True, "load", "")
+            assert body["eval_count"] == 0
+            assert any(m["name"] == f"{model}:latest" for m in running(url))
+            unloaded = chat(url, model, None, keep_alive=0).json()
+            assert (unloaded["done_reason"], unloaded["message"]["content"]) == ("unload", "")
+            assert not any(m["name"] == f"{model}:latest" for m in running(url))
+        assert chat(url, "mario", "Who?").json()["eval_count"] == 4  # with messages it answers

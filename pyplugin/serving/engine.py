@@ -126,9 +126,13 @@ class Engine:
         if self._closed:
             raise RuntimeError("the engine is closed")
         path, layers = self.find(request.model)
+        only_loads = request.loads_only  # asked of what the client sent, before the Modelfile adds to it
         request = with_layers(request, layers)  # the Modelfile's params, system message and opening turns
         pebbling = PebblingOptions.from_options(request.options)
         keep_alive = parse_keep_alive(request.keep_alive, self.default_keep_alive)
+        if only_loads and keep_alive == 0:  # Ollama: unloads the model as it is loaded, loading nothing
+            self._expire(path, pebbling.weights)
+            return Job.answered(request, "unload")
         entry, load_ns = self._acquire(request.model, path, pebbling.effective_weights)
         try:
             model = entry.model
@@ -146,21 +150,18 @@ class Engine:
             constraint = (Constraint.from_lark(model.tokenizer, grammar, "tool_choice") if grammar
                           else Constraint.from_format(model.tokenizer, request.format))
             render = chat_renderer(layers, request) or model.chat_prompt
-            tokens, prompt, truncated = self._prompt_tokens(model, request, options, plan, render)
+            tokens, prompt, truncated = ([], "", "") if only_loads else \
+                self._prompt_tokens(model, request, options, plan, render)
             if truncated:
                 logger.warning("model=%s: the prompt did not fit num_ctx=%d: %s", entry.name,
                                options.num_ctx, truncated)
             # A budget that cannot fit is refused here, before anything is queued.
             entry.pebbled.plan(options, pebbling, len(tokens), self._others(entry))
+            if only_loads:  # Ollama: a request with nothing to generate from only loads the model
+                self._release(entry, keep_alive)
+                return Job.answered(request, "load", load_ns)
             job = Job(request, tokens, options, pebbling, keep_alive, load_ns)
             job.constraint, job.parser, job.truncated = constraint, plan.parser(prompt), truncated
-            if not tokens:  # Ollama: an empty prompt only loads the model, keep_alive 0 unloads it
-                reason = "unload" if keep_alive == 0 else "load"
-                self._release(entry, keep_alive)
-                job._put(Final(request.model, reason, [], total_duration=since(request.started_ns),
-                               load_duration=load_ns))
-                job._put(Job._END)
-                return job
         except BaseException:
             self._release(entry, keep_alive)
             raise
@@ -191,15 +192,11 @@ class Engine:
         check_context(model, context)
         dropped = 0
         if request.messages is not None:
-            if not request.messages:
-                return [], "", ""
             text, dropped = fit_messages(
                 model, request.messages,
                 lambda messages: plan.finish_prompt(render(messages, **plan.template_args)), options)
         else:
             prompt = request.prompt or ""
-            if not prompt and not context:
-                return [], "", ""
             if request.think is not None and plan.thinker and (request.raw or request.template is not None):
                 raise OptionsError("think works through the model's chat template: leave out raw and template")
             turn = [{"role": "system", "content": request.system}] * bool(request.system) + \
@@ -285,6 +282,15 @@ class Engine:
             if fallback := kv_fallback(entry.model.config.head_dim):  # requests naming no KV type hold f16
                 logger.warning("model=%s: %s", name, fallback)
             return entry, load_ns
+
+    def _expire(self, path: Path, weights: str | None) -> None:
+        """Unloads each loaded copy of `path` (of form `weights`, else any) once idle, loading none, as Ollama."""
+        with self._lock:
+            for entry in [e for e in self._loaded.values() if e.key == path.resolve() and weights in (None, e.weights)]:
+                entry.expires_at = time.monotonic()
+                if entry.active == 0:
+                    self._unload(entry)
+            self._lock.notify_all()
 
     def _release(self, entry: _Loaded, keep_alive: float | None) -> None:
         """One request is done with `entry`; keep_alive (seconds) sets when it unloads once idle."""

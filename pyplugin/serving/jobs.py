@@ -113,6 +113,16 @@ class GenerationRequest:
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise OptionsError(f"top_logprobs: got {self.logprobs}; accepted: 0 to {MAX_TOP_LOGPROBS}")
 
+    @property
+    def loads_only(self) -> bool:
+        """Whether the request gives nothing to generate from, so that it only loads the model (or, with
+        keep_alive 0, unloads it), as in Ollama: a chat without messages, a generate without a prompt (or a
+        context to go on from). Asked of the request as the client sent it: a SYSTEM or MESSAGE turns of
+        the model's Modelfile (modelfile.with_layers) are no prompt."""
+        if self.embed is not None:
+            return False
+        return not self.messages if self.messages is not None else not self.prompt and not self.context
+
 
 @dataclass(frozen=True)
 class Final:
@@ -180,6 +190,14 @@ class Job:
         self._notify_final_only = False
         self._finished = False
         self._held: BaseException | None = None
+
+    @classmethod
+    def answered(cls, request: GenerationRequest, reason: str, load_ns: int = 0) -> "Job":
+        """A job over already: the done response ("load", "unload") of a request that only loads or unloads."""
+        job = cls(request, [], Options(), PebblingOptions(), 0.0, load_ns)
+        job._put(Final(request.model, reason, [], total_duration=since(request.started_ns), load_duration=load_ns))
+        job._put(cls._END)
+        return job
 
     def cancel(self) -> None:
         """Stop at the next token (or before starting) and free what the generation holds."""
