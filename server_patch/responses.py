@@ -19,8 +19,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BeforeValidator, Field
 
-from pyplugin.serving import Final, GenerationRequest, Output, ToolCall
-from pyplugin.serving.tool_calls import CutCall
+from pyplugin.serving import CutCall, Final, GenerationRequest, Output, ToolCall
 
 from .schemas import _Body
 from .streaming import BadRequest, collect_output, dumps, now_unix, outputs, submit

@@ -15,7 +15,7 @@ from typing import Any, Iterator
 
 from ..errors import ModelError, OptionsError
 from ..model import GGUFFile
-from ..model.tokenizer import check_vocabulary
+from ..model.vocabulary import check_vocabulary
 from ..runtime import Options
 from ..runtime.options import NEUTRAL
 from . import ollama_store, store_write

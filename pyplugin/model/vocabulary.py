@@ -1,0 +1,46 @@
+"""The checks a GGUF file's tokenizer arrays must pass before a tokenizer is built from them (a load
+and create both make them, so create takes no file that cannot be served)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import ModelError
+
+
+def check_vocabulary(md: dict[str, Any], source: str) -> str:
+    """The tokenizer's kind ('bpe' or 'spm') from GGUF metadata, once the arrays it is built from are checked:
+    ModelError naming the key for one that is missing, of the wrong type or not one entry per token (a token's
+    type and score are looked up by its id: a short array would fail at generation), or for a merge of pieces
+    the vocabulary lacks. Loading a model and create both call it: create takes no file that cannot be served."""
+    kind = {"gpt2": "bpe", "llama": "spm"}.get(md.get("tokenizer.ggml.model"))
+    if kind is None:
+        raise ModelError(f"{source}: tokenizer model {md.get('tokenizer.ggml.model')!r} is not "
+                         "supported; supported: 'gpt2' (byte-level BPE), 'llama' (SentencePiece)")
+    tokens = md.get("tokenizer.ggml.tokens")
+    if not tokens:
+        raise ModelError(f"{source}: missing metadata key 'tokenizer.ggml.tokens'")
+    if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
+        raise ModelError(f"{source}: 'tokenizer.ggml.tokens' must be an array of strings")
+    for key, what, of_type in (("token_type", "integers", int), ("scores", "numbers", (int, float))):
+        values = md.get(f"tokenizer.ggml.{key}")
+        if values is None:
+            continue
+        if not isinstance(values, list) or not all(isinstance(v, of_type) for v in values):
+            raise ModelError(f"{source}: 'tokenizer.ggml.{key}' must be an array of {what}, one per token")
+        if len(values) != len(tokens):
+            raise ModelError(f"{source}: 'tokenizer.ggml.{key}' has {len(values)} entries and "
+                             f"'tokenizer.ggml.tokens' {len(tokens)}: expected one per token")
+    if kind == "bpe":
+        merges = md.get("tokenizer.ggml.merges")
+        if merges is None:
+            raise ModelError(f"{source}: byte-level BPE tokenizer without 'tokenizer.ggml.merges'")
+        if not isinstance(merges, list):
+            raise ModelError(f"{source}: 'tokenizer.ggml.merges' must be an array of strings")
+        vocabulary = set(tokens)
+        for i, merge in enumerate(merges):
+            left, space, right = merge.partition(" ") if isinstance(merge, str) else ("", "", "")
+            if not (space and left in vocabulary and right in vocabulary and left + right in vocabulary):
+                raise ModelError(f"{source}: 'tokenizer.ggml.merges'[{i}] is {str(merge)[:60]!r}: expected two "
+                                 "tokens of the vocabulary separated by a space, which together are one too")
+    return kind
