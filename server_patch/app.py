@@ -58,10 +58,10 @@ def create_app(engine: Engine | None = None, *, models_dir: str | Path | None = 
     app.state.engine = engine
     app.state.metrics = metrics = Metrics(engine)
     engine.on_final(metrics.finished)
+    add_error_handlers(app)  # first: its middleware is the innermost
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     app.add_middleware(RequestGuard)
     app.add_middleware(RequestMetrics, metrics=metrics)  # added last: it runs first, and counts the rest
-    add_error_handlers(app)
     app.include_router(_ollama_routes())
     app.include_router(model_admin.router)
     app.include_router(openai_compat.router)

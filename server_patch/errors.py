@@ -15,7 +15,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pyplugin.serving import (ChatTemplateError, InvalidModelName, ModelLoadError, ModelNotFoundError, OptionsError,
-                              PebblingError, RegistryError, ServerBusyError, StoreError, StrategyError)
+                              PebblingError, PullStopped, RegistryError, ServerBusyError, StoreError,
+                              StoreWriteError, StrategyError)
 
 from .streaming import BadRequest
 
@@ -26,8 +27,6 @@ class PushRefused(Exception):
 logger = logging.getLogger("pebbling.server")
 
 
-
-
 def status_for(exc: Exception) -> int:
     if isinstance(exc, PushRefused):
         return 501
@@ -35,6 +34,10 @@ def status_for(exc: Exception) -> int:
         return 404  # a model, blob or registry entry that does not exist
     if isinstance(exc, RegistryError):
         return 502
+    if isinstance(exc, StoreWriteError):
+        return 507      # the disk refused the write: full, read-only
+    if isinstance(exc, PullStopped):
+        return 504      # its deadline passed (or its client left, and reads nothing)
     if isinstance(exc, (InvalidModelName, OptionsError, StrategyError, ChatTemplateError, BadRequest,
                         ModelLoadError, StoreError)):
         return 400
@@ -43,11 +46,11 @@ def status_for(exc: Exception) -> int:
     return 500      # a store failure, a device out of memory: the message says which
 
 
-def error_response(path: str, status: int, message: str) -> JSONResponse:
+def error_response(path: str, status: int, message: str, code: str | None = None) -> JSONResponse:
+    """The error as the route's clients read it; `code`: OpenAI's code, for the /v1 routes."""
     if path.startswith("/v1/"):
         kind = "invalid_request_error" if status < 500 else "server_error"
-        body: dict[str, Any] = {"error": {"message": message, "type": kind, "param": None,
-                                          "code": "model_not_found" if status == 404 else None}}
+        body: dict[str, Any] = {"error": {"message": message, "type": kind, "param": None, "code": code}}
     else:
         body = {"error": message}
     return JSONResponse(body, status_code=status)
@@ -71,18 +74,48 @@ def add_error_handlers(app: FastAPI) -> None:
         status = status_for(exc)
         if status >= 500 and status not in (501, 503):
             logger.error("request %s: %s %s: %s", request_id(), request.method, request.url.path, exc)
-        return error_response(request.url.path, status, str(exc))
+        code = "model_not_found" if isinstance(exc, ModelNotFoundError) else None
+        return error_response(request.url.path, status, str(exc), code)
 
     for cls in (PebblingError, BadRequest, PushRefused):
         app.add_exception_handler(cls, known_error)
 
-    @app.exception_handler(Exception)
-    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
-        # A bug, not a bad request: the client gets JSON and an id to quote, the log the traceback.
-        rid = request_id()
-        logger.error("request %s: %s %s failed", rid, request.method, request.url.path, exc_info=exc)
-        return error_response(request.url.path, 500, f"internal error ({type(exc).__name__}); the server log "
-                                                     f"has the details under request {rid}")
+    app.add_middleware(UnexpectedErrors)  # the innermost middleware: the others see its 500 as any answer
+
+
+def unexpected_response(method: str, path: str, exc: Exception) -> JSONResponse:
+    """A bug, not a bad request: the client gets JSON and an id to quote, the log the traceback."""
+    rid = request_id()
+    logger.error("request %s: %s %s failed", rid, method, path, exc_info=exc)
+    return error_response(path, 500, f"internal error ({type(exc).__name__}); the server log has the details "
+                                     f"under request {rid}")
+
+
+class UnexpectedErrors:
+    """Answers an exception no handler took with a JSON 500, and keeps the connection. (Starlette's
+    handler for Exception answers too, but then raises again, and the server closes the kept-alive
+    connection under the client, whose next request on it fails.) Once a response has begun, the
+    exception goes on: the connection must close, since the answer cannot be completed."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def watched(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        except Exception as exc:
+            if started:
+                raise
+            await unexpected_response(scope.get("method", ""), scope.get("path", ""), exc)(scope, receive, send)
 
 
 def request_id() -> str:

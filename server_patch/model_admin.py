@@ -6,17 +6,25 @@ A blob upload streams to disk as it arrives, hashed on the way (never held in me
 the request-body limit of the JSON routes) and is refused, and removed, when its bytes do not hash to
 its digest. Create and pull stream Ollama's progress objects (NDJSON) unless "stream" is false; an error
 after the first line is sent is the last line, {"error": ...}, as Ollama sends it.
+
+Model management runs on threads of its own (at most ADMIN_THREADS at once, the rest wait their turn),
+never on the pool that listing, showing and generation use: however many pulls hang on a slow registry,
+the rest of the server answers. A pull whose client leaves, streamed or not, is stopped.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from typing import Any, Iterator
+import threading
+from functools import partial
+from typing import Any, Callable, Iterator, TypeVar
 
+import anyio
+from anyio.to_thread import run_sync
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import Field
-from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
 from pyplugin.serving import (BlobWriter, CreateSpec, ModelNotInStore, PebblingError, StoreError, blob_path,
@@ -29,6 +37,17 @@ from .streaming import BadRequest, dumps, engine_of
 router = APIRouter(tags=["ollama"])
 logger = logging.getLogger("pebbling.server")
 NDJSON = "application/x-ndjson"
+ADMIN_THREADS = 8
+_T = TypeVar("_T")
+_limiter: anyio.CapacityLimiter | None = None  # made in the event loop that serves, on first use
+
+
+async def admin_thread(fn: Callable[..., _T], *args: Any) -> _T:
+    """`fn(*args)` on one of model management's own threads."""
+    global _limiter
+    if _limiter is None:
+        _limiter = anyio.CapacityLimiter(ADMIN_THREADS)
+    return await run_sync(partial(fn, *args), limiter=_limiter)
 
 
 class CreateRequest(_Body):
@@ -87,14 +106,14 @@ async def blob_upload(digest: str, request: Request) -> Response:
     try:
         async for chunk in request.stream():
             if chunk:
-                await run_in_threadpool(writer.write, chunk)
+                await admin_thread(writer.write, chunk)
     except ClientDisconnect:
         writer.abort()
         return Response(status_code=499)  # nobody reads this: the client is gone
     except BaseException:
         writer.abort()
         raise
-    await run_in_threadpool(writer.commit)
+    await admin_thread(writer.commit)
     return Response(status_code=201)
 
 
@@ -109,19 +128,20 @@ async def create(body: CreateRequest, request: Request) -> Response:
                       parameters=body.parameters, messages=body.messages, quantize=body.quantize,
                       extra={"modelfile": body.modelfile})
     catalogue = engine_of(request).catalogue
-    progress = await run_in_threadpool(create_model, spec, catalogue)
-    return await _progress(progress, body.stream)
+    progress = await admin_thread(create_model, spec, catalogue)
+    return await _progress(progress, body.stream, request)
 
 
 @router.post("/api/pull", summary="pull a model from a registry (Ollama's by default; $PEBBLING_REGISTRY)")
-async def pull(body: PullRequest) -> Response:
-    progress = pull_model(_name(body), insecure=body.insecure)
-    return await _progress(progress, body.stream)
+async def pull(body: PullRequest, request: Request) -> Response:
+    cancel = threading.Event()
+    progress = pull_model(_name(body), insecure=body.insecure, cancel=cancel)
+    return await _progress(progress, body.stream, request, cancel)
 
 
 @router.post("/api/copy", summary="give a model a second name")
 async def copy(body: CopyRequest, request: Request) -> Response:
-    await run_in_threadpool(copy_model, body.source, body.destination, engine_of(request).catalogue)
+    await admin_thread(copy_model, body.source, body.destination, engine_of(request).catalogue)
     return Response(status_code=200)
 
 
@@ -129,7 +149,8 @@ async def copy(body: CopyRequest, request: Request) -> Response:
 async def delete(body: DeleteRequest, request: Request) -> Response:
     name = _name(body)
     try:
-        await run_in_threadpool(delete_model, name)
+        await admin_thread(delete_model, name)
+        engine_of(request).catalogue.drop_stale()  # what the catalogue knew of the model goes with it
     except ModelNotInStore:
         try:
             engine_of(request).find(name)
@@ -148,32 +169,68 @@ async def push() -> Response:
                       "with Ollama itself (`ollama push`), which reads the same store")
 
 
-async def _progress(progress: Iterator[dict[str, Any]], stream: bool) -> Response:
+async def _progress(progress: Iterator[dict[str, Any]], stream: bool, request: Request,
+                    cancel: threading.Event | None = None) -> Response:
+    """The progress as Ollama sends it. The iterator is always closed at the end (so a transfer cut short
+    lets go of what it holds); `cancel` is set when the client leaves."""
+    cancel = cancel or threading.Event()
     if not stream:
-        last = await run_in_threadpool(_last, progress)
-        return JSONResponse(last)
+        return JSONResponse(await _last(progress, request, cancel))
 
     # The first two objects are taken before the status line goes out (a pull's second comes once the
     # manifest is in), so an error found at once is still an HTTP error; later ones end the stream with
     # an error line, as Ollama ends it.
-    first = [item for item in [await run_in_threadpool(next, progress, None) for _ in range(2)] if item]
+    first: list[dict[str, Any]] = []
+    try:
+        for _ in range(2):
+            item = await admin_thread(next, progress, None)
+            if item is not None:
+                first.append(item)
+    except BaseException:
+        await _close(progress, cancel)
+        raise
 
-    def lines() -> Iterator[str]:
-        for item in first:
-            yield dumps(item) + "\n"
+    async def lines():
         try:
-            for item in progress:
+            for item in first:
+                yield dumps(item) + "\n"
+            while (item := await admin_thread(next, progress, None)) is not None:
                 yield dumps(item) + "\n"
         except Exception as exc:
             if not isinstance(exc, PebblingError):  # a bug: the log has its traceback
                 logger.exception("a model transfer failed")
             yield dumps({"error": str(exc)}) + "\n"
+        finally:  # also when the client left and the response was cancelled
+            await _close(progress, cancel)
 
     return StreamingResponse(lines(), media_type=NDJSON)
 
 
-def _last(progress: Iterator[dict[str, Any]]) -> dict[str, Any]:
-    last: dict[str, Any] = {}
-    for last in progress:
-        pass
-    return last
+async def _close(progress: Iterator[dict[str, Any]], cancel: threading.Event) -> None:
+    cancel.set()
+    close = getattr(progress, "close", None)
+    if close is not None:
+        with anyio.CancelScope(shield=True):
+            await admin_thread(close)
+
+
+async def _last(progress: Iterator[dict[str, Any]], request: Request, cancel: threading.Event) -> dict[str, Any]:
+    """The last progress object, taken on an admin thread while the client is watched: if it leaves, the
+    transfer is told to stop (it ends at its next bytes, or its registry's timeout)."""
+    def drain() -> dict[str, Any]:
+        last: dict[str, Any] = {}
+        for last in progress:
+            pass
+        return last
+
+    async def watch() -> None:
+        while not await request.is_disconnected():
+            await asyncio.sleep(0.5)
+        cancel.set()
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        return await admin_thread(drain)
+    finally:
+        watcher.cancel()
+        await _close(progress, cancel)

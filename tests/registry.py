@@ -1,6 +1,8 @@
 """A registry speaking Ollama's protocol (the OCI distribution API's GETs) on loopback, for the pull tests:
-manifests by name and tag, blobs by digest with Range requests, and ways to misbehave on purpose (a
-download cut off half-way, a blob whose bytes are not its digest's)."""
+manifests by name and tag, blobs by digest with Range requests, and ways to misbehave on purpose: a
+download cut off half-way, a blob whose bytes are not its digest's, a body longer or shorter than the
+blob, an endless body, a body sent slowly (in pieces, or a byte at a time), a redirect to another host
+name (`localhost` for `127.0.0.1`). Every misbehaviour stops when the registry does."""
 
 from __future__ import annotations
 
@@ -23,6 +25,13 @@ class Registry:
     cut: dict[str, int] = field(default_factory=dict)       # digest -> how many more responses to cut short
     corrupt: set[str] = field(default_factory=set)          # digests served with one byte changed
     requests: list[tuple[str, str | None]] = field(default_factory=list)  # (path, Range header)
+    extra: dict[str, bytes] = field(default_factory=dict)   # digest -> bytes sent after the blob's
+    short: dict[str, int] = field(default_factory=dict)     # digest -> the byte where every body of it ends
+    endless: set[str] = field(default_factory=set)          # digests whose body never ends (chunked)
+    pieces: dict[str, tuple[int, float]] = field(default_factory=dict)  # digest -> (pieces, seconds between)
+    drip: dict[str, float] = field(default_factory=dict)    # digest -> seconds between single bytes
+    redirect: set[str] = field(default_factory=set)         # digests answered 307 to the same path on localhost
+    stopped: threading.Event = field(default_factory=threading.Event)
     url: str = ""
 
     def add(self, namespace: str, model: str, tag: str, layers: dict[str, bytes]) -> dict[str, str]:
@@ -43,6 +52,13 @@ class Registry:
                        "size": len(config)},
             "layers": entries}).encode()
         return digests
+
+    def add_manifest(self, namespace: str, model: str, tag: str, manifest: dict) -> None:
+        """A manifest as given (layers naming blobs added with `add`, or any other)."""
+        self.manifests[(namespace, model, tag)] = json.dumps(manifest).encode()
+
+    def blob_gets(self, digest: str) -> int:
+        return len(self.ranges(digest))
 
     def ranges(self, digest: str) -> list[str | None]:
         return [r for path, r in self.requests if path.endswith(f"/blobs/{digest}")]
@@ -72,15 +88,29 @@ def _handler(registry: Registry):
                 data = registry.blobs[digest]
                 if digest in registry.corrupt:
                     data = bytes([data[0] ^ 1]) + data[1:]
+                if digest in registry.redirect and not self.headers.get("Host", "").startswith("localhost"):
+                    self.send_response(307)
+                    self.send_header("Location", f"http://localhost:{self.server.server_address[1]}{self.path}")
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                if digest in registry.endless:
+                    return self._endless()
                 start = 0
                 if (r := _RANGE.fullmatch(self.headers.get("Range") or "")) is not None:
                     start = int(r.group(1))
-                part = data[start:]
+                part = data[start:] + registry.extra.get(digest, b"")
                 self.send_response(206 if start else 200)
                 self.send_header("Content-Length", str(len(part)))
                 if start:
                     self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
                 self.end_headers()
+                if digest in registry.short:
+                    self.wfile.write(part[:max(0, registry.short[digest] - start)])
+                    self.close_connection = True
+                    return
+                if digest in registry.pieces or digest in registry.drip:
+                    return self._slowly(part, *registry.pieces.get(digest, (len(part), registry.drip.get(digest))))
                 if registry.cut.get(digest, 0) > 0:  # half of it, then the connection goes
                     registry.cut[digest] -= 1
                     self.wfile.write(part[:len(part) // 2])
@@ -90,6 +120,30 @@ def _handler(registry: Registry):
                 self.wfile.write(part)
                 return
             self._send(404, b'{"errors": [{"code": "BLOB_UNKNOWN"}]}')
+
+        def _slowly(self, part: bytes, pieces: int, pause: float):
+            step = max(1, -(-len(part) // pieces))
+            try:
+                for i in range(0, len(part), step):
+                    if registry.stopped.wait(pause if i else 0):
+                        break
+                    self.wfile.write(part[i:i + step])
+                    self.wfile.flush()
+            except OSError:  # the client left
+                pass
+            self.close_connection = True
+
+        def _endless(self):
+            self.send_response(200)
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            chunk = b"\0" * 65536
+            try:
+                while not registry.stopped.is_set():
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+            except OSError:  # the client left
+                pass
+            self.close_connection = True
 
         def _send(self, status: int, body: bytes, kind: str = "application/json"):
             self.send_response(status)
@@ -112,5 +166,6 @@ def serving_registry() -> Iterator[Registry]:
     try:
         yield registry
     finally:
+        registry.stopped.set()
         server.shutdown()
         server.server_close()

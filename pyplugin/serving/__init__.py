@@ -11,16 +11,17 @@ from .create import CreateSpec, copy_model, create_model
 from .engine import Engine
 from .jobs import Final, GenerationRequest, Job
 from .ollama_store import InvalidModelName, ModelLayers
-from .pull import REGISTRY_ENV, pull_model
+from .pull import REGISTRY_ENV, PullStopped, pull_model
 from .reply import Output
-from .store_write import BlobWriter, ModelNotInStore, RegistryError, StoreError, blob_path, delete_model
-from .tool_calls import ToolCall
+from .store_write import (BlobWriter, ModelNotInStore, RegistryError, StoreError, StoreWriteError, blob_path,
+                          delete_model)
+from .tool_calls import CutCall, ToolCall
 from .settings import HOST_ENV, ORIGINS_ENV, is_loopback
 
 __all__ = [
-    "BlobWriter", "ChatTemplateError", "CreateSpec", "Engine", "Final", "GenerationRequest", "HOST_ENV",
+    "BlobWriter", "ChatTemplateError", "CreateSpec", "CutCall", "Engine", "Final", "GenerationRequest", "HOST_ENV",
     "InvalidModelName", "Job", "ModelLayers", "ModelListing", "ModelLoadError", "ModelNotFoundError",
-    "ModelNotInStore", "ORIGINS_ENV", "OptionsError", "Output", "PebblingError", "REGISTRY_ENV", "RegistryError",
-    "RunningModel", "ServerBusyError", "StoreError", "StrategyError", "ToolCall", "blob_path", "copy_model",
-    "create_model", "delete_model", "is_loopback", "pull_model",
+    "ModelNotInStore", "ORIGINS_ENV", "OptionsError", "Output", "PebblingError", "PullStopped", "REGISTRY_ENV",
+    "RegistryError", "RunningModel", "ServerBusyError", "StoreError", "StoreWriteError", "StrategyError", "ToolCall",
+    "blob_path", "copy_model", "create_model", "delete_model", "is_loopback", "pull_model",
 ]

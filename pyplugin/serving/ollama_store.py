@@ -21,7 +21,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from ..errors import ModelError
 
@@ -133,7 +133,10 @@ def resolve(name: str, root: Path | None = None) -> OllamaModel | None:
     for base in [Path(root)] if root is not None else stores():
         manifest = base / "manifests" / parsed.host / parsed.namespace / parsed.model / parsed.tag
         if manifest.is_file():
-            return _read_manifest(manifest, base, parsed.display)
+            try:
+                return _read_manifest(manifest, base, parsed.display)
+            except FileNotFoundError:
+                continue  # deleted since it was seen: absent
     return None
 
 
@@ -143,26 +146,39 @@ def list_models(root: Path | None = None) -> list[OllamaModel]:
     found: dict[str, OllamaModel] = {}
     for store in [Path(root)] if root is not None else stores():
         base = store / "manifests"
-        if not base.is_dir():
-            continue
-        for manifest in base.glob("*/*/*/*"):
-            if not manifest.is_file():
-                continue
+        for manifest in manifest_files(store):
             host, namespace, model, tag = manifest.relative_to(base).parts
             try:
                 display = parse_name(f"{host}/{namespace}/{model}:{tag}").display
                 entry = _read_manifest(manifest, store, display)
             except (ModelError, OSError):
-                continue  # a pull in progress, or no model layer: not a model to list
+                continue  # a pull in progress, no model layer, or deleted meanwhile: not a model to list
             found.setdefault(entry.name, entry)
     return sorted(found.values(), key=lambda m: m.name)
+
+
+def manifest_files(root: Path) -> Iterator[Path]:
+    """manifests/<host>/<namespace>/<model>/<tag> files as they are now: a directory removed while it is
+    walked (a delete at the same time) is passed over, never an error."""
+    def entries(directory: Path, depth: int) -> Iterator[Path]:
+        try:
+            with os.scandir(directory) as it:
+                found = [(Path(e.path), e.is_dir() if depth else e.is_file()) for e in it]
+        except OSError:
+            return
+        for path, wanted in sorted(found):
+            if wanted:
+                yield from (entries(path, depth - 1) if depth else [path])
+    return entries(Path(root) / "manifests", 3)
 
 
 def _read_manifest(manifest: Path, root: Path, display: str) -> OllamaModel:
     # Errors name the model, never a path: where the store lies is the server's own business.
     _check_inside(manifest, root, display, "manifest")
+    with open(manifest, "rb") as f:  # read and dated from one open file: a delete meanwhile is FileNotFoundError
+        raw, modified = f.read(), os.fstat(f.fileno()).st_mtime
     try:
-        data = json.loads(manifest.read_text())
+        data = json.loads(raw)
         layer = next(layer for layer in data.get("layers", [])
                      if isinstance(layer, dict) and layer.get("mediaType") == MODEL_MEDIA_TYPE)
     except (OSError, ValueError, StopIteration, AttributeError) as exc:
@@ -179,8 +195,10 @@ def _read_manifest(manifest: Path, root: Path, display: str) -> OllamaModel:
         raise ModelError(f"model '{display}': its Ollama manifest names blob {blob.name}, which is missing; "
                          f"run `ollama pull {display}` again")
     _check_inside(blob, root, display, "model blob")
-    size = int(layer.get("size") or blob.stat().st_size)
-    return OllamaModel(display, blob, f"sha256:{match.group(1)}", size, manifest.stat().st_mtime,
+    size = layer.get("size")
+    if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+        size = blob.stat().st_size
+    return OllamaModel(display, blob, f"sha256:{match.group(1)}", size, modified,
                        _read_layers(data.get("layers", []), root, display))
 
 

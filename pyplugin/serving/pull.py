@@ -4,35 +4,51 @@
     GET {base}/v2/{namespace}/{model}/blobs/{digest}      each blob (a redirect to a CDN is followed)
 
 {base} is $PEBBLING_REGISTRY for names of Ollama's registry (default https://registry.ollama.ai), and
-https://HOST (http:// with insecure) for a name that carries its own host. Each blob is downloaded to
-blobs/sha256-<hex>.pebbling-partial; a download that breaks off is retried from where it stopped (an
-HTTP Range request) and, failing that, resumed by the next pull. Every blob is verified against its digest before
-it is named: a blob whose bytes do not match is removed and the pull refused, saying so. The manifest is
-written last, so a model is listed only once all of it is there. Progress comes as Ollama's objects:
-"pulling manifest", "pulling <digest>" with total and completed, "verifying sha256 digest", "writing
-manifest", "success".
+https://HOST (http:// with insecure) for a name that carries its own host (a redirect to another host,
+such as a CDN, is followed and logged). Each blob is downloaded to blobs/sha256-<hex>.pebbling-partial,
+held by one pull at a time (another pull of the same blob waits for it, then finds it written); a
+download that breaks off is retried from where it stopped (an HTTP Range request) and, failing that,
+resumed by the next pull. Nothing is written past the size the manifest gives: a body that is longer, or
+shorter, is a failed attempt, and RETRIES of them end the pull. Every blob is verified against its digest
+before it is named: a blob whose bytes do not match is removed and the pull refused, saying so. The
+manifest is written last, so a model is listed only once all of it is there. A pull ends when its
+`cancel` event is set (its client left) and at its deadline ($PEBBLING_PULL_DEADLINE seconds, default a
+day), keeping what it fetched for the next pull. Progress comes as Ollama's objects: "pulling manifest",
+"pulling <digest>" with total and completed, "verifying sha256 digest", "writing manifest", "success".
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
 
+from ..errors import PebblingError
 from .ollama_store import DEFAULT_HOST, MODEL_MEDIA_TYPE, OllamaName, parse_name
-from .store_write import (BlobWriter, DigestMismatch, RegistryError, RegistryNotFound, StoreError, blob_path,
-                          digest_hex, write_manifest_bytes)
+from .store_write import (BlobBusy, BlobWriter, DigestMismatch, RegistryError, RegistryNotFound, StoreError, blob_path, digest_hex,
+                          write_manifest_bytes)
 
 REGISTRY_ENV = "PEBBLING_REGISTRY"
+DEADLINE_ENV = "PEBBLING_PULL_DEADLINE"
 DEFAULT_REGISTRY = "https://registry.ollama.ai"
+DEFAULT_DEADLINE_S = 24 * 3600.0
 MANIFEST_ACCEPT = "application/vnd.docker.distribution.manifest.v2+json"
 MAX_MANIFEST_BYTES = 1 << 20
-RETRIES = 3              # a broken-off download is resumed this many times within one pull
+RETRIES = 3              # a failed attempt (broken off, too long, too short) is retried this many times
 PROGRESS_EVERY_S = 0.1   # at most this often a progress object per blob (and at its end)
+WAIT_POLL_S = 0.2        # how often a pull waiting for another's download of a blob looks again
+
+logger = logging.getLogger("pebbling.server")
+
+
+class PullStopped(PebblingError):
+    """The pull was stopped: its client left, or its deadline passed. What it fetched is kept."""
 
 
 def registry_base(name: OllamaName, insecure: bool = False) -> str:
@@ -41,39 +57,63 @@ def registry_base(name: OllamaName, insecure: bool = False) -> str:
     return f"{'http' if insecure else 'https'}://{name.host}"
 
 
-def pull_model(name: str, root: Path | None = None, *, insecure: bool = False,
-               timeout: float = 60.0) -> Iterator[dict[str, Any]]:
-    """Checks the name (InvalidModelName) and returns the pull's progress; RegistryError (RegistryNotFound
-    for a name the registry does not have) or StoreError while it runs."""
-    parsed = parse_name(name)
-    return _pull(parsed, root, registry_base(parsed, insecure), timeout)
-
-
-def _pull(name: OllamaName, root: Path | None, base: str, timeout: float) -> Iterator[dict[str, Any]]:
-    yield {"status": "pulling manifest"}
-    writers: list[tuple[BlobWriter, dict[str, Any]]] = []
+def pull_deadline() -> float:
+    """Seconds a pull may take in all: $PEBBLING_PULL_DEADLINE, else a day."""
+    raw = os.environ.get(DEADLINE_ENV, "").strip()
     try:
-        with httpx.Client(timeout=httpx.Timeout(timeout, connect=min(timeout, 15.0)), follow_redirects=True) as client:
-            raw, layers = _manifest(client, base, name)
-            for layer in layers:
-                writer = yield from _download(client, base, name, layer, root)
-                if writer is not None:
-                    writers.append((writer, layer))
-        yield {"status": "verifying sha256 digest"}
-        while writers:
-            writer, layer = writers.pop(0)
-            try:
-                writer.commit()
-            except DigestMismatch as exc:
-                raise RegistryError(f"pulling '{name.display}': blob {layer['digest']} is corrupt: {exc}; "
-                                    "pull again (a registry or proxy that keeps sending other bytes is at "
-                                    "fault)") from None
-        yield {"status": "writing manifest"}
-        write_manifest_bytes(name, raw, root)
-        yield {"status": "success"}
-    finally:
-        for writer, _ in writers:  # stopped early: what was fetched stays for the next pull to resume
-            writer.abort(keep=True)
+        value = float(raw) if raw else DEFAULT_DEADLINE_S
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        logger.warning("%s=%r is not a positive number of seconds; using %g", DEADLINE_ENV, raw, DEFAULT_DEADLINE_S)
+        return DEFAULT_DEADLINE_S
+    return value
+
+
+def pull_model(name: str, root: Path | None = None, *, insecure: bool = False, timeout: float = 30.0,
+               cancel: threading.Event | None = None, deadline_s: float | None = None) -> Iterator[dict[str, Any]]:
+    """Checks the name (InvalidModelName) and returns the pull's progress; RegistryError (RegistryNotFound
+    for a name the registry does not have), StoreError or PullStopped while it runs. `timeout`: the longest
+    wait for the registry's next bytes, each time."""
+    parsed = parse_name(name)
+    stop = _Stop(cancel or threading.Event(), time.monotonic() + (deadline_s or pull_deadline()), parsed.display)
+    return _pull(parsed, root, registry_base(parsed, insecure), timeout, stop)
+
+
+class _Stop:
+    """Whether the pull must stop: its client left (the event), or its deadline passed."""
+
+    def __init__(self, event: threading.Event, deadline: float, display: str):
+        self.event, self.deadline, self.display = event, deadline, display
+
+    def check(self) -> None:
+        if self.event.is_set():
+            raise PullStopped(f"pulling '{self.display}': stopped, its client left; what was fetched is kept for "
+                              "the next pull")
+        if time.monotonic() > self.deadline:
+            raise PullStopped(f"pulling '{self.display}': stopped at its deadline (${DEADLINE_ENV}); what was "
+                              "fetched is kept for the next pull")
+
+
+def _pull(name: OllamaName, root: Path | None, base: str, timeout: float, stop: _Stop) -> Iterator[dict[str, Any]]:
+    yield {"status": "pulling manifest"}
+    with httpx.Client(timeout=httpx.Timeout(timeout, connect=min(timeout, 15.0)), follow_redirects=True,
+                      event_hooks={"response": [_log_redirects]}) as client:
+        raw, layers = _manifest(client, base, name)
+        for layer in {layer["digest"]: layer for layer in layers}.values():  # a blob named twice: fetched once
+            yield from _download(client, base, name, layer, root, stop)
+    yield {"status": "verifying sha256 digest"}  # each blob was, as it was committed
+    yield {"status": "writing manifest"}
+    write_manifest_bytes(name, raw, root)
+    yield {"status": "success"}
+
+
+def _log_redirects(response: httpx.Response) -> None:
+    if response.is_redirect and "location" in response.headers:
+        to = response.url.join(response.headers["location"])
+        if to.host != response.url.host:
+            logger.info("pull: %s redirected to another host, %s (followed, as Ollama follows it)",
+                        response.url.host, to.host)
 
 
 def _manifest(client: httpx.Client, base: str, name: OllamaName) -> tuple[bytes, list[dict[str, Any]]]:
@@ -97,8 +137,10 @@ def _manifest(client: httpx.Client, base: str, name: OllamaName) -> tuple[bytes,
         layers = [*data["layers"], data["config"]] if data.get("config") else list(data["layers"])
         for layer in layers:
             digest_hex(layer["digest"])
-            if not isinstance(layer.get("size"), int) or layer["size"] < 0:
-                raise ValueError(f"layer {layer['digest']} has no size")
+            size = layer.get("size")
+            if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+                raise ValueError(f"layer {layer['digest']} has no size (a whole number of bytes), it has "
+                                 f"{json.dumps(size)[:40]}")
     except (ValueError, KeyError, TypeError, AttributeError, StoreError) as exc:
         raise RegistryError(f"pulling '{name.display}': the registry's manifest is not one pebbling can read "
                             f"({exc})") from None
@@ -108,53 +150,94 @@ def _manifest(client: httpx.Client, base: str, name: OllamaName) -> tuple[bytes,
     return raw, layers
 
 
-def _download(client: httpx.Client, base: str, name: OllamaName, layer: dict[str, Any],
-              root: Path | None) -> Iterator[dict[str, Any]]:
-    """Yields progress; returns the writer holding the whole blob (None: the store has it already)."""
+def _download(client: httpx.Client, base: str, name: OllamaName, layer: dict[str, Any], root: Path | None,
+              stop: _Stop) -> Iterator[dict[str, Any]]:
+    """Yields progress until the blob is in the store, verified."""
     digest, total = layer["digest"], layer["size"]
     status = {"status": f"pulling {digest_hex(digest)[:12]}", "digest": digest, "total": total}
-    if blob_path(digest, root).is_file():
-        yield {**status, "completed": total}
-        return None
-    writer = BlobWriter(digest, root, resume=True)
-    url = f"{base}/v2/{name.namespace}/{name.model}/blobs/{digest}"
-    failures, last, fetched = 0, 0.0, False
+    writer = None
+    while writer is None:
+        if blob_path(digest, root).is_file():
+            yield {**status, "completed": total}
+            return
+        stop.check()
+        try:
+            writer = BlobWriter(digest, root, resume=True, size=total)
+        except BlobBusy:  # another pull has it: wait for it, then find it written (or take it over)
+            yield {**status, "completed": 0}
+            time.sleep(WAIT_POLL_S)
     try:
-        while True:
-            if writer.size > total:  # not the blob's start after all: begin again
-                writer.restart()
-            yield {**status, "completed": writer.size}
-            if writer.size == total and (total or fetched):
-                return writer
-            fetched = True
-            try:
-                headers = {"Range": f"bytes={writer.size}-"} if writer.size else {}
-                with client.stream("GET", url, headers=headers) as r:
-                    if r.status_code == 200 and writer.size:
-                        writer.restart()  # the server sends the whole blob, not the rest
-                    elif r.status_code == 416:
-                        writer.restart()
-                        continue
-                    elif r.status_code == 404:
-                        raise RegistryNotFound(f"pulling '{name.display}': the registry at {base} has no blob "
-                                               f"{digest}")
-                    elif r.status_code not in (200, 206):
-                        raise RegistryError(f"pulling '{name.display}': blob {digest}: the registry answered "
-                                            f"HTTP {r.status_code}")
-                    for chunk in r.iter_bytes():  # as they come: a buffered chunk would be lost to a cut
-                        writer.write(chunk)
-                        if time.monotonic() - last >= PROGRESS_EVERY_S:
-                            last = time.monotonic()
-                            yield {**status, "completed": min(writer.size, total)}
-                if writer.size >= total:
-                    continue
-                raise httpx.RemoteProtocolError(f"the response ended after {writer.size} of {total} bytes")
-            except httpx.HTTPError as exc:
-                failures += 1
-                if failures > RETRIES:
-                    raise RegistryError(f"pulling '{name.display}': the download of {digest} broke off at "
-                                        f"{writer.size} of {total} bytes ({exc}), {RETRIES} retries too; pull "
-                                        "again to resume it") from None
+        if blob_path(digest, root).is_file():  # written by the pull this one waited for
+            writer.abort(keep=True)
+            yield {**status, "completed": total}
+            return
+        yield from _fetch(client, f"{base}/v2/{name.namespace}/{name.model}/blobs/{digest}", name.display, writer,
+                          status, stop)
     except BaseException:
         writer.abort(keep=True)
         raise
+
+
+def _fetch(client: httpx.Client, url: str, display: str, writer: BlobWriter, status: dict[str, Any],
+           stop: _Stop) -> Iterator[dict[str, Any]]:
+    """Fetches the rest of the blob into `writer` and commits it. A failed attempt (the connection broken,
+    a body longer or shorter than the blob) is retried from what was kept, RETRIES times."""
+    digest, total = status["digest"], status["total"]
+    failures, last, fetched = 0, 0.0, False
+
+    def failed(why: str, restart: bool = False) -> None:
+        nonlocal failures
+        failures += 1
+        if restart:
+            writer.restart()
+        if failures > RETRIES:
+            raise RegistryError(f"pulling '{display}': the download of {digest} failed: {why}, and so did "
+                                f"{RETRIES} retries; pull again to resume it")
+        logger.info("pull of %s: %s; retrying (%d of %d)", digest, why, failures, RETRIES)
+
+    while True:
+        stop.check()
+        yield {**status, "completed": writer.size}
+        if writer.size == total:
+            if writer.matches():
+                writer.commit()
+                return
+            if fetched:
+                try:
+                    writer.commit()  # raises DigestMismatch, and removes the bytes
+                except DigestMismatch as exc:
+                    raise RegistryError(f"pulling '{display}': blob {digest} is corrupt: {exc}; pull again (a "
+                                        "registry or proxy that keeps sending other bytes is at fault)") from None
+            writer.restart()  # bytes an earlier pull left that are not the blob's: fetched again
+        fetched = True
+        try:
+            headers = {"Range": f"bytes={writer.size}-"} if writer.size else {}
+            with client.stream("GET", url, headers=headers) as r:
+                if r.status_code == 200 and writer.size:
+                    writer.restart()  # the server sends the whole blob, not the rest
+                elif r.status_code == 416:
+                    failed(f"the registry refused the range from byte {writer.size} (HTTP 416)", restart=True)
+                    continue
+                elif r.status_code == 404:
+                    raise RegistryNotFound(f"pulling '{display}': the registry has no blob {digest}")
+                elif r.status_code not in (200, 206):
+                    raise RegistryError(f"pulling '{display}': blob {digest}: the registry answered HTTP "
+                                        f"{r.status_code}")
+                overlong = False
+                for chunk in r.iter_bytes():  # as they come: a buffered chunk would be lost to a cut
+                    stop.check()
+                    room = total - writer.size
+                    if len(chunk) > room:
+                        writer.write(chunk[:room])
+                        overlong = True
+                        break
+                    writer.write(chunk)
+                    if time.monotonic() - last >= PROGRESS_EVERY_S:
+                        last = time.monotonic()
+                        yield {**status, "completed": writer.size}
+            if overlong:
+                failed(f"the registry sent more than the {total} bytes its manifest gives", restart=True)
+            elif writer.size < total:
+                failed(f"the response ended after {writer.size} of {total} bytes")
+        except httpx.HTTPError as exc:
+            failed(f"broke off at {writer.size} of {total} bytes ({exc or type(exc).__name__})")
