@@ -195,6 +195,8 @@ async def _progress(progress: Iterator[dict[str, Any]], stream: bool, request: R
             for item in first:
                 yield dumps(item) + "\n"
             while (item := await admin_thread(next, progress, None)) is not None:
+                if await request.is_disconnected():
+                    break  # the server drops what is sent to a client that left, without a word: stop here
                 yield dumps(item) + "\n"
         except Exception as exc:
             if not isinstance(exc, PebblingError):  # a bug: the log has its traceback
