@@ -312,3 +312,17 @@ def test_a_message_the_token_limit_cuts_is_an_incomplete_item(url, monkeypatch, 
     assert done["status"] == "incomplete" and events[-1]["response"]["output"] == [done]
     whole = requests.post(f"{url}/v1/responses", json={**body, "max_output_tokens": 100}, timeout=60).json()
     assert whole["status"] == "completed" and [item["status"] for item in whole["output"]] == ["completed"]
+
+
+@pytest.mark.parametrize("method,path", [("POST", "/v1/nothing"), ("GET", "/v1/files"), ("POST", "/v1/")])
+def test_an_unknown_v1_path_is_not_found_not_a_missing_model(url, method, path):
+    r = requests.request(method, url + path, json={}, timeout=30)
+    assert r.status_code == 404, r.text
+    error = r.json()["error"]
+    assert "no such endpoint" in error["message"] and error["code"] != "model_not_found"
+
+
+def test_a_missing_model_on_v1_is_model_not_found(url):
+    r = requests.post(url + "/v1/chat/completions", timeout=30,
+                      json={"model": "absent", "messages": [{"role": "user", "content": "Hi"}]})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
