@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gpu_acceptance import acceptance, acceptance_lines  # noqa: E402
 from bench_gpu_model import SHAPES, TYPES, spec_for, write_model  # noqa: E402
 from bench_gpu_peers import PeakSampler, llama_cpp_rows, transformers_rows  # noqa: E402
-from bench_store import measure as measure_bus  # noqa: E402
+from lib.memory_store import measure as measure_bus  # noqa: E402
 from bench_vs_transformers import fraction_budget  # noqa: E402
 from pyplugin.model import load_model  # noqa: E402
 from pyplugin.runtime import PebbledModel  # noqa: E402

@@ -11,7 +11,7 @@ the budget with pebbling_expert_cache 128 (the plan keeps as many experts a laye
 for), without and with speculative prefetch; per row prefill and decode tokens/s (greedy), the device peak
 (NVML sampled every 2 ms, and the report's) beside the budget, the experts cached a layer, hit rate, expert
 bytes restored a token and prefetch accuracy from the report. Random router weights route near-uniformly,
-so the hit rate is about the cache's share of a layer's experts (benchmarks/bench_experts.py has a Zipf
+so the hit rate is about the cache's share of a layer's experts (`memory.py experts` has a Zipf
 trace for locality).
 
 llama.cpp (llama-cpp-python where it imports, else recorded absent): every layer offloaded, the expert

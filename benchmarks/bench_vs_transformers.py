@@ -20,7 +20,7 @@ pebbling rows (greedy, batch 1, --prompt-tokens of prefill in one chunk, then --
 Each: measured peak device memory (the report's: NVML on the GPU, byte accounting on host/stub)
 beside the estimate, decode and prefill tokens/s, bytes restored per decoded token, and efficiency =
 (bytes restored per token / bandwidth) / measured time per token, with the pinned host-to-device
-bandwidth measured in this run through pebble_restore (benchmarks/bench_store.py).
+bandwidth measured in this run through pebble_restore (`memory.py store`).
 
 transformers rows (LlamaForCausalLM from the same weights, fp16 on the GPU, fp32 on the CPU):
   gpu       fully on the device (model.to)
@@ -55,7 +55,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench_store import measure as measure_bandwidth
+from lib.memory_store import measure as measure_bandwidth
 from pyplugin.store.backend import probe
 from pyplugin.runtime import PebbledModel
 from pyplugin.model import load_model

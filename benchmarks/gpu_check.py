@@ -8,7 +8,7 @@ On a bare machine (the GPU image's Python with CuPy, torch, transformers, accele
            of its own on PYTHONPATH beside the tree (a pinned package already importable is left as it
            is), and the benchmark's peers from .peers/ where there are any (README: On a GPU); uses
            build/libpebble_cuda.so as carried (builds it only where it is missing and nvcc exists)
-  probe    benchmarks/gpu_probe.py: nvidia-smi, driver and CUDA versions, CuPy's device, the library
+  probe    `memory.py probe`: nvidia-smi, driver and CUDA versions, CuPy's device, the library
            loads, `pebbling info` selects the backend
   kernels  the kernel tests first, under CUDA_LAUNCH_BLOCKING=1, so that a fault names its kernel; where
            any fail on cuda, they run again under each of SWITCHES (README, Environment: each puts back
@@ -313,7 +313,7 @@ def stage_plan(args, work: Path, python: str) -> list[Stage]:
     builds = [ROOT / "build" / f"libpebble_{args.backend}.so", *variants]
     libs = [*builds, *([f"{builds[0]}+PEBBLING_CUDA_PERSIST=0"] if args.backend == "cuda" else [])]
     return [
-        Stage("probe", [python, str(ROOT / "benchmarks" / "gpu_probe.py"), "--backend", args.backend], caps["probe"],
+        Stage("probe", [python, str(ROOT / "benchmarks" / "memory.py"), "probe", "--backend", args.backend], caps["probe"],
               probe_env),
         Stage("kernels", [*pytest, f"--junitxml={work / 'kernels.xml'}", *args.kernel_tests], caps["kernels"],
               {**backend_env, "CUDA_LAUNCH_BLOCKING": "1"}, str(work / "kernels.xml")),

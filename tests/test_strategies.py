@@ -75,7 +75,7 @@ def test_minimal_below_sqrt_below_none(model, pebbled):
     peaks = {s: r["measured_peak_bytes"] for s, r in reports.items()}
     if pebbled.backend.measures_memory:
         # NVML counts in pages of MiBs, coarser than this tiny model's layers: the order must hold
-        # in the estimate and must not be reversed in the measurement (benchmarks/bench_streaming.py
+        # in the estimate and must not be reversed in the measurement (`benchmarks/memory.py streaming`
         # shows it strictly on a model of a size NVML resolves).
         estimates = {s: r["estimated_peak_bytes"] for s, r in reports.items()}
         assert estimates["minimal"] < estimates["sqrt"] < estimates["none"]

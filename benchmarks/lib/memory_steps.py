@@ -4,7 +4,7 @@ measured after), a first request, a longer prompt, a request from another thread
 a streamed (minimal) request and a second model after the first closed; beside each, the overhead a new
 plan would measure and the request's estimated and measured peaks. Prints one JSON line and a table.
 
-    python benchmarks/gpu_memory_steps.py [--backend cuda] [--layers 8] [--n-embd 64] [--n-ff 128]
+    python benchmarks/memory.py steps [--backend cuda] [--layers 8] [--n-embd 64] [--n-ff 128]
         [--n-head 4] [--n-head-kv 2] [--num-batch 64]
 
 The question it answers: which step loads memory that the warm-up did not (so that a floor named by
@@ -17,20 +17,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import threading
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from pyplugin.model import load_model  # noqa: E402
-from pyplugin.model.synth import write_gguf  # noqa: E402
-from pyplugin.runtime import PebbledModel  # noqa: E402
-from pyplugin.runtime.options import Options  # noqa: E402
-from pyplugin.runtime.plan import PebblingOptions  # noqa: E402
-from pyplugin.store import backend_named  # noqa: E402
+from pyplugin.model import load_model
+from pyplugin.model.synth import write_gguf
+from pyplugin.runtime import PebbledModel
+from pyplugin.runtime.options import Options
+from pyplugin.runtime.plan import PebblingOptions
+from pyplugin.store import backend_named
 
 
 SHAPE_ARGS = ("layers", "n_embd", "n_ff", "n_head", "n_head_kv", "num_batch")
@@ -103,7 +99,3 @@ def main(argv: list[str] | None = None) -> int:
         mib = f"{(s['used_bytes'] - base) / 2**20:8.1f}" if s["used_bytes"] is not None else "     n/a"
         print(f"{s['step']:32s} {mib} MiB  {extra}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""benchmarks/bench_quantized.py at a tiny size on the backends here: what it measures and how it
+"""`benchmarks/memory.py quantized` at a tiny size on the backends here: what it measures and how it
 judges issue 7's checks (its GPU figures come from a GPU run; here only the logic is checked)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 from helpers import store_backend_params
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-import bench_quantized as bench  # noqa: E402
+from lib import memory_quantized as bench  # noqa: E402
 
 TINY = ["--n-layer", "2", "--n-embd", "256", "--n-ff", "512", "--n-head", "4", "--n-head-kv", "2",
         "--num-ctx", "64", "--prompt-tokens", "12", "--decode-tokens", "3", "--repeats", "2"]

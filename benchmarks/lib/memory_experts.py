@@ -3,7 +3,7 @@ with and without speculative prefetch, under the least-recently-used and the lea
 Qwen3-30B-A3B-shaped mixture of experts (2048 wide, 32 query heads and 4 KV heads of 128, 128 experts of
 768, 8 used per token, normalised top-k, Q/K norms, a vocabulary of 151936) with fewer layers than its 48.
 
-    python benchmarks/bench_experts.py [--backend host] [--n-layer 4] [--decode-tokens 48]
+    python benchmarks/memory.py experts [--backend host] [--n-layer 4] [--decode-tokens 48]
         [--caches 0,8,16,32] [--policies lru,lfu] [--zipf-s 1.0] [--zipf-steps 512] [--json FILE]
 
 Two parts:
@@ -35,18 +35,16 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from lib.shapes import SHAPES
+from pyplugin.model import load_model
+from pyplugin.model.synth import write_gguf
+from pyplugin.runtime import PebbledModel
+from pyplugin.runtime.options import Options
+from pyplugin.runtime.plan import PebblingOptions
+from pyplugin.store.kernels import DECODER_STATS, EXPERT_POLICIES, LayerShape
+from pyplugin.store.stub_experts import ExpertSlots
 
-from pyplugin.model import load_model  # noqa: E402
-from pyplugin.model.synth import write_gguf  # noqa: E402
-from pyplugin.runtime import PebbledModel  # noqa: E402
-from pyplugin.runtime.options import Options  # noqa: E402
-from pyplugin.runtime.plan import PebblingOptions  # noqa: E402
-from pyplugin.store.kernels import DECODER_STATS, EXPERT_POLICIES, LayerShape  # noqa: E402
-from pyplugin.store.stub_experts import ExpertSlots  # noqa: E402
-
-QWEN3_30B_A3B = dict(arch="qwen3moe", vocab="qwen3", n_embd=2048, n_head=32, n_head_kv=4, key_length=128,
-                     n_ff=6144, n_ff_exp=768, n_expert=128, n_expert_used=8, vocab_size=151936)
+QWEN3_30B_A3B = {k: v for k, v in SHAPES["qwen3-30b-a3b"].items() if k not in ("n_layer", "random_blocks")}
 
 
 def q4_k_m_moe(n_layer: int) -> dict:
@@ -163,7 +161,7 @@ def fmt(v, width: int) -> str:
     return f"{'-' if v is None else v:>{width}}"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--backend", default="host", help="host (the native library's accounting) or stub")
     ap.add_argument("--n-layer", type=int, default=4, help="layers of the model part (Qwen3-30B-A3B has 48)")
@@ -176,7 +174,7 @@ def main() -> None:
     ap.add_argument("--guess-noise", type=float, default=0.5)
     ap.add_argument("--skip-model", action="store_true", help="the Zipf trace only")
     ap.add_argument("--json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     args.caches = [int(c) for c in args.caches.split(",")]
     args.policies = [p for p in args.policies.split(",") if p]
     shape = {**QWEN3_30B_A3B, "n_layer": args.n_layer}
@@ -220,7 +218,4 @@ def main() -> None:
               f"{fmt(r['expert_bytes_per_token'], 12)} {fmt(r['prefetch_accuracy'], 13)} {fmt(r['prefetched_used'], 15)}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
-
-
-if __name__ == "__main__":
-    main()
+    return result

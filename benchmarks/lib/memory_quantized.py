@@ -2,7 +2,7 @@
 their stored bytes, decode speed with `quantized` weights against the `f16` path, and the fused
 matrix-vector kernels' bandwidth against the device's, all measured in one run.
 
-    python benchmarks/bench_quantized.py [--json FILE] [--backend cuda|host|stub] [--decode-tokens 32]
+    python benchmarks/memory.py quantized [--json FILE] [--backend cuda|host|stub] [--decode-tokens 32]
         [--prompt-tokens 64] [--num-ctx 512] [--repeats 20] [--dir /dev/shm]
         [--n-layer 18] [--n-embd 2048] [--n-ff 8192] [--n-head 32] [--n-head-kv 8]
 
@@ -29,7 +29,7 @@ Issue 7's checks close the output, each PASS or FAIL (never asserted): weights o
 of their stored bytes, quantized decode >= 2.5x f16, fused kernels >= 70% of the device bandwidth.
 On a machine without a GPU, check the logic at a tiny size:
 
-    python benchmarks/bench_quantized.py --backend host --n-layer 2 --n-embd 256 --n-ff 512 \\
+    python benchmarks/memory.py quantized --backend host --n-layer 2 --n-embd 256 --n-ff 512 \\
         --n-head 4 --n-head-kv 2 --num-ctx 128 --prompt-tokens 16 --decode-tokens 4 --repeats 3
 """
 
@@ -37,14 +37,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-from bench_vs_transformers import ram_dir
+from lib import ram_dir
 from pyplugin.store import Backend, select_backend
 from pyplugin.runtime import PebbledModel
 from pyplugin.model import QuantWeight, load_model
@@ -64,7 +63,7 @@ def build_models(args) -> dict:
     """The quantized and f16 forms of one Q4_K_M-style file (written, read twice, deleted)."""
     e, kv = args.n_embd, args.n_head_kv * (args.n_embd // args.n_head)
     file_bytes = args.n_layer * (2 * e * e + 2 * e * kv + 3 * e * args.n_ff) * 5 // 8  # Q4_K_M: ~5 bits a weight
-    with tempfile.TemporaryDirectory(dir=ram_dir(args.dir, file_bytes), prefix="pebbling-bench-q-") as tmp:
+    with tempfile.TemporaryDirectory(dir=ram_dir(args.dir, int(file_bytes * 1.1)), prefix="pebbling-bench-q-") as tmp:
         print("writing a Q4_K_M-style random-weight GGUF ...", flush=True)
         path = write_gguf(Path(tmp) / "bench-q4_k_m.gguf", arch="llama", n_layer=args.n_layer,
                           n_embd=args.n_embd, n_head=args.n_head, n_head_kv=args.n_head_kv, n_ff=args.n_ff,
@@ -278,7 +277,3 @@ def main(argv: list[str] | None = None) -> dict:
         Path(args.json).write_text(json.dumps(result, indent=2))
         print(f"\nwrote {args.json}")
     return result
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

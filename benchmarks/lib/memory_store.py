@@ -1,7 +1,7 @@
 """Pinned host<->device bandwidth through the store: pebble_restore (host tier -> device buffer) and
 pebble_save (device buffer -> host tier), with 256 MiB entries by default.
 
-    python benchmarks/bench_store.py [--backend cuda] [--mib 256] [--repeats 10] [--json FILE]
+    python benchmarks/memory.py store [--backend cuda] [--mib 256] [--repeats 10] [--json FILE]
 
 On the cuda backend the destination/source is a CuPy device array and copies run on a CuPy stream;
 on host/stub both sides are host memory (a memcpy figure, labelled so). Prints the median of the
@@ -43,13 +43,13 @@ def measure(backend: str | Backend | None, mib: int, repeats: int) -> dict:
             "bytes_h2d_counted": stats.bytes_h2d, "bytes_d2h_counted": stats.bytes_d2h}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", choices=("cuda", "host", "stub"))
     parser.add_argument("--mib", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     result = measure(args.backend, args.mib, args.repeats)
     print(f"store bandwidth, backend {result['backend']}, {args.mib} MiB entries, median of {args.repeats} "
           f"({result['path']})")
@@ -58,7 +58,4 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
-
-
-if __name__ == "__main__":
-    main()
+    return result

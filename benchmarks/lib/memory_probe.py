@@ -1,10 +1,10 @@
 """What a GPU machine is and whether pebbling runs on it: the first stage of gpu_check.py.
 
-    python benchmarks/gpu_probe.py [--backend cuda|host]
+    python benchmarks/memory.py probe [--backend cuda|host]
 
 Prints what it finds (nvidia-smi, NVML's driver and CUDA versions, CuPy's device, the native library,
 `pebbling info`; for cuda, the device memory of the context, cuBLAS and threads, and a model's requests
-step by step through gpu_memory_steps.py), then one last line of JSON with every figure. Exit 0 when the
+step by step through `memory.py steps`), then one last line of JSON with every figure. Exit 0 when the
 library of --backend loads and `pebbling info` selects that backend (and, for cuda, CuPy reaches the
 device); 1 otherwise, saying why.
 Every figure here is read from the machine; what cannot be read is recorded as null with the reason.
@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from lib import ROOT, entry
 
 
 def _run(command: list[str], timeout: float = 60, env: dict[str, str] | None = None) -> tuple[int | None, str]:
@@ -98,7 +98,7 @@ def device_memory() -> dict:
     out["with_workspace"] = {}
     for config in WORKSPACES:
         env = {**os.environ, "CUBLAS_WORKSPACE_CONFIG": config}
-        rc, text = _run([sys.executable, __file__, "--pieces-only"], env=env)
+        rc, text = _run([sys.executable, entry("memory"), "probe", "--pieces-only"], env=env)
         found = _last_json(text)
         out["with_workspace"][config] = found if rc == 0 and "why" not in found else {"rc": rc, **found}
     return out
@@ -120,7 +120,6 @@ WORKSPACES = (":4096:2", ":0:0")
 def _memory_pieces() -> dict:
     import threading
 
-    sys.path.insert(0, str(ROOT))
     try:
         import cupy
         from pyplugin.store import gpu
@@ -176,11 +175,11 @@ def _memory_pieces() -> dict:
 
 
 def memory_steps() -> dict:
-    """benchmarks/gpu_memory_steps.py in a process of its own: a model's device memory step by step, for
+    """`memory.py steps` in a process of its own: a model's device memory step by step, for
     the tiny model and for one layer of Llama-3-8B's width with prompt chunks of 128."""
     found = {}
     for name, extra, timeout in (("tiny", [], 60), ("llama3_8b_width", WIDE, 120)):
-        rc, text = _run([sys.executable, str(ROOT / "benchmarks" / "gpu_memory_steps.py"), *extra], timeout=timeout)
+        rc, text = _run([sys.executable, entry("memory"), "steps", *extra], timeout=timeout)
         print(text)
         found[name] = {"rc": rc, **_last_json(text)}
     return found
@@ -190,7 +189,6 @@ WIDE = ["--layers", "1", "--n-embd", "4096", "--n-ff", "14336", "--n-head", "32"
 
 
 def library(kind: str) -> dict:
-    sys.path.insert(0, str(ROOT))
     try:
         from pyplugin.store.native import load_library
         _, path = load_library(kind)
@@ -235,7 +233,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"probe: {problem}", file=sys.stderr)
     print(json.dumps(found))
     return 1 if problems else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

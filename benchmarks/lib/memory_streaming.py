@@ -1,8 +1,8 @@
 """Streaming cost per strategy on one random-weight Llama: tokens, peak memory, decode speed, and how
 close decode under a streaming strategy comes to the transfer bound.
 
-    python benchmarks/bench_streaming.py [--backend cuda] [--n-layer 16] [--n-embd 2048] [--n-ff 8192]
-                                         [--prompt-tokens 32] [--decode-tokens 24] [--json FILE]
+    python benchmarks/memory.py streaming [--backend cuda] [--n-layer 16] [--n-embd 2048] [--n-ff 8192]
+                                          [--prompt-tokens 32] [--decode-tokens 24] [--json FILE]
 
 For each strategy: greedy tokens compared with `none`'s, the report's peak device memory (measured by
 NVML on the GPU, byte-accounted on host/stub) beside the estimate, decode ms per token, bytes restored
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench_store import measure as measure_bandwidth
+from lib.memory_store import measure as measure_bandwidth
 from pyplugin.runtime import PebbledModel
 from pyplugin.model import load_model
 from pyplugin.runtime.options import Options
@@ -37,7 +37,7 @@ def run(pebbled: PebbledModel, options: Options, prompt: list[int], pebbling: Pe
             "prefill_tokens_per_s": gen.stats.prompt_tokens / (gen.stats.prompt_ns / 1e9)}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", choices=("cuda", "host", "stub"))
     parser.add_argument("--n-layer", type=int, default=16)
@@ -46,7 +46,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--decode-tokens", type=int, default=24)
     parser.add_argument("--json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     with tempfile.TemporaryDirectory() as tmp:
         path = write_gguf(Path(tmp) / "bench.gguf", arch="llama", n_layer=args.n_layer, n_embd=args.n_embd,
@@ -108,7 +108,3 @@ def main() -> None:
             json.dump({"bandwidth": bandwidth, "rows": rows, "n_layer": args.n_layer, "n_embd": args.n_embd,
                        "n_ff": args.n_ff, "layer_parameters": int(params)}, f, indent=2)
     pebbled.close()
-
-
-if __name__ == "__main__":
-    main()

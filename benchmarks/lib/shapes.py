@@ -1,0 +1,71 @@
+"""Real models' shapes, for random-weight GGUF files of them: the shapes, llama.cpp's Q4_K_M mix for each, and
+the files the benchmarks write (synth's random values, or its random valid blocks where a file is large)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+N_VOCAB = 151936
+# Shapes of real models (--shape), random weights. Where a row is not whole 256-element blocks llama.cpp's
+# Q4_K_M falls back to Q5_0 for Q4_K and Q8_0 for Q6_K, and so do these files; Q6_K goes to attn_v and
+# ffn_down on half the layers (every other one here) and to the output, as its mix does.
+SHAPES = {
+    "qwen2-0.5b": dict(arch="qwen2", n_layer=24, n_embd=1024, n_head=16, n_head_kv=2, n_ff=4864, vocab="chatml",
+                       tied_output=True, vocab_size=N_VOCAB),
+    "smollm2-135m": dict(arch="llama", n_layer=30, n_embd=576, n_head=9, n_head_kv=3, n_ff=1536, vocab="llama3",
+                         tied_output=True, vocab_size=49152),
+    "gemma3-270m": dict(arch="gemma3", n_layer=18, n_embd=640, n_head=4, n_head_kv=1, key_length=256, n_ff=2048,
+                        vocab="gemma", vocab_size=262144, sliding_window=512),
+    "qwen3-0.6b": dict(arch="qwen3", n_layer=28, n_embd=1024, n_head=16, n_head_kv=8, key_length=128, n_ff=3072,
+                       vocab="qwen3", tied_output=True, vocab_size=N_VOCAB),
+    "qwen2.5-1.5b": dict(arch="qwen2", n_layer=28, n_embd=1536, n_head=12, n_head_kv=2, n_ff=8960, vocab="chatml",
+                         tied_output=True, vocab_size=N_VOCAB),
+    # A mixture of experts: its Q4_K_M-like file is 17.3 GiB at 48 layers, so its matrices are random valid blocks
+    # written directly (synth's random_blocks), not quantized from floats: the whole file in minutes.
+    "qwen3-30b-a3b": dict(arch="qwen3moe", n_layer=48, n_embd=2048, n_head=32, n_head_kv=4, key_length=128, n_ff=6144,
+                          n_ff_exp=768, n_expert=128, n_expert_used=8, vocab="qwen3", vocab_size=N_VOCAB,
+                          random_blocks=True),
+}
+
+
+def q4_k_m(shape: dict) -> dict:
+    """llama.cpp's Q4_K_M mix for a shape, with its fallbacks for rows that are not whole K-blocks."""
+    whole = shape["n_embd"] % 256 == 0
+    base, high = ("Q4_K", "Q6_K") if whole else ("Q5_0", "Q8_0")
+    types = {"attn_v": high, "token_embd": high, "output": high}
+    head = shape.get("key_length") or shape["n_embd"] // shape["n_head"]
+    down = "ffn_down_exps" if shape.get("n_expert") else "ffn_down"   # a mixture of experts: its experts' down
+    ff_whole = shape.get("n_ff_exp" if shape.get("n_expert") else "n_ff", shape["n_ff"]) % 256 == 0
+    q_whole = (shape["n_head"] * head) % 256 == 0
+    types[down] = "Q4_K" if ff_whole else base
+    if q_whole and not whole:
+        types["attn_output"] = "Q4_K"
+    for i in range(0, shape["n_layer"], 2):
+        types[f"blk.{i}.attn_v"] = high
+        types[f"blk.{i}.{down}"] = "Q6_K" if ff_whole else high
+    for i in range(1, shape["n_layer"], 2):
+        types[f"blk.{i}.attn_v"] = base
+    return dict(weight_type=base, tensor_types=types)
+
+
+FILES = {
+    "Q4_K_M": q4_k_m,
+    "Q8_0": lambda shape: dict(weight_type="Q8_0"),
+    "Q4_1": lambda shape: dict(weight_type="Q4_1", tensor_types={"token_embd": "Q8_0"}),
+}
+
+
+def write_files(directory: Path, names: list[str], shape_name: str, n_layer: int | None) -> dict[str, Path]:
+    """A file of `shape_name` (with `n_layer` layers where given) in each of FILES' `names`, into `directory`;
+    a file already there is kept."""
+    from pyplugin.model.synth import write_gguf  # noqa: PLC0415
+
+    shape = {**SHAPES[shape_name], **({"n_layer": n_layer} if n_layer else {})}
+    paths = {}
+    directory.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        path = directory / f"{shape_name}-{shape['n_layer']}L-shaped-{name}.gguf"
+        if not path.exists():
+            write_gguf(path, **shape, n_ctx=4096, **FILES[name](shape))
+        paths[name] = path
+    return paths
