@@ -8,7 +8,7 @@ Random-weight files of the shape (bench_gpu_model.py: 32 layers of 4096, 32 head
 vocabulary 128256) in a Q4_K_M-like mix and in F16, each loaded once and run per row:
   none      every layer resident (when it fits the device)
   50%, 25%  adaptive at budget(F) = F x the layers' weight bytes + every other byte `none` needs
-            (bench_vs_transformers.fraction_budget, computed for the row's batch size)
+            (agreement_transformers.fraction_budget, computed for the row's batch size)
   minimal   two working slots, everything streams
 at batch 1 and batch 8 (8 prompts prefilled, then decoded in one native call per step). Per row: prefill
 and decode tokens/s; device memory at its peak (the report's, and NVML sampled every 2 ms through the row)
@@ -46,7 +46,7 @@ from bench_gpu_acceptance import acceptance, acceptance_lines  # noqa: E402
 from bench_gpu_model import SHAPES, TYPES, spec_for, write_model  # noqa: E402
 from bench_gpu_peers import PeakSampler, llama_cpp_rows, transformers_rows  # noqa: E402
 from lib.memory_store import measure as measure_bus  # noqa: E402
-from bench_vs_transformers import fraction_budget  # noqa: E402
+from lib.agreement_transformers import fraction_budget  # noqa: E402
 from pyplugin.model import load_model  # noqa: E402
 from pyplugin.runtime import PebbledModel  # noqa: E402
 from pyplugin.runtime.batch import decode_batch  # noqa: E402

@@ -2,7 +2,7 @@
 
 - transformers + accelerate: a LlamaForCausalLM of the same shape with random F16 weights (on the CPU,
   float32), fully on the GPU when it fits and with accelerate's offload at max_memory[0] = each budget
-  (the device map from_pretrained(device_map="auto", max_memory=...) makes: bench_vs_transformers.hf_offload);
+  (the device map from_pretrained(device_map="auto", max_memory=...) makes: agreement_transformers.hf_offload);
 - llama.cpp (llama-cpp-python, where it imports): the Q4_K_M file fully offloaded and with n_gpu_layers
   set to the layers pebbling keeps resident at each budget (an estimate of what fits; labelled so).
 Neither is a pebbling dependency. Device memory is NVML's, sampled every 2 ms (PeakSampler).
@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from bench_vs_transformers import hf_greedy, hf_model_from, hf_offload, release
+from lib.agreement_transformers import hf_greedy, hf_model_from, hf_offload, release
 from pyplugin.store import gpu
 
 

@@ -296,7 +296,7 @@ def test_a_plan_that_does_not_fit_says_which_kv_type_would():
 
 @pytest.mark.parametrize("name", ["q8_0", "q4_0"])
 def test_a_sliding_layer_s_first_prefill_reads_no_rows_of_a_block_cache(name):
-    """The model's own forward pass (as compare_llamacpp runs it) over a sliding window's ring, from position 0:
+    """The model's own forward pass (as agreement_llamacpp runs it) over a sliding window's ring, from position 0:
     the ring's old rows are none, decoded as an empty array (once a reshape of zero rows that failed)."""
     from pyplugin.runtime.generation import Generation
 

@@ -1,4 +1,4 @@
-"""benchmarks/compare_llamacpp_shift.py: a generation past num_ctx goes on after a shift, for every
+"""`benchmarks/agreement.py shift`: a generation past num_ctx goes on after a shift, for every
 architecture, and shifts as llama.cpp's server does. Where llama-cpp-python is importable the whole
 comparison runs against llama.cpp (every case agrees at the default f16 KV cache); elsewhere pebbling's half
 of it: the generation goes past num_ctx, its shifts are the ones llama.cpp's server rule makes (written out
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-import compare_llamacpp_shift as shift  # noqa: E402
+from lib import agreement_shift as shift  # noqa: E402
 
 from pyplugin.model import kv_shift  # noqa: E402
 

@@ -1,6 +1,6 @@
 """Does pebbling's GGUF runtime compute what llama.cpp computes? A check against real llama.cpp.
 
-    python benchmarks/compare_llamacpp.py [--only llama,qwen2] [--types F32,Q4_K] [--json FILE]
+    python benchmarks/agreement.py llamacpp [--only llama,qwen2] [--types F32,Q4_K] [--json FILE]
 
 For each architecture (llama, qwen2, phi3, qwen3, gemma3, gemma2) and tensor type (F32, F16, BF16,
 Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), plus a few layout variants (a Q4_K_M-like mix, tied
@@ -49,7 +49,7 @@ llama-cpp-python is missing. It is NOT a dependency of pebbling; install it in i
     CMAKE_ARGS="-DGGML_NATIVE=OFF" CMAKE_BUILD_PARALLEL_LEVEL=2 \\
         /tmp/llamacpp-venv/bin/pip install llama-cpp-python
     /tmp/llamacpp-venv/bin/pip install -e .
-    /tmp/llamacpp-venv/bin/python benchmarks/compare_llamacpp.py
+    /tmp/llamacpp-venv/bin/python benchmarks/agreement.py llamacpp
 """
 
 from __future__ import annotations
@@ -80,14 +80,14 @@ from pyplugin.runtime.options import Options
 from pyplugin.model.synth import write_gguf
 
 INSTALL_HELP = """\
-compare_llamacpp.py needs the llama-cpp-python bindings (llama.cpp itself), which pebbling does not
+`agreement.py llamacpp` needs the llama-cpp-python bindings (llama.cpp itself), which pebbling does not
 depend on. Install them in a separate virtual environment, with pebbling beside them:
 
     python3 -m venv /tmp/llamacpp-venv
     CMAKE_ARGS="-DGGML_NATIVE=OFF" CMAKE_BUILD_PARALLEL_LEVEL=2 \\
         /tmp/llamacpp-venv/bin/pip install llama-cpp-python
     /tmp/llamacpp-venv/bin/pip install -e .
-    /tmp/llamacpp-venv/bin/python benchmarks/compare_llamacpp.py
+    /tmp/llamacpp-venv/bin/python benchmarks/agreement.py llamacpp
 """
 
 ARCHS = ("llama", "qwen2", "phi3", "qwen3", "gemma3", "gemma2")
@@ -184,20 +184,25 @@ class LlamaFailed(Exception):
 
 
 def in_llama_process(job, path: Path, *args):
-    """Run ``job(llama, *args)`` against the file in a forked child: llama.cpp aborts the whole
-    process on a configuration it does not support, which must not end this script. Its log goes to
-    a file whose error lines become LlamaFailed's message."""
+    """Run ``job(llama, *args)`` against the file in a forked child (in_fork)."""
+    return in_fork(_child, path, job, *args)
+
+
+def in_fork(child, path: Path, *args):
+    """Run ``child(path, log, *args)``, which loads the file in llama.cpp, in a forked child: llama.cpp aborts
+    the whole process on a configuration it does not support, which must not end this script. Its log goes
+    to a file beside the model whose error lines become LlamaFailed's message."""
     log = path.with_suffix(".llama.log")
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork")) as pool:
         try:
-            return pool.submit(_child, job, path, log, *args).result()
+            return pool.submit(child, path, log, *args).result()
         except BrokenProcessPool:
             raise LlamaFailed("aborted: " + _errors(log)) from None
         except Exception as exc:
             raise LlamaFailed(f"{type(exc).__name__}: {exc}: {_errors(log)}") from None
 
 
-def _child(job, path: Path, log: Path, *args):
+def _child(path: Path, log: Path, job, *args):
     llama_cpp = import_llama_cpp()
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(fd, 2)                                 # llama.cpp's own log, for the error message
@@ -558,7 +563,3 @@ def main(argv: list[str] | None = None) -> int:
     for name in bad_models + bad_tokens:
         print(f"  DISAGREE: {name}")
     return 1 if bad_models or bad_tokens or refused else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,9 +1,9 @@
-"""compare_llamacpp's mixture-of-experts check on a real model's shape (issue 28).
+"""`agreement.py llamacpp`'s mixture-of-experts check on a real model's shape (issue 28).
 
-    python benchmarks/compare_llamacpp_shape.py --shape qwen3-30b-a3b --n-layer 2 [--json FILE] [--dir DIR]
+    python benchmarks/agreement.py moe-shape --shape qwen3-30b-a3b --n-layer 2 [--json FILE] [--dir DIR]
 
-The shape is bench_cpu_vs_llamacpp.SHAPES[--shape] with --n-layer layers, written as that benchmark writes it
-(synth's random valid blocks in its Q4_K_M-like mix), and compare_llamacpp.compare_case runs it: the last
+The shape is shapes.SHAPES[--shape] with --n-layer layers, written as `speed.py cpu` writes it
+(synth's random valid blocks in its Q4_K_M-like mix), and agreement_llamacpp.compare_case runs it: the last
 prompt position's logits and 16 greedy tokens of llama.cpp on the quantized file against pebbling's (weights
 expanded to float32), and the control, llama.cpp on an F32 copy holding the values pebbling dequantizes. Where
 the quantized comparison parts, a mixture of experts is judged against that copy (greedy tokens equal, logits
@@ -16,25 +16,21 @@ so its logits) moves a little; a gap smaller than that moves a token to another 
 
 The F32 copy is large (Qwen3-30B-A3B: 2.4 GB a layer and two 1.2 GB vocabulary matrices) and pebbling holds the
 same in memory: --n-layer 2 needs about 8 GB of memory and 9 GB of disk. Run it with an interpreter that has
-llama-cpp-python and pebbling, as compare_llamacpp.py.
+llama-cpp-python and pebbling, as `agreement.py llamacpp`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_cpu_vs_llamacpp as bench_cpu  # noqa: E402
-import compare_llamacpp as cmp  # noqa: E402
-from pyplugin.model import moe  # noqa: E402
+from lib import agreement_llamacpp as cmp, shapes
+from pyplugin.model import moe
 
 
 @contextmanager
@@ -72,14 +68,14 @@ def router_margins(calls: list[np.ndarray], n_layer: int, k: int) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="qwen3-30b-a3b",
-                    choices=sorted(k for k, v in bench_cpu.SHAPES.items() if v.get("n_expert")))
+                    choices=sorted(k for k, v in shapes.SHAPES.items() if v.get("n_expert")))
     ap.add_argument("--n-layer", type=int, default=2)
     ap.add_argument("--dir", default=None, help="where the two files are written (default: a temporary one)")
     ap.add_argument("--json", help="also write every figure to this file")
     args = ap.parse_args(argv)
     cmp.import_llama_cpp()
-    shape = {**bench_cpu.SHAPES[args.shape], "n_layer": args.n_layer}
-    mix = bench_cpu.q4_k_m(shape)
+    shape = {**shapes.SHAPES[args.shape], "n_layer": args.n_layer}
+    mix = shapes.q4_k_m(shape)
     case = cmp.Case(f"{args.shape} {args.n_layer}L Q4_K_M-like", shape["arch"], mix["weight_type"],
                     {**shape, "tensor_types": mix["tensor_types"]})
     with tempfile.TemporaryDirectory(prefix="pebbling-vs-llamacpp-", dir=args.dir) as tmp, \
@@ -102,7 +98,3 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(dict(shape=shape, model=row, router=margins), indent=1))
     return 1 if row["status"] in ("DISAGREE", "llama.cpp refused") else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,10 +1,10 @@
 """Does pebbling shift a full context as llama.cpp does? A generation past num_ctx, on both, on the same file.
 
-    python benchmarks/compare_llamacpp_shift.py [--only llama,gemma2] [--kv-type f16] [--json FILE]
+    python benchmarks/agreement.py shift [--only llama,gemma2] [--kv-type f16] [--json FILE]
 
-For each architecture compare_llamacpp.py knows (the dense ones, the mixtures of experts, and gemma3 with
+For each architecture `agreement.py llamacpp` knows (the dense ones, the mixtures of experts, and gemma3 with
 global layers among its sliding ones), it writes the same small random-weight GGUF with F32 weights (the
-weight types are compare_llamacpp.py's business; here only the shift is judged) and:
+weight types are `agreement.py llamacpp`'s business; here only the shift is judged) and:
 
   pebbling   generates N_GEN greedy tokens after an N_PROMPT-token prompt at num_ctx N_CTX through its own
              loop (Generation.next_token / wants_forward, a store plan of every:2), which shifts the context
@@ -19,7 +19,7 @@ and compares, step by step through every shift:
 
   schedule   pebbling's shifts (when, kept, dropped) are the ones llama.cpp's server rule makes;
   logits     each step's ||pebbling - llama.cpp|| / ||llama.cpp|| within the tolerance, before the first
-             shift and after it alike. The tolerance is compare_llamacpp's for F32 weights and this KV type
+             shift and after it alike. The tolerance is agreement_llamacpp's for F32 weights and this KV type
              (f16: 1e-4 + 2e-3, as llama.cpp rounds q to fp16 against an f16 cache and pebbling does not;
              f32: 1e-4), or twice the Gemmas' GELU floor where that is larger;
   greedy     each of pebbling's tokens is llama.cpp's argmax at that step, or a near-tie: llama.cpp's gap
@@ -32,9 +32,9 @@ and compares, step by step through every shift:
 
 A case whose forward passes already part by more than the tolerance before any shift (a quantized KV type
 moving a mixture of experts' routing, or q4_0's rounding on the Gemmas) is "not judged" here:
-compare_llamacpp.py --kv-type judges the forward pass. The Gemmas run with ggml's fp16 GELU rounding
-(compare_llamacpp.gelu_as_ggml), and their floor (pebbling's float32 GELU vs that) is measured, as
-compare_llamacpp judges them. End-of-generation tokens are masked on both sides, so that every run makes
+`agreement.py llamacpp --kv-type` judges the forward pass. The Gemmas run with ggml's fp16 GELU rounding
+(agreement_llamacpp.gelu_as_ggml), and their floor (pebbling's float32 GELU vs that) is measured, as
+agreement_llamacpp judges them. End-of-generation tokens are masked on both sides, so that every run makes
 N_GEN tokens.
 
 llama.cpp shifts a sliding-window model only where its window cache has as many cells as its full one
@@ -48,20 +48,17 @@ no n_ctx from 2048 up, Gemma 2's 4096 at 4096 but not at 8192. pebbling shifts a
 wherever its window after the shift lies past the kept positions (model/kv_shift.shiftable).
 
 Exit status: 0 when every case agrees, 1 when one does not (or llama.cpp fails on a file), 2 when
-llama-cpp-python is missing (see compare_llamacpp.py for installing it beside pebbling).
+llama-cpp-python is missing (and says how to install it beside pebbling).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import sys
 import tempfile
 import zlib
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,14 +67,12 @@ from unittest import mock
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import compare_llamacpp as base  # noqa: E402
-
-from pyplugin.kv_types import KV_TYPES  # noqa: E402
-from pyplugin.model import kv_shift, load_model  # noqa: E402
-from pyplugin.model.synth import write_gguf  # noqa: E402
-from pyplugin.runtime import PebbledModel, PebblingOptions  # noqa: E402
-from pyplugin.runtime.options import Options  # noqa: E402
+from lib import agreement_llamacpp as base
+from pyplugin.kv_types import KV_TYPES
+from pyplugin.model import kv_shift, load_model
+from pyplugin.model.synth import write_gguf
+from pyplugin.runtime import PebbledModel, PebblingOptions
+from pyplugin.runtime.options import Options
 
 N_PROMPT, N_CTX, N_GEN, NUM_KEEP = 12, 32, 48, 4   # 47 tokens forwarded past a 12-token prompt: 3 shifts
 STRATEGY = "every:2"                                # half the layers streamed: the store's shift path
@@ -91,7 +86,7 @@ class Case:
 
 
 # gemma3 with 6 layers, so that its own period (every 6th layer global) gives it a global layer, as every real
-# Gemma 3 has: llama.cpp aborts shifting a file whose layers are all sliding (compare_llamacpp's 4-layer gemma3):
+# Gemma 3 has: llama.cpp aborts shifting a file whose layers are all sliding (agreement_llamacpp's 4-layer gemma3):
 # its K shift builds a graph for the full-attention cache, which then holds no layer (GGML_ASSERT(buffer)).
 CASES = [Case(a, a) for a in base.ARCHS + base.MOE_ARCHS if a != "gemma3"] + [
     Case("gemma3 6 layers 1 global", "gemma3", {"n_layer": 6}),
@@ -158,7 +153,7 @@ def run_pebbling(model, prompt: list[int], kv_type: str, forced: list[int] | Non
 
 
 def ggml_gelu(model):
-    """compare_llamacpp's GELU rounded as ggml's for a model with a GELU (the Gemmas), else nothing."""
+    """agreement_llamacpp's GELU rounded as ggml's for a model with a GELU (the Gemmas), else nothing."""
     return base.gelu_as_ggml() if model.config.activation == "gelu" else nullcontext()
 
 
@@ -181,18 +176,11 @@ def expected_shifts(n_prompt: int, n_tokens: int, n_ctx: int, add_bos: bool) -> 
 
 
 # ---------------------------------------------------------------------------------------------------
-# llama.cpp, in a forked child per file (compare_llamacpp.in_llama_process's reasons)
+# llama.cpp, in a forked child per file (agreement_llamacpp.in_fork's reasons)
 
 
 def in_llama(path: Path, settings: dict[str, Any], job, *args):
-    log = path.with_suffix(".llama.log")
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork")) as pool:
-        try:
-            return pool.submit(_child, path, log, settings, job, *args).result()
-        except BrokenProcessPool:
-            raise base.LlamaFailed("aborted: " + base._errors(log)) from None
-        except Exception as exc:
-            raise base.LlamaFailed(f"{type(exc).__name__}: {exc}: {base._errors(log)}") from None
+    return base.in_fork(_child, path, settings, job, *args)
 
 
 def _child(path: Path, log: Path, settings: dict[str, Any], job, *args):
@@ -281,7 +269,7 @@ def compare_case(case: Case, workdir: Path, kv_type: str) -> dict[str, Any]:
     if model.config.activation == "gelu":  # pebbling's own float32 GELU on the same tokens: ggml's rounding's floor
         plain = run_pebbling(model, prompt, kv_type, forced=run.tokens)
         row["gelu_floor"] = max(base.rel_err(a, b) for a, b in zip(plain.logits, run.logits))
-        row["tolerance"] = tol = max(tol, 2 * row["gelu_floor"])  # compare_llamacpp's: both sides round
+        row["tolerance"] = tol = max(tol, 2 * row["gelu_floor"])  # agreement_llamacpp's: both sides round
     ends = np.array(sorted(model.tokenizer.eog_ids), dtype=np.int64)
     first = run.shifts[0][0] if run.shifts else len(run.tokens)  # logits past it come after a shift
     rels, ties, misses = [], [], []
@@ -303,7 +291,7 @@ def compare_case(case: Case, workdir: Path, kv_type: str) -> dict[str, Any]:
     if not (schedule_ok and len(run.tokens) == N_GEN and run.shifts):
         row["status"] = "DISAGREE (schedule)"
     elif row["rel_err_before"] > tol:
-        row["status"] = ("not judged: the forward passes part before any shift (compare_llamacpp.py "
+        row["status"] = ("not judged: the forward passes part before any shift (agreement.py llamacpp "
                          f"--kv-type {kv_type} judges them)")
     elif row["rel_err_after"] > tol or misses:
         row["status"] = "DISAGREE"
@@ -365,7 +353,3 @@ def main(argv: list[str] | None = None) -> int:
     bad = [r["case"] for r in rows if not r["status"].startswith("ok")]
     print(f"\n{len(rows) - len(bad)} of {len(rows)} cases agree" + (f"; not: {', '.join(bad)}" if bad else ""))
     return 1 if bad else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,7 +1,7 @@
 """pebbling beside Hugging Face transformers on one random-weight Llama, same weights, same run:
 peak device memory, decode and prefill speed, and how close streaming comes to the transfer bound.
 
-    python benchmarks/bench_vs_transformers.py [--json FILE] [--device cuda|cpu] [--decode-tokens 16]
+    python benchmarks/agreement.py transformers [--json FILE] [--device cuda|cpu] [--decode-tokens 16]
         [--prompt-tokens 512] [--num-ctx 4096] [--fractions 1,0.5,0.25] [--dir /dev/shm]
         [--n-layer 32] [--n-embd 4096] [--n-ff 14336] [--n-head 32] [--n-head-kv 8]
 
@@ -36,7 +36,7 @@ accelerate are not pebbling dependencies: install them beside it for this script
 --device cpu (the default where CUDA is not available) pebbling runs on the host backend and
 transformers on the CPU, for checking the logic at a tiny size, e.g.
 
-    python benchmarks/bench_vs_transformers.py --device cpu --n-layer 4 --n-embd 256 --n-ff 512 \\
+    python benchmarks/agreement.py transformers --device cpu --n-layer 4 --n-embd 256 --n-ff 512 \\
         --n-head 4 --n-head-kv 2 --num-ctx 256 --prompt-tokens 32 --decode-tokens 8
 """
 
@@ -47,7 +47,6 @@ import dataclasses
 import gc
 import inspect
 import json
-import shutil
 import sys
 import tempfile
 import time
@@ -55,6 +54,7 @@ from pathlib import Path
 
 import numpy as np
 
+from lib import ram_dir
 from lib.memory_store import measure as measure_bandwidth
 from pyplugin.store.backend import probe
 from pyplugin.runtime import PebbledModel
@@ -79,7 +79,7 @@ def import_hf():
         import torch
         import transformers
     except ImportError as exc:
-        sys.exit(f"bench_vs_transformers needs torch, transformers and accelerate ({exc}); they are not "
+        sys.exit(f"`agreement.py transformers` needs torch, transformers and accelerate ({exc}); they are not "
                  "pebbling dependencies: pip install torch transformers accelerate beside pebbling")
     return torch, transformers, accelerate
 
@@ -88,23 +88,12 @@ def import_hf():
 # the model, through pebbling's loader
 
 
-def ram_dir(requested: str | None, need_bytes: int) -> Path:
-    """Where the GGUF is written: --dir, else /dev/shm when it has room (RAM, no disk write), else
-    the temporary directory."""
-    if requested:
-        return Path(requested)
-    shm = Path("/dev/shm")
-    if shm.is_dir() and shutil.disk_usage(shm).free > need_bytes * 1.1:
-        return shm
-    return Path(tempfile.gettempdir())
-
-
 def build_model(args: argparse.Namespace):
     """Random fp16 weights written by synth, read back by load_model; the file is deleted."""
     e, f, head_dim = args.n_embd, args.n_ff, args.n_embd // args.n_head
     kv = args.n_head_kv * head_dim
     file_bytes = args.n_layer * (2 * e * e + 2 * e * kv + 3 * e * f) * 2  # F16 layer matrices
-    directory = ram_dir(args.dir, file_bytes)
+    directory = ram_dir(args.dir, int(file_bytes * 1.1))
     print(f"writing a {file_bytes / 2**30:.1f} GiB random-weight GGUF into {directory} ...", flush=True)
     with tempfile.TemporaryDirectory(dir=directory, prefix="pebbling-bench-") as tmp:
         path = write_gguf(Path(tmp) / "bench.gguf", arch="llama", n_layer=args.n_layer, n_embd=e,
@@ -489,7 +478,7 @@ def print_tables(result: dict) -> None:
               + (f"  [{a['note']}]" if a["note"] else ""))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda when torch sees one")
     parser.add_argument("--backend", choices=("cuda", "host", "stub"),
@@ -507,7 +496,7 @@ def main() -> None:
     parser.add_argument("--dir", help="where the GGUF is written and deleted (default /dev/shm when it has room)")
     parser.add_argument("--seed", type=int, default=3)
     parser.add_argument("--json", help="write every figure here (also after each row, so a cut run leaves some)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.prompt_tokens + args.decode_tokens > args.num_ctx:
         parser.error(f"--prompt-tokens + --decode-tokens ({args.prompt_tokens + args.decode_tokens}) "
                      f"exceed --num-ctx ({args.num_ctx})")
@@ -571,7 +560,4 @@ def main() -> None:
     result["config"]["total_s"] = round(time.perf_counter() - started, 1)
     save("acceptance")(result["acceptance"])
     print_tables(result)
-
-
-if __name__ == "__main__":
-    main()
+    return result

@@ -1,4 +1,4 @@
-"""The parts of benchmarks/bench_vs_transformers.py that decide what it reports, checked without
+"""The parts of `benchmarks/agreement.py transformers` that decide what it reports, checked without
 torch: the Q/K order handed to transformers, the budgets, and the acceptance verdicts."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-import bench_vs_transformers as bench  # noqa: E402
+from lib import agreement_transformers as bench  # noqa: E402
 
 from pyplugin.runtime.plan import MemoryModel, full_residency_peak, make_plan, smallest_footprint  # noqa: E402
 from pyplugin.model.synth import permute_qk  # noqa: E402

@@ -1,0 +1,32 @@
+"""Agreement: does pebbling compute what llama.cpp and Hugging Face transformers compute, on the same files
+and weights? Logits, greedy tokens, tokenization, a context shifted past num_ctx.
+
+    python benchmarks/agreement.py SUBCOMMAND [its options]   (SUBCOMMAND --help for them)
+
+llama.cpp (llama-cpp-python) and transformers are not pebbling dependencies: the llama.cpp subcommands run
+with an interpreter that has llama-cpp-python beside pebbling (where it is missing, they say how to make
+one), `transformers` with torch, transformers and accelerate installed. A check that finds a disagreement
+exits 1.
+"""
+
+import sys
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
+
+from lib.cli import run  # noqa: E402
+
+COMMANDS = {
+    "llamacpp": ("lib.agreement_llamacpp", "logits, greedy tokens and tokenization against llama.cpp for every "
+                                           "architecture and tensor type"),
+    "moe-shape": ("lib.agreement_moe_shape", "the mixture-of-experts check on a real model's shape "
+                                             "(Qwen3-30B-A3B), with pebbling's router margins"),
+    "shift": ("lib.agreement_shift", "a generation past num_ctx: pebbling's context shifts and logits step by "
+                                     "step against llama.cpp's server rule"),
+    "transformers": ("lib.agreement_transformers", "an 8B random-weight Llama beside transformers (and "
+                                                   "accelerate offload) on the same weights: tokens, peak "
+                                                   "memory, speed at each budget"),
+}
+
+if __name__ == "__main__":
+    sys.exit(run(__doc__, COMMANDS))
