@@ -141,11 +141,11 @@ def test_a_growing_prompt_and_a_session_header_are_followed():
     assert conversation_keys("/api/tags", b"") == [] and conversation_keys("/api/chat", b"{not json") == []
 
 
-def test_the_readmes_config_file_is_one_serve_and_the_deployment_accept():
+def test_the_docs_config_file_is_one_serve_and_the_deployment_accept():
     import yaml
     from ray.serve.schema import ServeDeploySchema
 
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    readme = (Path(__file__).resolve().parent.parent / "docs" / "ray.md").read_text()
     text = readme.split("# pebbling-ray.yaml\n", 1)[1].split("```", 1)[0]
     config = ServeDeploySchema.model_validate(yaml.safe_load(text))
     app = config.applications[0]
