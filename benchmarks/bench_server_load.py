@@ -4,7 +4,7 @@ one at a time, on a model streamed with `minimal` (every layer restored for ever
     python benchmarks/bench_server_load.py [--clients 8] [--tokens 64] [--backend host] [--json FILE]
         [--shape NAME --type Q4_K_M] [--strategy minimal]
 
---shape writes a random-weight file of a real model's shape (bench_cpu_vs_llamacpp's: SmolLM2-135M,
+--shape writes a random-weight file of a real model's shape (lib/shapes.py's: SmolLM2-135M,
 Gemma-3-270M, Qwen3-0.6B, Qwen2.5-1.5B, ...) in --type (Q4_K_M: llama.cpp's mix with its fallbacks,
 Q8_0 or Q4_1) in place of the small llama of --n-layer/--n-embd/--n-ff/--weight-type.
 
@@ -36,7 +36,7 @@ import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_cpu_vs_llamacpp as bench_cpu  # noqa: E402
+from lib import shapes as bench_cpu  # noqa: E402
 import serve_for_bench  # noqa: E402
 from pyplugin.model.synth import write_gguf  # noqa: E402
 

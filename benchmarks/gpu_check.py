@@ -16,12 +16,12 @@ On a bare machine (the GPU image's Python with CuPy, torch, transformers, accele
            run: which change is at fault, named in the same call
   tests    the rest of the suite on the backend, with --no-skip-gpu: a skipped GPU test is a failure
            (in 4 processes where pytest-xdist imports: --test-workers)
-  bench    benchmarks/bench_gpu.py (scaled by --bench-args to fit the time left)
-  profile  ncu's time of each kernel of the decode steps alone (bench_gpu.py --profile-decode turns the
-           profiler on for them; CUDA graphs off) while bench_gpu.py runs one layer of the shape with its
+  bench    `speed.py gpu` (scaled by --bench-args to fit the time left)
+  profile  ncu's time of each kernel of the decode steps alone (`speed.py gpu --profile-decode` turns the
+           profiler on for them; CUDA graphs off) while `speed.py gpu` runs one layer of the shape with its
            output, batch 1, 8 tokens after a 512-token prompt: where a decode step's time goes (cuda only;
            where ncu is not found, recorded so)
-  matvec   benchmarks/bench_matvec.py over build/libpebble_<backend>.so and every build in build/variants/
+  matvec   `speed.py matvec` over build/libpebble_<backend>.so and every build in build/variants/
            (each a -D setting of the integer matvec, made where nvcc is and carried), on cuda the library
            also with PEBBLING_CUDA_PERSIST=0: each one's time of a Llama-3-8B Q4_K_M token's products, side
            by side, and each one's products checked equal to the library's bit for bit
@@ -319,14 +319,14 @@ def stage_plan(args, work: Path, python: str) -> list[Stage]:
               {**backend_env, "CUDA_LAUNCH_BLOCKING": "1"}, str(work / "kernels.xml")),
         Stage("tests", [*pytest, *workers, f"--junitxml={work / 'tests.xml'}", *done, *args.tests], caps["tests"],
               backend_env, str(work / "tests.xml")),
-        Stage("bench", [python, str(ROOT / "benchmarks" / "bench_gpu.py"), "--backend", args.backend,
+        Stage("bench", [python, str(ROOT / "benchmarks" / "speed.py"), "gpu", "--backend", args.backend,
                         "--json", str(bench_json), "--dir", str(work), *shlex.split(args.bench_args)], caps["bench"]),
         Stage("profile", [ncu_path() or "ncu", "--clock-control", "none", "--profile-from-start", "off", "--metrics",
                           "gpu__time_duration.sum", "--print-summary", "per-kernel", python,
-                          str(ROOT / "benchmarks" / "bench_gpu.py"), "--backend", args.backend, "--json",
+                          str(ROOT / "benchmarks" / "speed.py"), "gpu", "--backend", args.backend, "--json",
                           str(work / "profiled.json"), "--dir", str(work), *shlex.split(PROFILE_ARGS)], caps["profile"],
               {"PEBBLING_CUDA_GRAPHS": "0"}),
-        Stage("matvec", [python, str(ROOT / "benchmarks" / "bench_matvec.py"), "--backend", args.backend,
+        Stage("matvec", [python, str(ROOT / "benchmarks" / "speed.py"), "matvec", "--backend", args.backend,
                          "--libs", ",".join(str(lib) for lib in libs), "--json", str(work / "matvec.json"),
                          *([] if args.backend == "cuda" else ["--scale", "0.002", "--repeats", "1"])], caps["matvec"]),
     ]
@@ -446,8 +446,8 @@ def summary(result: dict) -> str:
     bench = result.get("bench")
     if bench:
         lines += ["", *bench.get("table", [])]
-    if result.get("matvec"):  # bench_matvec imports gguf, which setup installs: imported only once it has run
-        from bench_matvec import label as bench_matvec_label, outputs_text as bench_matvec_outputs  # noqa: PLC0415
+    if result.get("matvec"):  # speed_matvec imports gguf, which setup installs: imported only once it has run
+        from lib.speed_matvec import label as bench_matvec_label, outputs_text as bench_matvec_outputs  # noqa: PLC0415
 
         lines.append(f"  matvec {bench_matvec_outputs(result['matvec'])}")
         for lib in result["matvec"]:

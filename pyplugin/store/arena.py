@@ -32,7 +32,7 @@ def fits(nbytes: int, share: float = 0.8) -> bool:
     it cannot be read, the physical memory). A model near the machine's memory, or past it, stays in the
     file's mapping, which the kernel can page from the file: a copy could not be given back. A 17.4 GiB
     Qwen3-30B-A3B-shaped file with 22.5 GiB available is copied (its decode: 10.4 tok/s from the copy,
-    8.4 from the file's pages, in two runs of bench_cpu_vs_llamacpp the same hour)."""
+    8.4 from the file's pages, in two runs of benchmarks/speed.py cpu the same hour)."""
     available = None
     try:
         with open("/proc/meminfo") as f:

@@ -2,10 +2,10 @@
 with its experts as pebbles beside llama.cpp with the experts of its first N layers on the CPU (what
 llama.cpp's --n-cpu-moe N does), N the fewest whose device memory fits the same budget.
 
-    python benchmarks/bench_moe_gpu.py [--backend cuda|host] [--n-layer 48] [--budget 8GiB] [--prompt 64]
+    python benchmarks/speed.py moe [--backend cuda|host] [--n-layer 48] [--budget 8GiB] [--prompt 64]
         [--tokens 32] [--peers llama.cpp|none] [--dir D] [--json FILE]
 
-The file: bench_cpu_vs_llamacpp's qwen3-30b-a3b shape (48 layers of 2048, 128 experts of 768, 8 used), its
+The file: shapes.py's qwen3-30b-a3b shape (48 layers of 2048, 128 experts of 768, 8 used), its
 blocks written as random valid blocks (17 GB at 48 layers; --n-layer fewer for a check). pebbling: adaptive at
 the budget with pebbling_expert_cache 128 (the plan keeps as many experts a layer as the budget leaves room
 for), without and with speculative prefetch; per row prefill and decode tokens/s (greedy), the device peak
@@ -28,22 +28,19 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_cpu_vs_llamacpp import SHAPES, write_files  # noqa: E402
-from bench_gpu import run_row  # noqa: E402
-from bench_gpu_peers import PeakSampler, llama_cpp_greedy  # noqa: E402
-from pyplugin.model import GGUFFile, load_model  # noqa: E402
-from pyplugin.runtime import PebbledModel  # noqa: E402
-from pyplugin.runtime.options import Options  # noqa: E402
-from pyplugin.runtime.plan import parse_size  # noqa: E402
+from lib.gpu_peers import PeakSampler, llama_cpp_greedy
+from lib.shapes import SHAPES, write_files
+from lib.speed_gpu import run_row
+from pyplugin.model import GGUFFile, load_model
+from pyplugin.runtime import PebbledModel
+from pyplugin.runtime.options import Options
+from pyplugin.runtime.plan import parse_size
 
 SHAPE = "qwen3-30b-a3b"
 EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
@@ -207,6 +204,3 @@ def main(argv: list[str] | None = None) -> dict:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     return result
 
-
-if __name__ == "__main__":
-    main()

@@ -1,6 +1,6 @@
 """pebbling's host backend beside llama.cpp on the same CPU, the same files, the same threads.
 
-    python benchmarks/bench_cpu_vs_llamacpp.py --llama-python PYTHON [--runs 5] [--prompt-tokens 128]
+    python benchmarks/speed.py cpu --llama-python PYTHON [--runs 5] [--prompt-tokens 128]
         [--decode-tokens 64] [--threads 2] [--types Q4_K_M,Q8_0,Q4_1] [--shape NAME] [--n-layer N]
         [--busy-neighbour] [--json FILE]
 
@@ -32,7 +32,7 @@ Q4_K_M-like file (Q4_K; Q6_K for the embedding, the output, and attn_v and ffn_d
 layer) 17.3 GiB, its blocks random and written directly rather than quantized from floats. On a quiet
 machine with 24 GiB of memory and the disk for it (--dir keeps the file between runs):
 
-    python benchmarks/bench_cpu_vs_llamacpp.py --llama-python PYTHON --shape qwen3-30b-a3b --types Q4_K_M \
+    python benchmarks/speed.py cpu --llama-python PYTHON --shape qwen3-30b-a3b --types Q4_K_M \
         --threads 2 --runs 3 --prompt-tokens 32 --decode-tokens 32 --strategies none --dir DIR
 
 (--n-layer 2 makes a 1.1 GiB file of the same layers, to try it first.)
@@ -60,7 +60,8 @@ from pathlib import Path
 
 import numpy as np
 
-from lib.shapes import FILES, N_VOCAB, SHAPES, q4_k_m, write_files  # noqa: F401 - the names tests and peers use
+from lib import entry
+from lib.shapes import FILES, SHAPES, write_files
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -140,7 +141,7 @@ def run_child(python: str, engine: str, path: Path, prompt: list[int], args) -> 
     job = json.dumps(dict(engine=engine, path=str(path), prompt=prompt, n_decode=args.decode_tokens,
                           threads=args.threads))
     env = {**os.environ, "PEBBLING_THREADS": str(args.threads)}
-    done = subprocess.run([python, __file__, "--child", job], capture_output=True, text=True, env=env,
+    done = subprocess.run([python, entry("speed"), "cpu", "--child", job], capture_output=True, text=True, env=env,
                           timeout=3600)
     if done.returncode != 0:
         raise SystemExit(f"{engine} on {path.name} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
@@ -165,7 +166,7 @@ def paired_ratios(base: list[dict], runs: list[dict]) -> dict:
                 prefill_median=statistics.median(prefill))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--llama-python", default=sys.executable, help="an interpreter with llama_cpp")
     parser.add_argument("--runs", type=int, default=5)
@@ -184,7 +185,7 @@ def main() -> None:
                         help="pebbling's strategies to run beside llama.cpp (comma-separated)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     if args.child:
         job = json.loads(args.child)
@@ -295,6 +296,3 @@ def print_table(results: dict, args) -> None:
         if none and minimal:
             print(f"  minimal / none decode: {minimal['decode_tok_s'] / none['decode_tok_s']:.2f}x")
 
-
-if __name__ == "__main__":
-    main()

@@ -1,7 +1,7 @@
 """Where a decode step's time goes on the host backend: inside the native step (pebble_decoder_step) or in
 the Python around it (embedding, sampling, accounting), on a random-weight file of a real model's shape.
 
-    python benchmarks/profile_decode.py [--shape smollm2-135m] [--type Q4_K_M] [--context 300] [--tokens 64]
+    python benchmarks/speed.py profile [--shape smollm2-135m] [--type Q4_K_M] [--context 300] [--tokens 64]
         [--runs 3] [--n-layer N] [--dir DIR] [--json FILE] [--attention-contexts 1000,4000] [--kv-type f16,q8_0]
 
 Each run prefills --context random tokens, then decodes --tokens greedy tokens through Generation.decode_one
@@ -26,16 +26,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_cpu_vs_llamacpp as bench_cpu  # noqa: E402
+from lib import shapes
+from lib.speed_cpu import cpu_model
 
 
 class _Counting:
@@ -139,8 +137,8 @@ def attention_cost(shape: dict, contexts: list[int], repeats: int = 20, kv_type:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", default="smollm2-135m", choices=sorted(bench_cpu.SHAPES))
-    parser.add_argument("--type", default="Q4_K_M", choices=sorted(bench_cpu.FILES))
+    parser.add_argument("--shape", default="smollm2-135m", choices=sorted(shapes.SHAPES))
+    parser.add_argument("--type", default="Q4_K_M", choices=sorted(shapes.FILES))
     parser.add_argument("--context", type=int, default=300, help="prompt tokens before the decode")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--runs", type=int, default=3)
@@ -155,13 +153,13 @@ def main(argv: list[str] | None = None) -> dict:
 
     with tempfile.TemporaryDirectory(prefix="pebbling-profile-") as tmp:
         directory = Path(args.dir) if args.dir else Path(tmp)
-        path = bench_cpu.write_files(directory, [args.type], args.shape, args.n_layer)[args.type]
+        path = shapes.write_files(directory, [args.type], args.shape, args.n_layer)[args.type]
         by_type = profile(path, args.context, args.tokens, args.runs, kv_types)
-    n_layer = args.n_layer or bench_cpu.SHAPES[args.shape]["n_layer"]
+    n_layer = args.n_layer or shapes.SHAPES[args.shape]["n_layer"]
     contexts = [int(c) for c in args.attention_contexts.split(",") if c.strip()]
-    shape = {**bench_cpu.SHAPES[args.shape], "n_layer": n_layer}
+    shape = {**shapes.SHAPES[args.shape], "n_layer": n_layer}
     result = {"shape": args.shape, "type": args.type, "n_layer": n_layer, "context": args.context,
-              "tokens": args.tokens, "cpu": bench_cpu.cpu_model(), "kv_types": {}}
+              "tokens": args.tokens, "cpu": cpu_model(), "kv_types": {}}
     print(f"{args.shape} shape, {n_layer} layers, {args.type} (random weights), host backend, a {args.context}-token "
           f"context, {args.tokens} greedy tokens; CPU: {result['cpu']} (all measured here)")
     for kv, runs in by_type.items():
@@ -196,6 +194,3 @@ def report_type(kv: str, runs: list[dict], attention: list[dict], n_layer: int) 
               f"{a['ms_per_layer_from_memory']:.3f} ms a layer, {a['ms_per_token_from_memory']:.2f} ms a token")
     return {"runs": runs, "median": m, "attention": attention}
 
-
-if __name__ == "__main__":
-    main()

@@ -1,7 +1,7 @@
 """The matrix-vector kernels on Llama-3-8B's matrices, the weights read from device memory (not the L2):
 GB/s of weights against the device's own copy bandwidth, at 1 and 8 vectors.
 
-    python benchmarks/bench_matvec.py [--backend cuda|host] [--libs A.so,VAR=V,B.so] [--vectors 1,8]
+    python benchmarks/speed.py matvec [--backend cuda|host] [--libs A.so,VAR=V,B.so] [--vectors 1,8]
         [--repeats 9] [--scale 1.0] [--json FILE] [--best FILE]
 
 Each matrix is random blocks of its type (each scale a small finite fp16, as files have), in enough
@@ -9,7 +9,7 @@ copies that one round of calls reads over 3x the L2 (so the weights come from me
 do); a round is timed on the host clock with the device synchronized, the median of --repeats rounds kept,
 and each call's time is the round's over its calls: each call is made from Python, so a small matrix's
 time is the call's own cost (about 26 us on the H200 machine), not its kernel's. The device's bandwidth
-is bench_gpu's device-to-device copy of 1 GiB in the same run (bytes read + written over its time).
+is `speed.py gpu`'s device-to-device copy of 1 GiB in the same run (bytes read + written over its time).
 
 --libs: the same in one process per item, side by side: a library path (PEBBLING_LIB), to compare builds
 of the cuda library (PEBBLE_MATVEC_ROWS, PEBBLE_Q8_CHUNK, PEBBLE_Q8_CHUNK_FEW, PEBBLE_MATVEC_WARP_ROWS,
@@ -35,14 +35,11 @@ from pathlib import Path
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from bench_gpu import hbm_bandwidth  # noqa: E402
-from pyplugin.runtime.measure import median_seconds  # noqa: E402
-from pyplugin.store import backend_named  # noqa: E402
-from pyplugin.xp import to_numpy  # noqa: E402
+from lib import entry
+from lib.speed_gpu import hbm_bandwidth
+from pyplugin.runtime.measure import median_seconds
+from pyplugin.store import backend_named
+from pyplugin.xp import to_numpy
 
 # Llama-3-8B's matrices as Q4_K_M lays them out (attn_v, ffn_down and the output in Q6_K), and its ffn_up in
 # Q5_K (Q5_K_M files), Q5_0 (what Q4_K_M files hold where rows are not whole 256s), Q8_0 and F16.
@@ -239,8 +236,8 @@ def main(argv: list[str] | None = None) -> int:
         results = []
         for lib in args.libs.split(","):
             with tempfile.NamedTemporaryFile(suffix=".json") as out:
-                argv_one = [sys.executable, __file__, "--backend", args.backend, "--vectors", args.vectors,
-                            "--repeats", str(args.repeats), "--scale", str(args.scale), "--json", out.name]
+                argv_one = [sys.executable, entry("speed"), "matvec", "--backend", args.backend, "--vectors",
+                            args.vectors, "--repeats", str(args.repeats), "--scale", str(args.scale), "--json", out.name]
                 done = subprocess.run(argv_one, env={**os.environ, **item_env(lib)}, capture_output=True, text=True)
                 if done.returncode != 0:
                     print(f"{lib}: exit {done.returncode}\n{done.stderr[-2000:]}", file=sys.stderr)
@@ -255,6 +252,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"best: {chosen['library']}")
     return 0 if results and not output_differences(results) else 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())

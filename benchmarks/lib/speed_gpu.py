@@ -1,10 +1,10 @@
 """pebbling on a GPU at Llama-3-8B's shape: every strategy at batch 1 and 8, beside its peers, one JSON.
 
-    python benchmarks/bench_gpu.py [--backend cuda|host|stub] [--shape llama3-8b|tiny] [--layers N]
+    python benchmarks/speed.py gpu [--backend cuda|host|stub] [--shape llama3-8b|tiny] [--layers N]
         [--types Q4_K_M,F16] [--rows none,50%,25%,minimal] [--batches 1,8] [--prompt 512] [--tokens 128]
         [--num-ctx 4096] [--peers transformers,llama.cpp|none] [--dir D] [--json FILE] [--text FILE]
 
-Random-weight files of the shape (bench_gpu_model.py: 32 layers of 4096, 32 heads / 8 KV, FFN 14336,
+Random-weight files of the shape (gpu_model.py: 32 layers of 4096, 32 heads / 8 KV, FFN 14336,
 vocabulary 128256) in a Q4_K_M-like mix and in F16, each loaded once and run per row:
   none      every layer resident (when it fits the device)
   50%, 25%  adaptive at budget(F) = F x the layers' weight bytes + every other byte `none` needs
@@ -32,8 +32,6 @@ import argparse
 import dataclasses
 import gc
 import json
-import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -41,22 +39,22 @@ from typing import NamedTuple
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gpu_acceptance import acceptance, acceptance_lines  # noqa: E402
-from bench_gpu_model import SHAPES, TYPES, spec_for, write_model  # noqa: E402
-from bench_gpu_peers import PeakSampler, llama_cpp_rows, transformers_rows  # noqa: E402
-from lib.memory_store import measure as measure_bus  # noqa: E402
-from lib.agreement_transformers import fraction_budget  # noqa: E402
-from pyplugin.model import load_model  # noqa: E402
-from pyplugin.runtime import PebbledModel  # noqa: E402
-from pyplugin.runtime.batch import decode_batch  # noqa: E402
-from pyplugin.runtime.generation import Generation  # noqa: E402
-from pyplugin.runtime.measure import median_seconds  # noqa: E402
-from pyplugin.runtime.options import Options  # noqa: E402
-from pyplugin.runtime.plan import PebblingOptions, full_residency_peak  # noqa: E402
-from pyplugin.runtime.store_layers import StoreLayers  # noqa: E402
-from pyplugin.store import probe, select_backend  # noqa: E402
-from pyplugin.store.kernels import Decoder  # noqa: E402
+from lib import ram_dir
+from lib.agreement_transformers import fraction_budget
+from lib.gpu_acceptance import acceptance, acceptance_lines
+from lib.gpu_model import SHAPES, TYPES, spec_for, write_model
+from lib.gpu_peers import PeakSampler, llama_cpp_rows, transformers_rows
+from lib.memory_store import measure as measure_bus
+from pyplugin.model import load_model
+from pyplugin.runtime import PebbledModel
+from pyplugin.runtime.batch import decode_batch
+from pyplugin.runtime.generation import Generation
+from pyplugin.runtime.measure import median_seconds
+from pyplugin.runtime.options import Options
+from pyplugin.runtime.plan import PebblingOptions, full_residency_peak
+from pyplugin.runtime.store_layers import StoreLayers
+from pyplugin.store import probe, select_backend
+from pyplugin.store.kernels import Decoder
 
 ESTIMATES = {
     "estimated_peak_bytes": "the plan's estimate of the row's peak device memory, shown beside the measured peaks",
@@ -355,7 +353,7 @@ def _ms(value) -> str:
 
 def table(result: dict) -> list[str]:
     cfg = result["config"]
-    lines = [f"bench_gpu: {cfg['shape']} ({cfg['n_layer']} layers), backend {cfg['backend']}, prompt "
+    lines = [f"speed.py gpu: {cfg['shape']} ({cfg['n_layer']} layers), backend {cfg['backend']}, prompt "
              f"{cfg['prompt']}, {cfg['tokens']} decoded, num_ctx {cfg['num_ctx']}",
              f"  bus h2d {result.get('bus', {}).get('h2d_restore_GBps')} GB/s measured "
              f"(nominal link {result.get('bus', {}).get('nominal_link_GBps') or 'n/a'} GB/s est.), memory roof "
@@ -424,7 +422,7 @@ def main(argv: list[str] | None = None) -> dict:
                          "n_head_kv": spec.n_head_kv, "n_ff": spec.n_ff, "n_vocab": spec.vocab_size,
                          "backend": backend.name, "prompt": args.prompt, "tokens": args.tokens,
                          "num_ctx": args.num_ctx, "batches": args.batches, "rows": args.rows, "seed": args.seed,
-                         "weights": "random blocks (bench_gpu_model.py)"},
+                         "weights": "random blocks (gpu_model.py)"},
               "estimates": ESTIMATES, "files": [], "peers": {}}
     started = time.perf_counter()
 
@@ -435,7 +433,7 @@ def main(argv: list[str] | None = None) -> dict:
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=1, default=str))
 
-    with tempfile.TemporaryDirectory(dir=args.dir or _ram_dir(), prefix="pebbling-bench-gpu-") as work:
+    with tempfile.TemporaryDirectory(dir=ram_dir(args.dir, 40 * 2**30), prefix="pebbling-bench-gpu-") as work:
         args.workdir = work
         for type_name in args.types:
             try:
@@ -469,11 +467,3 @@ def main(argv: list[str] | None = None) -> dict:
         Path(args.text).write_text(text)
     return result
 
-
-def _ram_dir() -> str:
-    shm = Path("/dev/shm")
-    return str(shm) if shm.is_dir() and shutil.disk_usage(shm).free > 40 * 2**30 else tempfile.gettempdir()
-
-
-if __name__ == "__main__":
-    main()

@@ -1,4 +1,4 @@
-"""bench_moe_gpu.py's choice of llama.cpp's layers with experts on the CPU: from the file's own tensors, the
+"""`benchmarks/speed.py moe`'s choice of llama.cpp's layers with experts on the CPU: from the file's own tensors, the
 fewest first layers that leave the rest within the budget (its run needs the 17 GB file and a GPU)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 from helpers import tiny_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-import bench_moe_gpu as bench  # noqa: E402
+from lib import speed_moe as bench  # noqa: E402
 from pyplugin.model import GGUFFile  # noqa: E402
 
 

@@ -1,4 +1,4 @@
-"""Random-weight GGUF files of a real model's shape for bench_gpu.py, written fast enough for a GPU lease.
+"""Random-weight GGUF files of a real model's shape for `speed.py gpu`, written fast enough for a GPU lease.
 
 pyplugin.model.synth fits each block to random floats (numpy, one core): minutes for 8B parameters. Here
 the blocks themselves are drawn at random, streamed tensor by tensor to the file: Q4_K and Q6_K blocks of
@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 
-from bench_cpu_vs_llamacpp import q4_k_m
+from lib.shapes import q4_k_m
 from pyplugin.model.synth import SynthSpec, _add_hparams, _add_vocab, build_vocab
 from pyplugin.model.synth_quant import quantize
 from pyplugin.model.tokenizer import UNUSED
@@ -36,7 +36,7 @@ SHAPES = {
 
 
 def q4_k_m_untied(shape: dict) -> dict:
-    """llama.cpp's Q4_K_M mix (bench_cpu_vs_llamacpp.q4_k_m) for a model with an output matrix of its own:
+    """llama.cpp's Q4_K_M mix (shapes.q4_k_m) for a model with an output matrix of its own:
     the token embedding in the base type and the output in Q6_K, as Llama-3-8B's Q4_K_M file has them."""
     mix = q4_k_m(shape)
     return dict(mix, tensor_types={**mix["tensor_types"], "token_embd": mix["weight_type"], "output": "Q6_K"})

@@ -1,4 +1,4 @@
-"""benchmarks/bench_matvec.py at a tiny size on the host library: every Llama-3-8B matrix is timed at each
+"""`benchmarks/speed.py matvec` at a tiny size on the host library: every Llama-3-8B matrix is timed at each
 vector count, in a process per library with --libs (its GPU figures come from a GPU run; here the logic)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pyplugin.store import probe
 from pyplugin.store.native import load_library
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-import bench_matvec as bench  # noqa: E402
+from lib import speed_matvec as bench  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not probe("host").usable, reason="the host library is not built here (make host)")
 TINY = ["--backend", "host", "--scale", "0.002", "--repeats", "1", "--vectors", "1,2"]

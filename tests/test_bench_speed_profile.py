@@ -1,4 +1,4 @@
-"""benchmarks/profile_decode.py at a tiny size: the share of decode time inside the native step and the calls
+"""`benchmarks/speed.py profile` at a tiny size: the share of decode time inside the native step and the calls
 per step are measured and reported (the figures themselves come from a full run)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-import profile_decode  # noqa: E402
+from lib import speed_profile as profile_decode  # noqa: E402
 
 
 @pytest.mark.slow

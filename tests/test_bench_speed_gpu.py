@@ -1,4 +1,4 @@
-"""benchmarks/bench_gpu.py at a size a CPU runs in seconds: every row and figure is there and measured
+"""`benchmarks/speed.py gpu` at a size a CPU runs in seconds: every row and figure is there and measured
 (not a placeholder), estimates are labelled, and the files it writes have Llama-3-8B's shape and mix."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from gguf import GGUFReader
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import bench_gpu  # noqa: E402
-from bench_gpu_model import spec_for, tensor_list, write_model  # noqa: E402
+from lib import speed_gpu as bench_gpu  # noqa: E402
+from lib.gpu_model import spec_for, tensor_list, write_model  # noqa: E402
 
 ROW_FIGURES = ("prefill_tokens_per_s", "decode_tokens_per_s", "decode_ms_per_step", "estimated_peak_bytes",
                "report_peak_bytes", "weights_GBps", "roofline_fraction", "weight_bytes_per_step")
@@ -155,7 +155,7 @@ def test_a_row_that_breaks_is_recorded_and_the_other_rows_still_run(tmp_path, mo
     got = bench_gpu.main(["--backend", "host", "--shape", "tiny", "--layers", "2", "--tokens", "2", "--prompt", "4",
                           "--types", "F16", "--batches", "1", "--peers", "none", "--dir", str(tmp_path)])
     rows = {r["label"]: r for r in got["files"][0]["rows"]}
-    assert "a kernel fault, say" in rows["25%"]["error"] and "bench_gpu.py" in rows["25%"]["error"]
+    assert "a kernel fault, say" in rows["25%"]["error"] and "speed_gpu.py" in rows["25%"]["error"]
     assert positive(rows["minimal"]["decode_tokens_per_s"]) and rows["minimal"]["tokens_equal"]
     failed = [c for c in got["acceptance"] if c["verdict"] == "FAIL"]
     assert [c["check"] for c in failed] == ["F16 25% batch 1: the row ran"]
@@ -182,7 +182,7 @@ def test_a_peak_over_its_budget_says_which_part_it_came_from():
     """A row whose NVML peak is over its budget fails item 2 with the peak part by part: CuPy's pool against
     its parts of the estimate, the store's tier against its limit, and what lies beyond both against the
     overhead; a row within its budget, or one whose pool was not sampled, says nothing more."""
-    from bench_gpu_acceptance import acceptance, acceptance_lines
+    from lib.gpu_acceptance import acceptance, acceptance_lines
 
     memory = {"store_limit_bytes": 0, "slots_bytes": 600, "fixed_bytes": 100, "workspace_bytes": 50,
               "overhead_bytes": 200, "margin_bytes": 40, "expert_bytes": 0, "decoder_bytes": 7,

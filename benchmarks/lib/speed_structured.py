@@ -1,7 +1,7 @@
 """What constrained decoding costs per token on the host backend: decode with a JSON schema against decode
 without one on a small random-weight model, and the mask alone over vocabularies of real sizes.
 
-    python benchmarks/bench_structured.py [--tokens 64] [--json FILE]
+    python benchmarks/speed.py structured [--tokens 64] [--json FILE]
 
 Figures are measured in this run (medians over repeats). The mask costs with the vocabulary, not the
 model: the second part times it over synthetic byte-level vocabularies of 32000 and 151936 tokens
@@ -13,20 +13,18 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from pyplugin.model import Tokenizer, load_model  # noqa: E402
-from pyplugin.model.synth import write_gguf  # noqa: E402
-from pyplugin.model.tokenizer import bytes_to_unicode  # noqa: E402
-from pyplugin.runtime import Options, PebbledModel, PebblingOptions  # noqa: E402
-from pyplugin.runtime.constraint import Constraint  # noqa: E402
-from pyplugin.store import Strategy  # noqa: E402
+from pyplugin.model import Tokenizer, load_model
+from pyplugin.model.synth import write_gguf
+from pyplugin.model.tokenizer import bytes_to_unicode
+from pyplugin.runtime import Options, PebbledModel, PebblingOptions
+from pyplugin.runtime.constraint import Constraint
+from pyplugin.store import Strategy
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 24},
@@ -122,6 +120,3 @@ def main(argv: list[str] | None = None) -> dict:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return result
 
-
-if __name__ == "__main__":
-    main()

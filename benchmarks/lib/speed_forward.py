@@ -1,8 +1,8 @@
 """Prefill and decode speed of the forward pass on a ~100M-parameter random-weight Llama.
 
-    python benchmarks/bench_model.py [--xp numpy|cupy|all] [--prompt-tokens 256]
-                                     [--decode-tokens 32] [--type F16] [--weights f16|quantized]
-                                     [--json FILE]
+    python benchmarks/speed.py forward [--xp numpy|cupy|all] [--prompt-tokens 256]
+                                       [--decode-tokens 32] [--type F16] [--weights f16|quantized]
+                                       [--json FILE]
 
 Writes the model with pyplugin.model.synth into a temporary directory, loads it, and times prefill (one
 chunk of --prompt-tokens) and greedy decode (--decode-tokens steps) with all layers resident. numpy
@@ -64,7 +64,7 @@ def measure(model, xp_name: str, prompt_tokens: int, decode_tokens: int, repeats
             "decode_tokens_per_s": round(decode_tokens / statistics.median(decode_s), 2)}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--xp", choices=("numpy", "cupy", "all"), default="all")
     p.add_argument("--prompt-tokens", type=int, default=256)
@@ -74,7 +74,7 @@ def main() -> None:
     p.add_argument("--weights", choices=("f16", "quantized"), default="f16",
                    help="f16: expanded at load (default); quantized: matrices kept in --type")
     p.add_argument("--json", help="also write the figures to this file")
-    args = p.parse_args()
+    args = p.parse_args(argv)
 
     names = ["numpy", "cupy"] if args.xp == "all" else [args.xp]
     if args.xp == "all" and not cupy_usable():
@@ -102,6 +102,3 @@ def main() -> None:
                                                "weights": args.weights,
                                                "results": results}, indent=2))
 
-
-if __name__ == "__main__":
-    main()

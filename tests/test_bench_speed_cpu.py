@@ -1,4 +1,4 @@
-"""bench_cpu_vs_llamacpp says when the llama.cpp it measures was built without the vector extensions this CPU
+"""`benchmarks/speed.py cpu` says when the llama.cpp it measures was built without the vector extensions this CPU
 has and pebbling's kernels use: such a build (a generic wheel) is slower than llama.cpp can be here; and it
 pairs each run with the llama.cpp run of the same round."""
 
@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-import bench_cpu_vs_llamacpp as bench  # noqa: E402
+from lib import shapes  # noqa: E402
+from lib import speed_cpu as bench  # noqa: E402
 
 GENERIC = "CPU : SSE3 = 1 | SSSE3 = 1 | AVX = 1 | AVX2 = 1 | F16C = 1 | FMA = 1 | BMI2 = 1 | REPACK = 1 |"
 NATIVE = GENERIC + " AVX512 = 1 | AVX512_VBMI = 1 | AVX512_VNNI = 1 | AVX512_BF16 = 1 |"
@@ -36,12 +37,12 @@ def test_the_qwen3_30b_a3b_file_is_its_q4_k_m_like_mix_of_17_gib():
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     from pyplugin.model.synth import SynthSpec, _tensors
-    shape = bench.SHAPES["qwen3-30b-a3b"]
-    types = bench.q4_k_m(shape)
+    shape = shapes.SHAPES["qwen3-30b-a3b"]
+    types = shapes.q4_k_m(shape)
     assert shape["random_blocks"] and types["weight_type"] == "Q4_K"
     spec = SynthSpec(**{k: v for k, v in shape.items() if k != "vocab_size"}, **types)
     kinds, total = {}, 0
-    for name, array, qtype in _tensors(spec, bench.N_VOCAB, lazy=True):
+    for name, array, qtype in _tensors(spec, shapes.N_VOCAB, lazy=True):
         kinds[name] = qtype.name
         if isinstance(array, tuple):
             (dims, _), (block, size) = array, GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]

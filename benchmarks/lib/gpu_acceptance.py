@@ -1,4 +1,4 @@
-"""Issue 25's acceptance checks over bench_gpu.py's result, each PASS, FAIL or n/a (a figure the run did not
+"""Issue 25's acceptance checks over `speed.py gpu`'s result, each PASS, FAIL or n/a (a figure the run did not
 make: a peer absent, a row left out, no GPU), with the figures it compared. Never asserted: a report."""
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def acceptance(result: dict) -> list[dict]:
 
 
 def memory_where(row: dict) -> str | None:
-    """Where a row's NVML peak went, part by part against the estimate's parts (bench_gpu.memory_parts), or
+    """Where a row's NVML peak went, part by part against the estimate's parts (speed_gpu.memory_parts), or
     None where the pool was not sampled: CuPy's pool (slots, output weights, workspace, expert slots), the
     store's device tier, and what NVML saw beyond both (the overhead's: context, libraries; and the decoder's
     scratch)."""

@@ -1,4 +1,4 @@
-"""bench_gpu.py's peers, each measured in the same run at the same budgets, or recorded as absent:
+"""`speed.py gpu`'s peers, each measured in the same run at the same budgets, or recorded as absent:
 
 - transformers + accelerate: a LlamaForCausalLM of the same shape with random F16 weights (on the CPU,
   float32), fully on the GPU when it fits and with accelerate's offload at max_memory[0] = each budget
