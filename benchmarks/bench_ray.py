@@ -33,7 +33,7 @@ import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import serve_for_bench  # noqa: E402
+from lib import serve as serve_for_bench  # noqa: E402
 from pyplugin.model.synth import write_gguf  # noqa: E402
 from pyplugin.serving.registry import DEMO_NAME, DEMO_SPEC  # noqa: E402
 

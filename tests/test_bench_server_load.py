@@ -1,4 +1,4 @@
-"""benchmarks/bench_server_load.py at a tiny size: a server process, the same requests one at a time and
+"""`benchmarks/server.py load` at a tiny size: a server process, the same requests one at a time and
 at once, and what it reports (the figures themselves come from a full run)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-import bench_server_load as bench  # noqa: E402
+from lib import server_load as bench  # noqa: E402
 
 
 @pytest.mark.slow

@@ -159,7 +159,7 @@ def _more_open_files(wanted: int = 8192) -> None:
 def _fewer_malloc_arenas(arenas: int = 2) -> None:
     """glibc gives each thread that allocates an arena of its own and keeps what it frees there: with
     the server's pool of request threads, a burst of requests left the process 22 MiB larger than before
-    it, against 5 MiB with two arenas (benchmarks/bench_server_limits.py). MALLOC_ARENA_MAX, when set,
+    it, against 5 MiB with two arenas (benchmarks/server.py limits). MALLOC_ARENA_MAX, when set,
     wins; elsewhere than glibc this does nothing."""
     if os.environ.get("MALLOC_ARENA_MAX"):
         return

@@ -1,7 +1,7 @@
 """A soak of the server: clients that never stop, for minutes, doing everything a server meets in a day.
 
-    .venv/bin/python benchmarks/soak.py                          # 20 minutes, 8 clients
-    .venv/bin/python benchmarks/soak.py --minutes 2 --json soak.json
+    python benchmarks/server.py soak                          # 20 minutes, 8 clients
+    python benchmarks/server.py soak --minutes 2 --json soak.json
 
 `pebbling serve` runs in a process of its own, over a small synthetic model, with Ollama's store in a
 temporary directory and a registry on loopback (tests/registry.py) whose downloads are sometimes cut off.
@@ -28,23 +28,12 @@ from pathlib import Path
 
 import requests
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests"))  # the loopback registry the pull tests use
-sys.path.insert(0, str(HERE.parent))
-
-from registry import serving_registry  # noqa: E402
-from serve_for_bench import start_server  # noqa: E402
+from lib import ROOT
+from lib.serve import proc_figures, start_server
 
 RSS_SLACK = 64 * 2**20
 MODEL = dict(arch="llama", n_layer=4, n_embd=128, n_head=4, n_head_kv=2, n_ff=256, n_ctx=512, seed=7)
 GREEDY = {"temperature": 0, "num_predict": 8}
-
-
-def proc_figures(pid: int) -> dict[str, int]:
-    status = Path(f"/proc/{pid}/status").read_text()
-    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-    return {"rss": int(fields["VmRSS"].split()[0]) * 1024, "threads": int(fields["Threads"]),
-            "fds": len(list(Path(f"/proc/{pid}/fd").iterdir()))}
 
 
 class Soak:
@@ -147,13 +136,16 @@ class Soak:
         self.post("show", "/api/show", {"model": "soak"})
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--minutes", type=float, default=20.0)
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", type=Path, help="write the figures here too")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+
+    sys.path.insert(0, str(ROOT / "tests"))  # the loopback registry the pull tests use
+    from registry import serving_registry  # noqa: PLC0415
 
     from pyplugin.model.synth import write_gguf
 
@@ -215,6 +207,3 @@ def main() -> int:
         args.json.write_text(json.dumps(figures, indent=1))
     return 0 if all(held.values()) else 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())

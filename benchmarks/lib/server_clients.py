@@ -1,11 +1,12 @@
 """Concurrent clients against pebbling's HTTP API: requests per second, latency, tokens per second.
 
-    .venv/bin/python benchmarks/load_test.py                       # starts its own server on loopback
-    .venv/bin/python benchmarks/load_test.py --url http://127.0.0.1:11435 --model pebbling-demo \\
+    python benchmarks/server.py clients                       # starts its own server on loopback
+    python benchmarks/server.py clients --url http://127.0.0.1:11435 --model pebbling-demo \\
         --clients 8 --requests 25 --num-predict 16 --strategies none,sqrt,minimal
 
-Requests to one model are served one at a time (each has its own KV cache), so latency grows with
-the number of clients while throughput stays near one client's; the figures show by how much.
+Each client sends its requests one after another; the latencies are what the clients saw, from any server
+(--url) or one of this tree in this process (the demo model). `server.py load` measures what decoding
+requests together gains over sending them one at a time.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ def local_server():
     return serving(create_app())
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--url", help="a running server (default: start one on loopback)")
     p.add_argument("--model", default="pebbling-demo")
@@ -34,7 +35,7 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=25, help="per client")
     p.add_argument("--num-predict", type=int, default=16)
     p.add_argument("--strategies", default="none", help="comma list, used in turn")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     strategies = args.strategies.split(",")
 
     with (local_server() if args.url is None else _given(args.url)) as url:
@@ -71,6 +72,3 @@ def main() -> None:
 def _given(url: str):
     yield url.rstrip("/")
 
-
-if __name__ == "__main__":
-    main()

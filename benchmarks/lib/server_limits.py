@@ -2,7 +2,7 @@
 while templates render at their limit beside a thousand slow connections; do 300 simultaneous requests
 against a queue limit of 100 get 503s for the excess, the rest served, and memory back to where it was?
 
-    python benchmarks/bench_server_limits.py [--big-prompts 3] [--requests 300] [--queue 100]
+    python benchmarks/server.py limits [--big-prompts 3] [--requests 300] [--queue 100]
         [--templates 4] [--slow-connections 1000] [--seconds 20] [--json FILE]
 
 Runs `pebbling serve` in a process of its own on loopback with a small random-weight model (so that the
@@ -23,7 +23,6 @@ import multiprocessing
 import resource
 import statistics
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -33,21 +32,14 @@ from pathlib import Path
 
 import requests
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import serve_for_bench  # noqa: E402
-from pyplugin.model.synth import write_gguf  # noqa: E402
+from lib import serve
+from pyplugin.model.synth import write_gguf
 
 GOAL_ROOT_MS = 100.0
 
 
-def rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
-
-
 def start_server(models: str, queue: int) -> tuple[subprocess.Popen, str]:
-    return serve_for_bench.start_server(models, {"PEBBLING_MAX_QUEUE": str(queue)})
+    return serve.start_server(models, {"PEBBLING_MAX_QUEUE": str(queue)})
 
 
 def big_prompts_vs_root(url: str, n_big: int, prompt_bytes: int) -> dict:
@@ -213,13 +205,13 @@ def main(argv: list[str] | None = None) -> dict:
         try:
             for _ in range(3):  # loaded, and the server's thread pool and allocator warmed up
                 burst(url, 20)
-            rss_before = rss_bytes(server.pid)
+            rss_before = serve.proc_figures(server.pid)["rss"]
             root = big_prompts_vs_root(url, args.big_prompts, args.prompt_bytes)
             held = root_under_templates_and_slow_connections(url, args.templates, args.slow_connections,
                                                              args.seconds)
             load = burst(url, args.requests)
             time.sleep(1.0)
-            rss_after = rss_bytes(server.pid)
+            rss_after = serve.proc_figures(server.pid)["rss"]
             still = requests.post(f"{url}/api/generate", json=small, timeout=60).status_code
         finally:
             server.terminate()
@@ -246,6 +238,3 @@ def main(argv: list[str] | None = None) -> dict:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return result
 
-
-if __name__ == "__main__":
-    main()

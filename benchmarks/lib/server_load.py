@@ -1,7 +1,7 @@
 """Continuous batching, measured: 8 clients decoding 64 tokens each at once against the same requests sent
 one at a time, on a model streamed with `minimal` (every layer restored for every decode step).
 
-    python benchmarks/bench_server_load.py [--clients 8] [--tokens 64] [--backend host] [--json FILE]
+    python benchmarks/server.py load [--clients 8] [--tokens 64] [--backend host] [--json FILE]
         [--shape NAME --type Q4_K_M] [--strategy minimal]
 
 --shape writes a random-weight file of a real model's shape (lib/shapes.py's: SmolLM2-135M,
@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -34,21 +32,17 @@ from pathlib import Path
 
 import requests
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lib import shapes as bench_cpu  # noqa: E402
-import serve_for_bench  # noqa: E402
-from pyplugin.model.synth import write_gguf  # noqa: E402
+from lib import serve, shapes
+from lib.serve import PROMPTS, cpu_seconds
+from pyplugin.model.synth import write_gguf
 
 # Times the serial aggregate rate on the host backend: 4x for the small default model streamed with minimal;
 # 3x on a real model's shape (--shape), whose steps are dearer per token and gain less from batching.
 GOAL, SHAPE_GOAL = 4.0, 3.0
-PROMPTS = ("Why is the sky blue?", "Tell me a story about a fox.", "List three prime numbers.", "Hello there",
-           "What is a pebble?", "Explain batching in one line.", "Count from one to ten.", "Good morning!")
 
 
 def start_server(models: str, backend: str, parallel: int, blas_threads: int) -> tuple[subprocess.Popen, str]:
-    return serve_for_bench.start_server(models, {
+    return serve.start_server(models, {
         "PEBBLING_BACKEND": backend, "PEBBLING_NUM_PARALLEL": str(parallel),
         "OPENBLAS_NUM_THREADS": str(blas_threads), "OMP_NUM_THREADS": str(blas_threads)})
 
@@ -63,13 +57,6 @@ def ask(url: str, payload: dict) -> dict:
     r = requests.post(f"{url}/api/generate", json=payload, timeout=600)
     r.raise_for_status()
     return r.json()
-
-
-def cpu_seconds(pid: int) -> float:
-    """User and system CPU time the process has used (/proc/PID/stat), in seconds."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def phase(url: str, bodies: list[dict], concurrent: bool, pid: int) -> dict:
@@ -99,9 +86,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--n-embd", type=int, default=128)
     parser.add_argument("--n-ff", type=int, default=384)
     parser.add_argument("--weight-type", default="Q8_0")
-    parser.add_argument("--shape", choices=sorted(bench_cpu.SHAPES),
+    parser.add_argument("--shape", choices=sorted(shapes.SHAPES),
                         help="a real model's shape (random weights) in place of the small llama above")
-    parser.add_argument("--type", default="Q4_K_M", choices=sorted(bench_cpu.FILES),
+    parser.add_argument("--type", default="Q4_K_M", choices=sorted(shapes.FILES),
                         help="the weights' types with --shape")
     parser.add_argument("--strategy", default="minimal", help="pebbling_strategy of every request")
     parser.add_argument("--blas-threads", type=int, default=1,
@@ -114,13 +101,11 @@ def main(argv: list[str] | None = None) -> dict:
 
     with tempfile.TemporaryDirectory(prefix="pebbling-bench-") as models:
         if args.shape:
-            shape = bench_cpu.SHAPES[args.shape]
-            write_gguf(Path(models) / "bench.gguf", **shape, n_ctx=4096, **bench_cpu.FILES[args.type](shape))
+            shape = shapes.SHAPES[args.shape]
+            write_gguf(Path(models) / "bench.gguf", **shape, n_ctx=4096, **shapes.FILES[args.type](shape))
             model = {"shape": args.shape, **{k: v for k, v in shape.items() if k != "vocab"}, "types": args.type}
         else:
-            write_gguf(Path(models) / "bench.gguf", arch="llama", n_layer=args.n_layer, n_embd=args.n_embd,
-                       n_head=max(1, args.n_embd // 64), n_head_kv=max(1, args.n_embd // 128), n_ff=args.n_ff,
-                       n_ctx=512, weight_type=args.weight_type, n_merges=200)
+            serve.write_small_llama(Path(models) / "bench.gguf", args.n_layer, args.n_embd, args.n_ff, args.weight_type)
             model = {"arch": "llama", "n_layer": args.n_layer, "n_embd": args.n_embd, "n_ff": args.n_ff,
                      "weight_type": args.weight_type}
         server, url = start_server(models, args.backend, args.clients, args.blas_threads)
@@ -181,6 +166,3 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"written to {args.json}")
     return result
 
-
-if __name__ == "__main__":
-    main()
