@@ -56,7 +56,7 @@ HEADER_NAMES = {
 }
 
 
-# The native library's run-time switches (native/pebble_internal.h, cuda_switches; README): each
+# The native library's run-time switches (native/pebble_internal.h, cuda_switches; docs/environment.md): each
 # variable's accepted values, the default first. The library reads them once and takes any other
 # value as the default, so check_switches refuses it before a library is chosen.
 SWITCHES = {
