@@ -1,7 +1,7 @@
 """Replicas on Ray Serve, measured: the aggregate decode rate of 1 and of 2 replicas under 8 clients, and
 what the route through Ray (proxy, front, request router, replica) adds to a request over a direct server.
 
-    python benchmarks/bench_ray.py [--clients 8] [--tokens 64] [--replicas 1,2] [--demo] [--json FILE]
+    python benchmarks/scale_out.py [--clients 8] [--tokens 64] [--replicas 1,2] [--demo] [--json FILE]
 
 One local Ray cluster with as many CPUs as this process may run on; each replica reserves an equal share
 of them (and the host library runs that many threads in it). A small random-weight llama is written for
@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -31,15 +30,8 @@ from pathlib import Path
 
 import requests
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lib import serve as serve_for_bench  # noqa: E402
-from pyplugin.model.synth import write_gguf  # noqa: E402
-from pyplugin.serving.registry import DEMO_NAME, DEMO_SPEC  # noqa: E402
-
-PROMPTS = ("Why is the sky blue?", "Tell me a story about a fox.", "List three prime numbers.", "Hello there",
-           "What is a pebble?", "Explain batching in one line.", "Count from one to ten.", "Good morning!")
-
+from lib.serve import PROMPTS, free_port, start_server, write_small_llama
+from pyplugin.serving.registry import DEMO_NAME, DEMO_SPEC
 
 def body(model: str, client: int, tokens: int) -> dict:
     return {"model": model, "prompt": f"{PROMPTS[client % len(PROMPTS)]} (client {client})", "raw": True,
@@ -85,12 +77,6 @@ def aggregate(url: str, model: str, clients: int, tokens: int, repeats: int) -> 
     return best
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, default=8)
@@ -110,7 +96,7 @@ def main(argv: list[str] | None = None) -> dict:
 
         from pyplugin.serving.ray_deploy import build_app
     except ImportError as exc:
-        sys.exit(f"bench_ray needs Ray Serve: pip install 'pebbling[ray]' ({exc})")
+        sys.exit(f"scale_out.py needs Ray Serve: pip install 'pebbling[ray]' ({exc})")
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     load_before = os.getloadavg()[0]
@@ -122,15 +108,13 @@ def main(argv: list[str] | None = None) -> dict:
               "model": {"name": model, **shape}}
     with tempfile.TemporaryDirectory(prefix="pebbling-bench-") as models:
         if not args.demo:
-            write_gguf(Path(models) / "bench.gguf", arch="llama", n_layer=args.n_layer, n_embd=args.n_embd,
-                       n_head=max(1, args.n_embd // 64), n_head_kv=max(1, args.n_embd // 128), n_ff=args.n_ff,
-                       n_ctx=512, weight_type="Q8_0", n_merges=200)
+            write_small_llama(Path(models) / "bench.gguf", args.n_layer, args.n_embd, args.n_ff)
         # One setting for the direct server and the replicas (which inherit this process's environment):
         # requests decoding together, and OpenBLAS held to one thread (its spinning threads on a few
-        # shared cores slowed prefill's products many times over; bench_server_load.py).
+        # shared cores slowed prefill's products many times over; `server.py load`).
         env = {"PEBBLING_NUM_PARALLEL": str(args.clients), "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
         os.environ.update(env)
-        server, url = serve_for_bench.start_server(models, env)
+        server, url = start_server(models, env)
         try:
             result["direct"] = {"latency_ms": latency_ms(url, model, args.requests),
                                 **aggregate(url, model, args.clients, args.tokens, args.repeats)}
@@ -181,6 +165,3 @@ def main(argv: list[str] | None = None) -> dict:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return result
 
-
-if __name__ == "__main__":
-    main()
