@@ -113,7 +113,7 @@ fuzz: venv host
 # with their size beside everything that travels. Then, there, with build/ (make cuda) and .whl carried:
 # `make gpu-check DIR=out`: every GPU test (a skipped one fails), the benchmark, one JSON and a summary in DIR.
 gpu-wheels:
-	$(PYTHON) benchmarks/gpu_wheels.py
+	$(PYTHON) benchmarks/gpu_check.py wheels
 
 DIR         ?= gpu-check-out
 BACKEND     ?= cuda

@@ -2,7 +2,7 @@
 .whl/, checks that every pin has exactly one wheel, and prints their size beside what travels to that
 machine in all (the tracked tree, .whl/ and build/), which must stay within its 64 MiB.
 
-    python benchmarks/gpu_wheels.py [--dest .whl] [--check-only]     (make gpu-wheels)
+    python benchmarks/gpu_check.py wheels [--dest .whl] [--check-only]     (make gpu-wheels)
 """
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-PINS = ROOT / "benchmarks" / "gpu_requirements.txt"
+from lib import BENCHMARKS, ROOT
+
+PINS = BENCHMARKS / "gpu_requirements.txt"
 PYTHON_VERSION = "3.12"          # the GPU image's interpreter
 # pip matches a manylinux_2_N tag exactly, so every glibc level a wheel might be tagged with is named
 # (the GPU image's glibc is newer than all of them).
@@ -122,6 +123,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu-wheels: {problem}", file=sys.stderr)
     return 1 if problems else 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

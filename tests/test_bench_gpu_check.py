@@ -1,5 +1,6 @@
-"""The GPU check's machinery, on a machine without a GPU: --no-skip-gpu fails a skipped GPU test (and only a
-GPU test), the stage runner records rc, time and timeouts into its JSON, and the pinned wheel list parses."""
+"""The GPU check's machinery (benchmarks/gpu_check.py), on a machine without a GPU: --no-skip-gpu fails a skipped
+GPU test (and only a GPU test), the stage runner records rc, time and timeouts into its JSON, and the pinned
+wheel list parses."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import gpu_check  # noqa: E402
-import gpu_wheels  # noqa: E402
+from lib import check as gpu_check  # noqa: E402
+from lib import wheels as gpu_wheels  # noqa: E402
 
 PROBE_FILE = '''
 import pytest
