@@ -6,12 +6,13 @@
 On a bare machine (the GPU image's Python with CuPy, torch, transformers, accelerate; no registry):
   setup    installs what is missing from the wheels in .whl/ (make gpu-wheels: `gpu_check.py wheels`),
            --no-index, into a folder of its own on PYTHONPATH beside the tree (a pinned package already
-           importable is left as it is), and the benchmark's peers from .peers/ where there are any (README: On a GPU); uses
-           build/libpebble_cuda.so as carried (builds it only where it is missing and nvcc exists)
+           importable is left as it is), and the benchmark's peers from .peers/ where there are any
+           (docs/gpu.md); uses build/libpebble_cuda.so as carried (builds it only where it is missing and
+           nvcc exists)
   probe    `memory.py probe`: nvidia-smi, driver and CUDA versions, CuPy's device, the library
            loads, `pebbling info` selects the backend
   kernels  the kernel tests first, under CUDA_LAUNCH_BLOCKING=1, so that a fault names its kernel; where
-           any fail on cuda, they run again under each of SWITCHES (README, Environment: each puts back
+           any fail on cuda, they run again under each of SWITCHES (docs/environment.md: each puts back
            the way the decode step ran before), and then under all of them, logged after the kernels'
            run: which change is at fault, named in the same call
   tests    the rest of the suite on the backend, with --no-skip-gpu: a skipped GPU test is a failure
@@ -61,13 +62,13 @@ KERNEL_TESTS = ["tests/test_quant_kernels.py", "tests/test_decode_step.py", "tes
 CAPS = {"setup": 120, "build": 300, "probe": 120, "kernels": 150, "tests": 270, "bench": 240, "profile": 90,
         "matvec": 120}
 FLOOR = {"probe": 20, "kernels": 45, "tests": 90, "bench": 60, "profile": 40, "matvec": 30}  # a later stage's least
-# Settings that each put back one change of the decode step (README, Environment), tried where kernel tests fail.
+# Settings that each put back one change of the decode step (docs/environment.md), tried where kernel tests fail.
 SWITCHES = ("PEBBLING_CUDA_STACK=0", "PEBBLING_CUDA_GROUP=1", "PEBBLING_CUDA_PERSIST=0", "PEBBLING_CUDA_SPLIT=0",
             "PEBBLING_CUDA_MATVEC=float", "PEBBLING_CUDA_DENSE=0")
 SWITCHES_CAP = 150  # seconds for all of their runs together, within the budget
 PROFILE_ARGS = "--layers 1 --types Q4_K_M --rows none --batches 1 --prompt 512 --tokens 8 --peers none --profile-decode"
 # The benchmark inside the 9 minutes: a slice of the Llama-3-8B shape. The full run is its own command
-# (README: On a GPU).
+# (docs/gpu.md).
 DEFAULT_BENCH_ARGS = "--layers 4 --prompt 128 --tokens 16 --types Q4_K_M,F16"
 
 
@@ -259,7 +260,7 @@ def install_missing(wheels: Path, site: Path, python: str) -> tuple[Record, list
 
 
 def install_peers(peers: Path, site: Path, python: str, record: Record) -> list[str]:
-    """The benchmark's peers (README: On a GPU): the wheels in `peers`, and its .tar.xz archives of installed
+    """The benchmark's peers (docs/gpu.md): the wheels in `peers`, and its .tar.xz archives of installed
     packages (llama-cpp-python built with CUDA: its wheel holds each library three times over, past what a
     GPU machine is sent), into `site` beside the pinned ones; their names, or none. Not pebbling's
     dependencies: where they are absent or do not install, the benchmark records its peer absent."""

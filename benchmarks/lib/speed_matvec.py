@@ -13,7 +13,7 @@ is `speed.py gpu`'s device-to-device copy of 1 GiB in the same run (bytes read +
 
 --libs: the same in one process per item, side by side: a library path (PEBBLING_LIB), to compare builds
 of the cuda library (PEBBLE_MATVEC_ROWS, PEBBLE_Q8_CHUNK, PEBBLE_Q8_CHUNK_FEW, PEBBLE_MATVEC_WARP_ROWS,
-PEBBLE_MATVEC_LOADS and PEBBLE_MATVEC_UNROLL set by -D), settings of its switches (VAR=VALUE, such as PEBBLING_CUDA_PERSIST=0: README, Environment), or
+PEBBLE_MATVEC_LOADS and PEBBLE_MATVEC_UNROLL set by -D), settings of its switches (VAR=VALUE, such as PEBBLING_CUDA_PERSIST=0: docs/environment.md), or
 both, joined by + (a build with settings; settings alone are the default library's); each item's matrix-vector time of one Llama-3-8B Q4_K_M
 token is printed, and --best writes the fastest item (the first unless another is over 3% faster) to a
 file. Each item's products are checked: every output written, and equal to the first item's bit for bit

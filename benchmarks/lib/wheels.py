@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"travels with carry=['build', '.whl']: tree {mib(tree)} + build/ {mib(build)} + wheels {mib(wheels)} "
           f"= {mib(total)} of {mib(TRAVEL_LIMIT)}")
     peers = folder_bytes(ROOT / ".peers")
-    if peers:  # the benchmark's peers (README: On a GPU), sent beside the two libraries, not all of build/
+    if peers:  # the benchmark's peers (docs/gpu.md), sent beside the two libraries, not all of build/
         libraries = sum(p.stat().st_size for name in ("libpebble_cuda.so", "libpebble_host.so")
                         if (p := ROOT / "build" / name).is_file())
         with_peers = tree + libraries + wheels + peers
