@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import tempfile
@@ -196,7 +197,10 @@ def main(argv: list[str] | None = None) -> int:
             "no thread growth": end["threads"] <= first_minute["threads"],
             "no open-file growth": end["fds"] <= first_minute["fds"],
             "serving after": still.status_code == 200}
-    figures = {"minutes": args.minutes, "clients": args.clients, "requests": sum(soak.statuses.values()),
+    from .speed_cpu import cpu_model
+
+    figures = {"machine": f"{cpu_model()}, {os.cpu_count()} cores", "date": time.strftime("%Y-%m-%d"),
+               "minutes": args.minutes, "clients": args.clients, "requests": sum(soak.statuses.values()),
                "statuses": dict(sorted(soak.statuses.items())), "unexpected": soak.unexpected[:20],
                "refused": soak.refused,
                "first_minute": first_minute, "end_idle": end,
