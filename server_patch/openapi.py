@@ -1,8 +1,8 @@
 """The OpenAPI document as the server answers: FastAPI documents a 422 for every body it validates, but
 pebbling answers bad requests with 400 (as Ollama does), refused origins with 403, unknown models with
 404, oversized bodies with 413, a full queue or too many connections with 503 and a bug with a JSON 500;
-model management adds its own (a registry's failure 502, push 501); the streaming routes document their
-NDJSON or event-stream 200 beside the JSON one."""
+model management adds its own (a registry's failure 502, a pull's deadline 504, a full disk 507, push
+501); the streaming routes document their NDJSON or event-stream 200 beside the JSON one."""
 
 from __future__ import annotations
 
@@ -39,12 +39,17 @@ WITH_A_BODY = {"400": "the request is invalid: JSON, a field, an option, a model
                "503": "the server is busy: too many requests queued (PEBBLING_MAX_QUEUE); try again later"}
 
 # Model management: what else the store and the registry answer.
+FULL_DISK = {"507": "the disk refused the write (full, read-only, no permission): nothing partial is kept"}
 OWN_CODES = {
     "/api/blobs/{digest}": {"400": "the digest is not sha256:<64 hex>, or the bytes sent do not hash to it (they "
-                                   "are removed)"},
+                                   "are removed)", **FULL_DISK},
     "/api/pull": {"404": "the registry has no such model or tag",
                   "502": "the registry could not be reached, answered an error, or sent a blob whose bytes do not "
-                         "match its digest (removed)"},
+                         "match its digest (removed)",
+                  "504": "the pull stopped at its deadline (PEBBLING_PULL_DEADLINE); what it fetched is kept for the "
+                         "next pull", **FULL_DISK},
+    "/api/create": FULL_DISK,
+    "/api/copy": FULL_DISK,
     "/api/push": {"501": "not implemented: pebbling does not publish models"},
     "/api/delete": {"404": "Ollama's store has no model of that name"},
 }

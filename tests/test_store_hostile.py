@@ -1,10 +1,11 @@
 """Model management against a hostile registry and a store with links in it: two pulls of one blob at once
 download it once and store its digest's bytes; a body longer, shorter or endless is a failed attempt that
 writes nothing past the blob's size; a manifest's size that is no size is refused; a pull whose client
-leaves, or whose deadline passes, stops and lets go of its blob; pulls hanging on a slow registry never
-keep listing, showing or generating from answering; no write or delete goes through a link out of the
-store; a file removed by a concurrent delete is absent, not a 500; a full disk is a 507 that leaves nothing
-partial; and an error never closes the kept-alive connection under the client."""
+leaves, or whose deadline passes, stops and lets go of its blob, even while the registry stalls it; pulls
+hanging on a slow registry never keep listing, showing or generating from answering; no write or delete
+goes through a link out of the store, nor through a partial download that is a link; a file removed by a
+concurrent delete is absent, not a 500; a full disk is a 507 that leaves nothing partial; and an error
+never closes the kept-alive connection under the client."""
 
 from __future__ import annotations
 
@@ -190,6 +191,34 @@ def test_a_pull_stops_at_its_deadline_and_keeps_what_it_fetched(url, registry, s
     assert registry.ranges(digest)[-1] == f"bytes={kept}-" and sha256(blob(store, digest)) == digest
 
 
+def test_a_pull_the_registry_stalls_stops_at_its_deadline_not_at_the_registrys_timeout(url, registry, store,
+                                                                                       monkeypatch):
+    data = gguf(46)
+    digest = registry.add("library", "stalled", "latest", {"model": data})["model"]
+    registry.pieces[digest] = (2, 3600.0)  # half of it, then nothing (until the registry stops)
+    monkeypatch.setenv("PEBBLING_PULL_DEADLINE", "1")
+    started = time.monotonic()
+    r = pull(url, "stalled")
+    assert r.status_code == 504 and "deadline" in r.json()["error"], r.text
+    assert time.monotonic() - started < 5  # the read was cut at the deadline; the timeout is 30 s
+    registry.pieces.pop(digest)
+    monkeypatch.delenv("PEBBLING_PULL_DEADLINE")
+    assert pull(url, "stalled").json() == {"status": "success"} and sha256(blob(store, digest)) == digest
+
+
+def test_a_pull_the_registry_stalls_lets_go_of_its_blob_once_its_client_leaves(url, registry, store):
+    data = gguf(47)
+    digest = registry.add("library", "stalled-left", "latest", {"model": data})["model"]
+    registry.pieces[digest] = (2, 3600.0)
+    with pytest.raises(requests.Timeout):
+        pull(url, "stalled-left", timeout=1)
+    registry.pieces.pop(digest)
+    started = time.monotonic()
+    r = pull(url, "stalled-left", timeout=30)  # waits for the left pull's download, which it then takes over
+    assert r.json() == {"status": "success"} and sha256(blob(store, digest)) == digest
+    assert time.monotonic() - started < 5
+
+
 def test_abandoned_pulls_are_stopped_and_never_keep_the_server_from_answering(url, registry, store):
     data = gguf(44)
     digest = registry.add("library", "drip", "latest", {"model": data})["model"]
@@ -241,6 +270,17 @@ def test_no_copy_or_delete_goes_through_a_link_out_of_the_store(url, registry, s
         assert "tiny:latest" in listed(url)
     finally:
         link.unlink()
+
+
+def test_a_partial_download_that_is_a_link_out_is_replaced_never_written_through(url, registry, store, outside):
+    data = gguf(48)
+    digest = registry.add("library", "partial-link", "latest", {"model": data})["model"]
+    before = (outside / "m").read_bytes()
+    partial(store, digest).symlink_to(outside / "m")
+    r = pull(url, "partial-link")
+    assert r.json() == {"status": "success"}, r.text
+    assert sha256(blob(store, digest)) == digest and not partial(store, digest).exists()
+    assert (outside / "m").read_bytes() == before and sorted(p.name for p in outside.iterdir()) == ["m"]
 
 
 def test_no_blob_is_written_through_a_blobs_directory_that_links_out(tmp_path, outside, monkeypatch):

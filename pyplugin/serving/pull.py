@@ -13,8 +13,10 @@ shorter, is a failed attempt, and RETRIES of them end the pull. Every blob is ve
 before it is named: a blob whose bytes do not match is removed and the pull refused, saying so. The
 manifest is written last, so a model is listed only once all of it is there. A pull ends when its
 `cancel` event is set (its client left) and at its deadline ($PEBBLING_PULL_DEADLINE seconds, default a
-day), keeping what it fetched for the next pull. Progress comes as Ollama's objects: "pulling manifest",
-"pulling <digest>" with total and completed, "verifying sha256 digest", "writing manifest", "success".
+day), keeping what it fetched for the next pull; a read that a stalled registry keeps waiting ends then
+too (its connection is shut under it), not at the registry's timeout. Progress comes as Ollama's objects:
+"pulling manifest", "pulling <digest>" with total and completed, "verifying sha256 digest", "writing
+manifest", "success".
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -43,6 +47,7 @@ MAX_MANIFEST_BYTES = 1 << 20
 RETRIES = 3              # a failed attempt (broken off, too long, too short) is retried this many times
 PROGRESS_EVERY_S = 0.1   # at most this often a progress object per blob (and at its end)
 WAIT_POLL_S = 0.2        # how often a pull waiting for another's download of a blob looks again
+STOP_POLL_S = 0.2        # how often the pulls reading from the registry are asked whether they must stop
 
 logger = logging.getLogger("pebbling.server")
 
@@ -86,6 +91,15 @@ class _Stop:
     def __init__(self, event: threading.Event, deadline: float, display: str):
         self.event, self.deadline, self.display = event, deadline, display
 
+    def due(self) -> bool:
+        return self.event.is_set() or time.monotonic() > self.deadline
+
+    def timeout(self, timeout: httpx.Timeout) -> httpx.Timeout:
+        """The client's timeout, shortened to what is left before the deadline (a registry that never
+        answers is given up on then)."""
+        left = max(0.1, self.deadline - time.monotonic())
+        return httpx.Timeout(min(timeout.read or left, left), connect=min(timeout.connect or left, left))
+
     def check(self) -> None:
         if self.event.is_set():
             raise PullStopped(f"pulling '{self.display}': stopped, its client left; what was fetched is kept for "
@@ -95,11 +109,57 @@ class _Stop:
                               "fetched is kept for the next pull")
 
 
+class _Interrupter:
+    """One thread that shuts the connection of each pull reading from the registry once the pull must stop
+    (its client left, its deadline passed): a read that a stalled registry keeps waiting then ends at once,
+    instead of holding a model-management thread until the registry's timeout."""
+
+    def __init__(self):
+        self._reading: dict[int, tuple[_Stop, socket.socket]] = {}
+        self._changed = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    @contextmanager
+    def watching(self, response: httpx.Response, stop: _Stop) -> Iterator[None]:
+        stream = response.extensions.get("network_stream")
+        sock = stream.get_extra_info("socket") if stream is not None else None
+        if sock is None:  # a transport without a socket (a test's): nothing to shut
+            yield
+            return
+        key = id(stop), id(response)
+        with self._changed:
+            self._reading[key] = (stop, sock)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="pebbling-pull-stops", daemon=True)
+                self._thread.start()
+            self._changed.notify()
+        try:
+            yield
+        finally:
+            with self._changed:
+                del self._reading[key]
+
+    def _run(self) -> None:
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: self._reading)
+                for stop, sock in self._reading.values():
+                    if stop.due():
+                        try:
+                            sock.shutdown(socket.SHUT_RDWR)  # the read under way ends; the pull sees why
+                        except OSError:
+                            pass  # already closed
+            time.sleep(STOP_POLL_S)
+
+
+_interrupter = _Interrupter()
+
+
 def _pull(name: OllamaName, root: Path | None, base: str, timeout: float, stop: _Stop) -> Iterator[dict[str, Any]]:
     yield {"status": "pulling manifest"}
     with httpx.Client(timeout=httpx.Timeout(timeout, connect=min(timeout, 15.0)), follow_redirects=True,
                       event_hooks={"response": [_log_redirects]}) as client:
-        raw, layers = _manifest(client, base, name)
+        raw, layers = _manifest(client, base, name, stop)
         for layer in {layer["digest"]: layer for layer in layers}.values():  # a blob named twice: fetched once
             yield from _download(client, base, name, layer, root, stop)
     yield {"status": "verifying sha256 digest"}  # each blob was, as it was committed
@@ -116,11 +176,12 @@ def _log_redirects(response: httpx.Response) -> None:
                         response.url.host, to.host)
 
 
-def _manifest(client: httpx.Client, base: str, name: OllamaName) -> tuple[bytes, list[dict[str, Any]]]:
+def _manifest(client: httpx.Client, base: str, name: OllamaName, stop: _Stop) -> tuple[bytes, list[dict[str, Any]]]:
     url = f"{base}/v2/{name.namespace}/{name.model}/manifests/{name.tag}"
     try:
-        r = client.get(url, headers={"Accept": MANIFEST_ACCEPT})
+        r = client.get(url, headers={"Accept": MANIFEST_ACCEPT}, timeout=stop.timeout(client.timeout))
     except httpx.HTTPError as exc:
+        stop.check()  # the deadline, not the registry, ended the wait
         raise RegistryError(f"pulling '{name.display}': cannot reach the registry at {base} ({exc}); set "
                             f"${REGISTRY_ENV} to use another") from None
     if r.status_code == 404:
@@ -212,7 +273,8 @@ def _fetch(client: httpx.Client, url: str, display: str, writer: BlobWriter, sta
         fetched = True
         try:
             headers = {"Range": f"bytes={writer.size}-"} if writer.size else {}
-            with client.stream("GET", url, headers=headers) as r:
+            with client.stream("GET", url, headers=headers, timeout=stop.timeout(client.timeout)) as r, \
+                    _interrupter.watching(r, stop):
                 if r.status_code == 200 and writer.size:
                     writer.restart()  # the server sends the whole blob, not the rest
                 elif r.status_code == 416:
@@ -240,4 +302,5 @@ def _fetch(client: httpx.Client, url: str, display: str, writer: BlobWriter, sta
             elif writer.size < total:
                 failed(f"the response ended after {writer.size} of {total} bytes")
         except httpx.HTTPError as exc:
+            stop.check()  # it broke off because the pull must stop: say that, not a registry's failure
             failed(f"broke off at {writer.size} of {total} bytes ({exc or type(exc).__name__})")

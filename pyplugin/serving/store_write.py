@@ -12,10 +12,10 @@ and refused. One writer at a time holds a download's partial file (an exclusive 
 of one blob, in one process or two, never append to it together): the others wait for it, then find the
 blob written. A name is parsed (ollama_store.parse_name) before any path is built from it, and every path
 written, renamed or deleted is checked to lie inside the store once its links are followed (`inside`), as
-reads are: nothing is written, or deleted, outside the store. A write the disk refuses (full, read-only)
-is a StoreWriteError (HTTP 507) naming the cause, and leaves no partial file. Manifests are written and
-deleted under one lock of the process, so a delete never removes a blob that a manifest written at the
-same time names.
+reads are, and none is written through a link at its own name (replaced, or made new): nothing is written,
+or deleted, outside the store. A write the disk refuses (full, read-only) is a StoreWriteError (HTTP 507)
+naming the cause, and leaves no partial file. Manifests are written and deleted under one lock of the
+process, so a delete never removes a blob that a manifest written at the same time names.
 """
 
 from __future__ import annotations
@@ -90,6 +90,19 @@ def inside(path: Path, root: str | os.PathLike | None = None) -> Path:
     return path
 
 
+def _open_unfollowed(path: Path):
+    """`path` open to read and append (made when absent), never through a link: a link there is removed and
+    the file made anew in its place, as `inside` replaces a link rather than writing through it."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_APPEND | getattr(os, "O_NOFOLLOW", 0)
+    try:
+        return os.fdopen(os.open(path, flags, 0o666), "a+b")
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+    path.unlink()
+    return os.fdopen(os.open(path, flags, 0o666), "a+b")
+
+
 def _write_failed(exc: OSError, what: str) -> StoreWriteError:
     cause = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exceeded",
              errno.EROFS: "the file system is read-only"}.get(exc.errno, exc.strerror or str(exc))
@@ -146,7 +159,7 @@ class BlobWriter:
                     self.size += len(chunk)
             else:
                 self.partial = self.path.with_name(f"{self.path.name}.pebbling-upload-{secrets.token_hex(4)}")
-                self._file = open(self.partial, "wb")
+                self._file = open(self.partial, "xb")  # a new file: never a link's target
         except OSError as exc:
             raise _write_failed(exc, f"blob {digest}") from None
 
@@ -155,7 +168,7 @@ class BlobWriter:
         with _HELD_LOCK:
             if str(path) in _HELD:
                 raise BlobBusy(f"blob sha256:{self.hex} is being downloaded by another pull")
-            f = open(path, "a+b")
+            f = _open_unfollowed(path)
             try:
                 if fcntl is not None:
                     try:
@@ -164,7 +177,7 @@ class BlobWriter:
                         raise BlobBusy(f"blob sha256:{self.hex} is being downloaded by another process") from None
                 # Locked, but perhaps the file another writer has since renamed or removed: start over then.
                 try:
-                    same = os.stat(path).st_ino == os.fstat(f.fileno()).st_ino
+                    same = os.lstat(path).st_ino == os.fstat(f.fileno()).st_ino
                 except FileNotFoundError:
                     same = False
                 if not same:
@@ -241,7 +254,7 @@ def write_blob(data: bytes | Iterable[bytes], root: str | os.PathLike | None = N
     hasher, size = hashlib.sha256(), 0
     try:
         tmp.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as f:
+        with open(tmp, "xb") as f:
             for chunk in chunks:
                 f.write(chunk)
                 hasher.update(chunk)
@@ -297,7 +310,8 @@ def write_manifest_bytes(name: OllamaName, data: bytes, root: str | os.PathLike 
                              "delete removed it meanwhile?); nothing was written; try again")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_bytes(data)
+            with open(tmp, "xb") as f:
+                f.write(data)
             os.replace(tmp, path)
         except OSError as exc:
             raise _write_failed(exc, f"the manifest of '{name.display}'") from None
