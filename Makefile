@@ -105,9 +105,11 @@ test-sanitized: venv host-asan
 		tests/test_moe.py tests/test_moe_experts.py
 
 # 10,000 generated requests at a live server (half of them generations on a loaded model): no 5xx, every
-# status documented, still serving after. `make test` runs the same property test with 300.
+# status documented, still serving after; then 5,000 model-management operations against a hostile registry
+# and a store with links in it: no 5xx but the registry's, /api/tags within 1 s throughout, nothing outside
+# the store touched, every blob its digest's bytes. `make test` runs the same tests with 300 and 150.
 fuzz: venv host
-	PEBBLING_FUZZ_EXAMPLES=10000 $(PY) -m pytest -q -s -p no:cacheprovider tests/test_fuzz.py
+	PEBBLING_FUZZ_EXAMPLES=10000 $(PY) -m pytest -q -s -p no:cacheprovider tests/test_fuzz.py tests/test_fuzz_store.py
 
 # For a GPU machine with no package registry: the wheels it lacks (benchmarks/gpu_requirements.txt) into .whl/,
 # with their size beside everything that travels. Then, there, with build/ (make cuda) and .whl carried:

@@ -9,11 +9,17 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import subprocess
+import sys
 import tempfile
+import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import pytest
+import requests
 from gguf import GGUFReader
 
 from pyplugin.ggml_types import SUPPORTED_NAMES
@@ -178,3 +184,42 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+@contextmanager
+def pebbling_serve(models: Path, env: dict[str, str]) -> Iterator[tuple[str, dict, int]]:
+    """`pebbling serve` in its own process (as a user runs it, so that its memory is its own) over `models`,
+    with `env` added to this process's environment; yields its URL, the statuses its OpenAPI document lists
+    ({path: {METHOD: {"200", ...}}}) and its process id. At the end it must stop cleanly when terminated.
+    Its log goes to a file, never a pipe: a pipe nobody reads fills, and the server's next log line blocks it."""
+    port = free_port()
+    with tempfile.TemporaryFile("w+") as log:
+        process = subprocess.Popen([sys.executable, "-m", "pyplugin.cli", "serve", "--host", "127.0.0.1", "--port",
+                                    str(port), "--models", str(models), "--log-level", "warning"],
+                                   stdout=subprocess.DEVNULL, stderr=log, env={**os.environ, **env})
+
+        def logged() -> str:
+            log.seek(0)
+            return log.read()[-2000:]
+
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    requests.get(url, timeout=5)
+                    break
+                except requests.ConnectionError:
+                    if process.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError(f"pebbling serve did not start: {logged()}") from None
+                    time.sleep(0.2)
+            documented = {path: {m.upper(): set(ops[m]["responses"]) for m in ops}
+                          for path, ops in requests.get(f"{url}/openapi.json", timeout=30).json()["paths"].items()}
+            yield url, documented, process.pid
+        finally:
+            process.terminate()
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+            assert process.returncode in (0, -15), logged()

@@ -1,14 +1,17 @@
 """A registry speaking Ollama's protocol (the OCI distribution API's GETs) on loopback, for the pull tests:
 manifests by name and tag, blobs by digest with Range requests, and ways to misbehave on purpose: a
 download cut off half-way, a blob whose bytes are not its digest's, a body longer or shorter than the
-blob, an endless body, a body sent slowly (in pieces, or a byte at a time), a redirect to another host
-name (`localhost` for `127.0.0.1`). Every misbehaviour stops when the registry does."""
+blob, an endless body, a body sent slowly (in pieces, or a byte at a time) or never (its headers, then
+nothing), a redirect to another host name (`localhost` for `127.0.0.1`). Every misbehaviour stops when the
+registry does."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import re
+import select
+import sys
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -30,6 +33,7 @@ class Registry:
     endless: set[str] = field(default_factory=set)          # digests whose body never ends (chunked)
     pieces: dict[str, tuple[int, float]] = field(default_factory=dict)  # digest -> (pieces, seconds between)
     drip: dict[str, float] = field(default_factory=dict)    # digest -> seconds between single bytes
+    stall: set[str] = field(default_factory=set)            # digests answered with headers and then nothing
     redirect: set[str] = field(default_factory=set)         # digests answered 307 to the same path on localhost
     stopped: threading.Event = field(default_factory=threading.Event)
     url: str = ""
@@ -96,6 +100,16 @@ def _handler(registry: Registry):
                     return
                 if digest in registry.endless:
                     return self._endless()
+                if digest in registry.stall:
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.flush()
+                    while not registry.stopped.wait(0.2):
+                        if select.select([self.connection], [], [], 0)[0]:  # the client closed the connection
+                            break
+                    self.close_connection = True
+                    return
                 start = 0
                 if (r := _RANGE.fullmatch(self.headers.get("Range") or "")) is not None:
                     start = int(r.group(1))
@@ -155,11 +169,18 @@ def _handler(registry: Registry):
     return Handler
 
 
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address):
+        if not isinstance(sys.exc_info()[1], ConnectionError):  # a client that left is no error here
+            super().handle_error(request, client_address)
+
+
 @contextmanager
 def serving_registry() -> Iterator[Registry]:
     registry = Registry()
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(registry))
-    server.daemon_threads = True
+    server = _Server(("127.0.0.1", 0), _handler(registry))
     registry.url = f"http://127.0.0.1:{server.server_address[1]}"
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()

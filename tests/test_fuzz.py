@@ -15,9 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-import time
 from collections import Counter
 
 import pytest
@@ -25,7 +22,7 @@ import requests
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers import craft, free_port, rss_bytes
+from helpers import craft, pebbling_serve, rss_bytes
 from pyplugin.model.synth import write_gguf
 from registry import serving_registry
 
@@ -168,36 +165,9 @@ def server(tmp_path_factory):
         craft(base, root / f"{name}.gguf", tensor, qtype, ne)
     (root / "truncated.gguf").write_bytes(base.read_bytes()[:base.stat().st_size // 2])
     (root / "not-gguf.gguf").write_bytes(b"this is not a GGUF file\n" * 100)
-    port = free_port()
-    with serving_registry() as registry:
-        env = {**os.environ, "OLLAMA_MODELS": str(tmp_path_factory.mktemp("ollama")), "PEBBLING_REGISTRY": registry.url}
-        process = subprocess.Popen([sys.executable, "-m", "pyplugin.cli", "serve", "--host", "127.0.0.1", "--port",
-                                    str(port), "--models", str(root), "--log-level", "warning"],
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
-        yield from _serve(process, f"http://127.0.0.1:{port}")
-
-
-def _serve(process: subprocess.Popen, url: str):
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                requests.get(url, timeout=5)
-                break
-            except requests.ConnectionError:
-                if process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"pebbling serve did not start: {process.stderr.read()}") from None
-                time.sleep(0.2)
-        documented = {path: {m.upper(): set(ops[m]["responses"]) for m in ops}
-                      for path, ops in requests.get(f"{url}/openapi.json", timeout=30).json()["paths"].items()}
-        yield url, documented, process.pid
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-        assert process.returncode in (0, -15), process.stderr.read()[-2000:]
+    with serving_registry() as registry, pebbling_serve(root, {
+            "OLLAMA_MODELS": str(tmp_path_factory.mktemp("ollama")), "PEBBLING_REGISTRY": registry.url}) as served:
+        yield served
 
 
 def send(url: str, kind: str, path: str, body) -> requests.Response:
