@@ -54,7 +54,9 @@ def server(registry, store, tmp_path_factory):
     patch = pytest.MonkeyPatch()
     patch.setenv("OLLAMA_MODELS", str(store))
     patch.setenv("PEBBLING_REGISTRY", registry.url)
-    app = create_app(models_dir=tmp_path_factory.mktemp("models"))
+    models = tmp_path_factory.mktemp("models")
+    (models / "local.gguf").write_bytes(gguf(29))  # a file of the models directory, which copy imports
+    app = create_app(models_dir=models)
     with serving(app) as url:
         yield url, app
     patch.undo()
@@ -225,8 +227,14 @@ def test_abandoned_pulls_are_stopped_and_never_keep_the_server_from_answering(ur
     registry.drip[digest] = 0.5
 
     def abandoned(stream: bool) -> None:
+        """Gone after 2 s (a streamed pull sends progress all the while, so the client closes it)."""
         try:
-            requests.post(f"{url}/api/pull", json={"model": "drip", "stream": stream}, timeout=2).content
+            with requests.post(f"{url}/api/pull", json={"model": "drip", "stream": stream}, timeout=2,
+                               stream=stream) as r:
+                given_up = time.monotonic() + 2
+                for _ in r.iter_lines():
+                    if time.monotonic() > given_up:
+                        break
         except requests.RequestException:
             pass  # gone: that is the point
 
@@ -242,6 +250,25 @@ def test_abandoned_pulls_are_stopped_and_never_keep_the_server_from_answering(ur
     registry.drip.pop(digest)
     r = pull(url, "drip", timeout=30)
     assert r.json() == {"status": "success"} and sha256(blob(store, digest)) == digest
+
+
+def test_a_blob_a_concurrent_delete_removed_before_the_manifest_is_written_is_fetched_again(
+        url, registry, store, monkeypatch):
+    data = gguf(49)
+    digest = registry.add("library", "shared", "latest", {"model": data})["model"]
+    write = pull_module.write_manifest_bytes
+    calls = []
+
+    def deleted_first(name, raw, root=None):
+        calls.append(name)
+        if len(calls) == 1:
+            blob(store, digest).unlink()  # as a delete of another model naming the blob would
+        return write(name, raw, root)
+
+    monkeypatch.setattr(pull_module, "write_manifest_bytes", deleted_first)
+    assert pull(url, "shared").json() == {"status": "success"}
+    assert len(calls) == 2 and registry.blob_gets(digest) == 2 and sha256(blob(store, digest)) == digest
+    assert "shared:latest" in listed(url)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -342,6 +369,8 @@ def test_a_full_disk_is_a_507_that_names_it_and_leaves_nothing_partial(server, r
     assert r.status_code == 507 and "disk is full" in r.json()["error"], r.text
     r = pull(url, "tiny")
     assert r.status_code == 507 and "disk is full" in r.json()["error"], r.text
+    r = requests.post(f"{url}/api/copy", json={"source": "local", "destination": "copied"}, timeout=30)
+    assert r.status_code == 507 and "disk is full" in r.json()["error"], r.text  # the file imported as a blob
     left = [p.name for p in (full_disk / "blobs").iterdir()]
     assert left == [], left
     r = requests.get(f"{url}/api/tags", timeout=10)

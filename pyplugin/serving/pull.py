@@ -35,8 +35,8 @@ import httpx
 
 from ..errors import PebblingError
 from .ollama_store import DEFAULT_HOST, MODEL_MEDIA_TYPE, OllamaName, parse_name
-from .store_write import (BlobBusy, BlobWriter, DigestMismatch, RegistryError, RegistryNotFound, StoreError, blob_path, digest_hex,
-                          write_manifest_bytes)
+from .store_write import (BlobBusy, BlobsMissing, BlobWriter, DigestMismatch, RegistryError, RegistryNotFound,
+                          StoreError, blob_path, digest_hex, write_manifest_bytes)
 
 REGISTRY_ENV = "PEBBLING_REGISTRY"
 DEADLINE_ENV = "PEBBLING_PULL_DEADLINE"
@@ -160,11 +160,17 @@ def _pull(name: OllamaName, root: Path | None, base: str, timeout: float, stop: 
     with httpx.Client(timeout=httpx.Timeout(timeout, connect=min(timeout, 15.0)), follow_redirects=True,
                       event_hooks={"response": [_log_redirects]}) as client:
         raw, layers = _manifest(client, base, name, stop)
-        for layer in {layer["digest"]: layer for layer in layers}.values():  # a blob named twice: fetched once
-            yield from _download(client, base, name, layer, root, stop)
-    yield {"status": "verifying sha256 digest"}  # each blob was, as it was committed
-    yield {"status": "writing manifest"}
-    write_manifest_bytes(name, raw, root)
+        for attempt in range(RETRIES + 1):
+            for layer in {layer["digest"]: layer for layer in layers}.values():  # a blob named twice: once
+                yield from _download(client, base, name, layer, root, stop)
+            yield {"status": "verifying sha256 digest"}  # each blob was, as it was committed
+            yield {"status": "writing manifest"}
+            try:
+                write_manifest_bytes(name, raw, root)
+                break
+            except BlobsMissing:  # a delete of a model that shared a blob removed it meanwhile: fetch it again
+                if attempt == RETRIES:
+                    raise
     yield {"status": "success"}
 
 

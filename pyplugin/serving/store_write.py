@@ -1,12 +1,9 @@
 """Writing Ollama's store as Ollama writes it, so that the two share it: blobs by content digest,
-manifests by name, copies and deletions.
-
-Writes go to the user's store (ollama_store.models_dir(): $OLLAMA_MODELS, else ~/.ollama/models):
-    blobs/sha256-<hex>                                 written under another name, verified, then renamed
-    blobs/sha256-<hex>.pebbling-partial                a download in progress (pull.py resumes it; named
-                                                       apart from Ollama's own -partial files, which it
-                                                       reads as its download's state)
-    manifests/<host>/<namespace>/<model>/<tag>         written whole, then renamed
+manifests by name, copies and deletions, in the user's store ($OLLAMA_MODELS, else ~/.ollama/models):
+    blobs/sha256-<hex>                        written under another name, verified, then renamed
+    blobs/sha256-<hex>.pebbling-partial       a download in progress, which pull.py resumes (named apart
+                                              from Ollama's -partial files, its own download's state)
+    manifests/<host>/<namespace>/<model>/<tag>  written whole, then renamed
 A blob is only ever named by the digest of its bytes: one whose bytes do not hash to its name is removed
 and refused. One writer at a time holds a download's partial file (an exclusive lock on it, so two pulls
 of one blob, in one process or two, never append to it together): the others wait for it, then find the
@@ -68,6 +65,10 @@ class StoreWriteError(PebblingError):
 
 class PastSize(StoreError):
     """Bytes past the size a blob was announced with: refused, never written."""
+
+
+class BlobsMissing(StoreError):
+    """A manifest names a blob the store does not have (a delete removed it): it is not written."""
 
 
 class BlobBusy(StoreError):
@@ -300,14 +301,10 @@ def write_manifest_bytes(name: OllamaName, data: bytes, root: str | os.PathLike 
     path = manifest_path(name, root)
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
     with _STORE_LOCK:
-        try:
-            named = _digests(json.loads(data))
-        except ValueError:
-            named = set()
-        missing = [d for d in sorted(named) if not blob_path(f"sha256:{d}", root).is_file()]
+        missing = [d for d in sorted(_named(data)) if not blob_path(f"sha256:{d}", root).is_file()]
         if missing:
-            raise StoreError(f"model '{name.display}': blob sha256:{missing[0]} it names is not in the store (a "
-                             "delete removed it meanwhile?); nothing was written; try again")
+            raise BlobsMissing(f"model '{name.display}': blob sha256:{missing[0]} it names is not in the store "
+                               "(a delete removed it meanwhile?); nothing was written; try again")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             with open(tmp, "xb") as f:
@@ -353,10 +350,7 @@ def delete_model(name: str, root: str | os.PathLike | None = None) -> list[str]:
             path.unlink()
         except (FileNotFoundError, IsADirectoryError):
             raise ModelNotInStore(f"model '{name}' not found in Ollama's store") from None
-        try:
-            named = _digests(json.loads(raw))
-        except ValueError:
-            named = set()  # a broken manifest still goes; its blobs, if any, are left
+        named = _named(raw)  # a broken manifest still goes; its blobs, if any, are left
         _remove_empty_dirs(path.parent, base / "manifests")
         still_named: set[str] = set()
         for other in ollama_store.manifest_files(base):
@@ -377,6 +371,14 @@ def delete_model(name: str, root: str | os.PathLike | None = None) -> list[str]:
 
 class ModelNotInStore(StoreError, LookupError):
     """The store has no manifest of that name (HTTP 404)."""
+
+
+def _named(raw: bytes) -> set[str]:
+    """The blobs a manifest's bytes name (none when they are not JSON)."""
+    try:
+        return _digests(json.loads(raw))
+    except ValueError:
+        return set()
 
 
 def _digests(manifest: Any) -> set[str]:
