@@ -13,9 +13,12 @@ MODELS      ?= models
 CUDA_ARCH   ?= -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90
 NATIVE_SRC  := native/pebble.cu native/pebble_quant.cu native/pebble_decode.cu
 # The host library adds the CPU kernels (SIMD chosen at run time, so no -march: it runs on any x86-64).
-HOST_SRC    := $(NATIVE_SRC) native/pebble_cpu.cc native/pebble_cpu_prompt.cc
-NATIVE_DEPS := $(HOST_SRC) native/pebble.h native/pebble_internal.h native/pebble_device.h native/cuda_host.h \
-               native/pebble_cpu.h native/pebble_cpu_simd.h native/pebble_kv.h
+HOST_SRC    := $(NATIVE_SRC) native/cpu/pool.cc native/cpu/quantize.cc native/cpu/matvec_32.cc native/cpu/matvec_k.cc \
+               native/cpu/matvec_float.cc native/cpu/matmul.cc native/cpu/attend.cc native/cpu/attend_prompt.cc \
+               native/cpu/activations.cc
+NATIVE_DEPS := $(HOST_SRC) $(wildcard native/*.h native/cpu/*.h native/cuda/*.cuh)
+# Includes are written from native/ ("cuda/ops.cuh", "cpu/cpu.h", "pebble_internal.h").
+NATIVE_INC  := -Inative
 HOST_FLAGS  := -x c++ -std=c++17 -DPEBBLE_HOST_BUILD -fPIC -shared -pthread -fvisibility=hidden -Wall -Wextra
 SAN_FLAGS   := -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=undefined
 
@@ -30,7 +33,7 @@ host-asan: build/libpebble_host_asan.so
 build/libpebble_cuda.so: $(NATIVE_DEPS)
 	@command -v $(NVCC) >/dev/null 2>&1 || { echo "make cuda: nvcc was not found on PATH, so the CUDA library cannot be built here; install the CUDA toolkit or set NVCC=/path/to/nvcc." >&2; exit 1; }
 	@mkdir -p build
-	$(NVCC) -O3 -std=c++17 -shared -Xcompiler -fPIC,-fvisibility=hidden $(CUDA_ARCH) --compress-mode=size -o $@ $(NATIVE_SRC)
+	$(NVCC) -O3 -std=c++17 -shared -Xcompiler -fPIC,-fvisibility=hidden $(CUDA_ARCH) --compress-mode=size $(NATIVE_INC) -o $@ $(NATIVE_SRC)
 
 # Builds of the integer matrix-vector kernel to time beside the library (gpu-check's matvec stage, which also
 # checks their products equal the library's): Hopper machine code only, compressed, to travel light.
@@ -41,15 +44,15 @@ cuda-variants: $(foreach v,$(VARIANTS),build/variants/libpebble_cuda_$(word 1,$(
 build/variants/libpebble_cuda_%.so: $(NATIVE_DEPS)
 	@mkdir -p build/variants
 	$(NVCC) -O3 -std=c++17 -shared -Xcompiler -fPIC,-fvisibility=hidden -gencode arch=compute_90,code=sm_90 \
-		--compress-mode=size $(word 2,$(subst :, ,$(filter $*:%,$(VARIANTS)))) -o $@ $(NATIVE_SRC)
+		--compress-mode=size $(word 2,$(subst :, ,$(filter $*:%,$(VARIANTS)))) $(NATIVE_INC) -o $@ $(NATIVE_SRC)
 
 build/libpebble_host.so: $(NATIVE_DEPS)
 	@mkdir -p build
-	$(CXX) -O3 $(HOST_FLAGS) -o $@ $(HOST_SRC)
+	$(CXX) -O3 $(HOST_FLAGS) $(NATIVE_INC) -o $@ $(HOST_SRC)
 
 build/libpebble_host_asan.so: $(NATIVE_DEPS)
 	@mkdir -p build
-	$(CXX) $(SAN_FLAGS) $(HOST_FLAGS) -o $@ $(HOST_SRC)
+	$(CXX) $(SAN_FLAGS) $(HOST_FLAGS) $(NATIVE_INC) -o $@ $(HOST_SRC)
 
 # The virtual environment, with the package installed editable: what `serve` needs (.serving), and
 # the test extra on top for `test` (.installed). An editable install compiles nothing (CMakeLists.txt):

@@ -21,7 +21,7 @@
 #include "pebble_internal.h"
 #include "pebble_kv.h"
 #ifdef PEBBLE_HOST_BUILD
-#    include "pebble_cpu.h"
+#    include "cpu/cpu.h"
 #endif
 
 #include <algorithm>
@@ -437,7 +437,7 @@ __global__ void add_kernel(float * __restrict__ x, const float * __restrict__ y,
 // round them to fp16 for quantized weights and take them as they are for dense ones, as the forward pass
 // does), fp16 on the GPU.
 #ifdef PEBBLE_HOST_BUILD
-// Whether the host runs the GPU's own kernels where it has SIMD code of its own (qkv_rows, pebble_cpu's
+// Whether the host runs the GPU's own kernels where it has SIMD code of its own (qkv_rows, cpu/attend.cc's
 // attend): without SIMD (PEBBLING_SIMD=portable), so that the host's tests hold those kernels to the
 // forward pass too.
 bool host_runs_gpu_kernels() {

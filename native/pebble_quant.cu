@@ -10,7 +10,7 @@
 // plain function that loops over its share of the work (the launcher splits blocks among the host's
 // thread pool when there are enough of them), a warp has one lane, and the CUDA qualifiers are empty:
 // CI and the sanitizers run the GPU's dequantization. The host build's matvec is not the GPU's kernel:
-// it is pebble_cpu.cc's, which quantizes x to 8-bit blocks and multiplies with integer SIMD dot
+// it is cpu/matmul.cc's, which quantizes x to 8-bit blocks and multiplies with integer SIMD dot
 // products, as llama.cpp's CPU backend does (pebble.h says what that changes in the results); with
 // PEBBLING_SIMD=gpu it runs the GPU integer and dense kernels' code for each lane instead (host_q8_matvec,
 // host_dense_matvec).
@@ -27,7 +27,7 @@
 #include <new>
 #include <type_traits>
 #ifdef PEBBLE_HOST_BUILD
-#    include "pebble_cpu.h"
+#    include "cpu/cpu.h"
 #endif
 
 
@@ -421,7 +421,7 @@ dequantize_tiled_kernel(const uint8_t * __restrict__ src, uint16_t * __restrict_
 // time. One 4-byte word of padding every 64 elements puts the lanes' reads in different banks (a lane's
 // part is 32 or 64 elements). A chunk is whole rounds of the warp's parts, so each lane takes the parts
 // it would take reading x from global memory, in the same order: the same sums, bit for bit.
-// (The host build multiplies in pebble_cpu.cc instead, but for PEBBLING_SIMD=gpu: see host_q8_matvec.)
+// (The host build multiplies in cpu/matmul.cc instead, but for PEBBLING_SIMD=gpu: see host_q8_matvec.)
 #ifndef PEBBLE_MATVEC_ROWS // a build may set these five to compare (benchmarks/bench_matvec.py --libs)
 #    define PEBBLE_MATVEC_ROWS 16
 #endif
@@ -627,7 +627,7 @@ matvec_dense_kernel(const __grid_constant__ stacked_rows m, int64_t n_cols, cons
 // in one instruction), where matvec_kernel decodes each weight to float and multiplies it by x's fp16 value
 // (I2FP, HADD2, two FFMAs and its shared-memory address for every weight and vector: 0.9 TB/s for Q4_K
 // and 1 TB/s for Q6_K on an H200, a quarter of its copy rate). x is quantized as the host library
-// quantizes it (pebble_cpu.cc quantize_block: d = max|x| / 127, q = round-half-even(x / d); a block with
+// quantizes it (cpu/quantize.cc quantize_block: d = max|x| / 127, q = round-half-even(x / d); a block with
 // an infinity or NaN d = NaN and q = 0), per 256 elements for the K-quants and per 32 for the others,
 // while a chunk is staged, with each 16 elements' sum of q; then a lane's part of a block (64 weights, or
 // a block of 32) is d_x times an exact integer sum over its groups, scaled in float once a group (Q4_K,
@@ -994,7 +994,7 @@ matvec_q8_kernel(const __grid_constant__ stacked_rows m, int64_t n_cols, const u
 
 #ifdef PEBBLE_HOST_BUILD
 // f(begin, end) over [0, n), on the host's thread pool when there is enough work (`work` elements) to
-// pay for waking it (pebble_cpu.cc). The shares are disjoint, so the results are those of one thread.
+// pay for waking it (cpu/pool.cc). The shares are disjoint, so the results are those of one thread.
 template <typename F>
 void host_parallel(int64_t n, int64_t work, F && f) {
     pebble_cpu::parallel_for(n, work, f);
@@ -1332,7 +1332,7 @@ template <typename T, int NV>
 pebble_status launch_matvec_n(const uint8_t * w, int64_t n_rows, int64_t n_cols, const uint16_t * x, float * y,
                               cudaStream_t stream) {
 #ifdef PEBBLE_HOST_BUILD
-    (void)stream; // the host's kernels (pebble_cpu.cc): x quantized once, integer SIMD dot products
+    (void)stream; // the host's kernels (cpu/matmul.cc): x quantized once, integer SIMD dot products
     return pebble_cpu::matmul(T::id, w, n_rows, n_cols, x, false, NV, y, "pebble_matvec");
 #else
     return launch_stacked_n<T, NV>(one_matrix(w, n_rows, y), n_cols, x, stream);

@@ -1,7 +1,9 @@
-// pebble_cpu.h: the host library's CPU kernels (native/pebble_cpu.cc): a persistent thread pool, and
-// products of GGUF-quantized weights with activations quantized once per call to 8-bit blocks, as
-// llama.cpp's CPU backend computes them. Only the host build (PEBBLE_HOST_BUILD) has them; not part of
-// the ABI.
+// cpu/cpu.h: what the host library's CPU kernels (cpu/) give the rest of the library: a persistent thread
+// pool (cpu/pool.cc), products of GGUF-quantized weights with activations quantized once per call to 8-bit
+// blocks, as llama.cpp's CPU backend computes them (cpu/matmul.cc, over cpu/matvec_*.cc), attention
+// (cpu/attend.cc, cpu/attend_prompt.cc) and the gated activations (cpu/activations.cc). The host build's
+// launchers under cuda/ hand their work to these; the one header of cpu/ they include. Only the host build
+// (PEBBLE_HOST_BUILD) has them; not part of the ABI.
 #pragma once
 
 #include "pebble.h"
@@ -61,13 +63,13 @@ pebble_status attend(int32_t n_seq, const float * q, int32_t kv_type, void * con
 // pebble_attend_prompt (pebble.h), the arguments already checked: n_tok queries at positions pos.. of one
 // sequence over its caches' rows 0..pos + n_tok - 1 (a query at p sees the keys at p and before, within
 // `window` of it where window > 0), flash-attention style, tiles of queries on the pool's threads
-// (native/pebble_cpu_prompt.cc).
+// (cpu/attend_prompt.cc).
 pebble_status attend_prompt(const float * q, int64_t n_tok, int64_t pos, int32_t kv_type, const void * k_cache,
                             const void * v_cache, int32_t n_head, int32_t n_head_kv, int32_t head_dim, int64_t window,
                             float scale, float softcap, float * out);
 
 // Whether PEBBLING_SIMD is 'gpu': pebble_matvec and the matmuls then run the GPU's integer and dense
-// kernels' code for each lane on the host (pebble_quant.cu host_q8_matvec, host_dense_matvec); the rest as 'auto'.
+// kernels' code for each lane on the host (cuda/matvec.cu host_q8_matvec, host_dense_matvec); the rest as 'auto'.
 bool gpu_arithmetic();
 
 // n (32 or 256) fp16 elements of x into d and q, as the quantized types' products quantize x (pebble.h).
@@ -77,7 +79,7 @@ void quantize(const uint16_t * x, int n, float & d, int8_t * q);
 const char * simd_level();
 
 // out[i] = silu(gate[i]) * up[i], or with GELU's tanh approximation in place of SiLU (gelu), for n
-// elements, among the pool's threads: eight at a time on AVX2 (exp by pebble_cpu_simd.h's polynomial), every
+// elements, among the pool's threads: eight at a time on AVX2 (exp by cpu/simd.h's polynomial), every
 // element alike whatever n (a short last group is masked, not left to a scalar loop), as a batch needs.
 void gated(bool gelu, const float * gate, const float * up, int64_t n, float * out);
 

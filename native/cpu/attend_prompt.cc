@@ -1,4 +1,6 @@
-// pebble_cpu_prompt.cc: a prompt's causal attention on the host (pebble_cpu::attend_prompt).
+// cpu/attend_prompt.cc: a prompt's causal attention on the host (pebble_cpu::attend_prompt, for
+// pebble_attend_prompt), over a cache of F32, F16, Q8_0 or Q4_0 (pebble_kv.h), with a sliding window and
+// soft-cap where asked.
 //
 // A prefill chunk of T queries attends over every earlier position and its own: T x S scores per head,
 // most of a long prompt's arithmetic outside the weights. It is computed as flash attention computes it,
@@ -10,8 +12,8 @@
 // of a sliding layer's window) are never visited, so a causal prompt costs half the products of a full
 // one. The largest tiles are handed out first, so that the threads finish together.
 
-#include "pebble_cpu.h"
-#include "pebble_cpu_simd.h"
+#include "cpu/cpu.h"
+#include "cpu/simd.h"
 
 #include "pebble_internal.h"
 #include "pebble_kv.h"
@@ -24,10 +26,6 @@
 #include <cstring>
 #include <new>
 
-#if defined(__x86_64__) || defined(__i386__)
-#    define PEBBLE_X86 1
-#    include <immintrin.h>
-#endif
 
 using pebble_internal::kv_f16;
 using pebble_internal::kv_f32;
