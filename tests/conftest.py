@@ -20,6 +20,10 @@ from pyplugin.store import BACKENDS
 # (set here, before any test, so that the servers and commands the tests start find it too).
 _CACHE = tempfile.TemporaryDirectory(prefix="pebbling-cache-tests-")
 os.environ["PEBBLING_CACHE"] = _CACHE.name
+# Nor the user's models: a test that names no models directory gets an empty one, not ./models (which
+# `make serve` fills, and which every command finds where $PEBBLING_MODELS is not set).
+_MODELS = tempfile.TemporaryDirectory(prefix="pebbling-models-tests-")
+os.environ["PEBBLING_MODELS"] = _MODELS.name
 
 NO_SKIP_GPU = "--no-skip-gpu"
 

@@ -33,8 +33,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("fetch-demo", help=f"download a small real model, served as {NAME}",
                               description=plain(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", metavar="DIR", type=Path,
-                   help="the models directory to write it into (default $PEBBLING_MODELS, else "
-                        "~/.cache/pebbling/models)")
+                   help="the models directory to write it into (default $PEBBLING_MODELS, else ./models "
+                        "where it is a directory, else ~/.cache/pebbling/models)")
     p.add_argument("--wheel", metavar="FILE", type=Path,
                    help=f"read it from this {PACKAGE} wheel instead of downloading one")
     p.set_defaults(func=run)

@@ -10,13 +10,14 @@ from pathlib import Path
 
 from ..errors import PebblingError
 from ..kv_types import default_kv_type
-from ..serving.registry import MODELS_ENV
+from ..serving.registry import MODELS_ENV, default_models_dir
 from ..serving.settings import HOST_ENV, ORIGINS_ENV, is_loopback
 from .client import DEFAULT_HOST, DEFAULT_PORT, parse_host
 from .common import plain
 
 # pyplugin never imports the server (server_patch uses pyplugin, not the other way round); uvicorn
-# imports the app factory by name. The factory reads the models directory from $PEBBLING_MODELS.
+# imports the app factory by name. The factory reads the models directory from $PEBBLING_MODELS, which
+# serve sets to the directory it chose (--models, else the rule every command shares).
 APP_FACTORY = "server_patch.app:create_app"
 # uvicorn's h11 protocol with header and body read timeouts and a connection cap (named, as the app is).
 HTTP_PROTOCOL = "server_patch.connections:LimitedH11Protocol"
@@ -40,8 +41,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info",
                    help="info (default): a line per request, load and unload; debug: more (so does PEBBLING_DEBUG=1)")
     p.add_argument("--models", metavar="DIR", type=Path,
-                   help=f"serve every NAME.gguf in DIR as NAME (default ${MODELS_ENV}, else "
-                        "~/.cache/pebbling/models)")
+                   help=f"serve every NAME.gguf in DIR as NAME (default ${MODELS_ENV}, else ./models where it "
+                        "is a directory, else ~/.cache/pebbling/models: where the other commands look too)")
     p.add_argument("--ray", action="store_true",
                    help="serve with Ray Serve: --replicas engines behind one address, each conversation kept on the "
                         "replica that holds its cache (needs pip install 'pebbling[ray]'; joins the cluster of "
@@ -66,6 +67,8 @@ def run(args: argparse.Namespace) -> int:
             raise PebblingError(f"--models {args.models}: not a directory; give the directory that "
                                 "holds your .gguf files")
         os.environ[MODELS_ENV] = str(args.models.resolve())
+    else:  # chosen here, once: the app and Ray's replicas (in directories of their own) serve this one
+        os.environ[MODELS_ENV] = str(default_models_dir())
     if not 0 < args.port < 65536:
         raise PebblingError(f"--port {args.port}: choose a port from 1 to 65535")
     if args.ray:

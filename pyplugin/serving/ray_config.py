@@ -16,7 +16,7 @@ TARGET = "target_ongoing_requests"
 @dataclass
 class RayConfig:
     """The deployment's options; `replica()` is what each replica's engine is built from."""
-    models: str | None = None          # the models directory (default: $PEBBLING_MODELS, else the cache)
+    models: str | None = None          # the models directory (default: registry.default_models_dir())
     num_replicas: int = 1
     num_gpus: float = 0                # per replica; 0 on CPU
     num_cpus: float = 1                # per replica, as Ray reserves them

@@ -4,8 +4,9 @@ A name resolves, in order, to:
 1. an existing file path;
 2. ``pebbling-demo``: a random-weight Llama that pyplugin.synth writes into pebbling's cache
    (``demo_dir``: never a user's models directory) the first time it is asked for;
-3. ``NAME`` or ``NAME:TAG`` in the models directory ($PEBBLING_MODELS, else
-   ~/.cache/pebbling/models; callers may pass another), stored as NAME.gguf or NAME:TAG.gguf;
+3. ``NAME`` or ``NAME:TAG`` in the models directory (``default_models_dir``: $PEBBLING_MODELS, else
+   ./models where it is a directory, else ~/.cache/pebbling/models; callers may pass another), stored as
+   NAME.gguf or NAME:TAG.gguf;
 4. Ollama's local store (``find_in_ollama_store``), for any name Ollama's rules accept, namespaced or not.
 ``locate`` gives the file with the Modelfile layers Ollama's store holds for it (none elsewhere): the one
 lookup every caller goes through.
@@ -26,6 +27,7 @@ from . import ollama_store
 from .ollama_store import ModelLayers, OllamaModel
 
 MODELS_ENV = "PEBBLING_MODELS"
+LOCAL_MODELS = "models"  # the directory `make serve` fills and serves, in the directory it runs in
 CACHE_ENV = "PEBBLING_CACHE"
 DEMO_NAME = "pebbling-demo"
 
@@ -42,9 +44,18 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*(:[A-Za-z0-9_][A-Za-z0-9_.\-]*)?
 
 
 def default_models_dir() -> Path:
-    """$PEBBLING_MODELS, else ~/.cache/pebbling/models (it need not exist)."""
+    """The one models directory every command and the server share: $PEBBLING_MODELS, else ./models where
+    it is a directory (what `make serve` fills and serves, so that `pebbling estimate smollm2:135m` run
+    beside it finds what it serves), else ~/.cache/pebbling/models (it need not exist). Absolute, so
+    that it stays the same directory for a process that changes its directory (a Ray replica)."""
     env = os.environ.get(MODELS_ENV)
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "pebbling" / "models"
+    if env:
+        return Path(env).expanduser().absolute()
+    try:
+        local = Path.cwd() / LOCAL_MODELS
+    except OSError:  # the working directory was removed
+        local = None
+    return local if local is not None and local.is_dir() else Path.home() / ".cache" / "pebbling" / "models"
 
 
 def demo_dir() -> Path:
