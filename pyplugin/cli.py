@@ -12,7 +12,8 @@ import sys
 from .errors import PebblingError
 
 # Order shown in --help; a module that is absent is simply not offered.
-COMMANDS = ("run", "serve", "pull", "models", "estimate", "verify", "info", "fetch_demo")  # models: list, ps, show, stop
+# models: list, ps, show, stop; manage: create, cp, rm, push
+COMMANDS = ("run", "serve", "pull", "models", "manage", "estimate", "verify", "info", "fetch_demo")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,5 +1,6 @@
 """Where `pebbling serve` listens, read from $PEBBLING_HOST as Ollama reads $OLLAMA_HOST, and a small
-client for its Ollama API. `run` uses it when a server answers; `list`, `ps`, `show` and `stop` always do.
+client for its Ollama API. `run` uses it when a server answers; `list`, `ps`, `show`, `stop`, `create`,
+`cp` and `rm` always do.
 """
 
 from __future__ import annotations
@@ -104,6 +105,24 @@ class Client:
     def post(self, path: str, body: dict) -> Any:
         return self._json(self._send("POST", path, json=body))
 
+    def send(self, method: str, path: str, body: dict) -> None:
+        """A request whose answer is its status alone (copy, delete): an error is raised."""
+        self._send(method, path, json=body)
+
+    def has_blob(self, digest: str) -> bool:
+        """Whether the server has the blob `digest` (sha256:<hex>)."""
+        try:
+            response = self._http.head(f"/api/blobs/{digest}")
+        except httpx.HTTPError as exc:
+            raise self._unreachable(exc) from None
+        if response.status_code not in (200, 404):
+            raise ServerError(self._error_of(response))
+        return response.status_code == 200
+
+    def upload_blob(self, digest: str, chunks: Iterator[bytes]) -> None:
+        """The blob `digest` uploaded from `chunks`, streamed (the server checks the bytes against it)."""
+        self._send("POST", f"/api/blobs/{digest}", content=chunks, ok=(200, 201))
+
     def stream(self, path: str, body: dict) -> Iterator[dict]:
         """Each NDJSON line of a streamed answer, parsed; a line with an error is raised."""
         try:
@@ -120,12 +139,12 @@ class Client:
         except httpx.HTTPError as exc:
             raise self._unreachable(exc) from None
 
-    def _send(self, method: str, path: str, **kwargs) -> httpx.Response:
+    def _send(self, method: str, path: str, ok: tuple[int, ...] = (200,), **kwargs) -> httpx.Response:
         try:
             response = self._http.request(method, path, **kwargs)
         except httpx.HTTPError as exc:
             raise self._unreachable(exc) from None
-        if response.status_code != 200:
+        if response.status_code not in ok:
             raise ServerError(self._error_of(response))
         return response
 

@@ -358,7 +358,7 @@ class Engine:
         path, layers = self.find(name)
         with model_errors(name, path):
             listing, gguf = self.catalogue.listing(with_tag(name), path), self.catalogue.info(path)["show"]
-        fields = show_fields(with_tag(name), layers, gguf)
+        fields = show_fields(with_tag(name), layers, gguf, path)
         notes = gguf.get("pebbling_notes", []) + fields.pop("pebbling_notes", [])
         return listing, {"model_info": gguf["model_info"], **fields, **({"pebbling_notes": notes} if notes else {})}
 
