@@ -11,7 +11,12 @@ MODELS      ?= models
 
 # Hopper machine code plus PTX, so newer GPUs can JIT it.
 CUDA_ARCH   ?= -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90
-NATIVE_SRC  := native/pebble.cu native/pebble_quant.cu native/pebble_decode.cu
+# The store and the ABI at the top of native/, then the operations under cuda/ (kernels and their launchers,
+# compiled by nvcc for the GPU and as C++ for the host library) and cpu/ (the host library's CPU kernels).
+NATIVE_SRC  := native/pebble.cu native/store.cu native/store_tiers.cu \
+               native/cuda/common.cu native/cuda/quants.cu native/cuda/dequantize.cu native/cuda/matvec.cu \
+               native/cuda/norm.cu native/cuda/rope.cu native/cuda/attention.cu native/cuda/activations.cu \
+               native/cuda/experts.cu native/cuda/decode_step.cu native/cuda/graph.cu native/cuda/decoder.cu
 # The host library adds the CPU kernels (SIMD chosen at run time, so no -march: it runs on any x86-64).
 HOST_SRC    := $(NATIVE_SRC) native/cpu/pool.cc native/cpu/quantize.cc native/cpu/matvec_32.cc native/cpu/matvec_k.cc \
                native/cpu/matvec_float.cc native/cpu/matmul.cc native/cpu/attend.cc native/cpu/attend_prompt.cc \

@@ -1,8 +1,8 @@
-// cuda_host.h: the few CUDA runtime calls pebble.cu uses, mapped onto host memory.
+// cuda_host.h: the few CUDA runtime calls the library's .cu sources use, mapped onto host memory.
 //
-// With it the host C++ compiler builds pebble.cu into libpebble_host.so, so that CI (no GPU) runs
-// the store's own code, under sanitizers too. "Device" memory is plain heap memory, copies are
-// synchronous memcpy, streams and events are inert tokens.
+// With it the host C++ compiler builds the .cu sources into libpebble_host.so, so that CI (no GPU) runs
+// the store's and the kernels' own code, under sanitizers too. "Device" memory is plain heap memory,
+// copies are synchronous memcpy, streams and events are inert tokens.
 #pragma once
 
 #include <cstdint>

@@ -199,7 +199,7 @@ PEBBLE_API enum pebble_status pebble_device_release(void * ptr);
 // ---------------------------------------------------------------------------------------------------
 // quantized tensors
 //
-// Kernels that compute from a tensor's GGUF bytes as stored (native/pebble_quant.cu), so that weights
+// Kernels that compute from a tensor's GGUF bytes as stored (native/cuda/), so that weights
 // stay quantized in the store and on the bus. Types, with GGML's block layouts: 0 F32, 1 F16, 2 Q4_0,
 // 3 Q4_1, 6 Q5_0, 7 Q5_1, 8 Q8_0, 12 Q4_K, 13 Q5_K, 14 Q6_K, 30 BF16. The cuda library enqueues the work on `stream` (a cudaStream_t;
 // NULL for the default stream) and reads and writes device memory (device, managed or pinned host
@@ -269,7 +269,7 @@ PEBBLE_API enum pebble_status pebble_matmul_f32(int32_t ggml_type, const void * 
                                                 int64_t n_vec, float * y, void * stream);
 
 // ---------------------------------------------------------------------------------------------------
-// a transformer layer as the decode step computes it (native/pebble_decode.cu)
+// a transformer layer as the decode step computes it (native/cuda/decode_step.cu)
 //
 // RMS norm, the Q/K/V projections (+ biases), per-head Q/K RMS norms where given (qwen3, gemma3), RoPE,
 // the new K/V row into the caches, attention over the rows filled (soft-capped where asked: gemma2), the

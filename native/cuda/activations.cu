@@ -1,0 +1,75 @@
+// cuda/activations.cu: element-wise operations of the decode step: the gated feed-forward's activation,
+// out = silu(gate) * up (SwiGLU) or out = gelu(gate) * up with GELU's tanh approximation (GeGLU), from
+// float32 into the step's activations; and the logits' scale and soft-cap (c * tanh(l / c)). The host
+// library's gate is its CPU's SIMD loop among its threads (cpu/activations.cc).
+
+#include "cuda/common.cuh"
+#include "cuda/ops.cuh"
+
+#include <cmath>
+#include <cstdint>
+
+using namespace pebble_internal;
+
+namespace {
+
+#ifndef PEBBLE_HOST_BUILD // (the host library's: pebble_cpu::gated, through gate_times_up below)
+// out = silu(gate) * up, silu(g) = g / (1 + exp(-g))
+__global__ void swiglu_kernel(const float * __restrict__ gate, const float * __restrict__ up, int64_t n,
+                              act_t * __restrict__ out) {
+    for (int64_t i = grid_thread(); i < n; i += grid_threads()) {
+        const float g = gate[i];
+        put(out, i, g / (1.0f + expf(-g)) * up[i]);
+    }
+}
+
+// out = gelu(gate) * up, GELU's tanh approximation as pyplugin.model computes it
+__global__ void geglu_kernel(const float * __restrict__ gate, const float * __restrict__ up, int64_t n,
+                             act_t * __restrict__ out) {
+    for (int64_t i = grid_thread(); i < n; i += grid_threads()) {
+        const float g = gate[i];
+        const float t = tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g));
+        put(out, i, 0.5f * g * (1.0f + t) * up[i]);
+    }
+}
+#endif
+
+// logits *= scale, then c * tanh(l / c) where cap > 0
+__global__ void logits_kernel(float * __restrict__ y, int64_t n, float scale, float cap) {
+    for (int64_t i = grid_thread(); i < n; i += grid_threads()) {
+        float l = scale == 1.0f ? y[i] : y[i] * scale;
+        if (cap > 0.0f) l = tanhf(l / cap) * cap;
+        y[i] = l;
+    }
+}
+
+} // namespace
+
+// ---------------------------------------------------------------------------------------------------
+// launchers (cuda/ops.cuh)
+
+namespace pebble_internal {
+
+// out = act(gate) * up for n elements (SiLU, or GELU's tanh approximation): the host library's SIMD loop
+// split among its threads, the kernels above on the GPU.
+pebble_status gate_times_up(bool gelu, const float * gate, const float * up, int64_t n, act_t * out, cudaStream_t stream) {
+#ifdef PEBBLE_HOST_BUILD
+    (void)stream;
+    pebble_cpu::gated(gelu, gate, up, n, out);
+    return PEBBLE_OK;
+#else
+    if (gelu) {
+        LAUNCH(geglu_kernel, grid_for(n, threads), threads, stream, gate, up, n, out);
+    } else {
+        LAUNCH(swiglu_kernel, grid_for(n, threads), threads, stream, gate, up, n, out);
+    }
+    return launched();
+#endif
+}
+
+pebble_status scale_logits(float * logits, int64_t n, float scale, float cap, [[maybe_unused]] cudaStream_t stream) {
+    LAUNCH(logits_kernel, grid_for(n, threads), threads, stream, logits, n, scale, cap);
+    return launched();
+}
+
+} // namespace pebble_internal
