@@ -183,7 +183,8 @@ def _ollama_routes() -> APIRouter:
         if not name:
             raise BadRequest("'model' is required")
         listing, extra = await run_in_threadpool(engine_of(request).show, name)
-        return {**extra, "details": listing.details, "modified_at": iso(listing.modified)}
+        # "digest" is pebbling's: the model's ID as /api/tags and /api/ps give it (Ollama's show has none)
+        return {**extra, "details": listing.details, "modified_at": iso(listing.modified), "digest": listing.digest}
 
     @router.get("/api/ps", tags=["ollama"])
     async def ps(request: Request) -> dict:
@@ -191,6 +192,7 @@ def _ollama_routes() -> APIRouter:
             "name": m.name, "model": m.name, "size": m.size, "digest": m.digest, "details": m.details,
             # Ollama shows a model kept forever as expiring in the far future.
             "expires_at": iso(min(m.expires_at, 253402300799.0)), "size_vram": m.size_vram,
+            "context_length": m.context_length, **({"pebbling": m.placement} if m.placement else {}),
         } for m in engine_of(request).running()]}
 
     return router

@@ -21,8 +21,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                                           "directory and Ollama's store. " + _SERVER)
     p.set_defaults(func=list_models)
     p = subparsers.add_parser("ps", help="list the models the server has loaded",
-                              description="List the models the server has loaded, the device memory each "
-                                          "used at its last request (measured) and when it unloads. " + _SERVER)
+                              description="List the models the server has loaded, as ollama ps does: where "
+                                          "each one's weights are (PROCESSOR: the share in host memory and "
+                                          "in device memory, estimated from its plan), its context and when "
+                                          "it unloads. " + _SERVER)
     p.set_defaults(func=ps)
     p = subparsers.add_parser("show", help="show a model's details, template, parameters, license",
                               description="Show what the server's /api/show says of MODEL. " + _SERVER)
@@ -50,11 +52,27 @@ def list_models(args: argparse.Namespace) -> int:
 def ps(args: argparse.Namespace) -> int:
     models = _ask(lambda c: c.get("/api/ps"))["models"]
     now = datetime.datetime.now(datetime.timezone.utc)
-    rows = [[m["name"], m["digest"][:12], human_bytes(m["size"]),
-             human_bytes(m["size_vram"]) if m.get("size_vram") else "not measured",
+    rows = [[m["name"], m["digest"][:12], human_bytes(m["size"]), processor(m), str(m.get("context_length", "")),
              until(now, _time(m["expires_at"]))] for m in models]
-    print(format_table(["NAME", "ID", "SIZE", "DEVICE (measured)", "UNTIL"], rows))
+    print(format_table(["NAME", "ID", "SIZE", "PROCESSOR", "CONTEXT", "UNTIL"], rows))
     return 0
+
+
+def processor(m: dict) -> str:
+    """`ollama ps`'s PROCESSOR: "100% CPU", "100% GPU" or "48%/52% CPU/GPU", the share of the weights in
+    host memory and in device memory. From pebbling's estimate of where its plan keeps them (/api/ps's
+    pebbling object), else from Ollama's size and size_vram as `ollama ps` reads them."""
+    placement = m.get("pebbling") or {}
+    if "device_weight_bytes" in placement:
+        gpu, total = placement["device_weight_bytes"], placement["device_weight_bytes"] + placement["host_weight_bytes"]
+    else:
+        gpu, total = m.get("size_vram") or 0, m.get("size") or 0
+    if gpu <= 0:
+        return "100% CPU"
+    if gpu >= total:
+        return "100% GPU"
+    cpu = round(100 * (total - gpu) / total)
+    return f"{cpu}%/{100 - cpu}% CPU/GPU"
 
 
 def show(args: argparse.Namespace) -> int:

@@ -61,8 +61,7 @@ class PebbledModel:
         self.backend = select_backend(backend)
         self.store = self.backend.open_store(0, cfg.n_layer, "minimal")
         self.xp, self.dtype = self.backend.xp, self.backend.compute_dtype
-        self.weights = model.weights
-        self.kernels = self.backend.kernels
+        self.weights, self.kernels = model.weights, self.backend.kernels
         self.layouts: list[list[StoredTensor]] = []
         # The host library computes from the weights in place: from a copy in huge pages (store/arena.py),
         # or from the file's own mapping where PEBBLING_USE_MMAP asks.
@@ -107,6 +106,7 @@ class PebbledModel:
             drop_file_pages(output.data)
         self.outer: OuterWeights = outer
         self._kv_ctx: int | None = None        # the num_ctx the KV entries are sized for
+        self.plan_in_use: Plan | None = None    # the plan the store was last made to hold (prepare)
         self.kv: KVType = KV_TYPES[default_kv_type(self.model.config.head_dim)]  # ... and the type they hold
         self._kv_seqs: set[int] = set()         # the sequences whose KV entries exist
         self._kv_tokens: dict[int, list[int]] = {}  # per sequence: the tokens its KV entries hold, in order
@@ -197,7 +197,7 @@ class PebbledModel:
             workspace_bytes=workspace,
             overhead_bytes=self._overhead_bytes(),
             margin_bytes=MEASURED_MARGIN_BYTES if self.backend.measures_memory else 0,
-            n_seqs=n_seqs,
+            n_seqs=n_seqs, n_ctx=options.num_ctx,
             request=request if n_seqs == 1 else f"{n_seqs} sequences decoding together, {request}",
             experts=expert_slots)
 
@@ -394,7 +394,7 @@ class PebbledModel:
                     store.erase(i, tensor_id)
             self._kv_seqs.discard(seq)
             self._kv_tokens.pop(seq, None)
-        self._kv_ctx, self.kv = n_ctx, kv
+        self._kv_ctx, self.kv, self.plan_in_use = n_ctx, kv, plan
         experts.keep_merged_on_host(self, plan.expert_cache is not None)
         store.set_strategy(plan.strategy, device_limit=plan.store_limit)
         store.reset_stats()

@@ -48,6 +48,7 @@ class MemoryModel:
     overhead_bytes: int = 0              # the backend's own fixed cost
     kv_windows: tuple[int, ...] = ()     # per layer, the most positions its cache holds (0: all of them)
     n_seqs: int = 1                      # sequences decoding together, each with KV entries of its own
+    n_ctx: int = 0                       # the num_ctx each sequence's KV entries hold
     request: str = "any request"         # what the workspace was sized for, as messages name it
     experts: ExpertMemory | None = None  # experts as pebbles: layer_weight_bytes is then the dense part
     margin_bytes: int = 0                # what a measured peak may stand over the bytes (0: accounted)
@@ -108,6 +109,15 @@ class Plan:
         routing: ExpertMemory.restored_bytes_per_token); 0 without experts as pebbles."""
         e = self.memory.experts
         return e.restored_bytes_per_token(self.expert_cache) if e and self.expert_cache is not None else 0
+
+    def weight_placement(self) -> tuple[int, int]:
+        """(bytes, bytes) of the weights a decode step reads that the plan keeps in device memory (the resident
+        layers', and the output norm and matrix) and that stay in the host tier (the streamed layers'): an
+        estimate from the memory model, not a measurement. On a backend whose arrays are not in device
+        memory (host, stub) all of it is host memory whatever this says."""
+        m = self.memory
+        device = sum(m.layer_weight_bytes[i] for i in self.resident) + m.fixed_bytes
+        return device, sum(m.layer_weight_bytes) + m.fixed_bytes - device
 
     def restored_bytes_per_token(self, context_tokens: int) -> int:
         """Bytes a decode step restores per token generated with `context_tokens` already in each

@@ -81,6 +81,8 @@ class RunningModel:
     details: dict[str, Any]
     digest: str
     active: int                       # requests queued or running on it
+    context_length: int = 0           # the num_ctx its KV cache is sized for (Ollama's context_length)
+    placement: dict[str, Any] | None = None  # where its weights are: /api/ps's "pebbling" (Engine.running)
 
 
 # What the catalogue keeps of files' headers, the least recently used going first past either bound; a
@@ -129,20 +131,37 @@ class Catalogue:
                 found[name] = registry.resolve(name, self.models_dir, allow_paths=False)
             except ModelError:
                 continue  # e.g. the demo cannot be written here; /api/tags still answers
+        in_store: dict[str, ollama_store.OllamaModel] = {}
         for m in ollama_store.list_models():
-            found.setdefault(m.name, m.path)
+            if found.setdefault(m.name, m.path) == m.path:
+                in_store[m.name] = m
         listings = []
         for name, path in sorted(found.items()):
-            name = with_tag(name)
             try:
-                listings.append(self.listing(name, path))
+                listings.append(self.listing(with_tag(name), path, in_store.get(name)))
             except (ModelError, OSError):
                 continue  # an unreadable file is not offered; asking for it by name says why
         return listings
 
-    def listing(self, name: str, path: Path) -> ModelListing:
+    def listing(self, name: str, path: Path, in_store: ollama_store.OllamaModel | None = None) -> ModelListing:
         info = self.info(path)
-        return ModelListing(name, path, info["size"], info["modified"], info["digest"], info["details"])
+        return ModelListing(name, path, info["size"], info["modified"], self.model_id(name, path, in_store),
+                            info["details"])
+
+    def model_id(self, name: str, path: Path, in_store: ollama_store.OllamaModel | None = None) -> str:
+        """The digest (hex) a model is listed by wherever it is listed: /api/tags, /api/ps and /api/show
+        give it whole, `pebbling list` and `ps` its first 12 digits, as `ollama list` and `ps` show IDs.
+        For a model of Ollama's store it is Ollama's own, the SHA-256 of its manifest's bytes (`in_store`,
+        else looked up by `name`), so that `ollama list` and `pebbling list` show the same ID for it; for
+        any other file, the file's (see _read_info). The one place an ID is computed."""
+        if in_store is None and path.name.startswith("sha256-"):
+            try:
+                in_store = ollama_store.resolve(name)
+            except (ModelError, OSError):
+                in_store = None  # deleted meanwhile, or not a store name: the file's own ID
+        if in_store is not None and in_store.manifest_digest and in_store.path.resolve() == path.resolve():
+            return in_store.manifest_digest
+        return self.info(path)["digest"]
 
     def info(self, path: Path) -> dict[str, Any]:
         """Details read from the file's header (size, modified, digest, details, show), cached while
@@ -217,8 +236,10 @@ def _read_info(path: Path, st) -> dict[str, Any]:
     quant = _file_type(md.get("general.file_type")) or most_bytes
     details = {"parent_model": "", "format": "gguf", "family": arch, "families": [arch],
                "parameter_size": format_parameters(n_params), "quantization_level": quant}
-    # Content digests of multi-GB files are too slow for a listing; the blob name is one for
-    # Ollama's store, and elsewhere the path, size and mtime identify this version of the file.
+    # The file's own ID, for model_id. A content digest of a multi-GB file is too slow for a listing (a
+    # 98 MB file takes a tenth of a second, a 40 GB one most of a minute): a blob of Ollama's store is
+    # named by its content digest already, and elsewhere the resolved path, size and mtime identify this
+    # version of the file (it changes when the file does; it is not the SHA-256 of its bytes).
     digest = path.name[len("sha256-"):] if path.name.startswith("sha256-") else hashlib.sha256(
         f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()
     scalars["general.parameter_count"] = n_params

@@ -13,11 +13,10 @@ frees what it held. Counts are tokens, durations nanoseconds, as in Ollama.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -30,6 +29,7 @@ from ..runtime.embedding import check_pooling, normalize, pool
 from ..store import choose_backend
 from .catalogue import Catalogue, ModelListing, RunningModel, ServerBusyError, model_errors, with_tag
 from .batching import Batcher
+from .loaded import Loaded
 from .go_template import parsed
 from .jobs import DEFAULT_KEEP_ALIVE, FOREVER, Final, GenerationRequest, Job, json_ready, parse_keep_alive, since
 from .modelfile import ModelLayers, chat_renderer, show_fields, template_source, with_layers
@@ -39,25 +39,6 @@ from .settings import (DEFAULT_MAX_CONTEXT, DEFAULT_MAX_QUEUE, DEFAULT_PARKED_KV
                        PARKED_KV_ENV, env_limit, parallel_limit)
 
 logger = logging.getLogger("pebbling")
-
-
-# ---------------------------------------------------------------------------------------------------
-# loaded models
-
-
-@dataclass
-class _Loaded:
-    key: Path                         # the resolved file: two names for one file share one model
-    name: str                         # the name it was first asked for by
-    weights: str                      # the form its weights are held in (pebbling_weights)
-    model: Model | None = None
-    pebbled: PebbledModel | None = None  # the model's layers in a pebble store
-    expires_at: float = FOREVER       # time.monotonic() deadline once idle
-    active: int = 0                   # requests queued or running
-    size_vram: int = 0                # device memory measured at its last request (0: not measured)
-    load_lock: threading.Lock = field(default_factory=threading.Lock)
-    jobs: queue.Queue = field(default_factory=queue.Queue)
-    worker: threading.Thread | None = None
 
 
 class Engine:
@@ -87,7 +68,7 @@ class Engine:
         self.default_keep_alive = default_keep_alive
         self.backend = backend  # the store backend; None: PEBBLING_BACKEND, else the first that works
         self._lock = threading.Condition()
-        self._loaded: dict[tuple[Path, str], _Loaded] = {}  # by file and weight form
+        self._loaded: dict[tuple[Path, str], Loaded] = {}  # by file and weight form
         self._closed = False
         # Jobs "completed", "cancelled" (stopped mid-way), "dropped" (cancelled while queued), "failed".
         self.counts: Counter = Counter()
@@ -168,7 +149,7 @@ class Engine:
         entry.jobs.put(job)  # entry.active counts it, so the worker cannot have been told to stop
         return job
 
-    def _submit_embed(self, entry: _Loaded, request: GenerationRequest, options: Options,
+    def _submit_embed(self, entry: Loaded, request: GenerationRequest, options: Options,
                       pebbling: PebblingOptions, keep_alive: float, load_ns: int) -> Job:
         """Queues an embed request (the caller releases the entry if this raises)."""
         check_pooling(entry.model.config.pooling)  # a model that pools nothing is refused before anything runs
@@ -210,7 +191,7 @@ class Engine:
         tokens, cut = fit_tokens(model, text, context, options)
         return tokens, text, cut_note(dropped, cut, len(tokens), options.num_keep)
 
-    def _run_embed(self, entry: _Loaded, job: Job) -> Final | None:
+    def _run_embed(self, entry: Loaded, job: Job) -> Final | None:
         """One vector per input, each through the model's store under the request's plan."""
         request, vectors, tokens, prompt_ns, report = job.request, [], 0, 0, None
         for ids in job.inputs:
@@ -229,7 +210,7 @@ class Engine:
                      load_duration=job.load_ns, prompt_eval_count=tokens, prompt_eval_duration=prompt_ns,
                      report=report, embeddings=vectors)
 
-    def _job_done(self, entry: _Loaded, job: Job, outcome: Final | BaseException | None) -> None:
+    def _job_done(self, entry: Loaded, job: Job, outcome: Final | BaseException | None) -> None:
         """A job has ended (outcome: its Final, its error, or None when it was cancelled before it ran)."""
         with self._lock:
             self.counts["failed" if isinstance(outcome, Exception) else "dropped" if outcome is None
@@ -244,7 +225,7 @@ class Engine:
 
     # -- loading and keep_alive ---------------------------------------------------------------------
 
-    def _acquire(self, name: str, path: Path, weights: str) -> tuple[_Loaded, int]:
+    def _acquire(self, name: str, path: Path, weights: str) -> tuple[Loaded, int]:
         """The loaded entry for `name` (the file at `path`) with its weights in form `weights`, counted as
         active; (entry, ns spent loading it here). Another form of the same file is another entry, as a
         load-time option is in Ollama: loaded beside the first, each unloading on its own keep_alive."""
@@ -254,7 +235,7 @@ class Engine:
             if waiting >= self.max_queue:
                 raise ServerBusyError(f"the server is busy: {waiting} requests are queued or running, its limit "
                                       f"(PEBBLING_MAX_QUEUE) is {self.max_queue}; try again later")
-            entry = self._loaded.setdefault(key, _Loaded(key[0], name, weights))
+            entry = self._loaded.setdefault(key, Loaded(key[0], name, weights))
             entry.active += 1
         with entry.load_lock:
             if entry.model is not None:
@@ -263,6 +244,8 @@ class Engine:
             try:
                 with model_errors(name, path):
                     entry.model = load_model(path, weights=weights, progress=False)
+                    entry.digest = self.catalogue.model_id(with_tag(name), path)
+                    entry.details = self.catalogue.info(path)["details"]
                 entry.pebbled = PebbledModel(entry.model, backend=self.backend, keep_host_weights=False,
                                              parked_kv_bytes=self.parked_kv_bytes)
             except BaseException:
@@ -292,7 +275,7 @@ class Engine:
                     self._unload(entry)
             self._lock.notify_all()
 
-    def _release(self, entry: _Loaded, keep_alive: float | None) -> None:
+    def _release(self, entry: Loaded, keep_alive: float | None) -> None:
         """One request is done with `entry`; keep_alive (seconds) sets when it unloads once idle."""
         with self._lock:
             entry.active -= 1
@@ -302,7 +285,7 @@ class Engine:
                 self._unload(entry)
             self._lock.notify_all()
 
-    def _unload(self, entry: _Loaded) -> None:
+    def _unload(self, entry: Loaded) -> None:
         # Called with self._lock held and entry idle. The worker thread ends on the sentinel.
         if self._loaded.get((entry.key, entry.weights)) is entry:
             del self._loaded[(entry.key, entry.weights)]
@@ -363,24 +346,12 @@ class Engine:
         return listing, {"model_info": gguf["model_info"], **fields, **({"pebbling_notes": notes} if notes else {})}
 
     def running(self) -> list[RunningModel]:
+        """The loaded models, for /api/ps."""
         with self._lock:
             entries = [e for e in self._loaded.values() if e.model is not None]
-        now_mono, now = time.monotonic(), time.time()
-        out = []
-        for e in entries:
-            model = e.model
-            if model is None:
-                continue
-            expires = FOREVER if e.expires_at == FOREVER else now + max(0.0, e.expires_at - now_mono)
-            if e.active:  # in use: it will be kept at least until its keep_alive after this request
-                expires = max(expires, now)
-            info = self.catalogue.info(e.key)
-            details = {**info["details"], "pebbling_weights": e.weights}
-            out.append(RunningModel(with_tag(e.name), e.key, model.host_bytes, e.size_vram, expires,
-                                    details, info["digest"], e.active))
-        return out
+        return [m for e in entries if (m := e.running(self.max_context)) is not None]
 
-    def _others(self, entry: _Loaded) -> int:
+    def _others(self, entry: Loaded) -> int:
         """Device memory the other loaded models hold between their requests (an adaptive budget
         leaves it to them)."""
         with self._lock:

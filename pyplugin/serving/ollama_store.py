@@ -16,6 +16,7 @@ built, so a name such as ``../x`` or ``/etc/passwd`` is refused without touching
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -86,6 +87,7 @@ class OllamaModel:
     size: int       # bytes of the model layer
     modified: float  # the manifest's mtime, seconds since the epoch
     layers: ModelLayers = ModelLayers()
+    manifest_digest: str = ""  # hex SHA-256 of the manifest's bytes: the ID `ollama list` shows
 
 
 def parse_name(name: str) -> OllamaName:
@@ -199,7 +201,7 @@ def _read_manifest(manifest: Path, root: Path, display: str) -> OllamaModel:
     if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
         size = blob.stat().st_size
     return OllamaModel(display, blob, f"sha256:{match.group(1)}", size, modified,
-                       _read_layers(data.get("layers", []), root, display))
+                       _read_layers(data.get("layers", []), root, display), hashlib.sha256(raw).hexdigest())
 
 
 def _check_inside(path: Path, root: Path, display: str, what: str) -> None:
