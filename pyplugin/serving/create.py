@@ -23,6 +23,7 @@ from .catalogue import Catalogue
 from .go_parse import TemplateSyntaxError
 from .go_template import parsed
 from .ollama_store import LAYER_PREFIX, MODEL_MEDIA_TYPE, parse_name
+from .store_import import import_file
 from .store_write import StoreError
 
 TEXT_KINDS = ("template", "system", "license")
@@ -241,7 +242,7 @@ def _write(name: ollama_store.OllamaName, new: dict[str, Any], texts: list[tuple
         layers = [gguf]
     elif isinstance(base, Path):
         yield {"status": f"importing {base.name if not base.name.startswith('sha256-') else 'model'}"}
-        layers = [{"mediaType": MODEL_MEDIA_TYPE, **store_write.import_file(base, root)}]
+        layers = [{"mediaType": MODEL_MEDIA_TYPE, **import_file(base, root)}]
     else:
         layers = base_layers
         if isinstance(base_config, dict):

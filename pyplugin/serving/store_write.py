@@ -104,7 +104,7 @@ def _open_unfollowed(path: Path):
     return os.fdopen(os.open(path, flags, 0o666), "a+b")
 
 
-def _write_failed(exc: OSError, what: str) -> StoreWriteError:
+def write_failed(exc: OSError, what: str) -> StoreWriteError:
     cause = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exceeded",
              errno.EROFS: "the file system is read-only"}.get(exc.errno, exc.strerror or str(exc))
     return StoreWriteError(f"cannot write {what} into the model store: {cause}; nothing was kept; free space "
@@ -162,7 +162,7 @@ class BlobWriter:
                 self.partial = self.path.with_name(f"{self.path.name}.pebbling-upload-{secrets.token_hex(4)}")
                 self._file = open(self.partial, "xb")  # a new file: never a link's target
         except OSError as exc:
-            raise _write_failed(exc, f"blob {digest}") from None
+            raise write_failed(exc, f"blob {digest}") from None
 
     def _hold(self, path: Path):
         """The partial file, open and locked by this writer alone (the lock held until it is closed)."""
@@ -205,7 +205,7 @@ class BlobWriter:
             self._file.write(chunk)
         except OSError as exc:
             self.abort()
-            raise _write_failed(exc, f"blob sha256:{self.hex}") from None
+            raise write_failed(exc, f"blob sha256:{self.hex}") from None
         self._hash.update(chunk)
         self.size += len(chunk)
 
@@ -220,7 +220,7 @@ class BlobWriter:
             on_disk = os.fstat(self._file.fileno()).st_size
         except OSError as exc:
             self.abort()
-            raise _write_failed(exc, f"blob sha256:{self.hex}") from None
+            raise write_failed(exc, f"blob sha256:{self.hex}") from None
         if not self.matches() or on_disk != self.size:
             actual = self._hash.hexdigest()
             self.abort()
@@ -230,7 +230,7 @@ class BlobWriter:
             os.replace(self.partial, self.path)  # while the lock is held: no other writer has the file
         except OSError as exc:
             self.abort()
-            raise _write_failed(exc, f"blob sha256:{self.hex}") from None
+            raise write_failed(exc, f"blob sha256:{self.hex}") from None
         self._close()
         return self.path
 
@@ -263,16 +263,10 @@ def write_blob(data: bytes | Iterable[bytes], root: str | os.PathLike | None = N
         digest = f"sha256:{hasher.hexdigest()}"
         os.replace(tmp, blob_path(digest, root))
     except OSError as exc:
-        raise _write_failed(exc, f"a blob of {size} bytes or more") from None
+        raise write_failed(exc, f"a blob of {size} bytes or more") from None
     finally:
         tmp.unlink(missing_ok=True)
     return {"digest": digest, "size": size}
-
-
-def import_file(path: Path, root: str | os.PathLike | None = None) -> dict[str, Any]:
-    """Copies a file into the store as a blob; its layer fields {digest, size}."""
-    with open(path, "rb") as f:
-        return write_blob(iter(lambda: f.read(1 << 20), b""), root)
 
 
 def read_manifest(name: OllamaName, root: str | os.PathLike | None = None) -> dict[str, Any] | None:
@@ -311,7 +305,7 @@ def write_manifest_bytes(name: OllamaName, data: bytes, root: str | os.PathLike 
                 f.write(data)
             os.replace(tmp, path)
         except OSError as exc:
-            raise _write_failed(exc, f"the manifest of '{name.display}'") from None
+            raise write_failed(exc, f"the manifest of '{name.display}'") from None
         finally:
             tmp.unlink(missing_ok=True)
     return path
