@@ -202,8 +202,8 @@ def test_create_checks_the_parameters_as_merged_with_the_base_models(url, models
                                                 "parameters": {"stop": stops}, "stream": False}, timeout=120)
     assert r.status_code == 200, r.text[:300]
     assert "base-stops:latest" in listed(url)
-    # mirostat_eta is Ollama's and means nothing without mirostat: kept as given, here 0.6 MiB of it
-    more = {"mirostat_eta": "e" * (600 << 10)}
+    # tfs_z is Ollama's and not applied by pebbling: kept as given, here 0.6 MiB of it
+    more = {"tfs_z": "e" * (600 << 10)}
     r = requests.post(f"{url}/api/create", json={"model": "more-stops", "from": "base-stops", "parameters": more,
                                                 "stream": False}, timeout=120)
     assert_400(r, "'parameters'", f"over {LIMIT} bytes")

@@ -18,7 +18,7 @@ from server_patch.local import serving
 from test_ollama_store import add_model
 
 TINY = dict(arch="qwen2", n_layer=2, n_embd=32, n_head=2, n_head_kv=1, n_ff=64, n_ctx=512)
-PARAMS = {"num_predict": 3, "temperature": 0, "stop": ["never-written"], "mirostat": 2}
+PARAMS = {"num_predict": 3, "temperature": 0, "stop": ["never-written"], "typical_p": 0.5}
 LICENSE = "Use it kindly."
 LIBRARY_PARAMS = {"num_predict": 2, "temperature": 0, "stop": ["<end_of_turn>"]}
 
@@ -98,11 +98,11 @@ def test_show_reports_the_layers_as_ollama_does(url):
     assert show["template"] == TEMPLATES["phi-3"] and show["system"] == "You are Mario."
     assert show["license"] == LICENSE
     assert show["parameters"].splitlines() == ['num_predict     3', 'temperature     0', 'stop            "never-written"',
-                                               'mirostat        2']
+                                               'typical_p       0.5']
     assert "FROM me/mario:latest" in show["modelfile"] and 'SYSTEM """You are Mario."""' in show["modelfile"]
     assert 'PARAMETER stop            "never-written"' in show["modelfile"]
     assert show["capabilities"] == ["completion"]
-    assert any("mirostat" in note for note in show["pebbling_notes"])  # said, not applied
+    assert any("typical_p" in note for note in show["pebbling_notes"])  # said, not applied
 
 
 def test_capabilities_follow_what_the_template_can_do(url):

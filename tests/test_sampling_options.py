@@ -40,8 +40,7 @@ def test_penalties_change_what_a_model_generates(option):
 
 
 @pytest.mark.parametrize("option,needle", [
-    ({"mirostat": 2}, "'mirostat': 2 is not implemented by pebbling; leave it out or give it 0"),
-    ({"typical_p": 0.5}, "'typical_p'"), ({"tfs_z": 0.9}, "'tfs_z'"), ({"penalize_newline": True}, "false"),
+    ({"typical_p": 0.5}, "'typical_p': 0.5 is not implemented by pebbling; leave it out or give it 1.0"), ({"tfs_z": 0.9}, "'tfs_z'"), ({"penalize_newline": True}, "false"),
     ({"temprature": 0.5}, "'temprature' is not an option pebbling knows"),
     ({"frequency_penalty": 3}, "'frequency_penalty': got 3 (int); accepted: a number from -2 to 2"),
 ])
@@ -51,7 +50,7 @@ def test_unimplemented_and_unknown_options_are_refused_naming_them(option, needl
 
 
 @pytest.mark.parametrize("option", [{"mirostat": 0}, {"typical_p": 1.0}, {"tfs_z": 1}, {"num_gpu": 99},
-                                    {"num_thread": 2}, {"use_mmap": False}, {"mirostat_tau": 5.0},
+                                    {"num_thread": 2}, {"use_mmap": False}, {"mirostat_tau": 5.0}, {"mirostat_eta": 0.1},
                                     {"pebbling_strategy": "minimal"}])
 def test_neutral_values_and_placement_options_are_accepted(option):
     assert Options.from_dict(option) == Options()

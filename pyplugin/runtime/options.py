@@ -1,7 +1,7 @@
 """Generation options, with Ollama's names and defaults, validated from a request's ``options``.
 
 Nothing is silently ignored: an option that changes what is generated and that pebbling does not
-implement (mirostat, tfs_z, typical_p, ...) is refused unless it is given its neutral value, and a key
+implement (tfs_z, typical_p, ...) is refused unless it is given its neutral value, and a key
 that is no option at all is refused naming it. Ollama's options for where a model runs (num_gpu,
 num_thread, use_mmap, ...) are accepted and have no effect, since pebbling decides placement itself
 (the pebbling_* options, read by the plan); so are the pebbling_* keys here.
@@ -36,6 +36,9 @@ class Options:
     stop: tuple[str, ...] = ()
     presence_penalty: float = 0.0   # subtracted from a token's logit once it appears in the last repeat_last_n
     frequency_penalty: float = 0.0  # ... times the number of times it appears there
+    mirostat: int = 0             # 1 or 2: Mirostat's sampling towards a surprise of mirostat_tau (sampling.py)
+    mirostat_tau: float = 5.0     # the surprise it aims at, in bits per token
+    mirostat_eta: float = 0.1     # how fast it corrects its truncation towards it
     kv_type: str = field(default_factory=default_kv_type)  # pebbling_kv_type, else the server's (kv_types.py)
     shift: bool = True            # the request's `shift` (not an option): a full context shifts to go on
     kv_fallback: str = ""         # (not an option) why kv_type is f16, not the server's (kv_types.kv_fallback)
@@ -153,6 +156,9 @@ _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "stop": _stop,
     "presence_penalty": _number(-2.0, 2.0),
     "frequency_penalty": _number(-2.0, 2.0),
+    "mirostat": _integer(0, 2, " (0 = off, 1 = Mirostat, 2 = Mirostat 2.0)"),
+    "mirostat_tau": _number(0.0),
+    "mirostat_eta": _number(0.0),
 }
 
 # Where a model runs: pebbling plans that itself (pebbling_strategy, pebbling_memory_limit).
@@ -160,8 +166,7 @@ PLACEMENT = frozenset({"num_gpu", "main_gpu", "num_thread", "use_mmap", "use_mlo
                        "f16_kv", "vocab_only", "logits_all", "embedding_only", "num_gqa", "rope_frequency_base",
                        "rope_frequency_scale"})
 # Sampling options not implemented, with the value that leaves sampling as it is.
-NEUTRAL = {"mirostat": 0, "mirostat_tau": None, "mirostat_eta": None, "tfs_z": 1.0, "typical_p": 1.0,
-           "penalize_newline": False}
+NEUTRAL = {"tfs_z": 1.0, "typical_p": 1.0, "penalize_newline": False}
 PEBBLING = frozenset({"pebbling_strategy", "pebbling_enabled", "pebbling_memory_limit", "pebbling_weights",
                       "pebbling_cache_prompt", "pebbling_kv_type", "pebbling_expert_cache",
                       "pebbling_expert_prefetch", "pebbling_expert_policy"})

@@ -1,12 +1,16 @@
 """Choosing the next token from logits, in llama.cpp's order:
-repeat penalty -> (greedy at temperature 0) -> top_k -> temperature -> softmax -> top_p -> min_p -> draw.
+repeat penalty -> (greedy at temperature 0) -> top_k -> temperature -> softmax -> top_p -> min_p -> draw;
+with mirostat 1 or 2, as llama.cpp's sampler chain has it: temperature -> Mirostat -> draw, Mirostat taking
+the place of the penalties, top_k, top_p and min_p.
 
-Each request owns a numpy Generator, so a seed makes a run reproducible whatever else runs beside it.
+Each request owns a numpy Generator, so a seed makes a run reproducible whatever else runs beside it, and
+its Mirostat state (mu), so that concurrent requests never steer each other.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from typing import Sequence
 
 import numpy as np
@@ -176,12 +180,67 @@ def _last_nonzero(values: np.ndarray) -> int:
     return int(found[-1]) if found.size else values.size - 1
 
 
+# ---------------------------------------------------------------------------------------------------
+# Mirostat (Basu et al., 2021), as llama.cpp's llama_sampler_init_mirostat and _mirostat_v2 compute it: each
+# step truncates the distribution so that the token drawn is about as surprising as the target tau (in
+# bits, -log2 p), then moves its threshold mu by eta times the error. Summed over N steps the updates say
+# mean(surprise) - tau = (mu_0 - mu_N) / (eta * N): the observed surprise tracks tau as long as mu stays
+# bounded. "Surprise" is that of the token under the truncated distribution it was drawn from, as
+# llama.cpp measures it.
+
+MIROSTAT_M = 100  # llama.cpp's m: Mirostat 1 estimates the Zipf exponent from the m most probable tokens
+
+
+def zipf_exponent(head: np.ndarray) -> float:
+    """Mirostat 1's estimate s_hat of the Zipf exponent from the descending probabilities `head` (least
+    squares of log(p_i / p_i+1) on log((i+2)/(i+1)), as llama.cpp). Tokens a grammar masked (probability 0)
+    are left out; fewer than two left: inf (everything on one token)."""
+    p = head[head > 0]
+    if p.size < 2:
+        return math.inf
+    i = np.arange(p.size - 1)
+    t = np.log((i + 2) / (i + 1))
+    b = np.log(p[:-1] / p[1:])
+    return float(np.dot(t, b) / np.dot(t, t))
+
+
+def mirostat_k(s_hat: float, mu: float, n_vocab: int) -> int:
+    """How many of the most probable tokens Mirostat 1 keeps: k = (eps 2^mu / (1 - N^-eps))^(1/s_hat) with
+    eps = s_hat - 1 (llama.cpp's formula; at eps 0 its limit, 2^mu / ln N), within 1..N."""
+    if not math.isfinite(s_hat) or s_hat <= 0:
+        return 1 if not math.isfinite(s_hat) else n_vocab  # one token holds it all; or a flat head
+    eps = s_hat - 1.0
+    try:
+        base = 2.0 ** mu / math.log(n_vocab) if abs(eps) < 1e-9 else eps * 2.0 ** mu / (1.0 - n_vocab ** -eps)
+        k = base ** (1.0 / s_hat) if base > 0 else 1.0
+    except OverflowError:
+        return n_vocab
+    return int(min(max(k, 1.0), n_vocab)) if math.isfinite(k) else n_vocab
+
+
+def mirostat_candidates(logits: np.ndarray, version: int, mu: float) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, probabilities renormalized over them) of the tokens Mirostat `version` keeps at threshold `mu`
+    from `logits` (already divided by the temperature)."""
+    probs = softmax(logits)
+    if version == 1:
+        head = probs[top_k_candidates(logits, min(MIROSTAT_M, logits.size))]
+        ids = top_k_candidates(logits, mirostat_k(zipf_exponent(head), mu, logits.size))
+    else:  # Mirostat 2: every token whose surprise is at most mu, else the most probable one
+        ids = np.flatnonzero(probs >= 2.0 ** -mu)
+        if ids.size == 0:
+            ids = np.array([int(np.argmax(probs))])
+    kept = probs[ids]
+    return ids, kept / kept.sum()
+
+
 class Sampler:
     """Picks tokens for one request."""
 
     def __init__(self, options: Options):
         self.options = options
         self.rng = np.random.default_rng(options.seed)
+        self.mu = 2.0 * options.mirostat_tau  # Mirostat's threshold, in bits; llama.cpp starts it at 2 tau
+        self.surprise: float | None = None    # the last Mirostat step's observed surprise, in bits
 
     def recent(self, history: Sequence[int]) -> Sequence[int]:
         n = self.options.repeat_last_n
@@ -190,6 +249,8 @@ class Sampler:
 
     def __call__(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
         o = self.options
+        if o.mirostat:
+            return self.mirostat(logits)
         recent = self.recent(history)
         logits = apply_repeat_penalty(logits, recent, o.repeat_penalty)
         if o.presence_penalty or o.frequency_penalty:
@@ -203,3 +264,16 @@ class Sampler:
             ids, probs = nucleus(logits, o.temperature, o.top_p, o.min_p)
         keep = min(top_p_count(probs, o.top_p), min_p_count(probs, o.min_p))
         return int(ids[draw(probs[:keep], self.rng.random())])  # scaled by the kept mass, not divided by it
+
+    def mirostat(self, logits: np.ndarray) -> int:
+        """One Mirostat step: temperature, truncation at mu, a draw, mu moved by eta times the surprise's
+        error. At temperature 0 the most probable token, as llama.cpp's temperature sampler leaves only it."""
+        o = self.options
+        if o.temperature <= 0.0:
+            return int(np.argmax(logits))
+        scaled = np.asarray(logits, dtype=np.float64) / o.temperature
+        ids, probs = mirostat_candidates(scaled, o.mirostat, self.mu)
+        i = draw(probs, self.rng.random())
+        self.surprise = -math.log2(probs[i])
+        self.mu -= o.mirostat_eta * (self.surprise - o.mirostat_tau)
+        return int(ids[i])
