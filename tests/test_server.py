@@ -176,6 +176,8 @@ def test_a_strategy_change_keeps_the_loaded_model_and_its_tokens(url):
         assert body["load_duration"] == 0, strategy  # no reload for a residency change
         assert body["response"] == reference["response"], strategy
         assert body["pebbling"]["strategy"].split(":")[0] == strategy.split(":")[0]
+        if strategy == "every:2":  # which layers stay: every second one, from the first
+            assert body["pebbling"]["resident"] == [0, 2]
     minimal = generate(url, options={**GREEDY, "pebbling_strategy": "minimal"}).json()["pebbling"]
     # streamed layers are copied where the arrays live on a device; host memory computes them in place
     from pyplugin.store import backend_named

@@ -58,6 +58,7 @@ def test_every_strategy_gives_the_tokens_of_full_residency(model, pebbled, refer
     tokens, report, plan = run(model, pebbled, strategy)
     assert tokens == reference_tokens
     assert report["resident_layers"] == len(plan.resident)
+    assert report["resident"] == list(plan.resident)  # which ones: what the web page's layer map draws
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

@@ -53,6 +53,7 @@ def pebbling_report(layers: Any, stats: Any, seq: int = 0) -> dict[str, Any]:
         "decode_step": "python" if layers.backend.name == "stub" else "native",
         "backend": layers.backend.name,
         "resident_layers": len(plan.resident),
+        "resident": list(plan.resident),  # which layers, by index from 0: the rest streamed
         "n_layers": memory.n_layers,
         "budget_bytes": plan.budget_bytes,
         "estimated_peak_bytes": plan.estimated_peak_bytes,
