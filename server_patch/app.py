@@ -97,10 +97,9 @@ def _ollama_routes() -> APIRouter:
         refuse_unsupported(body)
         if body.images:
             raise BadRequest("'images' is not supported: pebbling serves text-only models")
-        if body.suffix:
-            raise BadRequest("'suffix' (fill-in-the-middle) is not supported by pebbling")
         job = await submit(request, GenerationRequest(
-            model=body.model, prompt=body.prompt, system=body.system, template=body.template, raw=body.raw,
+            model=body.model, prompt=body.prompt, suffix=body.suffix, system=body.system, template=body.template,
+            raw=body.raw,
             context=body.context, format=body.format, options=body.options or {}, keep_alive=body.keep_alive,
             think=body.think, shift=body.shift, logprobs=logprobs_wanted(body.logprobs, body.top_logprobs)))
 

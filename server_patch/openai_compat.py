@@ -138,18 +138,18 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
 
 @router.post("/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
-    if body.suffix:
-        raise BadRequest("'suffix' (fill-in-the-middle) is not supported by pebbling")
     if body.echo:
         raise BadRequest("'echo' is not supported by pebbling")
-    # A completion continues the prompt as written: no chat template.
+    # A completion continues the prompt as written: no chat template; with a suffix, the fill-in-the-middle
+    # prompt as /api/generate makes it.
     max_tokens = body.max_tokens
     if max_tokens is None and "num_predict" not in (body.options or {}):
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
     options = _options(body, max_tokens)
     top = _legacy_logprobs_wanted(body)
-    job = await submit(request, GenerationRequest(model=body.model, prompt=body.prompt, raw=True, options=options,
-                                                  keep_alive=body.keep_alive, logprobs=top))
+    raw = not body.suffix
+    job = await submit(request, GenerationRequest(model=body.model, prompt=body.prompt, suffix=body.suffix, raw=raw,
+                                                  options=options, keep_alive=body.keep_alive, logprobs=top))
     base = {"id": f"cmpl-{secrets.token_hex(12)}", "created": now_unix(), "model": body.model,
             "system_fingerprint": "fp_pebbling"}
 
@@ -169,7 +169,8 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         return _sse(events(job), chunk, body.stream_options and body.stream_options.include_usage, base,
                     "text_completion")
     results = await _choices(request, job, body.n, lambda opts: GenerationRequest(
-        model=body.model, prompt=body.prompt, raw=True, options=opts, keep_alive=body.keep_alive, logprobs=top),
+        model=body.model, prompt=body.prompt, suffix=body.suffix, raw=raw, options=opts, keep_alive=body.keep_alive,
+        logprobs=top),
         options, collect)
     if results is None:
         return Response(status_code=499)

@@ -51,7 +51,9 @@ class GenerateRequest(_Body):
     keep_alive: Any = Field(None, description=_KEEP_ALIVE_DOC)
     format: Any = Field(None, description='"json", or a JSON schema the output must follow (constrained decoding)')
     images: list[str] | None = Field(None, description="not supported: text-only models")
-    suffix: str | None = Field(None, description="not supported: fill-in-the-middle")
+    suffix: str | None = Field(None, description="fill in the middle: the text after the gap (`prompt` is the text "
+                               "before it), for a model whose template reads .Suffix or whose vocabulary has "
+                               "fill-in-the-middle tokens")
     think: Any = Field(None, description=_THINK_DOC)
     shift: bool = Field(True, description=_SHIFT_DOC)
     logprobs: bool | None = Field(None, description="each generated token's log probability (the model's "

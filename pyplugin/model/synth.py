@@ -35,7 +35,7 @@ class SynthSpec:
     n_head_kv: int = 2
     n_ff: int = 128
     n_ctx: int = 512
-    vocab: str = "llama3"               # "llama3", "chatml", "qwen3" (byte-level BPE), "spm", "gemma" (SentencePiece)
+    vocab: str = "llama3"               # "llama3", "chatml", "coder", "qwen3" (byte-level BPE), "spm", "gemma"
     pre: str | None = None              # BPE pre-tokenizer name; by default the flavour's own
     n_merges: int = 300
     vocab_size: int = 0                 # pad the vocabulary with unused tokens to this many (Gemma's 262144,

@@ -224,8 +224,8 @@ def _unique(items: Iterable[str]) -> list[str]:
 
 
 def build_vocab(flavour: str, n_merges: int = 300, pre: str | None = None, pad_to: int = 0) -> Vocab:
-    """A small real tokenizer: 'llama3', 'chatml' or 'qwen3' (byte-level BPE), 'spm' or 'gemma'
-    (SentencePiece). `pad_to`: a Gemma vocabulary filled with unused pieces up to that many tokens."""
+    """A small real tokenizer: 'llama3', 'chatml', 'coder' (ChatML with Qwen2.5-Coder's fill-in-the-middle
+    tokens) or 'qwen3' (byte-level BPE), 'spm' or 'gemma' (SentencePiece). `pad_to`: a Gemma vocabulary filled with unused pieces up to that many tokens."""
     if flavour == "llama3":
         specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
                     "<|end_header_id|>", "<|eot_id|>"]
@@ -233,6 +233,11 @@ def build_vocab(flavour: str, n_merges: int = 300, pre: str | None = None, pad_t
                                  add_bos=True, template=LLAMA3_TEMPLATE)
     if flavour == "chatml":
         specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+        return _byte_level_vocab(specials, pre or "qwen2", n_merges, bos=0, eos=2, eot=2,
+                                 add_bos=False, template=CHATML_TEMPLATE)
+    if flavour == "coder":  # ChatML and Qwen2.5-Coder's fill-in-the-middle tokens, in its order
+        specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|fim_prefix|>", "<|fim_middle|>",
+                    "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"]
         return _byte_level_vocab(specials, pre or "qwen2", n_merges, bos=0, eos=2, eot=2,
                                  add_bos=False, template=CHATML_TEMPLATE)
     if flavour == "qwen3":
@@ -243,7 +248,7 @@ def build_vocab(flavour: str, n_merges: int = 300, pre: str | None = None, pad_t
         return _spm_vocab(n_merges)
     if flavour == "gemma":
         return _gemma_vocab(n_merges, pad_to)
-    raise ValueError(f"vocab {flavour!r}: choose llama3, chatml, qwen3, spm or gemma")
+    raise ValueError(f"vocab {flavour!r}: choose llama3, chatml, coder, qwen3, spm or gemma")
 
 
 def _byte_level_vocab(specials: list[str], pre: str, n_merges: int, *, bos: int, eos: int, eot: int,

@@ -27,7 +27,7 @@ from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import models as _models
 
 from ..errors import ModelError
-from .vocabulary import check_vocabulary
+from .vocabulary import check_vocabulary, fim_token_ids
 
 # tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -72,9 +72,11 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
 # What C's isspace() takes for whitespace (llama.cpp strips these bytes only, never U+00A0 & co).
 _C_WHITESPACE = " \t\n\v\f\r"
 
-# Tokens that end a turn in common chat formats; llama.cpp treats these as end-of-generation too.
+# Tokens that end a turn in common chat formats; llama.cpp treats these as end-of-generation too, and
+# Qwen2.5-Coder's fill-in-the-middle padding, repository and file separators (its FIM_PAD, _REP, _SEP).
 _EOG_TEXTS = frozenset({"<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>",
-                        "<|endoftext|>", "<|end_of_text|>", "<EOT>", "<|return|>"})
+                        "<|endoftext|>", "<|end_of_text|>", "<EOT>", "<|return|>",
+                        "<|fim_pad|>", "<|repo_name|>", "<|fim_repo|>", "<|file_sep|>"})
 
 
 @lru_cache(maxsize=1)
@@ -123,7 +125,10 @@ class Tokenizer:
                  merges: Sequence[str] = (), scores: Sequence[float] | None = None,
                  pre: str = "default", bos_id: int | None = None, eos_id: int | None = None,
                  eot_id: int | None = None, eom_id: int | None = None, unk_id: int | None = None,
-                 add_bos: bool | None = None, add_space_prefix: bool = True, name: str = ""):
+                 add_bos: bool | None = None, add_space_prefix: bool = True, name: str = "",
+                 fim_ids: tuple[int, int, int] | None = None):
+        """`fim_ids`: the fill-in-the-middle tokens (fim_token_ids), matched in text as wholes whatever
+        their type, as llama.cpp makes them control tokens."""
         if kind not in ("bpe", "spm"):
             raise ValueError(f"tokenizer kind must be 'bpe' or 'spm', got {kind!r}")
         self.kind = kind
@@ -142,6 +147,7 @@ class Tokenizer:
             self._hf = self._build_spm(scores)
             default_add_bos = True
         self.add_bos = default_add_bos if add_bos is None else bool(add_bos)
+        self.fim = fim_ids
         self._add_special_tokens()
         self.rstrip_ids = self._phi3_rstrip_ids(name)
         table = _byte_level_table()
@@ -181,8 +187,8 @@ class Tokenizer:
         # llama.cpp matches control, user-defined and unknown tokens (<unk>) in the text as wholes.
         # No rstrip=True for Phi-3 here: tokenizers would strip Unicode whitespace (U+00A0, U+3000...)
         # where llama.cpp strips only isspace() bytes; ``_strip_after_specials`` does it instead.
-        special = [(i, self.tokens[i], self.types[i]) for i in self._ids_of_types(CONTROL, USER_DEFINED, UNKNOWN)
-                   if self.tokens[i]]
+        ids = sorted(set(self._ids_of_types(CONTROL, USER_DEFINED, UNKNOWN)) | set(self.fim or ()))
+        special = [(i, self.tokens[i], self.types[i]) for i in ids if self.tokens[i]]
         self._added_ids = frozenset(i for i, _, _ in special)
         self._hf.add_tokens([AddedToken(t, special=ty != USER_DEFINED, normalized=False)
                              for _, t, ty in special])
@@ -336,7 +342,7 @@ class Tokenizer:
                        bos_id=ids["bos"], eos_id=ids["eos"], eot_id=ids["eot"], eom_id=ids["eom"],
                        unk_id=ids["unknown"], add_bos=md.get("tokenizer.ggml.add_bos_token"),
                        add_space_prefix=md.get("tokenizer.ggml.add_space_prefix", True),
-                       name=md.get("general.name") or "")
+                       name=md.get("general.name") or "", fim_ids=fim_token_ids(tokens, md))
         except Exception as exc:  # tokenizers' own errors: bad merges, bad regex...
             raise ModelError(f"{source}: cannot build the tokenizer: {exc}") from None
 

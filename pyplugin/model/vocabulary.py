@@ -1,9 +1,10 @@
 """The checks a GGUF file's tokenizer arrays must pass before a tokenizer is built from them (a load
-and create both make them, so create takes no file that cannot be served)."""
+and create both make them, so create takes no file that cannot be served), and its fill-in-the-middle
+tokens, which /api/show reads without building one."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 from ..errors import ModelError
 
@@ -44,3 +45,34 @@ def check_vocabulary(md: dict[str, Any], source: str) -> str:
                 raise ModelError(f"{source}: 'tokenizer.ggml.merges'[{i}] is {str(merge)[:60]!r}: expected two "
                                  "tokens of the vocabulary separated by a space, which together are one too")
     return kind
+
+
+# Fill-in-the-middle tokens (prefix, suffix, middle), found as llama.cpp finds them (llama_vocab::impl::load):
+# the GGUF's ids, else the first token of one of these texts, in this order.
+FIM_KEYS = (("tokenizer.ggml.fim_pre_token_id", "tokenizer.ggml.prefix_token_id"),
+            ("tokenizer.ggml.fim_suf_token_id", "tokenizer.ggml.suffix_token_id"),
+            ("tokenizer.ggml.fim_mid_token_id", "tokenizer.ggml.middle_token_id"))
+FIM_TEXTS = (("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<\uff5cfim\u2581begin\uff5c>", "<PRE>", "\u2581<PRE>",
+              "<|code_prefix|>"),
+             ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<\uff5cfim\u2581hole\uff5c>", "<SUF>", "\u2581<SUF>",
+              "<|code_suffix|>"),
+             ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<\uff5cfim\u2581end\uff5c>", "<MID>", "\u2581<MID>",
+              "<|code_middle|>"))
+
+
+def fim_token_ids(tokens: Sequence[str], metadata: dict[str, Any] | None = None) -> tuple[int, int, int] | None:
+    """The vocabulary's fill-in-the-middle tokens (prefix, suffix, middle; Qwen2.5-Coder's <|fim_prefix|>,
+    <|fim_suffix|>, <|fim_middle|>), from the GGUF's ids where it gives them, else by their text; None
+    unless all three are there."""
+    metadata = metadata or {}
+    wanted = {text for texts in FIM_TEXTS for text in texts}
+    first = {}
+    for i, token in enumerate(tokens):
+        if token in wanted:
+            first.setdefault(token, i)
+    found = []
+    for keys, texts in zip(FIM_KEYS, FIM_TEXTS):
+        given = next((metadata[k] for k in keys if isinstance(metadata.get(k), int) and 0 <= metadata[k] < len(tokens)),
+                     None)
+        found.append(given if given is not None else next((first[t] for t in texts if t in first), None))
+    return tuple(found) if None not in found else None

@@ -21,6 +21,7 @@ from typing import Any, Iterator
 from ..errors import ModelError, PebblingError
 from ..model import GGUFFile
 from ..model.load import SUPPORTED_ARCHS
+from ..model.vocabulary import fim_token_ids
 from . import ollama_store, registry
 
 
@@ -244,7 +245,8 @@ def _read_info(path: Path, st) -> dict[str, Any]:
         f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()
     scalars["general.parameter_count"] = n_params
     show = {"model_info": scalars, "template": md.get("tokenizer.chat_template", ""),
-            "license": str(md.get("general.license", "")), "pools": f"{arch}.pooling_type" in md}
+            "license": str(md.get("general.license", "")), "pools": f"{arch}.pooling_type" in md,
+            "fim": fim_token_ids(md.get("tokenizer.ggml.tokens") or [], md) is not None}
     if arch not in SUPPORTED_ARCHS:
         show["pebbling_notes"] = [f"architecture {arch!r} is not supported by pebbling (supported: "
                                   f"{', '.join(SUPPORTED_ARCHS)}): this model cannot be served"]

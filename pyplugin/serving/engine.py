@@ -33,7 +33,7 @@ from .loaded import Loaded
 from .go_template import parsed
 from .jobs import DEFAULT_KEEP_ALIVE, FOREVER, Final, GenerationRequest, Job, json_ready, parse_keep_alive, since
 from .modelfile import ModelLayers, chat_renderer, show_fields, template_source, with_layers
-from .prompt import check_context, cut_note, embed_inputs, fit_messages, fit_tokens
+from .prompt import check_context, cut_note, embed_inputs, fit_messages, fit_tokens, insert_prompt
 from .reply import ReplyPlan
 from .settings import (DEFAULT_MAX_CONTEXT, DEFAULT_MAX_QUEUE, DEFAULT_PARKED_KV_MIB, MAX_CONTEXT_ENV, MAX_QUEUE_ENV,
                        PARKED_KV_ENV, env_limit, parallel_limit)
@@ -132,7 +132,7 @@ class Engine:
                           else Constraint.from_format(model.tokenizer, request.format))
             render = chat_renderer(layers, request) or model.chat_prompt
             tokens, prompt, truncated = ([], "", "") if only_loads else \
-                self._prompt_tokens(model, request, options, plan, render)
+                self._prompt_tokens(model, request, options, plan, render, layers.template)
             if truncated:
                 logger.warning("model=%s: the prompt did not fit num_ctx=%d: %s", entry.name,
                                options.num_ctx, truncated)
@@ -167,8 +167,9 @@ class Engine:
         return job
 
     def _prompt_tokens(self, model: Model, request: GenerationRequest, options: Options, plan: ReplyPlan,
-                       render: Callable[..., str]) -> tuple[list[int], str, str]:
-        """(token ids, the text they encode past any context, what was cut to fit num_ctx or "")."""
+                       render: Callable[..., str], go_template: str | None = None) -> tuple[list[int], str, str]:
+        """(token ids, the text they encode past any context, what was cut to fit num_ctx or "");
+        `go_template`: the model's TEMPLATE layer, if it has one."""
         context = list(request.context or [])
         check_context(model, context)
         dropped = 0
@@ -178,11 +179,16 @@ class Engine:
                 lambda messages: plan.finish_prompt(render(messages, **plan.template_args)), options)
         else:
             prompt = request.prompt or ""
-            if request.think is not None and plan.thinker and (request.raw or request.template is not None):
-                raise OptionsError("think works through the model's chat template: leave out raw and template")
+            if request.think is not None and plan.thinker and (request.raw or request.template is not None
+                                                               or request.suffix):
+                raise OptionsError("think works through the model's chat template: leave out raw, template and "
+                                   "suffix")
             turn = [{"role": "system", "content": request.system}] * bool(request.system) + \
                 [{"role": "user", "content": prompt}]
-            if request.raw:
+            if request.suffix:  # fill in the middle: Ollama's insert
+                text = insert_prompt(model, request, request.template if request.template is not None
+                                     else go_template)
+            elif request.raw:
                 text = prompt
             elif request.template is not None:  # a request's own Go template, run as Ollama runs it
                 text = parsed(request.template).render_chat(turn)

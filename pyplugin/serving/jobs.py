@@ -93,6 +93,7 @@ class GenerationRequest:
     messages: list[dict[str, Any]] | None = None    # chat: [{"role", "content"}, ...], HF's tool_calls...
     system: str | None = None
     template: str | None = None                     # generate: an Ollama (Go) template
+    suffix: str | None = None                       # generate: the text after the gap to fill (prompt: before it)
     raw: bool = False
     context: list[int] | None = None                # generate: the ids a previous response returned
     options: dict[str, Any] = field(default_factory=dict)

@@ -19,7 +19,7 @@ from ..errors import OptionsError
 from ..runtime import Options
 from . import store_write
 from .catalogue import ModelLoadError
-from .go_template import parsed
+from .go_template import TemplateSyntaxError, parsed
 from .jobs import GenerationRequest
 from .modelfile_text import format_modelfile
 from .ollama_store import ModelLayers
@@ -82,6 +82,14 @@ def chat_renderer(layers: ModelLayers, request: GenerationRequest) -> Callable[.
     return lambda messages, **_: template.render_chat(messages, tools=request.tools, think=request.think)
 
 
+def reads_suffix(template: str | None) -> bool:
+    """Whether a Go template takes a suffix (reads .Suffix), as Ollama's insert capability asks."""
+    try:
+        return template is not None and "suffix" in parsed(template).fields
+    except TemplateSyntaxError:
+        return False
+
+
 def show_fields(name: str, layers: ModelLayers, gguf: Mapping[str, Any], path: Path) -> dict[str, Any]:
     """/api/show's modelfile, parameters, template, system, license and capabilities of the model `name`,
     whose GGUF is `path`."""
@@ -99,6 +107,8 @@ def show_fields(name: str, layers: ModelLayers, gguf: Mapping[str, Any], path: P
     capabilities = ["completion"] if not gguf.get("embedding_only") else []
     if tool_format(template) is not None:
         capabilities.append("tools")
+    if reads_suffix(layers.template) or gguf.get("fim"):
+        capabilities.append("insert")  # a suffix is taken (prompt.insert_prompt)
     if thinks(template):
         capabilities.append("thinking")
     if gguf.get("pools"):

@@ -17,6 +17,8 @@ from typing import Callable, Sequence
 from ..errors import OptionsError
 from ..model import Model
 from ..runtime import Options
+from .go_template import parsed
+from .jobs import GenerationRequest
 
 
 def answer_room(options: Options) -> int:
@@ -78,6 +80,33 @@ def fit_tokens(model: Model, text: str, context: Sequence[int], options: Options
         head += encode(tokenizer.enough_text(text, keep))[:keep - len(head)]
     tail = tokenizer.encode(tail_text, add_bos=False)
     return head + tail[len(tail) - (budget - keep):], True
+
+
+def insert_prompt(model: Model, request: GenerationRequest, template: str | None) -> str:
+    """The fill-in-the-middle prompt of a generate with a `suffix` (the text after the gap; `prompt` the
+    text before it), as Ollama renders it: through a Go template that reads .Suffix, given Prompt, Suffix
+    and an empty Response only (no system message: a FIM prompt has no place for one), and else, as
+    llama.cpp's /infill builds it, from the vocabulary's FIM tokens, in Qwen2.5-Coder's order:
+    <|fim_prefix|>{prompt}<|fim_suffix|>{suffix}<|fim_middle|>. `template`: the request's Go template,
+    else the model's TEMPLATE layer (None: neither). A model with neither is refused, as Ollama refuses
+    a model without the insert capability."""
+    if request.raw:
+        raise OptionsError("'suffix' is rendered through the model's template or its fill-in-the-middle tokens: "
+                           "leave out raw (or leave out suffix and write the whole prompt yourself)")
+    values = {"Prompt": request.prompt or "", "Suffix": request.suffix, "Response": ""}
+    if template is not None:
+        go = parsed(template)
+        if "suffix" in go.fields:
+            return go.render(values)
+        if request.template is not None:
+            raise OptionsError("the request's template does not read .Suffix, so 'suffix' would be lost: give one "
+                               "that does ({{ .Prompt }}, {{ .Suffix }}), or leave out template")
+    tokenizer = model.tokenizer
+    if tokenizer.fim is None:
+        raise OptionsError(f"{request.model} does not support insert: its template does not read .Suffix and its "
+                           "vocabulary has no fill-in-the-middle tokens")
+    prefix, suffix, middle = (tokenizer.tokens[i] for i in tokenizer.fim)
+    return f"{prefix}{values['Prompt']}{suffix}{values['Suffix']}{middle}"
 
 
 def cut_note(dropped: int, cut: bool, n_tokens: int, num_keep: int) -> str:
