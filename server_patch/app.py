@@ -19,7 +19,7 @@ from starlette.concurrency import run_in_threadpool
 
 from pyplugin.serving import Engine, Final, GenerationRequest, ModelListing, Output
 
-from . import model_admin, openai_compat, openapi, responses
+from . import model_admin, openai_compat, openapi, responses, web
 from .bodies import BodyLimit
 from .errors import add_error_handlers
 from .guard import RequestGuard
@@ -66,6 +66,7 @@ def create_app(engine: Engine | None = None, *, models_dir: str | Path | None = 
     app.include_router(model_admin.router)
     app.include_router(openai_compat.router)
     app.include_router(responses.router)
+    app.include_router(web.router)  # GET /: the page for a browser, plain text for the rest; the estimate
     openapi.install(app)
     metrics.routes = app.routes
     return app
@@ -77,11 +78,6 @@ def create_app(engine: Engine | None = None, *, models_dir: str | Path | None = 
 
 def _ollama_routes() -> APIRouter:
     router = APIRouter()
-
-    @router.head("/", response_class=PlainTextResponse, include_in_schema=False)
-    @router.get("/", response_class=PlainTextResponse, tags=["ollama"])
-    async def root() -> str:
-        return "pebbling is running"
 
     @router.get("/metrics", tags=["pebbling"], response_class=PlainTextResponse,
                 summary="Prometheus metrics: requests, tokens, bytes restored, peak device memory, queue depth")

@@ -1,6 +1,6 @@
 """The package as pip builds it: `pip wheel .` compiles the host library with scikit-build-core from the
 Makefile's sources and flags, and the wheel carries it (inside pyplugin/, where the bindings look), the
-ABI header and the LICENSE; installed on its own, it chooses the host backend."""
+ABI header, the web page's files and the LICENSE; installed on its own, it chooses the host backend."""
 
 from __future__ import annotations
 
@@ -63,6 +63,8 @@ def test_wheel_carries_host_library_header_and_license(wheel):
         assert "pyplugin/libpebble_host.so" in names
         assert "pyplugin/store/pebble.h" in names  # the bindings read the ABI from it
         assert archive.read("pyplugin/store/pebble.h") == (ROOT / "native" / "pebble.h").read_bytes()
+        for page in (ROOT / "server_patch" / "web").iterdir():  # the web page, served from the package
+            assert f"server_patch/web/{page.name}" in names, page.name
         (license_name,) = [n for n in names if n.endswith(".dist-info/licenses/LICENSE")]
         license_text = archive.read(license_name).decode()
         (metadata_name,) = [n for n in names if n.endswith(".dist-info/METADATA")]

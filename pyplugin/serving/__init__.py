@@ -9,6 +9,7 @@ from ..model import ChatTemplateError
 from .catalogue import ModelListing, ModelLoadError, ModelNotFoundError, RunningModel, ServerBusyError
 from .create import CreateSpec, copy_model, create_model
 from .engine import Engine
+from .estimates import ESTIMATE_OPTIONS, estimate_model
 from .jobs import Final, GenerationRequest, Job
 from .ollama_store import InvalidModelName, ModelLayers
 from .pull import REGISTRY_ENV, PullStopped, pull_model
@@ -19,9 +20,10 @@ from .tool_calls import CutCall, ToolCall
 from .settings import HOST_ENV, ORIGINS_ENV, is_loopback
 
 __all__ = [
-    "BlobWriter", "ChatTemplateError", "CreateSpec", "CutCall", "Engine", "Final", "GenerationRequest", "HOST_ENV",
-    "InvalidModelName", "Job", "ModelLayers", "ModelListing", "ModelLoadError", "ModelNotFoundError",
-    "ModelNotInStore", "ORIGINS_ENV", "OptionsError", "Output", "PebblingError", "PullStopped", "REGISTRY_ENV",
-    "RegistryError", "RunningModel", "ServerBusyError", "StoreError", "StoreWriteError", "StrategyError", "ToolCall",
-    "blob_path", "copy_model", "create_model", "delete_model", "is_loopback", "pull_model",
+    "BlobWriter", "ChatTemplateError", "CreateSpec", "CutCall", "ESTIMATE_OPTIONS", "Engine", "Final",
+    "GenerationRequest", "HOST_ENV", "InvalidModelName", "Job", "ModelLayers", "ModelListing", "ModelLoadError",
+    "ModelNotFoundError", "ModelNotInStore", "ORIGINS_ENV", "OptionsError", "Output", "PebblingError", "PullStopped",
+    "REGISTRY_ENV", "RegistryError", "RunningModel", "ServerBusyError", "StoreError", "StoreWriteError",
+    "StrategyError", "ToolCall", "blob_path", "copy_model", "create_model", "delete_model", "estimate_model",
+    "is_loopback", "pull_model",
 ]
