@@ -2,7 +2,7 @@
 
 A leaf that every layer may import: the loader refuses files with other types, the stub's kernels
 accept exactly these, synth writes them and the tests derive their cases from them. The native
-library keeps its own list (native/pebble_quant.cu); a test holds the two together.
+library keeps its own list (native/cuda/quants.cuh); a test holds the two together.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ SUPPORTED_TYPES: dict[int, str] = {int(t): t.name for t in sorted((
     GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1,
     GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K))}
 SUPPORTED_NAMES: tuple[str, ...] = tuple(SUPPORTED_TYPES.values())
-SUPPORTED_TEXT = ", ".join(f"{k} {v}" for k, v in SUPPORTED_TYPES.items())  # as pebble_quant.cu lists them
+SUPPORTED_TEXT = ", ".join(f"{k} {v}" for k, v in SUPPORTED_TYPES.items())  # as native/cuda/quants.cuh lists them
 
 # numpy dtypes that are GGUF types as they are (vectors, caches, dense matrices).
 DENSE_TYPES: dict[np.dtype, int] = {np.dtype(np.float32): F32, np.dtype(np.float16): F16}

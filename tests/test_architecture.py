@@ -1,6 +1,8 @@
 """The architecture as the tree shows it: layers that import downward only, no import cycle, the
 server on the serving layer's public names, backend names only where backends are defined, and no
-module grown past what one reader takes in.
+module grown past what one reader takes in; and the native library's layout: a file per operation on
+each side, none past 800 lines, each opening with what it computes, each side including only what its
+place allows.
 
 Imports are read from the source (every import statement, those inside functions too), so a lazy
 import that points the wrong way counts as much as one at the top of a module.
@@ -165,3 +167,106 @@ def test_no_module_is_longer_than_one_reader_takes_in():
     long = {str(p.relative_to(ROOT)): n for p in MODULES.values()
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert set(long) <= LONGER_ALLOWED, long
+
+
+# ---------------------------------------------------------------------------------------------------
+# the native library (DESIGN.md, "Layout"): pebble.h (the one ABI source), the store and what every part
+# shares at the top of native/; under cuda/ one file per operation with its kernels and their launcher,
+# compiled for the GPU by nvcc and as C++ into the host library; under cpu/ the host library's own CPU
+# kernels, one file per operation. Includes are read from the text, preprocessor conditions included.
+
+NATIVE = ROOT / "native"
+MAX_NATIVE_LINES = 800
+NATIVE_SUFFIXES = {"": {".h", ".cu"}, "cpu": {".h", ".cc"}, "cuda": {".cuh", ".cu"}}  # per directory
+
+
+def native_files() -> list[Path]:
+    return sorted(p for p in NATIVE.rglob("*") if p.is_file())
+
+
+def side(path: Path) -> str:
+    """'cpu', 'cuda', or '' for the top of native/."""
+    parts = path.relative_to(NATIVE).parts
+    return parts[0] if len(parts) > 1 else ""
+
+
+def native_includes(path: Path) -> list[tuple[int, str, bool]]:
+    """(line, the quoted header as written, whether it is included only in the host build: inside
+    `#ifdef PEBBLE_HOST_BUILD`) for each `#include "..."` of a native file."""
+    found, conditions = [], []  # the enclosing #if conditions, innermost last
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        directive = re.match(r"\s*#\s*(\w+)\s*(.*?)\s*(//.*)?$", line)
+        if not directive:
+            continue
+        word, rest = directive.group(1), directive.group(2)
+        if word in ("if", "ifdef", "ifndef"):
+            conditions.append(f"{word} {rest}")
+        elif word in ("else", "elif"):
+            conditions[-1] = f"{word} {rest}"
+        elif word == "endif":
+            conditions.pop()
+        elif word == "include" and rest.startswith('"'):
+            found.append((n, rest.strip('"'), "ifdef PEBBLE_HOST_BUILD" in conditions))
+    return found
+
+
+NATIVE_INCLUDES = {p: native_includes(p) for p in native_files()}
+
+
+def include_violations(rule) -> list[str]:
+    """Every include for which rule(including file, included name, host build only) is false."""
+    return [f"{p.relative_to(ROOT)}:{n}: #include \"{name}\"" + (" (host build only)" if host else "")
+            for p, found in NATIVE_INCLUDES.items() for n, name, host in found if not rule(p, name, host)]
+
+
+def test_native_files_are_the_kinds_of_their_directory():
+    wrong = [str(p.relative_to(ROOT)) for p in native_files()
+             if side(p) not in NATIVE_SUFFIXES or p.suffix not in NATIVE_SUFFIXES[side(p)]]
+    assert not wrong, f"native/ holds .h and .cu, native/cpu/ .h and .cc, native/cuda/ .cuh and .cu: {wrong}"
+
+
+def test_no_native_file_is_longer_than_one_reader_takes_in():
+    long = {str(p.relative_to(ROOT)): n for p in native_files()
+            if (n := len(p.read_text().splitlines())) > MAX_NATIVE_LINES}
+    assert not long, f"native files past {MAX_NATIVE_LINES} lines: {long}"
+
+
+def test_every_native_file_opens_with_what_it_computes():
+    """Line 1 names the file as it lies under native/ and says what it holds: `// cuda/norm.cu: RMS norms ...`."""
+    wrong = []
+    for p in native_files():
+        first = p.read_text().splitlines()[0] if p.read_text() else ""
+        name = p.relative_to(NATIVE).as_posix()
+        if not re.fullmatch(rf"// {re.escape(name)}: \S.{{20,}}", first):
+            wrong.append(f"{p.relative_to(ROOT)}: {first!r}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_every_include_names_a_native_header_from_native():
+    """Includes are written from native/ (the builds pass -Inative), so the rules below read the real graph;
+    and a source is compiled on its own, never included."""
+    wrong = include_violations(lambda p, name, host: (NATIVE / name).is_file() and Path(name).suffix in (".h", ".cuh"))
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_abi_header_stands_alone():
+    assert not NATIVE_INCLUDES[NATIVE / "pebble.h"], "pebble.h includes no header of the library"
+
+
+def test_the_top_of_native_includes_nothing_of_either_side():
+    """The store, the ABI and the headers every part shares know no kernel: nothing of cpu/ or cuda/."""
+    wrong = include_violations(lambda p, name, host: side(p) != "" or "/" not in name)
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_cpu_side_includes_nothing_of_the_cuda_side():
+    wrong = include_violations(lambda p, name, host: side(p) != "cpu" or not name.startswith("cuda/"))
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_cuda_side_reaches_the_cpu_side_through_its_interface_in_the_host_build_only():
+    """The host build's launchers hand work to the CPU kernels through cpu/cpu.h alone, and only there: the
+    GPU's build of the same source includes nothing of cpu/."""
+    wrong = include_violations(lambda p, name, host: side(p) != "cuda" or not name.startswith("cpu/")
+                               or (name == "cpu/cpu.h" and host))
+    assert not wrong, "\n".join(wrong)

@@ -1,4 +1,4 @@
-"""The decode step (pebble_decoder_*, native/pebble_decode.cu): a whole model for a batch of tokens in one
+"""The decode step (pebble_decoder_*, native/cuda/decode_step.cu): a whole model for a batch of tokens in one
 call; one layer of it against the model's own forward pass on every backend present; its refusals; and
 generation through it against the Python forward pass, and batched against alone."""
 
@@ -374,7 +374,7 @@ def test_a_step_of_eleven_sequences_gives_each_what_it_gets_alone(kernels, case)
 
 
 def test_cuda_graph_decisions_follow_the_batch(kernels, monkeypatch):
-    """When a step would be captured as a CUDA graph and replayed (pebble_decode.cu's graph_policy, the stub's
+    """When a step would be captured as a CUDA graph and replayed (native/cuda/graph.cu's graph_policy, the stub's
     GraphPolicy): a batch stepped twice running is captured, then replayed for as long as it recurs, whatever
     its positions (read from device memory); another batch, or the same one without logits, is another
     graph; past PEBBLE_DECODER_GRAPHS graphs the least recently used is dropped. The host build and the stub

@@ -208,7 +208,7 @@ def test_estimate_plans_experts_as_pebbles(capsys):
 @pytest.mark.skipif(len([p for p in BACKENDS if not p.marks]) < 2, reason="needs the host library and the stub")
 @pytest.mark.parametrize("case", ["qwen2moe", "mixtral"])
 def test_the_stub_and_the_host_library_decide_the_same(case):
-    """ExpertSlots (the stub) and pebble_decode.cu (the host library) make the same choices: the same hits,
+    """ExpertSlots (the stub) and native/cuda/experts.cu (the host library) make the same choices: the same hits,
     misses, guesses, prefetches and bytes, under each policy, with and without prefetch."""
     from pyplugin.store import backend_named
     from test_moe import expert_store, FIRST_EXPERT

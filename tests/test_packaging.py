@@ -38,6 +38,25 @@ def test_cmake_compiles_the_makefiles_host_sources():
         assert source in cmake, f"CMakeLists.txt does not build {source}, which the Makefile's host target does"
 
 
+def cmake_list(name: str) -> list[str]:
+    """A `set(NAME ...)` list of CMakeLists.txt as words."""
+    match = re.search(rf"^set\({name}\s+([^)]*)\)", (ROOT / "CMakeLists.txt").read_text(), re.M)
+    assert match, f"CMakeLists.txt sets no {name}"
+    return match.group(1).split()
+
+
+def test_every_native_source_is_built_by_both_build_files():
+    """Each .cu under native/ goes into both libraries and each .cc into the host library alone, in the
+    Makefile and in CMake alike: a source added to native/ and left out of a list fails here, not at link
+    time on another machine."""
+    sources = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "native").rglob("*") if p.suffix in (".cu", ".cc"))
+    cuda = [s for s in sources if s.endswith(".cu")]
+    assert sorted(makefile_variable("NATIVE_SRC")) == cuda
+    assert sorted(makefile_variable("HOST_SRC")) == sources
+    assert sorted(cmake_list("PEBBLING_NATIVE_SRC")) == cuda
+    assert sorted(cmake_list("PEBBLING_NATIVE_SRC") + cmake_list("PEBBLING_CPU_SRC")) == sources
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     """A wheel built from this checkout, host library only (the CUDA one is the same CMake file with

@@ -1,4 +1,4 @@
-"""The quantized-tensor kernels (native/pebble_quant.cu) against gguf-py's own dequantize.
+"""The quantized-tensor kernels (native/cuda/dequantize.cu, matvec.cu) against gguf-py's own dequantize.
 
 For every supported type, on random blocks, blocks with extreme scales (fp16 max, smallest normal and
 subnormals, negative) and all-zero blocks: pebble_dequantize equals gguf's dequantize rounded to fp16,

@@ -137,7 +137,7 @@ def workspace_bytes(cfg: ModelConfig, n_tokens: int, n_ctx: int, itemsize: int) 
     stream = 4 * T * E * 4                                       # x, normed x and float32 norm temporaries
     attention = 2 * T * (q + 2 * kv) * itemsize + cfg.n_head * T * n_ctx * (8 + itemsize)
     if T == 1:  # a decode step's weighted sums of V, in parts of DECODER_SPLIT_ROWS rows, and each part's
-        attention += 4 * (q + 2 * cfg.n_head) * -(-n_ctx // DECODER_SPLIT_ROWS)  # softmax (pebble_decode.cu)
+        attention += 4 * (q + 2 * cfg.n_head) * -(-n_ctx // DECODER_SPLIT_ROWS)  # softmax (native/cuda/attention.cu)
     mlp = 5 * T * F * itemsize                                   # gate, up, silu temporaries, product
     return stream + max(attention, mlp) + 2 * cfg.n_vocab * 4
 

@@ -35,7 +35,7 @@ def aligned(n: int) -> int:
 
 def paged(nbytes: int, page: int) -> int:
     """An allocation of `nbytes` as a device of `page`-byte pages holds it (0: as bytes): from half a page on,
-    whole pages (pebble.cu, device_footprint)."""
+    whole pages (native/store_tiers.cu, device_footprint)."""
     return nbytes if not page or nbytes < page // 2 else -(-nbytes // page) * page
 
 
@@ -56,7 +56,7 @@ HEADER_NAMES = {
 }
 
 
-# The native library's run-time switches (native/pebble_internal.h, cuda_switches; docs/environment.md): each
+# The native library's run-time switches (native/cuda/common.cuh, cuda_switches; docs/environment.md): each
 # variable's accepted values, the default first. The library reads them once and takes any other
 # value as the default, so check_switches refuses it before a library is chosen.
 SWITCHES = {

@@ -32,7 +32,7 @@ def scratch_bytes(shapes: Sequence, kv_rows: Sequence[int], n_seq: int, n_embd: 
         takes += [4 * b * experts, act * b * n_embd, act * b * ff, 4 * b * n_embd]
     if on_device:
         takes += [4 * b * n_embd, 4 * b * n_vocab]
-    return sum(aligned(t) for t in takes)  # each part aligned (pebble_decode.cu)
+    return sum(aligned(t) for t in takes)  # each part aligned (native/cuda/decoder.cu)
 
 
 def model_scratch_bytes(cfg, n_ctx: int, n_seq: int, on_device: bool = True) -> int:

@@ -108,7 +108,7 @@ def default_desc(data, desc: TensorDesc | None) -> TensorDesc | None:
 
 
 def checked_desc(call: str, key, desc: "TensorDesc | None", nbytes: int) -> "TensorDesc":
-    """The stub's pebble_save checks of a desc (None: untyped bytes), as pebble.cu makes them."""
+    """The stub's pebble_save checks of a desc (None: untyped bytes), as native/store.cu makes them."""
     if desc is None:
         return TensorDesc(TYPE_BYTES, (nbytes,))
     ggml_type, shape = as_int(desc.ggml_type, "ggml_type"), tuple(as_int(n, "shape") for n in desc.shape)
@@ -123,7 +123,7 @@ def checked_desc(call: str, key, desc: "TensorDesc | None", nbytes: int) -> "Ten
 
 
 def check_desc_bytes(call: str, key, ggml_type: int, shape: tuple, nbytes: int) -> None:
-    """The stub's pebble_save check that a desc's shape describes the bytes saved (pebble.cu's
+    """The stub's pebble_save check that a desc's shape describes the bytes saved (native/store.cu's
     check_desc_bytes): no negative dimension; a type with kernels, rows of whole blocks and exactly its
     elements' bytes; untyped bytes, a whole number of bytes per element. A type without kernels is taken as
     described."""

@@ -2,7 +2,7 @@
 matrix-vector products, and the decode step of a whole model in one call.
 
 `Kernels` puts one library of kernels behind the interface the model computes with: the native
-library's (native/pebble_quant.cu, pebble_decode.cu) on `cuda` and `host`, numpy with gguf-py's
+library's (native/cuda/, and native/cpu/ in the host library) on `cuda` and `host`, numpy with gguf-py's
 decoders on the pure-Python `stub` (stub_kernels.StubKernels, the same arguments accepted and
 refused). A backend object makes them (pyplugin.store.backend); nothing here chooses one. Buffers live
 in the kernels' array module `xp`: numpy arrays on `host` and `stub`, where a call is done when it
@@ -118,7 +118,7 @@ EXPERT_MATRICES = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")  # what expe
 
 
 class GraphPolicy:
-    """When a decode step runs as a CUDA graph (pebble_decode.cu's graph_policy, for the backends that have
+    """When a decode step runs as a CUDA graph (native/cuda/graph.cu's graph_policy, for the backends that have
     no graphs and for the tests): a batch (its sequences in order, and whether it makes logits) stepped twice
     running is captured; a batch that has a graph replays it; any other runs directly. Up to DECODER_GRAPHS
     graphs are kept, the least recently used dropped first."""

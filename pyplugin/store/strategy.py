@@ -1,7 +1,7 @@
 """Strategies: which layers a strategy keeps resident on the device (its checkpoints).
 
 This is the one place the rule is written in Python; the native library implements the same rule
-(native/pebble.cu, resident_count/is_resident) and a test holds the two together.
+(native/store_tiers.cu, resident_count/is_resident) and a test holds the two together.
 """
 
 from __future__ import annotations

@@ -5,12 +5,12 @@ It needs no compiler and no GPU. Its "device tier" is numpy memory that is count
 limit, so everything the native store decides (which entries are evicted, which restores are hits, how
 many bytes cross the bus) comes out the same here, and the conformance suite holds the two together.
 
-Rules the native library keeps too (pebble.cu):
+Rules the native library keeps too (native/store.cu):
 - A call that fails changes nothing.
 - Saving over an entry of the same size reuses it: a copy already in the target tier is overwritten
   in place, and a copy in the other tier is released only after the new one is in place. A different
   size releases the old copies first.
-- A device_array view keeps the memory it views alive (numpy's base here, a lease in pebble.cu). Once
+- A device_array view keeps the memory it views alive (numpy's base here, a lease in store.cu). Once
   the store lets go of that copy (eviction, erase, a save at another size or to the host tier, close)
   the view is detached: it keeps its last bytes, readable and writable, and aliases nothing the store
   holds any more.
@@ -170,7 +170,7 @@ class StubStore(Store):
     def _evict(self, entry: _Entry) -> None:
         if entry.host is None:
             # A copy, not the device array itself: a device_array view of it may outlive the eviction,
-            # and must then no longer alias the entry (as pebble.cu's detached buffers do not).
+            # and must then no longer alias the entry (as store.cu's detached buffers do not).
             self._add_host(entry, entry.device.copy())
             self._counters["bytes_d2h"] += entry.nbytes
         self._drop_device(entry)
@@ -214,7 +214,7 @@ class StubStore(Store):
         copy = _alloc_copy(src, f"save: layer {key[0]} tensor {key[1]}")
         if old is not None and old.nbytes == nbytes:
             # The same size reuses the entry's copies: the copy in the other tier is released only once
-            # the new one is in place (so the peaks count both, as in pebble.cu).
+            # the new one is in place (so the peaks count both, as in store.cu).
             old.desc, entry = entry.desc, old
         else:
             if old is not None:
@@ -227,7 +227,7 @@ class StubStore(Store):
                 self._make_room(nbytes, spare=lambda k: k == key)
                 self._add_device(entry, copy)
             else:
-                entry.device[:] = copy  # in place, as pebble.cu: device_array views see the new bytes
+                entry.device[:] = copy  # in place, as store.cu: device_array views see the new bytes
             self._counters["bytes_h2d"] += nbytes
             self._drop_host(entry)
         else:

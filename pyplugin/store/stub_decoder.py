@@ -24,7 +24,7 @@ _DTYPE_OF = {ggml_type: dtype for dtype, ggml_type in DENSE_TYPES.items()}  # F3
 class StubDecoder:
     """pebble_decoder_*'s semantics: the model's forward pass (transformer.layer_forward, then the output
     norm and projection) for each token of a step, over the weights and caches named once, with the same
-    arguments accepted and refused as native/pebble_decode.cu."""
+    arguments accepted and refused as native/cuda/decoder.cu."""
 
     def __init__(self, kernels, model, layers, k_caches, v_caches):
         fn = "pebble_decoder_create"
@@ -226,7 +226,7 @@ class StubDecoder:
 
 def _wanted(where: str, weights: dict, name: str, wanted) -> bool:
     """Whether the layer computes with `name` (the shape says); one given that it does not is refused, as
-    native/pebble_decode.cu refuses it."""
+    native/cuda/decoder.cu refuses it."""
     if not wanted and (weights.get(name) or (None, None))[1] is not None:  # (type, None): a type only
         raise InvalidArgumentError(f"{where}: {name} is given but the shape has no use for it")
     return bool(wanted)

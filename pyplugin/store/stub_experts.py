@@ -1,4 +1,4 @@
-"""The stub decoder's experts as pebbles: pebble_step_model's expert slots with native/pebble_decode.cu's
+"""The stub decoder's experts as pebbles: pebble_step_model's expert slots with native/cuda/experts.cu's
 semantics (place_experts, cached_expert, prefetch_experts): per layer a cache of experts restored from the
 store, its victim the least recently or least often used, and staging slots shared by the layers for the
 experts a step restores that no cache keeps, prefetched guesses among them."""

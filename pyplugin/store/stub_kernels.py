@@ -2,7 +2,7 @@
 pebble_matvec, pebble_attend, in numpy; the decode step (pebble_decoder_*) is stub_decoder's.
 
 Elements are decoded by gguf-py's own dequantize (float32), products and sums are float32, and the
-same arguments are accepted and refused as by native/pebble_quant.cu and pebble_decode.cu, with the
+same arguments are accepted and refused as by native/cuda/'s launchers and the decode step, with the
 same messages. The decode step is the model's own forward pass (pyplugin.model.transformer) run on
 these kernels, every matrix multiplied from its GGUF bytes as the native step does: there is no
 second copy of the layer here.
@@ -28,7 +28,7 @@ from .stub_decoder import _DTYPE_OF, StubDecoder
 
 class StubKernels:
     """The quantized-tensor kernels in numpy: elements decoded by gguf-py's own dequantize (float32),
-    products and sums in float32; the same arguments accepted and refused as native/pebble_quant.cu,
+    products and sums in float32; the same arguments accepted and refused as native/cuda/matvec.cu,
     with the same messages. Host buffers only; a call is done when it returns."""
 
     backend = "stub"
