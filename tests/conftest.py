@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 
+import numpy as np
 import pytest
 from helpers import store_backend_params
+from pyplugin.runtime.generation import Generation
 from pyplugin.store import BACKENDS
 
 # The demo model is written into pebbling's cache: a directory of this session's, never the user's
@@ -67,3 +70,17 @@ def pytest_runtest_makereport(item, call):
     reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
     report.outcome = "failed"
     report.longrepr = f"GPU test skipped under {NO_SKIP_GPU}: {reason}"
+
+
+@pytest.fixture
+def slow_tokens(monkeypatch):
+    """Every token takes 10 ms to sample and none ends the generation, so that requests overlap for sure."""
+    real = Generation.sample
+
+    def sample(self, logits, history):
+        time.sleep(0.01)
+        logits = np.array(logits, dtype=np.float32)
+        logits[list(self.model.tokenizer.eog_ids)] = -np.inf
+        return real(self, logits, history)
+
+    monkeypatch.setattr(Generation, "sample", sample)

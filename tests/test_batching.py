@@ -228,20 +228,6 @@ def test_eight_requests_at_once_answer_what_each_answers_alone(tmp_path, backend
 
 
 @pytest.fixture
-def slow_tokens(monkeypatch):
-    """Every token takes 10 ms to sample and none ends the generation, so requests overlap for sure."""
-    real = Generation.sample
-
-    def sample(self, logits, history):
-        time.sleep(0.01)
-        logits = np.array(logits, dtype=np.float32)
-        logits[list(self.model.tokenizer.eog_ids)] = -np.inf
-        return real(self, logits, history)
-
-    monkeypatch.setattr(Generation, "sample", sample)
-
-
-@pytest.fixture
 def models_dir(tmp_path):
     write_gguf(tmp_path / "tiny.gguf", arch="llama", n_layer=2, n_embd=32, n_head=2, n_head_kv=1, n_ff=64,
                n_ctx=256)

@@ -45,20 +45,6 @@ def running(url) -> list[dict]:
     return requests.get(f"{url}/api/ps", timeout=10).json()["models"]
 
 
-@pytest.fixture
-def slow_tokens(monkeypatch):
-    """Every token takes 10 ms to sample and none ends the generation, so that requests overlap for sure."""
-    real = Generation.sample
-
-    def sample(self, logits, history):
-        time.sleep(0.01)
-        logits = np.array(logits, dtype=np.float32)
-        logits[list(self.model.tokenizer.eog_ids)] = -np.inf
-        return real(self, logits, history)
-
-    monkeypatch.setattr(Generation, "sample", sample)
-
-
 # ---------------------------------------------------------------------------------------------------
 # two cached prompts prefilled together: B sequences of one row each, not one sequence's chunk of B rows
 
