@@ -115,7 +115,7 @@ class _Interrupter:
     instead of holding a model-management thread until the registry's timeout."""
 
     def __init__(self):
-        self._reading: dict[int, tuple[_Stop, socket.socket]] = {}
+        self._reading: dict[tuple[int, int], tuple[_Stop, socket.socket]] = {}
         self._changed = threading.Condition()
         self._thread: threading.Thread | None = None
 
