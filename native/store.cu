@@ -26,6 +26,18 @@
 using pebble_internal::fail;
 using namespace store_internal;
 
+namespace store_internal {
+
+// The lease and borrowed-buffer tables (store.h) are defined here, before the handle table, not beside the
+// tier code that uses them: one file's statics are destroyed in the reverse order of their definitions,
+// and a store the handle table still holds at exit frees its entries through them (a borrowed buffer not
+// found there would be freed as the store's own: a process ended with a store open crashed at exit).
+std::mutex                           g_leases_mu;
+std::unordered_map<void *, lease>    g_leases;
+std::unordered_map<void *, uint64_t> g_borrowed;
+
+} // namespace store_internal
+
 namespace {
 
 // ---------------------------------------------------------------------------------------------------

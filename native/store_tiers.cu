@@ -124,11 +124,6 @@ pebble_status check_strategy(int32_t strategy, int64_t arg, int32_t n_layers, co
     return PEBBLE_OK;
 }
 
-std::mutex                        g_leases_mu;
-std::unordered_map<void *, lease> g_leases;
-
-std::unordered_map<void *, uint64_t> g_borrowed;
-
 // In the host library both tiers are host memory: a device copy made from the host copy (a prefetch,
 // a rebalance) is that very buffer, not a second one. The entry then holds one buffer in two roles,
 // and each tier's byte count still counts it (the accounting is of tiers, not of memory). Dropping one
