@@ -42,6 +42,16 @@ def start_server(models: str, queue: int) -> tuple[subprocess.Popen, str]:
     return serve.start_server(models, {"PEBBLING_MAX_QUEUE": str(queue)})
 
 
+def probe_root(url: str, done: threading.Event, latencies: list[float], pause: float) -> None:
+    """Times `GET /` on one connection, in ms, every `pause` seconds until `done`."""
+    with requests.Session() as s:
+        while not done.is_set():
+            start = time.perf_counter()
+            s.get(f"{url}/", timeout=60)
+            latencies.append((time.perf_counter() - start) * 1e3)
+            time.sleep(pause)
+
+
 def big_prompts_vs_root(url: str, n_big: int, prompt_bytes: int) -> dict:
     """`GET /` latencies while `n_big` clients each send one prompt of `prompt_bytes`."""
     body = json.dumps({"model": "tiny", "prompt": "x" * prompt_bytes, "stream": False}).encode()
@@ -51,12 +61,7 @@ def big_prompts_vs_root(url: str, n_big: int, prompt_bytes: int) -> dict:
         statuses[requests.post(f"{url}/api/generate", data=body, timeout=300).status_code] += 1
 
     def probe() -> None:
-        with requests.Session() as s:
-            while not done.is_set():
-                start = time.perf_counter()
-                s.get(f"{url}/", timeout=60)
-                latencies.append((time.perf_counter() - start) * 1e3)
-                time.sleep(0.005)
+        probe_root(url, done, latencies, 0.005)
 
     prober = threading.Thread(target=probe)
     prober.start()
@@ -146,12 +151,7 @@ def root_under_templates_and_slow_connections(url: str, n_templates: int, n_slow
             answers["200" if r.status_code == 200 else f"{r.status_code}: {r.json()['error'][:40]}"] += 1
 
     def probe() -> None:
-        with requests.Session() as s:
-            while not done.is_set():
-                start = time.perf_counter()
-                s.get(f"{url}/", timeout=60)
-                latencies.append((time.perf_counter() - start) * 1e3)
-                time.sleep(0.01)
+        probe_root(url, done, latencies, 0.01)
 
     renders = [threading.Thread(target=render) for _ in range(n_templates)]
     for t in renders:
