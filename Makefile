@@ -19,7 +19,7 @@ NATIVE_SRC  := native/pebble.cu native/store.cu native/store_tiers.cu \
                native/cuda/experts.cu native/cuda/decode_step.cu native/cuda/graph.cu native/cuda/decoder.cu
 # The host library adds the CPU kernels (SIMD chosen at run time, so no -march: it runs on any x86-64).
 HOST_SRC    := $(NATIVE_SRC) native/cpu/pool.cc native/cpu/quantize.cc native/cpu/matvec_32.cc native/cpu/matvec_k.cc \
-               native/cpu/matvec_float.cc native/cpu/matmul.cc native/cpu/attend.cc native/cpu/attend_prompt.cc \
+               native/cpu/matvec_low.cc native/cpu/matvec_float.cc native/cpu/matmul.cc native/cpu/attend.cc native/cpu/attend_prompt.cc \
                native/cpu/activations.cc
 NATIVE_DEPS := $(HOST_SRC) $(wildcard native/*.h native/cpu/*.h native/cuda/*.cuh)
 # Includes are written from native/ ("cuda/ops.cuh", "cpu/cpu.h", "pebble_internal.h").

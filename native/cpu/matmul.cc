@@ -12,6 +12,7 @@
 #include "pebble_internal.h"
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstdlib>
 
@@ -28,6 +29,7 @@ kernel_set kernels_for(int32_t type) {
         case 0: case 1: case 30:                return float_kernels(type, level);
         case 2: case 3: case 6: case 7: case 8: return block32_kernels(type, level);
         case 12: case 13: case 14:              return k_quant_kernels(type, level);
+        case 10: case 11: case 20: case 23: case 39: return low_bit_kernels(type, level);
     }
     return {act::f32, 0, 0, 0, {}, {}};
 }
@@ -78,15 +80,12 @@ void matmul_tiles(void * ctx, int64_t begin, int64_t end) {
     }
 }
 
+template <int... T> std::array<kernel_set, sizeof...(T)> every_type(std::integer_sequence<int, T...>) {
+    return {kernels_for(T)...};
+}
+
 const kernel_set & kernels_of(int32_t ggml_type) {
-    static const kernel_set sets[PEBBLE_TYPE_COUNT] = {
-        kernels_for(0), kernels_for(1), kernels_for(2), kernels_for(3), kernels_for(4), kernels_for(5),
-        kernels_for(6), kernels_for(7), kernels_for(8), kernels_for(9), kernels_for(10), kernels_for(11),
-        kernels_for(12), kernels_for(13), kernels_for(14), kernels_for(15), kernels_for(16), kernels_for(17),
-        kernels_for(18), kernels_for(19), kernels_for(20), kernels_for(21), kernels_for(22), kernels_for(23),
-        kernels_for(24), kernels_for(25), kernels_for(26), kernels_for(27), kernels_for(28), kernels_for(29),
-        kernels_for(30),
-    };
+    static const std::array<kernel_set, PEBBLE_TYPE_COUNT> sets = every_type(std::make_integer_sequence<int, PEBBLE_TYPE_COUNT>{});
     return sets[ggml_type];
 }
 

@@ -239,10 +239,12 @@ kernel_set with_rows(kernel_set k, std::integer_sequence<int, NV...>) {
 #endif
 
 // Each family's kernel sets for a type of the family and this CPU's instruction set: the float types
-// (cpu/matvec_float.cc), the 32-element types (cpu/matvec_32.cc), the K-quants (cpu/matvec_k.cc).
+// (cpu/matvec_float.cc), the 32-element types (cpu/matvec_32.cc), the K-quants (cpu/matvec_k.cc), the
+// low-bit types Q2_K, Q3_K, IQ4_NL, IQ4_XS and MXFP4 (cpu/matvec_low.cc).
 kernel_set float_kernels(int32_t type, simd level);
 kernel_set block32_kernels(int32_t type, simd level);
 kernel_set k_quant_kernels(int32_t type, simd level);
+kernel_set low_bit_kernels(int32_t type, simd level);
 
 // x's n_tok vectors laid out for kernel set k (cpu/quantize.cc).
 pebble_status quantize_x(const kernel_set & k, int32_t ggml_type, int64_t n_cols, const void * x, bool x_f32,
