@@ -17,7 +17,9 @@ SUPPORTED_TYPES: dict[int, str] = {int(t): t.name for t in sorted((
     GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16,
     GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1,
     GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1,
-    GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K))}
+    GGMLQuantizationType.Q2_K, GGMLQuantizationType.Q3_K, GGMLQuantizationType.Q4_K,
+    GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
+    GGMLQuantizationType.IQ4_NL, GGMLQuantizationType.IQ4_XS, GGMLQuantizationType.MXFP4))}
 SUPPORTED_NAMES: tuple[str, ...] = tuple(SUPPORTED_TYPES.values())
 SUPPORTED_TEXT = ", ".join(f"{k} {v}" for k, v in SUPPORTED_TYPES.items())  # as native/cuda/quants.cuh lists them
 

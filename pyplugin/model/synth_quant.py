@@ -1,12 +1,15 @@
 """Writing weights in GGUF's block formats, for synthetic models: gguf-py's quantizers where it has
-them, and plain min/max fits for the K-quants (which gguf-py can read but not write); or random valid
-blocks written directly (random_blocks), for shapes too large to quantize from floats quickly."""
+them (the legacy types, MXFP4), and plain fits of ours for the K-quants and IQ4s (which gguf-py can read
+but not write; the low-bit ones in synth_quant_low); or random valid blocks written directly
+(random_blocks), for shapes too large to quantize from floats quickly."""
 
 from __future__ import annotations
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
+
+from .synth_quant_low import quantize_iq4_nl, quantize_iq4_xs, quantize_q2_k, quantize_q3_k
 
 T = GGMLQuantizationType
 
@@ -21,12 +24,8 @@ def quantize(x: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
         return x.astype(np.float32)
     if qtype == T.F16:
         return x.astype(np.float16)
-    if qtype == T.Q4_K:
-        return quantize_q4_k(x)
-    if qtype == T.Q5_K:
-        return quantize_q5_k(x)
-    if qtype == T.Q6_K:
-        return quantize_q6_k(x)
+    if qtype in _OURS:
+        return _OURS[qtype](x.astype(np.float32, copy=False))
     return gguf_quants.quantize(x, qtype)
 
 
@@ -105,20 +104,29 @@ def quantize_q6_k(x: np.ndarray) -> np.ndarray:
     return blocks.reshape(rows, cols // 256 * 210)
 
 
+_OURS = {T.Q2_K: quantize_q2_k, T.Q3_K: quantize_q3_k, T.Q4_K: quantize_q4_k, T.Q5_K: quantize_q5_k,
+         T.Q6_K: quantize_q6_k, T.IQ4_NL: quantize_iq4_nl, T.IQ4_XS: quantize_iq4_xs}
+
+
 # random_blocks: where each block type keeps its fp16 scale fields (byte offsets), what the spread of its
 # quants is (so that d = std / spread gives values of about `std`), and for the types with a minimum, the
 # minimum's multiple of d that centres the values on 0 (K-quants: over all sub-blocks, not each one).
+# The spreads of the new types are the RMS of their uniform random quants times sub-block scales: Q2_K's
+# sc*q - 1.5*m (4-bit sc, m; 2-bit q), Q3_K's (u-32)*q (6-bit u, q in -4..3), the IQ4s' kvalues (times
+# u-32 for IQ4_XS), MXFP4's doubled e2m1 values, whose scale is its E8M0 byte 0 rather than an fp16 field.
 _SCALES = {T.Q8_0: ((0,), 74.0, None), T.Q4_0: ((0,), 4.6, None), T.Q5_0: ((0,), 9.2, None),
-           T.Q4_1: ((0, 2), 4.6, -7.5), T.Q5_1: ((0, 2), 9.2, -15.5), T.Q4_K: ((0, 2), 250.0, 7.5),
-           T.Q5_K: ((0, 2), 500.0, 15.5), T.Q6_K: ((208,), 175.0, None)}
+           T.Q4_1: ((0, 2), 4.6, -7.5), T.Q5_1: ((0, 2), 9.2, -15.5), T.Q2_K: ((80, 82), 13.9, 1.5),
+           T.Q3_K: ((108,), 43.3, None), T.Q4_K: ((0, 2), 250.0, 7.5), T.Q5_K: ((0, 2), 500.0, 15.5),
+           T.Q6_K: ((208,), 175.0, None), T.IQ4_NL: ((0,), 67.4, None), T.IQ4_XS: ((0,), 1246.0, None),
+           T.MXFP4: ((), 5.85, None)}
 
 
 def random_blocks(qtype: GGMLQuantizationType, rows: int, cols: int, rng: np.random.Generator,
                   std: float) -> np.ndarray:
     """[rows, cols] weights of about `std` as `qtype`'s blocks, made directly: random quants and sub-block
-    scales, fp16 scales set so the values spread as `std` (Q6_K's 8-bit sub-block scales held to -16..16),
-    never quantized from floats, so that a file of billions of weights is written in seconds. F32 and F16:
-    normal values."""
+    scales, fp16 scales set so the values spread as `std` (Q6_K's 8-bit sub-block scales held to -16..16;
+    MXFP4's power-of-two scale: within a factor of sqrt(2) of it), never quantized from floats, so that a
+    file of billions of weights is written in seconds. F32 and F16: normal values."""
     if qtype in (T.F32, T.F16):
         return (rng.standard_normal((rows, cols), dtype=np.float32) * np.float32(std)).astype(
             np.float32 if qtype == T.F32 else np.float16)
@@ -131,6 +139,9 @@ def random_blocks(qtype: GGMLQuantizationType, rows: int, cols: int, rng: np.ran
     n = rows * (cols // block)
     out = np.frombuffer(rng.bytes(n * size), np.uint8).reshape(n, size).copy()
     offsets, spread, minimum = _SCALES[qtype]
+    if qtype == T.MXFP4:  # E8M0: the scale is 2**(e - 128) (gguf's e8m0_to_fp32_half), e held to 1..254
+        out[:, 0] = int(np.clip(np.rint(np.log2(std / spread)) + 128, 1, 254)) if std > 0 else 0
+        return out.reshape(rows, cols // block * size)
     d = np.float16(std / spread)
     out[:, offsets[0]:offsets[0] + 2] = np.frombuffer(d.tobytes(), np.uint8)
     if minimum is not None:  # Q4_1/Q5_1's m (added), the K-quants' dmin (subtracted)
