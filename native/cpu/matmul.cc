@@ -27,9 +27,9 @@ kernel_set kernels_for(int32_t type) {
     const simd level = simd_in_use();
     switch (type) {
         case 0: case 1: case 30:                return float_kernels(type, level);
-        case 2: case 3: case 6: case 7: case 8: return block32_kernels(type, level);
-        case 12: case 13: case 14:              return k_quant_kernels(type, level);
-        case 10: case 11: case 20: case 23: case 39: return low_bit_kernels(type, level);
+        case 2: case 3: case 6: case 7: case 8: case 20: case 39: return block32_kernels(type, level);
+        case 12: case 13: case 14:                               return k_quant_kernels(type, level);
+        case 10: case 11: case 23:                               return low_bit_kernels(type, level);
     }
     return {act::f32, 0, 0, 0, {}, {}};
 }

@@ -58,13 +58,35 @@ inline void scale_min_k4(const uint8_t * s, int j, int & scale, int & min) {
 // out[v] = the dot product with activation v. Portable versions first: each block is decoded once to
 // integers and multiplied by every activation.
 
-enum kind { k_q4_0, k_q4_1, k_q5_0, k_q5_1, k_q8_0, k_q4_k, k_q5_k, k_q6_k, k_f32, k_f16, k_bf16 };
+enum kind { k_q4_0, k_q4_1, k_q5_0, k_q5_1, k_q8_0, k_q4_k, k_q5_k, k_q6_k, k_f32, k_f16, k_bf16, k_iq4_nl, k_mxfp4 };
+
+// IQ4_NL's (and IQ4_XS's) sixteen values, and MXFP4's e2m1 values doubled (0, 0.5, 1, 1.5, 2, 3, 4, 6 and
+// their negatives, times two: integers, under a scale halved to match, as gguf-py's MXFP4 reads them).
+alignas(16) inline constexpr int8_t iq4_values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+alignas(16) inline constexpr int8_t mxfp4_values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+// MXFP4's scale byte e (E8M0) as gguf-py's e8m0_to_fp32_half reads it: 2^(e - 128), the two smallest as
+// float32 subnormals.
+inline float e8m0_half(uint8_t e) {
+    const uint32_t bits = e < 2 ? 0x00200000u << e : static_cast<uint32_t>(e - 1) << 23;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+
+// A 32-element type's scale: its fp16 d (the first two bytes), or MXFP4's power of two (its first byte).
+template <int K> inline float scale_32(const uint8_t * b) { return K == k_mxfp4 ? e8m0_half(b[0]) : f16(b); }
 
 // A 32-element block as integers q and how its value follows: d * (q - offset) (+ m).
 template <int K>
 void decode_32(const uint8_t * b, int * q, float & d, float & m) {
     m = 0.0f;
-    if constexpr (K == k_q8_0) {
+    if constexpr (K == k_iq4_nl || K == k_mxfp4) { // 16 bytes of indices into the table, laid out as Q4_0's nibbles
+        d = scale_32<K>(b);
+        const int8_t * table = K == k_iq4_nl ? iq4_values : mxfp4_values;
+        const uint8_t * qs = b + (K == k_iq4_nl ? 2 : 1);
+        for (int i = 0; i < 16; i++) q[i] = table[qs[i] & 0xf], q[i + 16] = table[qs[i] >> 4];
+    } else if constexpr (K == k_q8_0) {
         d = f16(b);
         for (int i = 0; i < 32; i++) q[i] = static_cast<int8_t>(b[2 + i]);
     } else if constexpr (K == k_q4_0 || K == k_q4_1) {
@@ -89,7 +111,12 @@ void decode_32(const uint8_t * b, int * q, float & d, float & m) {
 }
 
 constexpr int block_bytes_32(int k) {
-    return k == k_q4_0 ? 18 : k == k_q4_1 ? 20 : k == k_q5_0 ? 22 : k == k_q5_1 ? 24 : 34;
+    return k == k_q4_0 || k == k_iq4_nl ? 18 : k == k_mxfp4 ? 17 : k == k_q4_1 ? 20 : k == k_q5_0 ? 22 : k == k_q5_1 ? 24 : 34;
+}
+
+// Where a 32-element type's quants start in its block.
+constexpr int quants_at_32(int k) {
+    return k == k_mxfp4 ? 1 : k == k_q4_0 || k == k_q8_0 || k == k_iq4_nl ? 2 : k == k_q4_1 ? 4 : k == k_q5_0 ? 6 : 8;
 }
 
 #ifdef PEBBLE_X86
@@ -103,13 +130,14 @@ AVX2 inline __m256i bits_to_0x10(uint32_t bits) {
     return _mm256_and_si256(v, _mm256_set1_epi8(0x10));
 }
 
-// A 32-element block's quants as 32 signed bytes (Q4_0, Q5_0, Q8_0) or unsigned ones (Q4_1, Q5_1).
+// A 32-element block's quants as 32 signed bytes (Q4_0, Q5_0, Q8_0, and IQ4_NL's and MXFP4's values) or
+// unsigned ones (Q4_1, Q5_1).
 template <int K>
 AVX2 inline __m256i decode_32_avx2(const uint8_t * b) {
     if constexpr (K == k_q8_0) {
         return _mm256_loadu_si256(reinterpret_cast<const __m256i *>(b + 2));
     } else {
-        const int o = K == k_q4_0 ? 2 : K == k_q4_1 ? 4 : K == k_q5_0 ? 6 : 8;
+        constexpr int o = quants_at_32(K);
         const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i *>(b + o));
         const __m256i both = _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw);
         __m256i q = _mm256_and_si256(both, _mm256_set1_epi8(0x0f));
@@ -117,6 +145,10 @@ AVX2 inline __m256i decode_32_avx2(const uint8_t * b) {
             uint32_t qh;
             std::memcpy(&qh, b + o - 4, 4);
             q = _mm256_or_si256(q, bits_to_0x10(qh));
+        }
+        if constexpr (K == k_iq4_nl || K == k_mxfp4) {
+            const __m128i values = _mm_load_si128(reinterpret_cast<const __m128i *>(K == k_iq4_nl ? iq4_values : mxfp4_values));
+            q = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(values), q);
         }
         if constexpr (K == k_q4_0) q = _mm256_sub_epi8(q, _mm256_set1_epi8(8));
         if constexpr (K == k_q5_0) q = _mm256_sub_epi8(q, _mm256_set1_epi8(16));
