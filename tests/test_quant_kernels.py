@@ -1,10 +1,11 @@
 """The quantized-tensor kernels (native/cuda/dequantize.cu, matvec.cu) against gguf-py's own dequantize.
 
 For every supported type, on random blocks, blocks with extreme scales (fp16 max, smallest normal and
-subnormals, negative) and all-zero blocks: pebble_dequantize equals gguf's dequantize rounded to fp16,
-and pebble_matvec a float64 product of gguf's dequantized weights with the same fp16 vectors. Runs on
-the stub's numpy kernels and the host library in `make test` (the host library under ASan/UBSan too,
-in `make test-sanitized`), and on the cuda library where a GPU is present.
+subnormals, negative; MXFP4's exponent byte at its ends), blocks quantized from random values and all-zero
+blocks: pebble_dequantize equals gguf's dequantize rounded to fp16, and pebble_matvec a float64 product
+of gguf's dequantized weights with the same fp16 vectors. Runs on the stub's numpy kernels and the host
+library in `make test` (the host library under ASan/UBSan too, in `make test-sanitized`), and on the cuda
+library where a GPU is present.
 """
 
 from __future__ import annotations
@@ -19,17 +20,24 @@ from gguf.constants import GGML_QUANT_SIZES
 
 from helpers import quantizes_x, store_backend_params
 from pyplugin.ggml_types import SUPPORTED_TYPES
+from pyplugin.model.synth_quant import quantize as synth_quantize
 from pyplugin.store import backend_named, native, probe
 from pyplugin.errors import InvalidArgumentError, SizeMismatchError
 
 TYPES = [Q(t) for t in SUPPORTED_TYPES]
 QUANTIZED = set(TYPES) - {Q.F32, Q.F16, Q.BF16}
-K_QUANTS = {Q.Q4_K, Q.Q5_K, Q.Q6_K}
-GGUF_QUANTIZES = {Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1}  # gguf-py has a quantizer for these
+BLOCKS_OF_256 = {t for t in QUANTIZED if GGML_QUANT_SIZES[t][0] == 256}  # Q2_K..Q6_K, IQ4_XS
+GGUF_QUANTIZES = {Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.MXFP4}  # gguf-py's quantizer; synth's for the others
 
 # Where each quantized block keeps its fp16 scales (d; with m or dmin after it where the type has one).
-SCALE_OFFSETS = {Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q4_K: (0, 2),
-                 Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+# MXFP4 has none: its scale is an E8M0 exponent, byte 0 (MXFP4_EXPONENT).
+SCALE_OFFSETS = {Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q2_K: (80, 82),
+                 Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.IQ4_NL: (0,), Q.IQ4_XS: (0,),
+                 Q.MXFP4: ()}
+MXFP4_EXPONENT = 0
+# E8M0 exponents at their ends: 2**-129 and 2**-128 (float32 subnormals), 2**-127, 2**126 and 2**127 (whose
+# 12 overflows float32), and around one.
+EXTREME_EXPONENTS = np.array([0, 1, 2, 254, 255, 126, 127, 128], dtype=np.uint8)
 # fp16 max, smallest normal, largest and smallest subnormal, each signed; one; minus zero.
 EXTREME_HALVES = np.array([0x7BFF, 0xFBFF, 0x0400, 0x8400, 0x03FF, 0x83FF, 0x0001, 0x8001, 0x3C00, 0x8000],
                           dtype=np.uint16)
@@ -46,10 +54,10 @@ MATVEC_RTOL = 1e-5
 
 def activation_blocks(qtype: Q) -> int:
     """The elements per 8-bit block the host library quantizes x to for weights of `qtype` (pebble.h:
-    256 for the K-quants, 32 for the other quantized types); 0 where x stays float."""
+    256 for the types of 256-element blocks, 32 for the other quantized types); 0 where x stays float."""
     if qtype not in QUANTIZED:
         return 0
-    return 256 if qtype in K_QUANTS else 32
+    return 256 if qtype in BLOCKS_OF_256 else 32
 
 
 def quantized_activation(x: np.ndarray, n: int) -> np.ndarray:
@@ -97,15 +105,22 @@ def quantized_blocks(qtype: Q, n_blocks: int, rng: np.random.Generator, kind: st
     """n_blocks blocks of `qtype` as bytes. Any payload is a valid block; only the fp16 scales are
     chosen, finite: "random" small ones, "random_bits" any finite half, "extreme" EXTREME_HALVES (with
     every other block's payload or sub-block scales at their extremes too), "quantized" gguf's own
-    quantizer on random values, "zero" all zero bytes."""
+    quantizer (synth's where gguf-py has none) on random values, "zero" all zero bytes. MXFP4's E8M0
+    exponent: "random" around 127 (scales 2**-8..2**2), "random_bits" any byte, "extreme"
+    EXTREME_EXPONENTS."""
     elements, nbytes = GGML_QUANT_SIZES[qtype]
     if kind == "zero":
         return np.zeros(n_blocks * nbytes, dtype=np.uint8)
     if kind == "quantized":
-        magnitude = np.repeat(10.0 ** rng.uniform(-3, 3, n_blocks), elements)
-        values = (rng.standard_normal(n_blocks * elements) * magnitude).astype(np.float32)
-        return gguf_quants.quantize(values, qtype).reshape(-1)
+        magnitude = 10.0 ** rng.uniform(-3, 3, (n_blocks, 1))
+        values = (rng.standard_normal((n_blocks, elements)) * magnitude).astype(np.float32)
+        quantize = gguf_quants.quantize if qtype in GGUF_QUANTIZES else synth_quantize
+        return quantize(values, qtype).reshape(-1)
     blocks = rng.integers(0, 256, (n_blocks, nbytes), dtype=np.uint8)
+    if qtype == Q.MXFP4:
+        exponents = {"random": rng.integers(120, 131, n_blocks, dtype=np.uint8),
+                     "random_bits": blocks[:, MXFP4_EXPONENT], "extreme": np.resize(EXTREME_EXPONENTS, n_blocks)}
+        blocks[:, MXFP4_EXPONENT] = exponents[kind]
     for i, offset in enumerate(SCALE_OFFSETS[qtype]):
         if kind == "random":
             halves = (rng.standard_normal(n_blocks) * 0.05).astype(np.float16).view(np.uint16)
@@ -130,8 +145,20 @@ def quantized_blocks(qtype: Q, n_blocks: int, rng: np.random.Generator, kind: st
             odd[:, 4:16] = 0xFF                                            # every scale and min 63
             if qtype == Q.Q5_K:
                 odd[:, 16:48] = 0xAA                                       # fifth bits of odd sub-blocks
-        else:
+        elif qtype == Q.Q6_K:
             odd[:, 192:208] = np.resize(np.array([0x80, 0x7F], np.uint8), 16)  # scales -128, 127
+        elif qtype == Q.Q2_K:
+            odd[:, :16] = 0xFF                                             # every scale and min 15
+            odd[:, 16:80] = np.resize(np.array([0x00, 0xFF], np.uint8), 64)  # q 0 and 3
+        elif qtype == Q.Q3_K:
+            odd[:, :108] = np.resize(np.array([0x00, 0xFF], np.uint8), 108)  # q -4 and 3; scales -32, 31
+        elif qtype == Q.IQ4_NL:
+            odd[:, 2:] = 0xF0                                              # kvalues -127 and 113
+        elif qtype == Q.MXFP4:
+            odd[:, 1:] = 0xF7                                              # 12 and -12 halves of the scale
+        else:  # IQ4_XS: sub-blocks 0..3 at scale 31, 4..7 at -32; nibbles 0 and 15 (kvalues -127, 113)
+            odd[:, 2:8] = np.array([0xFF, 0x00, 0xFF, 0xFF, 0x00, 0x00], np.uint8)
+            odd[:, 8:] = 0xF0
     return blocks.reshape(-1)
 
 
@@ -168,8 +195,7 @@ def make_raw(qtype: Q, n_blocks: int, rng: np.random.Generator, kind: str) -> np
 
 def kinds_for(qtype: Q) -> list[str]:
     if qtype in QUANTIZED:
-        extra = ["quantized"] if qtype in GGUF_QUANTIZES else []
-        return ["random", "random_bits", "extreme", "zero", *extra]
+        return ["random", "random_bits", "extreme", "zero", "quantized"]
     return ["random", "extreme", "zero"]
 
 
@@ -270,8 +296,8 @@ def test_dequantize_rows_refuses_rows_past_the_table_and_partial_rows(backend):
         lib.dequantize_rows(Q.Q4_K, table, 1280, [0])
     with pytest.raises(InvalidArgumentError, match=r"n_cols must be at least 1 and n_rows at least 0, got 0 and 1"):
         lib.dequantize_rows(Q.Q4_K, table, 0, [0])
-    with pytest.raises(InvalidArgumentError, match=r"GGUF type 10 \(Q2_K\) has no kernels"):
-        lib.dequantize_rows(Q.Q2_K, table, n_cols, [0])
+    with pytest.raises(InvalidArgumentError, match=r"GGUF type 16 \(IQ2_XXS\) has no kernels"):
+        lib.dequantize_rows(Q.IQ2_XXS, table, n_cols, [0])
     assert lib.dequantize_rows(Q.Q4_K, table, n_cols, []).shape == (0, n_cols)
     with pytest.raises(InvalidArgumentError, match=r"rows\[0\] is 0; the table is empty \(table_bytes 0\)"):
         lib.dequantize_rows(Q.Q4_K, table[:0], n_cols, [0])
@@ -283,11 +309,16 @@ def test_dequantize_rows_refuses_rows_past_the_table_and_partial_rows(backend):
 
 
 def matvec_case(qtype: Q, n_rows: int, blocks_per_row: int, seed: int) -> tuple[np.ndarray, int]:
-    """(raw, n_cols): row r of a kind taken in turn from those that keep float32 products finite."""
+    """(raw, n_cols): row r of a kind taken in turn from those that keep float32 products finite (MXFP4's
+    exponents held to 160 and below: 2**127 * 12 is past float32's range, as no fp16 scale is)."""
     kinds = kinds_for(qtype) if qtype in QUANTIZED else ["random", "zero"]
     rng = np.random.default_rng(seed)
     rows = [make_raw(qtype, blocks_per_row, rng, kinds[r % len(kinds)]) for r in range(n_rows)]
-    return np.concatenate(rows), blocks_per_row * GGML_QUANT_SIZES[qtype][0]
+    raw = np.concatenate(rows)
+    if qtype == Q.MXFP4:
+        exponents = raw.reshape(-1, GGML_QUANT_SIZES[qtype][1])[:, MXFP4_EXPONENT]
+        np.minimum(exponents, 160, out=exponents)
+    return raw, blocks_per_row * GGML_QUANT_SIZES[qtype][0]
 
 
 @pytest.mark.parametrize("n_vec", [1, 3, 8])
@@ -296,7 +327,7 @@ def test_matvec_matches_float64_product_of_gguf_weights(backend, qtype, n_vec):
     # 7 rows: not a whole number of the GPU's 4-row thread blocks; enough blocks per row that each lane
     # of a warp takes several parts.
     n_rows = 7
-    raw, n_cols = matvec_case(qtype, n_rows, 101 if qtype not in QUANTIZED else 12 if qtype in K_QUANTS
+    raw, n_cols = matvec_case(qtype, n_rows, 101 if qtype not in QUANTIZED else 12 if qtype in BLOCKS_OF_256
                               else 70, seed=n_vec)
     x = np.random.default_rng(100 + n_vec).standard_normal((n_vec, n_cols)).astype(np.float16)
     weights = reference(qtype, raw, n_rows).astype(np.float64)  # [n_rows, n_cols]
@@ -405,8 +436,8 @@ def test_malformed_calls_raise_naming_type_and_sizes_and_the_library_stays_usabl
     cases = [
         (lambda: kernels_of(backend).dequantize(99, raw, 64), InvalidArgumentError, ("99",)),
         (lambda: kernels_of(backend).matvec(99, raw, 1, 64, x), InvalidArgumentError, ("99",)),
-        (lambda: kernels_of(backend).dequantize(10, raw, 64), InvalidArgumentError, ("10", "Q2_K")),
-        (lambda: kernels_of(backend).matvec(10, raw, 1, 64, x), InvalidArgumentError, ("10", "Q2_K")),
+        (lambda: kernels_of(backend).dequantize(16, raw, 64), InvalidArgumentError, ("16", "IQ2_XXS")),
+        (lambda: kernels_of(backend).matvec(16, raw, 1, 64, x), InvalidArgumentError, ("16", "IQ2_XXS")),
         (lambda: kernels_of(backend).dequantize(Q.Q8_0, raw, 48), SizeMismatchError, ("Q8_0", 48, 32)),
         (lambda: kernels_of(backend).matvec(Q.Q8_0, raw[:51], 1, 48, x[:, :48]), SizeMismatchError,
          ("Q8_0", "n_cols 48", 32)),
@@ -505,7 +536,7 @@ def test_matmul_takes_any_number_of_vectors_as_matvec_computes_them(backend, qty
     """pebble_matmul (a prefill chunk): 21 vectors, past matvec's 8 and not a whole number of the host's
     groups of 4, over 67 rows (several tiles); the same bounds as matvec's."""
     n_rows, n_vec = 67, 21
-    raw, n_cols = matvec_case(qtype, n_rows, 33 if qtype not in QUANTIZED else 3 if qtype in K_QUANTS else 9,
+    raw, n_cols = matvec_case(qtype, n_rows, 33 if qtype not in QUANTIZED else 3 if qtype in BLOCKS_OF_256 else 9,
                               seed=5)
     x = np.random.default_rng(6).standard_normal((n_vec, n_cols)).astype(np.float16)
     weights = reference(qtype, raw, n_rows).astype(np.float64)
@@ -526,7 +557,7 @@ def test_matvec_gives_each_vector_the_bits_it_gets_alone(kind, qtype):
     the host's sixteen-row kernels (Q4_K, Q6_K on AVX-512) and five rows after them, which go row by row.
     (The host and stub backends promise it; the CUDA kernels' batches are the GPU issue's.)"""
     n_rows = 53
-    raw, n_cols = matvec_case(qtype, n_rows, 33 if qtype not in QUANTIZED else 3 if qtype in K_QUANTS else 9,
+    raw, n_cols = matvec_case(qtype, n_rows, 33 if qtype not in QUANTIZED else 3 if qtype in BLOCKS_OF_256 else 9,
                               seed=9)
     x = np.random.default_rng(10).standard_normal((21, n_cols)).astype(np.float16)
     kernels = kernels_of(kind)
@@ -551,7 +582,7 @@ def test_float32_vectors_are_rounded_to_fp16_by_the_library(backend, qtype):
     subnormals included), then exactly what the fp16 call gives, bit for bit, for 1, 8 and 21 vectors."""
     kernels = kernels_of(backend)
     n_rows = 19
-    raw, n_cols = matvec_case(qtype, n_rows, 33 if qtype not in QUANTIZED else 3 if qtype in K_QUANTS else 9, seed=7)
+    raw, n_cols = matvec_case(qtype, n_rows, 33 if qtype not in QUANTIZED else 3 if qtype in BLOCKS_OF_256 else 9, seed=7)
     rng, w = np.random.default_rng(8), kernels._bytes(raw)
     for n_vec in (1, 8, 21):
         x = (rng.standard_normal((n_vec, n_cols)) * 30).astype(np.float32)
