@@ -161,8 +161,8 @@ int main(void) {
     EXPECT(pebble_matvec(8, q8, sizeof q8, 2, 32, ones, 2, y, NULL) == PEBBLE_OK && NEAR(y[0], -8.0f) &&
            NEAR(y[1], 194.0f) && NEAR(y[2], -8.0f) && NEAR(y[3], 194.0f));
     EXPECT(pebble_dequantize(99, q8, sizeof q8, half, 64, NULL) == PEBBLE_ERR_INVALID_ARGUMENT);
-    EXPECT(pebble_dequantize(10, q8, sizeof q8, half, 64, NULL) == PEBBLE_ERR_INVALID_ARGUMENT &&
-           strstr(pebble_last_error(), "Q2_K") != NULL);
+    EXPECT(pebble_dequantize(16, q8, sizeof q8, half, 64, NULL) == PEBBLE_ERR_INVALID_ARGUMENT &&
+           strstr(pebble_last_error(), "IQ2_XXS") != NULL);
     EXPECT(pebble_dequantize(8, q8, sizeof q8 - 1, half, 64, NULL) == PEBBLE_ERR_SIZE_MISMATCH);
     EXPECT(pebble_dequantize(8, NULL, sizeof q8, half, 64, NULL) == PEBBLE_ERR_INVALID_ARGUMENT);
     // the same two blocks as a table of two rows of 32, gathered in float32: row 1, then row 0
