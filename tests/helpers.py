@@ -20,7 +20,7 @@ from typing import Iterator
 import numpy as np
 import pytest
 import requests
-from gguf import GGUFReader
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 
 from pyplugin.ggml_types import SUPPORTED_NAMES
 from pyplugin.model import Model, load_model
@@ -56,12 +56,11 @@ def store_backend_params(names=BACKENDS) -> list:
 
 ARCHS = ("llama", "qwen2", "phi3")
 TYPES = SUPPORTED_NAMES
-K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
 VOCAB_OF_ARCH = {"llama": "llama3", "qwen2": "chatml", "phi3": "spm", "qwen3": "qwen3", "gemma2": "gemma",
                  "gemma3": "gemma", "qwen2moe": "chatml", "qwen3moe": "qwen3"}
 
 TINY = dict(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, n_ctx=256, n_merges=200)
-# K-quants pack 256 values per block, so every row (n_embd, n_ff) must be a multiple of 256.
+# K-quants and IQ4_XS pack 256 values per block, so every row (n_embd, n_ff) must be a multiple of 256.
 TINY_256 = dict(TINY, n_layer=1, n_embd=256, n_ff=256)
 
 _DIR = tempfile.TemporaryDirectory(prefix="pebbling-model-tests-")
@@ -96,8 +95,14 @@ def to_host(array) -> np.ndarray:
     return array.get() if hasattr(array, "get") else np.asarray(array)
 
 
+def blocks_of_256(type_name: str | None) -> bool:
+    """Whether a GGUF type (by name) packs 256 values per block (the K-quants, IQ4_XS, most IQ types)."""
+    return type_name in GGMLQuantizationType.__members__ and \
+        GGML_QUANT_SIZES[GGMLQuantizationType[type_name]][0] == 256
+
+
 def tiny_spec(arch: str = "llama", **overrides) -> SynthSpec:
-    base = TINY_256 if overrides.get("weight_type") in K_QUANTS else TINY
+    base = TINY_256 if blocks_of_256(overrides.get("weight_type")) else TINY
     return SynthSpec(**{"arch": arch, "vocab": VOCAB_OF_ARCH[arch], **base, **overrides})
 
 

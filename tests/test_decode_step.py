@@ -28,6 +28,10 @@ CASES = {  # name: (arch, overrides); partial RoPE, NeoX, biases, GQA, every typ
     "llama-BF16-mha": ("llama", dict(weight_type="BF16", n_head_kv=4)),
     "llama-Q5_K-Q5_1": ("llama", dict(weight_type="Q5_K", n_embd=256, n_ff=256, tensor_types={"attn_output": "Q5_1"})),
     "qwen2-Q5_0-Q4_1": ("qwen2", dict(weight_type="Q5_0", tensor_types={"ffn_down": "Q4_1"})),
+    "llama-Q3_K-Q2_K-IQ4_XS": ("llama", dict(weight_type="Q3_K", n_embd=256, n_ff=256,
+                                             tensor_types={"attn_v": "Q2_K", "ffn_down": "IQ4_XS"})),
+    "qwen2-IQ4_NL-MXFP4": ("qwen2", dict(weight_type="IQ4_NL", tensor_types={"attn_output": "MXFP4",
+                                                                              "ffn_down": "MXFP4"})),
     # Q/K norms and a head size of its own; the Gemmas' sandwich norms and GELU; gemma2's soft cap (low, so
     # that it bends the scores); Granite's residual and attention scales
     "qwen3-Q8_0-qk-norm": ("qwen3", dict(weight_type="Q8_0", key_length=32)),
