@@ -344,6 +344,25 @@ def test_bad_generate_request_says_what_was_wrong(url, body, status, message):
     assert_good(url)
 
 
+def test_a_model_with_a_tensor_type_without_kernels_is_a_400_naming_the_tensor_and_the_types(url, models_dir):
+    """A file with one matrix of a type pebbling does not compute (IQ2_XXS) is refused when a request loads
+    it: a 400 naming the model (never its path), the tensor, its type and every type pebbling computes."""
+    from pyplugin.ggml_types import SUPPORTED_NAMES
+
+    path = models_dir / "iq2.gguf"
+    write_gguf(path, **dict(TINY, n_embd=256, n_ff=64), weight_type="Q8_0", tensor_types={"blk.2.attn_q": "IQ2_XXS"})
+    try:
+        r = requests.post(f"{url}/api/generate", json={"model": "iq2", "prompt": "x", "stream": False}, timeout=60)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert "model 'iq2' cannot be served" in error and str(models_dir) not in error, error
+        assert "tensor blk.2.attn_q.weight has type IQ2_XXS, which is not supported" in error, error
+        assert sorted(error.rpartition("supported types: ")[2].split(", ")) == sorted(SUPPORTED_NAMES), error
+    finally:
+        path.unlink()
+    assert_good(url)
+
+
 @pytest.mark.parametrize("data,message", [
     (b'{"model": "tiny",', "invalid JSON"),
     (b"[1, 2]", "must be a JSON object"),
