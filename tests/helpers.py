@@ -25,6 +25,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from pyplugin.ggml_types import SUPPORTED_NAMES
 from pyplugin.model import Model, load_model
 from pyplugin.model.synth import SynthSpec, write_gguf
+from pyplugin.model.synth_mix import quantize_mix
 from pyplugin.store import BACKENDS, probe
 
 
@@ -62,6 +63,18 @@ VOCAB_OF_ARCH = {"llama": "llama3", "qwen2": "chatml", "phi3": "spm", "qwen3": "
 TINY = dict(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, n_ctx=256, n_merges=200)
 # K-quants and IQ4_XS pack 256 values per block, so every row (n_embd, n_ff) must be a multiple of 256.
 TINY_256 = dict(TINY, n_layer=1, n_embd=256, n_ff=256)
+
+# Files mixed as llama-quantize writes them (pyplugin.model.synth_mix), each a tiny model whose shape lets its
+# rules show: Q3_K_M's ffn_down takes Q5_K in the first n_layer/16 layers (16 layers: the first), Q2_K's
+# attn_v Q4_K where four query heads share a KV head, and IQ4_XS's rows of 320 values (not whole 256-value
+# blocks) fall back to IQ4_NL, its first layer's Q5_K to Q5_1.
+# MXFP4_MOE, gpt-oss's mix, puts the experts of a qwen3moe in MXFP4 and every other matrix in Q8_0.
+MIX_SHAPES = {"Q3_K_M": dict(n_layer=16, n_embd=256, n_ff=256, n_head=4, n_head_kv=2),
+              "Q2_K": dict(n_layer=3, n_embd=256, n_ff=512, n_head=4, n_head_kv=1),
+              "IQ4_XS": dict(n_layer=8, n_embd=256, n_ff=320, n_head=4, n_head_kv=2),
+              "MXFP4_MOE": dict(n_layer=2, n_embd=64, n_ff=128, n_expert=4, n_expert_used=2, n_ff_exp=64,
+                                key_length=32)}
+MIX_ARCHS = {"MXFP4_MOE": "qwen3moe"}  # the others: llama
 
 _DIR = tempfile.TemporaryDirectory(prefix="pebbling-model-tests-")
 
@@ -104,6 +117,14 @@ def blocks_of_256(type_name: str | None) -> bool:
 def tiny_spec(arch: str = "llama", **overrides) -> SynthSpec:
     base = TINY_256 if blocks_of_256(overrides.get("weight_type")) else TINY
     return SynthSpec(**{"arch": arch, "vocab": VOCAB_OF_ARCH[arch], **base, **overrides})
+
+
+def mix_overrides(mix: str, arch: str | None = None, **shape) -> dict:
+    """tiny_path/tiny_model overrides for a file of llama-quantize's `mix` (synth_mix) of that architecture
+    and shape (by default MIX_ARCHS' and MIX_SHAPES')."""
+    arch, shape = arch or MIX_ARCHS.get(mix, "llama"), shape or MIX_SHAPES[mix]
+    spec = quantize_mix(tiny_spec(arch, **shape), mix)
+    return dict(shape, weight_type=spec.weight_type, tensor_types=spec.tensor_types)
 
 
 def tiny_path(arch: str = "llama", **overrides) -> Path:

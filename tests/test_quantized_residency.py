@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from gguf import GGUFReader
 
-from helpers import store_backend_params
+from helpers import mix_overrides, store_backend_params
 from helpers import tiny_model, tiny_path
 from pyplugin.runtime import Generation, PebbledModel
 from pyplugin.runtime.generation import ResidentLayers
@@ -40,6 +40,8 @@ MODELS = {
     "qwen2-Q5_0-Q8_0": ("qwen2", dict(weight_type="Q5_0", tensor_types={"ffn_down": "Q8_0", "attn_v": "Q8_0"},
                                       n_layer=4)),
     "phi3-Q4_1-Q5_1": ("phi3", dict(weight_type="Q4_1", tensor_types={"ffn_down": "Q5_1"}, n_layer=4, seed=1)),
+    # llama-quantize's Q3_K_M, Q2_K and IQ4_XS mixes (synth_mix; test_quant_mixes runs them on the stub's store)
+    **{f"llama-{mix}": ("llama", mix_overrides(mix)) for mix in ("Q3_K_M", "Q2_K", "IQ4_XS")},
 }
 
 
