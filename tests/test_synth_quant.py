@@ -31,7 +31,8 @@ from gguf import GGMLQuantizationType as Q
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize
 
-from pyplugin.model.synth_quant import quantize
+from pyplugin.ggml_types import SUPPORTED_TYPES
+from pyplugin.model.synth_quant import quantize, random_blocks
 from pyplugin.model.synth_quant_low import KVALUES
 
 NEW_TYPES = (Q.Q2_K, Q.Q3_K, Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4)
@@ -166,3 +167,18 @@ def test_rows_must_be_whole_blocks(qtype):
     elements = GGML_QUANT_SIZES[qtype][0]
     with pytest.raises(ValueError, match=rf"{qtype.name} needs rows that are a multiple of {elements} values"):
         quantize(np.zeros((2, elements + 16), np.float32), qtype)
+
+
+@pytest.mark.parametrize("qtype", [Q(t) for t in SUPPORTED_TYPES if Q(t) not in (Q.F32, Q.F16, Q.BF16)],
+                         ids=lambda t: t.name)
+def test_random_blocks_decode_to_values_of_about_the_std_asked(qtype):
+    """random_blocks (the large benchmark files) writes each scale field where gguf reads it: values decode
+    finite, centred, with an RMS within 10% of `std` at two scales fifty times apart (MXFP4's power-of-two
+    scale: within a factor of sqrt(2)). A scale written elsewhere leaves random bytes where gguf reads it."""
+    elements = GGML_QUANT_SIZES[qtype][0]
+    for std in (0.02, 1.0):
+        y = dequantize(random_blocks(qtype, 64, 4 * elements, np.random.default_rng(3), std), qtype)
+        assert np.isfinite(y).all()
+        rms, spread = np.sqrt(np.square(y, dtype=np.float64).mean()), np.sqrt(2) if qtype == Q.MXFP4 else 1.1
+        assert std / spread <= rms <= std * spread, (std, rms)
+        assert abs(y.mean()) < 0.2 * std
