@@ -25,6 +25,9 @@ SHAPES = {
     "qwen3-30b-a3b": dict(arch="qwen3moe", n_layer=48, n_embd=2048, n_head=32, n_head_kv=4, key_length=128, n_ff=6144,
                           n_ff_exp=768, n_expert=128, n_expert_used=8, vocab="qwen3", vocab_size=N_VOCAB,
                           random_blocks=True),
+    # Llama-3.2-3B: 3.2 billion weights, so random valid blocks as for the mixture of experts.
+    "llama3.2-3b": dict(arch="llama", n_layer=28, n_embd=3072, n_head=24, n_head_kv=8, n_ff=8192, vocab="llama3",
+                        tied_output=True, vocab_size=128256, rope_theta=500000.0, random_blocks=True),
 }
 
 
@@ -48,8 +51,44 @@ def q4_k_m(shape: dict) -> dict:
     return dict(weight_type=base, tensor_types=types)
 
 
+def more_bits(i: int, n: int) -> bool:
+    """llama-quantize's use_more_bits: the layers of a mix that get the larger type (the first and last
+    eighth, and every third between)."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def low_bit_mix(name: str):
+    """The mix llama-quantize writes for Q3_K_M, Q2_K or IQ4_XS (its llama_tensor_get_type, for a dense model
+    whose rows are whole 256-element blocks): the output (or the tied embedding) Q6_K; Q3_K_M: attn_v Q5_K
+    on the first two layers and Q4_K after, ffn_down Q5_K on the first sixteenth and Q4_K on the layers of
+    more_bits, attn_output Q4_K; Q2_K: attn_v Q4_K where 4 or more query heads share a KV head (Q3_K
+    otherwise), ffn_down and attn_output Q3_K; IQ4_XS: attn_v Q5_K where 4 or more share one."""
+    def mix(shape: dict) -> dict:
+        n, gqa = shape["n_layer"], shape["n_head"] // shape["n_head_kv"]
+        types = {"output": "Q6_K", "token_embd": "Q6_K" if shape.get("tied_output") else
+                 {"Q3_K_M": "Q3_K", "Q2_K": "Q2_K", "IQ4_XS": "IQ4_XS"}[name]}
+        for i in range(n):
+            if name == "Q3_K_M":
+                types[f"blk.{i}.attn_v"] = "Q5_K" if i < 2 else "Q4_K"
+                types[f"blk.{i}.ffn_down"] = "Q5_K" if i < n // 16 else "Q4_K" if more_bits(i, n) else "Q3_K"
+                types[f"blk.{i}.attn_output"] = "Q4_K"
+            elif name == "Q2_K":
+                types[f"blk.{i}.attn_v"] = "Q4_K" if gqa >= 4 else "Q3_K"
+                types[f"blk.{i}.ffn_down"] = "Q3_K"
+                types[f"blk.{i}.attn_output"] = "Q3_K"
+            elif gqa >= 4:
+                types[f"blk.{i}.attn_v"] = "Q5_K"
+        # random valid blocks: these types' quantizers fit each block from floats, too slow for billions
+        return dict(weight_type={"Q3_K_M": "Q3_K", "Q2_K": "Q2_K", "IQ4_XS": "IQ4_XS"}[name], tensor_types=types,
+                    random_blocks=True)
+    return mix
+
+
 FILES = {
     "Q4_K_M": q4_k_m,
+    "Q3_K_M": low_bit_mix("Q3_K_M"),
+    "Q2_K": low_bit_mix("Q2_K"),
+    "IQ4_XS": low_bit_mix("IQ4_XS"),
     "Q8_0": lambda shape: dict(weight_type="Q8_0"),
     "Q4_1": lambda shape: dict(weight_type="Q4_1", tensor_types={"token_embd": "Q8_0"}),
 }
@@ -66,6 +105,6 @@ def write_files(directory: Path, names: list[str], shape_name: str, n_layer: int
     for name in names:
         path = directory / f"{shape_name}-{shape['n_layer']}L-shaped-{name}.gguf"
         if not path.exists():
-            write_gguf(path, **shape, n_ctx=4096, **FILES[name](shape))
+            write_gguf(path, **{**shape, **FILES[name](shape)}, n_ctx=4096)
         paths[name] = path
     return paths

@@ -121,94 +121,28 @@ AVX2 inline __m256i pair_of(const scale_halves & h, int g) {
     return _mm256_shuffle_epi8(g < 8 ? h.lo : h.hi, index);
 }
 
+// Block i of a row (b) times NV activations, as integers: the lanes of sumi[v] add up to the block's
+// sum over its sub-blocks of scale * (its quants times x's q), offsets included; those of summ[v] (Q2_K) to
+// sum_g min_g * x's sum over g. d and dmin: its scales.
 template <int K, int NV>
-AVX2 void dot_k23_avx2(const uint8_t * w, int64_t nb, const uint8_t * xq, int64_t xs, float * out) {
-    constexpr int bb = low_block_bytes(K);
-    __m256 acc[NV];
-    float macc[NV];
-    UNROLL for (int v = 0; v < NV; v++) acc[v] = _mm256_setzero_ps(), macc[v] = 0.0f;
-    const __m256i m2 = _mm256_set1_epi8(3), bit2 = _mm256_set1_epi8(4);
-    for (int64_t i = 0; i < nb; i++) {
-        const uint8_t * b = w + i * bb;
-        __m256i scales16, mins16 = _mm256_setzero_si256(), hm = _mm256_setzero_si256();
-        float d, dmin = 0.0f;
-        if constexpr (K == l_q2_k) { // a byte per 16: the scale its low nibble, the min its high one
-            const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i *>(b));
-            scales16 = _mm256_cvtepu8_epi16(_mm_and_si128(raw, _mm_set1_epi8(0x0f)));
-            mins16 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0f)));
-            d = f16c(b + 80), dmin = f16c(b + 82);
-        } else {
-            uint32_t v[4];
-            q3_k_scale_words(b + 96, v);
-            const __m128i s = _mm_sub_epi8(_mm_set_epi32(static_cast<int>(v[3]), static_cast<int>(v[2]), static_cast<int>(v[1]),
-                                                         static_cast<int>(v[0])), _mm_set1_epi8(32));
-            scales16 = _mm256_cvtepi8_epi16(s);
-            hm = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(b));
-            d = f16c(b + 108);
-        }
-        const scale_halves halves = halves_of(scales16);
-        const uint8_t * qs = b + (K == l_q2_k ? 16 : 32);
-        __m256i sumi[NV];
-        UNROLL for (int v = 0; v < NV; v++) {
-            const q8_256 & a = reinterpret_cast<const q8_256 *>(xq + v * xs)[i];
-            if constexpr (K == l_q3_k) { // the quants go in as 0..7, 4 above their values: -4 * sum_g scale_g * x's sum_g
-                const __m256i corr = _mm256_madd_epi16(scales16, _mm256_loadu_si256(reinterpret_cast<const __m256i *>(a.sums)));
-                sumi[v] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(corr, 2));
-            } else {
-                sumi[v] = _mm256_setzero_si256();
-            }
-        }
-        UNROLL for (int n = 0; n < 2; n++) {
-            const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(qs + 32 * n));
-            UNROLL for (int j = 0; j < 4; j++) { // elements 128n + 32j .. + 31: sub-blocks 8n + 2j, 8n + 2j + 1
-                __m256i q = _mm256_and_si256(j ? _mm256_srli_epi16(raw, 2 * j) : raw, m2);
-                if constexpr (K == l_q3_k) { // bit 4n + j of each byte of hm, as bit 2
-                    const int k = 4 * n + j;
-                    const __m256i h = k < 2 ? _mm256_slli_epi16(hm, 2 - k) : k > 2 ? _mm256_srli_epi16(hm, k - 2) : hm;
-                    q = _mm256_or_si256(q, _mm256_and_si256(h, bit2));
-                }
-                const __m256i s = pair_of(halves, 8 * n + 2 * j);
-                UNROLL for (int v = 0; v < NV; v++) {
-                    const q8_256 & a = reinterpret_cast<const q8_256 *>(xq + v * xs)[i];
-                    const __m256i y = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(a.qs + 128 * n + 32 * j));
-                    sumi[v] = _mm256_add_epi32(sumi[v], _mm256_madd_epi16(_mm256_maddubs_epi16(q, y), s));
-                }
-            }
-        }
-        UNROLL for (int v = 0; v < NV; v++) {
-            const q8_256 & a = reinterpret_cast<const q8_256 *>(xq + v * xs)[i];
-            acc[v] = _mm256_fmadd_ps(_mm256_set1_ps(a.d * d), _mm256_cvtepi32_ps(sumi[v]), acc[v]);
-            if constexpr (K == l_q2_k) {
-                const __m256i summ = _mm256_madd_epi16(mins16, _mm256_loadu_si256(reinterpret_cast<const __m256i *>(a.sums)));
-                macc[v] += a.d * dmin * static_cast<float>(hsum_epi32(summ));
-            }
-        }
-    }
-    UNROLL for (int v = 0; v < NV; v++) out[v] = hsum_ps(acc[v]) - macc[v];
-}
-
-// IQ4_XS: a sub-block's 16 bytes, low nibbles then high ones, are its 32 indices in element order; each
-// through the table, its magnitude against x with its sign (|value| <= 127: vpmaddubsw's pairs cannot
-// saturate), times the sub-block's scale.
-template <int K, int NV>
-AVX2 void dot_iq4_xs_avx2(const uint8_t * w, int64_t nb, const uint8_t * xq, int64_t xs, float * out) {
-    __m256 acc[NV];
-    UNROLL for (int v = 0; v < NV; v++) acc[v] = _mm256_setzero_ps();
-    const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i *>(iq4_values)));
-    const __m256i m4 = _mm256_set1_epi8(0x0f);
-    const __m256i nibble_at = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), pair_at = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
-    for (int64_t i = 0; i < nb; i++) {
-        const uint8_t * b = w + i * 136;
+AVX2 __attribute__((always_inline)) inline void low_block_ints(const uint8_t * b, const uint8_t * xq, int64_t xs, int64_t i,
+                                                               __m256i * sumi, __m256i * summ, float & d, float & dmin) {
+    const q8_256 * x[NV];
+    UNROLL for (int v = 0; v < NV; v++) x[v] = reinterpret_cast<const q8_256 *>(xq + v * xs) + i;
+    if constexpr (K == l_iq4_xs) {
+        const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i *>(iq4_values)));
+        const __m256i m4 = _mm256_set1_epi8(0x0f);
         uint32_t low;
         std::memcpy(&low, b + 4, 4);
         // the eight scales less 32, as 16-bit words in both lanes
         const __m256i s32 = _mm256_sub_epi32(
-            _mm256_or_si256(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(low)), nibble_at), _mm256_set1_epi32(0xf)),
-                            _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(u16(b + 2)), pair_at), _mm256_set1_epi32(3)), 4)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(low)),
+                                                               _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)), _mm256_set1_epi32(0xf)),
+                            _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(u16(b + 2)),
+                                                                                 _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)),
+                                                               _mm256_set1_epi32(3)), 4)),
             _mm256_set1_epi32(32));
-        const __m128i s16 = _mm_packs_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256(s32, 1));
-        const __m256i scales = _mm256_broadcastsi128_si256(s16);
-        __m256i sumi[NV];
+        const __m256i scales = _mm256_broadcastsi128_si256(_mm_packs_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256(s32, 1)));
         UNROLL for (int v = 0; v < NV; v++) sumi[v] = _mm256_setzero_si256();
         UNROLL for (int c = 0; c < 4; c++) { // sub-blocks 2c and 2c + 1: 32 bytes
             const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(b + 8 + 32 * c));
@@ -220,19 +154,230 @@ AVX2 void dot_iq4_xs_avx2(const uint8_t * w, int64_t nb, const uint8_t * xq, int
                 const __m256i mag = _mm256_sign_epi8(q[h], q[h]);
                 const __m256i scale = _mm256_shuffle_epi8(scales, _mm256_set1_epi16(static_cast<int16_t>(2 * j | (2 * j + 1) << 8)));
                 UNROLL for (int v = 0; v < NV; v++) {
-                    const q8_256 & a = reinterpret_cast<const q8_256 *>(xq + v * xs)[i];
-                    const __m256i y = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(a.qs + 32 * j));
+                    const __m256i y = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(x[v]->qs + 32 * j));
                     sumi[v] = _mm256_add_epi32(sumi[v], _mm256_madd_epi16(_mm256_maddubs_epi16(mag, _mm256_sign_epi8(y, q[h])), scale));
                 }
             }
         }
-        const float d = f16c(b);
-        UNROLL for (int v = 0; v < NV; v++) {
-            const q8_256 & a = reinterpret_cast<const q8_256 *>(xq + v * xs)[i];
-            acc[v] = _mm256_fmadd_ps(_mm256_set1_ps(a.d * d), _mm256_cvtepi32_ps(sumi[v]), acc[v]);
+        d = f16c(b);
+        return;
+    } else {
+        const __m256i m2 = _mm256_set1_epi8(3), bit2 = _mm256_set1_epi8(4);
+        __m256i scales16, hm = _mm256_setzero_si256();
+        if constexpr (K == l_q2_k) { // a byte per 16: the scale its low nibble, the min its high one
+            const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i *>(b));
+            scales16 = _mm256_cvtepu8_epi16(_mm_and_si128(raw, _mm_set1_epi8(0x0f)));
+            const __m256i mins16 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0f)));
+            UNROLL for (int v = 0; v < NV; v++) {
+                summ[v] = _mm256_madd_epi16(mins16, _mm256_loadu_si256(reinterpret_cast<const __m256i *>(x[v]->sums)));
+                sumi[v] = _mm256_setzero_si256();
+            }
+            d = f16c(b + 80), dmin = f16c(b + 82);
+        } else {
+            uint32_t w[4];
+            q3_k_scale_words(b + 96, w);
+            const __m128i s = _mm_sub_epi8(_mm_set_epi32(static_cast<int>(w[3]), static_cast<int>(w[2]), static_cast<int>(w[1]),
+                                                         static_cast<int>(w[0])), _mm_set1_epi8(32));
+            scales16 = _mm256_cvtepi8_epi16(s);
+            hm = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(b));
+            UNROLL for (int v = 0; v < NV; v++) { // the quants go in as 0..7, 4 above their values: -4 sum_g scale_g x's sum_g
+                const __m256i corr = _mm256_madd_epi16(scales16, _mm256_loadu_si256(reinterpret_cast<const __m256i *>(x[v]->sums)));
+                sumi[v] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(corr, 2));
+            }
+            d = f16c(b + 108);
+        }
+        const scale_halves halves = halves_of(scales16);
+        const uint8_t * qs = b + (K == l_q2_k ? 16 : 32);
+        UNROLL for (int n = 0; n < 2; n++) {
+            const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(qs + 32 * n));
+            UNROLL for (int j = 0; j < 4; j++) { // elements 128n + 32j .. + 31: sub-blocks 8n + 2j, 8n + 2j + 1
+                __m256i q = _mm256_and_si256(j ? _mm256_srli_epi16(raw, 2 * j) : raw, m2);
+                if constexpr (K == l_q3_k) { // bit 4n + j of each byte of hm, as bit 2
+                    const int k = 4 * n + j;
+                    const __m256i h = k < 2 ? _mm256_slli_epi16(hm, 2 - k) : k > 2 ? _mm256_srli_epi16(hm, k - 2) : hm;
+                    q = _mm256_or_si256(q, _mm256_and_si256(h, bit2));
+                }
+                const __m256i scale = pair_of(halves, 8 * n + 2 * j);
+                UNROLL for (int v = 0; v < NV; v++) {
+                    const __m256i y = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(x[v]->qs + 128 * n + 32 * j));
+                    sumi[v] = _mm256_add_epi32(sumi[v], _mm256_madd_epi16(_mm256_maddubs_epi16(q, y), scale));
+                }
+            }
         }
     }
-    UNROLL for (int v = 0; v < NV; v++) out[v] = hsum_ps(acc[v]);
+}
+
+// The row kernel: each block's integers times d and x's d into a float vector a vector, the mins apart.
+template <int K, int NV>
+AVX2 void dot_low_avx2(const uint8_t * w, int64_t nb, const uint8_t * xq, int64_t xs, float * out) {
+    __m256 acc[NV];
+    float macc[NV];
+    UNROLL for (int v = 0; v < NV; v++) acc[v] = _mm256_setzero_ps(), macc[v] = 0.0f;
+    for (int64_t i = 0; i < nb; i++) {
+        __m256i sumi[NV], summ[NV];
+        float d, dmin = 0.0f;
+        low_block_ints<K, NV>(w + i * low_block_bytes(K), xq, xs, i, sumi, summ, d, dmin);
+        UNROLL for (int v = 0; v < NV; v++) {
+            const float xd = reinterpret_cast<const q8_256 *>(xq + v * xs)[i].d;
+            acc[v] = _mm256_fmadd_ps(_mm256_set1_ps(xd * d), _mm256_cvtepi32_ps(sumi[v]), acc[v]);
+            if constexpr (K == l_q2_k) macc[v] += xd * dmin * static_cast<float>(hsum_epi32(summ[v]));
+        }
+    }
+    UNROLL for (int v = 0; v < NV; v++) out[v] = hsum_ps(acc[v]) - macc[v];
+}
+
+// ---------------------------------------------------------------------------------------------------
+// AVX-512 VNNI: sixteen rows at a time (see "Sixteen rows at a time" in cpu/quants.h), each lane a row: a
+// sub-block's quants of sixteen rows transposed into registers, x's quants four a dword broadcast to them
+// (vpdpbusd), a 16-element sum times each lane's scale. Then per block and row the same two fused
+// multiply-adds as dot_low_exact makes, so that a row's bits do not depend on the kernel that took it.
+
+// Rows 0..15 of a group: lane r = r * rb, for the gathers of a block's scale fields.
+AVX512 inline __m512i row_offsets(int64_t rb) {
+    return _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                              _mm512_set1_epi32(static_cast<int32_t>(rb)));
+}
+
+// sumi + p * scale, p and scale each a 32-bit lane: vpdpwssd on p's low 16 bits where |p| < 2^15 (Q2_K's
+// and Q3_K's 16-element sums: at most 16 * 7 * 127 + 4 * 16 * 127) and scale's high 16 bits are zero.
+AVX512 inline __m512i add_scaled16(__m512i sumi, __m512i p, __m512i scale) {
+    return _mm512_dpwssd_epi32(sumi, p, _mm512_and_si512(scale, _mm512_set1_epi32(0xffff)));
+}
+
+template <int K, int NV>
+AVX512 void rows16_low(const uint8_t * w, int64_t rb, int64_t nb, const uint8_t * xq, int64_t xs, float * y, int64_t ys) {
+    constexpr int bb = low_block_bytes(K);
+    const __m512i rows = row_offsets(rb), low4 = _mm512_set1_epi32(0x0f0f0f0f), low2 = _mm512_set1_epi32(0x03030303);
+    __m512 acc[NV];
+    UNROLL for (int v = 0; v < NV; v++) acc[v] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < nb; i++) {
+        const uint8_t * b = w + i * bb;
+        prefetch_next_group(w, rb, i, bb);
+        const q8_256 * x[NV];
+        UNROLL for (int v = 0; v < NV; v++) x[v] = reinterpret_cast<const q8_256 *>(xq + v * xs) + i;
+        __m512i sumi[NV], summ[NV];
+        __m512 d, dmin = _mm512_setzero_ps();
+        UNROLL for (int v = 0; v < NV; v++) sumi[v] = summ[v] = _mm512_setzero_si512();
+        if constexpr (K == l_iq4_xs) {
+            const __m512i head = _mm512_i32gather_epi32(rows, b, 1), low = _mm512_i32gather_epi32(rows, b + 4, 1);
+            d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(head));
+            const __m512i high = _mm512_srli_epi32(head, 16);
+            const __m512i table = _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i *>(iq4_values))),
+                                                   _mm512_set1_epi8(static_cast<char>(0x80))); // each value + 128
+            UNROLL for (int j = 0; j < 8; j++) {
+                const __m512i scale = _mm512_sub_epi32(
+                    _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(low, 4 * j), _mm512_set1_epi32(0xf)),
+                                    _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(high, 2 * j), _mm512_set1_epi32(3)), 4)),
+                    _mm512_set1_epi32(32));
+                __m512i t[4], lo[4], hi[4];
+                load_16x4(b + 8 + 16 * j, rb, t);
+                UNROLL for (int m = 0; m < 4; m++) {
+                    lo[m] = _mm512_shuffle_epi8(table, _mm512_and_si512(t[m], low4));
+                    hi[m] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi32(t[m], 4), low4));
+                }
+                UNROLL for (int v = 0; v < NV; v++) {
+                    const int8_t * q = x[v]->qs + 32 * j;
+                    __m512i p = _mm512_set1_epi32(-128 * (x[v]->sums[2 * j] + x[v]->sums[2 * j + 1]));
+                    UNROLL for (int m = 0; m < 4; m++) {
+                        p = _mm512_dpbusd_epi32(p, lo[m], _mm512_set1_epi32(dword_at(q + 4 * m)));
+                        p = _mm512_dpbusd_epi32(p, hi[m], _mm512_set1_epi32(dword_at(q + 16 + 4 * m)));
+                    }
+                    sumi[v] = _mm512_add_epi32(sumi[v], _mm512_mullo_epi32(p, scale));
+                }
+            }
+        } else {
+            __m512i sc[4]; // a lane's scale of sub-block g: byte g % 4 of sc[g / 4]
+            __m512i hm[2][4];
+            if constexpr (K == l_q2_k) {
+                const __m512i head = _mm512_i32gather_epi32(rows, b + 80, 1);
+                d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(head));
+                dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(head, 16)));
+                __m512i raw[4];
+                load_16x4(b, rb, raw);
+                UNROLL for (int m = 0; m < 4; m++) {
+                    sc[m] = _mm512_and_si512(raw[m], low4);
+                    // the mins of sub-blocks 4m + 2h and 4m + 2h + 1 as the 16-bit halves of a lane, beside x's two sums
+                    const __m512i pair[2] = {
+                        _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(raw[m], 4), _mm512_set1_epi32(0xf)),
+                                        _mm512_and_si512(_mm512_slli_epi32(raw[m], 4), _mm512_set1_epi32(0xf0000))),
+                        _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(raw[m], 20), _mm512_set1_epi32(0xf)),
+                                        _mm512_and_si512(_mm512_srli_epi32(raw[m], 12), _mm512_set1_epi32(0xf0000)))};
+                    UNROLL for (int h = 0; h < 2; h++) {
+                        UNROLL for (int v = 0; v < NV; v++) {
+                            summ[v] = _mm512_dpwssd_epi32(summ[v], pair[h], _mm512_set1_epi32(dword_at(
+                                reinterpret_cast<const int8_t *>(x[v]->sums + 4 * m + 2 * h))));
+                        }
+                    }
+                }
+            } else { // bytes 94..109: the twelve bytes of scales two bytes in, then d
+                __m512i t[4];
+                load_16x4(b + 94, rb, t);
+                d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(t[3], 16)));
+                __m512i words[3];
+                UNROLL for (int m = 0; m < 3; m++) words[m] = _mm512_or_si512(_mm512_srli_epi32(t[m], 16), _mm512_slli_epi32(t[m + 1], 16));
+                sc[0] = _mm512_or_si512(_mm512_and_si512(words[0], low4), _mm512_slli_epi32(_mm512_and_si512(words[2], low2), 4));
+                sc[1] = _mm512_or_si512(_mm512_and_si512(words[1], low4),
+                                        _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(words[2], 2), low2), 4));
+                sc[2] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(words[0], 4), low4),
+                                        _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(words[2], 4), low2), 4));
+                sc[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(words[1], 4), low4),
+                                        _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(words[2], 6), low2), 4));
+                load_16x4(b, rb, hm[0]);
+                load_16x4(b + 16, rb, hm[1]);
+            }
+            UNROLL for (int n = 0; n < 2; n++) {
+                UNROLL for (int h = 0; h < 2; h++) { // elements 128n + 32j + 16h .. + 15, j = 0..3
+                    __m512i t[4];
+                    load_16x4(b + (K == l_q2_k ? 16 : 32) + 32 * n + 16 * h, rb, t);
+                    UNROLL for (int j = 0; j < 4; j++) {
+                        const int g = 8 * n + 2 * j + h;
+                        __m512i scale = _mm512_and_si512(_mm512_srli_epi32(sc[g / 4], 8 * (g % 4)), _mm512_set1_epi32(0xff));
+                        if constexpr (K == l_q3_k) scale = _mm512_sub_epi32(scale, _mm512_set1_epi32(32));
+                        __m512i q[4];
+                        UNROLL for (int m = 0; m < 4; m++) {
+                            q[m] = _mm512_and_si512(_mm512_srli_epi32(t[m], 2 * j), low2);
+                            if constexpr (K == l_q3_k) { // bit 4n + j of the high-bit bytes, as bit 2
+                                const int k = 4 * n + j;
+                                const __m512i hb = k < 2 ? _mm512_slli_epi32(hm[h][m], 2 - k) : _mm512_srli_epi32(hm[h][m], k - 2);
+                                q[m] = _mm512_or_si512(q[m], _mm512_and_si512(hb, _mm512_set1_epi8(4)));
+                            }
+                        }
+                        UNROLL for (int v = 0; v < NV; v++) {
+                            const int8_t * xg = x[v]->qs + 16 * g;
+                            __m512i p = K == l_q3_k ? _mm512_set1_epi32(-4 * x[v]->sums[g]) : _mm512_setzero_si512();
+                            UNROLL for (int m = 0; m < 4; m++) p = _mm512_dpbusd_epi32(p, q[m], _mm512_set1_epi32(dword_at(xg + 4 * m)));
+                            sumi[v] = add_scaled16(sumi[v], p, scale);
+                        }
+                    }
+                }
+            }
+        }
+        UNROLL for (int v = 0; v < NV; v++) {
+            const __m512 xd = _mm512_set1_ps(x[v]->d);
+            acc[v] = _mm512_fmadd_ps(_mm512_mul_ps(d, xd), _mm512_cvtepi32_ps(sumi[v]), acc[v]);
+            if constexpr (K == l_q2_k) acc[v] = _mm512_fnmadd_ps(_mm512_mul_ps(dmin, xd), _mm512_cvtepi32_ps(summ[v]), acc[v]);
+        }
+    }
+    UNROLL for (int v = 0; v < NV; v++) _mm512_storeu_ps(y + v * ys, acc[v]);
+}
+
+// A matrix's last rows (past its whole groups of 16), and one vector: low_block_ints' integers, then per
+// block rows16_low's two fused multiply-adds.
+template <int K, int NV>
+AVX512 void dot_low_exact(const uint8_t * w, int64_t nb, const uint8_t * xq, int64_t xs, float * out) {
+    float acc[NV];
+    UNROLL for (int v = 0; v < NV; v++) acc[v] = 0.0f;
+    for (int64_t i = 0; i < nb; i++) {
+        __m256i sumi[NV], summ[NV];
+        float d, dmin = 0.0f;
+        low_block_ints<K, NV>(w + i * low_block_bytes(K), xq, xs, i, sumi, summ, d, dmin);
+        UNROLL for (int v = 0; v < NV; v++) {
+            const float xd = reinterpret_cast<const q8_256 *>(xq + v * xs)[i].d;
+            acc[v] = std::fma(d * xd, static_cast<float>(hsum_epi32(sumi[v])), acc[v]);
+            if constexpr (K == l_q2_k) acc[v] = std::fma(-(dmin * xd), static_cast<float>(hsum_epi32(summ[v])), acc[v]);
+        }
+    }
+    UNROLL for (int v = 0; v < NV; v++) out[v] = acc[v];
 }
 #endif
 
@@ -241,19 +386,27 @@ AVX2 void dot_iq4_xs_avx2(const uint8_t * w, int64_t nb, const uint8_t * xq, int
 
 PEBBLE_DOT(low_portable, dot_low_portable)
 #ifdef PEBBLE_X86
-PEBBLE_DOT(k23_avx2, dot_k23_avx2)
-PEBBLE_DOT(iq4_xs_avx2, dot_iq4_xs_avx2)
+PEBBLE_DOT(low_avx2, dot_low_avx2)
+PEBBLE_DOT(low_exact, dot_low_exact)
+template <int K> struct low_rows { template <int NV> struct at { static constexpr rows_fn fn = rows16_low<K, NV>; }; };
 #endif
 
 } // namespace
 
 kernel_set low_bit_kernels(int32_t type, simd level) {
 #ifdef PEBBLE_X86
+    if (level == simd::avx512) {
+        switch (type) {
+            case 10: return with_rows<low_rows<l_q2_k>::template at>(set_of<low_exact, l_q2_k>(act::q8_256, 256, 84, 8), upto<8>{});
+            case 11: return with_rows<low_rows<l_q3_k>::template at>(set_of<low_exact, l_q3_k>(act::q8_256, 256, 110, 8), upto<8>{});
+            case 23: return with_rows<low_rows<l_iq4_xs>::template at>(set_of<low_exact, l_iq4_xs>(act::q8_256, 256, 136, 8), upto<8>{});
+        }
+    }
     if (level != simd::portable) {
         switch (type) {
-            case 10: return set_of<k23_avx2, l_q2_k>(act::q8_256, 256, 84, 4);
-            case 11: return set_of<k23_avx2, l_q3_k>(act::q8_256, 256, 110, 4);
-            case 23: return set_of<iq4_xs_avx2, l_iq4_xs>(act::q8_256, 256, 136, 4);
+            case 10: return set_of<low_avx2, l_q2_k>(act::q8_256, 256, 84, 4);
+            case 11: return set_of<low_avx2, l_q3_k>(act::q8_256, 256, 110, 4);
+            case 23: return set_of<low_avx2, l_iq4_xs>(act::q8_256, 256, 136, 4);
         }
     }
 #endif
