@@ -51,36 +51,16 @@ def q4_k_m(shape: dict) -> dict:
     return dict(weight_type=base, tensor_types=types)
 
 
-def more_bits(i: int, n: int) -> bool:
-    """llama-quantize's use_more_bits: the layers of a mix that get the larger type (the first and last
-    eighth, and every third between)."""
-    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
-
-
 def low_bit_mix(name: str):
-    """The mix llama-quantize writes for Q3_K_M, Q2_K or IQ4_XS (its llama_tensor_get_type, for a dense model
-    whose rows are whole 256-element blocks): the output (or the tied embedding) Q6_K; Q3_K_M: attn_v Q5_K
-    on the first two layers and Q4_K after, ffn_down Q5_K on the first sixteenth and Q4_K on the layers of
-    more_bits, attn_output Q4_K; Q2_K: attn_v Q4_K where 4 or more query heads share a KV head (Q3_K
-    otherwise), ffn_down and attn_output Q3_K; IQ4_XS: attn_v Q5_K where 4 or more share one."""
+    """llama-quantize's mix `name` (Q3_K_M, Q2_K, IQ4_XS) for a shape: pyplugin.model.synth_mix's rules, the
+    matrices as random valid blocks (these types' quantizers fit each block from floats: too slow for billions
+    of weights)."""
     def mix(shape: dict) -> dict:
-        n, gqa = shape["n_layer"], shape["n_head"] // shape["n_head_kv"]
-        types = {"output": "Q6_K", "token_embd": "Q6_K" if shape.get("tied_output") else
-                 {"Q3_K_M": "Q3_K", "Q2_K": "Q2_K", "IQ4_XS": "IQ4_XS"}[name]}
-        for i in range(n):
-            if name == "Q3_K_M":
-                types[f"blk.{i}.attn_v"] = "Q5_K" if i < 2 else "Q4_K"
-                types[f"blk.{i}.ffn_down"] = "Q5_K" if i < n // 16 else "Q4_K" if more_bits(i, n) else "Q3_K"
-                types[f"blk.{i}.attn_output"] = "Q4_K"
-            elif name == "Q2_K":
-                types[f"blk.{i}.attn_v"] = "Q4_K" if gqa >= 4 else "Q3_K"
-                types[f"blk.{i}.ffn_down"] = "Q3_K"
-                types[f"blk.{i}.attn_output"] = "Q3_K"
-            elif gqa >= 4:
-                types[f"blk.{i}.attn_v"] = "Q5_K"
-        # random valid blocks: these types' quantizers fit each block from floats, too slow for billions
-        return dict(weight_type={"Q3_K_M": "Q3_K", "Q2_K": "Q2_K", "IQ4_XS": "IQ4_XS"}[name], tensor_types=types,
-                    random_blocks=True)
+        from pyplugin.model.synth import SynthSpec  # noqa: PLC0415
+        from pyplugin.model.synth_mix import quantize_mix  # noqa: PLC0415
+
+        spec = quantize_mix(SynthSpec(**shape), name)
+        return dict(weight_type=spec.weight_type, tensor_types=spec.tensor_types, random_blocks=True)
     return mix
 
 
