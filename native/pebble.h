@@ -201,7 +201,8 @@ PEBBLE_API enum pebble_status pebble_device_release(void * ptr);
 //
 // Kernels that compute from a tensor's GGUF bytes as stored (native/cuda/), so that weights
 // stay quantized in the store and on the bus. Types, with GGML's block layouts: 0 F32, 1 F16, 2 Q4_0,
-// 3 Q4_1, 6 Q5_0, 7 Q5_1, 8 Q8_0, 12 Q4_K, 13 Q5_K, 14 Q6_K, 30 BF16. The cuda library enqueues the work on `stream` (a cudaStream_t;
+// 3 Q4_1, 6 Q5_0, 7 Q5_1, 8 Q8_0, 10 Q2_K, 11 Q3_K, 12 Q4_K, 13 Q5_K, 14 Q6_K, 20 IQ4_NL, 23 IQ4_XS,
+// 30 BF16, 39 MXFP4. The cuda library enqueues the work on `stream` (a cudaStream_t;
 // NULL for the default stream) and reads and writes device memory (device, managed or pinned host
 // memory; pageable host memory is refused); the host library computes on host memory and returns when
 // done. Elements are decoded in float32 exactly as gguf-py's dequantize does.
@@ -234,11 +235,11 @@ PEBBLE_API enum pebble_status pebble_dequantize_rows(int32_t ggml_type, const vo
 // fp16 vectors one after another. Each weight block is read once per call and decoded in registers;
 // products and sums are float32. w_bytes must be the size of the n_rows * n_cols elements' blocks.
 // The host library, as llama.cpp's CPU backend does, multiplies the quantized types by x quantized once
-// per call to 8-bit blocks (per 256 elements for Q4_K, Q5_K and Q6_K, per 32 for the others: d =
-// max|x| / 127 in float32, q = x / d rounded to nearest even; a block holding inf or NaN gives NaN),
-// with integer dot products: each element of x moves by at most d / 2, so a result differs from the
-// product with x itself by at most sqrt(block) / 254 * ||W[r]|| * ||x|| (0.022 relative for blocks of
-// 32, 0.063 for 256; about twenty times less on random data) beyond float32 rounding. F32, F16 and
+// per call to 8-bit blocks (per 256 elements for the types of 256-element blocks, Q2_K..Q6_K and IQ4_XS,
+// per 32 for the others: d = max|x| / 127 in float32, q = x / d rounded to nearest even; a block holding
+// inf or NaN gives NaN), with integer dot products: each element of x moves by at most d / 2, so a result
+// differs from the product with x itself by at most sqrt(block) / 254 * ||W[r]|| * ||x|| (0.022 relative
+// for blocks of 32, 0.063 for 256; about twenty times less on random data) beyond float32 rounding. F32, F16 and
 // BF16 weights take x as it is. The cuda library quantizes x the same way for every quantized type where
 // x (and Q4_K's and Q5_K's w) are 16-byte aligned (its integer kernel; PEBBLING_CUDA_MATVEC=float keeps x
 // in fp16 there too), and multiplies x as it is otherwise. The host library splits rows

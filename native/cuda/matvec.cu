@@ -163,12 +163,14 @@ matvec_dense_kernel(const __grid_constant__ stacked_rows m, int64_t n_cols, cons
 // (I2FP, HADD2, two FFMAs and its shared-memory address for every weight and vector: 0.9 TB/s for Q4_K
 // and 1 TB/s for Q6_K on an H200, a quarter of its copy rate). x is quantized as the host library
 // quantizes it (cpu/quantize.cc quantize_block: d = max|x| / 127, q = round-half-even(x / d); a block with
-// an infinity or NaN d = NaN and q = 0), per 256 elements for the K-quants and per 32 for the others,
-// while a chunk is staged, with each 16 elements' sum of q; then a lane's part of a block (64 weights, or
-// a block of 32) is d_x times an exact integer sum over its groups, scaled in float once a group (Q4_K,
-// Q5_K: d sc dot - dmin m sum) or once a part (Q6_K: d times sum of sc (dot - 32 sum); Q8_0: d dot; Q4_0:
-// d (dot - 8 sum); Q5_0: d (dot - 16 sum); Q4_1, Q5_1: d dot + m sum). Lanes take parts as matvec_kernel's
-// do; each vector's sums are its own, whatever the vectors beside it.
+// an infinity or NaN d = NaN and q = 0), per 256 elements for the K-quants and IQ4_XS and per 32 for the
+// others, while a chunk is staged, with each 16 elements' sum of q; then a lane's part of a block (64
+// weights, or a block of 32) is d_x times an exact integer sum over its groups, scaled in float once a group
+// (Q4_K, Q5_K: d sc dot - dmin m sum) or once a part (Q6_K: d times sum of sc (dot - 32 sum); Q3_K: d times
+// sum of sc (dot - 4 sum); Q2_K: d times sum of sc dot - dmin times sum of m sum; IQ4_XS: d times sum of sc
+// dot; Q8_0, IQ4_NL, MXFP4: d dot, the last two's looked-up int8 values in the dot; Q4_0: d (dot - 8 sum);
+// Q5_0: d (dot - 16 sum); Q4_1, Q5_1: d dot + m sum). Lanes take parts as matvec_kernel's do; each vector's
+// sums are its own, whatever the vectors beside it.
 //
 // A lane's loop over its parts (q8_lane_parts) and the loads and sums of a part are __host__ __device__:
 // with PEBBLING_SIMD=gpu the host library's pebble_matvec runs them for each of 32 lanes (host_q8_matvec
@@ -177,7 +179,7 @@ matvec_dense_kernel(const __grid_constant__ stacked_rows m, int64_t n_cols, cons
 #ifndef PEBBLE_HOST_BUILD
 constexpr int q8_chunk_bytes(int chunk) { return chunk + 4 * (chunk / 64); } // a word of padding every 64 (banks)
 
-template <int NV, int QB> struct q8_stage { // QB: the elements of one d (256 for the K-quants, else 32)
+template <int NV, int QB> struct q8_stage { // QB: the elements of one d (256 for 256-element blocks, else 32)
     int8_t q[NV][q8_chunk_bytes(q8_chunk<NV>)]; // x's q, element e of the chunk at staged_at<1>(e)
     float d[NV][q8_chunk<NV> / QB];             // each QB's d
     int32_t sum[NV][q8_chunk<NV> / 16];         // each 16's sum of q
@@ -238,7 +240,7 @@ __global__ void __launch_bounds__(warp_lanes * matvec_rows_per_block, 2)
 matvec_q8_kernel(const __grid_constant__ stacked_rows m, int64_t n_cols, const uint16_t * __restrict__ x, bool whole) {
     const int64_t n_rows = m.first[m.n];
     constexpr bool k_quant = T::block_elements == 256;
-    constexpr int part_elements = T::block_elements / T::parts; // 64 for the K-quants, else a block of 32
+    constexpr int part_elements = T::block_elements / T::parts; // 64 for 256-element blocks, else a block of 32
     static_assert(part_elements == (k_quant ? 64 : 32), "the parts this kernel reads");
     __shared__ __align__(16) q8_stage<NV, k_quant ? 256 : 32> st;
     const int64_t blocks_per_row = n_cols / T::block_elements;

@@ -1,5 +1,6 @@
 // cuda/quants.cuh: the GGUF types the library computes from (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
-// Q4_K, Q5_K, Q6_K): each type's block layout and its decoder, and the one table of the types with kernels.
+// Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4): each type's block layout and its decoder, and the one
+// table of the types with kernels.
 // Each type's block decoding is written once, as __host__ __device__ functions that hand every element to a
 // callback, for the GPU's kernels and for the host build (where the CUDA qualifiers are empty), so that CI and
 // the sanitizers run the GPU's own decoding. A new type is one block struct here (and its dot product with
@@ -17,9 +18,23 @@ namespace pebble_internal {
 // ---------------------------------------------------------------------------------------------------
 // loads (GGUF and every target here are little-endian)
 
-// Block fields sit at any even or odd offset (blocks are 18, 34, 144, 210 bytes): read them bytewise.
+// Block fields sit at any even or odd offset (blocks are 17, 18, 34, 110, 144, 210 bytes): read them bytewise.
 __host__ __device__ inline uint16_t load_u16(const uint8_t * p) {
     return static_cast<uint16_t>(p[0] | (p[1] << 8));
+}
+
+// 4 bytes at p as a word, on the GPU in one load where p is 4-byte aligned (Q2_K's and IQ4_XS's fields in a
+// 4-byte aligned tensor) and two where it is 2-byte aligned (Q3_K's).
+__host__ __device__ inline uint32_t load_u32(const uint8_t * p) {
+#ifdef __CUDA_ARCH__
+    const uintptr_t addr = reinterpret_cast<uintptr_t>(p);
+    if ((addr & 3) == 0) return *reinterpret_cast<const uint32_t *>(p);
+    if ((addr & 1) == 0) {
+        const uint16_t * p16 = reinterpret_cast<const uint16_t *>(p);
+        return p16[0] | static_cast<uint32_t>(p16[1]) << 16;
+    }
+#endif
+    return load_u16(p) | static_cast<uint32_t>(load_u16(p + 2)) << 16;
 }
 
 __host__ __device__ inline int int8_from(uint32_t byte) { return static_cast<int>(byte ^ 0x80) - 128; }
@@ -104,6 +119,45 @@ __host__ __device__ inline int dot4(int a, int b, int c) {
     for (int i = 0; i < 4; i++) c += static_cast<int8_t>(a >> (8 * i)) * static_cast<int8_t>(b >> (8 * i));
     return c;
 #endif
+}
+
+// Byte n of the result is byte s_n & 7 of x (0..3) and y (4..7), s_n being nibble n of s's low 16 bits
+// (__byte_perm's arithmetic, one PRMT, on the host in C++).
+__host__ __device__ inline uint32_t byte_perm(uint32_t x, uint32_t y, uint32_t s) {
+#ifdef __CUDA_ARCH__
+    return __byte_perm(x, y, s);
+#else
+    const uint64_t bytes = x | static_cast<uint64_t>(y) << 32;
+    uint32_t r = 0;
+    for (int n = 0; n < 4; n++) r |= static_cast<uint32_t>(bytes >> (8 * ((s >> (4 * n)) & 7)) & 0xff) << (8 * n);
+    return r;
+#endif
+}
+
+// Tables of 16 int8 (IQ4_NL's and IQ4_XS's values, MXFP4's doubled e2m1 values) are two 64-bit constants in
+// the type's struct, entries 0..7 in the bytes of lo and 8..15 in those of hi: device code may use a
+// constexpr scalar, where a constexpr array could not be indexed at run time.
+template <typename Table> __host__ __device__ inline int table_entry(uint32_t i) {
+    constexpr uint64_t lo = Table::values_lo, hi = Table::values_hi;
+    return int8_from(static_cast<uint32_t>(((i & 8 ? hi : lo) >> (8 * (i & 7))) & 0xff));
+}
+
+// The entries for the eight nibbles of q, as bytes: lo those of its bytes' low nibbles, hi those of their high
+// nibbles (byte k of each for byte k of q). Each half of q's nibbles picks from entries 0..7 and 8..15 by
+// their low three bits, then between the two by the fourth, then the bytes are sorted by nibble: six byte
+// permutes for eight entries (as ggml-cuda's get_int_from_table_16).
+template <typename Table> __host__ __device__ inline void table_lookup(uint32_t q, uint32_t & lo, uint32_t & hi) {
+    constexpr uint32_t t0 = static_cast<uint32_t>(Table::values_lo), t1 = static_cast<uint32_t>(Table::values_lo >> 32);
+    constexpr uint32_t t2 = static_cast<uint32_t>(Table::values_hi), t3 = static_cast<uint32_t>(Table::values_hi >> 32);
+    const uint32_t upper = 0x32103210u | ((q & 0x88888888u) >> 1); // nibble n: byte n % 4 of the low (0..3) or high (4..7) pick
+    uint32_t picked[2]; // the entries of nibbles 0..3, then 4..7
+    PEBBLE_UNROLL
+    for (int i = 0; i < 2; i++) {
+        const uint32_t s = q >> (16 * i);
+        picked[i] = byte_perm(byte_perm(t0, t1, s), byte_perm(t2, t3, s), upper >> (16 * i));
+    }
+    lo = byte_perm(picked[0], picked[1], 0x6420);
+    hi = byte_perm(picked[0], picked[1], 0x7531);
 }
 
 // 16 bytes at p, in one load on the GPU (p 16-byte aligned: the launcher checks the weights' alignment).
@@ -337,6 +391,149 @@ struct type_q6_k {
     }
 };
 
+// 16 bytes scales (scale_g in the low nibble of byte g, min_g in its high), 64 bytes of 2-bit q, fp16 d, fp16
+// dmin. Element 128h + 32s + l (s < 4, l < 32) is bits 2s, 2s + 1 of qs[32h + l], in group (16 elements)
+// e / 16; value (d * scale_g) * q - dmin * min_g (both products exact in float32: the difference rounds
+// once). Part p is h = p / 2, s = 2 (p % 2) and s + 1, which share 32 bytes of qs.
+struct type_q2_k {
+    static constexpr int32_t id = 10;
+    static constexpr int block_elements = 256, block_bytes = 84, parts = 4;
+    template <typename Emit> __host__ __device__ static void decode(const uint8_t * b, int part, Emit & emit) {
+        const float d = half_to_float(load_u16(b + 80)), dmin = half_to_float(load_u16(b + 82));
+        const int shift = 4 * (part & 1);
+        float dl[4], ml[4];
+        PEBBLE_UNROLL
+        for (int g = 0; g < 4; g++) {
+            const uint32_t sc = b[4 * part + g];
+            dl[g] = d * static_cast<float>(sc & 0xf);
+            ml[g] = dmin * static_cast<float>(sc >> 4);
+        }
+        uint32_t qs[8];
+        load_words<32>(qs, b + 16 + 32 * (part >> 1));
+        PEBBLE_UNROLL
+        for (int l = 0; l < 32; l++) {
+            const uint32_t q = byte_of(qs, l);
+            emit(64 * part + l,      dl[l >> 4] * static_cast<float>((q >> shift) & 3) - ml[l >> 4]);
+            emit(64 * part + 32 + l, dl[2 + (l >> 4)] * static_cast<float>((q >> (shift + 2)) & 3) - ml[2 + (l >> 4)]);
+        }
+    }
+};
+
+// 32 bytes hmask, 64 bytes of 2-bit q, 12 bytes of sixteen 6-bit scales, fp16 d. Element 128h + 32s + l
+// (s < 4, l < 32) has low bits 2s, 2s + 1 of qs[32h + l] and high bit 4h + s of hmask[l]: q = (low | high
+// << 2) - 4 (the offset is there where the bit is clear); value (d * (scale_g - 32)) * q, g = e / 16 (exact
+// in float32). Part p is h = p / 2, s = 2 (p % 2) and s + 1, as in Q2_K.
+struct type_q3_k {
+    static constexpr int32_t id = 11;
+    static constexpr int block_elements = 256, block_bytes = 110, parts = 4;
+
+    // Scale 4 part + g (g < 4) less 32: its low nibble is nibble part / 2 of scale byte (4 part + g) % 8
+    // (byte g of `low`, the word at 96 + 4 (part % 2)), its top two bits are bits 2 part, 2 part + 1 of byte
+    // 8 + g (byte g of `high`, the word at 104).
+    __host__ __device__ static int scale(uint32_t low, uint32_t high, int part, int g) {
+        return static_cast<int>(((low >> (8 * g + 4 * (part >> 1))) & 0xf) | ((high >> (8 * g + 2 * part)) & 3) << 4) - 32;
+    }
+
+    template <typename Emit> __host__ __device__ static void decode(const uint8_t * b, int part, Emit & emit) {
+        const int h = part >> 1, s = 2 * (part & 1);
+        const float d = half_to_float(load_u16(b + 108));
+        const uint32_t low = load_u32(b + 96 + 4 * (part & 1)), high = load_u32(b + 104);
+        float dl[4];
+        PEBBLE_UNROLL
+        for (int g = 0; g < 4; g++) dl[g] = d * static_cast<float>(scale(low, high, part, g));
+        uint32_t hm[8], qs[8];
+        load_words<32>(hm, b);
+        load_words<32>(qs, b + 32 + 32 * h);
+        PEBBLE_UNROLL
+        for (int l = 0; l < 32; l++) {
+            const uint32_t q = byte_of(qs, l), m = byte_of(hm, l);
+            const int q_a = static_cast<int>(((q >> (2 * s)) & 3) | ((m >> (4 * h + s)) & 1) << 2) - 4;
+            const int q_b = static_cast<int>(((q >> (2 * s + 2)) & 3) | ((m >> (4 * h + s + 1)) & 1) << 2) - 4;
+            emit(64 * part + l,      dl[l >> 4] * static_cast<float>(q_a));
+            emit(64 * part + 32 + l, dl[2 + (l >> 4)] * static_cast<float>(q_b));
+        }
+    }
+};
+
+// fp16 d, then 16 bytes of nibbles laid out as Q4_0's, each the index of a value in a table of 16 int8
+// (a non-linear grid); value d * values[q] (exact in float32).
+struct type_iq4_nl {
+    static constexpr int32_t id = 20;
+    static constexpr int block_elements = 32, block_bytes = 18, parts = 1;
+    // -127, -104, -83, -65, -49, -35, -22, -10 | 1, 13, 25, 38, 53, 69, 89, 113 (gguf-py's IQ4_NL.kvalues)
+    static constexpr uint64_t values_lo = 0xf6eaddcfbfad9881ull, values_hi = 0x7159453526190d01ull;
+    template <typename Emit> __host__ __device__ static void decode(const uint8_t * b, int, Emit & emit) {
+        const float d = half_to_float(load_u16(b));
+        uint32_t qs[4];
+        load_words<16>(qs, b + 2);
+        PEBBLE_UNROLL
+        for (int i = 0; i < 16; i++) {
+            const uint32_t q = byte_of(qs, i);
+            emit(i,      d * static_cast<float>(table_entry<type_iq4_nl>(q & 0xf)));
+            emit(i + 16, d * static_cast<float>(table_entry<type_iq4_nl>(q >> 4)));
+        }
+    }
+};
+
+// fp16 d, 2 bytes of the scales' top two bits (sub-block j's bits 2j, 2j + 1 of the little-endian uint16), 4
+// bytes of the scales' low nibbles (sub-block j's nibble j % 2 of byte j / 2), 128 bytes of nibbles: sub-block
+// j (32 elements) is bytes 16j .. 16j + 15, element i < 16 the low nibble of byte i and 16 + i its high one,
+// each an index into IQ4_NL's table; value (d * (scale_j - 32)) * values[q] (exact in float32). Part p is
+// sub-blocks 2p and 2p + 1: 32 bytes.
+struct type_iq4_xs {
+    static constexpr int32_t id = 23;
+    static constexpr int block_elements = 256, block_bytes = 136, parts = 4;
+
+    // Sub-block j's scale less 32, from the block's first 4 bytes (head: d, then the top bits) and next 4 (low).
+    __host__ __device__ static int scale(uint32_t head, uint32_t low, int j) {
+        return static_cast<int>(((low >> (4 * j)) & 0xf) | ((head >> (16 + 2 * j)) & 3) << 4) - 32;
+    }
+
+    template <typename Emit> __host__ __device__ static void decode(const uint8_t * b, int part, Emit & emit) {
+        const uint32_t head = load_u32(b), low = load_u32(b + 4);
+        const float d = half_to_float(static_cast<uint16_t>(head));
+        const float d_a = d * static_cast<float>(scale(head, low, 2 * part));
+        const float d_b = d * static_cast<float>(scale(head, low, 2 * part + 1));
+        uint32_t qs[8];
+        load_words<32>(qs, b + 8 + 32 * part);
+        PEBBLE_UNROLL
+        for (int i = 0; i < 16; i++) {
+            const uint32_t q_a = byte_of(qs, i), q_b = byte_of(qs, 16 + i);
+            emit(64 * part + i,      d_a * static_cast<float>(table_entry<type_iq4_nl>(q_a & 0xf)));
+            emit(64 * part + 16 + i, d_a * static_cast<float>(table_entry<type_iq4_nl>(q_a >> 4)));
+            emit(64 * part + 32 + i, d_b * static_cast<float>(table_entry<type_iq4_nl>(q_b & 0xf)));
+            emit(64 * part + 48 + i, d_b * static_cast<float>(table_entry<type_iq4_nl>(q_b >> 4)));
+        }
+    }
+};
+
+// Half the scale 2^(e - 127) of an E8M0 byte e, as a float32: ggml's (and gguf-py's) e8m0_to_fp32_half, whose
+// e 0 and 1 are the subnormals 2^-128 and 2^-127, and e 255 (E8M0's NaN) 2^127.
+__host__ __device__ inline float e8m0_half(uint32_t e) {
+    return float_from_bits(e < 2 ? 0x00200000u << e : (e - 1) << 23);
+}
+
+// An E8M0 byte e, then 16 bytes of nibbles laid out as Q4_0's, each the index of a doubled e2m1 value (0, 1,
+// 2, 3, 4, 6, 8, 12 and their negatives); value e8m0_half(e) * values[q]: a power of two times an integer
+// of at most 2 significant bits, exact in float32 (subnormals too) but where it overflows to infinity.
+struct type_mxfp4 {
+    static constexpr int32_t id = 39;
+    static constexpr int block_elements = 32, block_bytes = 17, parts = 1;
+    // 0, 1, 2, 3, 4, 6, 8, 12 | 0, -1, -2, -3, -4, -6, -8, -12 (gguf-py's MXFP4.kvalues)
+    static constexpr uint64_t values_lo = 0x0c08060403020100ull, values_hi = 0xf4f8fafcfdfeff00ull;
+    template <typename Emit> __host__ __device__ static void decode(const uint8_t * b, int, Emit & emit) {
+        const float d = e8m0_half(b[0]);
+        uint32_t qs[4];
+        load_words<16>(qs, b + 1);
+        PEBBLE_UNROLL
+        for (int i = 0; i < 16; i++) {
+            const uint32_t q = byte_of(qs, i);
+            emit(i,      d * static_cast<float>(table_entry<type_mxfp4>(q & 0xf)));
+            emit(i + 16, d * static_cast<float>(table_entry<type_mxfp4>(q >> 4)));
+        }
+    }
+};
+
 // ---------------------------------------------------------------------------------------------------
 // staging
 
@@ -351,7 +548,8 @@ template <int Size> __host__ __device__ inline int staged_at(int e) { return e +
 // GGUF type names, for messages ("?" for ids without a type): cuda/quants.cu.
 const char * type_name(int32_t ggml_type);
 
-#define SUPPORTED_TYPES "0 F32, 1 F16, 2 Q4_0, 3 Q4_1, 6 Q5_0, 7 Q5_1, 8 Q8_0, 12 Q4_K, 13 Q5_K, 14 Q6_K, 30 BF16"
+#define SUPPORTED_TYPES "0 F32, 1 F16, 2 Q4_0, 3 Q4_1, 6 Q5_0, 7 Q5_1, 8 Q8_0, 10 Q2_K, 11 Q3_K, 12 Q4_K, 13 Q5_K, " \
+                        "14 Q6_K, 20 IQ4_NL, 23 IQ4_XS, 30 BF16, 39 MXFP4"
 
 // Calls f(T{}) with the block type of `ggml_type` and returns true, or false for a type without kernels;
 // the one list of the types with kernels.
@@ -369,6 +567,11 @@ bool visit_type(int32_t ggml_type, F && f) {
         case type_q5_0::id: f(type_q5_0{}); return true;
         case type_q5_1::id: f(type_q5_1{}); return true;
         case type_q5_k::id: f(type_q5_k{}); return true;
+        case type_q2_k::id: f(type_q2_k{}); return true;
+        case type_q3_k::id: f(type_q3_k{}); return true;
+        case type_iq4_nl::id: f(type_iq4_nl{}); return true;
+        case type_iq4_xs::id: f(type_iq4_xs{}); return true;
+        case type_mxfp4::id: f(type_mxfp4{}); return true;
     }
     return false;
 }

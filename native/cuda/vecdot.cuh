@@ -1,13 +1,15 @@
 // cuda/vecdot.cuh: the matrix-vector product's inner loops, type by type, for cuda/matvec.cu: a lane's
 // 8-element parts of a row of F16, BF16 or F32 weights times x staged in fp16 (dense_parts), and a lane's
-// parts of a row of Q4_K, Q5_K, Q6_K, Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0 weights times x quantized to 8 bits: a
-// part's bytes loaded into registers, then its exact integer dot products with x's quants, scaled in float
-// once a group (q8_lane_parts over load_part and sum_part); with the kernel's shape they are sized by (rows
-// a thread block, x staged a chunk at a time). All __host__ __device__: the GPU's kernels run them, and the
-// host library with PEBBLING_SIMD=gpu for each of 32 lanes in turn. Not part of the ABI.
+// parts of a row of Q4_K, Q5_K, Q6_K, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL or MXFP4 weights (and Q2_K, Q3_K,
+// IQ4_XS: cuda/vecdot_low.cuh) times x quantized to 8 bits: a part's bytes loaded into registers, then its
+// exact integer dot products with x's quants, scaled in float once a group (q8_lane_parts over load_part and
+// sum_part); with the kernel's shape they are sized by (rows a thread block, x staged a chunk at a time). All
+// __host__ __device__: the GPU's kernels run them, and the host library with PEBBLING_SIMD=gpu for each of 32
+// lanes in turn. Not part of the ABI.
 #pragma once
 
 #include "cuda/quants.cuh"
+#include "cuda/vecdot_low.cuh"
 
 #include <cstdint>
 
@@ -123,7 +125,8 @@ struct scale_bytes {
 template <typename T> struct k_bytes { uint4 head, lo, hi; };                  // Q4_K: d, dmin, scales; 32 nibble bytes
 template <> struct k_bytes<type_q5_k> { uint4 head, lo, hi, qh_lo, qh_hi; }; // and Q5_K's 32 bytes of fifth bits
 struct q6_k_bytes { uint32_t ql[8], qh[8]; int sc[4]; uint16_t d; };
-template <int N> struct block32_bytes { uint32_t qs[N / 4], qh; uint16_t d, m; }; // qh, m where the type has them
+template <int N> struct block32_bytes { uint32_t qs[N / 4], qh; uint16_t d, m; }; // qh, m where the type has them;
+                                                                                  // d MXFP4's E8M0 byte
 
 // Part `part` of Q4_K or Q5_K block bb: sub-blocks 2 part (the low nibbles of 32 bytes) and 2 part + 1
 // (their high nibbles), and for Q5_K the 32 bytes of fifth bits, in 16-byte loads (the blocks are 144 and
@@ -228,21 +231,24 @@ __host__ __device__ void q6_k_part(const q6_k_bytes & w, int part, int first, co
     }
 }
 
-// A block of 32 (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) whose element 0 is element `first` of the staging, x
-// quantized per 32 as the host quantizes it for these types. Q8_0: an fp16 d, 32 int8 weights. The others:
-// fp16 d (and m for Q4_1 and Q5_1), the 32 fifth bits of Q5_0 and Q5_1 (element i's in bit i), then 16
-// bytes of nibbles, element i's low in byte i and element 16 + i's high. Values d q (Q8_0), d (q - 8)
-// (Q4_0), d (q - 16) (Q5_0), d q + m (Q4_1, Q5_1).
+// A block of 32 (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4) whose element 0 is element `first` of the
+// staging, x quantized per 32 as the host quantizes it for these types. Q8_0: an fp16 d, 32 int8 weights.
+// The others: fp16 d (and m for Q4_1 and Q5_1; MXFP4's E8M0 byte instead), the 32 fifth bits of Q5_0 and
+// Q5_1 (element i's in bit i), then 16 bytes of nibbles, element i's low in byte i and element 16 + i's
+// high. Values d q (Q8_0), d (q - 8) (Q4_0), d (q - 16) (Q5_0), d q + m (Q4_1, Q5_1), d values[q] (IQ4_NL,
+// MXFP4, whose int8 values go into the dot products as they are: signed times signed).
 template <typename T> using block32_of = block32_bytes<T::id == type_q8_0::id ? 32 : 16>;
 template <typename T> constexpr bool has_min = T::id == type_q4_1::id || T::id == type_q5_1::id;
 template <typename T> constexpr bool has_fifth_bits = T::id == type_q5_0::id || T::id == type_q5_1::id;
+template <typename T> constexpr bool has_table = T::id == type_iq4_nl::id || T::id == type_mxfp4::id;
+template <typename T> constexpr bool e8m0 = T::id == type_mxfp4::id; // d is one E8M0 byte
 
 template <typename T>
 __host__ __device__ inline block32_of<T> block32_load(const uint8_t * __restrict__ bb) {
-    constexpr int qs_at = 2 + (has_min<T> ? 2 : 0) + (has_fifth_bits<T> ? 4 : 0);
+    constexpr int qs_at = (e8m0<T> ? 1 : 2) + (has_min<T> ? 2 : 0) + (has_fifth_bits<T> ? 4 : 0);
     block32_of<T> w;
     load_words<T::id == type_q8_0::id ? 32 : 16>(w.qs, bb + qs_at);
-    w.d = load_u16(bb);
+    w.d = e8m0<T> ? bb[0] : load_u16(bb);
     w.m = has_min<T> ? load_u16(bb + 2) : 0;
     w.qh = has_fifth_bits<T> ? load_high_bits(bb + (has_min<T> ? 4 : 2)) : 0;
     return w;
@@ -258,12 +264,17 @@ template <typename T, int NV, typename Stage>
 __host__ __device__ void block32(const block32_of<T> & w, int first, const Stage & st, float (&acc)[NV]) {
     constexpr bool q8 = T::id == type_q8_0::id;
     constexpr int offset = T::id == type_q4_0::id ? 8 : T::id == type_q5_0::id ? 16 : 0; // subtracted from q
-    const float d = half_to_float(w.d), m = half_to_float(w.m);
-    uint32_t q[8]; // element 4k .. 4k + 3's q in word k
-    PEBBLE_UNROLL
-    for (int k = 0; k < 8; k++) {
-        q[k] = q8 ? w.qs[k] : (w.qs[k % 4] >> (4 * (k / 4))) & 0x0f0f0f0fu; // nibbles: low, then high
-        if (has_fifth_bits<T>) q[k] |= fifth_bits(w.qh, k);
+    const float d = e8m0<T> ? e8m0_half(w.d) : half_to_float(w.d), m = half_to_float(w.m);
+    uint32_t q[8]; // element 4k .. 4k + 3's q (or value) in word k
+    if constexpr (has_table<T>) {
+        PEBBLE_UNROLL
+        for (int k = 0; k < 4; k++) table_lookup<T>(w.qs[k], q[k], q[k + 4]);
+    } else {
+        PEBBLE_UNROLL
+        for (int k = 0; k < 8; k++) {
+            q[k] = q8 ? w.qs[k] : (w.qs[k % 4] >> (4 * (k / 4))) & 0x0f0f0f0fu; // nibbles: low, then high
+            if (has_fifth_bits<T>) q[k] |= fifth_bits(w.qh, k);
+        }
     }
     PEBBLE_UNROLL
     for (int v = 0; v < NV; v++) {
@@ -271,7 +282,7 @@ __host__ __device__ void block32(const block32_of<T> & w, int first, const Stage
         int dot = 0;
         PEBBLE_UNROLL
         for (int k = 0; k < 8; k++) dot = dot4(static_cast<int>(q[k]), xw[k], dot);
-        const int sum = q8 ? 0 : st.sum[v][first / 16] + st.sum[v][first / 16 + 1];
+        const int sum = q8 || has_table<T> ? 0 : st.sum[v][first / 16] + st.sum[v][first / 16 + 1];
         const float part = has_min<T> ? d * static_cast<float>(dot) + m * static_cast<float>(sum)
                                       : d * static_cast<float>(dot - offset * sum);
         acc[v] += st.d[v][first / 32] * part;
@@ -284,6 +295,9 @@ template <typename T> struct part_bytes_of { using type = block32_of<T>; };
 template <> struct part_bytes_of<type_q4_k> { using type = k_bytes<type_q4_k>; };
 template <> struct part_bytes_of<type_q5_k> { using type = k_bytes<type_q5_k>; };
 template <> struct part_bytes_of<type_q6_k> { using type = q6_k_bytes; };
+template <> struct part_bytes_of<type_q2_k> { using type = q2_k_bytes; };
+template <> struct part_bytes_of<type_q3_k> { using type = q3_k_bytes; };
+template <> struct part_bytes_of<type_iq4_xs> { using type = iq4_xs_bytes; };
 
 template <typename T>
 __host__ __device__ inline typename part_bytes_of<T>::type load_part(const uint8_t * __restrict__ bb, int part) {
@@ -291,6 +305,12 @@ __host__ __device__ inline typename part_bytes_of<T>::type load_part(const uint8
         return k_load<T>(bb, part);
     } else if constexpr (T::id == type_q6_k::id) {
         return q6_k_load(bb, part);
+    } else if constexpr (T::id == type_q2_k::id) {
+        return q2_k_load(bb, part);
+    } else if constexpr (T::id == type_q3_k::id) {
+        return q3_k_load(bb, part);
+    } else if constexpr (T::id == type_iq4_xs::id) {
+        return iq4_xs_load(bb, part);
     } else {
         return block32_load<T>(bb);
     }
@@ -303,6 +323,12 @@ __host__ __device__ inline void sum_part(const typename part_bytes_of<T>::type &
         k_part<T, NV>(w, part, first, st, acc);
     } else if constexpr (T::id == type_q6_k::id) {
         q6_k_part<NV>(w, part, first, st, acc);
+    } else if constexpr (T::id == type_q2_k::id) {
+        q2_k_part<NV>(w, part, first, st, acc);
+    } else if constexpr (T::id == type_q3_k::id) {
+        q3_k_part<NV>(w, part, first, st, acc);
+    } else if constexpr (T::id == type_iq4_xs::id) {
+        iq4_xs_part<NV>(w, part, first, st, acc);
     } else {
         block32<T, NV>(w, first, st, acc);
     }
