@@ -283,6 +283,19 @@ def test_dequantize_rows_equals_gguf_in_float32(backend, qtype):
     np.testing.assert_array_equal(np.where(nan, 0, got.view(np.uint32)), np.where(nan, 0, want.view(np.uint32)))
 
 
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_dequantize_rows_of_a_one_row_table(backend, qtype):
+    """A table of one row of one block: Q2_K's holds 256 elements in 84 bytes, more than two a byte (the
+    output was once sized for at most two, and the library wrote a row into none)."""
+    raw = make_raw(qtype, 1, np.random.default_rng(41), kinds_for(qtype)[0]).reshape(1, -1)
+    n_cols = GGML_QUANT_SIZES[qtype][0]
+    with np.errstate(all="ignore"):
+        want = reference(qtype, raw).astype(np.float32)
+    got = kernels_of(backend).lib.dequantize_rows(qtype, raw, n_cols, [0, 0])
+    assert got.shape == (2, n_cols)
+    np.testing.assert_array_equal(got, np.concatenate([want, want]))
+
+
 def test_dequantize_rows_refuses_rows_past_the_table_and_partial_rows(backend):
     lib = kernels_of(backend).lib
     raw, n_cols = matvec_case(Q.Q4_K, 3, 2, seed=5)  # 3 rows of 512 elements, 288 bytes each

@@ -10,11 +10,15 @@ import weakref
 import numpy as np
 
 from ..errors import InvalidArgumentError, SizeMismatchError
+from ..ggml_types import SUPPORTED_TYPES, block
 from .abi import INT32_MAX, INT32_MIN, INT64_MAX, INT64_MIN
 from .interface import check_attend_counts, host_buffer, stream_pointer
 from .native import _buffer, _c_int, _check, ffi, load_library
 from .native_buffers import _c_type, _kv_bytes, _pointer
 from .native_decoder import NativeDecoder
+
+# The most elements a byte of any type holds (Q2_K: 256 in 84 bytes): a table of n bytes has no row longer.
+_ELEMENTS_PER_BYTE = max(elements / nbytes for elements, nbytes in map(block, SUPPORTED_TYPES))
 
 
 class NativeKernels:
@@ -57,7 +61,8 @@ class NativeKernels:
         ids = np.ascontiguousarray(rows, dtype=np.int64).reshape(-1)
         view = host_buffer(table, writable=False, what="dequantize_rows table")
         # No type packs over 2 elements a byte: wider rows are the library's to refuse, before it writes.
-        out = np.empty((ids.size, n_cols if 0 < n_cols <= 2 * view.nbytes else 0), dtype=np.float32)
+        # (an n_cols no row of the table can have is refused by the library before it writes: no room for it)
+        out = np.empty((ids.size, n_cols if 0 < n_cols <= _ELEMENTS_PER_BYTE * view.nbytes else 0), dtype=np.float32)
         _check(self._lib, self._lib.pebble_dequantize_rows(
             _c_type(ggml_type), ffi.from_buffer(view), view.nbytes, n_cols, ffi.from_buffer("int64_t[]", ids),
             ids.size, ffi.from_buffer("float[]", out, require_writable=True)))
