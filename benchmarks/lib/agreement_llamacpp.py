@@ -3,7 +3,9 @@
     python benchmarks/agreement.py llamacpp [--only llama,qwen2] [--types F32,Q4_K] [--json FILE]
 
 For each architecture (llama, qwen2, phi3, qwen3, gemma3, gemma2) and tensor type (F32, F16, BF16,
-Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), plus a few layout variants (a Q4_K_M-like mix, tied
+Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4), llama-quantize's
+Q3_K_M, Q2_K and IQ4_XS mixes for llama, qwen2, qwen3 and gemma3 (and its MXFP4_MOE for the mixtures of
+experts), plus a few layout variants (a Q4_K_M-like mix, tied
 output, llama3 rope_freqs, linear RoPE scaling, partial RoPE, MHA, a head size apart from n_embd /
 n_head as Mistral-Nemo's, gemma3's global layers every third with their own RoPE base and linear
 scaling), it writes a small random-weight GGUF with pyplugin.model.synth, loads it in llama.cpp
@@ -77,7 +79,8 @@ from pyplugin.runtime import Generation
 from pyplugin.model import load_model
 from pyplugin.model.gguf_file import dequantize_bytes
 from pyplugin.runtime.options import Options
-from pyplugin.model.synth import write_gguf
+from pyplugin.model.synth import SynthSpec, write_gguf
+from pyplugin.model.synth_mix import MIXES, quantize_mix
 
 INSTALL_HELP = """\
 `agreement.py llamacpp` needs the llama-cpp-python bindings (llama.cpp itself), which pebbling does not
@@ -91,7 +94,11 @@ depend on. Install them in a separate virtual environment, with pebbling beside 
 """
 
 ARCHS = ("llama", "qwen2", "phi3", "qwen3", "gemma3", "gemma2")
-TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+         "IQ4_NL", "IQ4_XS", "MXFP4")
+# llama-quantize's mixes (pyplugin.model.synth_mix): written for these architectures where the types asked
+# include the mix's main type (MXFP4_MOE: for the mixtures of experts, its experts MXFP4 and the rest Q8_0).
+MIX_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
 VOCAB_OF = {"llama": "llama3", "qwen2": "chatml", "phi3": "spm", "qwen3": "qwen3", "gemma3": "gemma",
             "gemma2": "gemma", "qwen3moe": "qwen3", "qwen2moe": "chatml"}  # each arch's usual tokenizer
 MOE_ARCHS = ("qwen3moe", "qwen2moe", "mixtral")  # mixtral: a llama file with experts; each with a Q4_K_M-like mix
@@ -109,8 +116,11 @@ N_PROMPT, N_GEN, N_CTX = 12, 16, 64
 # Relative error ||pebbling - llama.cpp|| / ||llama.cpp|| of the logits that still counts as the same
 # computation. llama.cpp rounds activations to the weight type's dot-product type (F16, BF16, Q8_0,
 # Q8_K) before its matmuls; pebbling does not. A layout error gives ~0.5 or more.
+# The low-bit types' products take x rounded as llama.cpp rounds it too (Q8_K for Q2_K, Q3_K and IQ4_XS,
+# Q8_0 for IQ4_NL and MXFP4), so they are held to the same figure as the other quantized types.
 TOLERANCE = {"F32": 1e-4, "F16": 1e-2, "BF16": 5e-2, "Q8_0": 5e-2, "Q4_0": 5e-2, "Q4_1": 5e-2, "Q5_0": 5e-2,
-             "Q5_1": 5e-2, "Q4_K": 5e-2, "Q5_K": 5e-2, "Q6_K": 5e-2}
+             "Q5_1": 5e-2, "Q2_K": 5e-2, "Q3_K": 5e-2, "Q4_K": 5e-2, "Q5_K": 5e-2, "Q6_K": 5e-2, "IQ4_NL": 5e-2,
+             "IQ4_XS": 5e-2, "MXFP4": 5e-2}
 
 # The KV cache type of both sides (--kv-type; llama.cpp's type_k and type_v, pebbling's kv_type): float32 by
 # default, so that the forward passes are compared without a cache's rounding. llama.cpp keeps a quantized V
@@ -163,7 +173,17 @@ def cases(archs: tuple[str, ...], types: tuple[str, ...]) -> list[Case]:
     for arch in (a for a in MOE_ARCHS if a in archs):
         if "Q4_K" in types:
             out.append(Case(f"{arch} Q4_K_M-like mix", arch, "Q4_K", q4_k_m))
+        if "MXFP4" in types and arch != "mixtral":
+            out.append(mix_case(arch, "MXFP4_MOE"))
+    for arch in (a for a in MIX_ARCHS if a in archs):
+        out += [mix_case(arch, mix) for mix in ("Q3_K_M", "Q2_K", "IQ4_XS") if MIXES[mix] in types]
     return out
+
+
+def mix_case(arch: str, mix: str) -> Case:
+    """A file of `arch` in llama-quantize's `mix`, every matrix typed as synth_mix gives it."""
+    spec = quantize_mix(SynthSpec(**{"arch": "llama" if arch == "mixtral" else arch, **SHAPE, **ARCH_SPEC.get(arch, {})}), mix)
+    return Case(f"{arch} {mix} mix", arch, spec.weight_type, {"tensor_types": spec.tensor_types})
 
 
 # ---------------------------------------------------------------------------------------------------
