@@ -100,7 +100,7 @@ matmul_job job_of(const kernel_set & k, const uint8_t * w, int64_t n_rows, int64
     const int64_t nb = n_cols / k.block_elements, row_bytes = nb * k.block_bytes;
     int64_t tile_rows = n_tok > k.nv ? std::max<int64_t>(1, (32 << 10) / std::max<int64_t>(row_bytes, 1)) : 8;
     tile_rows = std::clamp<int64_t>(tile_rows, 1, 64);
-    if (k.rows[max_nv - 1]) tile_rows = (tile_rows + group_rows - 1) / group_rows * group_rows; // whole groups
+    if (k.rows[k.nv - 1]) tile_rows = (tile_rows + group_rows - 1) / group_rows * group_rows; // whole groups
     *tiles = (n_rows + tile_rows - 1) / tile_rows;
     *work = n_tok > k.nv ? n_rows * n_cols * n_tok : n_rows * n_cols * 4;
     return matmul_job{&k, w, row_bytes, nb, n_rows, n_tok, xq, xs, y, tile_rows};

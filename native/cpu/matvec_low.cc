@@ -248,8 +248,14 @@ template <int K, int NV>
 AVX512 void rows16_low(const uint8_t * w, int64_t rb, int64_t nb, const uint8_t * xq, int64_t xs, float * y, int64_t ys) {
     constexpr int bb = low_block_bytes(K);
     const __m512i rows = row_offsets(rb), low4 = _mm512_set1_epi32(0x0f0f0f0f), low2 = _mm512_set1_epi32(0x03030303);
-    __m512 acc[NV];
-    UNROLL for (int v = 0; v < NV; v++) acc[v] = _mm512_setzero_ps();
+    // the sums: in registers up to 8 vectors; past that in y itself (the same operations, so the same bits),
+    // where the registers are the sub-blocks' and the integer sums'
+    constexpr bool in_y = NV > 8;
+    __m512 acc[in_y ? 1 : NV];
+    UNROLL for (int v = 0; v < NV; v++) {
+        if constexpr (in_y) _mm512_storeu_ps(y + v * ys, _mm512_setzero_ps());
+        else acc[v] = _mm512_setzero_ps();
+    }
     for (int64_t i = 0; i < nb; i++) {
         const uint8_t * b = w + i * bb;
         prefetch_next_group(w, rb, i, bb);
@@ -354,11 +360,16 @@ AVX512 void rows16_low(const uint8_t * w, int64_t rb, int64_t nb, const uint8_t 
         }
         UNROLL for (int v = 0; v < NV; v++) {
             const __m512 xd = _mm512_set1_ps(x[v]->d);
-            acc[v] = _mm512_fmadd_ps(_mm512_mul_ps(d, xd), _mm512_cvtepi32_ps(sumi[v]), acc[v]);
-            if constexpr (K == l_q2_k) acc[v] = _mm512_fnmadd_ps(_mm512_mul_ps(dmin, xd), _mm512_cvtepi32_ps(summ[v]), acc[v]);
+            __m512 a = in_y ? _mm512_loadu_ps(y + v * ys) : acc[in_y ? 0 : v];
+            a = _mm512_fmadd_ps(_mm512_mul_ps(d, xd), _mm512_cvtepi32_ps(sumi[v]), a);
+            if constexpr (K == l_q2_k) a = _mm512_fnmadd_ps(_mm512_mul_ps(dmin, xd), _mm512_cvtepi32_ps(summ[v]), a);
+            if constexpr (in_y) _mm512_storeu_ps(y + v * ys, a);
+            else acc[in_y ? 0 : v] = a;
         }
     }
-    UNROLL for (int v = 0; v < NV; v++) _mm512_storeu_ps(y + v * ys, acc[v]);
+    if constexpr (!in_y) {
+        UNROLL for (int v = 0; v < NV; v++) _mm512_storeu_ps(y + v * ys, acc[v]);
+    }
 }
 
 // A matrix's last rows (past its whole groups of 16), and one vector: low_block_ints' integers, then per
@@ -399,7 +410,7 @@ kernel_set low_bit_kernels(int32_t type, simd level) {
         switch (type) {
             case 10: return with_rows<low_rows<l_q2_k>::template at>(set_of<low_exact, l_q2_k>(act::q8_256, 256, 84, 8), upto<8>{});
             case 11: return with_rows<low_rows<l_q3_k>::template at>(set_of<low_exact, l_q3_k>(act::q8_256, 256, 110, 8), upto<8>{});
-            case 23: return with_rows<low_rows<l_iq4_xs>::template at>(set_of<low_exact, l_iq4_xs>(act::q8_256, 256, 136, 8), upto<8>{});
+            case 23: return with_rows<low_rows<l_iq4_xs>::template at>(set_of<low_exact, l_iq4_xs>(act::q8_256, 256, 136, 16), upto<16>{});
         }
     }
     if (level != simd::portable) {

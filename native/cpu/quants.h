@@ -221,7 +221,9 @@ inline int32_t dword_at(const int8_t * p) {
 using dot_fn = void (*)(const uint8_t *, int64_t, const uint8_t *, int64_t, float *);
 // Sixteen rows (row_bytes apart) times NV activations: (w, row_bytes, nb, xq, xs, out, out_stride).
 using rows_fn = void (*)(const uint8_t *, int64_t, int64_t, const uint8_t *, int64_t, float *, int64_t);
-constexpr int max_nv = 8; // the most activations any kernel multiplies per pass over a row
+// The most activations any kernel multiplies per pass over a row: 16 for IQ4_XS's on AVX-512, whose decoding of
+// a block (its transposes and table lookups: 40% of an 8-vector pass) then serves twice as many; 8 elsewhere.
+constexpr int max_nv = 16;
 constexpr int group_rows = 16; // the rows a rows_fn takes
 
 // How x is laid out for a kernel set: q8_32 (the 32-element types, every kernel), q8_256 (the K-quants
@@ -255,10 +257,11 @@ template <int N> using upto = std::make_integer_sequence<int, N>;
         template <int NV> struct at { static constexpr dot_fn fn = fn_template<K, NV>; }; \
     };
 
-// The portable and AVX2 kernels take 4 activations a pass (AVX2 has 16 registers), AVX-512's 8.
+// The portable and AVX2 kernels take 4 activations a pass (AVX2 has 16 registers), AVX-512's 8 (IQ4_XS's 16).
 template <template <int> class D, int K> kernel_set set_of(act a, int elements, int bytes, int nv_count) {
-    return nv_count == 8 ? make_set<D<K>::template at>(a, elements, bytes, upto<8>{})
-                         : make_set<D<K>::template at>(a, elements, bytes, upto<4>{});
+    return nv_count == 16 ? make_set<D<K>::template at>(a, elements, bytes, upto<16>{})
+           : nv_count == 8 ? make_set<D<K>::template at>(a, elements, bytes, upto<8>{})
+                           : make_set<D<K>::template at>(a, elements, bytes, upto<4>{});
 }
 
 #ifdef PEBBLE_X86
