@@ -2,7 +2,8 @@
 and such files loaded, generating, and counted by the plan at the bytes the file stores.
 
 The native backends run the llama mixes with every strategy in test_quantized_residency (its MODELS); here,
-on the stub, each mix once through the store (MXFP4_MOE's experts too).
+on the stub, each mix once through the store (MXFP4_MOE's experts too), and MXFP4_MOE on every backend with
+its experts streamed.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 from gguf import GGUFReader
 
-from helpers import MIX_ARCHS, MIX_SHAPES, mix_overrides, tiny_model, tiny_path, tiny_spec
+from helpers import MIX_ARCHS, MIX_SHAPES, mix_overrides, store_backend_params, tiny_model, tiny_path, tiny_spec
 from pyplugin.model.synth_mix import quantize_mix
 from pyplugin.runtime import Generation, PebbledModel
 from pyplugin.runtime.options import Options
@@ -79,5 +80,28 @@ def test_a_mixed_file_generates_the_f16_tokens_and_the_plan_counts_the_bytes_it_
         f16 = list(Generation(tiny_model(arch, weights="f16", **overrides), OPTIONS).tokens(PROMPT))
         assert len(tokens) == OPTIONS.num_predict and tokens == f16
         assert np.unique(tokens).size > 1  # a model that says one thing over and over would hide a wrong layer
+    finally:
+        pebbled.close()
+
+
+@pytest.mark.parametrize("backend", store_backend_params())
+def test_mxfp4_experts_streamed_through_slots_decode_the_tokens_of_experts_kept(backend):
+    """MXFP4_MOE on each backend: the experts (MXFP4) restored into the decoder's expert slots one at a time
+    (no cache), and every layer streamed under minimal, give the tokens of the same backend with everything
+    resident."""
+    overrides = mix_overrides("MXFP4_MOE")
+    model = tiny_model(MIX_ARCHS["MXFP4_MOE"], weights="quantized", **overrides)
+    pebbled = PebbledModel(model, backend=backend)
+
+    def tokens(prompt, **options):
+        gen = pebbled.generation(OPTIONS, PebblingOptions.from_options(options), len(prompt))
+        return list(gen.tokens(prompt))
+    try:
+        resident = tokens(PROMPT, pebbling_strategy="none")
+        assert len(resident) == OPTIONS.num_predict and np.unique(resident).size > 1
+        for options in ({"pebbling_strategy": "none", "pebbling_expert_cache": 0},
+                        {"pebbling_strategy": "minimal"},
+                        {"pebbling_strategy": "minimal", "pebbling_expert_cache": 1}):
+            assert tokens(PROMPT, **options) == resident, options
     finally:
         pebbled.close()
