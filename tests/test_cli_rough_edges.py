@@ -203,6 +203,27 @@ def test_a_cuda_library_that_is_missing_says_how_to_build_it(tmp_path):
     assert "no such file" in found.reason and "make cuda" in found.reason
 
 
+def test_why_cuda_was_passed_over_is_one_short_line_with_the_cause_as_this_machine_has_it(tmp_path, monkeypatch):
+    """What a server start logs about cuda: the cause in a line, and a hint true of this machine (with nvcc on
+    PATH, not "install where nvcc is on PATH"); the whole story stays in the probe's detail (pebbling info)."""
+    import pyplugin.store.backend as backend_module
+
+    for nvcc, hint in (("/opt/cuda/bin/nvcc", "nvcc is on PATH: `make cuda` builds it"),
+                       (None, "`make cuda` builds it where the CUDA toolkit (nvcc) is installed")):
+        monkeypatch.setattr(backend_module.shutil, "which", lambda name, nvcc=nvcc: nvcc if name == "nvcc" else None)
+        found = probe_with_library("cuda", tmp_path / nvcc_dir(nvcc) / "libpebble_cuda.so")
+        assert found.reason == f"no such file: libpebble_cuda.so; {hint}"
+        assert "no usable cuda pebble library" in found.detail and "\n" not in found.reason
+    # a library that loads where no driver is: the CUDA runtime's words, not its call or source line
+    assert backend_module._cuda_cause("pebble_init: cudaSetDevice(device) failed: CUDA driver version is "
+                                      "insufficient for CUDA runtime version (native/store.cu:111)") == \
+        "CUDA driver version is insufficient for CUDA runtime version"
+
+
+def nvcc_dir(nvcc) -> str:
+    return "with-nvcc" if nvcc else "without-nvcc"  # a path of its own: probes are cached per PEBBLING_LIB
+
+
 def test_backend_cuda_without_a_library_mentions_make_cuda(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("PEBBLING_LIB", str(tmp_path / "libpebble_cuda.so"))  # no library, whatever build/ holds
     assert cli("run", "tiny", "hi", *GREEDY, "--backend", "cuda") == 1

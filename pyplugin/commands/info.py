@@ -27,6 +27,8 @@ def run(args) -> int:
     print("backends available:")
     for found in available_backends():
         print(f"  {found.name}: {'yes' if found.usable else 'no'} ({found.reason})")
+        if found.detail:
+            print(f"    {found.detail}")
     gpus = gpu.list_gpus()
     problem = gpu.nvml_problem()
     if problem:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import shutil
 import threading
 import weakref
 from dataclasses import dataclass
@@ -44,8 +46,9 @@ _logged: set[tuple[str, str]] = set()
 class BackendProbe:
     name: str
     usable: bool
-    reason: str               # why it can or cannot be used, one line
+    reason: str               # why it can or cannot be used, one short line (what a server logs at start)
     library_path: str | None
+    detail: str = ""          # the whole story where the reason shortens it (`pebbling info` prints it)
 
 
 class Backend:
@@ -240,21 +243,32 @@ _CLASSES = {"cuda": CudaBackend, "host": HostBackend, "stub": StubBackend}
 # probing and selection
 
 
-# How to get a library that is missing, for the message that says so.
-_BUILD_HINT = {
-    "cuda": "build it with `make cuda` (needs nvcc; `make native-best` picks cuda where a GPU is present), "
-            "or install with pip where nvcc is on PATH",
-    "host": "build it with `make host` (needs a C++ compiler), or install with `pip install .`",
-}
+def _build_hint(kind: str) -> str:
+    """How to get a library that is missing, as things stand on this machine."""
+    if kind == "host":
+        return "`make host` builds it (a C++ compiler), as `pip install .` does"
+    if shutil.which("nvcc"):
+        return "nvcc is on PATH: `make cuda` builds it"
+    return "`make cuda` builds it where the CUDA toolkit (nvcc) is installed"
+
+
+def _cuda_cause(message: str) -> str:
+    """The CUDA runtime's own words in a failed test store's message, without the call and the source
+    line ("CUDA driver version is insufficient for CUDA runtime version")."""
+    found = re.search(r"failed: (.*?)(?: \(native/[^)]*\))?$", message)
+    return found.group(1) if found else message
 
 
 def _probe_native(kind: str) -> BackendProbe:
-    from .native import NativeStore, load_library
+    from .native import NativeStore, library_candidates, load_library
 
     try:
         _, path = load_library(kind)
     except (OSError, PebblingError) as exc:
-        return BackendProbe(kind, False, f"{exc}; {_BUILD_HINT[kind]}", None)
+        missing = [p for p in library_candidates(kind) if not p.is_file()]
+        short = (f"no such file: {missing[0].name}" if len(missing) == len(library_candidates(kind))
+                 else str(exc).split("; ")[-1])
+        return BackendProbe(kind, False, f"{short}; {_build_hint(kind)}", None, f"{exc}")
     if kind == "host":
         return BackendProbe(kind, True, f"library {path} loaded", path)
     # The cuda library loads on machines without a GPU; only a store that moves bytes proves one.
@@ -265,8 +279,10 @@ def _probe_native(kind: str) -> BackendProbe:
     except PebbleError as exc:
         driver = gpu.nvml_problem()
         hint = f" (NVML: {driver})" if driver else ""
-        return BackendProbe(kind, False, f"library {path} loaded but no CUDA device is usable: {exc}{hint}; "
-                            "the cuda backend needs an NVIDIA GPU (host runs on the CPU)", path)
+        what = "no NVIDIA driver" if driver and "NotFound" in driver else "no usable NVIDIA GPU"
+        return BackendProbe(kind, False, f"{what} ({_cuda_cause(str(exc))})", path,
+                            f"library {path} loaded but no CUDA device is usable: {exc}{hint}; the cuda backend "
+                            "needs an NVIDIA GPU (host runs on the CPU)")
     try:  # the model computes on the GPU through CuPy: without it the cuda store is of no use
         import cupy  # noqa: F401
     except ImportError:
