@@ -38,6 +38,7 @@ host-asan: build/libpebble_host_asan.so
 build/libpebble_cuda.so: $(NATIVE_DEPS)
 	@command -v $(NVCC) >/dev/null 2>&1 || { echo "make cuda: nvcc was not found on PATH, so the CUDA library cannot be built here; install the CUDA toolkit or set NVCC=/path/to/nvcc." >&2; exit 1; }
 	@mkdir -p build
+	@echo "make: building the CUDA library, $@ (about 6 minutes on 2 cores)"
 	$(NVCC) -O3 -std=c++17 -shared -Xcompiler -fPIC,-fvisibility=hidden $(CUDA_ARCH) --compress-mode=size $(NATIVE_INC) -o $@ $(NATIVE_SRC)
 
 # Builds of the integer matrix-vector kernel to time beside the library (gpu-check's matvec stage, which also
@@ -53,10 +54,12 @@ build/variants/libpebble_cuda_%.so: $(NATIVE_DEPS)
 
 build/libpebble_host.so: $(NATIVE_DEPS)
 	@mkdir -p build
+	@echo "make: building the host library, $@ (about a minute on 2 cores)"
 	$(CXX) -O3 $(HOST_FLAGS) $(NATIVE_INC) -o $@ $(HOST_SRC)
 
 build/libpebble_host_asan.so: $(NATIVE_DEPS)
 	@mkdir -p build
+	@echo "make: building the host library with AddressSanitizer and UBSan, $@ (about a minute on 2 cores)"
 	$(CXX) $(SAN_FLAGS) $(HOST_FLAGS) $(NATIVE_INC) -o $@ $(HOST_SRC)
 
 # The virtual environment, with the package installed editable: what `serve` needs (.serving), and

@@ -256,7 +256,7 @@ def probe_with_library(kind: str, path: Path):
 # serve
 
 
-def test_the_server_says_its_backend_and_models_when_it_starts(models_dir):
+def test_the_server_says_its_backend_and_models_when_it_starts_and_stops_cleanly(models_dir):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     server = subprocess.Popen([sys.executable, "-m", "pyplugin.cli", "serve", "--port", str(free_port()),
                                "--models", str(models_dir)], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
@@ -270,6 +270,8 @@ def test_the_server_says_its_backend_and_models_when_it_starts(models_dir):
     finally:
         server.terminate()
         server.wait(timeout=30)
+    # a SIGTERM is a clean stop: status 0, so `make serve` stopped so prints no make error
+    assert server.returncode == 0, server.returncode
     said = "".join(said)
     backend = pyplugin.store.choose_backend().backend.name
     assert f"store backend {backend}: " in said  # the choice and why
@@ -305,5 +307,9 @@ def test_make_serve_installs_without_the_test_extra(tmp_path):
 
     serve = planned("serve")
     assert any(line.endswith("install --quiet -e .") for line in serve), serve
+    # a cold `make serve` says what it compiles, and for about how long, before it starts
+    said = subprocess.run(["make", "-n", "-B", "serve", f"VENV={tmp_path / 'venv'}"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60).stdout
+    assert "building the host library, build/libpebble_host.so (about a minute" in said
     assert not any("[test]" in line for line in serve)
     assert any("-e '.[test]'" in line for line in planned("venv"))

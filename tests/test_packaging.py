@@ -38,6 +38,25 @@ def test_cmake_compiles_the_makefiles_host_sources():
         assert source in cmake, f"CMakeLists.txt does not build {source}, which the Makefile's host target does"
 
 
+def test_auto_builds_the_cuda_library_only_where_it_can_run_and_says_so(tmp_path):
+    """pip install's default (PEBBLING_CUDA=AUTO) builds the CUDA library only where nvcc and an NVIDIA driver
+    are both here: on a machine with nvcc and no driver it once spent 4.5 minutes on a library nothing could
+    load. A configure (no build) says which it does, and that the host library is built."""
+    if not shutil.which("cmake"):
+        pytest.skip("cmake is not on PATH (scikit-build-core needs it to build the native library)")
+    done = subprocess.run(["cmake", "-S", str(ROOT), "-B", str(tmp_path), "-DPEBBLING_CUDA=AUTO"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    said = done.stdout
+    assert "pebbling: building the host library" in said
+    driver, nvcc = Path("/proc/driver/nvidia/version").exists(), shutil.which("nvcc")
+    if not driver:
+        assert "building the CUDA library" not in said
+        assert ("nvcc is here but no NVIDIA driver" if nvcc else "no NVIDIA driver and no nvcc here") in said
+    elif nvcc:
+        assert "pebbling: building the CUDA library too" in said
+
+
 def cmake_list(name: str) -> list[str]:
     """A `set(NAME ...)` list of CMakeLists.txt as words."""
     match = re.search(rf"^set\({name}\s+([^)]*)\)", (ROOT / "CMakeLists.txt").read_text(), re.M)

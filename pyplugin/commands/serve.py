@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging.config
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -90,9 +91,17 @@ def run(args: argparse.Namespace) -> int:
     logging.config.dictConfig(config)
     # Which backend computes, and what can be asked for.
     logging.getLogger("pebbling.server").info("%s", describe(os.environ.get(MODELS_ENV)))
+    # A SIGTERM (a service manager, kill, make's own stop) is a clean stop: uvicorn shuts down gracefully,
+    # then raises the signal again under the handler it found. With this one the process ends with status
+    # 0 rather than dying of the signal, which `make serve` reported as "*** [Makefile:N: serve] Terminated".
+    signal.signal(signal.SIGTERM, _stop_cleanly)
     uvicorn.run(APP_FACTORY, factory=True, host=args.host, port=args.port, log_level=level,
                 log_config=config, http=HTTP_PROTOCOL)
     return 0
+
+
+def _stop_cleanly(signum, frame) -> None:
+    raise SystemExit(0)
 
 
 RAY_CANNOT_START = "Ray cannot start"
