@@ -84,3 +84,19 @@ def slow_tokens(monkeypatch):
         return real(self, logits, history)
 
     monkeypatch.setattr(Generation, "sample", sample)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """The skips grouped by reason, most first, so that a run's hundreds of skips read as the few things they
+    are (the GPU cases where no GPU is; a backend left out by PEBBLING_TEST_BACKENDS ...)."""
+    reasons: dict[str, int] = {}
+    for report in terminalreporter.stats.get("skipped", []):
+        longrepr = report.longrepr
+        reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+        reason = reason.removeprefix("Skipped: ")
+        reasons[reason] = reasons.get(reason, 0) + 1
+    if not reasons:
+        return
+    terminalreporter.section(f"{sum(reasons.values())} skipped, by reason")
+    for reason, count in sorted(reasons.items(), key=lambda item: (-item[1], item[0])):
+        terminalreporter.write_line(f"{count:6d}  {reason}")
