@@ -345,13 +345,18 @@ def test_bad_generate_request_says_what_was_wrong(url, body, status, message):
 
 
 def test_a_model_with_a_tensor_type_without_kernels_is_a_400_naming_the_tensor_and_the_types(url, models_dir):
-    """A file with one matrix of a type pebbling does not compute (IQ2_XXS) is refused when a request loads
-    it: a 400 naming the model (never its path), the tensor, its type and every type pebbling computes."""
+    """A file with one matrix of a type pebbling does not compute (IQ2_XXS) says so in /api/show, and is refused
+    when a request loads it: a 400 naming the model (never its path), the tensor, its type and every type
+    pebbling computes."""
     from pyplugin.ggml_types import SUPPORTED_NAMES
 
     path = models_dir / "iq2.gguf"
     write_gguf(path, **dict(TINY, n_embd=256, n_ff=64), weight_type="Q8_0", tensor_types={"blk.2.attn_q": "IQ2_XXS"})
     try:
+        # said before any request loads it: /api/show's notes name the type and a tensor of it
+        show = requests.post(f"{url}/api/show", json={"model": "iq2"}, timeout=60).json()
+        assert any("tensor type IQ2_XXS (tensor blk.2.attn_q.weight) is not computed by pebbling" in note
+                   and "cannot be served" in note for note in show.get("pebbling_notes", [])), show.get("pebbling_notes")
         r = requests.post(f"{url}/api/generate", json={"model": "iq2", "prompt": "x", "stream": False}, timeout=60)
         assert r.status_code == 400, r.text
         error = r.json()["error"]

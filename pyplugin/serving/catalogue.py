@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from ..errors import ModelError, PebblingError
+from ..ggml_types import SUPPORTED_NAMES, SUPPORTED_TYPES
 from ..model import GGUFFile
 from ..model.load import SUPPORTED_ARCHS
 from ..model.vocabulary import fim_token_ids
@@ -231,6 +232,11 @@ def _read_info(path: Path, st) -> dict[str, Any]:
         for t in f.tensors.values():
             if len(t.shape) >= 2:
                 by_type[t.qtype.name] += t.nbytes
+        # the first tensor of each type pebbling does not compute, said before a request finds it at load
+        without_kernels = {}
+        for t in f.tensors.values():
+            if int(t.qtype) not in SUPPORTED_TYPES:
+                without_kernels.setdefault(t.qtype.name, t.name)
         scalars = {k: v for k, v in md.items()
                    if not isinstance(v, (list, bytes)) and k != "tokenizer.chat_template"}
     most_bytes = by_type.most_common(1)[0][0] if by_type else "unknown"
@@ -247,9 +253,15 @@ def _read_info(path: Path, st) -> dict[str, Any]:
     show = {"model_info": scalars, "template": md.get("tokenizer.chat_template", ""),
             "license": str(md.get("general.license", "")), "pools": f"{arch}.pooling_type" in md,
             "fim": fim_token_ids(md.get("tokenizer.ggml.tokens") or [], md) is not None}
+    notes = []
     if arch not in SUPPORTED_ARCHS:
-        show["pebbling_notes"] = [f"architecture {arch!r} is not supported by pebbling (supported: "
-                                  f"{', '.join(SUPPORTED_ARCHS)}): this model cannot be served"]
+        notes.append(f"architecture {arch!r} is not supported by pebbling (supported: "
+                     f"{', '.join(SUPPORTED_ARCHS)}): this model cannot be served")
+    for name, tensor in without_kernels.items():
+        notes.append(f"tensor type {name} (tensor {tensor}) is not computed by pebbling (types: "
+                     f"{', '.join(SUPPORTED_NAMES)}): this model cannot be served")
+    if notes:
+        show["pebbling_notes"] = notes
     return {"size": st.st_size, "modified": st.st_mtime, "digest": digest, "details": details,
             "show": show}
 
