@@ -47,6 +47,20 @@ __host__ __device__ inline float half_to_float(uint16_t h) {
 #endif
 }
 
+// MXFP4's scale: half the 2^(e - 127) of an E8M0 byte e, as ggml's (and gguf-py's) e8m0_to_fp32_half reads
+// it, e 0 and 1 the subnormals 2^-128 and 2^-127, e 255 (E8M0's NaN) 2^127.
+__host__ __device__ inline float e8m0_half(uint32_t e) {
+    return float_from_bits(e < 2 ? 0x00200000u << e : (e - 1) << 23);
+}
+
+// The tables of 16 int8 that IQ4_NL's, IQ4_XS's and MXFP4's nibbles index, as two 64-bit constants each,
+// entries 0..7 the bytes of lo and 8..15 those of hi: device code may use a constexpr scalar where it could
+// not index a constexpr array at run time; the CPU's kernels lay them out as arrays (cpu/quants.h).
+// -127, -104, -83, -65, -49, -35, -22, -10 | 1, 13, 25, 38, 53, 69, 89, 113 (gguf-py's IQ4_NL.kvalues)
+constexpr uint64_t iq4_values_lo = 0xf6eaddcfbfad9881ull, iq4_values_hi = 0x7159453526190d01ull;
+// 0, 1, 2, 3, 4, 6, 8, 12 | 0, -1, -2, -3, -4, -6, -8, -12: e2m1 doubled (gguf-py's MXFP4.kvalues)
+constexpr uint64_t mxfp4_values_lo = 0x0c08060403020100ull, mxfp4_values_hi = 0xf4f8fafcfdfeff00ull;
+
 // float32 -> fp16 bits, rounding to nearest even as __float2half_rn and numpy's astype(float16) do, in
 // integer arithmetic alone (the reference the tests hold the host build to, bit for bit). The GPU uses it
 // where the bits are stored byte by byte: an fp16 register stored with st.u8 came out with its low byte 0

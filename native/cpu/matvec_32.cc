@@ -150,7 +150,7 @@ AVX512 void rows16_32(const uint8_t * w, int64_t rb, int64_t nb, const uint8_t *
             }
             if constexpr (lookup) { // each value + 128, unsigned for vpdpbusd (taken off through x's sum)
                 const __m512i table = _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i *>(
-                                                           K == k_iq4_nl ? iq4_values : mxfp4_values))),
+                                                           K == k_iq4_nl ? iq4_values.v : mxfp4_values.v))),
                                                        _mm512_set1_epi8(static_cast<char>(0x80)));
                 UNROLL for (int k = 0; k < 8; k++) q[k] = _mm512_shuffle_epi8(table, q[k]);
             }

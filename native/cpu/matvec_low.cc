@@ -67,8 +67,8 @@ void decode_256(const uint8_t * b, int8_t * q, int * scale, int * mn) {
         for (int g = 0; g < 16; g++) scale[g] = iq4_xs_scale(low, u16(b + 2), g / 2) - 32, mn[g] = 0;
         for (int j = 0; j < 8; j++) {
             for (int l = 0; l < 16; l++) {
-                q[32 * j + l] = iq4_values[b[8 + 16 * j + l] & 0xf];
-                q[32 * j + 16 + l] = iq4_values[b[8 + 16 * j + l] >> 4];
+                q[32 * j + l] = iq4_values.v[b[8 + 16 * j + l] & 0xf];
+                q[32 * j + 16 + l] = iq4_values.v[b[8 + 16 * j + l] >> 4];
             }
         }
     }
@@ -130,7 +130,7 @@ AVX2 __attribute__((always_inline)) inline void low_block_ints(const uint8_t * b
     const q8_256 * x[NV];
     UNROLL for (int v = 0; v < NV; v++) x[v] = reinterpret_cast<const q8_256 *>(xq + v * xs) + i;
     if constexpr (K == l_iq4_xs) {
-        const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i *>(iq4_values)));
+        const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i *>(iq4_values.v)));
         const __m256i m4 = _mm256_set1_epi8(0x0f);
         uint32_t low;
         std::memcpy(&low, b + 4, 4);
@@ -268,7 +268,7 @@ AVX512 void rows16_low(const uint8_t * w, int64_t rb, int64_t nb, const uint8_t 
             const __m512i head = _mm512_i32gather_epi32(rows, b, 1), low = _mm512_i32gather_epi32(rows, b + 4, 1);
             d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(head));
             const __m512i high = _mm512_srli_epi32(head, 16);
-            const __m512i table = _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i *>(iq4_values))),
+            const __m512i table = _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i *>(iq4_values.v))),
                                                    _mm512_set1_epi8(static_cast<char>(0x80))); // each value + 128
             UNROLL for (int j = 0; j < 8; j++) {
                 const __m512i scale = _mm512_sub_epi32(

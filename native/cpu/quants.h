@@ -60,19 +60,20 @@ inline void scale_min_k4(const uint8_t * s, int j, int & scale, int & min) {
 
 enum kind { k_q4_0, k_q4_1, k_q5_0, k_q5_1, k_q8_0, k_q4_k, k_q5_k, k_q6_k, k_f32, k_f16, k_bf16, k_iq4_nl, k_mxfp4 };
 
-// IQ4_NL's (and IQ4_XS's) sixteen values, and MXFP4's e2m1 values doubled (0, 0.5, 1, 1.5, 2, 3, 4, 6 and
-// their negatives, times two: integers, under a scale halved to match, as gguf-py's MXFP4 reads them).
-alignas(16) inline constexpr int8_t iq4_values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
-alignas(16) inline constexpr int8_t mxfp4_values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
-
-// MXFP4's scale byte e (E8M0) as gguf-py's e8m0_to_fp32_half reads it: 2^(e - 128), the two smallest as
-// float32 subnormals.
-inline float e8m0_half(uint8_t e) {
-    const uint32_t bits = e < 2 ? 0x00200000u << e : static_cast<uint32_t>(e - 1) << 23;
-    float f;
-    std::memcpy(&f, &bits, 4);
-    return f;
+// IQ4_NL's (and IQ4_XS's) sixteen values and MXFP4's doubled e2m1 values, as arrays for vpshufb and the
+// portable decoders: the bytes of pebble_device.h's constants, which the GPU's decoders read.
+struct table16 { alignas(16) int8_t v[16]; };
+constexpr table16 table_bytes(uint64_t lo, uint64_t hi) {
+    table16 t{};
+    for (int i = 0; i < 8; i++) {
+        t.v[i] = static_cast<int8_t>((lo >> (8 * i)) & 0xff);
+        t.v[8 + i] = static_cast<int8_t>((hi >> (8 * i)) & 0xff);
+    }
+    return t;
 }
+inline constexpr table16 iq4_values = table_bytes(pebble_internal::iq4_values_lo, pebble_internal::iq4_values_hi);
+inline constexpr table16 mxfp4_values = table_bytes(pebble_internal::mxfp4_values_lo, pebble_internal::mxfp4_values_hi);
+using pebble_internal::e8m0_half;
 
 // A 32-element type's scale: its fp16 d (the first two bytes), or MXFP4's power of two (its first byte).
 template <int K> inline float scale_32(const uint8_t * b) { return K == k_mxfp4 ? e8m0_half(b[0]) : f16(b); }
@@ -83,7 +84,7 @@ void decode_32(const uint8_t * b, int * q, float & d, float & m) {
     m = 0.0f;
     if constexpr (K == k_iq4_nl || K == k_mxfp4) { // 16 bytes of indices into the table, laid out as Q4_0's nibbles
         d = scale_32<K>(b);
-        const int8_t * table = K == k_iq4_nl ? iq4_values : mxfp4_values;
+        const int8_t * table = K == k_iq4_nl ? iq4_values.v : mxfp4_values.v;
         const uint8_t * qs = b + (K == k_iq4_nl ? 2 : 1);
         for (int i = 0; i < 16; i++) q[i] = table[qs[i] & 0xf], q[i + 16] = table[qs[i] >> 4];
     } else if constexpr (K == k_q8_0) {
@@ -147,7 +148,7 @@ AVX2 inline __m256i decode_32_avx2(const uint8_t * b) {
             q = _mm256_or_si256(q, bits_to_0x10(qh));
         }
         if constexpr (K == k_iq4_nl || K == k_mxfp4) {
-            const __m128i values = _mm_load_si128(reinterpret_cast<const __m128i *>(K == k_iq4_nl ? iq4_values : mxfp4_values));
+            const __m128i values = _mm_load_si128(reinterpret_cast<const __m128i *>(K == k_iq4_nl ? iq4_values.v : mxfp4_values.v));
             q = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(values), q);
         }
         if constexpr (K == k_q4_0) q = _mm256_sub_epi8(q, _mm256_set1_epi8(8));

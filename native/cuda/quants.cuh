@@ -460,8 +460,7 @@ struct type_q3_k {
 struct type_iq4_nl {
     static constexpr int32_t id = 20;
     static constexpr int block_elements = 32, block_bytes = 18, parts = 1;
-    // -127, -104, -83, -65, -49, -35, -22, -10 | 1, 13, 25, 38, 53, 69, 89, 113 (gguf-py's IQ4_NL.kvalues)
-    static constexpr uint64_t values_lo = 0xf6eaddcfbfad9881ull, values_hi = 0x7159453526190d01ull;
+    static constexpr uint64_t values_lo = iq4_values_lo, values_hi = iq4_values_hi; // pebble_device.h
     template <typename Emit> __host__ __device__ static void decode(const uint8_t * b, int, Emit & emit) {
         const float d = half_to_float(load_u16(b));
         uint32_t qs[4];
@@ -507,20 +506,13 @@ struct type_iq4_xs {
     }
 };
 
-// Half the scale 2^(e - 127) of an E8M0 byte e, as a float32: ggml's (and gguf-py's) e8m0_to_fp32_half, whose
-// e 0 and 1 are the subnormals 2^-128 and 2^-127, and e 255 (E8M0's NaN) 2^127.
-__host__ __device__ inline float e8m0_half(uint32_t e) {
-    return float_from_bits(e < 2 ? 0x00200000u << e : (e - 1) << 23);
-}
-
 // An E8M0 byte e, then 16 bytes of nibbles laid out as Q4_0's, each the index of a doubled e2m1 value (0, 1,
 // 2, 3, 4, 6, 8, 12 and their negatives); value e8m0_half(e) * values[q]: a power of two times an integer
 // of at most 2 significant bits, exact in float32 (subnormals too) but where it overflows to infinity.
 struct type_mxfp4 {
     static constexpr int32_t id = 39;
     static constexpr int block_elements = 32, block_bytes = 17, parts = 1;
-    // 0, 1, 2, 3, 4, 6, 8, 12 | 0, -1, -2, -3, -4, -6, -8, -12 (gguf-py's MXFP4.kvalues)
-    static constexpr uint64_t values_lo = 0x0c08060403020100ull, values_hi = 0xf4f8fafcfdfeff00ull;
+    static constexpr uint64_t values_lo = mxfp4_values_lo, values_hi = mxfp4_values_hi; // pebble_device.h
     template <typename Emit> __host__ __device__ static void decode(const uint8_t * b, int, Emit & emit) {
         const float d = e8m0_half(b[0]);
         uint32_t qs[4];

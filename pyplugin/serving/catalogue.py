@@ -229,12 +229,10 @@ def _read_info(path: Path, st) -> dict[str, Any]:
         arch = str(md.get("general.architecture", "unknown"))
         n_params = sum(math.prod(t.shape) for t in f.tensors.values())
         by_type = Counter()
+        without_kernels = {}  # the first tensor of each type pebbling does not compute, said before a load
         for t in f.tensors.values():
             if len(t.shape) >= 2:
                 by_type[t.qtype.name] += t.nbytes
-        # the first tensor of each type pebbling does not compute, said before a request finds it at load
-        without_kernels = {}
-        for t in f.tensors.values():
             if int(t.qtype) not in SUPPORTED_TYPES:
                 without_kernels.setdefault(t.qtype.name, t.name)
         scalars = {k: v for k, v in md.items()

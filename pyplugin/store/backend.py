@@ -265,9 +265,9 @@ def _probe_native(kind: str) -> BackendProbe:
     try:
         _, path = load_library(kind)
     except (OSError, PebblingError) as exc:
-        missing = [p for p in library_candidates(kind) if not p.is_file()]
-        short = (f"no such file: {missing[0].name}" if len(missing) == len(library_candidates(kind))
-                 else str(exc).split("; ")[-1])
+        candidates = library_candidates(kind)
+        missing = [p for p in candidates if not p.is_file()]
+        short = f"no such file: {missing[0].name}" if len(missing) == len(candidates) else str(exc).split("; ")[-1]
         return BackendProbe(kind, False, f"{short}; {_build_hint(kind)}", None, f"{exc}")
     if kind == "host":
         return BackendProbe(kind, True, f"library {path} loaded", path)
