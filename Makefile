@@ -21,19 +21,30 @@ NATIVE_SRC  := native/pebble.cu native/store.cu native/store_tiers.cu \
 HOST_SRC    := $(NATIVE_SRC) native/cpu/pool.cc native/cpu/quantize.cc native/cpu/matvec_32.cc native/cpu/matvec_k.cc \
                native/cpu/matvec_low.cc native/cpu/matvec_float.cc native/cpu/matmul.cc native/cpu/attend.cc native/cpu/attend_prompt.cc \
                native/cpu/activations.cc
-NATIVE_DEPS := $(HOST_SRC) $(wildcard native/*.h native/cpu/*.h native/cuda/*.cuh)
+NATIVE_HDR  := $(wildcard native/*.h native/cpu/*.h native/cuda/*.cuh)
+NATIVE_DEPS := $(HOST_SRC) $(NATIVE_HDR)
+HOST_OBJ    := $(HOST_SRC:%=build/obj/host/%.o)
+ASAN_OBJ    := $(HOST_SRC:%=build/obj/asan/%.o)
+JOBS        ?= $(shell nproc 2>/dev/null || echo 2)
 # Includes are written from native/ ("cuda/ops.cuh", "cpu/cpu.h", "pebble_internal.h").
 NATIVE_INC  := -Inative
 HOST_FLAGS  := -x c++ -std=c++17 -DPEBBLE_HOST_BUILD -fPIC -shared -pthread -fvisibility=hidden -Wall -Wextra
+COMPILE_FLAGS := $(filter-out -shared,$(HOST_FLAGS))
 SAN_FLAGS   := -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=undefined
 
-.PHONY: all cuda cuda-variants host host-asan venv test test-native test-sanitized fuzz serve demo-model native-best native-gpu native-stub gpu-wheels gpu-check clean
+.PHONY: all cuda cuda-variants host host-asan venv test test-ci test-native test-sanitized fuzz serve demo-model native-best native-gpu native-stub gpu-wheels gpu-check clean
 
 all: host
 
 cuda: build/libpebble_cuda.so
-host: build/libpebble_host.so
-host-asan: build/libpebble_host_asan.so
+host:
+	@$(MAKE) --no-print-directory -q build/libpebble_host.so 2>/dev/null || \
+		echo "make: building the host library, build/libpebble_host.so, on $(JOBS) cores (about half a minute on 2)"
+	@$(MAKE) --no-print-directory -j$(JOBS) build/libpebble_host.so
+host-asan:
+	@$(MAKE) --no-print-directory -q build/libpebble_host_asan.so 2>/dev/null || \
+		echo "make: building the host library with AddressSanitizer and UBSan, build/libpebble_host_asan.so, on $(JOBS) cores (about a minute on 2)"
+	@$(MAKE) --no-print-directory -j$(JOBS) build/libpebble_host_asan.so
 
 build/libpebble_cuda.so: $(NATIVE_DEPS)
 	@command -v $(NVCC) >/dev/null 2>&1 || { echo "make cuda: nvcc was not found on PATH, so the CUDA library cannot be built here; install the CUDA toolkit or set NVCC=/path/to/nvcc." >&2; exit 1; }
@@ -52,15 +63,21 @@ build/variants/libpebble_cuda_%.so: $(NATIVE_DEPS)
 	$(NVCC) -O3 -std=c++17 -shared -Xcompiler -fPIC,-fvisibility=hidden -gencode arch=compute_90,code=sm_90 \
 		--compress-mode=size $(word 2,$(subst :, ,$(filter $*:%,$(VARIANTS)))) $(NATIVE_INC) -o $@ $(NATIVE_SRC)
 
-build/libpebble_host.so: $(NATIVE_DEPS)
-	@mkdir -p build
-	@echo "make: building the host library, $@ (about a minute on 2 cores)"
-	$(CXX) -O3 $(HOST_FLAGS) $(NATIVE_INC) -o $@ $(HOST_SRC)
+# The host libraries a source file an object, so that `make host` compiles on every core (JOBS): a minute of
+# one core's work for the optimized library, two for the sanitized one, most of it in the SIMD kernels.
+build/libpebble_host.so: $(HOST_OBJ)
+	$(CXX) -shared -pthread -o $@ $(HOST_OBJ)
 
-build/libpebble_host_asan.so: $(NATIVE_DEPS)
-	@mkdir -p build
-	@echo "make: building the host library with AddressSanitizer and UBSan, $@ (about a minute on 2 cores)"
-	$(CXX) $(SAN_FLAGS) $(HOST_FLAGS) $(NATIVE_INC) -o $@ $(HOST_SRC)
+build/obj/host/%.o: % $(NATIVE_HDR)
+	@mkdir -p $(@D)
+	$(CXX) -O3 $(COMPILE_FLAGS) $(NATIVE_INC) -c -o $@ $<
+
+build/obj/asan/%.o: % $(NATIVE_HDR)
+	@mkdir -p $(@D)
+	$(CXX) $(SAN_FLAGS) $(COMPILE_FLAGS) $(NATIVE_INC) -c -o $@ $<
+
+build/libpebble_host_asan.so: $(ASAN_OBJ)
+	$(CXX) $(SAN_FLAGS) -shared -pthread -o $@ $(ASAN_OBJ)
 
 # The virtual environment, with the package installed editable: what `serve` needs (.serving), and
 # the test extra on top for `test` (.installed). An editable install compiles nothing (CMakeLists.txt):
@@ -91,8 +108,13 @@ native-gpu: cuda $(VENV)/.serving
 native-stub:
 	@echo "no C++ compiler found: pebbling will use its pure-Python stub backend"
 
-test: venv host host-asan
-	$(PY) -m pytest -q
+# The suite on every core (pytest-xdist), but for the tests marked `ci`: those, the C ABI under the sanitizers and
+# the sanitized conformance suite are `test-ci`'s, which CI (.ci/run) runs after `test`.
+test: venv host
+	$(PY) -m pytest -q -n $(JOBS) -m "not ci"
+
+test-ci: venv host host-asan
+	$(PY) -m pytest -q -n $(JOBS) -m ci
 	$(MAKE) --no-print-directory test-native test-sanitized
 
 # The C ABI driven from C against the sanitized library, with leak checking on.
@@ -110,7 +132,7 @@ test-sanitized: venv host-asan
 	ASAN_OPTIONS=detect_leaks=0:abort_on_error=0:halt_on_error=1 \
 	UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
 	PEBBLING_LIB=build/libpebble_host_asan.so PEBBLING_TEST_BACKENDS=host \
-	$(PY) -m pytest -q -p no:cacheprovider tests/test_store_conformance.py tests/test_store_views.py tests/test_store_borrowed.py \
+	$(PY) -m pytest -q -n $(JOBS) -p no:cacheprovider tests/test_store_conformance.py tests/test_store_views.py tests/test_store_borrowed.py \
 		tests/test_abi.py tests/test_quant_kernels.py \
 		tests/test_quantized_residency.py tests/test_decode_step.py tests/test_attend.py tests/test_kv_types.py \
 		tests/test_moe.py tests/test_moe_experts.py

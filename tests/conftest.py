@@ -86,9 +86,30 @@ def slow_tokens(monkeypatch):
     monkeypatch.setattr(Generation, "sample", sample)
 
 
+# The tests marked `ci` that -m "not ci" left out, counted where they were collected: in this process, or in
+# pytest-xdist's workers (each collects the whole suite), which report them when they end.
+_ci_left = [0]
+
+
+def pytest_deselected(items) -> None:
+    _ci_left[0] += sum(1 for item in items if item.get_closest_marker("ci"))
+
+
+def pytest_sessionfinish(session) -> None:
+    if hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["ci_left"] = _ci_left[0]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    _ci_left[0] = max(_ci_left[0], getattr(node, "workeroutput", {}).get("ci_left", 0))
+
+
 def pytest_terminal_summary(terminalreporter) -> None:
     """The skips grouped by reason, most first, so that a run's hundreds of skips read as the few things they
     are (the GPU cases where no GPU is; a backend left out by PEBBLING_TEST_BACKENDS ...)."""
+    if _ci_left[0]:  # `make test`'s -m "not ci"
+        terminalreporter.write_line(f"{_ci_left[0]} deselected as `ci` tests: `make test-ci` runs them (CI does)")
     reasons: dict[str, int] = {}
     for report in terminalreporter.stats.get("skipped", []):
         longrepr = report.longrepr

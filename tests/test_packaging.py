@@ -95,6 +95,7 @@ def wheel(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.ci  # the wheel compiles the host library from source (40 s)
 def test_wheel_carries_host_library_header_and_license(wheel):
     with zipfile.ZipFile(wheel) as archive:
         names = set(archive.namelist())
@@ -115,6 +116,7 @@ def test_wheel_carries_host_library_header_and_license(wheel):
 
 
 @pytest.mark.slow
+@pytest.mark.ci  # the wheel compiles the host library from source (40 s)
 def test_wheel_compiles_with_the_makefiles_host_flags(wheel):
     build_dir = Path(wheel.with_suffix(".build").read_text())
     commands = json.loads((build_dir / "compile_commands.json").read_text())
@@ -130,6 +132,7 @@ def test_wheel_compiles_with_the_makefiles_host_flags(wheel):
 
 
 @pytest.mark.slow
+@pytest.mark.ci  # the wheel compiles the host library from source (40 s)
 def test_installed_wheel_uses_its_own_host_library(wheel, tmp_path):
     """The wheel installed into a directory of its own, run with this environment's dependencies but
     not its editable checkout (-S: no .pth files), chooses the host backend from the library it carries."""

@@ -512,11 +512,12 @@ def test_stub_and_native_kernels_agree(qtype):
         assert_within(host, stub, (activation_rtol(qtype) + MATVEC_RTOL) * norms, "x (the stub's)")
 
 
-@pytest.mark.parametrize("setting, error", [({"PEBBLING_SIMD": "portable"}, None),
-                                            ({"PEBBLING_SIMD": "avx2"}, None),
-                                            ({"PEBBLING_SIMD": "gpu"}, None),
-                                            ({"PEBBLING_THREADS": "1"}, None),
-                                            ({"PEBBLING_THREADS": "3"}, None),
+# The five reruns (each a process running the kernel tests, 10 to 25 s) are left to `make test-ci`.
+@pytest.mark.parametrize("setting, error", [pytest.param({"PEBBLING_SIMD": "portable"}, None, marks=pytest.mark.ci),
+                                            pytest.param({"PEBBLING_SIMD": "avx2"}, None, marks=pytest.mark.ci),
+                                            pytest.param({"PEBBLING_SIMD": "gpu"}, None, marks=pytest.mark.ci),
+                                            pytest.param({"PEBBLING_THREADS": "1"}, None, marks=pytest.mark.ci),
+                                            pytest.param({"PEBBLING_THREADS": "3"}, None, marks=pytest.mark.ci),
                                             ({"PEBBLING_THREADS": "lots"}, "PEBBLING_THREADS is 'lots'"),
                                             ({"PEBBLING_SIMD": "sse9"}, "PEBBLING_SIMD is 'sse9'")])
 def test_host_kernels_under_each_setting(setting, error):
