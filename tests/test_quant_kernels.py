@@ -570,19 +570,23 @@ def test_matmul_takes_any_number_of_vectors_as_matvec_computes_them(backend, qty
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_matvec_gives_each_vector_the_bits_it_gets_alone(kind, qtype):
     """A sequence decoded in a batch gets the logits it gets alone, to the bit: each vector's products are
-    the same whatever the vectors beside it (1..8 in matvec, 21 in matmul). 53 rows: three whole groups of
-    the host's sixteen-row kernels (Q4_K, Q6_K on AVX-512) and five rows after them, which go row by row.
-    (The host and stub backends promise it; the CUDA kernels' batches are the GPU issue's.)"""
+    the same whatever the vectors beside it (1..8 in matvec, 21 and 93 in matmul). 53 rows: three whole groups
+    of the host's sixteen-row kernels (Q4_K, Q6_K on AVX-512) and five rows after them, which go row by row.
+    93 vectors: a prompt's kernel where a type has one (IQ4_XS on AVX-512: 64 vectors a call, 16 at a time,
+    then 29 as 16, 8 and 5). (The host and stub backends promise it; the CUDA kernels' batches are the GPU
+    issue's.)"""
     n_rows = 53
     raw, n_cols = matvec_case(qtype, n_rows, 33 if qtype not in QUANTIZED else 3 if qtype in BLOCKS_OF_256 else 9,
                               seed=9)
-    x = np.random.default_rng(10).standard_normal((21, n_cols)).astype(np.float16)
+    x = np.random.default_rng(10).standard_normal((93, n_cols)).astype(np.float16)
     kernels = kernels_of(kind)
-    alone = np.stack([to_numpy(kernels.matvec(qtype, raw, n_rows, n_cols, x[v:v + 1]))[0] for v in range(21)])
+    alone = np.stack([to_numpy(kernels.matvec(qtype, raw, n_rows, n_cols, x[v:v + 1]))[0] for v in range(93)])
     for n_vec in (2, 5, 8):
         np.testing.assert_array_equal(to_numpy(kernels.matvec(qtype, raw, n_rows, n_cols, x[:n_vec])), alone[:n_vec],
                                       err_msg=f"{n_vec} vectors")
-    np.testing.assert_array_equal(to_numpy(kernels.matmul(qtype, raw, n_rows, n_cols, x)), alone, err_msg="21 vectors")
+    for n_vec in (21, 93):
+        np.testing.assert_array_equal(to_numpy(kernels.matmul(qtype, raw, n_rows, n_cols, x[:n_vec])), alone[:n_vec],
+                                      err_msg=f"{n_vec} vectors")
 
 
 def test_matmul_refuses_no_vectors(backend):

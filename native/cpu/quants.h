@@ -227,6 +227,8 @@ using rows_fn = void (*)(const uint8_t *, int64_t, int64_t, const uint8_t *, int
 constexpr int max_nv = 16;
 constexpr int group_rows = 16; // the rows a rows_fn takes
 
+// Sixteen rows times any number of activations n: (w, row_bytes, nb, xq, xs, n, out, out_stride), for a prompt.
+using many_fn = void (*)(const uint8_t *, int64_t, int64_t, const uint8_t *, int64_t, int64_t, float *, int64_t);
 // How x is laid out for a kernel set: q8_32 (the 32-element types, every kernel), q8_256 (the K-quants
 // but on AVX-512), q8_k512 in natural order (AVX-512's Q6_K) or paired sub-blocks (its Q4_K, Q5_K).
 enum class act { q8_256, q8_32, f32, q8_k512, q8_k512_paired };
@@ -242,6 +244,9 @@ struct kernel_set {
     // sequence's logits depend neither on the batch it is in nor on where a row falls in a matrix;
     // tests/test_quant_kernels.py holds them to it.
     rows_fn rows[max_nv];
+    // many: sixteen rows times more than nv activations at once, with the bits rows[] gives, or none: where a
+    // block's decoding is a large part of a pass, decoded once for all of a prompt's vectors (IQ4_XS).
+    many_fn many = nullptr;
 };
 
 template <template <int> class D, int... NV>
