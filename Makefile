@@ -110,7 +110,9 @@ native-stub:
 
 # The suite on every core (pytest-xdist), but for the tests marked `ci`: those, the C ABI under the sanitizers and
 # the sanitized conformance suite are `test-ci`'s, which CI (.ci/run) runs after `test`.
-test: venv host
+# (The environment's install and the library's compilers at once: pip waits on the network as much as it computes.)
+test:
+	@$(MAKE) --no-print-directory -j$(JOBS) venv host
 	$(PY) -m pytest -q -n $(JOBS) -m "not ci"
 
 test-ci: venv host host-asan

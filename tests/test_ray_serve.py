@@ -57,7 +57,8 @@ def fresh_cache(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cluster(models_dir):
-    """The application on a 2-CPU local cluster: its base URL."""
+    """The application on a 2-CPU local cluster: its base URL. (A cluster takes seconds to start and its
+    tests tens of seconds of both cores: they are marked `ci`, left to `make test-ci`.)"""
     from pyplugin.serving.ray_deploy import build_app
 
     try:
@@ -192,6 +193,7 @@ def test_the_application_takes_its_scaling_from_the_config():
 # the command line (before the module's cluster starts: this one starts a cluster of its own)
 
 
+@pytest.mark.ci
 def test_pebbling_serve_ray_answers_through_its_replicas(models_dir, tmp_path):
     port = free_port()
     log = (tmp_path / "serve.log").open("w")
@@ -253,6 +255,7 @@ def test_a_ray_that_cannot_start_is_said_to_be_so(address, monkeypatch, capsys):
 # the cluster
 
 
+@pytest.mark.ci
 def test_each_conversation_stays_on_one_replica_and_answers_as_one_server_does(cluster, direct):
     with ThreadPoolExecutor(8) as pool:
         conversations = list(pool.map(lambda n: converse(cluster, n), range(CONVERSATIONS)))
@@ -269,6 +272,7 @@ def test_each_conversation_stays_on_one_replica_and_answers_as_one_server_does(c
     assert len(used) == 2, "both replicas served conversations"
 
 
+@pytest.mark.ci
 def test_a_generate_conversation_follows_its_context_to_its_replica(cluster):
     def generate_conversation(n: int) -> list[tuple[str, int, int]]:
         turns, context = [], None
@@ -291,6 +295,7 @@ def test_a_generate_conversation_follows_its_context_to_its_replica(cluster):
             assert cached >= prompt_before, turns  # the last turn's whole prompt, from this replica's cache
 
 
+@pytest.mark.ci
 def test_ps_and_metrics_answer_for_every_replica_or_the_one_named(cluster):
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -313,11 +318,13 @@ def test_ps_and_metrics_answer_for_every_replica_or_the_one_named(cluster):
         assert missing.status_code == 404 and one in missing.json()["error"]
 
 
+@pytest.mark.ci
 def test_the_front_refuses_a_body_past_the_apps_limit(cluster):
     r = httpx.post(f"{cluster}/api/chat", content=b"x" * (9 << 20), timeout=60)
     assert r.status_code == 413 and "8 MiB" in r.json()["error"]
 
 
+@pytest.mark.ci
 def test_an_autoscaled_application_answers_under_its_route_prefix(cluster, models_dir):
     from pyplugin.serving.ray_deploy import build_app
 
@@ -337,6 +344,7 @@ def test_an_autoscaled_application_answers_under_its_route_prefix(cluster, model
         serve.delete("auto")
 
 
+@pytest.mark.ci
 def test_the_session_header_keeps_requests_together_and_a_requests_options_win(cluster):
     seen = set()
     with httpx.Client(base_url=cluster, timeout=60) as client:
@@ -357,6 +365,7 @@ def active_requests(client, replica: str) -> float:
     return sum(s.value for s in families["pebbling_requests_active"].samples)
 
 
+@pytest.mark.ci
 def test_a_client_that_goes_away_stops_its_generation_on_the_replica(cluster):
     with httpx.Client(base_url=cluster, timeout=120) as client:
         with client.stream("POST", "/api/generate", json={
@@ -373,6 +382,7 @@ def test_a_client_that_goes_away_stops_its_generation_on_the_replica(cluster):
         assert active_requests(client, replica) == 0
 
 
+@pytest.mark.ci
 def test_killing_a_replica_fails_its_requests_in_flight_and_moves_its_conversations(cluster):
     session = {"X-Pebbling-Session": "doomed"}  # everything below goes to one replica while it lives
     with httpx.Client(base_url=cluster, timeout=120) as client:
