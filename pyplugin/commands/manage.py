@@ -17,7 +17,7 @@ from typing import Any, Iterator
 
 from ..errors import PebblingError
 from ..serving.modelfile_text import Modelfile, ModelfileError, parse
-from .client import Client
+from .client import Client, ServerError
 
 _SERVER = "Asks the pebbling server (pebbling serve) on $PEBBLING_HOST (default 127.0.0.1:11435)."
 _BLOB = re.compile(r"@?sha256[:-]([0-9a-f]{64})")
@@ -76,6 +76,13 @@ def copy(args: argparse.Namespace) -> int:
 def remove(args: argparse.Namespace) -> int:
     def delete(client: Client) -> None:
         for name in args.models:
+            # As ollama rm: the model is unloaded first (a request with keep_alive 0 that loads nothing), so
+            # that a deleted model does not stay in memory and in `pebbling ps`.
+            try:
+                client.post("/api/generate", {"model": name, "keep_alive": 0})
+            except ServerError as exc:
+                if "not found" not in str(exc).lower():
+                    print(f"warning: unable to stop model '{name}': {exc}", file=sys.stderr)
             client.send("DELETE", "/api/delete", {"model": name})
             print(f"deleted '{name}'")
 
