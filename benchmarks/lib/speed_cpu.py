@@ -67,6 +67,8 @@ from lib.shapes import FILES, SHAPES, write_files
 # ---------------------------------------------------------------------------------------------------
 # children: one engine, one run, JSON on stdout
 
+_PATH_ARGS = ("llama_python", "dir", "json")
+
 def peak_rss_bytes() -> int:
     """This process's peak resident set: VmHWM, which (unlike getrusage's maxrss, kept across exec)
     is this program's own."""
@@ -209,7 +211,9 @@ def main(argv: list[str] | None = None) -> None:
             neighbour.kill()
     print_table(results, args)
     if args.json:
-        Path(args.json).write_text(json.dumps(dict(args=vars(args), cpu=cpu_model(), results=results), indent=1))
+        # the arguments as run, but for where this machine keeps things (an interpreter, a directory, a file)
+        recorded = {k: Path(v).name if k in _PATH_ARGS and v else v for k, v in vars(args).items()}
+        Path(args.json).write_text(json.dumps(dict(args=recorded, cpu=cpu_model(), results=results), indent=1))
 
 
 def run_all(args, names: list[str], engines: list[str]) -> dict:
