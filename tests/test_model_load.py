@@ -184,8 +184,8 @@ def _rewrite(src, dst, *, drop=(), strings=None):
 
 
 def test_unsupported_rope_scaling(tmp_path):
-    path = _rewrite(tiny_path("llama"), tmp_path / "yarn.gguf", strings={"llama.rope.scaling.type": "yarn"})
-    _raises_naming(path, "rope scaling 'yarn' is not supported; supported: none, linear")
+    path = _rewrite(tiny_path("llama"), tmp_path / "longrope.gguf", strings={"llama.rope.scaling.type": "longrope"})
+    _raises_naming(path, "rope scaling 'longrope' is not supported; supported: none, linear, yarn")
 
 
 def test_missing_metadata_key(tmp_path):

@@ -17,7 +17,8 @@ import numpy as np
 
 from ..kv_types import cache_kv_type, decode, encode
 from ..xp import get_array_module
-from .transformer import ModelConfig, _rope_pairs, apply_rope, rope_inv_freq
+from .rope import _rope_pairs, apply_rope, rope_inv_freq
+from .transformer import ModelConfig
 
 Array = Any
 

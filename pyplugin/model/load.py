@@ -186,14 +186,15 @@ def read_config(f: GGUFFile) -> ModelConfig:
         raise ModelError(f"{f.path}: LongRoPE (rope_factors_long/short, e.g. phi3 128k) is not "
                          "supported; the 4k variants are")
     n_layer = integer("block_count", 1 << 12)
-    freq_scale = _rope_freq_scale(f, arch)
+    n_ctx_train = integer("context_length", 1 << 27)
+    scaling = _rope_scaling(f, arch, n_ctx_train)
     fields = dict(
         arch=arch, n_layer=n_layer, n_embd=n_embd, n_head=n_head,
         n_head_kv=n_head_kv, head_dim=head_dim, n_ff=integer("feed_forward_length", 1 << 22),
-        n_vocab=token_embd.shape[0], n_ctx_train=integer("context_length", 1 << 27),
+        n_vocab=token_embd.shape[0], n_ctx_train=n_ctx_train,
         rms_eps=positive("attention.layer_norm_rms_epsilon", 1e-5), rope_mode=ROPE_MODES[arch],
         rope_dims=rope_dims, rope_theta=positive("rope.freq_base", 10000.0),
-        rope_freq_scale=freq_scale, rope_freq_factors=_rope_freq_factors(f, rope_dims),
+        rope_freq_factors=_rope_freq_factors(f, rope_dims), **scaling,
         pooling=POOLING_TYPES[integer("pooling_type", len(POOLING_TYPES) - 1, default=1, lo=0)])
     fields.update(arch_fields(f, arch, n_layer, n_embd, n_head, head_dim, positive))
     return ModelConfig(**fields)
@@ -204,17 +205,53 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _rope_freq_scale(f: GGUFFile, arch: str) -> float:
-    kind = f.metadata.get(f"{arch}.rope.scaling.type", "none")
-    factor = float(f.metadata.get(f"{arch}.rope.scaling.factor", 0.0))
-    legacy = float(f.metadata.get(f"{arch}.rope.scale_linear", 0.0))  # older converters
+# YaRN's keys, and the values pebbling computes with (llama.cpp's defaults; a file that asks for others is refused)
+YARN_FIXED = {"rope.scaling.yarn_beta_fast": 32.0, "rope.scaling.yarn_beta_slow": 1.0,
+              "rope.scaling.yarn_ext_factor": 1.0, "rope.scaling.yarn_attn_factor": 1.0,
+              "rope.scaling.yarn_log_multiplier": 0.0}
+
+
+def _rope_scaling(f: GGUFFile, arch: str, n_ctx_train: int) -> dict[str, Any]:
+    """The ModelConfig fields of the file's RoPE scaling: linear (rope_freq_scale), llama3 (its factors are in
+    rope_freqs), or YaRN as llama.cpp computes it: the angles scaled by 1/factor blended back to unscaled
+    on the fast-turning pairs (between the dimensions of beta_fast 32 and beta_slow 1 turns in the original
+    context), cos and sin times 1 + 0.1 ln(factor) (times rope.scaling.attn_factor where given)."""
+    md = f.metadata
+    kind = md.get(f"{arch}.rope.scaling.type", "none")
+    factor = md.get(f"{arch}.rope.scaling.factor", 0.0)
+    legacy = float(md.get(f"{arch}.rope.scale_linear", 0.0))  # older converters
+    if isinstance(factor, bool) or not isinstance(factor, numbers.Real) or not math.isfinite(factor) or factor < 0:
+        raise ModelError(f"{f.path}: '{arch}.rope.scaling.factor' is {_shown(factor)}; it must be a finite number, "
+                         "0 (none) or more")
+    if kind != "yarn":
+        for key in (*YARN_FIXED, "rope.scaling.attn_factor"):
+            if f"{arch}.{key}" in md:
+                raise ModelError(f"{f.path}: '{arch}.{key}' with rope scaling {kind!r}: pebbling computes it for "
+                                 "YaRN only")
     if kind == "linear" and factor > 0:
-        return 1.0 / factor
+        return dict(rope_freq_scale=1.0 / factor)
     if kind in ("none", "linear"):
-        return 1.0 / legacy if legacy > 0 else 1.0
+        return dict(rope_freq_scale=1.0 / legacy if legacy > 0 else 1.0)
     if kind == "llama3" and "rope_freqs.weight" in f.tensors:  # the factors are in rope_freqs
-        return 1.0
-    raise ModelError(f"{f.path}: rope scaling {kind!r} is not supported; supported: none, linear, and llama3 "
+        return dict(rope_freq_scale=1.0)
+    if kind == "yarn":
+        for key, fixed in YARN_FIXED.items():
+            v = md.get(f"{arch}.{key}", fixed)
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or float(v) != fixed:
+                raise ModelError(f"{f.path}: '{arch}.{key}' is {_shown(v)}; pebbling computes YaRN with beta_fast 32, "
+                                 "beta_slow 1, ext_factor 1, yarn_attn_factor 1 and no log multiplier (llama.cpp's "
+                                 "defaults)")
+        original = md.get(f"{arch}.rope.scaling.original_context_length", n_ctx_train)
+        attn = md.get(f"{arch}.rope.scaling.attn_factor", 1.0)
+        if isinstance(original, bool) or not isinstance(original, numbers.Integral) or not 1 <= original <= 1 << 27 \
+                or isinstance(attn, bool) or not isinstance(attn, numbers.Real) or not math.isfinite(attn) or attn <= 0:
+            raise ModelError(f"{f.path}: YaRN's '{arch}.rope.scaling.original_context_length' ({_shown(original)}) must "
+                             f"be a positive integer and '{arch}.rope.scaling.attn_factor' ({_shown(attn)}) a finite "
+                             "number above 0")
+        factor = float(factor) or 1.0
+        mscale = (1.0 + 0.1 * math.log(factor) if factor > 1.0 else 1.0) * float(attn)
+        return dict(rope_freq_scale=1.0 / factor, rope_yarn=(1.0, 32.0, 1.0, int(original)), rope_mscale=mscale)
+    raise ModelError(f"{f.path}: rope scaling {kind!r} is not supported; supported: none, linear, yarn, and llama3 "
                      "with its rope_freqs tensor")
 
 

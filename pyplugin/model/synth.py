@@ -47,6 +47,7 @@ class SynthSpec:
     rope_theta: float = 10000.0
     rope_dims: int | None = None        # default: the whole head
     rope_linear_factor: float | None = None
+    rope_yarn: tuple[float, int] | None = None  # YaRN's (factor, original context length)
     rope_freqs: bool = False            # a llama3-style rope_freqs tensor
     rms_eps: float = 1e-5
     key_length: int | None = None       # the head size, when not n_embd / n_head (qwen3, Gemma, Mistral-Nemo)
@@ -171,6 +172,10 @@ def _add_hparams(w: GGUFWriter, spec: SynthSpec, n_vocab: int) -> None:
     if spec.rope_linear_factor:
         w.add_rope_scaling_type(RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(spec.rope_linear_factor)
+    if spec.rope_yarn:
+        w.add_rope_scaling_type(RopeScalingType.YARN)
+        w.add_rope_scaling_factor(spec.rope_yarn[0])
+        w.add_rope_scaling_orig_ctx_len(spec.rope_yarn[1])
     if spec.key_length or spec.arch in _OWN_HEAD_SIZE:
         w.add_key_length(spec.head_dim)
         w.add_value_length(spec.head_dim)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields, replace
-from functools import cached_property, lru_cache
+from functools import cached_property
 from typing import Any, Callable, Iterator, Protocol
 
 import numpy as np
@@ -31,13 +31,11 @@ import numpy as np
 from ..kv_types import KVType, cache_kv_type, decode, default_kv_type, encode, kv_type
 from ..xp import compute_dtype, get_array_module
 from .attention import attention, by_rows, softcap
+from .rope import ROPE_NEOX, ROPE_NORMAL, apply_rope, rope_inv_freq, rope_table, yarn_corr_dims  # noqa: F401
 from .moe import moe_ffn
 from .qweight import QuantWeight
 
 Array = Any  # numpy.ndarray or cupy.ndarray
-
-ROPE_NORMAL, ROPE_NEOX = "normal", "neox"
-
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -58,6 +56,10 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_freq_scale: float = 1.0        # 1 / linear scaling factor
     rope_freq_factors: tuple[float, ...] | None = None  # llama3-style per-frequency divisors
+    rope_yarn: tuple[float, float, float, int] | None = None  # YaRN's (ext_factor, beta_fast, beta_slow,
+                                        # original context): rope_freq_scale blended back to unscaled
+                                        # on the fast-turning pairs
+    rope_mscale: float = 1.0            # multiplies cos and sin (YaRN's 1 + 0.1 ln(factor))
     attn_scale: float | None = None     # multiplies q before the dot products; None: 1/sqrt(head_dim)
     pooling: str = "mean"               # how embeddings pool the hidden states: mean, cls, last, none, rank
     activation: str = "silu"            # the FFN's gate: "silu" (SwiGLU) or "gelu" (GELU-tanh, the Gemmas)
@@ -104,11 +106,13 @@ class ModelConfig:
 
     @cached_property
     def _layer_configs(self) -> tuple["ModelConfig", ...]:
+        own_scale = self.rope_freq_scale_swa is not None  # gemma3's local layers: never scaled, YaRN neither
         sliding = replace(self, window=self.sliding_window,
                           rope_theta=self.rope_theta if self.rope_theta_swa is None else self.rope_theta_swa,
-                          rope_freq_scale=(self.rope_freq_scale if self.rope_freq_scale_swa is None
-                                           else self.rope_freq_scale_swa),
-                          rope_freq_factors=self.rope_freq_factors if self.rope_theta_swa is None else None)
+                          rope_freq_scale=self.rope_freq_scale_swa if own_scale else self.rope_freq_scale,
+                          rope_freq_factors=self.rope_freq_factors if self.rope_theta_swa is None else None,
+                          rope_yarn=None if own_scale else self.rope_yarn,
+                          rope_mscale=1.0 if own_scale else self.rope_mscale)
         return tuple(sliding if self.is_sliding(i) else self for i in range(self.n_layer))
 
 
@@ -225,59 +229,6 @@ def gelu_tanh(x: Array) -> Array:
     """GELU's tanh approximation, as GGML's gelu and Hugging Face's gelu_pytorch_tanh compute it."""
     xp = get_array_module(x)
     return 0.5 * x * (1.0 + xp.tanh(_GELU_C * (x + 0.044715 * x * x * x)))
-
-
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """Angle per position of each rotated pair, as GGML computes it: scale * theta^(-2i/n) / factor."""
-    i = np.arange(cfg.rope_dims // 2, dtype=np.float64)
-    inv = cfg.rope_freq_scale * cfg.rope_theta ** (-2.0 * i / cfg.rope_dims)
-    if cfg.rope_freq_factors is not None:
-        inv = inv / np.asarray(cfg.rope_freq_factors, dtype=np.float64)
-    return inv
-
-
-@lru_cache(maxsize=16)
-def rope_table(cfg: ModelConfig, n_ctx: int, xp: Any, dtype: Any = None) -> tuple[Array, Array]:
-    """cos and signed sin for every position and every dim of a head, each [n_ctx, 1, head_dim]
-    (broadcast over heads), laid out for ``apply_rope``; dims past rope_dims get cos 1 and sin 0.
-    Angles are float64, the table xp's compute type unless `dtype` says otherwise.
-
-    Made once per config, context size, array module and dtype, so a decode step on the GPU uploads
-    nothing.
-    """
-    positions = np.arange(n_ctx, dtype=np.float64)
-    angles = positions[:, None] * rope_inv_freq(cfg)[None, :]              # [n_ctx, rope_dims/2]
-    cos, sin = np.ones((n_ctx, cfg.head_dim)), np.zeros((n_ctx, cfg.head_dim))
-    first, second = _rope_pairs(cfg)
-    cos[:, first], cos[:, second] = np.cos(angles), np.cos(angles)
-    sin[:, first], sin[:, second] = -np.sin(angles), np.sin(angles)
-    dtype = dtype or compute_dtype(xp)
-    return xp.asarray(cos[:, None, :], dtype=dtype), xp.asarray(sin[:, None, :], dtype=dtype)
-
-
-def _rope_pairs(cfg: ModelConfig) -> tuple[slice, slice]:
-    """The first and second members of the rotated pairs: adjacent dims (2i, 2i+1) in GGML's normal
-    mode, dims (i, i + n/2) in NeoX mode."""
-    n = cfg.rope_dims
-    if cfg.rope_mode == ROPE_NORMAL:
-        return slice(0, n, 2), slice(1, n, 2)
-    return slice(0, n // 2), slice(n // 2, n)
-
-
-@by_rows(1)
-def apply_rope(cfg: ModelConfig, x: Array, cos: Array, sin: Array) -> Array:
-    """Rotate each pair (a, b) of x [T, heads, head_dim] by its angle: (a cos - b sin, b cos + a sin).
-
-    Written as x * cos + partner(x) * sin with the signed sin of ``rope_table``: a few whole-array
-    operations instead of strided writes, which is what costs on the GPU at decode.
-    """
-    xp = get_array_module(x)
-    n = cfg.rope_dims
-    if cfg.rope_mode == ROPE_NORMAL:  # swap adjacent dims (those past n are swapped too, times sin 0)
-        partner = x.reshape(*x.shape[:-1], -1, 2)[..., ::-1].reshape(x.shape)
-    else:                             # swap the two halves of the rotated dims
-        partner = xp.concatenate([x[..., n // 2:n], x[..., :n // 2], x[..., n:]], axis=-1)
-    return x * cos + partner * sin
 
 
 def embed(outer: OuterWeights, tokens: Any, xp: Any = np, scale: float = 1.0, dtype: Any = None) -> Array:
