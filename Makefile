@@ -26,6 +26,8 @@ NATIVE_DEPS := $(HOST_SRC) $(NATIVE_HDR)
 HOST_OBJ    := $(HOST_SRC:%=build/obj/host/%.o)
 ASAN_OBJ    := $(HOST_SRC:%=build/obj/asan/%.o)
 JOBS        ?= $(shell nproc 2>/dev/null || echo 2)
+# -j for a library's compilers, unless this make already shares its parent's jobs (`make test`'s)
+PARALLEL     = $(if $(findstring jobserver,$(MAKEFLAGS)),,-j$(JOBS))
 # Includes are written from native/ ("cuda/ops.cuh", "cpu/cpu.h", "pebble_internal.h").
 NATIVE_INC  := -Inative
 HOST_FLAGS  := -x c++ -std=c++17 -DPEBBLE_HOST_BUILD -fPIC -shared -pthread -fvisibility=hidden -Wall -Wextra
@@ -40,11 +42,11 @@ cuda: build/libpebble_cuda.so
 host:
 	@$(MAKE) --no-print-directory -q build/libpebble_host.so 2>/dev/null || \
 		echo "make: building the host library, build/libpebble_host.so, on $(JOBS) cores (about half a minute on 2)"
-	@$(MAKE) --no-print-directory -j$(JOBS) build/libpebble_host.so
+	@$(MAKE) --no-print-directory $(PARALLEL) build/libpebble_host.so
 host-asan:
 	@$(MAKE) --no-print-directory -q build/libpebble_host_asan.so 2>/dev/null || \
 		echo "make: building the host library with AddressSanitizer and UBSan, build/libpebble_host_asan.so, on $(JOBS) cores (about a minute on 2)"
-	@$(MAKE) --no-print-directory -j$(JOBS) build/libpebble_host_asan.so
+	@$(MAKE) --no-print-directory $(PARALLEL) build/libpebble_host_asan.so
 
 build/libpebble_cuda.so: $(NATIVE_DEPS)
 	@command -v $(NVCC) >/dev/null 2>&1 || { echo "make cuda: nvcc was not found on PATH, so the CUDA library cannot be built here; install the CUDA toolkit or set NVCC=/path/to/nvcc." >&2; exit 1; }
