@@ -31,18 +31,19 @@ SHAPES = {
 }
 
 
-def q4_k_m(shape: dict) -> dict:
-    """llama.cpp's Q4_K_M mix for a shape, with its fallbacks for rows that are not whole K-blocks."""
+def q4_k_m(shape: dict, k_type: str = "Q4_K") -> dict:
+    """llama.cpp's Q4_K_M mix for a shape (Q5_K_M's with k_type Q5_K), with its fallbacks for rows that are not
+    whole K-blocks."""
     whole = shape["n_embd"] % 256 == 0
-    base, high = ("Q4_K", "Q6_K") if whole else ("Q5_0", "Q8_0")
+    base, high = (k_type, "Q6_K") if whole else ("Q5_0" if k_type == "Q4_K" else "Q5_1", "Q8_0")
     types = {"attn_v": high, "token_embd": high, "output": high}
     head = shape.get("key_length") or shape["n_embd"] // shape["n_head"]
     down = "ffn_down_exps" if shape.get("n_expert") else "ffn_down"   # a mixture of experts: its experts' down
     ff_whole = shape.get("n_ff_exp" if shape.get("n_expert") else "n_ff", shape["n_ff"]) % 256 == 0
     q_whole = (shape["n_head"] * head) % 256 == 0
-    types[down] = "Q4_K" if ff_whole else base
+    types[down] = k_type if ff_whole else base
     if q_whole and not whole:
-        types["attn_output"] = "Q4_K"
+        types["attn_output"] = k_type
     for i in range(0, shape["n_layer"], 2):
         types[f"blk.{i}.attn_v"] = high
         types[f"blk.{i}.{down}"] = "Q6_K" if ff_whole else high
@@ -66,6 +67,7 @@ def low_bit_mix(name: str):
 
 FILES = {
     "Q4_K_M": q4_k_m,
+    "Q5_K_M": lambda shape: q4_k_m(shape, "Q5_K"),
     "Q3_K_M": low_bit_mix("Q3_K_M"),
     "Q2_K": low_bit_mix("Q2_K"),
     "IQ4_XS": low_bit_mix("IQ4_XS"),

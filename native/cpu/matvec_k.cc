@@ -326,9 +326,15 @@ AVX512 __attribute__((always_inline)) inline float q6_k_block_ints(const uint8_t
 // up over the block; then d and dmin (each row's, in lanes) times x's d. vpdpwssd multiplies the low
 // 16-bit half of each lane by the scale: a sum over 16 quants (at most 16 * 15 * 127) fits it, so each
 // sub-block is two sums of 16. The mins: dmin * m_j * (x's sum over j), through x's sums of 16 in pairs.
-template <int NV>
-AVX512 void rows16_q4_k(const uint8_t * w, int64_t rb, int64_t nb, const uint8_t * xq, int64_t xs, float * y,
-                        int64_t ys) {
+// x shifted left by n bits (right by -n), in 32-bit lanes: a byte's bit k to bit k + n.
+AVX512 __attribute__((always_inline)) inline __m512i shift_bits(__m512i x, int n) {
+    return n >= 0 ? _mm512_slli_epi32(x, n) : _mm512_srli_epi32(x, -n);
+}
+
+template <int K, int NV>
+AVX512 void rows16_k45(const uint8_t * w, int64_t rb, int64_t nb, const uint8_t * xq, int64_t xs, float * y,
+                       int64_t ys) {
+    constexpr int bb = K == k_q4_k ? 144 : 176, quants = K == k_q4_k ? 16 : 48;
     // where x's q of sub-block s sit: quantize_k512's paired order (0 2 1 3 4 6 5 7, its own inverse)
     static constexpr int pos[8] = {0, 2, 1, 3, 4, 6, 5, 7};
     __m512 acc[NV];
@@ -337,8 +343,8 @@ AVX512 void rows16_q4_k(const uint8_t * w, int64_t rb, int64_t nb, const uint8_t
     const __m512i low6 = _mm512_set1_epi32(0x3f3f3f3f), low4 = _mm512_set1_epi32(0x0f0f0f0f),
                   top2 = _mm512_set1_epi32(0x03030303);
     for (int64_t i = 0; i < nb; i++) {
-        const uint8_t * b = w + i * 144;
-        prefetch_next_group(w, rb, i, 144);
+        const uint8_t * b = w + i * bb;
+        prefetch_next_group(w, rb, i, bb);
         __m512i h[4]; // d | dmin, then the twelve bytes of scales and mins
         load_16x4(b, rb, h);
         const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h[0]));
@@ -352,15 +358,23 @@ AVX512 void rows16_q4_k(const uint8_t * w, int64_t rb, int64_t nb, const uint8_t
                                                _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h[2], 6), top2), 4))};
         __m512i sumi[NV];
         UNROLL for (int v = 0; v < NV; v++) sumi[v] = _mm512_setzero_si512();
+        __m512i qhb[2][4]; // Q5_K: the high-bit bytes 16 * half .. + 15, read once for the four pairs of sub-blocks
+        if constexpr (K == k_q5_k) load_16x4(b + 16, rb, qhb[0]), load_16x4(b + 32, rb, qhb[1]);
         UNROLL for (int c = 0; c < 4; c++) { // 32 bytes of quants: sub-block 2c low nibbles, 2c + 1 high
             const __m512i s_lo = _mm512_and_si512(_mm512_srli_epi32(sc[c / 2], 16 * (c % 2)), byte);
             const __m512i s_hi = _mm512_and_si512(_mm512_srli_epi32(sc[c / 2], 16 * (c % 2) + 8), byte);
             UNROLL for (int half = 0; half < 2; half++) { // quants 16 * half .. + 15 of each sub-block
                 __m512i t[4], lo[4], hi[4];
-                load_16x4(b + 16 + 32 * c + 16 * half, rb, t);
+                load_16x4(b + quants + 32 * c + 16 * half, rb, t);
                 UNROLL for (int m = 0; m < 4; m++) {
                     lo[m] = _mm512_and_si512(t[m], m4);
                     hi[m] = _mm512_and_si512(_mm512_srli_epi16(t[m], 4), m4);
+                }
+                if constexpr (K == k_q5_k) { // bits 2c and 2c + 1 of the high-bit bytes, as bit 4
+                    UNROLL for (int m = 0; m < 4; m++) {
+                        lo[m] = _mm512_or_si512(lo[m], _mm512_and_si512(shift_bits(qhb[half][m], 4 - 2 * c), _mm512_set1_epi8(0x10)));
+                        hi[m] = _mm512_or_si512(hi[m], _mm512_and_si512(shift_bits(qhb[half][m], 3 - 2 * c), _mm512_set1_epi8(0x10)));
+                    }
                 }
                 UNROLL for (int v = 0; v < NV; v++) {
                     const q8_k512 & a = reinterpret_cast<const q8_k512 *>(xq + v * xs)[i];
@@ -370,7 +384,11 @@ AVX512 void rows16_q4_k(const uint8_t * w, int64_t rb, int64_t nb, const uint8_t
                         pl = _mm512_dpbusd_epi32(pl, lo[m], _mm512_set1_epi32(dword_at(xl + 4 * m)));
                         ph = _mm512_dpbusd_epi32(ph, hi[m], _mm512_set1_epi32(dword_at(xh + 4 * m)));
                     }
-                    sumi[v] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(sumi[v], pl, s_lo), ph, s_hi);
+                    if constexpr (K == k_q4_k) {
+                        sumi[v] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(sumi[v], pl, s_lo), ph, s_hi);
+                    } else { // a sum of 16 five-bit quants reaches 16 * 31 * 127, past vpdpwssd's 16 bits
+                        sumi[v] = _mm512_add_epi32(sumi[v], _mm512_add_epi32(_mm512_mullo_epi32(pl, s_lo), _mm512_mullo_epi32(ph, s_hi)));
+                    }
                 }
             }
         }
@@ -449,11 +467,11 @@ AVX512 void rows16_q6_k(const uint8_t * w, int64_t rb, int64_t nb, const uint8_t
 // Q4_K block b (block i of the row) times NV activations as integers: the lanes of sumi[v] add up to the
 // block's sum_j scale_j * S_j (S_j: sub-block j's quants times x's q), those of msum[v] to its
 // sum_j min_j * (x's sum over sub-block j); d and dmin its scales.
-template <int NV>
-AVX512 __attribute__((always_inline)) inline void q4_k_block_ints(const uint8_t * b, const uint8_t * xq, int64_t xs,
-                                                                  int64_t i, __m512i * sumi, __m256i * msum,
-                                                                  float & d, float & dmin) {
-    const __m512i m4 = _mm512_set1_epi8(0x0f);
+template <int K, int NV>
+AVX512 __attribute__((always_inline)) inline void k45_block_ints(const uint8_t * b, const uint8_t * xq, int64_t xs,
+                                                                 int64_t i, __m512i * sumi, __m256i * msum,
+                                                                 float & d, float & dmin) {
+    const __m512i m4 = _mm512_set1_epi8(0x0f), one = _mm512_set1_epi8(1);
     const __m512i index[4] = {word_index(0, 2), word_index(1, 3), word_index(4, 6), word_index(5, 7)};
     d = _cvtsh_ss(u16(b));
     dmin = _cvtsh_ss(u16(b + 2));
@@ -463,9 +481,19 @@ AVX512 __attribute__((always_inline)) inline void q4_k_block_ints(const uint8_t 
     const __m128i mins16 = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(sm + 2)));
     const __m256i mins = _mm256_set_m128i(_mm_unpackhi_epi16(mins16, mins16), _mm_unpacklo_epi16(mins16, mins16));
     UNROLL for (int v = 0; v < NV; v++) sumi[v] = _mm512_setzero_si512();
+    __m512i qh = _mm512_setzero_si512(); // Q5_K's fifth bits, as dot_k45_avx512 takes them
+    if constexpr (K == k_q5_k) {
+        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(b + 16));
+        qh = pair_256(h, _mm256_srli_epi16(h, 2));
+    }
     UNROLL for (int c = 0; c < 2; c++) {
-        const __m512i raw = _mm512_loadu_si512(b + 16 + 64 * c);
-        const __m512i lo = _mm512_and_si512(raw, m4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
+        const __m512i raw = _mm512_loadu_si512(b + (K == k_q4_k ? 16 : 48) + 64 * c);
+        __m512i lo = _mm512_and_si512(raw, m4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
+        if constexpr (K == k_q5_k) {
+            lo = _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_and_si512(qh, one), 4));
+            hi = _mm512_or_si512(hi, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh, 1), one), 4));
+            qh = _mm512_srli_epi16(qh, 4);
+        }
         dot_128<NV>(sumi, lo, hi, _mm512_permutexvar_epi16(index[2 * c], scales),
                     _mm512_permutexvar_epi16(index[2 * c + 1], scales), xq, xs, i, 128 * c);
     }
@@ -486,12 +514,12 @@ AVX512 void dot_k_exact_avx512(const uint8_t * w, int64_t nb, const uint8_t * xq
         __m512i sumi[NV];
         __m256i msum[NV];
         float d, dmin = 0.0f;
-        if constexpr (K == k_q4_k) q4_k_block_ints<NV>(w + i * 144, xq, xs, i, sumi, msum, d, dmin);
-        else d = q6_k_block_ints<NV>(w + i * 210, xq, xs, i, sumi);
+        if constexpr (K == k_q6_k) d = q6_k_block_ints<NV>(w + i * 210, xq, xs, i, sumi);
+        else k45_block_ints<K, NV>(w + i * (K == k_q4_k ? 144 : 176), xq, xs, i, sumi, msum, d, dmin);
         UNROLL for (int v = 0; v < NV; v++) {
             const q8_k512 & a = reinterpret_cast<const q8_k512 *>(xq + v * xs)[i];
             acc[v] = std::fma(d * a.d, static_cast<float>(_mm512_reduce_add_epi32(sumi[v])), acc[v]);
-            if constexpr (K == k_q4_k) {
+            if constexpr (K != k_q6_k) {
                 acc[v] = std::fma(-(dmin * a.d), static_cast<float>(_mm512_reduce_add_epi32(_mm512_zextsi256_si512(msum[v]))), acc[v]);
             }
         }
@@ -517,7 +545,7 @@ AVX512 __attribute__((always_inline)) inline __m256i fold_512(__m512i z) {
 // slower, and the sixteen-row kernel itself as slow or slower.
 template <int K>
 AVX512 void rows16_one_k(const uint8_t * w, int64_t rb, int64_t nb, const uint8_t * xq, int64_t, float * y, int64_t) {
-    constexpr int bb = K == k_q4_k ? 144 : 210;
+    constexpr int bb = K == k_q4_k ? 144 : K == k_q5_k ? 176 : 210;
     const q8_k512 * x = reinterpret_cast<const q8_k512 *>(xq);
     for (int r0 = 0; r0 < 16; r0 += 4) {
         __m128 acc = _mm_setzero_ps();
@@ -529,13 +557,13 @@ AVX512 void rows16_one_k(const uint8_t * w, int64_t rb, int64_t nb, const uint8_
             float d[4], dm[4];
             UNROLL for (int r = 0; r < 4; r++) {
                 const uint8_t * b = w + (r0 + r) * rb + i * bb;
-                if constexpr (K == k_q4_k) q4_k_block_ints<1>(b, xq, 0, i, &si[r], &mi[r], d[r], dm[r]);
-                else d[r] = q6_k_block_ints<1>(b, xq, 0, i, &si[r]);
+                if constexpr (K == k_q6_k) d[r] = q6_k_block_ints<1>(b, xq, 0, i, &si[r]);
+                else k45_block_ints<K, 1>(b, xq, 0, i, &si[r], &mi[r], d[r], dm[r]);
             }
             const __m128 dx = _mm_set1_ps(x[i].d);
             const __m128i s = sum4_lanes(fold_512(si[0]), fold_512(si[1]), fold_512(si[2]), fold_512(si[3]));
             acc = _mm_fmadd_ps(_mm_mul_ps(_mm_loadu_ps(d), dx), _mm_cvtepi32_ps(s), acc);
-            if constexpr (K == k_q4_k) {
+            if constexpr (K != k_q6_k) {
                 const __m128i m = sum4_lanes(mi[0], mi[1], mi[2], mi[3]);
                 acc = _mm_fnmadd_ps(_mm_mul_ps(_mm_loadu_ps(dm), dx), _mm_cvtepi32_ps(m), acc);
             }
@@ -555,7 +583,8 @@ PEBBLE_DOT(k45_avx2, dot_k45_avx2)
 PEBBLE_DOT(k45_avx512, dot_k45_avx512)
 template <int K> struct q6_avx2 { template <int NV> struct at { static constexpr dot_fn fn = dot_q6_k_avx2<NV>; }; };
 PEBBLE_DOT(k_exact_avx512, dot_k_exact_avx512)
-template <int NV> struct q4_k_rows { static constexpr rows_fn fn = NV == 1 ? rows16_one_k<k_q4_k> : rows16_q4_k<NV>; };
+template <int NV> struct q4_k_rows { static constexpr rows_fn fn = NV == 1 ? rows16_one_k<k_q4_k> : rows16_k45<k_q4_k, NV>; };
+template <int NV> struct q5_k_rows { static constexpr rows_fn fn = NV == 1 ? rows16_one_k<k_q5_k> : rows16_k45<k_q5_k, NV>; };
 template <int NV> struct q6_k_rows { static constexpr rows_fn fn = NV == 1 ? rows16_one_k<k_q6_k> : rows16_q6_k<NV>; };
 #endif
 
@@ -577,7 +606,7 @@ kernel_set k_quant_kernels(int32_t type, simd level) {
     if (level == simd::avx512) {
         switch (type) {
             case 12: return with_rows<q4_k_rows>(set_of<k_exact_avx512, k_q4_k>(act::q8_k512_paired, 256, 144, 8), upto<8>{});
-            case 13: return set_of<k45_avx512, k_q5_k>(act::q8_k512_paired, 256, 176, 8);
+            case 13: return with_rows<q5_k_rows>(set_of<k_exact_avx512, k_q5_k>(act::q8_k512_paired, 256, 176, 8), upto<8>{});
             case 14: return with_rows<q6_k_rows>(set_of<k_exact_avx512, k_q6_k>(act::q8_k512, 256, 210, 8), upto<8>{});
         }
     }
