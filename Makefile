@@ -26,6 +26,9 @@ NATIVE_DEPS := $(HOST_SRC) $(NATIVE_HDR)
 HOST_OBJ    := $(HOST_SRC:%=build/obj/host/%.o)
 ASAN_OBJ    := $(HOST_SRC:%=build/obj/asan/%.o)
 JOBS        ?= $(shell nproc 2>/dev/null || echo 2)
+# pytest on every core, a test file to a worker: a file's module-wide servers and clusters start once, and its
+# tests run in their order (the Ray Serve tests read what the ones before them loaded)
+XDIST        = -n $(JOBS) --dist loadfile
 # -j for a library's compilers, unless this make already shares its parent's jobs (`make test`'s)
 PARALLEL     = $(if $(findstring jobserver,$(MAKEFLAGS)),,-j$(JOBS))
 # Includes are written from native/ ("cuda/ops.cuh", "cpu/cpu.h", "pebble_internal.h").
@@ -115,10 +118,10 @@ native-stub:
 # (The environment's install and the library's compilers at once: pip waits on the network as much as it computes.)
 test:
 	@$(MAKE) --no-print-directory -j$(JOBS) venv host
-	$(PY) -m pytest -q -n $(JOBS) -m "not ci"
+	$(PY) -m pytest -q $(XDIST) -m "not ci"
 
 test-ci: venv host host-asan
-	$(PY) -m pytest -q -n $(JOBS) -m ci
+	$(PY) -m pytest -q $(XDIST) -m ci
 	$(MAKE) --no-print-directory test-native test-sanitized
 
 # The C ABI driven from C against the sanitized library, with leak checking on.
@@ -136,7 +139,7 @@ test-sanitized: venv host-asan
 	ASAN_OPTIONS=detect_leaks=0:abort_on_error=0:halt_on_error=1 \
 	UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
 	PEBBLING_LIB=build/libpebble_host_asan.so PEBBLING_TEST_BACKENDS=host \
-	$(PY) -m pytest -q -n $(JOBS) -p no:cacheprovider tests/test_store_conformance.py tests/test_store_views.py tests/test_store_borrowed.py \
+	$(PY) -m pytest -q $(XDIST) -p no:cacheprovider tests/test_store_conformance.py tests/test_store_views.py tests/test_store_borrowed.py \
 		tests/test_abi.py tests/test_quant_kernels.py \
 		tests/test_quantized_residency.py tests/test_decode_step.py tests/test_attend.py tests/test_kv_types.py \
 		tests/test_moe.py tests/test_moe_experts.py

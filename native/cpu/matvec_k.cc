@@ -7,6 +7,7 @@
 
 #include "cpu/quants.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -331,82 +332,170 @@ AVX512 __attribute__((always_inline)) inline __m512i shift_bits(__m512i x, int n
     return n >= 0 ? _mm512_slli_epi32(x, n) : _mm512_srli_epi32(x, -n);
 }
 
+// A group's block head: d and dmin a lane each, and unpack_scales_k4's scales (sc) and mins (mn) a byte each
+// (scales 0..3, 4..7; mins 0..3, 4..7), each row a lane.
+struct k45_head { __m512 d, dmin; __m512i sc[2], mn[2]; };
+
+AVX512 __attribute__((always_inline)) inline k45_head k45_head_of(const uint8_t * b, int64_t rb) {
+    const __m512i low6 = _mm512_set1_epi32(0x3f3f3f3f), low4 = _mm512_set1_epi32(0x0f0f0f0f),
+                  top2 = _mm512_set1_epi32(0x03030303);
+    __m512i h[4]; // d | dmin, then the twelve bytes of scales and mins
+    load_16x4(b, rb, h);
+    return {_mm512_cvtph_ps(_mm512_cvtepi32_epi16(h[0])), _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(h[0], 16))),
+            {_mm512_and_si512(h[1], low6),
+             _mm512_or_si512(_mm512_and_si512(h[3], low4), _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h[1], 6), top2), 4))},
+            {_mm512_and_si512(h[2], low6),
+             _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(h[3], 4), low4), _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h[2], 6), top2), 4))}};
+}
+
+// Sub-blocks 2c (low nibbles) and 2c + 1 (high), quants 16 * half .. + 15: q[0..3] and q[4..7] (Q5_K's fifth bits
+// from qhb[half], the high-bit bytes 16 * half .. + 15, as bit 4); returns their two scales (s[0], s[1]).
+template <int K>
+AVX512 __attribute__((always_inline)) inline void k45_quants(const uint8_t * b, int64_t rb, const k45_head & h,
+                                                             const __m512i (&qhb)[2][4], int c, int half, __m512i q[8],
+                                                             __m512i s[2]) {
+    const __m512i m4 = _mm512_set1_epi8(0x0f), byte = _mm512_set1_epi32(0xff);
+    s[0] = _mm512_and_si512(_mm512_srli_epi32(h.sc[c / 2], 16 * (c % 2)), byte);
+    s[1] = _mm512_and_si512(_mm512_srli_epi32(h.sc[c / 2], 16 * (c % 2) + 8), byte);
+    __m512i t[4];
+    load_16x4(b + (K == k_q4_k ? 16 : 48) + 32 * c + 16 * half, rb, t);
+    UNROLL for (int m = 0; m < 4; m++) {
+        q[m] = _mm512_and_si512(t[m], m4);
+        q[4 + m] = _mm512_and_si512(_mm512_srli_epi16(t[m], 4), m4);
+        if constexpr (K == k_q5_k) { // bits 2c and 2c + 1 of the high-bit bytes, as bit 4
+            q[m] = _mm512_or_si512(q[m], _mm512_and_si512(shift_bits(qhb[half][m], 4 - 2 * c), _mm512_set1_epi8(0x10)));
+            q[4 + m] = _mm512_or_si512(q[4 + m], _mm512_and_si512(shift_bits(qhb[half][m], 3 - 2 * c), _mm512_set1_epi8(0x10)));
+        }
+    }
+}
+
+// One vector's sum of k45_quants' two sub-block halves, each times its scale, added to sumi.
+template <int K>
+AVX512 __attribute__((always_inline)) inline __m512i k45_add(__m512i sumi, const __m512i q[8], const __m512i s[2],
+                                                             const q8_k512 & a, int c, int half) {
+    // where x's q of sub-block s sit: quantize_k512's paired order (0 2 1 3 4 6 5 7, its own inverse)
+    constexpr int pos[8] = {0, 2, 1, 3, 4, 6, 5, 7};
+    const int8_t * xl = a.qs + 32 * pos[2 * c] + 16 * half, * xh = a.qs + 32 * pos[2 * c + 1] + 16 * half;
+    __m512i pl = _mm512_setzero_si512(), ph = _mm512_setzero_si512();
+    UNROLL for (int m = 0; m < 4; m++) {
+        pl = _mm512_dpbusd_epi32(pl, q[m], _mm512_set1_epi32(dword_at(xl + 4 * m)));
+        ph = _mm512_dpbusd_epi32(ph, q[4 + m], _mm512_set1_epi32(dword_at(xh + 4 * m)));
+    }
+    if constexpr (K == k_q4_k) return _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(sumi, pl, s[0]), ph, s[1]);
+    // a sum of 16 five-bit quants reaches 16 * 31 * 127, past vpdpwssd's 16 bits
+    return _mm512_add_epi32(sumi, _mm512_add_epi32(_mm512_mullo_epi32(pl, s[0]), _mm512_mullo_epi32(ph, s[1])));
+}
+
+// m_j in both 16-bit halves of a lane (beside x's two sums of 16 in sub-block j), and one vector's sum of them.
+AVX512 __attribute__((always_inline)) inline void k45_mins(const k45_head & h, __m512i mins[8]) {
+    UNROLL for (int j = 0; j < 8; j++) {
+        const __m512i m = _mm512_and_si512(_mm512_srli_epi32(h.mn[j / 4], 8 * (j % 4)), _mm512_set1_epi32(0xff));
+        mins[j] = _mm512_or_si512(m, _mm512_slli_epi32(m, 16));
+    }
+}
+
+AVX512 __attribute__((always_inline)) inline __m512i k45_min_sum(const __m512i mins[8], const q8_k512 & a) {
+    __m512i summ = _mm512_setzero_si512();
+    UNROLL for (int j = 0; j < 8; j++) {
+        summ = _mm512_dpwssd_epi32(summ, mins[j], _mm512_set1_epi32(dword_at(reinterpret_cast<const int8_t *>(a.sums + 2 * j))));
+    }
+    return summ;
+}
+
+// Per block and row: d x's d times the integer sum, less dmin x's d times the mins' (rows16_k45's and the
+// exact row kernel's two fused multiply-adds).
+AVX512 __attribute__((always_inline)) inline __m512 k45_epilogue(__m512 acc, const k45_head & h, float xd, __m512i sumi,
+                                                                 __m512i summ) {
+    const __m512 dx = _mm512_set1_ps(xd);
+    acc = _mm512_fmadd_ps(_mm512_mul_ps(h.d, dx), _mm512_cvtepi32_ps(sumi), acc);
+    return _mm512_fnmadd_ps(_mm512_mul_ps(h.dmin, dx), _mm512_cvtepi32_ps(summ), acc);
+}
+
+// Q4_K's and Q5_K's sixteen rows times a prompt's vectors (kernel_set::many), as IQ4_XS's (cpu/matvec_low.cc):
+// each block decoded once onto the stack for up to 64 vectors, then 16 vectors at a time, their sums in
+// registers, each vector's float sum in a stack array; the same integers per block and the same epilogue as
+// rows16_k45, so the same bits.
+struct k45_block { k45_head h; __m512i q[8][8], s[8][2], mins[8]; }; // q, s: [2c + half]
+
+template <int K, int V>
+AVX512 void k45_block_times(const k45_block & blk, const uint8_t * xq, int64_t xs, int64_t i, float * acc) {
+    const q8_k512 * x[V];
+    __m512i sumi[V];
+    UNROLL for (int v = 0; v < V; v++) x[v] = reinterpret_cast<const q8_k512 *>(xq + v * xs) + i, sumi[v] = _mm512_setzero_si512();
+#pragma GCC unroll 1
+    for (int k = 0; k < 8; k++) {
+        __m512i q[8], s[2] = {blk.s[k][0], blk.s[k][1]};
+        UNROLL for (int m = 0; m < 8; m++) q[m] = blk.q[k][m];
+        UNROLL for (int v = 0; v < V; v++) sumi[v] = k45_add<K>(sumi[v], q, s, *x[v], k / 2, k % 2);
+    }
+    UNROLL for (int v = 0; v < V; v++) {
+        _mm512_store_ps(acc + 16 * v, k45_epilogue(_mm512_load_ps(acc + 16 * v), blk.h, x[v]->d, sumi[v],
+                                                   k45_min_sum(blk.mins, *x[v])));
+    }
+}
+
+template <int K>
+AVX512 void k45_many(const uint8_t * w, int64_t rb, int64_t nb, const uint8_t * xq, int64_t xs, int64_t n, float * y, int64_t ys) {
+    constexpr int bb = K == k_q4_k ? 144 : 176;
+    constexpr int64_t most = 64;
+    alignas(64) float acc[most * 16];
+    for (int64_t t0 = 0; t0 < n; t0 += most) {
+        const int64_t m = std::min(most, n - t0);
+        const uint8_t * x0 = xq + t0 * xs;
+        for (int64_t v = 0; v < m; v++) _mm512_store_ps(acc + 16 * v, _mm512_setzero_ps());
+        for (int64_t i = 0; i < nb; i++) {
+            const uint8_t * b = w + i * bb;
+            prefetch_next_group(w, rb, i, bb);
+            k45_block blk;
+            blk.h = k45_head_of(b, rb);
+            __m512i qhb[2][4];
+            if constexpr (K == k_q5_k) load_16x4(b + 16, rb, qhb[0]), load_16x4(b + 32, rb, qhb[1]);
+            UNROLL for (int k = 0; k < 8; k++) k45_quants<K>(b, rb, blk.h, qhb, k / 2, k % 2, blk.q[k], blk.s[k]);
+            k45_mins(blk.h, blk.mins);
+            int64_t t = 0;
+#define PEBBLE_K45_TIMES(V) k45_block_times<K, V>(blk, x0 + t * xs, xs, i, acc + 16 * t)
+            for (; t + 16 <= m; t += 16) PEBBLE_K45_TIMES(16);
+            if (t + 8 <= m) PEBBLE_K45_TIMES(8), t += 8;
+            switch (m - t) {
+                case 1: PEBBLE_K45_TIMES(1); break;
+                case 2: PEBBLE_K45_TIMES(2); break;
+                case 3: PEBBLE_K45_TIMES(3); break;
+                case 4: PEBBLE_K45_TIMES(4); break;
+                case 5: PEBBLE_K45_TIMES(5); break;
+                case 6: PEBBLE_K45_TIMES(6); break;
+                case 7: PEBBLE_K45_TIMES(7); break;
+            }
+#undef PEBBLE_K45_TIMES
+        }
+        for (int64_t v = 0; v < m; v++) _mm512_storeu_ps(y + (t0 + v) * ys, _mm512_load_ps(acc + 16 * v));
+    }
+}
+
 template <int K, int NV>
 AVX512 void rows16_k45(const uint8_t * w, int64_t rb, int64_t nb, const uint8_t * xq, int64_t xs, float * y,
                        int64_t ys) {
-    constexpr int bb = K == k_q4_k ? 144 : 176, quants = K == k_q4_k ? 16 : 48;
-    // where x's q of sub-block s sit: quantize_k512's paired order (0 2 1 3 4 6 5 7, its own inverse)
-    static constexpr int pos[8] = {0, 2, 1, 3, 4, 6, 5, 7};
+    constexpr int bb = K == k_q4_k ? 144 : 176;
     __m512 acc[NV];
     UNROLL for (int v = 0; v < NV; v++) acc[v] = _mm512_setzero_ps();
-    const __m512i m4 = _mm512_set1_epi8(0x0f), byte = _mm512_set1_epi32(0xff);
-    const __m512i low6 = _mm512_set1_epi32(0x3f3f3f3f), low4 = _mm512_set1_epi32(0x0f0f0f0f),
-                  top2 = _mm512_set1_epi32(0x03030303);
     for (int64_t i = 0; i < nb; i++) {
         const uint8_t * b = w + i * bb;
         prefetch_next_group(w, rb, i, bb);
-        __m512i h[4]; // d | dmin, then the twelve bytes of scales and mins
-        load_16x4(b, rb, h);
-        const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h[0]));
-        const __m512 dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(h[0], 16)));
-        // unpack_scales_k4, a row a lane: scales 0..3, 4..7, mins 0..3, 4..7, a byte each
-        const __m512i sc[2] = {_mm512_and_si512(h[1], low6),
-                               _mm512_or_si512(_mm512_and_si512(h[3], low4),
-                                               _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h[1], 6), top2), 4))};
-        const __m512i mn[2] = {_mm512_and_si512(h[2], low6),
-                               _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(h[3], 4), low4),
-                                               _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h[2], 6), top2), 4))};
+        const k45_head h = k45_head_of(b, rb);
+        const q8_k512 * x[NV];
         __m512i sumi[NV];
-        UNROLL for (int v = 0; v < NV; v++) sumi[v] = _mm512_setzero_si512();
+        UNROLL for (int v = 0; v < NV; v++) x[v] = reinterpret_cast<const q8_k512 *>(xq + v * xs) + i, sumi[v] = _mm512_setzero_si512();
         __m512i qhb[2][4]; // Q5_K: the high-bit bytes 16 * half .. + 15, read once for the four pairs of sub-blocks
         if constexpr (K == k_q5_k) load_16x4(b + 16, rb, qhb[0]), load_16x4(b + 32, rb, qhb[1]);
-        UNROLL for (int c = 0; c < 4; c++) { // 32 bytes of quants: sub-block 2c low nibbles, 2c + 1 high
-            const __m512i s_lo = _mm512_and_si512(_mm512_srli_epi32(sc[c / 2], 16 * (c % 2)), byte);
-            const __m512i s_hi = _mm512_and_si512(_mm512_srli_epi32(sc[c / 2], 16 * (c % 2) + 8), byte);
-            UNROLL for (int half = 0; half < 2; half++) { // quants 16 * half .. + 15 of each sub-block
-                __m512i t[4], lo[4], hi[4];
-                load_16x4(b + quants + 32 * c + 16 * half, rb, t);
-                UNROLL for (int m = 0; m < 4; m++) {
-                    lo[m] = _mm512_and_si512(t[m], m4);
-                    hi[m] = _mm512_and_si512(_mm512_srli_epi16(t[m], 4), m4);
-                }
-                if constexpr (K == k_q5_k) { // bits 2c and 2c + 1 of the high-bit bytes, as bit 4
-                    UNROLL for (int m = 0; m < 4; m++) {
-                        lo[m] = _mm512_or_si512(lo[m], _mm512_and_si512(shift_bits(qhb[half][m], 4 - 2 * c), _mm512_set1_epi8(0x10)));
-                        hi[m] = _mm512_or_si512(hi[m], _mm512_and_si512(shift_bits(qhb[half][m], 3 - 2 * c), _mm512_set1_epi8(0x10)));
-                    }
-                }
-                UNROLL for (int v = 0; v < NV; v++) {
-                    const q8_k512 & a = reinterpret_cast<const q8_k512 *>(xq + v * xs)[i];
-                    const int8_t * xl = a.qs + 32 * pos[2 * c] + 16 * half, * xh = a.qs + 32 * pos[2 * c + 1] + 16 * half;
-                    __m512i pl = _mm512_setzero_si512(), ph = _mm512_setzero_si512();
-                    UNROLL for (int m = 0; m < 4; m++) {
-                        pl = _mm512_dpbusd_epi32(pl, lo[m], _mm512_set1_epi32(dword_at(xl + 4 * m)));
-                        ph = _mm512_dpbusd_epi32(ph, hi[m], _mm512_set1_epi32(dword_at(xh + 4 * m)));
-                    }
-                    if constexpr (K == k_q4_k) {
-                        sumi[v] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(sumi[v], pl, s_lo), ph, s_hi);
-                    } else { // a sum of 16 five-bit quants reaches 16 * 31 * 127, past vpdpwssd's 16 bits
-                        sumi[v] = _mm512_add_epi32(sumi[v], _mm512_add_epi32(_mm512_mullo_epi32(pl, s_lo), _mm512_mullo_epi32(ph, s_hi)));
-                    }
-                }
+        UNROLL for (int c = 0; c < 4; c++) {
+            UNROLL for (int half = 0; half < 2; half++) {
+                __m512i q[8], s[2];
+                k45_quants<K>(b, rb, h, qhb, c, half, q, s);
+                UNROLL for (int v = 0; v < NV; v++) sumi[v] = k45_add<K>(sumi[v], q, s, *x[v], c, half);
             }
         }
-        __m512i mins[8]; // m_j in both 16-bit halves, beside x's two sums of 16 in sub-block j
-        UNROLL for (int j = 0; j < 8; j++) {
-            const __m512i m = _mm512_and_si512(_mm512_srli_epi32(mn[j / 4], 8 * (j % 4)), byte);
-            mins[j] = _mm512_or_si512(m, _mm512_slli_epi32(m, 16));
-        }
-        UNROLL for (int v = 0; v < NV; v++) {
-            const q8_k512 & a = reinterpret_cast<const q8_k512 *>(xq + v * xs)[i];
-            __m512i summ = _mm512_setzero_si512();
-            UNROLL for (int j = 0; j < 8; j++) {
-                summ = _mm512_dpwssd_epi32(summ, mins[j], _mm512_set1_epi32(dword_at(reinterpret_cast<const int8_t *>(a.sums + 2 * j))));
-            }
-            const __m512 dx = _mm512_set1_ps(a.d);
-            acc[v] = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(sumi[v]), acc[v]);
-            acc[v] = _mm512_fnmadd_ps(_mm512_mul_ps(dmin, dx), _mm512_cvtepi32_ps(summ), acc[v]);
-        }
+        __m512i mins[8];
+        k45_mins(h, mins);
+        UNROLL for (int v = 0; v < NV; v++) acc[v] = k45_epilogue(acc[v], h, x[v]->d, sumi[v], k45_min_sum(mins, *x[v]));
     }
     UNROLL for (int v = 0; v < NV; v++) _mm512_storeu_ps(y + v * ys, acc[v]);
 }
@@ -605,8 +694,16 @@ kernel_set k_quant_kernels(int32_t type, simd level) {
 #ifdef PEBBLE_X86
     if (level == simd::avx512) {
         switch (type) {
-            case 12: return with_rows<q4_k_rows>(set_of<k_exact_avx512, k_q4_k>(act::q8_k512_paired, 256, 144, 8), upto<8>{});
-            case 13: return with_rows<q5_k_rows>(set_of<k_exact_avx512, k_q5_k>(act::q8_k512_paired, 256, 176, 8), upto<8>{});
+            case 12: {
+                kernel_set k = with_rows<q4_k_rows>(set_of<k_exact_avx512, k_q4_k>(act::q8_k512_paired, 256, 144, 8), upto<8>{});
+                k.many = k45_many<k_q4_k>;
+                return k;
+            }
+            case 13: {
+                kernel_set k = with_rows<q5_k_rows>(set_of<k_exact_avx512, k_q5_k>(act::q8_k512_paired, 256, 176, 8), upto<8>{});
+                k.many = k45_many<k_q5_k>;
+                return k;
+            }
             case 14: return with_rows<q6_k_rows>(set_of<k_exact_avx512, k_q6_k>(act::q8_k512, 256, 210, 8), upto<8>{});
         }
     }
