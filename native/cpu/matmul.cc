@@ -55,24 +55,17 @@ inline void prefetch_row(const uint8_t * row, int64_t nbytes) {
     for (int64_t o = 0; o < nbytes; o += 64) __builtin_prefetch(row + o, 0, 3);
 }
 
-// A kernel set's many kernel takes a prompt this many vectors at a time: enough that a block's decoding is
-// shared by most of a prompt, few enough that their blocks of x stay in the second-level cache.
-constexpr int64_t many_vectors = 64;
-
 void matmul_tiles(void * ctx, int64_t begin, int64_t end) {
     const matmul_job & j = *static_cast<const matmul_job *>(ctx);
     const int64_t r0 = begin * j.tile_rows, r1 = std::min(j.n_rows, end * j.tile_rows);
     const int64_t ahead = (prefetch_bytes + j.row_bytes - 1) / j.row_bytes;
-    // a prompt's vectors many_vectors at a time through sixteen rows, where the set has a kernel for it
+    // a prompt's vectors through sixteen rows at once, where the set has a kernel for it (cpu/quants.h's prompt_frame)
     const bool many = j.k->many && j.n_tok > j.k->nv && j.row_bytes <= INT32_MAX / group_rows;
     for (int64_t rt = r0; rt < r1; rt += j.tile_rows) {
         const int64_t rt_end = std::min(r1, rt + j.tile_rows);
         const int64_t whole = many ? rt + (rt_end - rt) / group_rows * group_rows : rt; // the rows many took
         for (int64_t r = rt; r < whole; r += group_rows) {
-            for (int64_t t = 0; t < j.n_tok; t += many_vectors) {
-                j.k->many(j.w + r * j.row_bytes, j.row_bytes, j.nb, j.xq + t * j.xs, j.xs, std::min(many_vectors, j.n_tok - t),
-                          j.y + t * j.n_rows + r, j.n_rows);
-            }
+            j.k->many(j.w + r * j.row_bytes, j.row_bytes, j.nb, j.xq, j.xs, j.n_tok, j.y + r, j.n_rows);
         }
         for (int64_t t = 0; t < j.n_tok && whole < rt_end; t += j.k->nv) {
             const int nv = static_cast<int>(std::min<int64_t>(j.k->nv, j.n_tok - t));

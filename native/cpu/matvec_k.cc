@@ -7,7 +7,6 @@
 
 #include "cpu/quants.h"
 
-#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -411,64 +410,52 @@ AVX512 __attribute__((always_inline)) inline __m512 k45_epilogue(__m512 acc, con
     return _mm512_fnmadd_ps(_mm512_mul_ps(h.dmin, dx), _mm512_cvtepi32_ps(summ), acc);
 }
 
-// Q4_K's and Q5_K's sixteen rows times a prompt's vectors (kernel_set::many), as IQ4_XS's (cpu/matvec_low.cc):
-// each block decoded once onto the stack for up to 64 vectors, then 16 vectors at a time, their sums in
-// registers, each vector's float sum in a stack array; the same integers per block and the same epilogue as
-// rows16_k45, so the same bits.
-struct k45_block { k45_head h; __m512i q[8][8], s[8][2], mins[8]; }; // q, s: [2c + half]
+// Q4_K's and Q5_K's sixteen rows times a prompt's vectors (kernel_set::many, in prompt_frame), as IQ4_XS's:
+// each block decoded once for up to 64 vectors, then 16 at a time, their sums in registers; the same
+// integers per block and the same epilogue as rows16_k45, so the same bits.
+template <int K> struct k45_block {
+    k45_head h;
+    __m512i  q[8][8], s[8][2], mins[8]; // q, s: [2c + half]
+    template <int V> AVX512 void times(const uint8_t * xq, int64_t xs, int64_t i, float * acc) const;
+};
 
-template <int K, int V>
-AVX512 void k45_block_times(const k45_block & blk, const uint8_t * xq, int64_t xs, int64_t i, float * acc) {
+template <int K>
+template <int V>
+AVX512 void k45_block<K>::times(const uint8_t * xq, int64_t xs, int64_t i, float * acc) const {
     const q8_k512 * x[V];
     __m512i sumi[V];
     UNROLL for (int v = 0; v < V; v++) x[v] = reinterpret_cast<const q8_k512 *>(xq + v * xs) + i, sumi[v] = _mm512_setzero_si512();
 #pragma GCC unroll 1
     for (int k = 0; k < 8; k++) {
-        __m512i q[8], s[2] = {blk.s[k][0], blk.s[k][1]};
-        UNROLL for (int m = 0; m < 8; m++) q[m] = blk.q[k][m];
-        UNROLL for (int v = 0; v < V; v++) sumi[v] = k45_add<K>(sumi[v], q, s, *x[v], k / 2, k % 2);
+        __m512i w[8], sk[2] = {s[k][0], s[k][1]};
+        UNROLL for (int m = 0; m < 8; m++) w[m] = q[k][m];
+        UNROLL for (int v = 0; v < V; v++) sumi[v] = k45_add<K>(sumi[v], w, sk, *x[v], k / 2, k % 2);
     }
     UNROLL for (int v = 0; v < V; v++) {
-        _mm512_store_ps(acc + 16 * v, k45_epilogue(_mm512_load_ps(acc + 16 * v), blk.h, x[v]->d, sumi[v],
-                                                   k45_min_sum(blk.mins, *x[v])));
+        _mm512_store_ps(acc + 16 * v, k45_epilogue(_mm512_load_ps(acc + 16 * v), h, x[v]->d, sumi[v], k45_min_sum(mins, *x[v])));
     }
 }
 
+template <int K> struct k45_decode {
+    const uint8_t * w;
+    int64_t         rb;
+    AVX512 k45_block<K> operator()(int64_t i) const {
+        constexpr int bb = K == k_q4_k ? 144 : 176;
+        const uint8_t * b = w + i * bb;
+        prefetch_next_group(w, rb, i, bb);
+        k45_block<K> blk;
+        blk.h = k45_head_of(b, rb);
+        __m512i qhb[2][4];
+        if constexpr (K == k_q5_k) load_16x4(b + 16, rb, qhb[0]), load_16x4(b + 32, rb, qhb[1]);
+        UNROLL for (int k = 0; k < 8; k++) k45_quants<K>(b, rb, blk.h, qhb, k / 2, k % 2, blk.q[k], blk.s[k]);
+        k45_mins(blk.h, blk.mins);
+        return blk;
+    }
+};
+
 template <int K>
 AVX512 void k45_many(const uint8_t * w, int64_t rb, int64_t nb, const uint8_t * xq, int64_t xs, int64_t n, float * y, int64_t ys) {
-    constexpr int bb = K == k_q4_k ? 144 : 176;
-    constexpr int64_t most = 64;
-    alignas(64) float acc[most * 16];
-    for (int64_t t0 = 0; t0 < n; t0 += most) {
-        const int64_t m = std::min(most, n - t0);
-        const uint8_t * x0 = xq + t0 * xs;
-        for (int64_t v = 0; v < m; v++) _mm512_store_ps(acc + 16 * v, _mm512_setzero_ps());
-        for (int64_t i = 0; i < nb; i++) {
-            const uint8_t * b = w + i * bb;
-            prefetch_next_group(w, rb, i, bb);
-            k45_block blk;
-            blk.h = k45_head_of(b, rb);
-            __m512i qhb[2][4];
-            if constexpr (K == k_q5_k) load_16x4(b + 16, rb, qhb[0]), load_16x4(b + 32, rb, qhb[1]);
-            UNROLL for (int k = 0; k < 8; k++) k45_quants<K>(b, rb, blk.h, qhb, k / 2, k % 2, blk.q[k], blk.s[k]);
-            k45_mins(blk.h, blk.mins);
-            int64_t t = 0;
-#define PEBBLE_K45_TIMES(V) k45_block_times<K, V>(blk, x0 + t * xs, xs, i, acc + 16 * t)
-            for (; t + 16 <= m; t += 16) PEBBLE_K45_TIMES(16);
-            if (t + 8 <= m) PEBBLE_K45_TIMES(8), t += 8;
-            switch (m - t) {
-                case 1: PEBBLE_K45_TIMES(1); break;
-                case 2: PEBBLE_K45_TIMES(2); break;
-                case 3: PEBBLE_K45_TIMES(3); break;
-                case 4: PEBBLE_K45_TIMES(4); break;
-                case 5: PEBBLE_K45_TIMES(5); break;
-                case 6: PEBBLE_K45_TIMES(6); break;
-                case 7: PEBBLE_K45_TIMES(7); break;
-            }
-#undef PEBBLE_K45_TIMES
-        }
-        for (int64_t v = 0; v < m; v++) _mm512_storeu_ps(y + (t0 + v) * ys, _mm512_load_ps(acc + 16 * v));
-    }
+    prompt_frame(k45_decode<K>{w, rb}, nb, xq, xs, n, y, ys);
 }
 
 template <int K, int NV>

@@ -9,7 +9,6 @@
 
 #include "cpu/quants.h"
 
-#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -290,9 +289,16 @@ AVX512 __attribute__((always_inline)) inline __m512i iq4_xs_add_sub_block(__m512
 // and the same fused multiply-add after them as rows16_low, so the same bits. 8192 x 3072 x 128 on 2 cores
 // (AMD EPYC, the least of several runs): 9.7 ms, rows16_low 13.4. (x's sum taken away as a 16-bit pair
 // product, vpdpwssd, instead of a broadcast per vector: slower, another multiply on the busiest unit.)
+//
+// Block i of sixteen IQ4_XS rows decoded (prompt_frame's decode), and V vectors through it.
+struct iq4_xs_block {
+    __m512i q[8][8], scale[8];
+    __m512  d;
+    template <int V> AVX512 void times(const uint8_t * xq, int64_t xs, int64_t i, float * acc) const;
+};
+
 template <int V>
-AVX512 void iq4_xs_block_times(const __m512i (&q)[8][8], const __m512i (&scale)[8], __m512 d, const uint8_t * xq,
-                               int64_t xs, int64_t i, float * acc) {
+AVX512 void iq4_xs_block::times(const uint8_t * xq, int64_t xs, int64_t i, float * acc) const {
     const q8_256 * x[V];
     __m512i sumi[V];
     UNROLL for (int v = 0; v < V; v++) x[v] = reinterpret_cast<const q8_256 *>(xq + v * xs) + i, sumi[v] = _mm512_setzero_si512();
@@ -309,38 +315,23 @@ AVX512 void iq4_xs_block_times(const __m512i (&q)[8][8], const __m512i (&scale)[
     }
 }
 
-AVX512 void iq4_xs_many(const uint8_t * w, int64_t rb, int64_t nb, const uint8_t * xq, int64_t xs, int64_t n, float * y, int64_t ys) {
-    constexpr int64_t most = 64;
-    alignas(64) float acc[most * 16]; // the sums of vector v at 16 v: y's rows lie a matrix's width apart, which
-                                      // puts 16 of them in one set of the first-level cache
-    const __m512i rows = row_offsets(rb);
-    for (int64_t t0 = 0; t0 < n; t0 += most) {
-        const int64_t m = std::min(most, n - t0);
-        const uint8_t * x0 = xq + t0 * xs;
-        for (int64_t v = 0; v < m; v++) _mm512_store_ps(acc + 16 * v, _mm512_setzero_ps());
-        for (int64_t i = 0; i < nb; i++) {
-            const uint8_t * b = w + i * low_block_bytes(l_iq4_xs);
-            prefetch_next_group(w, rb, i, low_block_bytes(l_iq4_xs));
-            const iq4_xs_head head = iq4_xs_head_of(b, rows);
-            __m512i q[8][8], scale[8];
-            UNROLL for (int j = 0; j < 8; j++) scale[j] = iq4_xs_sub_block(b, rb, head, j, q[j]);
-            int64_t t = 0;
-#define PEBBLE_IQ4_XS_TIMES(V) iq4_xs_block_times<V>(q, scale, head.d, x0 + t * xs, xs, i, acc + 16 * t)
-            for (; t + 16 <= m; t += 16) PEBBLE_IQ4_XS_TIMES(16);
-            if (t + 8 <= m) PEBBLE_IQ4_XS_TIMES(8), t += 8;
-            switch (m - t) {
-                case 1: PEBBLE_IQ4_XS_TIMES(1); break;
-                case 2: PEBBLE_IQ4_XS_TIMES(2); break;
-                case 3: PEBBLE_IQ4_XS_TIMES(3); break;
-                case 4: PEBBLE_IQ4_XS_TIMES(4); break;
-                case 5: PEBBLE_IQ4_XS_TIMES(5); break;
-                case 6: PEBBLE_IQ4_XS_TIMES(6); break;
-                case 7: PEBBLE_IQ4_XS_TIMES(7); break;
-            }
-#undef PEBBLE_IQ4_XS_TIMES
-        }
-        for (int64_t v = 0; v < m; v++) _mm512_storeu_ps(y + (t0 + v) * ys, _mm512_load_ps(acc + 16 * v));
+struct iq4_xs_decode {
+    const uint8_t * w;
+    int64_t         rb;
+    AVX512 iq4_xs_block operator()(int64_t i) const {
+        constexpr int bb = low_block_bytes(l_iq4_xs);
+        const uint8_t * b = w + i * bb;
+        prefetch_next_group(w, rb, i, bb);
+        const iq4_xs_head head = iq4_xs_head_of(b, row_offsets(rb));
+        iq4_xs_block blk;
+        blk.d = head.d;
+        UNROLL for (int j = 0; j < 8; j++) blk.scale[j] = iq4_xs_sub_block(b, rb, head, j, blk.q[j]);
+        return blk;
     }
+};
+
+AVX512 void iq4_xs_many(const uint8_t * w, int64_t rb, int64_t nb, const uint8_t * xq, int64_t xs, int64_t n, float * y, int64_t ys) {
+    prompt_frame(iq4_xs_decode{w, rb}, nb, xq, xs, n, y, ys);
 }
 
 template <int K, int NV>

@@ -209,6 +209,39 @@ inline void prefetch_next_group(const uint8_t * w, int64_t rb, int64_t i, int64_
     prefetch_group_bytes(w + 16 * rb * groups_ahead + i * 16 * bb, 16 * bb);
 }
 
+// The frame of a prompt's kernel (kernel_set::many), whatever its type: the vectors prompt_vectors at a time
+// (enough that a block decoded once serves most of a prompt, few enough that their blocks of x stay in the
+// second-level cache), each vector's float sums of the sixteen rows in a stack array (in y itself, whose rows
+// lie a matrix's width apart, 16 of them fell in one set of the first-level cache), then written to y.
+// decode(i) returns block i of the group decoded; its member times<V>(x, xs, i, acc) takes V vectors.
+constexpr int64_t prompt_vectors = 64;
+
+template <class Decode>
+AVX512 void prompt_frame(const Decode & decode, int64_t nb, const uint8_t * xq, int64_t xs, int64_t n, float * y, int64_t ys) {
+    alignas(64) float acc[prompt_vectors * 16];
+    for (int64_t t0 = 0; t0 < n; t0 += prompt_vectors) {
+        const int64_t m = n - t0 < prompt_vectors ? n - t0 : prompt_vectors;
+        const uint8_t * x0 = xq + t0 * xs;
+        for (int64_t v = 0; v < m; v++) _mm512_store_ps(acc + 16 * v, _mm512_setzero_ps());
+        for (int64_t i = 0; i < nb; i++) {
+            const auto block = decode(i);
+            int64_t t = 0; // 16 vectors at a time, then 8, then the rest
+            for (; t + 16 <= m; t += 16) block.template times<16>(x0 + t * xs, xs, i, acc + 16 * t);
+            if (t + 8 <= m) block.template times<8>(x0 + t * xs, xs, i, acc + 16 * t), t += 8;
+            switch (m - t) {
+                case 1: block.template times<1>(x0 + t * xs, xs, i, acc + 16 * t); break;
+                case 2: block.template times<2>(x0 + t * xs, xs, i, acc + 16 * t); break;
+                case 3: block.template times<3>(x0 + t * xs, xs, i, acc + 16 * t); break;
+                case 4: block.template times<4>(x0 + t * xs, xs, i, acc + 16 * t); break;
+                case 5: block.template times<5>(x0 + t * xs, xs, i, acc + 16 * t); break;
+                case 6: block.template times<6>(x0 + t * xs, xs, i, acc + 16 * t); break;
+                case 7: block.template times<7>(x0 + t * xs, xs, i, acc + 16 * t); break;
+            }
+        }
+        for (int64_t v = 0; v < m; v++) _mm512_storeu_ps(y + (t0 + v) * ys, _mm512_load_ps(acc + 16 * v));
+    }
+}
+
 inline int32_t dword_at(const int8_t * p) {
     int32_t v;
     std::memcpy(&v, p, 4);
