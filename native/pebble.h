@@ -295,7 +295,9 @@ struct pebble_layer_shape {
     int32_t rope_dims;   // leading dims of each head that are rotated (even, <= head_dim)
     int32_t rope_neox;   // 0: GGML's normal mode, pairs (2i, 2i+1); 1: NeoX, pairs (i, i + rope_dims/2)
     float   rms_eps;
-    int32_t gelu;            // 0: SwiGLU, silu(gate) * up; 1: GELU (tanh) gate, gelu(gate) * up (the Gemmas)
+    int32_t activation;      // 0: SwiGLU, silu(gate) * up; 1: GELU (tanh) gate, gelu(gate) * up (the Gemmas);
+                             // 2 (experts only, gpt-oss): g = min(gate, 7), u = clamp(up, -7, 7), then
+                             // g * sigmoid(1.702 g) * (u + 1)
     int32_t ring;            // 1: the caches are rings of the last n_ctx positions (a sliding window)
     float   attn_softcap;    // above 0: each score s becomes c * tanh(s / c) (gemma2); 0: none
     float   residual_scale;  // multiplies each block's output before it joins x (1: none; Granite's)
@@ -304,9 +306,13 @@ struct pebble_layer_shape {
     // their probabilities renormalised to sum to 1 where expert_norm is 1, times expert_scale; each chosen
     // expert a SwiGLU FFN of n_ff_exp, summed by those weights in increasing expert order; plus, where
     // n_ff_shexp > 0, a shared SwiGLU FFN of n_ff_shexp times sigmoid(ffn_gate_inp_shexp . h) (qwen2moe).
+    // With expert_gating 1 (gpt-oss) the n_expert_used highest scores (the router's bias added where given)
+    // are chosen and their weights are a softmax over those scores alone (expert_norm must be 0); the
+    // experts' biases, where given, join their gate, up and down products.
     int32_t n_expert, n_expert_used, n_ff_exp, n_ff_shexp;
     int32_t expert_norm;     // 0 or 1
     float   expert_scale;    // 1: none
+    int32_t expert_gating;   // 0: a softmax over every expert; 1: a softmax over the chosen experts' scores
 };
 
 struct pebble_tensor_ref {
@@ -314,7 +320,7 @@ struct pebble_tensor_ref {
     const void * data;   // NULL: absent (biases only)
 };
 
-#define PEBBLE_LAYER_WEIGHTS 24 // the fields of pebble_layer_weights
+#define PEBBLE_LAYER_WEIGHTS 30 // the fields of pebble_layer_weights
 
 struct pebble_layer_weights {
     struct pebble_tensor_ref attn_norm, wq, wk, wv, wo, ffn_norm, w_gate, w_up, w_down, bq, bk, bv;
@@ -326,6 +332,11 @@ struct pebble_layer_weights {
     // its gate and up [n_ff_shexp][n_embd] and down [n_embd][n_ff_shexp], or NULL where it has none.
     struct pebble_tensor_ref ffn_gate_inp, ffn_gate_exps, ffn_up_exps, ffn_down_exps;
     struct pebble_tensor_ref ffn_gate_inp_shexp, ffn_gate_shexp, ffn_up_shexp, ffn_down_shexp;
+    // gpt-oss, else NULL (F32 each): a sink logit per query head [n_head], which joins each head's softmax
+    // as a score that weights no value (not scaled); the output projection's bias [n_embd]; the router's
+    // bias [n_expert]; the experts' gate and up biases [n_expert][n_ff_exp] and down biases
+    // [n_expert][n_embd].
+    struct pebble_tensor_ref attn_sinks, bo, ffn_gate_inp_b, ffn_gate_exps_b, ffn_up_exps_b, ffn_down_exps_b;
 };
 
 // The attention of one new query in each of n_seq sequences, each over a cache of its own: what a

@@ -58,7 +58,8 @@ def store_backend_params(names=BACKENDS) -> list:
 ARCHS = ("llama", "qwen2", "phi3")
 TYPES = SUPPORTED_NAMES
 VOCAB_OF_ARCH = {"llama": "llama3", "qwen2": "chatml", "phi3": "spm", "qwen3": "qwen3", "gemma2": "gemma",
-                 "gemma3": "gemma", "qwen2moe": "chatml", "qwen3moe": "qwen3"}
+                 "gemma3": "gemma", "qwen2moe": "chatml", "qwen3moe": "qwen3",
+                 "gpt-oss": "chatml"}
 
 TINY = dict(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, n_ctx=256, n_merges=200)
 # K-quants and IQ4_XS pack 256 values per block, so every row (n_embd, n_ff) must be a multiple of 256.
@@ -249,3 +250,29 @@ def pebbling_serve(models: Path, env: dict[str, str]) -> Iterator[tuple[str, dic
             except subprocess.TimeoutExpired:
                 process.kill()
             assert process.returncode in (0, -15), logged()
+
+
+def rewrite_gguf(src, dst, *, drop=(), strings=None, tensors=None):
+    """A copy of the GGUF file src without the keys and tensors in drop, with extra string keys and extra
+    `tensors` (name -> float32 array)."""
+    from gguf import GGUFReader, GGUFWriter
+    reader = GGUFReader(src)
+    writer = GGUFWriter(dst, reader.fields["general.architecture"].contents())
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture" or name in drop:
+            continue
+        sub = field.types[-1] if len(field.types) > 1 else None
+        writer.add_key_value(name, field.contents(), field.types[0], sub_type=sub)
+    for key, value in (strings or {}).items():
+        writer.add_string(key, value)
+    for t in reader.tensors:
+        if t.name not in drop:
+            raw = None if t.tensor_type.name in ("F32", "F16") else t.tensor_type
+            writer.add_tensor(t.name, np.array(t.data), raw_dtype=raw)
+    for name, array in (tensors or {}).items():
+        writer.add_tensor(name, np.asarray(array, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst

@@ -21,7 +21,7 @@ def reference_logits(path, tokens: list[int]) -> np.ndarray:
     hd = key("attention.key_length", n_embd // n_head)
     gemma = arch.startswith("gemma")
     window = key("attention.sliding_window", 0)
-    period = key("attention.sliding_window_pattern", {"gemma2": 2, "gemma3": 6}.get(arch, 0))
+    period = key("attention.sliding_window_pattern", {"gemma2": 2, "gemma3": 6, "gpt-oss": 2}.get(arch, 0))
     sliding = [bool(window) and (period == 0 or i % period < period - 1) for i in range(n_layer)]
     factor = key("rope.scaling.factor", 1.0) if key("rope.scaling.type") == "linear" else 1.0
     scale_q = key("attention.scale") or 1.0 / math.sqrt(hd)
@@ -68,15 +68,21 @@ def reference_logits(path, tokens: list[int]) -> np.ndarray:
         qi, ki = np.arange(T)[:, None], np.arange(T)[None, :]
         visible = (ki <= qi) & (~sliding[i] | (qi - ki < max(window, 1)))
         scores = np.where(visible, scores, -np.inf)
+        sinks = f"blk.{i}.attn_sinks.weight" in t  # gpt-oss: one more score per head, weighting no value
+        if sinks:
+            scores = np.concatenate([scores, np.broadcast_to(b("attn_sinks")[:, None, None], (n_head, T, 1))], -1)
         p = np.exp(scores - scores.max(-1, keepdims=True))
         p /= p.sum(-1, keepdims=True)
-        o = np.einsum("hqk,khd->qhd", p, v).reshape(T, -1) @ b("attn_output").T
+        if sinks:
+            p = p[..., :-1]
+        o = np.einsum("hqk,khd->qhd", p, v).reshape(T, -1) @ b("attn_output").T + t.get(f"blk.{i}.attn_output.bias", 0)
         if gemma:
             o = rms(o, b("post_attention_norm"))
         x = x + o * res_scale
-        h = rms(x, b("ffn_norm"))
+        h = rms(x, b("post_attention_norm" if arch == "gpt-oss" else "ffn_norm"))
         if f"blk.{i}.ffn_gate_inp.weight" in t:
-            o = experts_ffn(h, b, key, arch, f"blk.{i}.ffn_gate_shexp.weight" in t)
+            o = experts_ffn(h, b, key, arch, f"blk.{i}.ffn_gate_shexp.weight" in t,
+                            lambda n: t.get(f"blk.{i}.{n}.bias"))
         else:
             g = h @ b("ffn_gate").T
             g = 0.5 * g * (1 + np.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g ** 3))) if gemma else silu(g)
@@ -94,23 +100,30 @@ def silu(x):
     return x / (1 + np.exp(-x))
 
 
-def experts_ffn(h, b, key, arch: str, shared: bool):
+def experts_ffn(h, b, key, arch: str, shared: bool, bias=lambda name: None):
     """A layer of experts on h [T, n_embd]: a softmax over every expert, the k most probable, renormalised
     where the model says (qwen2moe: not, unless expert_weights_norm), scaled by expert_weights_scale; each
     chosen expert's gated FFN (slice j of each merged [n_expert, ...] tensor) weighted; qwen2moe's shared
-    expert after, through its sigmoid gate."""
+    expert after, through its sigmoid gate. gpt-oss: the router's and the experts' biases (`bias(name)`), the
+    k highest scores with a softmax over those alone, and its clamped SwiGLU."""
     k_used = key("expert_used_count")
     normalise = key("expert_weights_norm", arch != "qwen2moe")
     scale = key("expert_weights_scale", 0.0) or 1.0  # llama.cpp: 0 (absent) scales nothing
-    logits = h @ b("ffn_gate_inp").T                                           # [T, n_expert]
+    oai = arch == "gpt-oss"
+    logits = h @ b("ffn_gate_inp").T + (bias("ffn_gate_inp") if oai else 0)   # [T, n_expert]
     probs = np.exp(logits - logits.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
     out = np.zeros_like(h)
     for r in range(len(h)):
         chosen = np.argsort(-probs[r], kind="stable")[:k_used]
-        w = probs[r, chosen] / (probs[r, chosen].sum() if normalise else 1.0) * scale
+        w = probs[r, chosen] / (probs[r, chosen].sum() if normalise or oai else 1.0) * scale
         for j, wj in zip(chosen, w):
             gate, up, down = b("ffn_gate_exps")[j], b("ffn_up_exps")[j], b("ffn_down_exps")[j]
+            if oai:
+                g = np.minimum(gate @ h[r] + bias("ffn_gate_exps")[j], 7.0)
+                u = np.clip(up @ h[r] + bias("ffn_up_exps")[j], -7.0, 7.0)
+                out[r] += wj * (down @ (g / (1 + np.exp(-1.702 * g)) * (u + 1)) + bias("ffn_down_exps")[j])
+                continue
             out[r] += wj * (down @ (silu(gate @ h[r]) * (up @ h[r])))
     if shared:
         o = (silu(h @ b("ffn_gate_shexp").T) * (h @ b("ffn_up_shexp").T)) @ b("ffn_down_shexp").T

@@ -39,6 +39,11 @@ CASES = {  # name: (arch, overrides); partial RoPE, NeoX, biases, GQA, every typ
     "gemma2-F16-softcap": ("gemma2", dict(weight_type="F16", sliding_window=8, attn_softcap=0.5)),
     "llama-Q8_0-granite": ("llama", dict(weight_type="Q8_0", metadata={"llama.residual_scale": 0.5,
                                                                        "llama.attention.scale": 0.3})),
+    # gpt-oss: sinks, the output's bias, a sliding layer, experts in MXFP4 with their biases and clamped SwiGLU
+    "gpt-oss-Q8_0-MXFP4-sinks": ("gpt-oss", dict(weight_type="Q8_0", key_length=32, n_expert=4, n_expert_used=2,
+                                                 n_ff_exp=32, sliding_window=8,
+                                                 tensor_types={"ffn_gate_exps": "MXFP4", "ffn_up_exps": "MXFP4",
+                                                               "ffn_down_exps": "MXFP4"})),
 }
 
 

@@ -11,7 +11,7 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.quants import dequantize
 
-from helpers import ARCHS, TYPES, tiny_model, tiny_path
+from helpers import ARCHS, TYPES, rewrite_gguf, tiny_model, tiny_path
 from pyplugin.cli import main as cli_main
 from pyplugin.errors import ModelError
 from pyplugin.model import load_model
@@ -161,40 +161,18 @@ def test_a_tensor_of_a_type_without_kernels_is_refused_at_load_naming_it_and_wha
     assert sorted(listed) == sorted(TYPES) and {"Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS", "MXFP4"} <= set(listed)
 
 
-def _rewrite(src, dst, *, drop=(), strings=None):
-    """A copy of the GGUF file src without the keys and tensors in drop, with extra string keys."""
-    reader = GGUFReader(src)
-    writer = GGUFWriter(dst, reader.fields["general.architecture"].contents())
-    for name, field in reader.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture" or name in drop:
-            continue
-        sub = field.types[-1] if len(field.types) > 1 else None
-        writer.add_key_value(name, field.contents(), field.types[0], sub_type=sub)
-    for key, value in (strings or {}).items():
-        writer.add_string(key, value)
-    for t in reader.tensors:
-        if t.name not in drop:
-            raw = None if t.tensor_type.name in ("F32", "F16") else t.tensor_type
-            writer.add_tensor(t.name, np.array(t.data), raw_dtype=raw)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return dst
-
-
 def test_unsupported_rope_scaling(tmp_path):
-    path = _rewrite(tiny_path("llama"), tmp_path / "longrope.gguf", strings={"llama.rope.scaling.type": "longrope"})
+    path = rewrite_gguf(tiny_path("llama"), tmp_path / "longrope.gguf", strings={"llama.rope.scaling.type": "longrope"})
     _raises_naming(path, "rope scaling 'longrope' is not supported; supported: none, linear, yarn")
 
 
 def test_missing_metadata_key(tmp_path):
-    path = _rewrite(tiny_path("llama"), tmp_path / "nokey.gguf", drop={"llama.block_count"})
+    path = rewrite_gguf(tiny_path("llama"), tmp_path / "nokey.gguf", drop={"llama.block_count"})
     _raises_naming(path, "missing metadata key 'llama.block_count'")
 
 
 def test_missing_tensor(tmp_path):
-    path = _rewrite(tiny_path("qwen2"), tmp_path / "notensor.gguf", drop={"blk.1.ffn_down.weight"})
+    path = rewrite_gguf(tiny_path("qwen2"), tmp_path / "notensor.gguf", drop={"blk.1.ffn_down.weight"})
     _raises_naming(path, "missing tensor 'blk.1.ffn_down.weight'")
 
 

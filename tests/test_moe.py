@@ -1,4 +1,4 @@
-"""Mixture-of-experts models (qwen3moe, qwen2moe with its shared expert, Mixtral-style llama files):
+"""Mixture-of-experts models (qwen3moe, qwen2moe with its shared expert, Mixtral-style llama files, gpt-oss):
 the synthetic files' layout and metadata as gguf-py names them, the float64 reference (tests/reference.py,
 its routing as llama.cpp's build_moe_ffn computes it), every strategy and backend giving the
 tokens of `none`, a batch of sequences equal to each alone, and files asking for what is not computed
@@ -27,6 +27,9 @@ CASES = {
     "qwen3moe": dict(arch="qwen3moe", vocab="qwen3", key_length=32, n_ff_exp=32),
     "qwen2moe": dict(arch="qwen2moe", vocab="chatml", n_ff_exp=32, n_ff_shexp=64),
     "mixtral": dict(arch="llama", vocab="llama3", n_expert=4, n_expert_used=2),
+    # sinks, biases, the clamped SwiGLU, a softmax over the chosen; q wider than the model; every other layer
+    # sliding over 4 positions (the 11-token prompt crosses it)
+    "gpt-oss": dict(arch="gpt-oss", vocab="chatml", key_length=32, n_ff_exp=32, sliding_window=4),
 }
 PROMPT_LEN, DECODED = 11, 5
 
@@ -140,7 +143,7 @@ def formed(case: str, form: str):
     if case == "mixtral":
         extra.pop("n_ff_exp", None)
         extra.pop("n_ff_shexp", None)
-    if case == "qwen3moe" and form == "Q4_K_M":
+    if case in ("qwen3moe", "gpt-oss") and form == "Q4_K_M":
         extra["key_length"] = 64
     return path_of(case, **extra)
 
@@ -238,7 +241,7 @@ def run_steps(kernels, model, n_ctx, n_steps, n_seq, **decoder_args):
 
 
 @pytest.mark.parametrize("backend", store_backend_params(("host", "stub")))
-@pytest.mark.parametrize("case", ["qwen2moe", "mixtral"])
+@pytest.mark.parametrize("case", ["qwen2moe", "mixtral", "gpt-oss"])
 @pytest.mark.parametrize("entries", ["per expert", "merged"])
 def test_experts_as_pebbles_decode_what_the_merged_experts_decode(backend, case, entries):
     """Whatever the cache (none, some, every expert), a step restores each expert its tokens chose that the

@@ -100,8 +100,8 @@ TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "
 # include the mix's main type (MXFP4_MOE: for the mixtures of experts, its experts MXFP4 and the rest Q8_0).
 MIX_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
 VOCAB_OF = {"llama": "llama3", "qwen2": "chatml", "phi3": "spm", "qwen3": "qwen3", "gemma3": "gemma",
-            "gemma2": "gemma", "qwen3moe": "qwen3", "qwen2moe": "chatml"}  # each arch's usual tokenizer
-MOE_ARCHS = ("qwen3moe", "qwen2moe", "mixtral")  # mixtral: a llama file with experts; each with a Q4_K_M-like mix
+            "gemma2": "gemma", "qwen3moe": "qwen3", "qwen2moe": "chatml", "gpt-oss": "chatml"}  # each arch's usual tokenizer
+MOE_ARCHS = ("qwen3moe", "qwen2moe", "mixtral", "gpt-oss")  # mixtral: a llama file with experts; each with a Q4_K_M-like mix
 # What every file of an architecture carries beyond SHAPE: its own parts, exercised.
 ARCH_SPEC = {"qwen3": {"key_length": 128}, "gemma3": {"sliding_window": 8, "rope_theta": 1e6},
              "gemma2": {"sliding_window": 8, "attn_softcap": 3.0, "final_softcap": 4.0},
@@ -109,7 +109,12 @@ ARCH_SPEC = {"qwen3": {"key_length": 128}, "gemma3": {"sliding_window": 8, "rope
              # Q/K norms (Qwen3-MoE); expert FFNs narrower than the model's, as theirs are
              "qwen3moe": {"key_length": 128, "n_expert": 16, "n_expert_used": 4, "n_ff_exp": 256},
              "qwen2moe": {"n_expert": 16, "n_expert_used": 4, "n_ff_exp": 256, "n_ff_shexp": 512},
-             "mixtral": {"n_expert": 8, "n_expert_used": 2}}
+             "mixtral": {"n_expert": 8, "n_expert_used": 2},
+             # gpt-oss: 8 query heads of 64 over 2 KV heads (q wider than the model, as gpt-oss-20b's 64 x 64 over
+             # 2880), 16 experts of 4, every other layer sliding over 8 positions (the 28 compared cross it), YaRN
+             # x32 of 16 positions on its base of 150000; sinks and biases written by synth
+             "gpt-oss": {"n_head": 8, "key_length": 64, "n_expert": 16, "n_expert_used": 4, "n_ff_exp": 256,
+                         "sliding_window": 8, "rope_yarn": (32.0, 16), "rope_theta": 150000.0}}
 SHAPE = dict(n_layer=4, n_embd=256, n_head=4, n_head_kv=2, n_ff=512, n_ctx=512)
 N_PROMPT, N_GEN, N_CTX = 12, 16, 64
 

@@ -14,9 +14,14 @@ namespace pebble_cpu {
 
 namespace {
 
-// The portable gate, as the CUDA kernels compute it (swiglu_kernel, geglu_kernel in cuda/activations.cu).
-float gated_one(bool gelu, float g, float u) {
-    if (gelu) return 0.5f * g * (1.0f + std::tanh(0.7978845608028654f * (g + 0.044715f * g * g * g))) * u;
+// The portable gate, as the CUDA kernels compute it (swiglu_kernel, geglu_kernel, swiglu_oai_kernel in
+// cuda/activations.cu).
+float gated_one(int32_t activation, float g, float u) {
+    if (activation == 1) return 0.5f * g * (1.0f + std::tanh(0.7978845608028654f * (g + 0.044715f * g * g * g))) * u;
+    if (activation == 2) {
+        g = std::min(g, 7.0f);
+        return g / (1.0f + std::exp(1.702f * -g)) * (std::min(std::max(u, -7.0f), 7.0f) + 1.0f);
+    }
     return g / (1.0f + std::exp(-g)) * u;
 }
 
@@ -49,18 +54,19 @@ AVX2 void gated_avx2(bool gelu, const float * g, const float * u, int64_t begin,
 
 } // namespace
 
-void gated(bool gelu, const float * gate, const float * up, int64_t n, float * out) {
+void gated(int32_t activation, const float * gate, const float * up, int64_t n, float * out) {
+    const bool gelu = activation == 1;
     // ranges of whole groups of eight, so that no thread's range ends inside one
     const int64_t groups = (n + 7) / 8;
     parallel_for(groups, n * 16, [=](int64_t begin, int64_t end) {
         const int64_t b = begin * 8, e = std::min(n, end * 8);
 #ifdef PEBBLE_X86
-        if (simd_in_use() != simd::portable) {
+        if (simd_in_use() != simd::portable && activation != 2) { // gpt-oss's: the portable loop (experts' rows only)
             gated_avx2(gelu, gate, up, b, e, out);
             return;
         }
 #endif
-        for (int64_t i = b; i < e; i++) out[i] = gated_one(gelu, gate[i], up[i]);
+        for (int64_t i = b; i < e; i++) out[i] = gated_one(activation, gate[i], up[i]);
     });
 }
 

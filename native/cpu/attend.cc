@@ -42,17 +42,21 @@ struct attend_job {
     int32_t              n_head, n_head_kv, head_dim;
     float                scale, softcap;
     float *              out, * scratch;
+    const float *        sinks;     // a logit per query head in its softmax, or NULL (gpt-oss)
 };
 
 inline float cache_value(const void * p, int32_t type, int64_t i) { return kv_load(p, type, i); }
 
-// The n scores, whose largest is top, as their softmax: exp(s - top) over the sum of them all.
-inline void softmax_scores(float * sc, int64_t n, float top) {
+// The n scores, whose largest is top, as their softmax: exp(s - top) over the sum of them all; with a sink
+// (gpt-oss's head's logit; sinks NULL: none) the sink joins the largest and the sum, as GGML's soft_max.
+inline void softmax_scores(float * sc, int64_t n, float top, const float * sinks, int64_t h) {
+    if (sinks) top = std::max(top, sinks[h]);
     float total = 0.0f;
     for (int64_t s = 0; s < n; s++) {
         sc[s] = std::exp(sc[s] - top);
         total += sc[s];
     }
+    if (sinks) total += std::exp(sinks[h] - top);
     for (int64_t s = 0; s < n; s++) sc[s] = sc[s] / total;
 }
 
@@ -72,7 +76,7 @@ inline void attend_head(const attend_job & j, int64_t unit, Dot dot, Axpy axpy) 
         sc[s] = d;
         top = std::max(top, d);
     }
-    softmax_scores(sc, n, top);
+    softmax_scores(sc, n, top, j.sinks, h);
     float * o = j.out + (b * j.n_head + h) * j.head_dim;
     for (int32_t d = 0; d < j.head_dim; d++) o[d] = 0.0f;
     for (int64_t s = 0; s < n; s++) axpy(o, sc[s], j.v[b], s * row + kv);
@@ -172,7 +176,7 @@ AVX2 void attend_avx2(void * ctx, int64_t begin, int64_t end) {
             }
             tail(s, hsum_ps(acc));
         }
-        softmax_scores(sc, n, top);
+        softmax_scores(sc, n, top, j.sinks, h);
         float * o = j.out + (b * j.n_head + h) * j.head_dim;
         int32_t d = 0;
         for (; d + 64 <= whole; d += 64) { // 8 registers over every row
@@ -471,7 +475,9 @@ AVX2 void attend_rows_avx2(void * ctx, int64_t begin, int64_t end) {
         }
         if (chunks == 1) {
             for (int64_t h = 0; h < j.n_head; h++) {
-                const __m256 inv = _mm256_set1_ps(1.0f / l[h]);
+                // a sink: one more term of the softmax, o weighted by exp(m - M), M the larger of m and the sink
+                const float top = j.sinks ? std::max(m[h], j.sinks[h]) : m[h], w = j.sinks ? std::exp(m[h] - top) : 1.0f;
+                const __m256 inv = _mm256_set1_ps(j.sinks ? w / (w * l[h] + std::exp(j.sinks[h] - top)) : 1.0f / l[h]);
                 for (int32_t d = 0; d < hd; d += 8) {
                     _mm256_storeu_ps(o + h * hd + d, _mm256_mul_ps(_mm256_loadu_ps(o + h * hd + d), inv));
                 }
@@ -493,10 +499,12 @@ AVX2 void attend_combine_avx2(void * ctx, int64_t begin, int64_t end) {
         const float * part = r.part + first * per;
         float top = -INFINITY, total = 0.0f, w[attend_most_chunks];
         for (int64_t c = 0; c < chunks; c++) top = std::max(top, part[c * per + ml + h]);
+        if (j.sinks) top = std::max(top, j.sinks[h]);
         for (int64_t c = 0; c < chunks; c++) {
             w[c] = exp_nonpositive(part[c * per + ml + h] - top);
             total += w[c] * part[c * per + ml + j.n_head + h];
         }
+        if (j.sinks) total += exp_nonpositive(j.sinks[h] - top);
         for (int64_t c = 0; c < chunks; c++) w[c] /= total;
         float * out = j.out + u * hd;
         for (int32_t d = 0; d < hd; d += 8) {
@@ -514,9 +522,10 @@ AVX2 void attend_combine_avx2(void * ctx, int64_t begin, int64_t end) {
 
 pebble_status attend(int32_t n_seq, const float * q, int32_t kv_type, void * const * k_caches, void * const * v_caches,
                      const int64_t * n_pos, int64_t n_rows, int32_t n_head, int32_t n_head_kv, int32_t head_dim,
-                     float scale, float softcap, float * out, float * scratch) {
+                     float scale, float softcap, float * out, float * scratch, const float * sinks) {
     TRY(check_threads("pebble_attend"));
-    attend_job job{q, kv_type, k_caches, v_caches, n_pos, n_rows, n_head, n_head_kv, head_dim, scale, softcap, out, scratch};
+    attend_job job{q, kv_type, k_caches, v_caches, n_pos, n_rows, n_head, n_head_kv, head_dim, scale, softcap, out, scratch,
+                   sinks};
     // What the pool judges the call by: its multiply-adds, eight times over, as a decode step's caches come
     // from memory, not from cache (their rows were last read a whole step of weights ago): SmolLM2's 8
     // sequences of 48 rows, serial by their multiply-adds alone, took 30% less time on two threads.

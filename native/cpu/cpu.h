@@ -56,9 +56,10 @@ pebble_status matmul_parts(const matmul_part * parts, int n_parts, int64_t n_col
 
 // pebble_attend (pebble.h), the arguments already checked: each (sequence, head) pair on one thread,
 // scores in scratch (n_seq x n_head x n_rows floats), dot products and the weighted sum of V with SIMD.
+// `sinks` (NULL: none): a logit per query head that joins its softmax and weights no value (gpt-oss).
 pebble_status attend(int32_t n_seq, const float * q, int32_t kv_type, void * const * k_caches, void * const * v_caches,
                      const int64_t * n_pos, int64_t n_rows, int32_t n_head, int32_t n_head_kv, int32_t head_dim,
-                     float scale, float softcap, float * out, float * scratch);
+                     float scale, float softcap, float * out, float * scratch, const float * sinks = nullptr);
 
 // pebble_attend_prompt (pebble.h), the arguments already checked: n_tok queries at positions pos.. of one
 // sequence over its caches' rows 0..pos + n_tok - 1 (a query at p sees the keys at p and before, within
@@ -78,9 +79,10 @@ void quantize(const uint16_t * x, int n, float & d, int8_t * q);
 // The instruction set the kernels picked on this CPU: "avx512", "avx2" or "portable".
 const char * simd_level();
 
-// out[i] = silu(gate[i]) * up[i], or with GELU's tanh approximation in place of SiLU (gelu), for n
-// elements, among the pool's threads: eight at a time on AVX2 (exp by cpu/simd.h's polynomial), every
-// element alike whatever n (a short last group is masked, not left to a scalar loop), as a batch needs.
-void gated(bool gelu, const float * gate, const float * up, int64_t n, float * out);
+// out[i] = silu(gate[i]) * up[i], or with GELU's tanh approximation in place of SiLU (activation 1), or
+// gpt-oss's clamped SwiGLU (activation 2: pebble_layer_shape's), for n elements, among the pool's threads:
+// SiLU and GELU eight at a time on AVX2 (exp by cpu/simd.h's polynomial), every element alike whatever n (a
+// short last group is masked, not left to a scalar loop), as a batch needs; gpt-oss's in portable C++.
+void gated(int32_t activation, const float * gate, const float * up, int64_t n, float * out);
 
 } // namespace pebble_cpu

@@ -1,5 +1,6 @@
 // cuda/activations.cu: element-wise operations of the decode step: the gated feed-forward's activation,
-// out = silu(gate) * up (SwiGLU) or out = gelu(gate) * up with GELU's tanh approximation (GeGLU), from
+// out = silu(gate) * up (SwiGLU), out = gelu(gate) * up with GELU's tanh approximation (GeGLU) or gpt-oss's
+// clamped SwiGLU, from
 // float32 into the step's activations; and the logits' scale and soft-cap (c * tanh(l / c)). The host
 // library's gate is its CPU's SIMD loop among its threads (cpu/activations.cc).
 
@@ -20,6 +21,15 @@ __global__ void swiglu_kernel(const float * __restrict__ gate, const float * __r
     for (int64_t i = grid_thread(); i < n; i += grid_threads()) {
         const float g = gate[i];
         put(out, i, g / (1.0f + expf(-g)) * up[i]);
+    }
+}
+
+// gpt-oss's: g = min(gate, 7), u = clamp(up, -7, 7), out = g * sigmoid(1.702 g) * (u + 1), as GGML's swiglu_oai
+__global__ void swiglu_oai_kernel(const float * __restrict__ gate, const float * __restrict__ up, int64_t n,
+                                  act_t * __restrict__ out) {
+    for (int64_t i = grid_thread(); i < n; i += grid_threads()) {
+        const float g = fminf(gate[i], 7.0f), u = fminf(fmaxf(up[i], -7.0f), 7.0f);
+        put(out, i, g / (1.0f + expf(1.702f * -g)) * (u + 1.0f));
     }
 }
 
@@ -52,13 +62,16 @@ namespace pebble_internal {
 
 // out = act(gate) * up for n elements (SiLU, or GELU's tanh approximation): the host library's SIMD loop
 // split among its threads, the kernels above on the GPU.
-pebble_status gate_times_up(bool gelu, const float * gate, const float * up, int64_t n, act_t * out, cudaStream_t stream) {
+pebble_status gate_times_up(int32_t activation, const float * gate, const float * up, int64_t n, act_t * out,
+                            cudaStream_t stream) {
 #ifdef PEBBLE_HOST_BUILD
     (void)stream;
-    pebble_cpu::gated(gelu, gate, up, n, out);
+    pebble_cpu::gated(activation, gate, up, n, out);
     return PEBBLE_OK;
 #else
-    if (gelu) {
+    if (activation == 2) {
+        LAUNCH(swiglu_oai_kernel, grid_for(n, threads), threads, stream, gate, up, n, out);
+    } else if (activation == 1) {
         LAUNCH(geglu_kernel, grid_for(n, threads), threads, stream, gate, up, n, out);
     } else {
         LAUNCH(swiglu_kernel, grid_for(n, threads), threads, stream, gate, up, n, out);

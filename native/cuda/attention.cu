@@ -96,12 +96,14 @@ __host__ __device__ inline int64_t attention_rows(const attention_args & a) {
             float top = -INFINITY;
             for (int64_t s = warp_lane(); s < n_pos; s += warp_lanes) top = fmaxf(top, sc[s]);
             top = warp_max(top);
+            if (a.sinks) top = fmaxf(top, a.sinks[h]); // gpt-oss's sink: in the largest and the sum, no value
             float total = 0.0f;
             for (int64_t s = warp_lane(); s < n_pos; s += warp_lanes) {
                 sc[s] = expf(sc[s] - top);
                 total += sc[s];
             }
             total = warp_sum(total);
+            if (a.sinks) total += expf(a.sinks[h] - top);
             for (int64_t s = warp_lane(); s < n_pos; s += warp_lanes) sc[s] = sc[s] / total;
         }
     });
@@ -173,8 +175,9 @@ __host__ __device__ inline void put_attention(const attention_args & a, int64_t 
             const float * p = a.parts + h * stride + d;
             float top = -INFINITY;
             for (int64_t part = 0; part < parts; part++) top = fmaxf(top, part_stats(a, h, part)[0]);
+            if (a.sinks) top = fmaxf(top, a.sinks[h]);
             const float shift = top == -INFINITY ? 0.0f : top;
-            float acc = 0.0f, total = 0.0f;
+            float acc = 0.0f, total = a.sinks ? expf(a.sinks[h] - shift) : 0.0f;
             for (int64_t part = 0; part < parts; part++) {
                 const float * stats = part_stats(a, h, part);
                 const float weight = expf(stats[0] - shift);
@@ -340,7 +343,7 @@ extern "C" pebble_status pebble_attend(int32_t n_seq, const float * q, const flo
     const int64_t width = int64_t(n_head) * head_dim;
     auto args_of = [&](int32_t b) { // sequence b's, its float32 output at out
         return attention_args{q + b * width, k_caches[b], v_caches[b], kv_type, n_head, n_head_kv, head_dim, n_pos[b],
-                              n_rows, scale, softcap, static_cast<float *>(scratch) + int64_t(b) * n_head * n_rows,
+                              n_rows, scale, softcap, nullptr, static_cast<float *>(scratch) + int64_t(b) * n_head * n_rows,
                               nullptr, out + b * width, nullptr, nullptr}; // V summed in one pass
     };
 #ifdef PEBBLE_HOST_BUILD

@@ -27,7 +27,8 @@ namespace pebble_internal {
 const char * const weight_names[PEBBLE_LAYER_WEIGHTS] = {
     "attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down", "bq", "bk", "bv", "q_norm",
     "k_norm", "post_attn_norm", "post_ffn_norm", "ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps",
-    "ffn_gate_inp_shexp", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"};
+    "ffn_gate_inp_shexp", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp", "attn_sinks", "bo", "ffn_gate_inp_b",
+    "ffn_gate_exps_b", "ffn_up_exps_b", "ffn_down_exps_b"};
 
 } // namespace pebble_internal
 
@@ -85,9 +86,10 @@ pebble_status step_layer(pebble_decoder & d, int32_t i, int32_t n, const int32_t
         kv_row_at[b] = kv_row_of(b);
     }
     TRY(rope_and_store(n, qkv_at, kv_row_at, stream));
+    const float * sinks = static_cast<const float *>(w.attn_sinks.data); // F32 (check_layer), or NULL
     auto attention_of = [&](int32_t b) { // act_t is float on the host: its rows go to out_f32 there
         return attention_args{q_rot + b * q, k_of[b], v_of[b], kv_type, s.n_head, s.n_head_kv, s.head_dim, 0,
-                              L.kv_rows, L.attn_scale, s.attn_softcap, scores + int64_t(b) * s.n_head * L.kv_rows,
+                              L.kv_rows, L.attn_scale, s.attn_softcap, sinks, scores + int64_t(b) * s.n_head * L.kv_rows,
 #ifdef PEBBLE_HOST_BUILD
                               nullptr, h16 + b * q,
 #else
@@ -102,12 +104,13 @@ pebble_status step_layer(pebble_decoder & d, int32_t i, int32_t n, const int32_t
         int64_t n_pos[PEBBLE_DECODER_MAX_BATCH];
         for (int32_t b = 0; b < n; b++) n_pos[b] = std::min(host_pos[b] + 1, L.kv_rows); // a ring's filled rows
         TRY(pebble_cpu::attend(n, q_rot, kv_type, k_of, v_of, n_pos, L.kv_rows, s.n_head, s.n_head_kv,
-                               s.head_dim, L.attn_scale, s.attn_softcap, h16, scores));
+                               s.head_dim, L.attn_scale, s.attn_softcap, h16, scores, sinks));
     }
 #else
     TRY(attention_in_groups(n, attention_of, stream));
 #endif
     TRY(matvec_many(w.wo.ggml_type, w.wo.data, e, q, h16, n, o, stream));
+    if (w.bo.data) TRY(add_bias(o, n, e, w.bo, 0, stream));
 
     // feed-forward, its norm in one launch with the attention's residual where that has no norm of its own
     if (w.post_attn_norm.data) {
@@ -123,7 +126,7 @@ pebble_status step_layer(pebble_decoder & d, int32_t i, int32_t n, const int32_t
                                         {w.w_up.ggml_type, w.w_up.data, s.n_ff, up}};
         TRY(matvec_parts(gate_up, 2, e, h16, n, stream));
         const int64_t ff = int64_t(n) * s.n_ff;
-        TRY(gate_times_up(s.gelu, gate, up, ff, h16, stream));
+        TRY(gate_times_up(s.activation, gate, up, ff, h16, stream));
         TRY(matvec_many(w.w_down.ggml_type, w.w_down.data, e, s.n_ff, h16, n, o, stream));
     }
     return residual(x, o, n, e, w.post_ffn_norm, s, stream);
@@ -138,7 +141,9 @@ pebble_tensor_ref pebble_layer_weights::* const weight_fields[PEBBLE_LAYER_WEIGH
     &pebble_layer_weights::q_norm, &pebble_layer_weights::k_norm, &pebble_layer_weights::post_attn_norm,
     &pebble_layer_weights::post_ffn_norm, &pebble_layer_weights::ffn_gate_inp, &pebble_layer_weights::ffn_gate_exps,
     &pebble_layer_weights::ffn_up_exps, &pebble_layer_weights::ffn_down_exps, &pebble_layer_weights::ffn_gate_inp_shexp,
-    &pebble_layer_weights::ffn_gate_shexp, &pebble_layer_weights::ffn_up_shexp, &pebble_layer_weights::ffn_down_shexp};
+    &pebble_layer_weights::ffn_gate_shexp, &pebble_layer_weights::ffn_up_shexp, &pebble_layer_weights::ffn_down_shexp,
+    &pebble_layer_weights::attn_sinks, &pebble_layer_weights::bo, &pebble_layer_weights::ffn_gate_inp_b,
+    &pebble_layer_weights::ffn_gate_exps_b, &pebble_layer_weights::ffn_up_exps_b, &pebble_layer_weights::ffn_down_exps_b};
 
 uint64_t kv_cache_bytes(const pebble_decoder & d, int32_t i) {
     const pebble_step_layer & L = d.layers[size_t(i)];
@@ -288,9 +293,9 @@ pebble_status describe_streamed(pebble_decoder & d, const char * fn, int32_t i) 
     const int64_t e = s.n_embd, q = int64_t(s.n_head) * s.head_dim, kv = int64_t(s.n_head_kv) * s.head_dim;
     const int64_t E = s.n_expert, fx = s.n_ff_exp, sh = s.n_ff_shexp;
     const int64_t rows[PEBBLE_LAYER_WEIGHTS] = {1, q, kv, kv, e, 1, s.n_ff, s.n_ff, e, 1, 1, 1, 1, 1, 1, 1,
-                                                E, E * fx, E * fx, E * e, 1, sh, sh, e};
+                                                E, E * fx, E * fx, E * e, 1, sh, sh, e, 1, 1, 1, 1, 1, 1};
     const int64_t cols[PEBBLE_LAYER_WEIGHTS] = {e, e, e, e, q, e, e, e, s.n_ff, q, kv, kv, s.head_dim, s.head_dim, e, e,
-                                                e, e, e, fx, e, e, e, sh};
+                                                e, e, e, fx, e, e, e, sh, s.n_head, e, E, E * fx, E * fx, E * e};
     for (int f = 0; f < PEBBLE_LAYER_WEIGHTS; f++) {
         pebble_tensor_ref & ref = L.weights.*weight_fields[f];
         ref.data = nullptr;

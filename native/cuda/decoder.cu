@@ -76,9 +76,9 @@ pebble_status check_shape(const pebble_layer_shape * s, int64_t n_ctx) {
         return fail(PEBBLE_ERR_INVALID_ARGUMENT, "rope_dims %d must be even and within 0..head_dim "
                     "(%d)", s->rope_dims, s->head_dim);
     }
-    if (s->gelu != 0 && s->gelu != 1) {
-        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "gelu is %d; 0 (SwiGLU) or 1 (GELU) are accepted",
-                    s->gelu);
+    if (s->activation < 0 || s->activation > 2 || (s->activation == 2 && s->n_expert < 1)) {
+        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "activation is %d; 0 (SwiGLU), 1 (GELU) or, in a layer of experts, 2 "
+                    "(gpt-oss's clamped SwiGLU) are accepted", s->activation);
     }
     if (s->ring != 0 && s->ring != 1) {
         return fail(PEBBLE_ERR_INVALID_ARGUMENT, "ring is %d; 0 or 1 are accepted", s->ring);
@@ -95,12 +95,15 @@ pebble_status check_shape(const pebble_layer_shape * s, int64_t n_ctx) {
         (s->n_expert > 0 && (s->n_expert_used < 1 || s->n_expert_used > std::min(s->n_expert, max_experts_used) ||
                              s->n_ff_exp < 1 ||
                              (s->expert_norm != 0 && s->expert_norm != 1) || !std::isfinite(s->expert_scale) ||
-                             s->gelu))) {
+                             s->activation == 1 || (s->expert_gating != 0 && s->expert_gating != 1) ||
+                             (s->expert_gating == 1 && s->expert_norm))) ||
+        (s->n_expert == 0 && s->expert_gating != 0)) {
         return fail(PEBBLE_ERR_INVALID_ARGUMENT, "experts: n_expert %d must be within 0..%d and, above 0, "
                     "n_expert_used %d within 1..n_expert (and %d), n_ff_exp %d at least 1, expert_norm %d 0 or 1, "
-                    "expert_scale %g finite, gelu 0 (experts are SwiGLU); n_ff_shexp %d at least 0", s->n_expert,
-                    max_experts, s->n_expert_used, max_experts_used, s->n_ff_exp, s->expert_norm,
-                    static_cast<double>(s->expert_scale), s->n_ff_shexp);
+                    "expert_scale %g finite, activation %d 0 or 2 (experts are SwiGLU), expert_gating %d 0 or 1 (1 with "
+                    "expert_norm 0; 0 without experts); n_ff_shexp %d at least 0", s->n_expert, max_experts,
+                    s->n_expert_used, max_experts_used, s->n_ff_exp, s->expert_norm,
+                    static_cast<double>(s->expert_scale), s->activation, s->expert_gating, s->n_ff_shexp);
     }
     return PEBBLE_OK;
 }
@@ -169,6 +172,22 @@ pebble_status check_layer(const char * fn, int32_t i, const pebble_layer_shape &
     if (!shared && w.ffn_gate_inp_shexp.data) {
         return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: ffn_gate_inp_shexp is given but the layer has no shared "
                     "expert (n_ff_shexp %d)", where, s.n_ff_shexp);
+    }
+    // gpt-oss's: the sinks F32 (the attention reads them as floats), the biases vectors; the experts' three
+    // biases together or not at all, and only in a layer of experts
+    const bool expert_biases = w.ffn_gate_exps_b.data || w.ffn_up_exps_b.data || w.ffn_down_exps_b.data;
+    if ((w.attn_sinks.data && w.attn_sinks.ggml_type != f32_type) ||
+        (!moe && (w.ffn_gate_inp_b.data || expert_biases)) ||
+        (expert_biases && !(w.ffn_gate_exps_b.data && w.ffn_up_exps_b.data && w.ffn_down_exps_b.data))) {
+        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: attn_sinks must be 0 F32 where given; ffn_gate_inp_b and the "
+                    "experts' biases (ffn_gate_exps_b, ffn_up_exps_b, ffn_down_exps_b, all three or none) are for a "
+                    "layer of experts", where);
+    }
+    const struct { const char * name; const pebble_tensor_ref & t; } biases[] = {
+        {"bo", w.bo}, {"ffn_gate_inp_b", w.ffn_gate_inp_b}, {"ffn_gate_exps_b", w.ffn_gate_exps_b},
+        {"ffn_up_exps_b", w.ffn_up_exps_b}, {"ffn_down_exps_b", w.ffn_down_exps_b}};
+    for (const auto & b : biases) {
+        if ((st = check_vector(b.name, b.t, true)) != PEBBLE_OK) return with_place(st, where);
     }
     return PEBBLE_OK;
 }

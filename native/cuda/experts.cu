@@ -1,7 +1,9 @@
-// cuda/experts.cu: a decode step's layers of experts (qwen2moe, qwen3moe, mixtral-style): the router's
-// scores read back to the host, which chooses each token's n_expert_used experts (a softmax over all, the
-// most probable, weights normalised where asked); then expert by expert the tokens routed to it gathered
-// and run through its gate, up and down matrices (SwiGLU; its rows read once for them all) and added,
+// cuda/experts.cu: a decode step's layers of experts (qwen2moe, qwen3moe, mixtral-style, gpt-oss): the
+// router's scores (its bias added where given) read back to the host, which chooses each token's
+// n_expert_used experts (a softmax over all, the most probable, weights normalised where asked; or
+// gpt-oss's highest scores and a softmax over them); then expert by expert the tokens routed to it gathered
+// and run through its gate, up and down matrices (SwiGLU or gpt-oss's clamped form, its biases where given;
+// its rows read once for them all) and added,
 // weighted, to their tokens' output; the shared expert after, gated by a sigmoid where the layer has one.
 // An expert's matrices come from the layer's merged tensors, or from a store as pebbles, through a per-layer
 // cache of slots (least recently or least often used) and staging slots, guessed and restored early where
@@ -176,6 +178,7 @@ pebble_status prefetch_experts(pebble_decoder & d, int32_t i, int32_t n, const f
     float * router = at_offset<float>(d.scratch, d.at.router);
     TRY(norm_rows(x, n, e, L.weights.ffn_norm, s.rms_eps, h16, stream));
     TRY(matvec_many(L.weights.ffn_gate_inp.ggml_type, L.weights.ffn_gate_inp.data, E, e, h16, n, router, stream));
+    if (L.weights.ffn_gate_inp_b.data) TRY(add_bias(router, n, E, L.weights.ffn_gate_inp_b, 0, stream));
     CUDA_CHECK(cudaMemcpyAsync(d.router_host.data(), router, sizeof(float) * size_t(n) * size_t(E), cudaMemcpyDefault,
                                stream));
     CUDA_CHECK(cudaStreamSynchronize(stream));
@@ -226,23 +229,37 @@ pebble_status experts_ffn(pebble_decoder & d, int32_t layer, int32_t n, const ac
     float * gate = at_offset<float>(d.scratch, d.at.gate), * up = at_offset<float>(d.scratch, d.at.up);
     act_t * rows = at_offset<act_t>(d.scratch, d.at.rows), * act = at_offset<act_t>(d.scratch, d.at.act);
     TRY(matvec_many(w.ffn_gate_inp.ggml_type, w.ffn_gate_inp.data, E, e, h, n, router, stream));
+    if (w.ffn_gate_inp_b.data) TRY(add_bias(router, n, E, w.ffn_gate_inp_b, 0, stream));
     CUDA_CHECK(cudaMemcpyAsync(d.router_host.data(), router, sizeof(float) * size_t(n) * size_t(E), cudaMemcpyDefault,
                                stream));
     CUDA_CHECK(cudaStreamSynchronize(stream));
-    // per token: its experts (a softmax over all, the k most probable, ties to the lower index) and weights
+    // per token: its experts (a softmax over all, the k most probable, ties to the lower index) and weights;
+    // with expert_gating 1, the k highest scores and a softmax over them alone (gpt-oss)
     int32_t chosen[PEBBLE_DECODER_MAX_BATCH][max_experts_used];
     float weight[PEBBLE_DECODER_MAX_BATCH][max_experts_used];
     std::vector<int32_t> & order = d.router_order;
     std::vector<float> & p = d.router_p;
     for (int32_t b = 0; b < n; b++) {
         const float * sc = d.router_host.data() + size_t(b) * size_t(E);
+        for (int64_t j = 0; j < E; j++) order[size_t(j)] = static_cast<int32_t>(j);
+        if (s.expert_gating == 1) {
+            std::partial_sort(order.begin(), order.begin() + k, order.begin() + E, [sc](int32_t a, int32_t c) {
+                return sc[a] > sc[c] || (sc[a] == sc[c] && a < c);
+            });
+            const float top = sc[order[0]];
+            float total = 0.0f;
+            for (int32_t r = 0; r < k; r++) total += expf(sc[order[size_t(r)]] - top);
+            for (int32_t r = 0; r < k; r++) {
+                chosen[b][r] = order[size_t(r)];
+                const float wr = expf(sc[order[size_t(r)]] - top) / total;
+                weight[b][r] = s.expert_scale == 1.0f ? wr : wr * s.expert_scale;
+            }
+            continue;
+        }
         float top = -INFINITY, total = 0.0f;
         for (int64_t j = 0; j < E; j++) top = std::max(top, sc[j]);
         for (int64_t j = 0; j < E; j++) total += (p[size_t(j)] = expf(sc[j] - top));
-        for (int64_t j = 0; j < E; j++) {
-            p[size_t(j)] /= total;
-            order[size_t(j)] = static_cast<int32_t>(j);
-        }
+        for (int64_t j = 0; j < E; j++) p[size_t(j)] /= total;
         std::partial_sort(order.begin(), order.begin() + k, order.begin() + E, [&p](int32_t a, int32_t c) {
             return p[size_t(a)] > p[size_t(c)] || (p[size_t(a)] == p[size_t(c)] && a < c);
         });
@@ -299,8 +316,13 @@ pebble_status experts_ffn(pebble_decoder & d, int32_t layer, int32_t n, const ac
         }
         TRY(matvec_many(w.ffn_gate_exps.ggml_type, g, ff, e, rows, c, gate, stream));
         TRY(matvec_many(w.ffn_up_exps.ggml_type, u, ff, e, rows, c, up, stream));
-        TRY(gate_times_up(false, gate, up, int64_t(c) * ff, act, stream));
+        if (w.ffn_gate_exps_b.data) { // gpt-oss: expert j's biases, its rows of the layer's stacks
+            TRY(add_bias(gate, c, ff, w.ffn_gate_exps_b, j * ff, stream));
+            TRY(add_bias(up, c, ff, w.ffn_up_exps_b, j * ff, stream));
+        }
+        TRY(gate_times_up(s.activation, gate, up, int64_t(c) * ff, act, stream));
         TRY(matvec_many(w.ffn_down_exps.ggml_type, dn, e, ff, act, c, y, stream));
+        if (w.ffn_down_exps_b.data) TRY(add_bias(y, c, e, w.ffn_down_exps_b, j * e, stream));
         for (int32_t r = 0; r < c; r++) {
             TRY(add_scaled(out + int64_t(tokens[r]) * e, y + int64_t(r) * e, e, weights[r], stream));
         }
@@ -312,7 +334,7 @@ pebble_status experts_ffn(pebble_decoder & d, int32_t layer, int32_t n, const ac
         const int64_t sh = s.n_ff_shexp;
         TRY(matvec_many(w.ffn_gate_shexp.ggml_type, w.ffn_gate_shexp.data, sh, e, h, n, gate, stream));
         TRY(matvec_many(w.ffn_up_shexp.ggml_type, w.ffn_up_shexp.data, sh, e, h, n, up, stream));
-        TRY(gate_times_up(false, gate, up, int64_t(n) * sh, act, stream));
+        TRY(gate_times_up(0, gate, up, int64_t(n) * sh, act, stream));
         TRY(matvec_many(w.ffn_down_shexp.ggml_type, w.ffn_down_shexp.data, e, sh, act, n, y, stream));
         LAUNCH(shared_gate_kernel, grid_for(n, heads_per_block), dim3(warp_lanes, heads_per_block), stream, out, y, h, n,
                e, w.ffn_gate_inp_shexp.data, w.ffn_gate_inp_shexp.ggml_type);

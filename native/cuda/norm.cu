@@ -89,6 +89,12 @@ __global__ void add_kernel(float * __restrict__ x, const float * __restrict__ y,
     for (int64_t i = grid_thread(); i < n; i += grid_threads()) x[i] = added(x[i], y[i], scale);
 }
 
+// y[r][i] += b[offset + i] for n_rows rows of width.
+__global__ void bias_rows_kernel(float * __restrict__ y, int64_t n_rows, int64_t width, const void * b, int32_t b_type,
+                                 int64_t offset) {
+    for (int64_t i = grid_thread(); i < n_rows * width; i += grid_threads()) y[i] += load_value(b, b_type, offset + i % width);
+}
+
 // out[r] = x[r] / rms(x[r]) * w for each of n_rows rows of n.
 __global__ void rms_rows_kernel(const float * __restrict__ x, int64_t n_rows, int64_t n, const void * w, int32_t w_type,
                                 float eps, act_t * __restrict__ out) {
@@ -177,6 +183,13 @@ pebble_status head_norm(float * y, int32_t n_heads, int32_t head_dim, const pebb
 
 pebble_status add_scaled(float * x, const float * y, int64_t n, float scale, [[maybe_unused]] cudaStream_t stream) {
     LAUNCH(add_kernel, grid_for(n, threads), threads, stream, x, y, n, scale);
+    return launched();
+}
+
+pebble_status add_bias(float * y, int64_t n_rows, int64_t width, const pebble_tensor_ref & b, int64_t offset,
+                       [[maybe_unused]] cudaStream_t stream) {
+    LAUNCH(bias_rows_kernel, grid_for(n_rows * width, threads), threads, stream, y, n_rows, width, b.data, b.ggml_type,
+           offset);
     return launched();
 }
 

@@ -51,6 +51,10 @@ pebble_status head_norm(float * y, int32_t n_heads, int32_t head_dim, const pebb
                         cudaStream_t stream);
 // x += y * scale for n elements.
 pebble_status add_scaled(float * x, const float * y, int64_t n, float scale, cudaStream_t stream);
+// y[r][i] += b[offset + i] for n_rows rows of `width` (a bias; b F32 or F16; gpt-oss's output, router and
+// experts' biases, an expert's at its offset in the layer's stack).
+pebble_status add_bias(float * y, int64_t n_rows, int64_t width, const pebble_tensor_ref & b, int64_t offset,
+                       cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------------------
 // biases, RoPE and the new K/V rows (rope.cu)
@@ -88,6 +92,7 @@ struct attention_args {
     int32_t kv_type, n_head, n_head_kv, head_dim;
     int64_t n_pos, n_ctx;                 // rows attended; rows of the scores buffer
     float scale, softcap;                 // softcap above 0: s -> c * tanh(s / c)
+    const float * sinks;                  // where not NULL, n_head logits each in its head's softmax (gpt-oss)
     float * scores;                       // n_head x n_ctx
     uint16_t * out;                       // n_head x head_dim, fp16
     float * out_f32;                      // ... or float32 where this is not NULL (pebble_attend)
@@ -122,8 +127,9 @@ template <typename F> pebble_status attention_in_groups(int32_t n, F && args, cu
 // ---------------------------------------------------------------------------------------------------
 // activations (activations.cu)
 
-// out = act(gate) * up for n elements (SiLU, or GELU's tanh approximation).
-pebble_status gate_times_up(bool gelu, const float * gate, const float * up, int64_t n, act_t * out,
+// out = act(gate) * up for n elements: `activation` as pebble_layer_shape's (0 SiLU, 1 GELU's tanh
+// approximation, 2 gpt-oss's clamped SwiGLU).
+pebble_status gate_times_up(int32_t activation, const float * gate, const float * up, int64_t n, act_t * out,
                             cudaStream_t stream);
 // logits *= scale, then c * tanh(l / c) where cap > 0, for n logits.
 pebble_status scale_logits(float * logits, int64_t n, float scale, float cap, cudaStream_t stream);

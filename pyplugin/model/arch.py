@@ -6,7 +6,10 @@ GELU-tanh gate, sliding-window layers (every ``sliding_window_pattern``-th layer
 6 for gemma3, or a per-layer array) with their own RoPE base, an attention scale from the head size
 (from n_embd / n_head on the 27B models, as llama.cpp has it), gemma2's soft-capping. llama: Mistral's
 sliding window and Granite's scales where the file declares them. Mixture-of-experts (qwen3moe, qwen2moe,
-Mixtral-style llama files with ``expert_count``): see pyplugin.model.moe.
+Mixtral-style llama files with ``expert_count``): see pyplugin.model.moe. gpt-oss: experts with biases, a
+clamped SwiGLU and a softmax over the chosen experts' logits (moe.py), a learned sink logit per head in the
+attention's softmax (attention.py), a bias on the output projection, every other layer sliding (pattern
+2), YaRN as the file declares it, its own sliding base where the file gives one.
 
 Any other key under the architecture's prefix is refused by name unless it is known not to change
 what the model computes: a file that asks for math pebbling does not do fails to load, it never runs
@@ -23,9 +26,10 @@ from .moe import MOE_KEYS, moe_fields
 from .transformer import ROPE_NEOX, ROPE_NORMAL
 
 ROPE_MODES = {"llama": ROPE_NORMAL, "qwen2": ROPE_NEOX, "qwen3": ROPE_NEOX, "phi3": ROPE_NEOX,
-              "gemma2": ROPE_NEOX, "gemma3": ROPE_NEOX, "qwen2moe": ROPE_NEOX, "qwen3moe": ROPE_NEOX}
+              "gemma2": ROPE_NEOX, "gemma3": ROPE_NEOX, "qwen2moe": ROPE_NEOX, "qwen3moe": ROPE_NEOX,
+              "gpt-oss": ROPE_NEOX}
 GEMMAS = ("gemma2", "gemma3")
-_SWA_PERIOD = {"gemma2": 2, "gemma3": 6}     # llama.cpp's period when the file gives no pattern
+_SWA_PERIOD = {"gemma2": 2, "gemma3": 6, "gpt-oss": 2}     # llama.cpp's period when the file gives no pattern
 _BIG_GEMMA_LAYERS = {"gemma2": 46, "gemma3": 62}  # the 27B models: q scaled by n_embd / n_head
 
 # Keys read by load.read_config or here, and keys that change nothing pebbling computes.
@@ -71,6 +75,11 @@ def arch_fields(f: Any, arch: str, n_layer: int, n_embd: int, n_head: int, head_
     if window:
         out["sliding_window"] = window
         out["swa_layers"] = _sliding_layers(f, arch, n_layer)
+    if arch == "gpt-oss":  # its experts' clamped SwiGLU; the router's choice and sinks: moe.py, attention.py
+        if "sliding_window" not in out:
+            raise ModelError(f"{f.path}: a gpt-oss file needs '{arch}.attention.sliding_window' (its sliding layers' "
+                             "window; 128 in the released models)")
+        out["activation"] = "swiglu_oai"
     if arch in GEMMAS:
         out["activation"] = "gelu"
         out["embd_scale"] = math.sqrt(n_embd)
@@ -91,7 +100,10 @@ def arch_fields(f: Any, arch: str, n_layer: int, n_embd: int, n_head: int, head_
         else:
             out["final_softcap"] = _cap(f, arch, "final_logit_softcapping", 0.0)
     else:
-        for key in ("attn_logit_softcapping", "final_logit_softcapping", "rope.freq_base_swa",
+        if arch == "gpt-oss" and f"{arch}.rope.freq_base_swa" in f.metadata:  # the sliding layers' base, YaRN kept
+            out["rope_theta_swa"] = positive("rope.freq_base_swa", 150000.0)
+        for key in ("attn_logit_softcapping", "final_logit_softcapping",
+                    *(() if arch == "gpt-oss" else ("rope.freq_base_swa",)),
                     "rope.local.freq_base", "rope.global.freq_base"):
             if f"{arch}.{key}" in f.metadata:
                 raise ModelError(f"{f.path}: '{arch}.{key}' is not part of the {arch} architecture as "

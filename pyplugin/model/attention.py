@@ -27,12 +27,15 @@ def softcap(x: Array, cap: float) -> Array:
     return xp.tanh(x / cap) * cap
 
 
-def attention(cfg: ModelConfig, q: Array, k: Array, v: Array, pos: int, k_pos: int = 0) -> Array:
+def attention(cfg: ModelConfig, q: Array, k: Array, v: Array, pos: int, k_pos: int = 0,
+              sinks: Array | None = None) -> Array:
     """Causal grouped-query attention of T queries at positions pos.. over S keys at k_pos..k_pos+S.
 
     q [T, n_head, head_dim]; k, v [S, n_head_kv, head_dim]. A query at p sees the keys at p and before,
     and on a sliding layer (cfg.window) only the last window of them, as llama.cpp masks them. Query
-    head h reads KV head h // n_group, as GGML broadcasts it. Returns [T, n_head * head_dim].
+    head h reads KV head h // n_group, as GGML broadcasts it. `sinks` [n_head] (gpt-oss): a learned
+    logit per head that joins each softmax's denominator (and its maximum) and weights no value, as
+    GGML's soft_max with sinks computes it; not scaled. Returns [T, n_head * head_dim].
 
     Host arrays of a long prompt are split by queries among threads (numpy releases the GIL in its
     products and ufuncs; its BLAS is held to one thread beside the host library's pool): each part
@@ -42,7 +45,7 @@ def attention(cfg: ModelConfig, q: Array, k: Array, v: Array, pos: int, k_pos: i
     T, S = q.shape[0], k.shape[0]
     threads = _attention_threads() if xp is np else 1
     if threads < 2 or T < 2 * threads or T * S * cfg.n_head < _SPLIT_SCORES:
-        return _attention(cfg, q, k, v, pos, k_pos)
+        return _attention(cfg, q, k, v, pos, k_pos, sinks)
     p = pos + np.arange(T)
     first = np.maximum(k_pos, p - cfg.window + 1) if cfg.window else np.full(T, k_pos)
     cost = np.cumsum(np.minimum(p + 1, k_pos + S) - first)
@@ -51,7 +54,7 @@ def attention(cfg: ModelConfig, q: Array, k: Array, v: Array, pos: int, k_pos: i
 
     def part(a: int, b: int) -> Array:
         lo, hi = int(first[a]), min(pos + b, k_pos + S)  # the keys that queries a..b-1 see
-        return _attention(cfg, q[a:b], k[lo - k_pos:hi - k_pos], v[lo - k_pos:hi - k_pos], pos + a, lo)
+        return _attention(cfg, q[a:b], k[lo - k_pos:hi - k_pos], v[lo - k_pos:hi - k_pos], pos + a, lo, sinks)
 
     futures = [_attention_pool().submit(part, a, b) for a, b in parts[1:]]
     out = [part(*parts[0]), *(f.result() for f in futures)]
@@ -118,7 +121,7 @@ def _attention_pool() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=max(1, _attention_threads() - 1), thread_name_prefix="pebbling-attention")
 
 
-def _attention(cfg: ModelConfig, q: Array, k: Array, v: Array, pos: int, k_pos: int) -> Array:
+def _attention(cfg: ModelConfig, q: Array, k: Array, v: Array, pos: int, k_pos: int, sinks: Array | None) -> Array:
     xp = get_array_module(q)
     T, S, G = q.shape[0], k.shape[0], cfg.n_group
     q = q * cfg.query_scale
@@ -133,9 +136,16 @@ def _attention(cfg: ModelConfig, q: Array, k: Array, v: Array, pos: int, k_pos: 
         hidden = outside if hidden is None else hidden | outside
     if hidden is not None:
         xp.copyto(scores, -np.inf, where=hidden)
-    scores -= scores.max(axis=-1, keepdims=True)
+    top = scores.max(axis=-1, keepdims=True)                                    # [n_kv, G, T, 1]
+    if sinks is not None:
+        sink = xp.asarray(sinks, dtype=np.float32).reshape(cfg.n_head_kv, G, 1, 1)
+        top = xp.maximum(top, sink)
+    scores -= top
     probs = xp.exp(scores, out=scores)
-    probs /= probs.sum(axis=-1, keepdims=True)
+    total = probs.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        total += xp.exp(sink - top)
+    probs /= total
     probs = probs.astype(v.dtype, copy=False).reshape(cfg.n_head_kv, G * T, S)
     out = probs @ v.transpose(1, 0, 2)                                          # [n_kv, G*T, hd]
     out = out.reshape(cfg.n_head_kv, G, T, cfg.head_dim).transpose(2, 0, 1, 3)  # [T, n_kv, G, hd]

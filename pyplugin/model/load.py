@@ -124,10 +124,11 @@ def load_model(path: str | os.PathLike, *, weights: str = "quantized", progress:
             def load(name: str) -> np.ndarray | QuantWeight:
                 t = f.tensors[name]
                 bar.update(t.nbytes)
-                if weights == "quantized" and len(t.shape) >= 2:  # merged experts (3-D): a stack of rows
+                stacked = name.endswith(".bias")   # gpt-oss's experts' biases [n_expert, rows]: one vector
+                if weights == "quantized" and len(t.shape) >= 2 and not stacked:  # merged experts (3-D): rows
                     return QuantWeight(int(t.qtype), (math.prod(t.shape[:-1]), t.shape[-1]), f.raw(name))
                 a = f.dequantize(name)
-                return a.reshape(-1, a.shape[-1]) if a.ndim > 2 else a
+                return a.ravel() if stacked else a.reshape(-1, a.shape[-1]) if a.ndim > 2 else a
             layers = [_load_layer(f, cfg, i, load) for i in range(cfg.n_layer)]
             outer = _load_outer(f, cfg, load)
         host_bytes = _host_bytes(layers, outer)
@@ -304,22 +305,29 @@ def _load_layer(f: GGUFFile, cfg: ModelConfig, i: int, load: Callable[[str], Any
         w_gate, w_up = split("ffn_up.weight", (cfg.n_ff, cfg.n_ff))
         w_down = get("ffn_down.weight")
     norms = {field: get(tensor) for tensor, field in _EXTRA_NORMS.items() if cfg.arch in _ARCHS_WITH[field]}
-    for tensor in (*_EXTRA_NORMS, "attn_output.bias", "ffn_gate.bias", "ffn_up.bias", "ffn_down.bias"):
-        if f"blk.{i}.{tensor}" in f.tensors and _EXTRA_NORMS.get(tensor) not in norms:
+    ffn_norm = "post_attention_norm.weight" if cfg.arch == "gpt-oss" else "ffn_norm.weight"  # before its experts
+    for tensor in (*_EXTRA_NORMS, "ffn_gate.bias", "ffn_up.bias", "ffn_down.bias", "ffn_norm.weight"):
+        if f"blk.{i}.{tensor}" in f.tensors and _EXTRA_NORMS.get(tensor) not in norms and tensor != ffn_norm:
             raise ModelError(f"{f.path}: tensor 'blk.{i}.{tensor}' is not part of the {cfg.arch} block pebbling "
                              "computes; the file is refused rather than the tensor ignored")
     lw = LayerWeights(attn_norm=get("attn_norm.weight"), wq=wq, wk=wk, wv=wv,
-                      wo=get("attn_output.weight"), ffn_norm=get("ffn_norm.weight"),
+                      wo=get("attn_output.weight"), ffn_norm=get(ffn_norm),
                       w_gate=w_gate, w_up=w_up, w_down=w_down, bq=bq, bk=bk, bv=bv, **norms, **experts)
     _check_shapes(f, cfg, i, lw)
     return lw
 
 
 # The norms some architectures add to the llama block: GGUF tensor -> LayerWeights field, and who has them.
+# (and gpt-oss's sinks and biases, its experts' as stacks of vectors)
 _EXTRA_NORMS = {"attn_q_norm.weight": "q_norm", "attn_k_norm.weight": "k_norm",
-                "post_attention_norm.weight": "post_attn_norm", "post_ffw_norm.weight": "post_ffn_norm"}
+                "post_attention_norm.weight": "post_attn_norm", "post_ffw_norm.weight": "post_ffn_norm",
+                "attn_sinks.weight": "attn_sinks", "attn_output.bias": "bo", "ffn_gate_inp.bias": "ffn_gate_inp_b",
+                "ffn_gate_exps.bias": "ffn_gate_exps_b", "ffn_up_exps.bias": "ffn_up_exps_b",
+                "ffn_down_exps.bias": "ffn_down_exps_b"}
 _ARCHS_WITH = {"q_norm": ("qwen3", "gemma3", "qwen3moe"), "k_norm": ("qwen3", "gemma3", "qwen3moe"),
-               "post_attn_norm": ("gemma2", "gemma3"), "post_ffn_norm": ("gemma2", "gemma3")}
+               "post_attn_norm": ("gemma2", "gemma3"), "post_ffn_norm": ("gemma2", "gemma3"),
+               **dict.fromkeys(("attn_sinks", "bo", "ffn_gate_inp_b", "ffn_gate_exps_b", "ffn_up_exps_b",
+                                "ffn_down_exps_b"), ("gpt-oss",))}
 
 
 def _split_rows(a: np.ndarray | QuantWeight, sizes: tuple[int, ...], what: str) -> list:
@@ -337,7 +345,8 @@ def _check_shapes(f: GGUFFile, cfg: ModelConfig, i: int, lw: LayerWeights) -> No
     expected = {"attn_norm": (e,), "wq": (q, e), "wk": (kv, e), "wv": (kv, e), "wo": (e, q),
                 "ffn_norm": (e,), "w_gate": (ff, e), "w_up": (ff, e), "w_down": (e, ff),
                 "bq": (q,), "bk": (kv,), "bv": (kv,), "q_norm": (cfg.head_dim,), "k_norm": (cfg.head_dim,),
-                "post_attn_norm": (e,), "post_ffn_norm": (e,), **expert_shapes(cfg)}
+                "post_attn_norm": (e,), "post_ffn_norm": (e,), "attn_sinks": (cfg.n_head,), "bo": (e,),
+                **expert_shapes(cfg)}
     for name, a in lw.arrays():
         if tuple(a.shape) != expected[name]:
             raise ModelError(f"{f.path}: layer {i} {name} has shape {a.shape}, expected "

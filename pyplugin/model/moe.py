@@ -29,11 +29,11 @@ from .qweight import QuantWeight
 
 Array = Any
 
-MOE_ARCHS = ("qwen2moe", "qwen3moe")       # always experts; a llama file has them where expert_count says so
+MOE_ARCHS = ("qwen2moe", "qwen3moe", "gpt-oss")       # always experts; a llama file has them where expert_count says so
 MOE_KEYS = {"expert_count", "expert_used_count", "expert_feed_forward_length",
             "expert_shared_feed_forward_length", "expert_weights_norm", "expert_weights_scale",
             "expert_gating_func"}
-_NORMALISED = {"qwen3moe": True, "llama": True, "qwen2moe": False}  # llama.cpp's choice per architecture
+_NORMALISED = {"qwen3moe": True, "llama": True, "qwen2moe": False, "gpt-oss": False}  # llama.cpp's choice per architecture
 _SOFTMAX_GATING = (0, 1)   # expert_gating_func: 0 none (the architecture's default, a softmax), 1 softmax
 # The LayerWeights fields of the experts, and of the shared expert (qwen2moe).
 EXPERT_FIELDS = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
@@ -84,7 +84,8 @@ def moe_fields(f: Any, arch: str, integer: Callable[..., int]) -> dict[str, Any]
         raise ModelError(f"{f.path}: '{arch}.expert_weights_norm' ({norm!r}) must be a boolean and "
                          f"'{arch}.expert_weights_scale' ({scale!r}) a finite number, 0 (none) or more")
     return dict(n_expert=n_expert, n_expert_used=used, n_ff_exp=n_ff_exp, n_ff_shexp=n_ff_shexp,
-                expert_norm=bool(norm), expert_scale=float(scale) if scale else 1.0)
+                expert_norm=bool(norm), expert_scale=float(scale) if scale else 1.0,
+                expert_gating="softmax_chosen" if arch == "gpt-oss" else "softmax")
 
 
 def expert_shapes(cfg: Any) -> dict[str, tuple[int, ...]]:
@@ -94,6 +95,8 @@ def expert_shapes(cfg: Any) -> dict[str, tuple[int, ...]]:
     e, E, ff = cfg.n_embd, cfg.n_expert, cfg.n_ff_exp
     shapes = {"ffn_gate_inp": (E, e), "ffn_gate_exps": (E * ff, e), "ffn_up_exps": (E * ff, e),
               "ffn_down_exps": (E * e, ff)}
+    if cfg.arch == "gpt-oss":  # the router's and every expert's biases
+        shapes.update(ffn_gate_inp_b=(E,), ffn_gate_exps_b=(E * ff,), ffn_up_exps_b=(E * ff,), ffn_down_exps_b=(E * e,))
     if cfg.n_ff_shexp:
         sh = cfg.n_ff_shexp
         shapes.update(ffn_gate_inp_shexp=(e,), ffn_gate_shexp=(sh, e), ffn_up_shexp=(sh, e), ffn_down_shexp=(e, sh))
@@ -124,31 +127,67 @@ def _rows(fn: Callable[[Array], Array], h: Array, max_rows: int) -> Array:
     return xp.concatenate([fn(h[r:r + max_rows]) for r in range(0, h.shape[0], max_rows)])
 
 
-def _swiglu(h: Array, gate: Any, up: Any, down: Any, max_rows: int = 0) -> Array:
+def _swiglu(h: Array, gate: Any, up: Any, down: Any, max_rows: int = 0, biases: tuple | None = None,
+            oai: bool = False) -> Array:
+    """down(act(gate h) * up h), with `biases` (gate, up, down) added to each product where given and
+    `oai` choosing gpt-oss's clamped form (swiglu_oai) over SiLU."""
     if max_rows and h.shape[0] > max_rows:
-        return _rows(lambda part: _swiglu(part, gate, up, down), h, max_rows)
+        return _rows(lambda part: _swiglu(part, gate, up, down, 0, biases, oai), h, max_rows)
     xp = get_array_module(h)
-    g = _linear(h, gate)
-    t = -g
-    xp.exp(t, out=t)
-    t += 1.0
-    g = xp.divide(g, t, out=t)
-    g *= _linear(h, up)
-    return _linear(g, down)
+    bg, bu, bd = biases or (None, None, None)
+    g, u = _linear(h, gate), _linear(h, up)
+    if bg is not None:
+        g, u = g + bg, u + bu
+    if oai:
+        g = swiglu_oai(g, u)
+    else:
+        t = -g
+        xp.exp(t, out=t)
+        t += 1.0
+        g = xp.divide(g, t, out=t)
+        g *= u
+    y = _linear(g, down)
+    return y if bd is None else y + bd
 
 
-def router_probabilities(cfg: Any, h: Array, router: Any, max_rows: int = 0) -> np.ndarray:
-    """The router's softmax over the experts for h [T, n_embd] (normed): [T, n_expert] float32, on the host."""
+SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT = 1.702, 7.0   # gpt-oss's, as llama.cpp's swiglu_oai has them
+
+
+def swiglu_oai(g: Array, u: Array) -> Array:
+    """gpt-oss's gate: g clamped above at 7, u to [-7, 7]; g * sigmoid(1.702 g) * (u + 1), float32 as GGML's."""
+    xp = get_array_module(g)
+    g = xp.minimum(g.astype(np.float32, copy=False), np.float32(SWIGLU_OAI_LIMIT))
+    u = xp.clip(u.astype(np.float32, copy=False), -np.float32(SWIGLU_OAI_LIMIT), np.float32(SWIGLU_OAI_LIMIT))
+    return g / (1.0 + xp.exp(g * -np.float32(SWIGLU_OAI_ALPHA))) * (u + 1.0)
+
+
+def router_logits(cfg: Any, h: Array, router: Any, max_rows: int = 0, bias: Array | None = None) -> np.ndarray:
+    """The router's scores of h [T, n_embd] (normed), its bias added where it has one: [T, n_expert] float32,
+    on the host."""
     logits = np.asarray(_to_host(_rows(lambda part: _linear(part, router), h, max_rows)), dtype=np.float32)
     logits = logits.reshape(-1, cfg.n_expert)
+    return logits if bias is None else logits + np.asarray(_to_host(bias), dtype=np.float32)
+
+
+def router_probabilities(cfg: Any, h: Array, router: Any, max_rows: int = 0, bias: Array | None = None) -> np.ndarray:
+    """The router's softmax over the experts for h [T, n_embd] (normed): [T, n_expert] float32, on the host."""
+    return _softmax(router_logits(cfg, h, router, max_rows, bias))
+
+
+def _softmax(logits: np.ndarray) -> np.ndarray:
     p = np.exp(logits - logits.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
     return p
 
 
-def route(cfg: Any, h: Array, router: Any, max_rows: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def route(cfg: Any, h: Array, router: Any, max_rows: int = 0, bias: Array | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(experts [T, k] in descending probability, their weights [T, k] float32) for h [T, n_embd]."""
-    p = router_probabilities(cfg, h, router, max_rows)
+    if cfg.expert_gating == "softmax_chosen":  # gpt-oss: the best logits, a softmax over them alone
+        logits = router_logits(cfg, h, router, max_rows, bias)
+        chosen = np.argsort(-logits, axis=-1, kind="stable")[:, :cfg.n_expert_used]
+        w = _softmax(np.take_along_axis(logits, chosen, -1))
+        return chosen, (w * np.float32(cfg.expert_scale)).astype(np.float32)
+    p = router_probabilities(cfg, h, router, max_rows, bias)
     chosen = np.argsort(-p, axis=-1, kind="stable")[:, :cfg.n_expert_used]
     w = np.take_along_axis(p, chosen, -1)
     if cfg.expert_norm:
@@ -165,6 +204,15 @@ def merged_experts(cfg: Any, lw: Any) -> Callable[[int], tuple]:
                       expert_rows(lw.ffn_down_exps, j, e))
 
 
+def expert_biases(cfg: Any, lw: Any, j: int) -> tuple | None:
+    """Expert j's (gate, up, down) biases, views of the layer's stacks; None where it has none (all but gpt-oss)."""
+    if lw.ffn_gate_exps_b is None:
+        return None
+    ff, e = cfg.n_ff_exp, cfg.n_embd
+    return (lw.ffn_gate_exps_b[j * ff:(j + 1) * ff], lw.ffn_up_exps_b[j * ff:(j + 1) * ff],
+            lw.ffn_down_exps_b[j * e:(j + 1) * e])
+
+
 def moe_ffn(cfg: Any, h: Array, lw: Any, experts: Callable[[int], tuple] | None = None, max_rows: int = 0) -> Array:
     """The routed FFN (and the shared expert, where the layer has one) of h [T, n_embd] (normed):
     [T, n_embd] float32. `experts(j)`: expert j's (gate, up, down), asked once per call for each expert
@@ -174,14 +222,15 @@ def moe_ffn(cfg: Any, h: Array, lw: Any, experts: Callable[[int], tuple] | None 
     xp = get_array_module(h)
     T, e = h.shape[0], cfg.n_embd
     experts = experts or merged_experts(cfg, lw)
-    chosen, weights = route(cfg, h, lw.ffn_gate_inp, max_rows)
+    chosen, weights = route(cfg, h, lw.ffn_gate_inp, max_rows, lw.ffn_gate_inp_b)
     out = xp.zeros((T, e), dtype=np.float32)
     ran = np.unique(chosen)
     if hasattr(experts, "routed"):
         experts.routed(ran)
     for j in ran:                                      # increasing: each token sums its experts in this order
         tokens, slot = np.nonzero(chosen == j)
-        y = _swiglu(h[xp.asarray(tokens)], *experts(int(j)), max_rows).astype(np.float32, copy=False)  # [n_j, e]
+        y = _swiglu(h[xp.asarray(tokens)], *experts(int(j)), max_rows, expert_biases(cfg, lw, int(j)),
+                    cfg.activation == "swiglu_oai").astype(np.float32, copy=False)  # [n_j, e]
         out[xp.asarray(tokens)] += y * xp.asarray(weights[tokens, slot])[:, None]
     if hasattr(experts, "done"):
         experts.done()

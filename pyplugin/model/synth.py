@@ -266,7 +266,8 @@ def _tensors(spec: SynthSpec, n_vocab: int, lazy: bool = False) -> Iterable[tupl
     for i in range(spec.n_layer):
         b = f"blk.{i}"
         yield vector(f"{b}.attn_norm.weight", e, 1.0, 0.1)
-        yield vector(f"{b}.ffn_norm.weight", e, 1.0, 0.1)
+        # gpt-oss's norm before its experts has the name a Gemma's norm after attention has
+        yield vector(f"{b}.{'post_attention_norm' if spec.arch == 'gpt-oss' else 'ffn_norm'}.weight", e, 1.0, 0.1)
         if spec.arch == "phi3":
             yield matrix("attn_qkv", f"{b}.attn_qkv.weight", q_rows + 2 * kv_rows, e)
             yield matrix("ffn_up", f"{b}.ffn_up.weight", 2 * ff, e)    # gate rows, then up rows
@@ -283,7 +284,7 @@ def _tensors(spec: SynthSpec, n_vocab: int, lazy: bool = False) -> Iterable[tupl
             else:
                 yield matrix("ffn_gate", f"{b}.ffn_gate.weight", ff, e)
                 yield matrix("ffn_up", f"{b}.ffn_up.weight", ff, e)
-            if spec.arch in ("qwen2", "qwen2moe"):
+            if spec.arch in ("qwen2", "qwen2moe", "gpt-oss"):
                 for t, rows in (("attn_q", q_rows), ("attn_k", kv_rows), ("attn_v", kv_rows)):
                     yield vector(f"{b}.{t}.bias", rows, 0.0, 0.1)
             if spec.arch in ("qwen3", "gemma3", "qwen3moe"):
@@ -293,6 +294,9 @@ def _tensors(spec: SynthSpec, n_vocab: int, lazy: bool = False) -> Iterable[tupl
                 yield vector(f"{b}.post_attention_norm.weight", e, 1.0, 0.1)
                 yield vector(f"{b}.post_ffw_norm.weight", e, 1.0, 0.1)
         yield matrix("attn_output", f"{b}.attn_output.weight", e, q_rows)
+        if spec.arch == "gpt-oss":
+            yield vector(f"{b}.attn_output.bias", e, 0.0, 0.1)
+            yield vector(f"{b}.attn_sinks.weight", spec.n_head, 0.0, 1.0)
         if not spec.n_expert:
             yield matrix("ffn_down", f"{b}.ffn_down.weight", e, ff)
 
@@ -301,10 +305,15 @@ def _expert_tensors(spec: SynthSpec, b: str, matrix, vector):
     """A layer's router and merged experts (and qwen2moe's shared expert), as the converter writes them:
     the router kept F32 (llama.cpp's quantizer never quantizes it) unless tensor_types names it."""
     e, E, ff = spec.n_embd, spec.n_expert, _ff_exp(spec)
+    oai = spec.arch == "gpt-oss"  # its gate and up turned up (x3) so that its clamp at 7 bites now and then
     yield matrix("ffn_gate_inp", f"{b}.ffn_gate_inp.weight", E, e, default="F32")
-    yield matrix("ffn_gate_exps", f"{b}.ffn_gate_exps.weight", ff, e, stack=(E,))
-    yield matrix("ffn_up_exps", f"{b}.ffn_up_exps.weight", ff, e, stack=(E,))
+    yield matrix("ffn_gate_exps", f"{b}.ffn_gate_exps.weight", ff, e, 3 * e ** -0.5 if oai else None, stack=(E,))
+    yield matrix("ffn_up_exps", f"{b}.ffn_up_exps.weight", ff, e, 3 * e ** -0.5 if oai else None, stack=(E,))
     yield matrix("ffn_down_exps", f"{b}.ffn_down_exps.weight", e, ff, stack=(E,))
+    if oai:  # biases: the router's [E], the experts' as [E, rows] stacks
+        yield vector(f"{b}.ffn_gate_inp.bias", E, 0.0, 0.1)
+        for name, rows in (("ffn_gate_exps", ff), ("ffn_up_exps", ff), ("ffn_down_exps", e)):
+            yield f"{b}.{name}.bias", _random(spec.seed, f"{b}.{name}.bias", (E, rows), 0.1), T.F32
     if spec.arch == "qwen2moe":
         sh = spec.n_ff_shexp or spec.n_ff
         yield vector(f"{b}.ffn_gate_inp_shexp.weight", e, 0.0, e ** -0.5)
@@ -313,7 +322,7 @@ def _expert_tensors(spec: SynthSpec, b: str, matrix, vector):
         yield matrix("ffn_down_shexp", f"{b}.ffn_down_shexp.weight", e, sh)
 
 
-_OWN_HEAD_SIZE = ("qwen3", "gemma2", "gemma3", "qwen3moe")  # their converters always write attention.key_length
+_OWN_HEAD_SIZE = ("qwen3", "gemma2", "gemma3", "qwen3moe", "gpt-oss")  # their converters always write attention.key_length
 
 
 def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:

@@ -62,7 +62,8 @@ class ModelConfig:
     rope_mscale: float = 1.0            # multiplies cos and sin (YaRN's 1 + 0.1 ln(factor))
     attn_scale: float | None = None     # multiplies q before the dot products; None: 1/sqrt(head_dim)
     pooling: str = "mean"               # how embeddings pool the hidden states: mean, cls, last, none, rank
-    activation: str = "silu"            # the FFN's gate: "silu" (SwiGLU) or "gelu" (GELU-tanh, the Gemmas)
+    activation: str = "silu"            # the FFN's gate: "silu" (SwiGLU), "gelu" (GELU-tanh, the Gemmas) or
+                                        # "swiglu_oai" (gpt-oss's clamped SwiGLU: moe.swiglu_oai)
     embd_scale: float = 1.0             # multiplies the token embedding (sqrt(n_embd) for the Gemmas)
     residual_scale: float = 1.0         # multiplies each block's output before it joins the residual (Granite)
     logit_scale: float = 1.0            # multiplies the logits (1 / Granite's logit_scale)
@@ -79,6 +80,8 @@ class ModelConfig:
     n_ff_shexp: int = 0                 # the shared expert's hidden size (qwen2moe); 0: none
     expert_norm: bool = False           # the chosen experts' weights renormalised to sum to 1
     expert_scale: float = 1.0           # ... then multiplied by this
+    expert_gating: str = "softmax"      # "softmax": over every expert's score; "softmax_chosen" (gpt-oss): the
+                                        # best by the router's logits, a softmax over the chosen
 
     @property
     def n_group(self) -> int:
@@ -145,6 +148,14 @@ class LayerWeights:
     ffn_gate_shexp: Array | None = None  # [n_ff_shexp, n_embd]
     ffn_up_shexp: Array | None = None    # [n_ff_shexp, n_embd]
     ffn_down_shexp: Array | None = None  # [n_embd, n_ff_shexp]
+    # gpt-oss: a sink logit per head (attention.attention), the output projection's bias, the router's, and
+    # each expert's gate, up and down biases as stacks (expert j's are rows j * rows .. (j + 1) * rows)
+    attn_sinks: Array | None = None      # [n_head]
+    bo: Array | None = None              # [n_embd]
+    ffn_gate_inp_b: Array | None = None  # [n_expert]
+    ffn_gate_exps_b: Array | None = None  # [n_expert * n_ff_exp]
+    ffn_up_exps_b: Array | None = None   # [n_expert * n_ff_exp]
+    ffn_down_exps_b: Array | None = None  # [n_expert * n_embd]
 
     def arrays(self) -> Iterator[tuple[str, Array]]:
         """(field name, array) for every array present."""
@@ -309,8 +320,10 @@ def attention_block(cfg: ModelConfig, x: Array, lw: LayerWeights, k_cache: Array
         keep = min(T, rows)                                # the newest rows only: they fill the ring
         at = xp.arange(pos + T - keep, pos + T) % rows
         k_cache[at], v_cache[at] = k_rows[T - keep:], v_rows[T - keep:]
-        attn = attention(cfg, apply_rope(cfg, q, cos, sin), keys, values, pos, lo)
+        attn = attention(cfg, apply_rope(cfg, q, cos, sin), keys, values, pos, lo, lw.attn_sinks)
     else:
+        if lw.attn_sinks is not None:  # the kernels' attention has no sinks
+            attend = None
         if attend is not None and T == 1 and not cfg.window:  # the row written (encoded) by the kernels' call
             attn = attend.tokens(cfg, apply_rope(cfg, q, cos, sin), [(k_cache, v_cache)], [pos + 1], (k, v))
         else:
@@ -319,8 +332,8 @@ def attention_block(cfg: ModelConfig, x: Array, lw: LayerWeights, k_cache: Array
                 attn = attend.chunk(cfg, apply_rope(cfg, q, cos, sin), (k_cache, v_cache), pos + T)
             else:
                 attn = attention(cfg, apply_rope(cfg, q, cos, sin), decode(k_cache[:pos + T], kv, dt),
-                                 decode(v_cache[:pos + T], kv, dt), pos)
-    out = linear(attn, lw.wo)                                                   # [T, n_embd]
+                                 decode(v_cache[:pos + T], kv, dt), pos, 0, lw.attn_sinks)
+    out = linear(attn, lw.wo, lw.bo)                                                 # [T, n_embd]
     if lw.post_attn_norm is not None:
         out = rms_norm(out, lw.post_attn_norm, cfg.rms_eps)
     return x + (out if cfg.residual_scale == 1.0 else out * cfg.residual_scale)

@@ -24,13 +24,8 @@ from ..errors import InvalidArgumentError, SizeMismatchError
 from ..ggml_types import DENSE_TYPES
 from ..kv_types import KV_TYPES, cache_kv_type
 from ..xp import free_cached
-from .abi import DECODER_GRAPHS
+from .abi import ACTIVATIONS, DECODE_WEIGHTS, DECODER_GRAPHS, GATINGS  # noqa: F401 (DECODE_WEIGHTS: for others)
 from .interface import as_int
-
-DECODE_WEIGHTS = ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down", "bq", "bk", "bv",
-                  "q_norm", "k_norm", "post_attn_norm", "post_ffn_norm", "ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps",
-                  "ffn_down_exps", "ffn_gate_inp_shexp", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")
-
 
 @dataclass(frozen=True)
 class LayerShape:
@@ -44,7 +39,7 @@ class LayerShape:
     rope_dims: int
     rope_neox: int
     rms_eps: float
-    gelu: int = 0                # GELU-tanh gate instead of SwiGLU (the Gemmas)
+    activation: int = 0          # 0 SwiGLU, 1 GELU-tanh (the Gemmas), 2 gpt-oss's clamped SwiGLU (its experts)
     ring: int = 0                # the caches are rings of a sliding window's rows
     attn_softcap: float = 0.0    # gemma2's soft cap of the scores; 0: none
     residual_scale: float = 1.0  # Granite's
@@ -54,18 +49,19 @@ class LayerShape:
     n_ff_shexp: int = 0          # the shared expert's hidden size; 0: none
     expert_norm: int = 0
     expert_scale: float = 1.0
+    expert_gating: int = 0       # 0 a softmax over every expert, 1 over the chosen experts' scores (gpt-oss)
 
     @classmethod
     def of(cls, cfg) -> "LayerShape":
         """From a pyplugin.model.ModelConfig: a layer's own (ModelConfig.for_layer), whose window says
         whether its caches are rings (they hold min(n_ctx, window) rows: ModelConfig.kv_rows)."""
-        if cfg.activation not in ("silu", "gelu"):
-            raise InvalidArgumentError(f"decoder: activation {cfg.activation!r}; silu and gelu are "
+        if cfg.activation not in ACTIVATIONS:
+            raise InvalidArgumentError(f"decoder: activation {cfg.activation!r}; {', '.join(ACTIVATIONS)} are "
                                        "computed")
         return cls(cfg.n_embd, cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.n_ff, cfg.rope_dims,
-                   int(cfg.rope_mode == "neox"), cfg.rms_eps, int(cfg.activation == "gelu"), int(cfg.window > 0),
+                   int(cfg.rope_mode == "neox"), cfg.rms_eps, ACTIVATIONS.index(cfg.activation), int(cfg.window > 0),
                    cfg.attn_softcap, cfg.residual_scale, cfg.n_expert, cfg.n_expert_used, cfg.n_ff_exp, cfg.n_ff_shexp,
-                   int(cfg.expert_norm), cfg.expert_scale)
+                   int(cfg.expert_norm), cfg.expert_scale, GATINGS.index(cfg.expert_gating))
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,8 @@ class NativeDecoder:
         for i, (layer, c) in enumerate(zip(layers, c_layers)):
             shape = layer.shape
             for name in ("n_embd", "n_head", "n_head_kv", "head_dim", "n_ff", "rope_dims", "rope_neox", "rms_eps",
-                         "gelu", "ring", "attn_softcap", "residual_scale", "n_expert", "n_expert_used", "n_ff_exp",
-                         "n_ff_shexp", "expert_norm", "expert_scale"):
+                         "activation", "ring", "attn_softcap", "residual_scale", "n_expert", "n_expert_used",
+                         "n_ff_exp", "n_ff_shexp", "expert_norm", "expert_scale", "expert_gating"):
                 setattr(c.shape, name, getattr(shape, name))
             # Sizes follow from a shape the library takes; another it refuses by name, with its own message.
             valid = min(shape.n_embd, shape.n_head, shape.n_head_kv, shape.head_dim, shape.n_ff) >= 1 and \
@@ -191,4 +191,6 @@ def decode_buffer_sizes(shape, type_block) -> dict:
             "q_norm": vector(shape.head_dim), "k_norm": vector(shape.head_dim), "post_attn_norm": vector(e),
             "post_ffn_norm": vector(e), "ffn_gate_inp": matrix(E, e), "ffn_gate_exps": matrix(E * fx, e),
             "ffn_up_exps": matrix(E * fx, e), "ffn_down_exps": matrix(E * e, fx), "ffn_gate_inp_shexp": vector(e),
-            "ffn_gate_shexp": matrix(sh, e), "ffn_up_shexp": matrix(sh, e), "ffn_down_shexp": matrix(e, sh)}
+            "ffn_gate_shexp": matrix(sh, e), "ffn_up_shexp": matrix(sh, e), "ffn_down_shexp": matrix(e, sh),
+            "attn_sinks": vector(shape.n_head), "bo": vector(e), "ffn_gate_inp_b": vector(E),
+            "ffn_gate_exps_b": vector(E * fx), "ffn_up_exps_b": vector(E * fx), "ffn_down_exps_b": vector(E * e)}

@@ -15,7 +15,7 @@ from ..model.transformer import (ROPE_NEOX, ROPE_NORMAL, LayerWeights, ModelConf
 from .abi import DECODER_MAX_BATCH
 from .decoder_scratch import scratch_bytes
 from .interface import host_buffer
-from .kernels import DECODER_STATS, EXPERT_MATRICES, GraphPolicy
+from .kernels import ACTIVATIONS, DECODER_STATS, EXPERT_MATRICES, GATINGS, GraphPolicy
 from .stub_experts import ExpertSlots
 
 _DTYPE_OF = {ggml_type: dtype for dtype, ggml_type in DENSE_TYPES.items()}  # F32, F16 -> numpy dtype
@@ -86,7 +86,7 @@ class StubDecoder:
                     bv=vec("bv", kv_rows, optional=True), q_norm=vec("q_norm", s.head_dim, optional=True),
                     k_norm=vec("k_norm", s.head_dim, optional=True),
                     post_attn_norm=vec("post_attn_norm", e, optional=True),
-                    post_ffn_norm=vec("post_ffn_norm", e, optional=True))
+                    post_ffn_norm=vec("post_ffn_norm", e, optional=True), **_gpt_oss_weights(where, w, s, vec))
 
             lw = build(w)
             if (lw.q_norm is not None or lw.k_norm is not None) and (lw.bq is not None or lw.bk is not None):
@@ -124,11 +124,11 @@ class StubDecoder:
                               head_dim=s.head_dim, n_ff=s.n_ff, n_vocab=0, n_ctx_train=layer.kv_rows,
                               rms_eps=s.rms_eps, rope_mode=ROPE_NEOX if s.rope_neox else ROPE_NORMAL,
                               rope_dims=s.rope_dims, attn_scale=float(layer.attn_scale),
-                              activation="gelu" if s.gelu else "silu", window=layer.kv_rows if s.ring else 0,
+                              activation=ACTIVATIONS[s.activation], window=layer.kv_rows if s.ring else 0,
                               attn_softcap=float(s.attn_softcap), residual_scale=float(s.residual_scale),
                               n_expert=s.n_expert, n_expert_used=s.n_expert_used, n_ff_exp=s.n_ff_exp,
                               n_ff_shexp=s.n_ff_shexp if s.n_expert else 0, expert_norm=bool(s.expert_norm),
-                              expert_scale=float(s.expert_scale))
+                              expert_scale=float(s.expert_scale), expert_gating=GATINGS[s.expert_gating])
             self.layers.append((cfg, lw, caches, (cos, sin), layer))
             if layer.experts is not None:
                 types = {name: layer.weights[name][0] for name in EXPERT_MATRICES if name in layer.weights}
@@ -222,6 +222,24 @@ class StubDecoder:
 
     def close(self) -> None:
         self.closed = True
+
+
+def _gpt_oss_weights(where: str, w: dict, s, vec) -> dict:
+    """gpt-oss's sinks and biases, each optional, refused as native/cuda/decoder.cu refuses them: the sinks
+    not F32, a router's or expert's bias outside a layer of experts, or the experts' three biases not together."""
+    present = {name for name in ("ffn_gate_exps_b", "ffn_up_exps_b", "ffn_down_exps_b") if (w.get(name) or (0, None))[1] is not None}
+    sinks = w.get("attn_sinks")
+    if (sinks is not None and sinks[1] is not None and sinks[0] != 0) or len(present) not in (0, 3) or \
+            (not s.n_expert and (present or (w.get("ffn_gate_inp_b") or (0, None))[1] is not None)):
+        raise InvalidArgumentError(f"{where}: attn_sinks must be 0 F32 where given; ffn_gate_inp_b and the experts' "
+                                   "biases (ffn_gate_exps_b, ffn_up_exps_b, ffn_down_exps_b, all three or none) are for "
+                                   "a layer of experts")
+    E, fx, e = s.n_expert, s.n_ff_exp, s.n_embd
+    return dict(attn_sinks=vec("attn_sinks", s.n_head, optional=True), bo=vec("bo", e, optional=True),
+                ffn_gate_inp_b=vec("ffn_gate_inp_b", E, optional=True),
+                ffn_gate_exps_b=vec("ffn_gate_exps_b", E * fx, optional=True),
+                ffn_up_exps_b=vec("ffn_up_exps_b", E * fx, optional=True),
+                ffn_down_exps_b=vec("ffn_down_exps_b", E * e, optional=True))
 
 
 def _wanted(where: str, weights: dict, name: str, wanted) -> bool:

@@ -138,7 +138,7 @@ class ExpertSlots:
         """prefetch_experts: layer i's router on x [n, n_embd], the hidden state entering it, normed with its
         ffn_norm; the n_expert_used experts of the highest probability summed over the tokens restored into
         staging slots where the layer's cache lacks them."""
-        p = router_probabilities(cfg, rms_norm(x, lw.ffn_norm, cfg.rms_eps), lw.ffn_gate_inp, max_rows)
+        p = router_probabilities(cfg, rms_norm(x, lw.ffn_norm, cfg.rms_eps), lw.ffn_gate_inp, max_rows, lw.ffn_gate_inp_b)
         score = np.zeros(p.shape[1], np.float32)
         for row in p:  # token by token, as the native step sums them
             score += row

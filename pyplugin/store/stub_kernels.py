@@ -176,8 +176,9 @@ class StubKernels:
         if not 0 <= s.rope_dims <= s.head_dim or s.rope_dims % 2:
             raise InvalidArgumentError(f"{where}: rope_dims {s.rope_dims} must be even and within 0..head_dim "
                                        f"({s.head_dim})")
-        if s.gelu not in (0, 1):
-            raise InvalidArgumentError(f"{where}: gelu is {s.gelu}; 0 (SwiGLU) or 1 (GELU) are accepted")
+        if s.activation not in (0, 1, 2) or (s.activation == 2 and s.n_expert < 1):
+            raise InvalidArgumentError(f"{where}: activation is {s.activation}; 0 (SwiGLU), 1 (GELU) or, in a layer of "
+                                       "experts, 2 (gpt-oss's clamped SwiGLU) are accepted")
         if s.ring not in (0, 1):
             raise InvalidArgumentError(f"{where}: ring is {s.ring}; 0 or 1 are accepted")
         if not (math.isfinite(s.attn_softcap) and s.attn_softcap >= 0 and math.isfinite(s.residual_scale)):
@@ -185,11 +186,14 @@ class StubKernels:
                                        f"residual_scale {s.residual_scale:g} finite")
         if not 0 <= s.n_expert <= 1 << 12 or s.n_ff_shexp < 0 or (s.n_expert and (
                 not 1 <= s.n_expert_used <= min(s.n_expert, 16) or s.n_ff_exp < 1 or s.expert_norm not in (0, 1)
-                or not math.isfinite(s.expert_scale) or s.gelu)):
+                or not math.isfinite(s.expert_scale) or s.activation == 1 or s.expert_gating not in (0, 1)
+                or (s.expert_gating == 1 and s.expert_norm))) or (not s.n_expert and s.expert_gating):
             raise InvalidArgumentError(f"{where}: experts: n_expert {s.n_expert} must be within 0..4096 and, above 0, "
                                        f"n_expert_used {s.n_expert_used} within 1..n_expert (and 16), n_ff_exp "
                                        f"{s.n_ff_exp} at least 1, expert_norm {s.expert_norm} 0 or 1, expert_scale "
-                                       f"{s.expert_scale:g} finite, gelu 0; n_ff_shexp {s.n_ff_shexp} at least 0")
+                                       f"{s.expert_scale:g} finite, activation {s.activation} 0 or 2, expert_gating "
+                                       f"{s.expert_gating} 0 or 1 (1 with expert_norm 0; 0 without experts); n_ff_shexp "
+                                       f"{s.n_ff_shexp} at least 0")
 
     def _vector(self, where: str, weights: dict, name: str, n: int, optional: bool = False):
         ref = weights.get(name)
