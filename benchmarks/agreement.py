@@ -19,6 +19,8 @@ from lib.cli import run  # noqa: E402
 COMMANDS = {
     "llamacpp": ("lib.agreement_llamacpp", "logits, greedy tokens and tokenization against llama.cpp for every "
                                            "architecture and tensor type"),
+    "chat": ("lib.agreement_chat", "the prompt the server renders for a chat (tools, their results, think levels) "
+                                   "against llama.cpp's rendering of the file's template, token for token"),
     "moe-shape": ("lib.agreement_moe_shape", "the mixture-of-experts check on a real model's shape "
                                              "(Qwen3-30B-A3B), with pebbling's router margins"),
     "shift": ("lib.agreement_shift", "a generation past num_ctx: pebbling's context shifts and logits step by "

@@ -107,8 +107,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
                 delta = {"role": "assistant"}
                 if out.content or not (out.thinking or out.tool_calls):
                     delta["content"] = out.content
-                if out.thinking:
-                    delta["reasoning_content"] = out.thinking
+                if out.thinking:  # both names clients read it under (Ollama's `reasoning`, DeepSeek's)
+                    delta["reasoning"] = delta["reasoning_content"] = out.thinking
                 if out.tool_calls:
                     delta["tool_calls"] = openai_calls(out.tool_calls, calls[0], index=True)
                     calls[0] += len(out.tool_calls)
@@ -125,7 +125,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         # OpenAI: content null when the reply is only calls
         m: dict[str, Any] = {"role": "assistant", "content": out.content or (None if out.tool_calls else "")}
         if out.thinking:
-            m["reasoning_content"] = out.thinking
+            m["reasoning"] = m["reasoning_content"] = out.thinking
         if out.tool_calls:
             m["tool_calls"] = openai_calls(out.tool_calls)
         return m

@@ -97,6 +97,8 @@ def openai_tools(body: ChatCompletionRequest) -> tuple[list | None, Any, bool | 
     think = body.think
     if body.reasoning_effort == "none":  # OpenAI's "no reasoning": thinking off, where a model thinks
         think = False if think is None else think
+    elif body.reasoning_effort is not None and think is None:  # a level: gpt-oss's effort, else thinking on
+        think = body.reasoning_effort
     return tools, choice if tools else None, think
 
 

@@ -67,7 +67,8 @@ class ResponsesRequest(_Body):
     reasoning: dict[str, Any] | None = Field(None, description='{"effort": "none"} turns thinking off, any other '
                                                                'effort on (levels are not told apart); the '
                                                                'thinking comes as a reasoning output item')
-    think: bool | None = Field(None, description="pebbling extension, as Ollama's think: true or false")
+    think: bool | str | None = Field(None, description="pebbling extension, as Ollama's think: true, false or a "
+                                     "level (low, medium, high: gpt-oss's reasoning effort)")
     previous_response_id: str | None = Field(None, description="not supported: responses are not stored")
     background: bool | None = Field(None, description="not supported")
     store: bool | None = None
@@ -92,8 +93,8 @@ async def responses(body: ResponsesRequest, request: Request) -> Response:
     options.update({k: v for k, v in given.items() if v is not None})
     think = body.think
     effort = (body.reasoning or {}).get("effort")
-    if think is None and effort is not None:
-        think = effort != "none"
+    if think is None and effort is not None:  # a level: gpt-oss's reasoning effort, else thinking on
+        think = False if effort == "none" else effort
     job = await submit(request, GenerationRequest(
         model=body.model, messages=_messages(body.input, body.instructions), format=_format(body.text),
         options=options, keep_alive=body.keep_alive, tools=tools, tool_choice=choice, think=think))

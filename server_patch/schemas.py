@@ -28,8 +28,9 @@ _SHIFT_DOC = ("true (the default): a generation that fills num_ctx shifts it (nu
               "rest dropped) and goes on, as Ollama's does; false: it ends there (done_reason length)")
 _THINK_DOC = ("true: the model thinks, and its thinking comes apart from the answer (message.thinking, or "
               "generate's thinking); "
-              "false: thinking off; absent: the template's default, the text as written. Refused (400) "
-              "for a model whose template marks no <think> part")
+              "false: thinking off; absent: the template's default, the text as written; \"low\", \"medium\" "
+              "or \"high\": gpt-oss's reasoning effort (its thinking always comes apart), on for another "
+              "thinking model. Refused (400) for a model whose template marks no <think> part")
 _TOOLS_DOC = ('functions the model may call, rendered through its chat template: [{"type": "function", '
               '"function": {"name", "description", "parameters": {JSON schema}}}]; refused (400) for a '
               'model whose template takes no tools')
@@ -164,8 +165,8 @@ class ChatCompletionRequest(_OpenAIBody):
                                              "required or a named function, which force exactly one)")
     functions: list[Any] | None = Field(None, description="not supported: send tools")
     function_call: Any = Field(None, description="not supported: send tool_choice")
-    reasoning_effort: str | None = Field(None, description="\"none\": thinking off; levels are not "
-                                         "supported (send think: true)")
+    reasoning_effort: str | None = Field(None, description="\"none\": thinking off; \"low\", \"medium\" or "
+                                         "\"high\": gpt-oss's reasoning effort, thinking on for another model")
     think: Any = Field(None, description="pebbling extension, as Ollama's: " + _THINK_DOC.replace(
         "message.thinking", "message.reasoning_content"))
 

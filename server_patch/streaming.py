@@ -29,7 +29,6 @@ class BadRequest(Exception):
 UNSUPPORTED = {
     "logit_bias": "logit bias", "functions": "function calls (send tools)",
     "function_call": "function calls (send tool_choice)",
-    "reasoning_effort": "a level of reasoning effort (pebbling turns thinking on or off: send think true or false)",
 }
 _NEUTRAL = (None, False, "", "none", "auto", [], {})
 

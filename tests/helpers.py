@@ -276,3 +276,17 @@ def rewrite_gguf(src, dst, *, drop=(), strings=None, tensors=None):
     writer.write_tensors_to_file()
     writer.close()
     return dst
+
+
+def prompt_of(models, model: str, **request) -> str:
+    """The prompt an Engine over the models directory evaluates for `request` on `model` (a file there), as
+    text with its special tokens (and the one token it generates after)."""
+    from pyplugin.model import load_model
+    from pyplugin.serving import Engine, GenerationRequest
+    engine = Engine(models)
+    try:
+        job = engine.submit(GenerationRequest(model=model, options={"num_predict": 1}, **request))
+        job.result()
+        return load_model(models / f"{model}.gguf", progress=False).tokenizer.decode(job.tokens, special=True)
+    finally:
+        engine.close()

@@ -169,8 +169,8 @@ def test_a_prompt_that_opens_the_block_makes_everything_up_to_its_end_thinking(u
     ("/api/chat", {"model": "plain", "think": True}, "plain does not support thinking"),
     ("/api/generate", {"model": "plain", "prompt": "x", "think": True}, "plain does not support thinking"),
     ("/v1/chat/completions", {"model": "plain", "think": True}, "plain does not support thinking"),
-    ("/api/chat", {"model": "qwen3", "think": "high"}, "think: got 'high'; accepted: true or false"),
-    ("/v1/chat/completions", {"model": "qwen3", "reasoning_effort": "high"}, "reasoning_effort"),
+    ("/api/chat", {"model": "qwen3", "think": "extreme"}, "think: got 'extreme'; accepted: true, false, or a level"),
+    ("/v1/chat/completions", {"model": "plain", "reasoning_effort": "high"}, "reasoning_effort"),
     ("/api/generate", {"model": "qwen3", "prompt": "x", "raw": True, "think": True}, "chat template"),
 ])
 def test_a_model_that_does_not_think_is_a_clear_400(url, path, body, needle):
@@ -178,6 +178,15 @@ def test_a_model_that_does_not_think_is_a_clear_400(url, path, body, needle):
     r = requests.post(url + path, json=body, timeout=60)
     assert r.status_code == 400, r.text
     assert needle in (r.json()["error"]["message"] if path.startswith("/v1") else r.json()["error"])
+
+
+def test_a_think_level_turns_thinking_on_for_a_model_without_levels(url, scripted):
+    """Levels are gpt-oss's reasoning effort (test_harmony.py); another thinking model takes one as true, as
+    OpenAI's reasoning_effort."""
+    scripted(REPLY)
+    assert chat(url, think="low")["message"] == chat(url, think=True)["message"]
+    assert openai(url, reasoning_effort="high")["choices"][0]["message"]["reasoning_content"] == \
+        "The user adds. 2 + 2 is 4."
 
 
 def test_think_false_on_a_model_that_does_not_think_changes_nothing(url, models):

@@ -11,11 +11,10 @@ import pytest
 import requests
 
 from chat_templates import OLLAMA_LLAMA32_GO, OLLAMA_QWEN3_GO, PHI3_TOOLS, QWEN3_THINKING
-from helpers import script_replies, tiny_spec
+from helpers import prompt_of, script_replies, tiny_spec
 from pyplugin.errors import OptionsError
 from pyplugin.model import load_model
 from pyplugin.model.synth import CHATML_TEMPLATE, LLAMA3_TEMPLATE, PHI3_TEMPLATE, write_gguf
-from pyplugin.serving import Engine, GenerationRequest
 from pyplugin.serving.tool_calls import (GENERIC, LLAMA3, QWEN, ToolCall, ToolCallParser, call_grammar,
                                          forced_tools, tool_format)
 from server_patch import create_app
@@ -233,16 +232,6 @@ def test_a_reply_without_a_call_is_content_and_stops(url, scripted):
 
 # ---------------------------------------------------------------------------------------------------
 # the prompt
-
-
-def prompt_of(models, model: str, **request) -> str:
-    engine = Engine(models)
-    try:
-        job = engine.submit(GenerationRequest(model=model, options={"num_predict": 1}, **request))
-        job.result()
-        return load_model(models / f"{model}.gguf", progress=False).tokenizer.decode(job.tokens, special=True)
-    finally:
-        engine.close()
 
 
 @pytest.mark.parametrize("model", MODELS)

@@ -452,21 +452,23 @@ SPECIAL_TEXTS = {
     "spm": "<|user|>\nHi there<|end|>\n<|assistant|>\n",
     "qwen3": "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nHello",
     "gemma": "<start_of_turn>user\nHi there<end_of_turn>\n<start_of_turn>model\n",
+    "harmony": "<|start|>user<|message|>Hi there<|end|><|start|>assistant<|channel|>analysis<|message|>Hmm. "
+               "CamelCase and ALLCAPS words, ÉCOLE école<|end|>",
 }
 
 
 # flavour -> (arch, vocab): the arch only sets general.name, which llama.cpp reads for phi-3 quirks.
 TOKENIZER_FLAVOURS = {"llama3": ("llama", "llama3"), "chatml": ("qwen2", "chatml"),
                       "spm": ("llama", "spm"), "spm phi3": ("phi3", "spm"), "qwen3": ("qwen3", "qwen3"),
-                      "gemma": ("gemma3", "gemma")}
+                      "gemma": ("gemma3", "gemma"), "harmony": ("gpt-oss", "harmony")}
 
 
 def compare_tokenizers(workdir: Path) -> list[dict[str, Any]]:
     rows = []
     for flavour, (arch, vocab) in TOKENIZER_FLAVOURS.items():
         path = workdir / f"vocab_{flavour.replace(' ', '_')}.gguf"
-        write_gguf(path, arch=arch, vocab=vocab, n_layer=1, n_embd=64, n_head=2, n_head_kv=2, n_ff=64,
-                   **ARCH_SPEC.get(arch, {}))
+        write_gguf(path, **{"arch": arch, "vocab": vocab, "n_layer": 1, "n_embd": 64, "n_head": 2, "n_head_kv": 2,
+                            "n_ff": 64, **ARCH_SPEC.get(arch, {})})
         tok = load_model(path, progress=False).tokenizer
         texts = dict(TEXTS, special=SPECIAL_TEXTS[vocab])
         texts["bos-prefixed"] = tok.bos_token + "Hi there"   # a rendered chat template often starts so

@@ -163,6 +163,53 @@ GEMMA_TEMPLATE = (  # Gemma's turns: a system message joins the first user turn;
     " + '<end_of_turn>\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
 )
+# gpt-oss's harmony format, written short after its own template: a system message with the reasoning effort, a
+# developer message with the instructions and the tools as a TypeScript namespace, each turn a message on its
+# channel; an assistant's thinking on the analysis channel where a call follows it, its calls on the commentary
+# channel addressed to the function, the results from the function back to the assistant.
+HARMONY_TEMPLATE = """<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.
+Knowledge cutoff: 2024-06
+
+Reasoning: {{ reasoning_effort | default("medium") }}
+
+# Valid channels: analysis, commentary, final. Channel must be included for every message.
+{%- if tools %}
+Calls to these tools must go to the commentary channel: 'functions'.
+{%- endif %}<|end|>
+{%- set instructions = messages[0].content if messages and messages[0].role in ("system", "developer") else none %}
+{%- if instructions or tools %}<|start|>developer<|message|>
+{%- if instructions %}# Instructions
+
+{{ instructions }}
+{%- endif %}
+{%- if tools %}
+
+# Tools
+
+## functions
+
+namespace functions {
+{%- for t in tools %}
+
+// {{ t.function.description }}
+type {{ t.function.name }} = (_: {{ t.function.parameters | tojson }}) => any;
+{%- endfor %}
+
+} // namespace functions
+{%- endif %}<|end|>
+{%- endif %}
+{%- for m in messages if m.role not in ("system", "developer") %}
+{%- if m.role == "user" %}<|start|>user<|message|>{{ m.content }}<|end|>
+{%- elif m.role == "assistant" and m.tool_calls %}
+{%- if m.thinking %}<|start|>assistant<|channel|>analysis<|message|>{{ m.thinking }}<|end|>{% endif %}
+{%- for c in m.tool_calls %}<|start|>assistant to=functions.{{ c.function.name }}<|channel|>commentary json<|message|>
+{{- c.function.arguments | tojson }}<|call|>{% endfor %}
+{%- elif m.role == "assistant" %}<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|end|>
+{%- elif m.role == "tool" %}<|start|>functions.{{ m.name or m.tool_name }} to=assistant<|channel|>commentary<|message|>
+{{- m.content }}<|end|>
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|start|>assistant{% endif %}"""
 PHI3_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|' + message['role'] + '|>\n' + message['content'] + '<|end|>\n' }}{% endfor %}"
@@ -225,7 +272,7 @@ def _unique(items: Iterable[str]) -> list[str]:
 
 def build_vocab(flavour: str, n_merges: int = 300, pre: str | None = None, pad_to: int = 0) -> Vocab:
     """A small real tokenizer: 'llama3', 'chatml', 'coder' (ChatML with Qwen2.5-Coder's fill-in-the-middle
-    tokens) or 'qwen3' (byte-level BPE), 'spm' or 'gemma' (SentencePiece). `pad_to`: a Gemma vocabulary filled with unused pieces up to that many tokens."""
+    tokens), 'qwen3' or 'harmony' (gpt-oss's special tokens and chat format) (byte-level BPE), 'spm' or 'gemma' (SentencePiece). `pad_to`: a Gemma vocabulary filled with unused pieces up to that many tokens."""
     if flavour == "llama3":
         specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
                     "<|end_header_id|>", "<|eot_id|>"]
@@ -244,11 +291,16 @@ def build_vocab(flavour: str, n_merges: int = 300, pre: str | None = None, pad_t
         specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
         return _byte_level_vocab(specials, pre or "qwen2", n_merges, bos=0, eos=2, eot=2,
                                  add_bos=False, template=QWEN3_TEMPLATE)
+    if flavour == "harmony":  # o200k_harmony's special tokens (gpt-oss), in its order
+        specials = ["<|startoftext|>", "<|endoftext|>", "<|return|>", "<|constrain|>", "<|channel|>", "<|start|>",
+                    "<|end|>", "<|message|>", "<|call|>"]
+        return _byte_level_vocab(specials, pre or "gpt-4o", n_merges, bos=0, eos=2, eot=2,
+                                 add_bos=False, template=HARMONY_TEMPLATE)
     if flavour == "spm":
         return _spm_vocab(n_merges)
     if flavour == "gemma":
         return _gemma_vocab(n_merges, pad_to)
-    raise ValueError(f"vocab {flavour!r}: choose llama3, chatml, coder, qwen3, spm or gemma")
+    raise ValueError(f"vocab {flavour!r}: choose llama3, chatml, coder, qwen3, harmony, spm or gemma")
 
 
 def _byte_level_vocab(specials: list[str], pre: str, n_merges: int, *, bos: int, eos: int, eot: int,

@@ -17,7 +17,6 @@ from __future__ import annotations
 import codecs
 import functools
 import re
-from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Iterable, Sequence
 
@@ -27,6 +26,7 @@ from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import models as _models
 
 from ..errors import ModelError
+from .pre_tokenizers import PRE_TOKENIZERS  # noqa: F401 (the table: for the vocabularies and tests)
 from .vocabulary import check_vocabulary, fim_token_ids
 
 # tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
@@ -34,40 +34,7 @@ NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
 SPACE = "\u2581"  # '▁', SentencePiece's visible space
 
-# Pre-tokenizer regexes, as llama.cpp's llm_tokenizer_bpe spells them (llama-vocab.cpp). Each regex
-# splits the pieces the previous one produced, keeping matches and gaps alike.
-_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
-_CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
-_LLAMA3 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-           r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-          r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-
-
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # no text with one in it can be encoded
-
-
-@dataclass(frozen=True)
-class PreTokenizer:
-    regexes: tuple[str, ...]
-    ignore_merges: bool = False   # a whole pre-token found in the vocabulary is used as is
-    add_bos: bool = False         # llama.cpp's default when the file does not say
-
-
-_LLAMA3_PRE = PreTokenizer((_LLAMA3,), ignore_merges=True, add_bos=True)
-_QWEN2_PRE = PreTokenizer((_QWEN2,))
-_GPT2_PRE = PreTokenizer((_GPT2,))
-_STARCODER_PRE = PreTokenizer((r"\p{N}", _GPT2))
-_DEFAULT_PRE = PreTokenizer((r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"))
-
-PRE_TOKENIZERS: dict[str, PreTokenizer] = {
-    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral"), _LLAMA3_PRE),
-    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "stablelm2", "megrez"), _QWEN2_PRE),
-    **dict.fromkeys(("gpt2", "gpt-2", "phi-2", "mpt", "olmo", "jais"), _GPT2_PRE),
-    **dict.fromkeys(("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone"),
-                    _STARCODER_PRE),
-    "default": _DEFAULT_PRE,
-}
 
 # What C's isspace() takes for whitespace (llama.cpp strips these bytes only, never U+00A0 & co).
 _C_WHITESPACE = " \t\n\v\f\r"
@@ -75,7 +42,7 @@ _C_WHITESPACE = " \t\n\v\f\r"
 # Tokens that end a turn in common chat formats; llama.cpp treats these as end-of-generation too, and
 # Qwen2.5-Coder's fill-in-the-middle padding, repository and file separators (its FIM_PAD, _REP, _SEP).
 _EOG_TEXTS = frozenset({"<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>",
-                        "<|endoftext|>", "<|end_of_text|>", "<EOT>", "<|return|>",
+                        "<|endoftext|>", "<|end_of_text|>", "<EOT>", "<|return|>", "<|call|>",
                         "<|fim_pad|>", "<|repo_name|>", "<|fim_repo|>", "<|file_sep|>"})
 
 
@@ -102,6 +69,9 @@ def _byte_level_table() -> dict[int, int]:
     for code in range(256):
         table.setdefault(code, 0xFFFF)
     return table
+
+
+HARMONY_SHOWN = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")  # a harmony reply's headers
 
 
 def _piece_bytes(text: str, ty: int, kind: str, table: dict[int, int]) -> bytes:
@@ -154,6 +124,18 @@ class Tokenizer:
         self._bytes = [_piece_bytes(t, ty, kind, table) for t, ty in zip(self.tokens, self.types)]
         self.eog_ids = frozenset(i for i in (eos_id, eot_id, eom_id) if i is not None) | frozenset(
             i for i in self._ids_of_types(CONTROL, USER_DEFINED) if self.tokens[i] in _EOG_TEXTS)
+        self._harmony()
+
+    def _harmony(self) -> None:
+        """gpt-oss's o200k_harmony vocabulary as llama.cpp treats it: <|end|> ends a message, not the reply (that
+        ends at <|return|> or a tool's <|call|>); HARMONY_SHOWN are shown in the text, its channels read there."""
+        ends = {self.tokens[i] for i in self.eog_ids}
+        if not {"<|return|>", "<|call|>"} <= ends:
+            return
+        self.eog_ids = frozenset(i for i in self.eog_ids if self.tokens[i] != "<|end|>")
+        for i in self._ids_of_types(CONTROL):
+            if self.tokens[i] in HARMONY_SHOWN:
+                self.types[i] = USER_DEFINED  # (its bytes are its text already)
 
     # -- construction ------------------------------------------------------------------------------
 

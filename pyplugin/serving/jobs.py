@@ -101,7 +101,7 @@ class GenerationRequest:
     format: Any = None                              # generate, chat: "json" or a JSON schema the output follows
     tools: list[dict] | None = None                 # chat: functions the model may call, rendered by its template
     tool_choice: Any = None                         # chat: None/"auto", "required" or {"function": {"name"}}
-    think: bool | None = None                       # generate, chat: thinking on, off, or the template's default
+    think: bool | str | None = None                 # generate, chat: on, off, a level (low, medium, high) or the default
     shift: bool = True                              # generate, chat: a full context shifts (else the reply ends)
     embed: list[str] | None = None                  # embed: the texts, one vector each
     truncate: bool = True                           # embed: cut an input longer than num_ctx (else refuse)

@@ -8,7 +8,9 @@ Thinking follows the convention the templates of reasoning models share (Qwen3, 
 opens with ``<think>``, reasons, closes with ``</think>``, then answers. ``think: true`` turns it on and
 splits it out; ``think: false`` turns it off as Ollama does, through the template's ``enable_thinking``
 where it has one, else with an empty think block after the prompt; no ``think``: the template's default,
-the text left as the model wrote it.
+the text left as the model wrote it. `think` may be a level, "low", "medium" or "high": on for a thinking
+model, and the reasoning effort of a harmony one (gpt-oss, serving/harmony.py), whose thinking is always its
+analysis channel, split out whatever `think` says, as Ollama does.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import OptionsError
+from .harmony import THINK_LEVELS, HarmonyParser, is_harmony
 from .jobs import GenerationRequest
 from .tool_calls import (CutCall, ToolCall, ToolCallParser, ToolFormat, call_grammar, check_tools, forced_tools,
                          held_back, tool_format)
@@ -88,6 +91,21 @@ class ThinkingParser:
         return thinking, content
 
 
+class HarmonyOutput:
+    """A harmony reply's parser (serving/harmony.py) behind OutputParser's calls."""
+
+    def __init__(self) -> None:
+        self._parser = HarmonyParser()
+
+    def feed(self, text: str) -> Output:
+        thinking, content, calls = self._parser.feed(text)
+        return Output(content, thinking, calls)
+
+    def finish(self) -> Output:
+        thinking, content, calls = self._parser.finish()
+        return Output(content, thinking, calls)
+
+
 class OutputParser:
     """Thinking first, then content in which tool calls are found."""
 
@@ -126,17 +144,23 @@ class ReplyPlan:
     forced: list[dict[str, Any]] | None = None  # tool_choice: one of these must be called
     think: bool | None = None
     thinker: bool = False
+    harmony: bool = False                    # the template writes gpt-oss's harmony format
 
     @classmethod
     def of(cls, request: GenerationRequest, template: str | None) -> "ReplyPlan":
         """The plan for `request` on a model whose chat template is `template`; OptionsError (a 400) for
         what the model cannot do, naming it."""
-        plan = cls({}, think=request.think, thinker=thinks(template))
-        if request.think is not None and not isinstance(request.think, bool):
-            raise OptionsError(f"think: got {request.think!r}; accepted: true or false")
+        harmony = is_harmony(template)
+        level = request.think if request.think in THINK_LEVELS else None
+        plan = cls({}, think=True if level else request.think, thinker=thinks(template) or harmony, harmony=harmony)
+        if request.think is not None and not isinstance(request.think, bool) and not level:
+            raise OptionsError(f"think: got {request.think!r}; accepted: true, false, or a level for gpt-oss's "
+                               f"reasoning effort: {', '.join(map(repr, THINK_LEVELS))}")
+        if harmony and level:
+            plan.template_args["reasoning_effort"] = level
         if request.think and not plan.thinker:
             raise OptionsError(f"{request.model} does not support thinking: its chat template marks no "
-                               f"{THINK_OPEN} part; leave think out")
+                               f"{THINK_OPEN} part; leave think (and OpenAI's reasoning_effort) out")
         # The template switches thinking itself: Jinja's enable_thinking, or a Go template's .Think.
         if request.think is not None and plan.thinker and template and \
                 ("enable_thinking" in template or ".Think" in template):
@@ -150,6 +174,9 @@ class ReplyPlan:
             plan.forced = forced_tools(plan.tools, request.tool_choice)
             if plan.forced and request.format not in (None, ""):
                 raise OptionsError("format and tool_choice both constrain the output; send one of them")
+            if plan.forced and harmony:
+                raise OptionsError(f"{request.model} writes calls in gpt-oss's harmony format, which pebbling does not "
+                                   "force yet: send tool_choice auto (the model may still call)")
             if plan.forced and request.think:
                 raise OptionsError("think: true with a tool_choice that forces a call is not supported: the "
                                    "forced call leaves no room to think; set think to false or tool_choice to auto")
@@ -160,7 +187,7 @@ class ReplyPlan:
     def finish_prompt(self, text: str) -> str:
         """The rendered prompt, with an empty think block where think is false and the template has no
         switch of its own."""
-        if self.think is False and self.thinker and "enable_thinking" not in self.template_args:
+        if self.think is False and self.thinker and not self.harmony and "enable_thinking" not in self.template_args:
             if text.rstrip().endswith(THINK_OPEN):
                 return text.rstrip() + "\n\n" + THINK_CLOSE + "\n\n"
             if not text.rstrip().endswith(THINK_CLOSE):
@@ -173,6 +200,8 @@ class ReplyPlan:
 
     def parser(self, prompt: str) -> OutputParser | None:
         """The parser for the reply to `prompt`, or None when the text stays as the model writes it."""
+        if self.harmony:  # its channels always come apart, as Ollama's harmony parser splits them
+            return HarmonyOutput()
         thinking = ThinkingParser(inside=prompt.rstrip().endswith(THINK_OPEN)) if self.think else None
         tools = ToolCallParser(self.tool_format, self.tools, self.forced) if self.tools else None
         return OutputParser(thinking, tools) if thinking or tools else None

@@ -1,0 +1,114 @@
+"""Does pebbling's server render a chat as llama.cpp renders the file's own template? Token for token.
+
+    python benchmarks/agreement.py chat [--json FILE]
+
+For a synthetic gpt-oss file with a harmony template (pyplugin.model.synth_vocab's, written short after
+gpt-oss's) and for a Qwen3 file (its thinking template), a few conversations go through pebbling's engine as a
+client sends them on Ollama's API (messages, tools, `think` with its levels): the prompt the server evaluates is
+read back from the response's context. The same conversation, in the shape chat templates take (Hugging Face's:
+calls in tool_calls with their arguments as objects, results under role "tool" with the function's name,
+thinking beside them), is rendered by llama-cpp-python's Jinja2ChatFormatter from the template in the file's
+metadata, with the reasoning effort where given, and tokenized by llama.cpp (special tokens as tokens). The two
+token lists must be equal. Exit status: 0 when every conversation agrees, 1 when one does not, 2 without
+llama-cpp-python.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from pyplugin.model.synth import write_gguf
+from pyplugin.serving import Engine, Final, GenerationRequest
+
+from .agreement_llamacpp import in_llama_process
+
+ADD = {"type": "function", "function": {"name": "add", "description": "Adds two integers.", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
+QUESTION = {"role": "user", "content": "What is 2 + 2?"}
+# (name, the client's messages on Ollama's API, the template's messages, tools, think)
+CALL = {"function": {"name": "add", "arguments": {"a": 2, "b": 2}}}
+CONVERSATIONS = [
+    ("question", [QUESTION], [QUESTION], None, None),
+    ("think low", [QUESTION], [QUESTION], None, "low"),
+    ("think high, system", [{"role": "system", "content": "Be brief."}, QUESTION],
+     [{"role": "system", "content": "Be brief."}, QUESTION], None, "high"),
+    ("tools", [QUESTION], [QUESTION], [ADD], None),
+    ("a call and its result",
+     [QUESTION, {"role": "assistant", "content": "", "thinking": "I should add.", "tool_calls": [CALL]},
+      {"role": "tool", "content": "4", "tool_name": "add"}],
+     [QUESTION, {"role": "assistant", "content": "", "thinking": "I should add.", "reasoning_content": "I should add.",
+                 "tool_calls": [{"type": "function", **CALL}]},
+      {"role": "tool", "content": "4", "name": "add", "tool_name": "add"}], [ADD], "medium"),
+    ("an answer after the call",
+     [QUESTION, {"role": "assistant", "content": "", "tool_calls": [CALL]},
+      {"role": "tool", "content": "4", "tool_name": "add"}, {"role": "assistant", "content": "It is 4."},
+      {"role": "user", "content": "Thanks."}],
+     [QUESTION, {"role": "assistant", "content": "", "tool_calls": [{"type": "function", **CALL}]},
+      {"role": "tool", "content": "4", "name": "add", "tool_name": "add"}, {"role": "assistant", "content": "It is 4."},
+      {"role": "user", "content": "Thanks."}], [ADD], None),
+]
+FILES = {"gpt-oss": dict(arch="gpt-oss", vocab="harmony", n_expert=4, n_expert_used=2, key_length=16, n_ff_exp=32,
+                         sliding_window=8),
+         "qwen3": dict(arch="qwen3", vocab="qwen3")}
+
+
+def pebbling_prompt(models: Path, model: str, messages: list[dict], tools, think) -> list[int]:
+    """The prompt the server evaluates for this request: its context less the one token it generated."""
+    engine = Engine(models)
+    try:
+        job = engine.submit(GenerationRequest(model=model, messages=messages, tools=tools, think=think,
+                                              options={"num_predict": 1, "temperature": 0}))
+        final = next(item for item in job if isinstance(item, Final))
+        return list(final.context[:len(final.context) - final.eval_count])
+    finally:
+        engine.close()
+
+
+def _render_job(llm, conversations: list[tuple[list[dict], Any, Any]]) -> list[list[int]]:
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter  # noqa: PLC0415 - optional
+    md = llm.metadata
+    bos = llm._model.token_get_text(llm.token_bos()) if llm.token_bos() >= 0 else ""
+    eos = llm._model.token_get_text(llm.token_eos()) if llm.token_eos() >= 0 else ""
+    formatter = Jinja2ChatFormatter(md["tokenizer.chat_template"], eos_token=eos, bos_token=bos)
+    out = []
+    for messages, tools, think in conversations:
+        extra = {"reasoning_effort": think} if isinstance(think, str) else {}
+        if think is not None and not isinstance(think, str):
+            extra["enable_thinking"] = bool(think)
+        prompt = formatter(messages=messages, tools=tools, **extra).prompt
+        out.append(llm.tokenize(prompt.encode("utf-8"), add_bos=False, special=True))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", type=Path, help="write the rows here")
+    args = ap.parse_args(argv)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        models = Path(tmp)
+        for name, spec in FILES.items():
+            write_gguf(models / f"{name}.gguf", n_layer=1, n_embd=64, n_head=4, n_head_kv=2, n_ff=64, n_ctx=1024,
+                       **spec)
+            cases = [c for c in CONVERSATIONS if name == "gpt-oss" or not isinstance(c[4], str)]
+            refs = in_llama_process(_render_job, models / f"{name}.gguf", [(c[2], c[3], c[4]) for c in cases])
+            for (label, client, _, tools, think), ref in zip(cases, refs):
+                got = pebbling_prompt(models, name, client, tools, think)
+                first = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), None)
+                if first is None and len(got) != len(ref):
+                    first = min(len(got), len(ref))
+                rows.append({"model": name, "conversation": label, "tokens": len(ref), "equal": got == ref,
+                             "first_difference": first})
+    print(f"{'model':8} {'conversation':26} {'tokens':>6}  equal")
+    for r in rows:
+        where = "" if r["equal"] else f"  first difference at token {r['first_difference']}"
+        print(f"{r['model']:8} {r['conversation']:26} {r['tokens']:6}  {'yes' if r['equal'] else 'NO'}{where}")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    bad = sum(not r["equal"] for r in rows)
+    print(f"\n{len(rows) - bad} conversations rendered alike, {bad} apart")
+    return 1 if bad else 0
