@@ -369,7 +369,8 @@ PEBBLE_API enum pebble_status pebble_attend(int32_t n_seq, const float * q, cons
 // (q n_tok x n_head x head_dim float32, rotated, not yet scaled) over rows 0..pos+n_tok-1 of its caches
 // (each n_rows x n_head_kv x head_dim of kv_type, as pebble_attend's; the chunk's own K and V rows already
 // written). A query at p sees the keys at p and before, and where window > 0 only the last `window` of
-// them (p - window + 1 .. p); scale and softcap as pebble_attend's. out (n_tok x n_head x head_dim
+// them (p - window + 1 .. p); scale and softcap as pebble_attend's; sinks (n_head float32, or NULL: none) a
+// logit per query head that joins its softmax and weights no value (gpt-oss). out (n_tok x n_head x head_dim
 // float32) = the softmax-weighted sum of V for each query and head. The host library computes it without
 // the n_tok x n_rows scores (tiles of queries, blocks of keys, a running softmax) on its threads; the
 // cuda library refuses the call (PEBBLE_ERR_INVALID_ARGUMENT, saying so). Errors: PEBBLE_ERR_INVALID_ARGUMENT
@@ -379,8 +380,8 @@ PEBBLE_API enum pebble_status pebble_attend(int32_t n_seq, const float * q, cons
 PEBBLE_API enum pebble_status pebble_attend_prompt(const float * q, int64_t n_tok, int64_t pos, int32_t kv_type,
                                                    const void * k_cache, const void * v_cache, int64_t n_rows,
                                                    int32_t n_head, int32_t n_head_kv, int32_t head_dim,
-                                                   int64_t window, float scale, float softcap, float * out,
-                                                   void * stream);
+                                                   int64_t window, float scale, float softcap,
+                                                   const float * sinks, float * out, void * stream);
 
 // ---------------------------------------------------------------------------------------------------
 // the decode step of a whole model: one call per generated token

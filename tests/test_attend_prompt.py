@@ -21,9 +21,9 @@ def kernels(request):
     return backend_named(request.param).kernels
 
 
-def reference(q, k, v, pos, scale, softcap, window) -> np.ndarray:
+def reference(q, k, v, pos, scale, softcap, window, sinks=None) -> np.ndarray:
     """[T, n_head * head_dim] float64: query t (at pos + t) over the keys it sees, head h reading KV head
-    h // group."""
+    h // group; a sink (gpt-oss) one more score of the softmax, weighting no value."""
     T, n_head, hd = q.shape
     group = n_head // k.shape[1]
     out = np.zeros((T, n_head, hd))
@@ -35,8 +35,9 @@ def reference(q, k, v, pos, scale, softcap, window) -> np.ndarray:
             scores = keys @ (q[t, h] * np.float32(scale)).astype(np.float64)
             if softcap:
                 scores = np.tanh(scores / softcap) * softcap
-            w = np.exp(scores - scores.max())
-            out[t, h] = (w / w.sum()) @ values
+            sink = -np.inf if sinks is None else float(sinks[h])
+            w = np.exp(scores - max(scores.max(), sink))
+            out[t, h] = (w / (w.sum() + np.exp(sink - max(scores.max(), sink)))) @ values
     return out.reshape(T, -1)
 
 
@@ -50,9 +51,11 @@ CASES = [  # (n_head, n_kv, head_dim, kv type, T, pos, window, softcap)
     (6, 3, 24, "f16", 29, 3, 0, 0.0),       # 24 wide: not a multiple of 16, the portable loops
     (2, 2, 80, "f32", 3, 90, 0, 0.0),       # 80 wide (16s, not 32s); a short chunk late in the cache
 ]
+SINK_CASES = [  # gpt-oss's: 64 wide, eight query heads a KV head, every other layer a window of 128 (here 9)
+    (16, 2, 64, "f16", 40, 0, 0, 0.0), (16, 2, 64, "f32", 30, 12, 9, 0.0), (6, 3, 24, "f16", 20, 3, 0, 0.0)]
 
 
-@pytest.mark.parametrize("n_head,n_kv,head_dim,kv,T,pos,window,softcap", CASES)
+@pytest.mark.parametrize("n_head,n_kv,head_dim,kv,T,pos,window,softcap", CASES + SINK_CASES)
 def test_prompt_attention_matches_the_reference(kernels, n_head, n_kv, head_dim, kv, T, pos, window, softcap):
     rng = np.random.default_rng(head_dim + T + pos)
     rows, t = pos + T + 5, KV_TYPES[kv]
@@ -60,11 +63,15 @@ def test_prompt_attention_matches_the_reference(kernels, n_head, n_kv, head_dim,
     k_cache, v_cache = (encode(rng.standard_normal((rows, n_kv, head_dim)).astype(np.float32) * 2, t) for _ in range(2))
     scale = 1 / np.sqrt(head_dim)
     xp = kernels.xp
+    sinks = rng.standard_normal(n_head).astype(np.float32) * 3 if (n_head, n_kv, head_dim, kv, T, pos, window,
+                                                                 softcap) in SINK_CASES else None
     got = kernels.attend_prompt(xp.asarray(q), (xp.asarray(k_cache), xp.asarray(v_cache)), pos, n_kv, scale,
-                                softcap, window)
+                                softcap, window, None if sinks is None else xp.asarray(sinks))
     assert got.shape == (T, n_head * head_dim) and got.dtype == np.float32
-    want = reference(q, decode(k_cache, t), decode(v_cache, t), pos, scale, softcap, window)
+    want = reference(q, decode(k_cache, t), decode(v_cache, t), pos, scale, softcap, window, sinks)
     np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
+    if sinks is not None:  # the sinks take probability away: not dead
+        assert np.abs(reference(q, decode(k_cache, t), decode(v_cache, t), pos, scale, softcap, window) - want).max() > 1e-2
 
 
 def test_a_chunk_is_each_query_attending_alone(kernels):

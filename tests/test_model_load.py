@@ -11,11 +11,11 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.quants import dequantize
 
-from helpers import ARCHS, TYPES, rewrite_gguf, tiny_model, tiny_path
+from helpers import ARCHS, TYPES, rewrite_gguf, tiny_model, tiny_path, tiny_spec
 from pyplugin.cli import main as cli_main
 from pyplugin.errors import ModelError
 from pyplugin.model import load_model
-from pyplugin.model.synth import quantize
+from pyplugin.model.synth import quantize, write_gguf
 
 
 def _ours(model, name):
@@ -261,3 +261,18 @@ def test_quantized_matrices_are_views_of_the_file_and_their_pages_can_be_given_b
     drop_file_pages(w.data)
     np.testing.assert_array_equal(w.data, before)
     drop_file_pages(before)  # not a view of a file: left alone
+
+
+def test_a_file_of_holes_has_the_layout_of_the_written_one_on_almost_no_disk(tmp_path):
+    """synth's `holes`: a real model's size and layout with its data left as holes of a sparse file (zeros), so
+    that `benchmarks/memory.py estimate` can read a shape larger than the machine (gpt-oss-120b, 65 GB)."""
+    spec = dict(n_layer=2, weight_type="Q8_0", tensor_types={"ffn_down": "MXFP4"}, random_blocks=True)
+    written = write_gguf(tmp_path / "written.gguf", tiny_spec("qwen2", **spec))
+    holes = write_gguf(tmp_path / "holes.gguf", tiny_spec("qwen2", holes=True, **spec))
+    assert written.stat().st_size == holes.stat().st_size
+    a, b = GGUFReader(written), GGUFReader(holes)
+    assert [(t.name, t.data_offset, t.n_bytes) for t in a.tensors] == [(t.name, t.data_offset, t.n_bytes) for t in b.tensors]
+    assert all(not np.asarray(t.data).any() for t in b.tensors) and any(np.asarray(t.data).any() for t in a.tensors)
+    assert holes.stat().st_blocks * 512 < written.stat().st_size // 4  # (a file system without holes stores zeros)
+    model = load_model(holes, progress=False)
+    assert model.config.n_layer == 2 and model.layers[1].w_down.qtype == GGMLQuantizationType.MXFP4

@@ -35,20 +35,21 @@ from pyplugin.model import moe
 
 @contextmanager
 def router_logits():
-    """Every call of pebbling's router while in the block: its log-probabilities [T, n_expert] (the router's
-    logits less a constant per row), in call order: the layers in turn, for the prompt and then each token."""
-    calls, original = [], moe.router_probabilities
+    """Every call of pebbling's router while in the block: its logits [T, n_expert] (its bias added where it has
+    one; the gaps between them are the log-probabilities'), in call order: the layers in turn, for the prompt and
+    then each token."""
+    calls, original = [], moe.router_logits
 
-    def recorded(cfg, h, router, max_rows=0):
-        p = original(cfg, h, router, max_rows)
-        calls.append(np.log(np.maximum(p, np.float32(1e-38))))
-        return p
+    def recorded(cfg, h, router, max_rows=0, bias=None):
+        logits = original(cfg, h, router, max_rows, bias)
+        calls.append(np.array(logits, dtype=np.float32))
+        return logits
 
-    moe.router_probabilities = recorded
+    moe.router_logits = recorded
     try:
         yield calls
     finally:
-        moe.router_probabilities = original
+        moe.router_logits = original
 
 
 def router_margins(calls: list[np.ndarray], n_layer: int, k: int) -> list[dict]:

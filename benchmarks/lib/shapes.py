@@ -25,6 +25,14 @@ SHAPES = {
     "qwen3-30b-a3b": dict(arch="qwen3moe", n_layer=48, n_embd=2048, n_head=32, n_head_kv=4, key_length=128, n_ff=6144,
                           n_ff_exp=768, n_expert=128, n_expert_used=8, vocab="qwen3", vocab_size=N_VOCAB,
                           random_blocks=True),
+    # gpt-oss-20b and -120b: 64 query heads of 64 over 8 KV heads on 2880, experts of 2880 (4 used), every other
+    # layer sliding over 128, YaRN x32 of 4096 on a base of 150000, o200k's 201088 tokens; random valid blocks
+    "gpt-oss-20b": dict(arch="gpt-oss", n_layer=24, n_embd=2880, n_head=64, n_head_kv=8, key_length=64, n_ff=2880,
+                        n_ff_exp=2880, n_expert=32, n_expert_used=4, vocab="harmony", vocab_size=201088,
+                        sliding_window=128, rope_yarn=(32.0, 4096), rope_theta=150000.0, random_blocks=True),
+    "gpt-oss-120b": dict(arch="gpt-oss", n_layer=36, n_embd=2880, n_head=64, n_head_kv=8, key_length=64, n_ff=2880,
+                         n_ff_exp=2880, n_expert=128, n_expert_used=4, vocab="harmony", vocab_size=201088,
+                         sliding_window=128, rope_yarn=(32.0, 4096), rope_theta=150000.0, random_blocks=True),
     # Llama-3.2-3B: 3.2 billion weights, so random valid blocks as for the mixture of experts.
     "llama3.2-3b": dict(arch="llama", n_layer=28, n_embd=3072, n_head=24, n_head_kv=8, n_ff=8192, vocab="llama3",
                         tied_output=True, vocab_size=128256, rope_theta=500000.0, random_blocks=True),
@@ -71,6 +79,9 @@ FILES = {
     "Q3_K_M": low_bit_mix("Q3_K_M"),
     "Q2_K": low_bit_mix("Q2_K"),
     "IQ4_XS": low_bit_mix("IQ4_XS"),
+    # llama-quantize's MXFP4_MOE, as the released gpt-oss files have it: experts MXFP4, every other matrix Q8_0
+    "MXFP4_MOE": lambda shape: dict(weight_type="Q8_0", tensor_types=dict.fromkeys(
+        ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"), "MXFP4"), random_blocks=True),
     "Q8_0": lambda shape: dict(weight_type="Q8_0"),
     "Q4_1": lambda shape: dict(weight_type="Q4_1", tensor_types={"token_embd": "Q8_0"}),
 }

@@ -46,6 +46,7 @@ struct prompt_job {
     int64_t         window;     // 0: none; else a query at p sees keys p - window + 1 .. p
     float           scale, softcap;
     float *         out;        // [n_tok][n_head][head_dim]
+    const float *   sinks;      // [n_head] or NULL: a logit per head in its softmax, weighting no value
     int64_t         tile, n_tiles, group;
     bool            simd;
     std::atomic<bool> failed;   // a worker could not allocate its buffers
@@ -287,7 +288,11 @@ __attribute__((always_inline)) inline void unit_body(const prompt_job & j, unit_
     for (int64_t i = 0; i < t1 - t0; i++) {
         for (int64_t h = 0; h < G; h++) {
             const int64_t r = i * G + h;
-            const float inv = 1.0f / b.l[r];
+            float inv = 1.0f / b.l[r];
+            if (j.sinks) { // one more term of the softmax: o and l weighted by exp(m - M), M the larger of m and it
+                const float sink = j.sinks[g * G + h], top = std::max(b.m[r], sink), w = std::exp(b.m[r] - top);
+                inv = w / (w * b.l[r] + std::exp(sink - top));
+            }
             float * dst = j.out + ((t0 + i) * j.n_head + g * G + h) * hd;
             for (int64_t d = 0; d < hd; d++) dst[d] = b.o[r * hd + d] * inv;
         }
@@ -324,13 +329,13 @@ void prompt_units(void * ctx, int64_t begin, int64_t end) {
 
 pebble_status attend_prompt(const float * q, int64_t n_tok, int64_t pos, int32_t kv_type, const void * k_cache,
                             const void * v_cache, int32_t n_head, int32_t n_head_kv, int32_t head_dim, int64_t window,
-                            float scale, float softcap, float * out) {
+                            float scale, float softcap, float * out, const float * sinks) {
     TRY(check_threads("pebble_attend_prompt"));
     const int64_t group = n_head / n_head_kv;
     const int64_t tile = std::max<int64_t>(1, tile_rows / group);
     const char * level = simd_level();
     prompt_job job{q, n_tok, pos, kv_type, k_cache, v_cache, n_head, n_head_kv, head_dim, window, scale, softcap, out,
-                   tile, (n_tok + tile - 1) / tile, group, std::strcmp(level, "portable") != 0 && head_dim % 16 == 0,
+                   sinks, tile, (n_tok + tile - 1) / tile, group, std::strcmp(level, "portable") != 0 && head_dim % 16 == 0,
                    {false}};
     // About one unit per multiply-add: the scores and the weighted sum, over the keys each query sees.
     const int64_t keys = window ? std::min<int64_t>(window, pos + n_tok) : pos + n_tok / 2 + 1;

@@ -65,9 +65,10 @@ pebble_status attend(int32_t n_seq, const float * q, int32_t kv_type, void * con
 // sequence over its caches' rows 0..pos + n_tok - 1 (a query at p sees the keys at p and before, within
 // `window` of it where window > 0), flash-attention style, tiles of queries on the pool's threads
 // (cpu/attend_prompt.cc).
+// `sinks` (NULL: none) as attend's.
 pebble_status attend_prompt(const float * q, int64_t n_tok, int64_t pos, int32_t kv_type, const void * k_cache,
                             const void * v_cache, int32_t n_head, int32_t n_head_kv, int32_t head_dim, int64_t window,
-                            float scale, float softcap, float * out);
+                            float scale, float softcap, float * out, const float * sinks = nullptr);
 
 // Whether PEBBLING_SIMD is 'gpu': pebble_matvec and the matmuls then run the GPU's integer and dense
 // kernels' code for each lane on the host (cuda/matvec.cu host_q8_matvec, host_dense_matvec); the rest as 'auto'.

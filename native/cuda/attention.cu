@@ -381,7 +381,7 @@ extern "C" pebble_status pebble_attend(int32_t n_seq, const float * q, const flo
 extern "C" pebble_status pebble_attend_prompt(const float * q, int64_t n_tok, int64_t pos, int32_t kv_type,
                                               const void * k_cache, const void * v_cache, int64_t n_rows, int32_t n_head,
                                               int32_t n_head_kv, int32_t head_dim, int64_t window, float scale,
-                                              float softcap, float * out, void * stream_ptr) {
+                                              float softcap, const float * sinks, float * out, void * stream_ptr) {
     if (!q || !k_cache || !v_cache || !out) {
         return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_attend_prompt: q, k_cache, v_cache and out must not be NULL");
     }
@@ -403,7 +403,7 @@ extern "C" pebble_status pebble_attend_prompt(const float * q, int64_t n_tok, in
 #ifdef PEBBLE_HOST_BUILD
     (void)stream_ptr;
     return pebble_cpu::attend_prompt(q, n_tok, pos, kv_type, k_cache, v_cache, n_head, n_head_kv, head_dim, window,
-                                     scale, softcap, out);
+                                     scale, softcap, out, sinks);
 #else
     (void)stream_ptr;
     return fail(PEBBLE_ERR_INVALID_ARGUMENT, "pebble_attend_prompt: the cuda library does not attend prompts yet; "

@@ -68,6 +68,9 @@ class SynthSpec:
     metadata: dict[str, Any] = field(default_factory=dict)  # keys written last, over the ones above
     random_blocks: bool = False         # matrices written as random valid blocks of their types, streamed
                                         # (synth_quant.random_blocks): a model of billions of weights in seconds
+    holes: bool = False                 # with random_blocks: every tensor's data left a hole of a sparse file
+                                        # (zeros, valid blocks of the types written here): a real model's size
+                                        # and layout on no disk, for estimates of models larger than the machine
 
     @property
     def head_dim(self) -> int:
@@ -139,6 +142,12 @@ def _write_blocks(writer: GGUFWriter, spec: SynthSpec, n_vocab: int) -> None:
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
+    if spec.holes:  # the data section's size, as write_tensor_data pads it, and nothing written into it
+        fout, align = writer.fout[0], writer.data_alignment
+        end = -(-fout.tell() // align) * align + sum(-(-ti.nbytes // align) * align for ti in writer.tensors[0].values())
+        fout.truncate(end)
+        writer.close()
+        return
     for name, array, qtype in tensors:
         if not isinstance(array, np.ndarray):
             shape, scale = array

@@ -264,9 +264,10 @@ class Attend(Protocol):
         """A row per sequence: q [B, n_head, head_dim] rotated, over B (K, V) `caches` of n_pos[b] rows; `new`
         (k, v) [B, n_head_kv, head_dim] written into row n_pos[b] - 1 first (None: written). float32 [B, -1]."""
 
-    def chunk(self, cfg: ModelConfig, q: Array, cache: tuple, n_pos: int) -> Array:
+    def chunk(self, cfg: ModelConfig, q: Array, cache: tuple, n_pos: int, sinks: Array | None = None) -> Array:
         """One sequence's prompt chunk, its rows written: q [T, n_head, head_dim] rotated, the queries ending at
-        row n_pos - 1 of `cache` (K, V), the layer's window applied. float32 [T, n_head * head_dim]."""
+        row n_pos - 1 of `cache` (K, V), the layer's window applied, `sinks` (gpt-oss's) in each head's softmax.
+        float32 [T, n_head * head_dim]."""
 
 
 def layer_forward(cfg: ModelConfig, x: Array, lw: LayerWeights, k_cache: Array, v_cache: Array,
@@ -322,14 +323,13 @@ def attention_block(cfg: ModelConfig, x: Array, lw: LayerWeights, k_cache: Array
         k_cache[at], v_cache[at] = k_rows[T - keep:], v_rows[T - keep:]
         attn = attention(cfg, apply_rope(cfg, q, cos, sin), keys, values, pos, lo, lw.attn_sinks)
     else:
-        if lw.attn_sinks is not None:  # the kernels' attention has no sinks
-            attend = None
-        if attend is not None and T == 1 and not cfg.window:  # the row written (encoded) by the kernels' call
+        if attend is not None and T == 1 and not cfg.window and lw.attn_sinks is None:  # the row written (encoded)
+            # by the kernels' call (which has no sinks)
             attn = attend.tokens(cfg, apply_rope(cfg, q, cos, sin), [(k_cache, v_cache)], [pos + 1], (k, v))
         else:
             k_cache[pos:pos + T], v_cache[pos:pos + T] = encode(k, kv), encode(v, kv)
             if attend is not None and T > 1:  # a prompt chunk: the kernels' attention over the rows written
-                attn = attend.chunk(cfg, apply_rope(cfg, q, cos, sin), (k_cache, v_cache), pos + T)
+                attn = attend.chunk(cfg, apply_rope(cfg, q, cos, sin), (k_cache, v_cache), pos + T, lw.attn_sinks)
             else:
                 attn = attention(cfg, apply_rope(cfg, q, cos, sin), decode(k_cache[:pos + T], kv, dt),
                                  decode(v_cache[:pos + T], kv, dt), pos, 0, lw.attn_sinks)

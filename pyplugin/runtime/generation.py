@@ -63,9 +63,9 @@ class KernelAttention:
     def tokens(self, cfg, q, caches, n_pos, new):
         return self.kernels.attend(q, caches, n_pos, cfg.n_head_kv, cfg.query_scale, cfg.attn_softcap, new)
 
-    def chunk(self, cfg, q, cache, n_pos):
+    def chunk(self, cfg, q, cache, n_pos, sinks=None):
         return self.kernels.attend_prompt(q, cache, n_pos - q.shape[0], cfg.n_head_kv, cfg.query_scale,
-                                          cfg.attn_softcap, cfg.window)
+                                          cfg.attn_softcap, cfg.window, sinks)
 
 
 def attend_through(kernels: Kernels | None) -> Attend | None:

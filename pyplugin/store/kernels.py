@@ -364,11 +364,12 @@ class Kernels:
         return out
 
     def attend_prompt(self, q, cache, pos: int, n_head_kv: int, scale: float, softcap: float = 0.0,
-                      window: int = 0):
+                      window: int = 0, sinks=None):
         """Causal attention of a prompt chunk (pebble_attend_prompt): q [T, n_head, head_dim] (rotated, not
         yet scaled) at positions pos..pos + T - 1 over rows 0..pos + T - 1 of one sequence's (k, v) caches
         [rows, n_head_kv, width] (its own rows already written); a query sees the keys at and before it,
-        within `window` of it where window > 0. Returns float32 [T, n_head * head_dim]."""
+        within `window` of it where window > 0; `sinks` [n_head] (gpt-oss) join each head's softmax. Returns
+        float32 [T, n_head * head_dim]."""
         xp = self.xp
         q = xp.ascontiguousarray(q, dtype=np.float32)
         n_tok, n_head, head_dim = q.shape
@@ -377,7 +378,8 @@ class Kernels:
         out = xp.empty((n_tok, n_head * head_dim), dtype=np.float32)
         self.lib.attend_prompt(q.reshape(n_tok, n_head * head_dim), kv_type, k_cache, v_cache, int(pos),
                                k_cache.shape[0], n_head, n_head_kv, head_dim, int(window), float(scale),
-                               float(softcap), out, stream=self._stream())
+                               float(softcap), out, stream=self._stream(),
+                               sinks=None if sinks is None else xp.ascontiguousarray(sinks, dtype=np.float32))
         return out
 
 def _kv_type(call: str, cache, head_dim: int) -> int:

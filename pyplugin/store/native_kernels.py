@@ -154,7 +154,8 @@ class NativeKernels:
             ffi.cast("float *", out_ptr), scratch_ptr, scratch_bytes, ffi.cast("void *", stream_pointer(stream))))
 
     def attend_prompt(self, q, kv_type: int, k_cache, v_cache, pos: int, n_rows: int, n_head: int, n_head_kv: int,
-                      head_dim: int, window: int, scale: float, softcap: float, out, *, stream=None) -> None:
+                      head_dim: int, window: int, scale: float, softcap: float, out, *, stream=None,
+                      sinks=None) -> None:
         """pebble_attend_prompt: q and out [n_tok, n_head * head_dim] float32, the queries at positions
         pos..pos + n_tok - 1 of one sequence over rows 0..pos + n_tok - 1 of its caches (n_rows x n_head_kv x
         head_dim of kv_type, the chunk's own rows already written)."""
@@ -175,9 +176,15 @@ class NativeKernels:
                 raise SizeMismatchError(f"attend_prompt: the {name} holds {nbytes} bytes; {n_rows} rows of {n_head_kv} "
                                         f"heads of {head_dim} of KV type {kv_type} need {want}")
             pointers.append(ffi.cast("const void *", ptr))
+        sinks_ptr = ffi.NULL
+        if sinks is not None:  # n_head float32
+            sinks_ptr, nbytes = _pointer(sinks, backend, False, "sinks")
+            if nbytes != 4 * n_head:
+                raise SizeMismatchError(f"attend_prompt: sinks hold {nbytes} bytes; {n_head} float32 are needed")
         _check(self._lib, self._lib.pebble_attend_prompt(
             ffi.cast("const float *", q_ptr), n_tok, pos, kv_type, pointers[0], pointers[1], n_rows, n_head, n_head_kv,
-            head_dim, window, scale, softcap, ffi.cast("float *", out_ptr), ffi.cast("void *", stream_pointer(stream))))
+            head_dim, window, scale, softcap, ffi.cast("const float *", sinks_ptr), ffi.cast("float *", out_ptr),
+            ffi.cast("void *", stream_pointer(stream))))
 
     def _cache_pointers(self, kv_type: int, k_caches, v_caches, heads: int, head_dim: int):
         """The two pointer arrays pebble_attend takes for these caches, each cache's size checked. Made

@@ -272,7 +272,8 @@ class StubKernels:
             out[b] = (scores @ decode(v[:n], kv).transpose(1, 0, 2)).reshape(-1)
 
     def attend_prompt(self, q, kv_type: int, k_cache, v_cache, pos: int, n_rows: int, n_head: int, n_head_kv: int,
-                      head_dim: int, window: int, scale: float, softcap: float, out, *, stream=None) -> None:
+                      head_dim: int, window: int, scale: float, softcap: float, out, *, stream=None,
+                      sinks=None) -> None:
         """pebble_attend_prompt's semantics: the model's own attention (pyplugin.model.attention) over the
         caches' rows read back from their type."""
         q = np.asarray(q, np.float32)
@@ -299,7 +300,9 @@ class StubKernels:
         cfg = SimpleNamespace(n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim, n_group=n_head // n_head_kv,
                               query_scale=np.float32(scale), attn_softcap=softcap, window=window)
         k, v = (decode(c[:pos + n_tok], kv) for c in (k_cache, v_cache))
-        out[...] = attention(cfg, q.reshape(n_tok, n_head, head_dim), k, v, pos).reshape(out.shape)
+        if sinks is not None and np.asarray(sinks).shape != (n_head,):
+            raise SizeMismatchError(f"attend_prompt: sinks hold {np.asarray(sinks).size} values; {n_head} are needed")
+        out[...] = attention(cfg, q.reshape(n_tok, n_head, head_dim), k, v, pos, 0, sinks).reshape(out.shape)
 
     @property
     def kernels(self):
