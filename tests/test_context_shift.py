@@ -101,7 +101,11 @@ def llama_cpp_server_shifts(model, n_prompt, n_forwarded, n_ctx, num_keep):
 # Heads of 32: whole q8_0 blocks for every case.
 CASES = {"llama": ("llama", dict(n_embd=128, n_head=4, n_head_kv=2)), "qwen2": ("qwen2", dict(key_length=32)),
          "phi3": ("phi3", dict(key_length=32)), "gemma3-ring": ("gemma3", dict(key_length=32, sliding_window=6)),
-         "gemma2": ("gemma2", dict(key_length=32, sliding_window=6, attn_softcap=0.5))}
+         "gemma2": ("gemma2", dict(key_length=32, sliding_window=6, attn_softcap=0.5)),
+         # sinks, experts, every other layer a ring of 6, YaRN: rotated keys carry YaRN's blend (seed 1: its 30
+         # greedy tokens hold no end-of-generation token, which would end the generation before its shifts)
+         "gpt-oss": ("gpt-oss", dict(key_length=32, sliding_window=6, n_expert=4, n_expert_used=2, n_ff_exp=32,
+                                     rope_yarn=(8.0, 16), seed=1))}
 
 
 @pytest.mark.parametrize("kv_type", ["f16", "q8_0"])

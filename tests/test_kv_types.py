@@ -164,6 +164,7 @@ BLOCK_CASES = {  # head_dim a multiple of 32; GQA, Q/K norms, a sliding window's
     "llama": ("llama", dict(n_embd=128, n_head=4, n_head_kv=2)),
     "qwen3": ("qwen3", dict(key_length=32)),
     "gemma3": ("gemma3", dict(key_length=32, sliding_window=8)),
+    "gpt-oss": ("gpt-oss", dict(key_length=32, sliding_window=8, n_expert=4, n_expert_used=2, n_ff_exp=32)),
 }
 
 
