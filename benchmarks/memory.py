@@ -22,6 +22,8 @@ COMMANDS = {
                                           "beside f16, the fused kernels against the device's bandwidth"),
     "experts": ("lib.memory_experts", "experts as pebbles on a Qwen3-30B-A3B shape: hit rate, bytes restored, "
                                       "prefetch accuracy per cache size and policy; a Zipf routing trace"),
+    "estimate": ("lib.memory_estimate", "pebbling estimate on a shape larger than the machine (gpt-oss-120b), "
+                                        "its file a sparse one of the real size"),
     "steps": ("lib.memory_steps", "one process's device memory step by step over a model's load and requests"),
     "probe": ("lib.memory_probe", "what a GPU machine is, whether pebbling runs on it, and what the CUDA "
                                   "context, cuBLAS and threads take (gpu_check.py's first stage)"),

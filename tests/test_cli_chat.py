@@ -158,6 +158,12 @@ def test_set_commands_change_the_session(capsys):
     chat.command(s, "/set verbose")
     chat.command(s, "/set format json")
     assert (s.system, s.verbose, s.format) == ("You are a pirate.", True, "json")
+    chat.command(s, "/set think high")
+    assert s.think == "high"
+    chat.command(s, "/set nothink")
+    assert s.think is False
+    chat.command(s, "/set think")
+    assert s.think is True
     chat.command(s, "/clear")
     assert s.messages == []
     assert chat.command(s, "/bye") == "bye"

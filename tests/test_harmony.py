@@ -7,6 +7,10 @@ file with a harmony template (written short after gpt-oss's own: pyplugin.model.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import requests
@@ -184,3 +188,24 @@ def test_a_forced_call_is_refused_for_harmony_saying_what_works(url):
     r = requests.post(f"{url}/v1/chat/completions", json={"model": "oss", "messages": QUESTION, "tools": [ADD],
                                                           "tool_choice": "required"}, timeout=60)
     assert r.status_code == 400 and "tool_choice auto" in r.json()["error"]["message"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# the installed command
+
+
+PEBBLING = Path(sys.executable).with_name("pebbling")  # the console script the package installs
+
+
+@pytest.mark.parametrize("flags,shown", [
+    (["--think", "high"], "Thinking...\nThe user adds. 2 + 2 is 4.\n...done thinking.\n\nIt is 4.\n"),
+    (["--hidethinking"], "It is 4.\n"),
+])
+def test_pebbling_run_prints_the_thinking_before_the_answer_as_ollama_does(url, models, scripted, flags, shown):
+    assert PEBBLING.is_file(), f"the pebbling command is not installed beside {sys.executable}"
+    scripted(THOUGHT + ANSWER + "<|return|>")
+    env = {**os.environ, "PEBBLING_HOST": url.removeprefix("http://"), "PEBBLING_MODELS": str(models)}
+    done = subprocess.run([str(PEBBLING), "run", "oss", "What is 2 + 2?", *flags], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == shown

@@ -19,6 +19,7 @@ Available commands:
   /set system TEXT            set the system message
   /set verbose | quiet        print timings after each answer, or not
   /set format json | /set noformat
+  /set think [low|medium|high] | /set nothink   thinking on (gpt-oss: its effort), or off
   /show info | license | modelfile | parameters | system | template
   /clear                      forget the conversation so far
   /bye                        exit (so does Ctrl-D)
@@ -147,6 +148,12 @@ def _set(session, rest: str) -> None:
     elif what == "noformat":
         session.format = None
         print("Disabled format.")
+    elif what == "think" and value in ("", "low", "medium", "high"):
+        session.think = value or True
+        print(f"Set 'think' mode{f' to {value!r}' if value else ''}.")
+    elif what == "nothink":
+        session.think = False
+        print("Set 'nothink' mode.")
     else:
         print(f"Unknown /set '{rest}'. Type /? for help")
 

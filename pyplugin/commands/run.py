@@ -5,6 +5,7 @@ none answers the model is loaded in this process."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="how long the server keeps the model loaded after the answer: " + KEEP_ALIVE_HELP
                         + ', or in words ("5 minutes")')
     p.add_argument("--raw", action="store_true", help="with PROMPT: send it as it is, without the chat template")
+    p.add_argument("--think", nargs="?", const="true", choices=THINK_CHOICES, metavar="true|false|low|medium|high",
+                   help="thinking on (alone or true), off (false), or gpt-oss's reasoning effort; the model's "
+                        "thinking is printed before its answer, as Ollama prints it")
+    p.add_argument("--hidethinking", action="store_true", help="think, but print only the answer")
     p.add_argument("--verbose", action="store_true", help="after each answer, print timings and the pebbling "
                                                           "report to stderr")
     add_pebbling_arguments(p)
@@ -85,8 +90,10 @@ def run(args: argparse.Namespace) -> int:
         info = backend.show(args.model)  # an unknown model is named before anything else is printed
         if info.get("model_info", {}).get("pebbling.random_weights"):
             print(f"(random weights) {args.model}: the text below is noise", file=sys.stderr)
+        think = {"true": True, "false": False}.get(args.think, args.think)
         session = Session(backend, args.model, options, system=args.system, format=args.format,
-                          keep_alive=args.keepalive, verbose=args.verbose)
+                          keep_alive=args.keepalive, verbose=args.verbose, think=think,
+                          hide_thinking=args.hidethinking)
         if prompt:
             session.answer(prompt, raw=args.raw)
             return 0
@@ -152,9 +159,11 @@ class Session:
     """A conversation with one model: its options, system message and history, whichever backend answers."""
 
     def __init__(self, backend: Remote | Local, model: str, options: dict[str, Any], *, system: str | None = None,
-                 format: str | None = None, keep_alive: str | None = None, verbose: bool = False):
+                 format: str | None = None, keep_alive: str | None = None, verbose: bool = False,
+                 think: bool | str | None = None, hide_thinking: bool = False):
         self.backend, self.model, self.options = backend, model, dict(options)
         self.system, self.format, self.keep_alive, self.verbose = system, format, keep_alive, verbose
+        self.think, self.hide_thinking = think, hide_thinking
         self.messages: list[dict[str, str]] = []  # the turns so far, without the system message
 
     def body(self, **fields) -> dict[str, Any]:
@@ -163,6 +172,8 @@ class Session:
             body["format"] = self.format
         if self.keep_alive is not None:
             body["keep_alive"] = self.keep_alive
+        if self.think is not None:
+            body["think"] = self.think
         return body
 
     def answer(self, prompt: str, *, raw: bool = False) -> str:
@@ -173,18 +184,23 @@ class Session:
             system = [{"role": "system", "content": self.system}] if self.system else []
             turn = {"role": "user", "content": prompt}
             items = self.backend.chat(self.body(messages=system + self.messages + [turn]))
-        pieces, final = [], None
+        pieces, final, thinking = [], None, _Thinking(self.hide_thinking)
         try:
             for item in items:
                 if item.get("done"):
                     final = item
                     break
-                text = item["message"]["content"] if "message" in item else item.get("response", "")
+                part = item["message"] if "message" in item else item
+                thinking.write(part.get("thinking", ""))
+                text = part.get("content", part.get("response", ""))
+                if text:
+                    thinking.close()
                 pieces.append(text)
                 sys.stdout.write(text)
                 sys.stdout.flush()
         finally:
             items.close()
+            thinking.close()
             sys.stdout.write("\n")
             sys.stdout.flush()  # the text, then the timings: stdout and stderr may share a terminal
         reply = "".join(pieces)
@@ -193,6 +209,33 @@ class Session:
         if self.verbose and final is not None:
             print_verbose(final)
         return reply
+
+
+THINK_CHOICES = ("true", "false", "low", "medium", "high")
+
+
+class _Thinking:
+    """A reply's thinking as Ollama's CLI prints it: "Thinking...", the thinking (dim on a terminal), then
+    "...done thinking." before the answer; nothing where hidden or where the reply has none."""
+
+    def __init__(self, hidden: bool):
+        self.hidden, self.state = hidden, "before"   # before -> open -> closed
+        self.dim = sys.stdout.isatty() and os.environ.get("TERM") != "dumb"
+
+    def write(self, text: str) -> None:
+        if not text or self.hidden or self.state == "closed":
+            return
+        if self.state == "before":
+            sys.stdout.write("Thinking...\n" + ("\x1b[2m" if self.dim else ""))
+            self.state = "open"
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    def close(self) -> None:
+        if self.state == "open":
+            sys.stdout.write(("\x1b[0m" if self.dim else "") + "\n...done thinking.\n\n")
+            sys.stdout.flush()
+        self.state = "closed"
 
 
 def print_verbose(final: dict[str, Any]) -> None:
