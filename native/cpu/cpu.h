@@ -82,8 +82,8 @@ const char * simd_level();
 
 // out[i] = silu(gate[i]) * up[i], or with GELU's tanh approximation in place of SiLU (activation 1), or
 // gpt-oss's clamped SwiGLU (activation 2: pebble_layer_shape's), for n elements, among the pool's threads:
-// SiLU and GELU eight at a time on AVX2 (exp by cpu/simd.h's polynomial), every element alike whatever n (a
-// short last group is masked, not left to a scalar loop), as a batch needs; gpt-oss's in portable C++.
+// eight at a time on AVX2 (exp by cpu/simd.h's polynomial), every element alike whatever n (a short last
+// group is masked, not left to a scalar loop), as a batch needs.
 void gated(int32_t activation, const float * gate, const float * up, int64_t n, float * out);
 
 } // namespace pebble_cpu

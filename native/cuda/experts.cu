@@ -314,8 +314,8 @@ pebble_status experts_ffn(pebble_decoder & d, int32_t layer, int32_t n, const ac
             u = static_cast<const uint8_t *>(w.ffn_up_exps.data) + uint64_t(j) * up_rows;
             dn = static_cast<const uint8_t *>(w.ffn_down_exps.data) + uint64_t(j) * down_rows;
         }
-        TRY(matvec_many(w.ffn_gate_exps.ggml_type, g, ff, e, rows, c, gate, stream));
-        TRY(matvec_many(w.ffn_up_exps.ggml_type, u, ff, e, rows, c, up, stream));
+        const matvec_part gate_up[2] = {{w.ffn_gate_exps.ggml_type, g, ff, gate}, {w.ffn_up_exps.ggml_type, u, ff, up}};
+        TRY(matvec_parts(gate_up, 2, e, rows, c, stream));  // (on the host one pass of the threads for both)
         if (w.ffn_gate_exps_b.data) { // gpt-oss: expert j's biases, its rows of the layer's stacks
             TRY(add_bias(gate, c, ff, w.ffn_gate_exps_b, j * ff, stream));
             TRY(add_bias(up, c, ff, w.ffn_up_exps_b, j * ff, stream));

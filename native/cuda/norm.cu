@@ -89,10 +89,23 @@ __global__ void add_kernel(float * __restrict__ x, const float * __restrict__ y,
     for (int64_t i = grid_thread(); i < n; i += grid_threads()) x[i] = added(x[i], y[i], scale);
 }
 
-// y[r][i] += b[offset + i] for n_rows rows of width.
+// y[r][i] += b[offset + i] for n_rows rows of width: on the host row by row (no division an element: a
+// gpt-oss step adds some 37,000 bias values a layer), on the GPU a thread an element.
 __global__ void bias_rows_kernel(float * __restrict__ y, int64_t n_rows, int64_t width, const void * b, int32_t b_type,
                                  int64_t offset) {
+#ifdef PEBBLE_HOST_BUILD
+    for (int64_t r = 0; r < n_rows; r++) {
+        float * yr = y + r * width;
+        if (b_type == f32_type) {
+            const float * br = static_cast<const float *>(b) + offset;
+            for (int64_t i = 0; i < width; i++) yr[i] += br[i];
+        } else {
+            for (int64_t i = 0; i < width; i++) yr[i] += load_value(b, b_type, offset + i);
+        }
+    }
+#else
     for (int64_t i = grid_thread(); i < n_rows * width; i += grid_threads()) y[i] += load_value(b, b_type, offset + i % width);
+#endif
 }
 
 // out[r] = x[r] / rms(x[r]) * w for each of n_rows rows of n.
