@@ -21,6 +21,9 @@ COMMANDS = {
                                            "architecture and tensor type"),
     "chat": ("lib.agreement_chat", "the prompt the server renders for a chat (tools, their results, think levels) "
                                    "against llama.cpp's rendering of the file's template, token for token"),
+    "gpt-oss-transformers": ("lib.agreement_gpt_oss_hf", "gpt-oss beside transformers' GptOssForCausalLM in "
+                                                        "float32 on the same weights (sinks and experts mapped by "
+                                                        "hand): every position's logits, greedy tokens"),
     "moe-shape": ("lib.agreement_moe_shape", "the mixture-of-experts check on a real model's shape "
                                              "(Qwen3-30B-A3B), with pebbling's router margins"),
     "shift": ("lib.agreement_shift", "a generation past num_ctx: pebbling's context shifts and logits step by "
