@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jsonschema
 import pytest
 import requests
 
@@ -52,13 +53,20 @@ def split(pieces: list[str]) -> tuple[str, str, list[ToolCall]]:
      ("", "Adding.", [ToolCall("add", {"a": 2, "b": 2})] * 2)),
     ("no harmony at all", ("", "no harmony at all", [])),
     (THOUGHT + "<|channel|>fin", ("The user adds. 2 + 2 is 4.", "", [])),   # a header the token limit cut
-    ('<|channel|>commentary to=functions.add<|message|>not json', ("", "", [ToolCall("add", {"input": "not json"})])),
 ])
 def test_a_reply_is_split_the_same_however_the_text_is_streamed(text, expected):
     assert split([text]) == expected
     assert split(list(text)) == expected
     for cut in range(1, len(text)):
         assert split([text[:cut], text[cut:]]) == expected, cut
+
+
+@pytest.mark.parametrize("text", ['<|channel|>commentary to=functions.add<|message|>{"a": 2, "b"',
+                                  '<|channel|>commentary to=functions.add<|message|>not json<|start|>assistant'])
+def test_a_call_whose_arguments_are_not_json_is_cut_never_made(text):
+    parser = HarmonyParser()
+    assert parser.feed(text) == ("", "", []) and parser.finish() == ("", "", [])
+    assert parser.cut is not None and parser.cut.name == "add"
 
 
 def test_thinking_and_answer_stream_as_they_come():
@@ -184,10 +192,20 @@ def test_openais_reasoning_effort_is_the_level(url, scripted):
     assert r.status_code == 400 and "'low', 'medium', 'high'" in r.json()["error"]["message"]
 
 
-def test_a_forced_call_is_refused_for_harmony_saying_what_works(url):
-    r = requests.post(f"{url}/v1/chat/completions", json={"model": "oss", "messages": QUESTION, "tools": [ADD],
-                                                          "tool_choice": "required"}, timeout=60)
-    assert r.status_code == 400 and "tool_choice auto" in r.json()["error"]["message"]
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "add"}}])
+def test_a_forced_call_is_a_valid_harmony_call_streamed_and_not(url, choice):
+    """Constrained decoding writes the call's header and its arguments by the tool's schema (the random
+    weights choose the numbers), whatever the think level."""
+    for seed in range(3):
+        choice_out = openai(url, tools=[ADD], tool_choice=choice, seed=seed, max_tokens=200, think="high")["choices"][0]
+        assert choice_out["finish_reason"] == "tool_calls" and choice_out["message"]["content"] is None
+        (call,) = choice_out["message"]["tool_calls"]
+        assert call["function"]["name"] == "add"
+        jsonschema.validate(json.loads(call["function"]["arguments"]), ADD["function"]["parameters"])
+    chunks = [c["choices"][0] for c in openai(url, stream=True, tools=[ADD], tool_choice=choice, seed=1, max_tokens=200)
+              if c["choices"]]
+    calls = [call for c in chunks for call in c["delta"].get("tool_calls", [])]
+    assert [c["function"]["name"] for c in calls] == ["add"] and chunks[-1]["finish_reason"] == "tool_calls"
 
 
 # ---------------------------------------------------------------------------------------------------

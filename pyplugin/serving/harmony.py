@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import re
 
-from .tool_calls import ToolCall, held_back
+from .tool_calls import CutCall, ToolCall, held_back
 
 START, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
 THINK_LEVELS = ("low", "medium", "high")   # `think`'s levels, the harmony template's reasoning_effort
@@ -38,6 +38,7 @@ class HarmonyParser:
         self._pending = ""
         self._state = "header"          # header -> body -> header ... ; "plain": the model wrote no harmony
         self._channel, self._recipient, self._call = "", None, ""
+        self.cut: CutCall | None = None  # a call whose arguments are not JSON: the token limit cut it
 
     def feed(self, text: str, final: bool = False) -> tuple[str, str, list[ToolCall]]:
         self._pending += text
@@ -104,7 +105,8 @@ class HarmonyParser:
             content.append(body)
 
     def _close(self) -> list[ToolCall]:
-        """The message ends: a call's arguments parsed (its text kept as content where they are not JSON)."""
+        """The message ends: a call's arguments parsed. Arguments that are not a JSON object (a harmony call's
+        are, <|constrain|>json) are the call the token limit cut: kept as `cut`, never a call to make."""
         recipient, text = self._recipient, self._call.strip()
         self._recipient, self._call = None, ""
         if not recipient:
@@ -113,5 +115,8 @@ class HarmonyParser:
         try:
             arguments = json.loads(text) if text else {}
         except json.JSONDecodeError:
-            arguments = {"input": text}
-        return [ToolCall(name, arguments if isinstance(arguments, dict) else {"input": arguments})]
+            arguments = None
+        if not isinstance(arguments, dict):
+            self.cut = CutCall(name, text)
+            return []
+        return [ToolCall(name, arguments)]

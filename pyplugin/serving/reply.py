@@ -103,7 +103,7 @@ class HarmonyOutput:
 
     def finish(self) -> Output:
         thinking, content, calls = self._parser.finish()
-        return Output(content, thinking, calls)
+        return Output(content, thinking, calls, cut_call=self._parser.cut)
 
 
 class OutputParser:
@@ -174,10 +174,7 @@ class ReplyPlan:
             plan.forced = forced_tools(plan.tools, request.tool_choice)
             if plan.forced and request.format not in (None, ""):
                 raise OptionsError("format and tool_choice both constrain the output; send one of them")
-            if plan.forced and harmony:
-                raise OptionsError(f"{request.model} writes calls in gpt-oss's harmony format, which pebbling does not "
-                                   "force yet: send tool_choice auto (the model may still call)")
-            if plan.forced and request.think:
+            if plan.forced and request.think and not harmony:  # (gpt-oss: the call comes before any thinking)
                 raise OptionsError("think: true with a tool_choice that forces a call is not supported: the "
                                    "forced call leaves no room to think; set think to false or tool_choice to auto")
         elif request.tool_choice not in (None, "auto", "none"):

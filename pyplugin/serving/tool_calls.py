@@ -2,14 +2,16 @@
 them in its output as it streams.
 
 The format is read from the model's chat template text (a Jinja template from the GGUF file or an Ollama
-Go template alike), as Ollama reads it: a template that never mentions tools cannot offer them. Three
+Go template alike), as Ollama reads it: a template that never mentions tools cannot offer them. Four
 formats cover the families pebbling loads:
 
 - "qwen": Qwen2.5 / Qwen3 (Hermes style), each call a JSON object in ``<tool_call>...</tool_call>``;
 - "llama3": Llama 3.1+, a bare JSON object ``{"name": ..., "parameters": {...}}``, perhaps after
   ``<|python_tag|>``, several separated by ``;``;
 - "json": the fallback for any other template that takes tools: a bare JSON object with ``name`` and
-  ``arguments``, as Ollama's generic parser reads it.
+  ``arguments``, as Ollama's generic parser reads it;
+- "harmony": gpt-oss's, a commentary message addressed to the function, its arguments the message
+  (serving/harmony.py parses it; a forced call is that message's header and arguments).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class ToolFormat:
 
 
 QWEN = ToolFormat("qwen", "<tool_call>", "</tool_call>")
+HARMONY = ToolFormat("harmony")  # gpt-oss: a call is a commentary message to the function (serving/harmony.py)
 LLAMA3 = ToolFormat("llama3", arguments="parameters", prefix="<|python_tag|>")
 GENERIC = ToolFormat("json")
 
@@ -46,6 +49,8 @@ def tool_format(template: str | None) -> ToolFormat | None:
     (Jinja's ``tools`` variable, Go's ``.Tools``)."""
     if not template or not re.search(r"\btools\b|\.Tools\b", template):
         return None
+    if "<|channel|>" in template and "<|message|>" in template:
+        return HARMONY
     if "<tool_call>" in template:
         return QWEN
     if "<|python_tag|>" in template or '"parameters"' in template or "ipython" in template:
@@ -126,6 +131,14 @@ def call_grammar(fmt: ToolFormat, tools: list[dict[str, Any]]) -> str:
         schemas.append({"type": "object", "properties": {"name": {"const": t["function"]["name"]},
                                                          fmt.arguments: arguments},
                         "required": ["name", fmt.arguments], "additionalProperties": False})
+    if fmt is HARMONY:  # the function is named in the message's header, its arguments are the message
+        rules = []
+        for n, (t, s) in enumerate(zip(tools, schemas)):
+            arguments = {**s["properties"][fmt.arguments], **({"$defs": defs} if defs else {}),
+                         "x-guidance": {"whitespace_flexible": False}}
+            header = HARMONY_CALL.format(t["function"]["name"])
+            rules.append(f"call{n}: {json.dumps(header)} args{n}\nargs{n}: %json {json.dumps(arguments)}\n")
+        return f"start: {' | '.join(f'call{n}' for n in range(len(tools)))}\n" + "".join(rules)
     schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
     if defs:
         schema = {**schema, "$defs": defs}
@@ -135,6 +148,9 @@ def call_grammar(fmt: ToolFormat, tools: list[dict[str, Any]]) -> str:
     else:
         body = "call"
     return f"start: {body}\ncall: %json {json.dumps(schema)}\n"
+
+
+HARMONY_CALL = "<|channel|>commentary to=functions.{} <|constrain|>json<|message|>"  # a forced call's header
 
 
 def _has_ref(schema: Any) -> bool:
