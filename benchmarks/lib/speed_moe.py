@@ -2,11 +2,12 @@
 with its experts as pebbles beside llama.cpp with the experts of its first N layers on the CPU (what
 llama.cpp's --n-cpu-moe N does), N the fewest whose device memory fits the same budget.
 
-    python benchmarks/speed.py moe [--backend cuda|host] [--n-layer 48] [--budget 8GiB] [--prompt 64]
-        [--tokens 32] [--peers llama.cpp|none] [--dir D] [--json FILE]
+    python benchmarks/speed.py moe [--backend cuda|host] [--shape qwen3-30b-a3b|gpt-oss-20b] [--type Q4_K_M|MXFP4_MOE]
+        [--n-layer N] [--budget 8GiB] [--prompt 64] [--tokens 32] [--peers llama.cpp|none] [--dir D] [--json FILE]
 
-The file: shapes.py's qwen3-30b-a3b shape (48 layers of 2048, 128 experts of 768, 8 used), its
-blocks written as random valid blocks (17 GB at 48 layers; --n-layer fewer for a check). pebbling: adaptive at
+The file: shapes.py's qwen3-30b-a3b shape (48 layers of 2048, 128 experts of 768, 8 used) by default, its
+blocks written as random valid blocks (17 GB at 48 layers; --n-layer fewer for a check); --shape gpt-oss-20b
+--type MXFP4_MOE is issue 51's (24 layers of 2880, 32 experts of 2880 with 4 used, MXFP4 experts: 11.3 GiB). pebbling: adaptive at
 the budget with pebbling_expert_cache 128 (the plan keeps as many experts a layer as the budget leaves room
 for), without and with speculative prefetch; per row prefill and decode tokens/s (greedy), the device peak
 (NVML sampled every 2 ms, and the report's) beside the budget, the experts cached a layer, hit rate, expert
@@ -120,7 +121,7 @@ def llama_cpp_rows(path: Path, args, prompt: list[int], on_gpu: bool) -> dict:
     except ImportError as exc:
         return {"present": False, "why": f"llama_cpp does not import: {exc}"}
     experts, other = layer_bytes(path)
-    spec = SHAPES[SHAPE]
+    spec = SHAPES[args.shape]
     kv_bytes = 2 * len(experts) * args.num_ctx * spec["n_head_kv"] * spec.get("key_length", 128) * 2
     first = first_layers_on_cpu(experts, other, kv_bytes, args.budget)
     out = {"present": True, "version": getattr(llama_cpp, "__version__", "?"), "rows": [],
@@ -164,7 +165,9 @@ def llama_cpp_rows(path: Path, args, prompt: list[int], on_gpu: bool) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="cuda", choices=("cuda", "host", "stub"))
-    parser.add_argument("--n-layer", type=int, help="fewer layers than the shape's 48 (a check)")
+    parser.add_argument("--shape", default=SHAPE, choices=sorted(k for k, v in SHAPES.items() if v.get("n_expert")))
+    parser.add_argument("--type", default="Q4_K_M", choices=("Q4_K_M", "MXFP4_MOE"), help="the file's mix")
+    parser.add_argument("--n-layer", type=int, help="fewer layers than the shape's (a check)")
     parser.add_argument("--budget", default="8GiB", help="device memory for each engine (bytes or e.g. 8GiB)")
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=32, help="greedy tokens decoded")
@@ -178,14 +181,15 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="pebbling-moe-") as tmp:
         directory = Path(args.dir) if args.dir else Path(tmp)
         t = time.perf_counter()
-        path = write_files(directory, ["Q4_K_M"], SHAPE, args.n_layer)["Q4_K_M"]
-        result = {"shape": SHAPE, "n_layer": args.n_layer or SHAPES[SHAPE]["n_layer"], "file_bytes": path.stat().st_size,
+        path = write_files(directory, [args.type], args.shape, args.n_layer)[args.type]
+        result = {"shape": args.shape, "type": args.type, "n_layer": args.n_layer or SHAPES[args.shape]["n_layer"],
+                  "file_bytes": path.stat().st_size,
                   "write_s": round(time.perf_counter() - t, 1), "budget_bytes": args.budget, "backend": args.backend,
                   "prompt": args.prompt, "tokens": args.tokens, "num_ctx": args.num_ctx,
                   "pebbling": pebbling_rows(path, args, prompt)}
         result["llama.cpp"] = (llama_cpp_rows(path, args, prompt, args.backend == "cuda") if args.peers != "none"
                                else {"present": False, "why": "--peers none"})
-    print(f"{SHAPE} ({result['n_layer']} layers, {result['file_bytes'] / 2**30:.2f} GiB Q4_K_M-like), budget "
+    print(f"{args.shape} ({result['n_layer']} layers, {result['file_bytes'] / 2**30:.2f} GiB {args.type}), budget "
           f"{args.budget / 2**30:.2f} GiB, prompt {args.prompt}, {args.tokens} greedy tokens, backend {args.backend}")
     for r in result["pebbling"]:
         print(f"  pebbling {r['label']:32s} decode {r['decode_tokens_per_s']:8.2f} tok/s, prefill "
