@@ -178,6 +178,11 @@ def test_the_call_and_its_result_go_back_through_the_template(url, models, scrip
     assert openai(url, messages=openai_history, tools=[ADD])["choices"][0]["message"]["content"] == "It is 4."
 
 
+def test_show_lists_thinking_and_tools_among_the_capabilities(url):
+    shown = requests.post(f"{url}/api/show", json={"model": "oss"}, timeout=60).json()
+    assert {"completion", "tools", "thinking"} <= set(shown["capabilities"])
+
+
 @pytest.mark.parametrize("level", ["low", "medium", "high"])
 def test_a_think_level_is_the_templates_reasoning_effort(models, level):
     assert f"Reasoning: {level}" in prompt_of(models, "oss", messages=QUESTION, think=level)

@@ -30,8 +30,9 @@ EMPTY_THINKING = "<think>\n\n</think>\n\n"
 
 def thinks(template: str | None) -> bool:
     """Whether a model with this template marks a reasoning part: it writes the tags, or strips the reasoning
-    of earlier replies at their closing tag (QwQ's and DeepSeek-R1's do only that)."""
-    return bool(template) and (THINK_OPEN in template or THINK_CLOSE in template)
+    of earlier replies at their closing tag (QwQ's and DeepSeek-R1's do only that), or it writes harmony (gpt-oss's
+    analysis channel)."""
+    return bool(template) and (THINK_OPEN in template or THINK_CLOSE in template or is_harmony(template))
 
 
 @dataclass
@@ -152,7 +153,7 @@ class ReplyPlan:
         what the model cannot do, naming it."""
         harmony = is_harmony(template)
         level = request.think if request.think in THINK_LEVELS else None
-        plan = cls({}, think=True if level else request.think, thinker=thinks(template) or harmony, harmony=harmony)
+        plan = cls({}, think=True if level else request.think, thinker=thinks(template), harmony=harmony)
         if request.think is not None and not isinstance(request.think, bool) and not level:
             raise OptionsError(f"think: got {request.think!r}; accepted: true, false, or a level for gpt-oss's "
                                f"reasoning effort: {', '.join(map(repr, THINK_LEVELS))}")
