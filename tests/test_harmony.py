@@ -178,6 +178,13 @@ def test_the_call_and_its_result_go_back_through_the_template(url, models, scrip
     assert openai(url, messages=openai_history, tools=[ADD])["choices"][0]["message"]["content"] == "It is 4."
 
 
+def test_generate_splits_a_harmony_reply_too(url, scripted):
+    scripted(THOUGHT + ANSWER + "<|return|>")
+    r = requests.post(f"{url}/api/generate", json={"model": "oss", "prompt": "What is 2 + 2?", "stream": False},
+                      timeout=60).json()
+    assert (r["thinking"], r["response"]) == ("The user adds. 2 + 2 is 4.", "It is 4.")
+
+
 def test_show_lists_thinking_and_tools_among_the_capabilities(url):
     shown = requests.post(f"{url}/api/show", json={"model": "oss"}, timeout=60).json()
     assert {"completion", "tools", "thinking"} <= set(shown["capabilities"])
