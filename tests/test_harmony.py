@@ -239,3 +239,12 @@ def test_pebbling_run_prints_the_thinking_before_the_answer_as_ollama_does(url, 
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout == shown
+
+
+def test_structured_output_is_the_content_of_a_harmony_model(url):
+    """A format constrains the whole reply to JSON, so it opens with no harmony header: all of it is content."""
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
+    for stream in (False, True):
+        out = chat(url, stream=stream, format=schema, options={"num_predict": 60, "seed": 3})
+        content = "".join(line["message"]["content"] for line in out) if stream else out["message"]["content"]
+        assert isinstance(json.loads(content)["answer"], int)
