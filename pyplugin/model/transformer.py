@@ -14,7 +14,8 @@ One block serves every architecture; what differs is optional and read from the 
 weights: per-head RMS norms on Q and K (qwen3, gemma3), norms after attention and after the FFN (the
 Gemmas' "sandwich"), a GELU-tanh gate instead of SiLU (the Gemmas), a scaled embedding, residual and
 logits (the Gemmas, Granite), soft-capped attention scores and logits (gemma2), and sliding-window
-layers (Mistral, the Gemmas) with their own RoPE base; a mixture of experts in place of the FFN
+layers (Mistral, the Gemmas, gpt-oss) with their own RoPE base; a learned sink logit per head in the
+softmax and a bias on the output projection (gpt-oss); a mixture of experts in place of the FFN
 (pyplugin.model.moe). A sliding layer's KV cache is a ring of its
 window's rows: position p lives in row p % rows, so a 32k context keeps only the window on those layers.
 """
