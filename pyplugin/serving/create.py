@@ -19,7 +19,7 @@ from ..model.vocabulary import check_vocabulary
 from ..runtime import Options
 from ..runtime.options import NEUTRAL
 from . import ollama_store, store_write
-from .catalogue import Catalogue
+from .catalogue import Catalogue, ModelLoadError
 from .go_parse import TemplateSyntaxError
 from .go_template import parsed
 from .ollama_store import LAYER_PREFIX, MODEL_MEDIA_TYPE, parse_name
@@ -184,7 +184,10 @@ def _base_model(name: str, catalogue: Catalogue, root: Path | None) -> ollama_st
     except LookupError:
         raise store_write.ModelNotInStore(f"model '{name}' not found") from None
     parsed = parse_name(name)
-    found = ollama_store.resolve(name, store_write.store_root(root))
+    try:
+        found = ollama_store.resolve(name, store_write.store_root(root))
+    except ModelError as exc:  # found a moment ago and unreadable now (its blob made a link out): a 400, as find's
+        raise ModelLoadError(f"model '{name}' cannot be served: {exc}") from None
     if found is not None and found.path == path:
         return parsed
     return path
