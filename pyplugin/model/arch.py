@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 from ..errors import ModelError
 from .moe import MOE_KEYS, moe_fields
+from .rope import YARN_FIXED
 from .transformer import ROPE_NEOX, ROPE_NORMAL
 
 ROPE_MODES = {"llama": ROPE_NORMAL, "qwen2": ROPE_NEOX, "qwen3": ROPE_NEOX, "phi3": ROPE_NEOX,
@@ -40,9 +41,7 @@ _READ = {"context_length", "embedding_length", "block_count", "feed_forward_leng
          "attention.sliding_window", "attention.sliding_window_pattern", "rope.freq_base_swa",
          "rope.local.freq_base", "rope.global.freq_base", "attn_logit_softcapping", "final_logit_softcapping",
          "embedding_scale", "residual_scale", "logit_scale", "rope.scaling.original_context_length",
-         "rope.scaling.attn_factor", "rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow",
-         "rope.scaling.yarn_ext_factor", "rope.scaling.yarn_attn_factor", "rope.scaling.yarn_log_multiplier",
-         *MOE_KEYS}
+         "rope.scaling.attn_factor", *YARN_FIXED, *MOE_KEYS}
 _HARMLESS = {"rope.scaling.finetuned", "tensor_data_layout",
              "mm.tokens_per_image"}
 _HARMLESS_PREFIXES = ("vision.", "mm.")      # a multimodal file's vision tower: its text model is what runs

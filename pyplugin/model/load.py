@@ -30,6 +30,7 @@ from .qweight import QuantWeight
 from .tokenizer import Tokenizer
 from .arch import ROPE_MODES, arch_fields
 from .moe import GGUF_NAMES, expert_shapes
+from .rope import YARN_FIXED
 from .transformer import LayerWeights, ModelConfig, OuterWeights
 
 SUPPORTED_ARCHS = tuple(ROPE_MODES)
@@ -206,10 +207,6 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-# YaRN's keys, and the values pebbling computes with (llama.cpp's defaults; a file that asks for others is refused)
-YARN_FIXED = {"rope.scaling.yarn_beta_fast": 32.0, "rope.scaling.yarn_beta_slow": 1.0,
-              "rope.scaling.yarn_ext_factor": 1.0, "rope.scaling.yarn_attn_factor": 1.0,
-              "rope.scaling.yarn_log_multiplier": 0.0}
 
 
 def _rope_scaling(f: GGUFFile, arch: str, n_ctx_train: int) -> dict[str, Any]:

@@ -18,6 +18,11 @@ Array = Any
 ModelConfig = Any  # pyplugin.model.transformer.ModelConfig, which imports this module
 
 ROPE_NORMAL, ROPE_NEOX = "normal", "neox"
+# YaRN's keys under a file's architecture, and the values pebbling computes with (llama.cpp's defaults; a file
+# that asks for others is refused: load._rope_scaling)
+YARN_FIXED = {"rope.scaling.yarn_beta_fast": 32.0, "rope.scaling.yarn_beta_slow": 1.0,
+              "rope.scaling.yarn_ext_factor": 1.0, "rope.scaling.yarn_attn_factor": 1.0,
+              "rope.scaling.yarn_log_multiplier": 0.0}
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
