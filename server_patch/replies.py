@@ -56,7 +56,8 @@ def chat_message(m: Message, i: int) -> dict[str, Any]:
 
 def openai_messages(body: ChatCompletionRequest, text_content) -> list[dict[str, Any]]:
     """The messages as chat templates take them: calls with their arguments as objects, a tool result
-    with the id of the call it answers and the function's name."""
+    with the id of the call it answers and the function's name, thinking as `reasoning_content` and
+    `thinking`."""
     names = {}  # call id -> function name, so that a tool result can be given its function's name
     messages = []
     for i, m in enumerate(body.messages):
@@ -72,8 +73,8 @@ def openai_messages(body: ChatCompletionRequest, text_content) -> list[dict[str,
         name = m.name or (names.get(m.tool_call_id) if m.role == "tool" else None)
         if name:
             out["name"] = out["tool_name"] = name
-        if m.reasoning_content:
-            out["reasoning_content"] = m.reasoning_content
+        if m.reasoning_content:  # under both names templates read it by (gpt-oss's: `thinking`), as chat_message
+            out["reasoning_content"] = out["thinking"] = m.reasoning_content
         messages.append(out)
     if not messages:
         raise BadRequest("'messages' must hold at least one message")

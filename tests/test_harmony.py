@@ -248,3 +248,18 @@ def test_structured_output_is_the_content_of_a_harmony_model(url):
         out = chat(url, stream=stream, format=schema, options={"num_predict": 60, "seed": 3})
         content = "".join(line["message"]["content"] for line in out) if stream else out["message"]["content"]
         assert isinstance(json.loads(content)["answer"], int)
+
+
+def test_openais_reasoning_content_reaches_a_template_that_reads_thinking():
+    """gpt-oss's template reads an assistant's earlier thinking as `thinking`; OpenAI's clients send it as
+    `reasoning_content`: the route passes it under both names, as Ollama's route does."""
+    from server_patch.openai_compat import _text_content
+    from server_patch.replies import openai_messages
+    from server_patch.schemas import ChatCompletionRequest
+
+    body = ChatCompletionRequest(model="oss", messages=[*QUESTION, {
+        "role": "assistant", "content": None, "reasoning_content": "I should add.", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 2}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "4"}])
+    assistant = openai_messages(body, _text_content)[1]
+    assert assistant["thinking"] == assistant["reasoning_content"] == "I should add."

@@ -4,8 +4,10 @@
 
 For a synthetic gpt-oss file with a harmony template (pyplugin.model.synth_vocab's, written short after
 gpt-oss's) and for a Qwen3 file (its thinking template), a few conversations go through pebbling's engine as a
-client sends them on Ollama's API (messages, tools, `think` with its levels): the prompt the server evaluates is
-read back from the response's context. The same conversation, in the shape chat templates take (Hugging Face's:
+client sends them on each API: Ollama's /api/chat body (messages, tools, `think` with its levels) and OpenAI's
+/v1/chat/completions body (calls with JSON-string arguments and ids, results by tool_call_id, thinking as
+reasoning_content, the level as reasoning_effort), each turned into the engine's request by the route's own
+conversion (server_patch); the prompt the engine evaluates is read back from the response's context. The same conversation, in the shape chat templates take (Hugging Face's:
 calls in tool_calls with their arguments as objects, results under role "tool" with the function's name,
 thinking beside them), is rendered by llama-cpp-python's Jinja2ChatFormatter from the template in the file's
 metadata, with the reasoning effort where given, and tokenized by llama.cpp (special tokens as tokens). The two
@@ -23,6 +25,9 @@ from typing import Any
 
 from pyplugin.model.synth import write_gguf
 from pyplugin.serving import Engine, Final, GenerationRequest
+from server_patch.openai_compat import _text_content
+from server_patch.replies import chat_message, openai_messages, openai_tools
+from server_patch.schemas import ChatCompletionRequest, ChatRequest
 
 from .agreement_llamacpp import in_llama_process
 
@@ -56,12 +61,48 @@ FILES = {"gpt-oss": dict(arch="gpt-oss", vocab="harmony", n_expert=4, n_expert_u
          "qwen3": dict(arch="qwen3", vocab="qwen3")}
 
 
-def pebbling_prompt(models: Path, model: str, messages: list[dict], tools, think) -> list[int]:
+def as_openai(messages: list[dict]) -> list[dict]:
+    """A conversation of Ollama's shape in OpenAI's: calls with ids and JSON-string arguments, results answering
+    them by id, thinking as reasoning_content."""
+    out, ids = [], []
+    for m in messages:
+        m = dict(m)
+        if m.get("tool_calls"):
+            calls = []
+            for c in m["tool_calls"]:
+                ids.append(f"call_{len(ids)}")
+                calls.append({"id": ids[-1], "type": "function", "function": {
+                    "name": c["function"]["name"], "arguments": json.dumps(c["function"]["arguments"])}})
+            m["tool_calls"] = calls
+            m["content"] = m.get("content") or None
+        if "thinking" in m:
+            m["reasoning_content"] = m.pop("thinking")
+        if m["role"] == "tool":
+            m = {"role": "tool", "content": m["content"], "tool_call_id": ids[len([x for x in out if x["role"] == "tool"])]}
+        out.append(m)
+    return out
+
+
+def route_request(route: str, model: str, messages: list[dict], tools, think) -> GenerationRequest:
+    """The engine's request as the route makes it from a client's body (server_patch's own conversions)."""
+    if route == "ollama":
+        body = ChatRequest(model=model, messages=messages, tools=tools, think=think)
+        return GenerationRequest(model=model, messages=[chat_message(m, i) for i, m in enumerate(body.messages)],
+                                 tools=body.tools or None, think=body.think)
+    level = think if isinstance(think, str) else None
+    body = ChatCompletionRequest(model=model, messages=as_openai(messages), tools=tools, reasoning_effort=level,
+                                 **({"think": think} if think is not None and level is None else {}))
+    tools_in, choice, think_in = openai_tools(body)
+    return GenerationRequest(model=model, messages=openai_messages(body, _text_content), tools=tools_in,
+                             tool_choice=choice, think=think_in)
+
+
+def pebbling_prompt(models: Path, request: GenerationRequest) -> list[int]:
     """The prompt the server evaluates for this request: its context less the one token it generated."""
     engine = Engine(models)
     try:
-        job = engine.submit(GenerationRequest(model=model, messages=messages, tools=tools, think=think,
-                                              options={"num_predict": 1, "temperature": 0}))
+        request.options = {"num_predict": 1, "temperature": 0}
+        job = engine.submit(request)
         final = next(item for item in job if isinstance(item, Final))
         return list(final.context[:len(final.context) - final.eval_count])
     finally:
@@ -97,16 +138,18 @@ def main(argv: list[str] | None = None) -> int:
             cases = [c for c in CONVERSATIONS if name == "gpt-oss" or not isinstance(c[4], str)]
             refs = in_llama_process(_render_job, models / f"{name}.gguf", [(c[2], c[3], c[4]) for c in cases])
             for (label, client, _, tools, think), ref in zip(cases, refs):
-                got = pebbling_prompt(models, name, client, tools, think)
-                first = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), None)
-                if first is None and len(got) != len(ref):
-                    first = min(len(got), len(ref))
-                rows.append({"model": name, "conversation": label, "tokens": len(ref), "equal": got == ref,
-                             "first_difference": first})
-    print(f"{'model':8} {'conversation':26} {'tokens':>6}  equal")
+                for route in ("ollama", "openai"):
+                    got = pebbling_prompt(models, route_request(route, name, client, tools, think))
+                    first = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), None)
+                    if first is None and len(got) != len(ref):
+                        first = min(len(got), len(ref))
+                    rows.append({"model": name, "conversation": label, "route": route, "tokens": len(ref),
+                                 "equal": got == ref, "first_difference": first})
+    print(f"{'model':8} {'conversation':26} {'route':7} {'tokens':>6}  equal")
     for r in rows:
         where = "" if r["equal"] else f"  first difference at token {r['first_difference']}"
-        print(f"{r['model']:8} {r['conversation']:26} {r['tokens']:6}  {'yes' if r['equal'] else 'NO'}{where}")
+        print(f"{r['model']:8} {r['conversation']:26} {r['route']:7} {r['tokens']:6}  {'yes' if r['equal'] else 'NO'}"
+              f"{where}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     bad = sum(not r["equal"] for r in rows)
