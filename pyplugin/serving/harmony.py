@@ -17,17 +17,12 @@ from __future__ import annotations
 import json
 import re
 
-from .tool_calls import CutCall, ToolCall, held_back
+from .tool_calls import CutCall, ToolCall, held_back, is_harmony  # noqa: F401 (is_harmony: for reply.py)
 
 START, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
 THINK_LEVELS = ("low", "medium", "high")   # `think`'s levels, the harmony template's reasoning_effort
 _RECIPIENT = re.compile(r"\bto=(\S+?)(?=\s|<\||$)")
 _HEADERS = (CHANNEL, START, "assistant", "<|constrain|>")  # what a reply's first message may open with
-
-
-def is_harmony(template: str | None) -> bool:
-    """Whether a chat template writes OpenAI's harmony format (gpt-oss's)."""
-    return bool(template) and CHANNEL in template and MESSAGE in template
 
 
 class HarmonyParser:

@@ -44,12 +44,17 @@ LLAMA3 = ToolFormat("llama3", arguments="parameters", prefix="<|python_tag|>")
 GENERIC = ToolFormat("json")
 
 
+def is_harmony(template: str | None) -> bool:
+    """Whether a chat template writes OpenAI's harmony format (gpt-oss's: serving/harmony.py)."""
+    return bool(template) and "<|channel|>" in template and "<|message|>" in template
+
+
 def tool_format(template: str | None) -> ToolFormat | None:
     """The format a model with this chat template writes calls in; None if the template takes no tools
     (Jinja's ``tools`` variable, Go's ``.Tools``)."""
     if not template or not re.search(r"\btools\b|\.Tools\b", template):
         return None
-    if "<|channel|>" in template and "<|message|>" in template:
+    if is_harmony(template):
         return HARMONY
     if "<tool_call>" in template:
         return QWEN

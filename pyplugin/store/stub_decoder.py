@@ -227,10 +227,9 @@ class StubDecoder:
 def _gpt_oss_weights(where: str, w: dict, s, vec) -> dict:
     """gpt-oss's sinks and biases, each optional, refused as native/cuda/decoder.cu refuses them: the sinks
     not F32, a router's or expert's bias outside a layer of experts, or the experts' three biases not together."""
-    present = {name for name in ("ffn_gate_exps_b", "ffn_up_exps_b", "ffn_down_exps_b") if (w.get(name) or (0, None))[1] is not None}
-    sinks = w.get("attn_sinks")
-    if (sinks is not None and sinks[1] is not None and sinks[0] != 0) or len(present) not in (0, 3) or \
-            (not s.n_expert and (present or (w.get("ffn_gate_inp_b") or (0, None))[1] is not None)):
+    present = {name for name in ("ffn_gate_exps_b", "ffn_up_exps_b", "ffn_down_exps_b") if _given(w, name)}
+    if (_given(w, "attn_sinks") and w["attn_sinks"][0] != 0) or len(present) not in (0, 3) or \
+            (not s.n_expert and (present or _given(w, "ffn_gate_inp_b"))):
         raise InvalidArgumentError(f"{where}: attn_sinks must be 0 F32 where given; ffn_gate_inp_b and the experts' "
                                    "biases (ffn_gate_exps_b, ffn_up_exps_b, ffn_down_exps_b, all three or none) are for "
                                    "a layer of experts")
@@ -242,9 +241,14 @@ def _gpt_oss_weights(where: str, w: dict, s, vec) -> dict:
                 ffn_down_exps_b=vec("ffn_down_exps_b", E * e, optional=True))
 
 
+def _given(weights: dict, name: str) -> bool:
+    """Whether the layer names a buffer for `name` ((type, None): a type only, as a streamed layer's are)."""
+    return (weights.get(name) or (None, None))[1] is not None
+
+
 def _wanted(where: str, weights: dict, name: str, wanted) -> bool:
     """Whether the layer computes with `name` (the shape says); one given that it does not is refused, as
     native/cuda/decoder.cu refuses it."""
-    if not wanted and (weights.get(name) or (None, None))[1] is not None:  # (type, None): a type only
+    if not wanted and _given(weights, name):
         raise InvalidArgumentError(f"{where}: {name} is given but the shape has no use for it")
     return bool(wanted)
