@@ -1,10 +1,11 @@
 """The tokenizer a GGUF file carries, rebuilt with the ``tokenizers`` library as llama.cpp runs it.
 
-Two kinds, chosen by ``tokenizer.ggml.model``:
+Three kinds, chosen by ``tokenizer.ggml.model``:
 - ``gpt2``: byte-level BPE. Tokens are stored in GPT-2's byte-to-unicode alphabet with a merge
   list; the pre-tokenizer regexes are chosen by ``tokenizer.ggml.pre`` (llama.cpp's table).
 - ``llama``: SentencePiece BPE. Spaces are '▁', a piece's score is its merge priority, and a
   character missing from the vocabulary falls back to byte tokens <0xNN>.
+- ``gemma4``: Gemma 4's BPE, merges over SentencePiece-style pieces (model/tokenizer_gemma4.py).
 Control, user-defined and unknown (<unk>) tokens are matched in the text as whole tokens. Decoding
 goes through raw bytes, so a character split across tokens comes out whole (see ``StreamDecoder``).
 
@@ -26,6 +27,7 @@ from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import models as _models
 
 from ..errors import ModelError
+from . import tokenizer_gemma4 as gemma4
 from .pre_tokenizers import PRE_TOKENIZERS  # noqa: F401 (the table: for the vocabularies and tests)
 from .vocabulary import check_vocabulary, fim_token_ids
 
@@ -43,7 +45,8 @@ _C_WHITESPACE = " \t\n\v\f\r"
 # Qwen2.5-Coder's fill-in-the-middle padding, repository and file separators (its FIM_PAD, _REP, _SEP).
 _EOG_TEXTS = frozenset({"<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>",
                         "<|endoftext|>", "<|end_of_text|>", "<EOT>", "<|return|>", "<|call|>",
-                        "<|fim_pad|>", "<|repo_name|>", "<|fim_repo|>", "<|file_sep|>"})
+                        "<|fim_pad|>", "<|repo_name|>", "<|fim_repo|>", "<|file_sep|>",
+                        "<eos>", "<turn|>", "<|tool_response>"})  # (the last three: Gemma 4's)
 
 
 @lru_cache(maxsize=1)
@@ -76,11 +79,11 @@ HARMONY_SHOWN = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")  # 
 
 def _piece_bytes(text: str, ty: int, kind: str, table: dict[int, int]) -> bytes:
     """The bytes token `text` of type `ty` stands for in a `kind` vocabulary (table: _byte_level_table)."""
-    if ty == BYTE and kind == "spm":
+    if ty == BYTE and kind in ("spm", "gemma4"):
         return bytes([int(text[3:-1], 16)])       # '<0x0A>'
     if ty == USER_DEFINED or ty in (CONTROL, UNKNOWN, UNUSED):
         return text.encode("utf-8")               # shown only when specials are asked for
-    if kind == "spm":
+    if kind in ("spm", "gemma4"):
         return text.replace(SPACE, " ").encode("utf-8")
     try:  # every character a byte of the byte-level alphabet
         return text.translate(table).encode("latin-1")
@@ -89,7 +92,7 @@ def _piece_bytes(text: str, ty: int, kind: str, table: dict[int, int]) -> bytes:
 
 
 class Tokenizer:
-    """Text <-> token ids for one model. ``kind`` is 'bpe' (byte-level) or 'spm' (SentencePiece)."""
+    """Text <-> token ids for one model. ``kind`` is 'bpe' (byte-level), 'spm' (SentencePiece) or 'gemma4'."""
 
     def __init__(self, tokens: Sequence[str], token_types: Sequence[int] | None = None, *, kind: str,
                  merges: Sequence[str] = (), scores: Sequence[float] | None = None,
@@ -99,8 +102,8 @@ class Tokenizer:
                  fim_ids: tuple[int, int, int] | None = None):
         """`fim_ids`: the fill-in-the-middle tokens (fim_token_ids), matched in text as wholes whatever
         their type, as llama.cpp makes them control tokens."""
-        if kind not in ("bpe", "spm"):
-            raise ValueError(f"tokenizer kind must be 'bpe' or 'spm', got {kind!r}")
+        if kind not in ("bpe", "spm", "gemma4"):
+            raise ValueError(f"tokenizer kind must be 'bpe', 'spm' or 'gemma4', got {kind!r}")
         self.kind = kind
         self.tokens = list(tokens)
         self.types = list(token_types) if token_types is not None else [NORMAL] * len(self.tokens)
@@ -113,6 +116,10 @@ class Tokenizer:
             self.pre = PRE_TOKENIZERS[pre]
             self._hf = self._build_bpe(merges)
             default_add_bos = self.pre.add_bos
+        elif kind == "gemma4":  # llama.cpp always adds its BOS, whatever the file says
+            self._hf = gemma4.build(self._vocab(), merges)
+            self._newlines = gemma4.NewlineRuns(self.tokens, self._vocab())
+            default_add_bos = add_bos = True
         else:
             self._hf = self._build_spm(scores)
             default_add_bos = True
@@ -124,6 +131,9 @@ class Tokenizer:
         self._bytes = [_piece_bytes(t, ty, kind, table) for t, ty in zip(self.tokens, self.types)]
         self.eog_ids = frozenset(i for i in (eos_id, eot_id, eom_id) if i is not None) | frozenset(
             i for i in self._ids_of_types(CONTROL, USER_DEFINED) if self.tokens[i] in _EOG_TEXTS)
+        for i in self.eog_ids:  # llama.cpp makes one of _EOG_TEXTS a control token (Gemma 4's <|tool_response>)
+            if self.types[i] == USER_DEFINED and self.tokens[i] in _EOG_TEXTS:
+                self.types[i] = CONTROL
         self._harmony()
 
     def _harmony(self) -> None:
@@ -232,7 +242,14 @@ class Tokenizer:
         text = _LONE_SURROGATE.sub("\ufffd", text)
         if self.kind == "spm":
             return [t.id for t in self._hf.model.tokenize(text.replace(" ", SPACE))] if text else []
-        return self._hf.encode(text, add_special_tokens=False).ids
+        return self._encoded(text)[0]
+
+    def _encoded(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """The library's ids and their offsets in `text`; Gemma 4's runs of newlines settled as llama.cpp does."""
+        encoding = self._hf.encode(text, add_special_tokens=False)
+        if self.kind == "gemma4":
+            return self._newlines.apply(text, encoding.ids, encoding.offsets, self._added_ids)
+        return encoding.ids, encoding.offsets
 
     def enough_text(self, text: str, n_tokens: int) -> str:
         """A prefix of `text` whose tokens include the first `n_tokens` of the whole: what truncating
@@ -249,10 +266,9 @@ class Tokenizer:
         added when the model asks for one (or ``add_bos``), unless the text already starts with it.
         A lone surrogate (from a command line's undecodable bytes, say) is read as U+FFFD."""
         text = _LONE_SURROGATE.sub("\ufffd", text)
-        encoding = self._hf.encode(text, add_special_tokens=False)
-        ids = encoding.ids
+        ids, offsets = self._encoded(text)
         if self.rstrip_ids:
-            ids = self._strip_after_specials(text, ids, encoding.offsets)
+            ids = self._strip_after_specials(text, ids, offsets)
         add_bos = self.add_bos if add_bos is None else add_bos
         if add_bos and self.bos_id is not None and ids[:1] != [self.bos_id]:
             ids.insert(0, self.bos_id)
@@ -286,7 +302,7 @@ class Tokenizer:
             if stripped == fragment:
                 out += ids[k:nxt]
             elif stripped:
-                out += self._hf.encode(stripped, add_special_tokens=False).ids
+                out += self._encoded(stripped)[0]
             k = nxt
         return out
 

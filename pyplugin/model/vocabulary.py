@@ -10,14 +10,15 @@ from ..errors import ModelError
 
 
 def check_vocabulary(md: dict[str, Any], source: str) -> str:
-    """The tokenizer's kind ('bpe' or 'spm') from GGUF metadata, once the arrays it is built from are checked:
-    ModelError naming the key for one that is missing, of the wrong type or not one entry per token (a token's
-    type and score are looked up by its id: a short array would fail at generation), or for a merge of pieces
-    the vocabulary lacks. Loading a model and create both call it: create takes no file that cannot be served."""
-    kind = {"gpt2": "bpe", "llama": "spm"}.get(md.get("tokenizer.ggml.model"))
+    """The tokenizer's kind ('bpe', 'spm' or 'gemma4') from GGUF metadata, once the arrays it is built from are
+    checked: ModelError naming the key for one that is missing, of the wrong type or not one entry per token (a
+    token's type and score are looked up by its id: a short array would fail at generation), or for a merge of
+    pieces the vocabulary lacks. Loading a model and create both call it: create takes no file that cannot be served."""
+    kind = {"gpt2": "bpe", "llama": "spm", "gemma4": "gemma4"}.get(md.get("tokenizer.ggml.model"))
     if kind is None:
         raise ModelError(f"{source}: tokenizer model {md.get('tokenizer.ggml.model')!r} is not "
-                         "supported; supported: 'gpt2' (byte-level BPE), 'llama' (SentencePiece)")
+                         "supported; supported: 'gpt2' (byte-level BPE), 'llama' (SentencePiece), "
+                         "'gemma4' (Gemma 4's BPE)")
     tokens = md.get("tokenizer.ggml.tokens")
     if not tokens:
         raise ModelError(f"{source}: missing metadata key 'tokenizer.ggml.tokens'")
@@ -32,19 +33,29 @@ def check_vocabulary(md: dict[str, Any], source: str) -> str:
         if len(values) != len(tokens):
             raise ModelError(f"{source}: 'tokenizer.ggml.{key}' has {len(values)} entries and "
                              f"'tokenizer.ggml.tokens' {len(tokens)}: expected one per token")
-    if kind == "bpe":
+    if kind in ("bpe", "gemma4"):
         merges = md.get("tokenizer.ggml.merges")
         if merges is None:
-            raise ModelError(f"{source}: byte-level BPE tokenizer without 'tokenizer.ggml.merges'")
+            raise ModelError(f"{source}: {'byte-level ' if kind == 'bpe' else ''}BPE tokenizer without "
+                             "'tokenizer.ggml.merges'")
         if not isinstance(merges, list):
             raise ModelError(f"{source}: 'tokenizer.ggml.merges' must be an array of strings")
         vocabulary = set(tokens)
         for i, merge in enumerate(merges):
-            left, space, right = merge.partition(" ") if isinstance(merge, str) else ("", "", "")
+            left, space, right = _split(merge, kind)
             if not (space and left in vocabulary and right in vocabulary and left + right in vocabulary):
                 raise ModelError(f"{source}: 'tokenizer.ggml.merges'[{i}] is {str(merge)[:60]!r}: expected two "
                                  "tokens of the vocabulary separated by a space, which together are one too")
     return kind
+
+
+def _split(merge: Any, kind: str) -> tuple[str, str, str]:
+    """A merge's (left, " ", right), ("", "", "") for one that is not two pieces. Gemma 4's is cut at its first
+    space after the first character, as llama.cpp reads them (a piece of it may start with a space)."""
+    if not isinstance(merge, str):
+        return "", "", ""
+    at = merge.find(" ", 1 if kind == "gemma4" else 0)
+    return (merge[:at], " ", merge[at + 1:]) if at >= 0 else ("", "", "")
 
 
 # Fill-in-the-middle tokens (prefix, suffix, middle), found as llama.cpp finds them (llama_vocab::impl::load):
