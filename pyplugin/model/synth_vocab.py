@@ -11,6 +11,7 @@ from typing import Iterable
 
 from tokenizers import Regex, pre_tokenizers
 
+from .synth_vocab_gemma4 import GEMMA4_TEMPLATE, gemma4_vocab  # noqa: F401 (the template: for the tests)
 from .tokenizer import (BYTE, CONTROL, NORMAL, PRE_TOKENIZERS, SPACE, UNKNOWN, UNUSED, USER_DEFINED,
                         bytes_to_unicode)
 
@@ -221,7 +222,7 @@ PHI3_TEMPLATE = (
 class Vocab:
     """A tokenizer as GGUF metadata holds it."""
 
-    model: str                          # tokenizer.ggml.model: "gpt2" or "llama"
+    model: str                          # tokenizer.ggml.model: "gpt2", "llama" or "gemma4"
     tokens: list[str]
     types: list[int]
     merges: list[str] = field(default_factory=list)
@@ -272,7 +273,9 @@ def _unique(items: Iterable[str]) -> list[str]:
 
 def build_vocab(flavour: str, n_merges: int = 300, pre: str | None = None, pad_to: int = 0) -> Vocab:
     """A small real tokenizer: 'llama3', 'chatml', 'coder' (ChatML with Qwen2.5-Coder's fill-in-the-middle
-    tokens), 'qwen3' or 'harmony' (gpt-oss's special tokens and chat format) (byte-level BPE), 'spm' or 'gemma' (SentencePiece). `pad_to`: a Gemma vocabulary filled with unused pieces up to that many tokens."""
+    tokens), 'qwen3' or 'harmony' (gpt-oss's special tokens and chat format) (byte-level BPE), 'spm' or 'gemma'
+    (SentencePiece), 'gemma4' (Gemma 4's BPE: synth_vocab_gemma4.py). `pad_to`: a Gemma vocabulary filled with
+    unused pieces up to that many tokens."""
     if flavour == "llama3":
         specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
                     "<|end_header_id|>", "<|eot_id|>"]
@@ -300,7 +303,9 @@ def build_vocab(flavour: str, n_merges: int = 300, pre: str | None = None, pad_t
         return _spm_vocab(n_merges)
     if flavour == "gemma":
         return _gemma_vocab(n_merges, pad_to)
-    raise ValueError(f"vocab {flavour!r}: choose llama3, chatml, coder, qwen3, harmony, spm or gemma")
+    if flavour == "gemma4":
+        return Vocab(**gemma4_vocab(CORPUS, learn_merges, n_merges, pad_to))
+    raise ValueError(f"vocab {flavour!r}: choose llama3, chatml, coder, qwen3, harmony, spm, gemma or gemma4")
 
 
 def _byte_level_vocab(specials: list[str], pre: str, n_merges: int, *, bos: int, eos: int, eot: int,
