@@ -93,15 +93,17 @@ depend on. Install them in a separate virtual environment, with pebbling beside 
     /tmp/llamacpp-venv/bin/python benchmarks/agreement.py llamacpp
 """
 
-ARCHS = ("llama", "qwen2", "phi3", "qwen3", "gemma3", "gemma2")
+ARCHS = ("llama", "qwen2", "phi3", "qwen3", "gemma3", "gemma2", "gemma4")
 TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
          "IQ4_NL", "IQ4_XS", "MXFP4")
 # llama-quantize's mixes (pyplugin.model.synth_mix): written for these architectures where the types asked
 # include the mix's main type (MXFP4_MOE: for the mixtures of experts, its experts MXFP4 and the rest Q8_0).
 MIX_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
 VOCAB_OF = {"llama": "llama3", "qwen2": "chatml", "phi3": "spm", "qwen3": "qwen3", "gemma3": "gemma",
-            "gemma2": "gemma", "qwen3moe": "qwen3", "qwen2moe": "chatml", "gpt-oss": "chatml"}  # each arch's usual tokenizer
-MOE_ARCHS = ("qwen3moe", "qwen2moe", "mixtral", "gpt-oss")  # mixtral: a llama file with experts; each with a Q4_K_M-like mix
+            "gemma2": "gemma", "qwen3moe": "qwen3", "qwen2moe": "chatml", "gpt-oss": "chatml",
+            "gemma4": "gemma"}  # each arch's usual tokenizer
+MOE_ARCHS = ("qwen3moe", "qwen2moe", "mixtral", "gpt-oss", "gemma4moe")  # each with a Q4_K_M-like mix
+FILE_ARCH = {"mixtral": "llama", "gemma4moe": "gemma4"}  # a llama file with experts; Gemma 4's 26B-A4B layout
 # What every file of an architecture carries beyond SHAPE: its own parts, exercised.
 ARCH_SPEC = {"qwen3": {"key_length": 128}, "gemma3": {"sliding_window": 8, "rope_theta": 1e6},
              "gemma2": {"sliding_window": 8, "attn_softcap": 3.0, "final_softcap": 4.0},
@@ -114,7 +116,19 @@ ARCH_SPEC = {"qwen3": {"key_length": 128}, "gemma3": {"sliding_window": 8, "rope
              # 2880), 16 experts of 4, every other layer sliding over 8 positions (the 28 compared cross it), YaRN
              # x32 of 16 positions on its base of 150000; sinks and biases written by synth
              "gpt-oss": {"n_head": 8, "key_length": 64, "n_expert": 16, "n_expert_used": 4, "n_ff_exp": 256,
-                         "sliding_window": 8, "rope_yarn": (32.0, 16), "rope_theta": 150000.0}}
+                         "sliding_window": 8, "rope_yarn": (32.0, 16), "rope_theta": 150000.0},
+             # Gemma 4 as E2B lays it out: 4 sliding layers (head 64, window 8) then a full one (head 128, RoPE
+             # turning a quarter of it), one KV head, the last 5 of 10 layers reading layers 3's and 4's caches
+             # with FFNs twice as wide, per-layer embeddings of 32
+             "gemma4": {"n_layer": 10, "n_head_kv": 1, "key_length": 128, "sliding_window": 8, "rope_theta": 1e6,
+                        "swa_pattern": [i % 5 < 4 for i in range(10)],
+                        "gemma4": {"head_dim_swa": 64, "shared_kv_layers": 5, "n_embd_per_layer": 32,
+                                   "double_wide": True}},
+             # ... as 26B-A4B: 5 sliding layers then a full one, 2 KV heads sliding and 1 full with V its keys'
+             # projection, a dense FFN beside 16 experts of 4 (its 128 of 8, narrower)
+             "gemma4moe": {"n_layer": 6, "key_length": 128, "sliding_window": 8, "rope_theta": 1e6,
+                           "swa_pattern": [i % 6 < 5 for i in range(6)], "n_expert": 16, "n_expert_used": 4,
+                           "n_ff_exp": 128, "gemma4": {"head_dim_swa": 64, "n_head_kv_full": 1, "k_eq_v": True}}}
 SHAPE = dict(n_layer=4, n_embd=256, n_head=4, n_head_kv=2, n_ff=512, n_ctx=512)
 N_PROMPT, N_GEN, N_CTX = 12, 16, 64
 
@@ -174,6 +188,11 @@ def cases(archs: tuple[str, ...], types: tuple[str, ...]) -> list[Case]:
         Case("gemma3 Q4_K head 256, MQA", "gemma3", "Q4_K", {"key_length": 256, "n_head_kv": 1}),
         Case("gemma2 F32 window 4, default caps", "gemma2", "F32",
              {"sliding_window": 4, "attn_softcap": None, "final_softcap": None}),
+        Case("gemma4 F32 31B-like (V = K on full layers)", "gemma4", "F32",
+             {"n_layer": 6, "swa_pattern": [i % 6 < 5 for i in range(6)], "n_head_kv": 2,
+              "gemma4": {"head_dim_swa": 64, "n_head_kv_full": 1, "k_eq_v": True}}),
+        Case("gemma4moe F32 experts split", "gemma4moe", "F32",
+             {"gemma4": {"head_dim_swa": 64, "n_head_kv_full": 1, "k_eq_v": True, "merged_gate_up": False}}),
     ]
     out += [c for c in extras if c.arch in archs and c.weight_type in types]
     q4_k_m = {"tensor_types": {"output": "Q6_K", "attn_v": "Q6_K", "ffn_down_exps": "Q6_K", "ffn_down_shexp": "Q6_K",
@@ -181,7 +200,7 @@ def cases(archs: tuple[str, ...], types: tuple[str, ...]) -> list[Case]:
     for arch in (a for a in MOE_ARCHS if a in archs):
         if "Q4_K" in types:
             out.append(Case(f"{arch} Q4_K_M-like mix", arch, "Q4_K", q4_k_m))
-        if "MXFP4" in types and arch != "mixtral":
+        if "MXFP4" in types and arch not in FILE_ARCH:
             out.append(mix_case(arch, "MXFP4_MOE"))
     for arch in (a for a in MIX_ARCHS if a in archs):
         out += [mix_case(arch, mix) for mix in ("Q3_K_M", "Q2_K", "IQ4_XS") if MIXES[mix] in types]
@@ -190,7 +209,7 @@ def cases(archs: tuple[str, ...], types: tuple[str, ...]) -> list[Case]:
 
 def mix_case(arch: str, mix: str) -> Case:
     """A file of `arch` in llama-quantize's `mix`, every matrix typed as synth_mix gives it."""
-    spec = quantize_mix(SynthSpec(**{"arch": "llama" if arch == "mixtral" else arch, **SHAPE, **ARCH_SPEC.get(arch, {})}), mix)
+    spec = quantize_mix(SynthSpec(**{"arch": FILE_ARCH.get(arch, arch), **SHAPE, **ARCH_SPEC.get(arch, {})}), mix)
     return Case(f"{arch} {mix} mix", arch, spec.weight_type, {"tensor_types": spec.tensor_types})
 
 
@@ -293,7 +312,7 @@ def run_pebbling(model, prompt: list[int]) -> tuple[list[int], list[np.ndarray]]
 
 
 def compare_case(case: Case, workdir: Path) -> dict[str, Any]:
-    arch = "llama" if case.arch == "mixtral" else case.arch
+    arch = FILE_ARCH.get(case.arch, case.arch)
     spec = dict(SHAPE, arch=arch, vocab=VOCAB_OF[arch], weight_type=case.weight_type, seed=7)
     spec.update(ARCH_SPEC.get(case.arch, {}))
     spec.update(case.overrides)

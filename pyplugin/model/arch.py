@@ -1,7 +1,7 @@
 """What each architecture adds to the llama block, read from its GGUF metadata as llama.cpp reads it.
 
 qwen3 (and qwen3moe): per-head Q/K RMS norms, no QKV biases, a head size of its own (``attention.key_length``).
-gemma2 / gemma3: the embedding scaled by sqrt(n_embd), norms after attention and after the FFN, a
+gemma2 / gemma3 (and gemma4, with what pyplugin.model.gemma4 adds): the embedding scaled by sqrt(n_embd), norms after attention and after the FFN, a
 GELU-tanh gate, sliding-window layers (every ``sliding_window_pattern``-th layer global: 2 for gemma2,
 6 for gemma3, or a per-layer array) with their own RoPE base, an attention scale from the head size
 (from n_embd / n_head on the 27B models, as llama.cpp has it), gemma2's soft-capping. llama: Mistral's
@@ -22,14 +22,15 @@ import math
 from typing import Any, Callable
 
 from ..errors import ModelError
+from . import gemma4
 from .moe import MOE_KEYS, moe_fields
 from .rope import YARN_FIXED
 from .transformer import ROPE_NEOX, ROPE_NORMAL
 
 ROPE_MODES = {"llama": ROPE_NORMAL, "qwen2": ROPE_NEOX, "qwen3": ROPE_NEOX, "phi3": ROPE_NEOX,
               "gemma2": ROPE_NEOX, "gemma3": ROPE_NEOX, "qwen2moe": ROPE_NEOX, "qwen3moe": ROPE_NEOX,
-              "gpt-oss": ROPE_NEOX}
-GEMMAS = ("gemma2", "gemma3")
+              "gpt-oss": ROPE_NEOX, "gemma4": ROPE_NEOX}
+GEMMAS = ("gemma2", "gemma3", "gemma4")
 _SWA_PERIOD = {"gemma2": 2, "gemma3": 6, "gpt-oss": 2}     # llama.cpp's period when the file gives no pattern
 _BIG_GEMMA_LAYERS = {"gemma2": 46, "gemma3": 62}  # the 27B models: q scaled by n_embd / n_head
 
@@ -54,7 +55,7 @@ def check_keys(f: Any, arch: str) -> None:
         if not key.startswith(prefix):
             continue
         name = key[len(prefix):]
-        if name in _READ or name.startswith(_HARMLESS_PREFIXES):
+        if name in _READ or name.startswith(_HARMLESS_PREFIXES) or (arch == "gemma4" and name in gemma4.KEYS):
             continue
         if name in _HARMLESS:
             continue
@@ -82,8 +83,8 @@ def arch_fields(f: Any, arch: str, n_layer: int, n_embd: int, n_head: int, head_
     if arch in GEMMAS:
         out["activation"] = "gelu"
         out["embd_scale"] = math.sqrt(n_embd)
-        big = n_layer == _BIG_GEMMA_LAYERS[arch]
-        out["attn_scale"] = 1.0 / math.sqrt(n_embd // n_head if big else head_dim)
+        big = n_layer == _BIG_GEMMA_LAYERS.get(arch)
+        out["attn_scale"] = 1.0 / math.sqrt(n_embd // n_head if big else head_dim)  # Gemma 4: 1 (gemma4.py)
         base = f.metadata.get(f"{arch}.rope.global.freq_base")   # Ollama's converter's names
         if base is not None:
             out["rope_theta"] = positive("rope.global.freq_base", 1e6)
@@ -96,8 +97,11 @@ def arch_fields(f: Any, arch: str, n_layer: int, n_embd: int, n_head: int, head_
         if arch == "gemma2":  # always capped: llama.cpp's defaults where the file does not say (Gemma 2's own)
             out["attn_softcap"] = _cap(f, arch, "attn_logit_softcapping", 50.0)
             out["final_softcap"] = _cap(f, arch, "final_logit_softcapping", 30.0)
-        else:
-            out["final_softcap"] = _cap(f, arch, "final_logit_softcapping", 0.0)
+        else:  # Gemma 4 too keeps llama.cpp's default cap of 30 where the file gives none (gemma3 resets it to 0)
+            out["final_softcap"] = _cap(f, arch, "final_logit_softcapping", 30.0 if arch == "gemma4" else 0.0)
+        if arch == "gemma4":
+            rope_dims = f.metadata.get(f"{arch}.rope.dimension_count", head_dim)
+            out.update(gemma4.config_fields(f, n_layer, n_embd, head_dim, rope_dims, n_head, positive))
     else:
         if arch == "gpt-oss" and f"{arch}.rope.freq_base_swa" in f.metadata:  # the sliding layers' base, YaRN kept
             out["rope_theta_swa"] = positive("rope.freq_base_swa", 150000.0)

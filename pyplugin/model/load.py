@@ -29,6 +29,7 @@ from .gguf_file import GGUFFile
 from .qweight import QuantWeight
 from .tokenizer import Tokenizer
 from .arch import ROPE_MODES, arch_fields
+from . import gemma4
 from .moe import GGUF_NAMES, expert_shapes
 from .rope import YARN_FIXED
 from .transformer import LayerWeights, ModelConfig, OuterWeights
@@ -90,8 +91,13 @@ class Model:
             embd = self.outer.token_embd
             if isinstance(embd, QuantWeight):
                 embd = embd.placed(embd.data, kernels)
-            self._converted[key] = OuterWeights(embd, _place(self.outer.output_norm, kernels),
-                                                _place(self.outer.output, kernels))
+            per_layer = self.outer.per_layer_token_embd  # Gemma 4's second table: rows gathered on the host too
+            if isinstance(per_layer, QuantWeight):
+                per_layer = per_layer.placed(per_layer.data, kernels)
+            self._converted[key] = OuterWeights(
+                embd, _place(self.outer.output_norm, kernels), _place(self.outer.output, kernels), per_layer,
+                *(None if a is None else _place(a, kernels)
+                  for a in (self.outer.per_layer_model_proj, self.outer.per_layer_proj_norm)))
         return self._converted[key]
 
     def chat_prompt(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
@@ -153,6 +159,8 @@ def read_config(f: GGUFFile) -> ModelConfig:
         v = f.metadata.get(f"{arch}.{key}", default)
         if v is _REQUIRED:
             raise ModelError(f"{f.path}: missing metadata key '{arch}.{key}'")
+        if isinstance(v, list) and arch == "gemma4" and key in gemma4.PER_LAYER_ARRAYS and v:
+            v = v[0]  # the first layer's; ModelConfig.for_layer gives each layer its own
         if isinstance(v, list):
             raise ModelError(f"{f.path}: per-layer values for '{arch}.{key}' are not supported")
         return v
@@ -199,7 +207,9 @@ def read_config(f: GGUFFile) -> ModelConfig:
         rope_freq_factors=_rope_freq_factors(f, rope_dims), **scaling,
         pooling=POOLING_TYPES[integer("pooling_type", len(POOLING_TYPES) - 1, default=1, lo=0)])
     fields.update(arch_fields(f, arch, n_layer, n_embd, n_head, head_dim, positive))
-    return ModelConfig(**fields)
+    cfg = ModelConfig(**fields)
+    gemma4.check_sharing(f.path, cfg)
+    return cfg
 
 
 def _shown(value: Any) -> str:
@@ -279,6 +289,10 @@ def _load_layer(f: GGUFFile, cfg: ModelConfig, i: int, load: Callable[[str], Any
     def split(tensor: str, sizes: tuple[int, ...]) -> list[np.ndarray]:
         return _split_rows(get(tensor), sizes, f"{f.path}: blk.{i}.{tensor}")
 
+    if cfg.arch == "gemma4":
+        lw = LayerWeights(**gemma4.layer_tensors(f, cfg, i, get, optional))
+        _check_shapes(f, cfg.for_layer(i), i, lw)
+        return lw
     qkv = (cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim, cfg.n_head_kv * cfg.head_dim)
     if f"blk.{i}.attn_qkv.weight" in f.tensors:       # phi3: one fused projection, Q then K then V
         wq, wk, wv = split("attn_qkv.weight", qkv)
@@ -343,7 +357,9 @@ def _check_shapes(f: GGUFFile, cfg: ModelConfig, i: int, lw: LayerWeights) -> No
                 "ffn_norm": (e,), "w_gate": (ff, e), "w_up": (ff, e), "w_down": (e, ff),
                 "bq": (q,), "bk": (kv,), "bv": (kv,), "q_norm": (cfg.head_dim,), "k_norm": (cfg.head_dim,),
                 "post_attn_norm": (e,), "post_ffn_norm": (e,), "attn_sinks": (cfg.n_head,), "bo": (e,),
-                **expert_shapes(cfg)}
+                **expert_shapes(cfg), "per_layer_inp_gate": (cfg.n_embd_per_layer, e), "out_scale": (1,),
+                "per_layer_proj": (e, cfg.n_embd_per_layer), "per_layer_post_norm": (e,), "ffn_gate_inp_s": (e,),
+                "ffn_pre_norm_2": (e,), "ffn_post_norm_1": (e,), "ffn_post_norm_2": (e,), "ffn_down_exps_s": (cfg.n_expert,)}
     for name, a in lw.arrays():
         if tuple(a.shape) != expected[name]:
             raise ModelError(f"{f.path}: layer {i} {name} has shape {a.shape}, expected "
@@ -356,7 +372,7 @@ def _load_outer(f: GGUFFile, cfg: ModelConfig, load: Callable[[str], Any]) -> Ou
     token_embd = load("token_embd.weight")
     # Without output.weight the model ties its output projection to the token embedding.
     output = load("output.weight") if "output.weight" in f.tensors else token_embd
-    outer = OuterWeights(token_embd, load("output_norm.weight"), output)
+    outer = OuterWeights(token_embd, load("output_norm.weight"), output, **gemma4.outer_tensors(f, cfg, load))
     for name, a, shape in (("token_embd", token_embd, (cfg.n_vocab, cfg.n_embd)),
                            ("output", output, (cfg.n_vocab, cfg.n_embd)),
                            ("output_norm", outer.output_norm, (cfg.n_embd,))):
@@ -366,7 +382,7 @@ def _load_outer(f: GGUFFile, cfg: ModelConfig, load: Callable[[str], Any]) -> Ou
 
 
 def _host_bytes(layers: list[LayerWeights], outer: OuterWeights) -> int:
-    unique_outer = {id(a): a for a in vars(outer).values()}.values()  # a tied output is the embedding
+    unique_outer = {id(a): a for a in vars(outer).values() if a is not None}.values()  # a tied output is the embedding
     return sum(lw.nbytes for lw in layers) + sum(a.nbytes for a in unique_outer)
 
 

@@ -33,7 +33,7 @@ MOE_ARCHS = ("qwen2moe", "qwen3moe", "gpt-oss")       # always experts; a llama 
 MOE_KEYS = {"expert_count", "expert_used_count", "expert_feed_forward_length",
             "expert_shared_feed_forward_length", "expert_weights_norm", "expert_weights_scale",
             "expert_gating_func"}
-_NORMALISED = {"qwen3moe": True, "llama": True, "qwen2moe": False, "gpt-oss": False}  # llama.cpp's choice per architecture
+_NORMALISED = {"qwen3moe": True, "llama": True, "qwen2moe": False, "gpt-oss": False, "gemma4": True}  # llama.cpp's choice per architecture
 _SOFTMAX_GATING = (0, 1)   # expert_gating_func: 0 none (the architecture's default, a softmax), 1 softmax
 # The LayerWeights fields of the experts, and of the shared expert (qwen2moe).
 EXPERT_FIELDS = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
@@ -67,6 +67,7 @@ def moe_fields(f: Any, arch: str, integer: Callable[..., int]) -> dict[str, Any]
             raise ModelError(f"{f.path}: a llama file's experts are feed_forward_length ({n_ff}) wide; "
                              f"'{arch}.expert_feed_forward_length' says {n_ff_exp}")
     else:
+        n_ff = n_ff[0] if isinstance(n_ff, list) and n_ff else n_ff  # Gemma 4's may be one per layer
         n_ff_exp = integer(f, f"{arch}.expert_feed_forward_length", max(1, n_ff // used), 1 << 22)
     shared = arch == "qwen2moe"
     n_ff_shexp = integer(f, f"{arch}.expert_shared_feed_forward_length", n_ff, 1 << 22) if shared else 0
@@ -128,11 +129,11 @@ def _rows(fn: Callable[[Array], Array], h: Array, max_rows: int) -> Array:
 
 
 def _swiglu(h: Array, gate: Any, up: Any, down: Any, max_rows: int = 0, biases: tuple | None = None,
-            oai: bool = False) -> Array:
+            oai: bool = False, act: Callable[[Array], Array] | None = None) -> Array:
     """down(act(gate h) * up h), with `biases` (gate, up, down) added to each product where given and
-    `oai` choosing gpt-oss's clamped form (swiglu_oai) over SiLU."""
+    `oai` choosing gpt-oss's clamped form (swiglu_oai) over SiLU; `act` another gate (Gemma 4's GELU)."""
     if max_rows and h.shape[0] > max_rows:
-        return _rows(lambda part: _swiglu(part, gate, up, down, 0, biases, oai), h, max_rows)
+        return _rows(lambda part: _swiglu(part, gate, up, down, 0, biases, oai, act), h, max_rows)
     xp = get_array_module(h)
     bg, bu, bd = biases or (None, None, None)
     g, u = _linear(h, gate), _linear(h, up)
@@ -140,6 +141,9 @@ def _swiglu(h: Array, gate: Any, up: Any, down: Any, max_rows: int = 0, biases: 
         g, u = g + bg, u + bu
     if oai:
         g = swiglu_oai(g, u)
+    elif act is not None:
+        g = act(g)
+        g *= u
     else:
         t = -g
         xp.exp(t, out=t)
@@ -213,16 +217,21 @@ def expert_biases(cfg: Any, lw: Any, j: int) -> tuple | None:
             lw.ffn_down_exps_b[j * e:(j + 1) * e])
 
 
-def moe_ffn(cfg: Any, h: Array, lw: Any, experts: Callable[[int], tuple] | None = None, max_rows: int = 0) -> Array:
+def moe_ffn(cfg: Any, h: Array, lw: Any, experts: Callable[[int], tuple] | None = None, max_rows: int = 0,
+            act: Callable[[Array], Array] | None = None, router_in: Array | None = None) -> Array:
     """The routed FFN (and the shared expert, where the layer has one) of h [T, n_embd] (normed):
     [T, n_embd] float32. `experts(j)`: expert j's (gate, up, down), asked once per call for each expert
     some token chose, in increasing order (a cache of experts restores it there); default: views of the
     layer's merged matrices. An `experts` with `routed` and `done` methods is told the experts the call
-    runs before the first, and when the last has run. `max_rows`: see _rows."""
+    runs before the first, and when the last has run. `max_rows`: see _rows. `act`: the experts' gate where
+    not SiLU (Gemma 4's GELU); `router_in`: what the router scores where not h (Gemma 4's); a layer's
+    ffn_down_exps_s (Gemma 4) scales each expert's output."""
     xp = get_array_module(h)
     T, e = h.shape[0], cfg.n_embd
     experts = experts or merged_experts(cfg, lw)
-    chosen, weights = route(cfg, h, lw.ffn_gate_inp, max_rows, lw.ffn_gate_inp_b)
+    chosen, weights = route(cfg, h if router_in is None else router_in, lw.ffn_gate_inp, max_rows, lw.ffn_gate_inp_b)
+    if lw.ffn_down_exps_s is not None:
+        weights = weights * np.asarray(_to_host(lw.ffn_down_exps_s), dtype=np.float32).reshape(-1)[chosen]
     out = xp.zeros((T, e), dtype=np.float32)
     ran = np.unique(chosen)
     if hasattr(experts, "routed"):
@@ -230,7 +239,7 @@ def moe_ffn(cfg: Any, h: Array, lw: Any, experts: Callable[[int], tuple] | None 
     for j in ran:                                      # increasing: each token sums its experts in this order
         tokens, slot = np.nonzero(chosen == j)
         y = _swiglu(h[xp.asarray(tokens)], *experts(int(j)), max_rows, expert_biases(cfg, lw, int(j)),
-                    cfg.activation == "swiglu_oai").astype(np.float32, copy=False)  # [n_j, e]
+                    cfg.activation == "swiglu_oai", act).astype(np.float32, copy=False)  # [n_j, e]
         out[xp.asarray(tokens)] += y * xp.asarray(weights[tokens, slot])[:, None]
     if hasattr(experts, "done"):
         experts.done()

@@ -18,6 +18,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWrit
 
 from ..ggml_types import SUPPORTED_NAMES
 from .load import RANDOM_WEIGHTS_KEY, SUPPORTED_ARCHS
+from . import synth_gemma4
 from .synth_quant import quantize, random_blocks
 from .synth_vocab import (CHATML_TEMPLATE, CORPUS, LLAMA3_TEMPLATE, PHI3_TEMPLATE, Vocab,  # noqa: F401
                           build_vocab)  # (the templates and CORPUS: for the tests)
@@ -62,6 +63,7 @@ class SynthSpec:
     n_ff_exp: int | None = None         # an expert's hidden size (qwen*moe; default n_ff // n_expert_used)
     n_ff_shexp: int | None = None       # qwen2moe's shared expert's (default n_ff)
     expert_weights_norm: bool | None = None  # {arch}.expert_weights_norm, when given
+    gemma4: dict[str, Any] = field(default_factory=dict)  # a gemma4 file's variant (synth_gemma4.options)
     name: str | None = None
     description: str = "synthetic model with random weights, written by pyplugin.model.synth"
     seed: int = 0
@@ -209,6 +211,8 @@ def _add_hparams(w: GGUFWriter, spec: SynthSpec, n_vocab: int) -> None:
             w.add_expert_shared_feed_forward_length(spec.n_ff_shexp or spec.n_ff)
         if spec.expert_weights_norm is not None:
             w.add_bool(f"{arch}.expert_weights_norm", spec.expert_weights_norm)
+    if arch == "gemma4":
+        synth_gemma4.add_hparams(w, spec)
     w.add_vocab_size(n_vocab)
 
 
@@ -263,6 +267,9 @@ def _tensors(spec: SynthSpec, n_vocab: int, lazy: bool = False) -> Iterable[tupl
     def vector(name: str, n: int, mean: float, scale: float):
         return name, mean + _random(spec.seed, name, (n,), scale), T.F32
 
+    if spec.arch == "gemma4":
+        yield from synth_gemma4.tensors(spec, n_vocab, matrix, vector, _random)
+        return
     gemma = spec.arch in ("gemma2", "gemma3")
     # A Gemma's embedding is scaled up by sqrt(n_embd) in the forward pass: rows of unit RMS there.
     yield matrix("token_embd", "token_embd.weight", n_vocab, e, e ** -0.5 if gemma else 1.0)
@@ -331,7 +338,7 @@ def _expert_tensors(spec: SynthSpec, b: str, matrix, vector):
         yield matrix("ffn_down_shexp", f"{b}.ffn_down_shexp.weight", e, sh)
 
 
-_OWN_HEAD_SIZE = ("qwen3", "gemma2", "gemma3", "qwen3moe", "gpt-oss")  # their converters always write attention.key_length
+_OWN_HEAD_SIZE = ("qwen3", "gemma2", "gemma3", "qwen3moe", "gpt-oss", "gemma4")  # their converters always write attention.key_length
 
 
 def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:

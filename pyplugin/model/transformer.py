@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields, replace
-from functools import cached_property
 from typing import Any, Callable, Iterator, Protocol
 
 import numpy as np
@@ -32,93 +31,12 @@ import numpy as np
 from ..kv_types import KVType, cache_kv_type, decode, default_kv_type, encode, kv_type
 from ..xp import compute_dtype, get_array_module
 from .attention import attention, by_rows, softcap
+from .config import ModelConfig  # noqa: F401 - where the model's modules have always found it
 from .rope import ROPE_NEOX, ROPE_NORMAL, apply_rope, rope_inv_freq, rope_table, yarn_corr_dims  # noqa: F401
 from .moe import moe_ffn
 from .qweight import QuantWeight
 
 Array = Any  # numpy.ndarray or cupy.ndarray
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """The shape of a model and the constants its forward pass needs."""
-
-    arch: str
-    n_layer: int
-    n_embd: int
-    n_head: int
-    n_head_kv: int
-    head_dim: int
-    n_ff: int
-    n_vocab: int
-    n_ctx_train: int
-    rms_eps: float
-    rope_mode: str                      # ROPE_NORMAL (llama) or ROPE_NEOX (qwen2, phi3)
-    rope_dims: int                      # leading dims of each head that are rotated
-    rope_theta: float = 10000.0
-    rope_freq_scale: float = 1.0        # 1 / linear scaling factor
-    rope_freq_factors: tuple[float, ...] | None = None  # llama3-style per-frequency divisors
-    rope_yarn: tuple[float, float, float, int] | None = None  # YaRN's (ext_factor, beta_fast, beta_slow,
-                                        # original context): rope_freq_scale blended back to unscaled
-                                        # on the fast-turning pairs
-    rope_mscale: float = 1.0            # multiplies cos and sin (YaRN's 1 + 0.1 ln(factor))
-    attn_scale: float | None = None     # multiplies q before the dot products; None: 1/sqrt(head_dim)
-    pooling: str = "mean"               # how embeddings pool the hidden states: mean, cls, last, none, rank
-    activation: str = "silu"            # the FFN's gate: "silu" (SwiGLU), "gelu" (GELU-tanh, the Gemmas) or
-                                        # "swiglu_oai" (gpt-oss's clamped SwiGLU: moe.swiglu_oai)
-    embd_scale: float = 1.0             # multiplies the token embedding (sqrt(n_embd) for the Gemmas)
-    residual_scale: float = 1.0         # multiplies each block's output before it joins the residual (Granite)
-    logit_scale: float = 1.0            # multiplies the logits (1 / Granite's logit_scale)
-    attn_softcap: float = 0.0           # scores -> c * tanh(scores / c) when above 0 (gemma2)
-    final_softcap: float = 0.0          # logits -> c * tanh(logits / c) when above 0 (gemma2)
-    sliding_window: int = 0             # positions a sliding layer attends to, itself included; 0: none
-    swa_layers: tuple[int, ...] = ()    # the sliding layers
-    rope_theta_swa: float | None = None  # the sliding layers' RoPE base; None: rope_theta
-    rope_freq_scale_swa: float | None = None  # ... and linear scale; None: rope_freq_scale
-    window: int = 0                     # this layer's window (set by ``for_layer``); 0: full attention
-    n_expert: int = 0                   # experts of each layer's FFN (pyplugin.model.moe); 0: a dense FFN
-    n_expert_used: int = 0              # experts each token runs
-    n_ff_exp: int = 0                   # an expert's hidden size
-    n_ff_shexp: int = 0                 # the shared expert's hidden size (qwen2moe); 0: none
-    expert_norm: bool = False           # the chosen experts' weights renormalised to sum to 1
-    expert_scale: float = 1.0           # ... then multiplied by this
-    expert_gating: str = "softmax"      # "softmax": over every expert's score; "softmax_chosen" (gpt-oss): the
-                                        # best by the router's logits, a softmax over the chosen
-
-    @property
-    def n_group(self) -> int:
-        """Query heads that share one KV head."""
-        return self.n_head // self.n_head_kv
-
-    @property
-    def query_scale(self) -> float:
-        return self.attn_scale if self.attn_scale is not None else 1.0 / math.sqrt(self.head_dim)
-
-    def kv_bytes_per_token(self, itemsize: int = 4) -> int:
-        """K and V of one token in one layer."""
-        return 2 * self.n_head_kv * self.head_dim * itemsize
-
-    def is_sliding(self, i: int) -> bool:
-        return self.sliding_window > 0 and i in self.swa_layers
-
-    def kv_rows(self, i: int, n_ctx: int) -> int:
-        """Rows of layer i's KV cache for a context of n_ctx: the window on a sliding layer."""
-        return min(n_ctx, self.sliding_window) if self.is_sliding(i) else n_ctx
-
-    def for_layer(self, i: int) -> "ModelConfig":
-        """The config layer i computes with: its window and, on a sliding layer, its RoPE."""
-        return self._layer_configs[i] if 0 <= i < len(self._layer_configs) else self
-
-    @cached_property
-    def _layer_configs(self) -> tuple["ModelConfig", ...]:
-        own_scale = self.rope_freq_scale_swa is not None  # gemma3's local layers: never scaled, YaRN neither
-        sliding = replace(self, window=self.sliding_window,
-                          rope_theta=self.rope_theta if self.rope_theta_swa is None else self.rope_theta_swa,
-                          rope_freq_scale=self.rope_freq_scale_swa if own_scale else self.rope_freq_scale,
-                          rope_freq_factors=self.rope_freq_factors if self.rope_theta_swa is None else None,
-                          rope_yarn=None if own_scale else self.rope_yarn,
-                          rope_mscale=1.0 if own_scale else self.rope_mscale)
-        return tuple(sliding if self.is_sliding(i) else self for i in range(self.n_layer))
-
 
 @dataclass
 class LayerWeights:
@@ -126,8 +44,8 @@ class LayerWeights:
 
     attn_norm: Array            # [n_embd]
     wq: Array                   # [n_head * head_dim, n_embd]
-    wk: Array                   # [n_head_kv * head_dim, n_embd]
-    wv: Array                   # [n_head_kv * head_dim, n_embd]
+    wk: Array | None            # [n_head_kv * head_dim, n_embd]; None where the layer reads another's caches
+    wv: Array | None            # [n_head_kv * head_dim, n_embd]; None there, and where V is K's projection (Gemma 4)
     wo: Array                   # [n_embd, n_head * head_dim]
     ffn_norm: Array             # [n_embd]
     w_gate: Array | None = None  # [n_ff, n_embd]; None in a layer of experts
@@ -157,6 +75,18 @@ class LayerWeights:
     ffn_gate_exps_b: Array | None = None  # [n_expert * n_ff_exp]
     ffn_up_exps_b: Array | None = None   # [n_expert * n_ff_exp]
     ffn_down_exps_b: Array | None = None  # [n_expert * n_embd]
+    # Gemma 4 (pyplugin.model.gemma4): the per-layer embedding's gate, projection and norm; the layer's output
+    # scale; beside its experts a dense FFN (w_gate, w_up, w_down), the router's input scale, the norms before the
+    # experts and after each half, and a scale per expert on its output
+    per_layer_inp_gate: Array | None = None   # [n_embd_per_layer, n_embd]
+    per_layer_proj: Array | None = None       # [n_embd, n_embd_per_layer]
+    per_layer_post_norm: Array | None = None  # [n_embd]
+    out_scale: Array | None = None            # [1]
+    ffn_gate_inp_s: Array | None = None       # [n_embd]
+    ffn_pre_norm_2: Array | None = None       # [n_embd]
+    ffn_post_norm_1: Array | None = None      # [n_embd]
+    ffn_post_norm_2: Array | None = None      # [n_embd]
+    ffn_down_exps_s: Array | None = None      # [n_expert]
 
     def arrays(self) -> Iterator[tuple[str, Array]]:
         """(field name, array) for every array present."""
@@ -181,6 +111,10 @@ class OuterWeights:
     token_embd: Array           # [n_vocab, n_embd]; rows are gathered on the array's own side
     output_norm: Array          # [n_embd]
     output: Array               # [n_vocab, n_embd]; token_embd itself when the model ties them
+    # Gemma 4's per-layer embeddings (pyplugin.model.gemma4.per_layer_inputs), or None
+    per_layer_token_embd: Array | None = None  # [n_vocab, n_layer * n_embd_per_layer]; rows gathered on its side
+    per_layer_model_proj: Array | None = None  # [n_layer * n_embd_per_layer, n_embd]
+    per_layer_proj_norm: Array | None = None   # [n_embd_per_layer]
 
 
 @dataclass
@@ -192,15 +126,24 @@ class KVCache:
 
     @classmethod
     def allocate(cls, cfg: ModelConfig, n_ctx: int, xp: Any = np, kv: KVType | str | None = None) -> "KVCache":
-        """Caches of KV type `kv` (a name or a KVType; default the server's, kv_types.default_kv_type)."""
+        """Caches of KV type `kv` (a name or a KVType; default the server's, kv_types.default_kv_type).
+        A layer that reads an earlier layer's caches (Gemma 4's, ModelConfig.kv_source) is given that layer's
+        arrays: it keeps none of its own."""
         kv = kv if isinstance(kv, KVType) else kv_type(kv or default_kv_type(cfg.head_dim))
-        kv.check_head_dim(cfg.head_dim)
-        shapes = [kv.shape(cfg.kv_rows(i, n_ctx), cfg.n_head_kv, cfg.head_dim) for i in range(cfg.n_layer)]
-        return cls([xp.zeros(shape, kv.dtype) for shape in shapes], [xp.zeros(shape, kv.dtype) for shape in shapes])
+        k, v = [], []
+        for i in range(cfg.n_layer):
+            lcfg, src = cfg.for_layer(i), cfg.kv_source(i)
+            if src != i:
+                k.append(k[src]), v.append(v[src])
+                continue
+            kv.check_head_dim(lcfg.head_dim)
+            shape = kv.shape(cfg.kv_rows(i, n_ctx), lcfg.n_head_kv, lcfg.head_dim)
+            k.append(xp.zeros(shape, kv.dtype)), v.append(xp.zeros(shape, kv.dtype))
+        return cls(k, v)
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.k + self.v)
+        return sum({id(a): a.nbytes for a in self.k + self.v}.values())  # a shared layer's arrays counted once
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -214,12 +157,13 @@ def linear(x: Array, w: Array | QuantWeight, b: Array | None = None) -> Array:
 
 
 @by_rows(0)
-def rms_norm(x: Array, w: Array, eps: float) -> Array:
+def rms_norm(x: Array, w: Array | None, eps: float) -> Array:
+    """x over the root mean square of its last axis, times `w` (None: no weight, Gemma 4's V and router)."""
     # In float32 whatever the compute type: a float16 sum of squares overflows on real activations.
     xf = x.astype(np.float32, copy=False)
     xp = get_array_module(x)
     scale = 1.0 / xp.sqrt((xf * xf).mean(axis=-1, keepdims=True) + eps)
-    return (xf * scale * w).astype(x.dtype, copy=False)
+    return (xf * scale if w is None else xf * scale * w).astype(x.dtype, copy=False)
 
 
 @by_rows(0)
@@ -273,13 +217,22 @@ class Attend(Protocol):
 
 def layer_forward(cfg: ModelConfig, x: Array, lw: LayerWeights, k_cache: Array, v_cache: Array,
                   pos: int, rope: tuple[Array, Array] | None = None, attend: Attend | None = None,
-                  experts: Any = None) -> Array:
-    """One transformer block: ``attention_block`` then ``ffn_block`` (`experts`: moe.moe_ffn's)."""
-    return ffn_block(cfg, attention_block(cfg, x, lw, k_cache, v_cache, pos, rope, attend), lw, experts)
+                  experts: Any = None, per_layer: Array | None = None, shared: dict | None = None) -> Array:
+    """One transformer block: ``attention_block`` then ``ffn_block`` (`experts`: moe.moe_ffn's), then Gemma 4's
+    per-layer embedding (`per_layer`: this layer's inputs [T, n_embd_per_layer], gemma4.per_layer_inputs) and
+    output scale. `shared`: one dict for a whole pass through the layers where layers share caches (Gemma 4)."""
+    x = ffn_block(cfg, attention_block(cfg, x, lw, k_cache, v_cache, pos, rope, attend, shared), lw, experts)
+    if lw.per_layer_inp_gate is not None:
+        gated = gelu_tanh(linear(x, lw.per_layer_inp_gate)) * per_layer                # [T, n_embd_per_layer]
+        x = x + rms_norm(linear(gated, lw.per_layer_proj), lw.per_layer_post_norm, cfg.rms_eps)
+    if lw.out_scale is not None:
+        x = x * lw.out_scale.reshape(-1)[0]
+    return x
 
 
 def attention_block(cfg: ModelConfig, x: Array, lw: LayerWeights, k_cache: Array, v_cache: Array,
-                    pos: int, rope: tuple[Array, Array] | None = None, attend: Attend | None = None) -> Array:
+                    pos: int, rope: tuple[Array, Array] | None = None, attend: Attend | None = None,
+                    shared: dict | None = None) -> Array:
     """The attention half of a transformer block on x [T, n_embd] at positions pos..pos+T; `cfg` is the layer's own
     (ModelConfig.for_layer).
 
@@ -290,6 +243,10 @@ def attention_block(cfg: ModelConfig, x: Array, lw: LayerWeights, k_cache: Array
     as ``rope_table`` lays them out; None takes them from ``rope_table``. `attend`: the kernels' attention in
     place of ``attention``: `tokens` for one token on a layer without a window (its row written by that
     call), `chunk` for a prompt chunk (T > 1) on any layer whose cache is not a ring.
+
+    A layer reading another's caches (cfg.kv_from, Gemma 4) computes no K or V and writes nothing: the caches
+    are that layer's, written earlier in the pass; where they are a ring a chunk has overwritten, it attends over
+    the rows that layer attended over, which that layer left in `shared` (keyed by the cache).
     """
     T = x.shape[0]
     xp = get_array_module(x)
@@ -300,40 +257,54 @@ def attention_block(cfg: ModelConfig, x: Array, lw: LayerWeights, k_cache: Array
 
     h = rms_norm(x, lw.attn_norm, cfg.rms_eps)                                  # [T, n_embd]
     q = linear(h, lw.wq, lw.bq).reshape(T, cfg.n_head, cfg.head_dim)           # [T, n_head, hd]
-    k = linear(h, lw.wk, lw.bk).reshape(T, cfg.n_head_kv, cfg.head_dim)        # [T, n_head_kv, hd]
-    v = linear(h, lw.wv, lw.bv).reshape(T, cfg.n_head_kv, cfg.head_dim)        # [T, n_head_kv, hd]
     if lw.q_norm is not None:
         q = rms_norm(q, lw.q_norm, cfg.rms_eps)
-    if lw.k_norm is not None:
-        k = rms_norm(k, lw.k_norm, cfg.rms_eps)
     if rope is None:  # a table of a power of two positions, so that few are made
         rope = tuple(table[pos:pos + T] for table in rope_table(cfg, 1 << (pos + T - 1).bit_length(), xp))
     cos, sin = rope
-    k = apply_rope(cfg, k, cos, sin)
+    q = apply_rope(cfg, q, cos, sin)
+    reader = cfg.kv_from >= 0
+    if not reader:
+        k = linear(h, lw.wk, lw.bk).reshape(T, cfg.n_head_kv, cfg.head_dim)    # [T, n_head_kv, hd]
+        v = k if lw.wv is None else linear(h, lw.wv, lw.bv).reshape(T, cfg.n_head_kv, cfg.head_dim)
+        if lw.k_norm is not None:
+            k = rms_norm(k, lw.k_norm, cfg.rms_eps)
+        if cfg.v_norm:
+            v = rms_norm(v, None, cfg.rms_eps)
+        k = apply_rope(cfg, k, cos, sin)
     # The caches hold their KV type (f16, or q8_0/q4_0 blocks); attention reads them back as x's dtype,
     # so it sees exactly what a later step will read.
     kv, dt = cache_kv_type(k_cache, cfg.head_dim), x.dtype
     if ring:
         lo = max(0, pos - cfg.window + 1)                  # the oldest position a query here sees
-        old = xp.arange(lo, pos) % rows
-        k_rows, v_rows = encode(k, kv), encode(v, kv)
-        keys = xp.concatenate([decode(k_cache[old], kv, dt), decode(k_rows, kv, dt)])
-        values = xp.concatenate([decode(v_cache[old], kv, dt), decode(v_rows, kv, dt)])
-        keep = min(T, rows)                                # the newest rows only: they fill the ring
-        at = xp.arange(pos + T - keep, pos + T) % rows
-        k_cache[at], v_cache[at] = k_rows[T - keep:], v_rows[T - keep:]
-        attn = attention(cfg, apply_rope(cfg, q, cos, sin), keys, values, pos, lo, lw.attn_sinks)
+        if reader and T > 1:
+            keys, values = shared[id(k_cache)]
+        elif reader:                                       # one row: the ring still holds lo..pos
+            at = xp.arange(lo, pos + 1) % rows
+            keys, values = decode(k_cache[at], kv, dt), decode(v_cache[at], kv, dt)
+        else:
+            old = xp.arange(lo, pos) % rows
+            k_rows, v_rows = encode(k, kv), encode(v, kv)
+            keys = xp.concatenate([decode(k_cache[old], kv, dt), decode(k_rows, kv, dt)])
+            values = xp.concatenate([decode(v_cache[old], kv, dt), decode(v_rows, kv, dt)])
+            keep = min(T, rows)                            # the newest rows only: they fill the ring
+            at = xp.arange(pos + T - keep, pos + T) % rows
+            k_cache[at], v_cache[at] = k_rows[T - keep:], v_rows[T - keep:]
+            if shared is not None:
+                shared[id(k_cache)] = keys, values
+        attn = attention(cfg, q, keys, values, pos, lo, lw.attn_sinks)
     else:
         if attend is not None and T == 1 and not cfg.window and lw.attn_sinks is None:  # the row written (encoded)
-            # by the kernels' call (which has no sinks)
-            attn = attend.tokens(cfg, apply_rope(cfg, q, cos, sin), [(k_cache, v_cache)], [pos + 1], (k, v))
+            # by the kernels' call (which has no sinks), or already there for a reader
+            attn = attend.tokens(cfg, q, [(k_cache, v_cache)], [pos + 1], None if reader else (k, v))
         else:
-            k_cache[pos:pos + T], v_cache[pos:pos + T] = encode(k, kv), encode(v, kv)
+            if not reader:
+                k_cache[pos:pos + T], v_cache[pos:pos + T] = encode(k, kv), encode(v, kv)
             if attend is not None and T > 1:  # a prompt chunk: the kernels' attention over the rows written
-                attn = attend.chunk(cfg, apply_rope(cfg, q, cos, sin), (k_cache, v_cache), pos + T, lw.attn_sinks)
+                attn = attend.chunk(cfg, q, (k_cache, v_cache), pos + T, lw.attn_sinks)
             else:
-                attn = attention(cfg, apply_rope(cfg, q, cos, sin), decode(k_cache[:pos + T], kv, dt),
-                                 decode(v_cache[:pos + T], kv, dt), pos, 0, lw.attn_sinks)
+                attn = attention(cfg, q, decode(k_cache[:pos + T], kv, dt), decode(v_cache[:pos + T], kv, dt), pos, 0,
+                                 lw.attn_sinks)
     out = linear(attn, lw.wo, lw.bo)                                                 # [T, n_embd]
     if lw.post_attn_norm is not None:
         out = rms_norm(out, lw.post_attn_norm, cfg.rms_eps)
@@ -342,18 +313,29 @@ def attention_block(cfg: ModelConfig, x: Array, lw: LayerWeights, k_cache: Array
 
 def ffn_block(cfg: ModelConfig, x: Array, lw: LayerWeights, experts: Any = None, max_rows: int = 0) -> Array:
     """The feed-forward half of a transformer block on x [T, n_embd], each row on its own; `experts` and
-    `max_rows`: where the experts come from and how many rows go through a matrix at once (moe.moe_ffn)."""
+    `max_rows`: where the experts come from and how many rows go through a matrix at once (moe.moe_ffn).
+    Gemma 4's layer of experts runs a dense FFN beside them, each half normed after, the experts on x normed by
+    ffn_pre_norm_2 and routed by x normed without a weight, over sqrt(n_embd), times ffn_gate_inp_s."""
     h = rms_norm(x, lw.ffn_norm, cfg.rms_eps)
-    if lw.ffn_gate_inp is not None:                                             # experts
+    act = gelu_tanh if cfg.activation == "gelu" else silu
+    if lw.ffn_gate_inp is not None and lw.w_gate is not None:                   # Gemma 4: dense FFN and experts
+        dense = rms_norm(_gated(h, lw, act), lw.ffn_post_norm_1, cfg.rms_eps)
+        routed = rms_norm(x, None, cfg.rms_eps) * (lw.ffn_gate_inp_s / np.float32(math.sqrt(cfg.n_embd)))
+        moe = moe_ffn(cfg, rms_norm(x, lw.ffn_pre_norm_2, cfg.rms_eps), lw, experts, max_rows, act, routed)
+        out = dense + rms_norm(moe.astype(x.dtype, copy=False), lw.ffn_post_norm_2, cfg.rms_eps)
+    elif lw.ffn_gate_inp is not None:                                           # experts
         out = moe_ffn(cfg, h, lw, experts, max_rows).astype(x.dtype, copy=False)  # [T, n_embd]
     else:
-        act = gelu_tanh if cfg.activation == "gelu" else silu
-        gated = act(linear(h, lw.w_gate))                                       # [T, n_ff]
-        gated *= linear(h, lw.w_up)
-        out = linear(gated, lw.w_down)                                          # [T, n_embd] gated FFN
+        out = _gated(h, lw, act)                                                # [T, n_embd] gated FFN
     if lw.post_ffn_norm is not None:
         out = rms_norm(out, lw.post_ffn_norm, cfg.rms_eps)
     return x + (out if cfg.residual_scale == 1.0 else out * cfg.residual_scale)
+
+
+def _gated(h: Array, lw: LayerWeights, act: Callable[[Array], Array]) -> Array:
+    gated = act(linear(h, lw.w_gate))                                           # [T, n_ff]
+    gated *= linear(h, lw.w_up)
+    return linear(gated, lw.w_down)
 
 
 def output_logits(cfg: ModelConfig, outer: OuterWeights, h: Array) -> Array:

@@ -17,6 +17,7 @@ import numpy as np
 
 from ..errors import OptionsError
 from ..model import KVCache, LayerWeights, Model, OuterWeights, embed, layer_forward, output_logits
+from ..model.gemma4 import forward_decodes, per_layer_inputs
 from ..model.kv_shift import plan_shift, shift_caches, shift_due
 from ..model.transformer import Attend, rms_norm, rope_table
 from ..store import Decoder, Kernels, select_backend
@@ -24,6 +25,7 @@ from ..xp import to_numpy
 from .constraint import Constraint
 from .logprobs import TokenLogprob, token_logprob
 from .options import Options
+from .stop_text import StopText  # noqa: F401 - the serving loop's, found here
 from .sampling import Sampler
 
 Array = Any
@@ -102,7 +104,8 @@ class ResidentLayers:
 
     def shift_context(self, n_keep: int, n_discard: int, n_past: int) -> None:
         for i in range(self.cfg.n_layer):
-            shift_caches(self.cfg.for_layer(i), self.kv.k[i], self.kv.v[i], n_keep, n_discard, n_past)
+            if self.cfg.owns_kv(i):  # a layer reading another's caches (Gemma 4) has none to shift
+                shift_caches(self.cfg.for_layer(i), self.kv.k[i], self.kv.v[i], n_keep, n_discard, n_past)
 
     def done(self, i: int) -> None:
         pass
@@ -152,7 +155,7 @@ class Generation:
     def forward(self, tokens: Sequence[int]) -> np.ndarray:
         """Run tokens through every layer at the current position; float32 logits of the last one. A single
         token (a decode step) is one call of the source's decoder."""
-        if len(tokens) == 1:
+        if len(tokens) == 1 and not forward_decodes(self.cfg):
             # float32 from the table to the step (on the GPU one copy, not rounded through the compute type)
             x = self.xp.ascontiguousarray(embed(self.outer, tokens, self.xp, self.cfg.embd_scale, np.float32))
             logits = self.layers.decode_step([self.pos], x)
@@ -163,12 +166,15 @@ class Generation:
 
     def _through_layers(self, tokens: Sequence[int]) -> Any:
         x = embed(self.outer, tokens, self.xp, self.cfg.embd_scale)                # [T, n_embd]
+        per_layer = per_layer_inputs(self.cfg, self.outer, tokens, x)            # Gemma 4's, else None
+        shared = {} if self.cfg.n_layer_kv else None                             # ... and its shared caches
         self.layers.begin(self.pos, len(tokens))
         experts = getattr(self.layers, "experts", lambda i: None)  # where a layer's experts come from
         for i, cfg in enumerate(self.layer_cfgs):
             weights, k_cache, v_cache = self.layers.layer(i)
             rope = tuple(t[self.pos:self.pos + len(tokens)] for t in rope_table(cfg, self.layers.n_ctx, self.xp))
-            x = layer_forward(cfg, x, weights, k_cache, v_cache, self.pos, rope, self.attend, experts(i))
+            x = layer_forward(cfg, x, weights, k_cache, v_cache, self.pos, rope, self.attend, experts(i),
+                              None if per_layer is None else per_layer[:, i], shared)
             self.layers.done(i)
         self.pos += len(tokens)
         return x
@@ -345,56 +351,8 @@ class Generation:
             raise OptionsError(f"token ids {bad[:5]} are outside the vocabulary (0..{self.cfg.n_vocab - 1})")
 
 
-class StopText:
-    """Text from tokens as it comes: whole characters only, held back while it could still become a stop
-    string, cut before the first one (then `stopped`)."""
-
-    def __init__(self, tokenizer, stops: Sequence[str]):
-        self.decoder, self.stops = tokenizer.stream_decoder(), stops
-        self.pending, self.stopped = "", False
-
-    def push(self, token: int) -> str:
-        """The text that is ready after `token` (all that is left, cut, once a stop string appears)."""
-        self.pending += self.decoder.push(token)
-        cut = _find_stop(self.pending, self.stops)
-        if cut is not None:
-            self.stopped = True
-            piece, self.pending = self.pending[:cut], ""
-            return piece
-        ready = len(self.pending) - _held_back(self.pending, self.stops)
-        piece, self.pending = self.pending[:ready], self.pending[ready:]
-        return piece
-
-    def finish(self) -> str:
-        """What is left once no token follows (cut at a stop string it completes)."""
-        if self.stopped:
-            return ""
-        text = self.pending + self.decoder.flush()
-        cut = _find_stop(text, self.stops)
-        if cut is not None:
-            self.stopped, text = True, text[:cut]
-        self.pending = ""
-        return text
-
-
 def generate(model: Model, prompt_tokens: Sequence[int], options: Options | None = None, *,
              layers: LayerSource | None = None) -> Iterator[int]:
     """Generated token ids for a tokenized prompt (see ``Generation`` for text and stats)."""
     gen = Generation(model, options or Options(), layers=layers)
     return gen.tokens(prompt_tokens)
-
-
-def _find_stop(text: str, stops: Sequence[str]) -> int | None:
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(hits) if hits else None
-
-
-def _held_back(text: str, stops: Sequence[str]) -> int:
-    """Length of the longest tail of text that could still grow into a stop string."""
-    longest = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), longest, -1):
-            if text.endswith(s[:n]):
-                longest = n
-                break
-    return longest
