@@ -10,7 +10,8 @@ splits it out; ``think: false`` turns it off as Ollama does, through the templat
 where it has one, else with an empty think block after the prompt; no ``think``: the template's default,
 the text left as the model wrote it. `think` may be a level, "low", "medium" or "high": on for a thinking
 model, and the reasoning effort of a harmony one (gpt-oss, serving/harmony.py), whose thinking is always its
-analysis channel, split out whatever `think` says, as Ollama does.
+analysis channel, split out whatever `think` says, as Ollama does. Gemma 4 (serving/gemma4.py) thinks in a channel
+of its own, split out likewise; `think` reaches its template as enable_thinking.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import OptionsError
+from .gemma4 import Gemma4Parser, is_gemma4
 from .harmony import THINK_LEVELS, HarmonyParser, is_harmony
 from .jobs import GenerationRequest
 from .tool_calls import (CutCall, ToolCall, ToolCallParser, ToolFormat, call_grammar, check_tools, forced_tools,
@@ -31,8 +33,9 @@ EMPTY_THINKING = "<think>\n\n</think>\n\n"
 def thinks(template: str | None) -> bool:
     """Whether a model with this template marks a reasoning part: it writes the tags, or strips the reasoning
     of earlier replies at their closing tag (QwQ's and DeepSeek-R1's do only that), or it writes harmony (gpt-oss's
-    analysis channel)."""
-    return bool(template) and (THINK_OPEN in template or THINK_CLOSE in template or is_harmony(template))
+    analysis channel) or Gemma 4's (its thought channel)."""
+    return bool(template) and (THINK_OPEN in template or THINK_CLOSE in template or is_harmony(template)
+                               or is_gemma4(template))
 
 
 @dataclass
@@ -93,10 +96,11 @@ class ThinkingParser:
 
 
 class HarmonyOutput:
-    """A harmony reply's parser (serving/harmony.py) behind OutputParser's calls."""
+    """A harmony reply's parser (serving/harmony.py), or a Gemma 4 one's (serving/gemma4.py), behind OutputParser's
+    calls."""
 
-    def __init__(self) -> None:
-        self._parser = HarmonyParser()
+    def __init__(self, parser: HarmonyParser | Gemma4Parser | None = None) -> None:
+        self._parser = parser or HarmonyParser()
 
     def feed(self, text: str) -> Output:
         thinking, content, calls = self._parser.feed(text)
@@ -104,7 +108,7 @@ class HarmonyOutput:
 
     def finish(self) -> Output:
         thinking, content, calls = self._parser.finish()
-        return Output(content, thinking, calls, cut_call=self._parser.cut)
+        return Output(content, thinking, calls, cut_call=getattr(self._parser, "cut", None))
 
 
 class OutputParser:
@@ -146,6 +150,7 @@ class ReplyPlan:
     think: bool | None = None
     thinker: bool = False
     harmony: bool = False                    # the template writes gpt-oss's harmony format
+    gemma4: bool = False                     # the template writes Gemma 4's format
 
     @classmethod
     def of(cls, request: GenerationRequest, template: str | None) -> "ReplyPlan":
@@ -153,7 +158,8 @@ class ReplyPlan:
         what the model cannot do, naming it."""
         harmony = is_harmony(template)
         level = request.think if request.think in THINK_LEVELS else None
-        plan = cls({}, think=True if level else request.think, thinker=thinks(template), harmony=harmony)
+        plan = cls({}, think=True if level else request.think, thinker=thinks(template), harmony=harmony,
+                   gemma4=is_gemma4(template))
         if request.think is not None and not isinstance(request.think, bool) and not level:
             raise OptionsError(f"think: got {request.think!r}; accepted: true, false, or a level for gpt-oss's "
                                f"reasoning effort: {', '.join(map(repr, THINK_LEVELS))}")
@@ -173,6 +179,9 @@ class ReplyPlan:
                 raise OptionsError(f"{request.model} does not support tools: its chat template takes none")
             plan.template_args["tools"] = plan.tools
             plan.forced = forced_tools(plan.tools, request.tool_choice)
+            if plan.forced and plan.gemma4:
+                raise OptionsError("tool_choice that forces a call is not supported for Gemma 4 (its calls are not "
+                                   "JSON); set tool_choice to auto")
             if plan.forced and request.format not in (None, ""):
                 raise OptionsError("format and tool_choice both constrain the output; send one of them")
             if plan.forced and request.think and not harmony:  # (gpt-oss: the call comes before any thinking)
@@ -185,7 +194,10 @@ class ReplyPlan:
     def finish_prompt(self, text: str) -> str:
         """The rendered prompt, with an empty think block where think is false and the template has no
         switch of its own."""
-        if self.think is False and self.thinker and not self.harmony and "enable_thinking" not in self.template_args:
+        if self.gemma4 and text.endswith("<turn|>\n"):  # a turn closed after results: the model's turn opened, as
+            return text + "<|turn>model\n"           # llama.cpp opens it
+        if self.think is False and self.thinker and not self.harmony and not self.gemma4 and \
+                "enable_thinking" not in self.template_args:
             if text.rstrip().endswith(THINK_OPEN):
                 return text.rstrip() + "\n\n" + THINK_CLOSE + "\n\n"
             if not text.rstrip().endswith(THINK_CLOSE):
@@ -200,6 +212,8 @@ class ReplyPlan:
         """The parser for the reply to `prompt`, or None when the text stays as the model writes it."""
         if self.harmony:  # its channels always come apart, as Ollama's harmony parser splits them
             return HarmonyOutput()
+        if self.gemma4:   # so do Gemma 4's; its calls where tools were offered
+            return HarmonyOutput(Gemma4Parser(tools=bool(self.tools)))
         thinking = ThinkingParser(inside=prompt.rstrip().endswith(THINK_OPEN)) if self.think else None
         tools = ToolCallParser(self.tool_format, self.tools, self.forced) if self.tools else None
         return OutputParser(thinking, tools) if thinking or tools else None

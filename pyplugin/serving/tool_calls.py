@@ -11,7 +11,9 @@ formats cover the families pebbling loads:
 - "json": the fallback for any other template that takes tools: a bare JSON object with ``name`` and
   ``arguments``, as Ollama's generic parser reads it;
 - "harmony": gpt-oss's, a commentary message addressed to the function, its arguments the message
-  (serving/harmony.py parses it; a forced call is that message's header and arguments).
+  (serving/harmony.py parses it; a forced call is that message's header and arguments);
+- "gemma4": Gemma 4's, ``<|tool_call>call:NAME{key:value,...}<tool_call|>`` in its own notation
+  (serving/gemma4.py parses it).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class ToolFormat:
 
 QWEN = ToolFormat("qwen", "<tool_call>", "</tool_call>")
 HARMONY = ToolFormat("harmony")  # gpt-oss: a call is a commentary message to the function (serving/harmony.py)
+GEMMA4 = ToolFormat("gemma4", "<|tool_call>", "<tool_call|>")  # Gemma 4: its notation, not JSON (serving/gemma4.py)
 LLAMA3 = ToolFormat("llama3", arguments="parameters", prefix="<|python_tag|>")
 GENERIC = ToolFormat("json")
 
@@ -49,6 +52,11 @@ def is_harmony(template: str | None) -> bool:
     return bool(template) and "<|channel|>" in template and "<|message|>" in template
 
 
+def is_gemma4(template: str | None) -> bool:
+    """Whether a chat template writes Gemma 4's format (its turn and channel markers: serving/gemma4.py)."""
+    return bool(template) and "<|turn>" in template and "<|channel>" in template
+
+
 def tool_format(template: str | None) -> ToolFormat | None:
     """The format a model with this chat template writes calls in; None if the template takes no tools
     (Jinja's ``tools`` variable, Go's ``.Tools``)."""
@@ -56,6 +64,8 @@ def tool_format(template: str | None) -> ToolFormat | None:
         return None
     if is_harmony(template):
         return HARMONY
+    if is_gemma4(template):
+        return GEMMA4
     if "<tool_call>" in template:
         return QWEN
     if "<|python_tag|>" in template or '"parameters"' in template or "ipython" in template:
