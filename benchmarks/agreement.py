@@ -24,6 +24,10 @@ COMMANDS = {
     "gpt-oss-transformers": ("lib.agreement_gpt_oss_hf", "gpt-oss beside transformers' GptOssForCausalLM in "
                                                         "float32 on the same weights (sinks and experts mapped by "
                                                         "hand): every position's logits, greedy tokens"),
+    "gemma4-transformers": ("lib.agreement_gemma4_hf", "Gemma 4 (E2B-, 26B-A4B- and 31B-like) beside "
+                                                      "transformers' Gemma4ForCausalLM in float32 on the same "
+                                                      "weights (mapped by hand): every position's logits, greedy "
+                                                      "tokens"),
     "moe-shape": ("lib.agreement_moe_shape", "the mixture-of-experts check on a real model's shape "
                                              "(Qwen3-30B-A3B), with pebbling's router margins"),
     "shift": ("lib.agreement_shift", "a generation past num_ctx: pebbling's context shifts and logits step by "
