@@ -246,7 +246,7 @@ def test_a_store_can_take_over_the_host_weights(reference_tokens):
 
 def test_adaptive_budget_leaves_out_what_the_other_loaded_models_hold():
     from pyplugin.store.gpu import DeviceUse
-    from pyplugin.runtime.pebbled import adaptive_budget
+    from pyplugin.runtime.plan import adaptive_budget
 
     assert adaptive_budget(None, DeviceUse(5, True), 0) is None          # NVML cannot say
     assert adaptive_budget(1000, DeviceUse(400, True), 0, reserve=0) == 1400

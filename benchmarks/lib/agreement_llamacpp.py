@@ -119,10 +119,10 @@ ARCH_SPEC = {"qwen3": {"key_length": 128}, "gemma3": {"sliding_window": 8, "rope
                          "sliding_window": 8, "rope_yarn": (32.0, 16), "rope_theta": 150000.0},
              # Gemma 4 as E2B lays it out: 4 sliding layers (head 64, window 8) then a full one (head 128, RoPE
              # turning a quarter of it), one KV head, the last 5 of 10 layers reading layers 3's and 4's caches
-             # with FFNs twice as wide, per-layer embeddings of 32
+             # with FFNs twice as wide, per-layer embeddings of 256 (E2B's own width)
              "gemma4": {"n_layer": 10, "n_head_kv": 1, "key_length": 128, "sliding_window": 8, "rope_theta": 1e6,
                         "swa_pattern": [i % 5 < 4 for i in range(10)],
-                        "gemma4": {"head_dim_swa": 64, "shared_kv_layers": 5, "n_embd_per_layer": 32,
+                        "gemma4": {"head_dim_swa": 64, "shared_kv_layers": 5, "n_embd_per_layer": 256,
                                    "double_wide": True}},
              # ... as 26B-A4B: 5 sliding layers then a full one, 2 KV heads sliding and 1 full with V its keys'
              # projection, a dense FFN beside 16 experts of 4 (its 128 of 8, narrower)

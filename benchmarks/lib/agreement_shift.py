@@ -95,7 +95,7 @@ PROBE_CTX, PROBE_UBATCH = 4096, 512                 # llama.cpp's defaults (and 
 
 
 def spec_of(case: Case) -> dict[str, Any]:
-    arch = "llama" if case.arch == "mixtral" else case.arch
+    arch = base.FILE_ARCH.get(case.arch, case.arch)
     spec = dict(base.SHAPE, arch=arch, vocab=base.VOCAB_OF[arch], weight_type="F32", seed=7)
     spec.update(base.ARCH_SPEC.get(case.arch, {}))
     spec.update(case.overrides)

@@ -80,6 +80,12 @@ class ModelConfig:
         """K and V of one token in one layer (the config's own: ``for_layer(i)`` gives layer i's)."""
         return 2 * self.n_head_kv * self.head_dim * itemsize
 
+    def kv_token_bytes(self, i: int, row_bytes) -> int:
+        """K and V of one token in layer i's own caches, `row_bytes(head_dim)` a head's row in the KV type (0 in a
+        layer that reads another's caches)."""
+        c = self.for_layer(i)
+        return 2 * c.n_head_kv * row_bytes(c.head_dim) if self.owns_kv(i) else 0
+
     def kv_source(self, i: int) -> int:
         """The layer whose caches layer i reads: i itself, or in a Gemma 4 file sharing its caches the last layer
         of i's kind (sliding or not) before n_layer_kv, as llama.cpp picks it."""
@@ -90,6 +96,16 @@ class ModelConfig:
     def owns_kv(self, i: int) -> bool:
         """Whether layer i keeps caches of its own (a layer that reads another's keeps none)."""
         return self.kv_source(i) == i
+
+    @property
+    def kv_owners(self) -> tuple[int, ...]:
+        """The layers that keep caches of their own (every layer but Gemma 4's readers)."""
+        return tuple(i for i in range(self.n_layer) if self.owns_kv(i))
+
+    @property
+    def kv_shared(self) -> tuple[int, ...]:
+        """The layers whose caches later layers read (Gemma 4's), in order."""
+        return tuple(sorted({self.kv_source(i) for i in range(self.n_layer) if not self.owns_kv(i)}))
 
     def is_sliding(self, i: int) -> bool:
         return self.sliding_window > 0 and i in self.swa_layers

@@ -88,7 +88,9 @@ def tensors(spec: Any, n_vocab: int, matrix, vector, random) -> Iterable[tuple[s
         for norm in ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm"):
             yield vector(f"{b}.{norm}.weight", e, 1.0, 0.1)
         yield matrix("attn_q", f"{b}.attn_q.weight", spec.n_head * hd, e)
-        yield vector(f"{b}.attn_q_norm.weight", hd, 1.0, 0.1)
+        # q unscaled (its norm's weights do it, learned): weights of about 1/sqrt(head size), so that the scores
+        # spread as 1/sqrt(d) attention's do rather than sqrt(d) times wider
+        yield vector(f"{b}.attn_q_norm.weight", hd, hd ** -0.5, 0.1 * hd ** -0.5)
         if not reader:
             yield matrix("attn_k", f"{b}.attn_k.weight", kv * hd, e)
             yield vector(f"{b}.attn_k_norm.weight", hd, 1.0, 0.1)

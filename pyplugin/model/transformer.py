@@ -44,10 +44,10 @@ class LayerWeights:
 
     attn_norm: Array            # [n_embd]
     wq: Array                   # [n_head * head_dim, n_embd]
-    wk: Array | None            # [n_head_kv * head_dim, n_embd]; None where the layer reads another's caches
-    wv: Array | None            # [n_head_kv * head_dim, n_embd]; None there, and where V is K's projection (Gemma 4)
     wo: Array                   # [n_embd, n_head * head_dim]
     ffn_norm: Array             # [n_embd]
+    wk: Array | None = None     # [n_head_kv * head_dim, n_embd]; None where the layer reads another's caches
+    wv: Array | None = None     # [n_head_kv * head_dim, n_embd]; None there, and where V is K's projection (Gemma 4)
     w_gate: Array | None = None  # [n_ff, n_embd]; None in a layer of experts
     w_up: Array | None = None    # [n_ff, n_embd]
     w_down: Array | None = None  # [n_embd, n_ff]

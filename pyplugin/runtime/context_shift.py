@@ -17,6 +17,8 @@ def shift_entries(layers: Any, seq: int, n_keep: int, n_discard: int, n_past: in
     passes, so nothing reads them meanwhile."""
     cfg, store = layers.pebbled.model.config, layers.store
     for i, shape in enumerate(layers.kv_shapes):
+        if not cfg.owns_kv(i):  # a layer reading another's caches (Gemma 4) has none to shift
+            continue
         held = min(n_past, shape[0])  # a ring holds its window's rows, all of them once it has wrapped
         pair = [np.empty((held, *shape[1:]), layers.kv_dtype) for _ in range(2)]
         for array, tensor_id in zip(pair, kv_ids(seq)):

@@ -52,9 +52,10 @@ class ParkedConversations:
         parked (but `keep`) to make room; False where the budget cannot hold them (nothing is kept)."""
         pebbled, store = self.pebbled, self.pebbled.store
         n_layers = pebbled.model.config.n_layer
-        rows = [min(len(tokens), pebbled.kv_shape(n_ctx, i)[0]) for i in range(n_layers)]
-        row_bytes = int(np.prod(pebbled.kv_shape(n_ctx, 0)[1:])) * pebbled.kv.dtype.itemsize
-        nbytes = 2 * sum(rows) * row_bytes
+        owns = pebbled.model.config.owns_kv  # a layer reading another's caches (Gemma 4) parks none
+        rows = [min(len(tokens), pebbled.kv_shape(n_ctx, i)[0]) if owns(i) else 0 for i in range(n_layers)]
+        nbytes = 2 * sum(n * int(np.prod(pebbled.kv_shape(n_ctx, i)[1:])) * pebbled.kv.dtype.itemsize
+                         for i, n in enumerate(rows))
         kept = self._parked[keep].nbytes if keep in self._parked else 0
         if not tokens or kept + nbytes > self.budget:
             return False
@@ -63,9 +64,9 @@ class ParkedConversations:
         caches = []
         for i, n in enumerate(rows):
             pair = tuple(np.empty((n, *pebbled.kv_shape(n_ctx, i)[1:]), pebbled.kv.dtype) for _ in range(2))
-            for source, held in zip(kv_ids(seq), pair):
+            for source, held in zip(kv_ids(seq) if owns(i) else (), pair):
                 store.read(i, source, 0, held)
-            caches.append(pair)
+            caches.append(pair if owns(i) else ())
         self._parked[self._next] = _Parked(list(tokens), n_ctx, pebbled.kv.name, caches, nbytes)
         self._next += 1
         return True

@@ -27,21 +27,10 @@ from .conversations import ParkedConversations
 from .generation import Generation
 from .layout import WEIGHT_IDS, StoredTensor, bytes_of, kv_ids, tensor_desc
 from .options import Options
-from .plan import (MEASURED_MARGIN_BYTES, MemoryModel, PebblingOptions, Plan, format_bytes, make_plan,
-                   smallest_footprint, workspace_bytes)
+from .plan import (MEASURED_MARGIN_BYTES, MemoryModel, PebblingOptions, Plan, adaptive_budget, format_bytes,
+                   make_plan, smallest_footprint, workspace_bytes)
 from .store_layers import StoreLayers
 from . import experts
-
-
-def adaptive_budget(free: int | None, used, others: int, reserve: float = 0.05) -> int | None:
-    """Device bytes an adaptive plan may fill: free memory plus this process's own (`used`, a
-    DeviceUse; NVML's whole-device figure when it cannot tell this process's, which then counts for
-    nothing), less `others`, what this process's other loaded models hold, less a reserve for
-    fragmentation and other users. None when NVML cannot say."""
-    if free is None or used is None:
-        return None
-    mine = used.bytes if used.this_process else 0
-    return max(0, int((free + max(0, mine - others)) * (1 - reserve)))
 
 
 class PebbledModel:
@@ -147,7 +136,8 @@ class PebbledModel:
         """Layer i's K (or V) cache for a context of n_ctx, of type `kv` (else the entries' own): a sliding
         layer keeps its window only; a block type's last dimension is bytes (kv_types.py)."""
         cfg = self.model.config
-        return (kv or self.kv).shape(cfg.kv_rows(i, n_ctx), cfg.n_head_kv, cfg.head_dim)
+        lcfg = cfg.for_layer(i)  # its own head size and KV heads (Gemma 4's differ by layer)
+        return (kv or self.kv).shape(cfg.kv_rows(i, n_ctx), lcfg.n_head_kv, lcfg.head_dim)
 
     def memory_model(self, options: Options, prompt_tokens: int | None = None, n_seqs: int = 1,
                      pebbling: PebblingOptions | None = None) -> MemoryModel:
@@ -159,6 +149,7 @@ class PebbledModel:
         kv = kv_type(options.kv_type)
         kv.check_head_dim(cfg.head_dim)
         kv_token = 2 * cfg.n_head_kv * kv.row_bytes(cfg.head_dim)  # K and V of a token, in the KV type
+        kv_tokens = [cfg.kv_token_bytes(i, kv.row_bytes) for i in range(cfg.n_layer)]  # ... of each layer's own
         output = self.outer.output
         output_bytes = output.nbytes if isinstance(output, QuantWeight) else output.size * isz
         fixed = output_bytes + (self.outer.output_norm.size + 2 * options.num_ctx * cfg.head_dim) * isz
@@ -183,7 +174,7 @@ class PebbledModel:
         held = (lambda t: t.name not in EXPERT_MATRICES) if expert_slots else (lambda t: True)
         if expert_slots and self.backend.arrays_on_device:  # a prefill restores experts into one slot
             workspace += expert_slots.slot_bytes
-        kv_entry = [cfg.kv_rows(i, options.num_ctx) * kv_token // 2 for i in range(cfg.n_layer)]  # K or V
+        kv_entry = [cfg.kv_rows(i, options.num_ctx) * kv_tokens[i] // 2 for i in range(cfg.n_layer)]  # K or V
         pages = lambda n: max(0, self.backend.device_footprint(n) - aligned(n))  # noqa: E731 - what pages add
         return MemoryModel(
             layer_weight_bytes=tuple(sum(aligned(t.nbytes) for t in layout if held(t)) for layout in self.layouts),
@@ -191,15 +182,12 @@ class PebbledModel:
             weight_page_bytes=tuple(sum(pages(t.nbytes) for t in layout if held(t)) for layout in self.layouts),
             page_bytes=self.backend.device_page_bytes, decoder_bytes=model_scratch_bytes(cfg, options.num_ctx, n_seqs)
             if self.backend.arrays_on_device else 0,
-            kv_bytes_per_token=kv_token,
+            kv_bytes_per_token=kv_token, fixed_bytes=fixed, workspace_bytes=workspace,
             kv_windows=tuple(cfg.sliding_window if cfg.is_sliding(i) else 0 for i in range(cfg.n_layer)),
-            fixed_bytes=fixed,
-            workspace_bytes=workspace,
-            overhead_bytes=self._overhead_bytes(),
-            margin_bytes=MEASURED_MARGIN_BYTES if self.backend.measures_memory else 0,
+            overhead_bytes=self._overhead_bytes(), margin_bytes=MEASURED_MARGIN_BYTES if self.backend.measures_memory else 0,
             n_seqs=n_seqs, n_ctx=options.num_ctx,
             request=request if n_seqs == 1 else f"{n_seqs} sequences decoding together, {request}",
-            experts=expert_slots)
+            experts=expert_slots, pinned=cfg.kv_shared)
 
     def restored_bytes_per_token(self, plan: Plan, context_tokens: int) -> int:
         """What a decode step under `plan` restores per token: the streamed layers' bytes where the backend's
@@ -373,23 +361,24 @@ class PebbledModel:
         `prepare`)."""
         if seq in self._kv_seqs:
             return
-        for i in range(self.model.config.n_layer):
+        cfg, pinned = self.model.config, self.plan_in_use.memory.pinned if self.plan_in_use else ()
+        for i in cfg.kv_owners:  # a layer reading another's caches has none (Gemma 4)
             zeros = np.zeros(self.kv_shape(self._kv_ctx, i), self.kv.dtype)  # contents past `pos` are never read
-            desc = tensor_desc(self.kv.ggml_type, self.kv_shape(self._kv_ctx, i)[:2] + (self.model.config.head_dim,))
+            desc = tensor_desc(self.kv.ggml_type, self.kv_shape(self._kv_ctx, i)[:2] + (cfg.for_layer(i).head_dim,))
             for tensor_id in kv_ids(seq):
-                self.store.save(i, tensor_id, zeros, desc=desc)
+                self.store.save(i, tensor_id, zeros, desc=desc, tier="device" if i in pinned else "auto")
         self._kv_seqs.add(seq)
 
     def prepare(self, plan: Plan, n_ctx: int, kv: KVType | None = None) -> None:
         """Makes the store hold the plan: resident layers on the device, KV entries for n_ctx of type `kv`
         (else the server's) and at most the plan's sequences (those of other sequences, and their
         conversations, are dropped)."""
-        store, n_layers = self.store, self.model.config.n_layer
+        store = self.store
         kv = kv or KV_TYPES[default_kv_type(self.model.config.head_dim)]
         drop = set(self._kv_seqs) if self._kv_ctx not in (None, n_ctx) or kv != self.kv else \
             {s for s in self._kv_seqs if s >= plan.memory.n_seqs}
         for seq in drop:
-            for i in range(n_layers):
+            for i in self.model.config.kv_owners:
                 for tensor_id in kv_ids(seq):
                     store.erase(i, tensor_id)
             self._kv_seqs.discard(seq)
@@ -397,4 +386,6 @@ class PebbledModel:
         self._kv_ctx, self.kv, self.plan_in_use = n_ctx, kv, plan
         experts.keep_merged_on_host(self, plan.expert_cache is not None)
         store.set_strategy(plan.strategy, device_limit=plan.store_limit)
+        for i in plan.memory.pinned:  # resident whatever the strategy (Gemma 4's layers whose caches others read)
+            store.prefetch(i)
         store.reset_stats()

@@ -59,6 +59,8 @@ class MemoryModel:
     kv_page_bytes: tuple[int, ...] = ()
     page_bytes: int = 0
     decoder_bytes: int = 0               # the native decoder's scratch where it is device memory of its own
+    pinned: tuple[int, ...] = ()         # layers resident under every strategy: those whose caches later layers
+                                         # read (Gemma 4), which must be in place when those layers compute
 
     @property
     def n_layers(self) -> int:
@@ -145,7 +147,7 @@ def workspace_bytes(cfg: ModelConfig, n_tokens: int, n_ctx: int, itemsize: int) 
 def peak_for(memory: MemoryModel, resident: list[int] | tuple[int, ...], cache: int = 0) -> tuple[int, int, int, int]:
     """(estimated peak, store limit, slots, slot bytes) when exactly `resident` stay on the device (and, with
     experts as pebbles, `cache` experts per layer of experts)."""
-    keep = set(resident)
+    keep = set(resident) | set(memory.pinned)
     streamed = [i for i in range(memory.n_layers) if i not in keep]
     store_limit = sum(memory.layer_bytes(i) for i in keep)
     n_slots = min(2, len(streamed))  # double buffering: one computes while the next is restored
@@ -177,7 +179,7 @@ def make_plan(memory: MemoryModel, strategy: Strategy | str, budget: int | None 
     if strategy.code == ADAPTIVE:
         k = n if budget is None else _most_resident_within(memory, budget)
         strategy = Strategy("adaptive", ADAPTIVE, k)
-    resident = resident_layers(strategy.code, strategy.arg, n)
+    resident = sorted(set(resident_layers(strategy.code, strategy.arg, n)) | set(memory.pinned))
     peak, store_limit, n_slots, slot_bytes = peak_for(memory, resident)
     if budget is not None and peak > budget:
         raise OptionsError(
@@ -307,3 +309,14 @@ class PebblingOptions:
     def effective_weights(self) -> str:
         """The form the weights are held in: the one asked for, else quantized (the file's own)."""
         return self.weights or WEIGHT_FORMS[0]
+
+
+def adaptive_budget(free: int | None, used, others: int, reserve: float = 0.05) -> int | None:
+    """Device bytes an adaptive plan may fill: free memory plus this process's own (`used`, a
+    DeviceUse; NVML's whole-device figure when it cannot tell this process's, which then counts for
+    nothing), less `others`, what this process's other loaded models hold, less a reserve for
+    fragmentation and other users. None when NVML cannot say."""
+    if free is None or used is None:
+        return None
+    mine = used.bytes if used.this_process else 0
+    return max(0, int((free + max(0, mine - others)) * (1 - reserve)))

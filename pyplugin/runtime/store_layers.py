@@ -61,6 +61,10 @@ class StoreLayers:
         self.kv_dtype = self.kv.dtype
         self.kv_shapes = [pebbled.kv_shape(self.n_ctx, i, self.kv) for i in range(len(pebbled.layouts))]
         self.kv_row_bytes = int(np.prod(self.kv_shapes[0][1:])) * self.kv_dtype.itemsize
+        self.row_bytes = [int(np.prod(shape[1:])) * self.kv_dtype.itemsize for shape in self.kv_shapes]  # per layer
+        # Gemma 4: a layer reading another's caches (kv_source) computes over that layer's, resident (the plan
+        # pins it), and keeps, restores and writes back none of its own
+        self.kv_source = pebbled.model.config.kv_source
         pebbled.kernels.release_workspace()
         backend.free_pool()  # measure this plan, not the last
         pebbled.prepare(plan, self.n_ctx, self.kv)
@@ -116,7 +120,7 @@ class StoreLayers:
 
     def _slot_size(self, i: int) -> int:
         return sum(aligned(t.nbytes) for t in self.pebbled.layouts[i] if not self._apart(t)) + \
-            2 * self.n_seqs * aligned(self._kv_bytes(i))
+            2 * self.n_seqs * aligned(self._kv_bytes(i)) * (self.kv_source(i) == i)
 
     def _slot_views(self, slot: int, i: int, n_seqs: int) -> tuple[LayerWeights, list[tuple[Array, Array]]]:
         """Layer i's weights and n_seqs sequences' caches over slot `slot` (made once: the slots live as
@@ -139,7 +143,7 @@ class StoreLayers:
             arrays[t.name] = self._host_view(i, t) if self._apart(t) else \
                 t.view(carve(t.nbytes), self.dtype, self.pebbled.kernels)
         caches = [tuple(carve(self._kv_bytes(i)).view(self.kv_dtype).reshape(self.kv_shapes[i]) for _ in range(2))
-                  for _ in range(n_seqs)]
+                  for _ in range(n_seqs if self.kv_source(i) == i else 0)]
         return LayerWeights(**arrays), caches
 
     # -- a forward pass: begin_pass, then weights / caches and done for every layer in order
@@ -170,6 +174,8 @@ class StoreLayers:
 
     def caches(self, i: int, seq: int) -> tuple[Array, Array]:
         """Sequence `seq`'s K and V caches of layer i [n_ctx, n_head_kv, head_dim] (call after `weights(i)`)."""
+        if self.kv_source(i) != i:
+            return self.caches(self.kv_source(i), seq)
         if i in self.resident:
             views = self._resident_kv.get((i, seq))
             if views is None:
@@ -195,7 +201,7 @@ class StoreLayers:
 
     def pass_caches(self, i: int) -> list[tuple[Array, Array]]:
         """`caches(i, seq)` of every sequence of the pass, in its order (a streamed layer's slot holds them so)."""
-        if i in self.resident:
+        if i in self.resident or self.kv_source(i) != i:
             return [self.caches(i, seq) for seq, _, _ in self.pass_seqs]
         return self.in_slot[self.order[i] % len(self.slots)][1]
 
@@ -207,10 +213,11 @@ class StoreLayers:
             self.backend.record(self.computed[slot])
             self.backend.wait(self.computed[slot], self.copy_stream)
             # On host memory the caches are the entries themselves (_restore): nothing to write back.
-            for (seq, pos, n_tokens), (k, v) in zip(self.pass_seqs, caches if self.backend.arrays_on_device else ()):
+            owned = self.backend.arrays_on_device and self.kv_source(i) == i
+            for (seq, pos, n_tokens), (k, v) in zip(self.pass_seqs, caches if owned else ()):
                 k_id, v_id = kv_ids(seq)
                 for start, stop in ring_rows(pos, n_tokens, self.kv_shapes[i][0]):
-                    offset = start * self.kv_row_bytes
+                    offset = start * self.row_bytes[i]
                     self.store.write(i, k_id, offset, k[start:stop], stream=self.copy_stream)
                     self.store.write(i, v_id, offset, v[start:stop], stream=self.copy_stream)
             if n + len(self.slots) < len(self.streamed):
@@ -230,11 +237,13 @@ class StoreLayers:
             self.in_slot[slot] = (self._host_weights(i), [self._host_caches(i, seq) for seq, _, _ in self.pass_seqs])
             return
         weights, caches = self._slot_views(slot, i, len(self.pass_seqs))
+        if self.kv_source(i) != i:  # the caches are its source's, resident
+            caches = [self.caches(i, seq) for seq, _, _ in self.pass_seqs]
         views = (weights, caches)
         for t in self.pebbled.layouts[i]:
             if not self._apart(t):
                 self.store.restore(i, t.tensor_id, bytes_of(getattr(weights, t.name)), stream=self.copy_stream)
-        for (seq, pos, _), (k, v) in zip(self.pass_seqs, caches):
+        for (seq, pos, _), (k, v) in zip(self.pass_seqs, caches if self.kv_source(i) == i else ()):
             held = min(pos, self.kv_shapes[i][0])  # a sliding layer's ring holds its window at most
             if held:
                 k_id, v_id = kv_ids(seq)
@@ -253,6 +262,8 @@ class StoreLayers:
     def _host_caches(self, i: int, seq: int) -> tuple[Array, Array]:
         """... and sequence `seq`'s caches of it (an entry's KV is erased only by a plan of another num_ctx or
         fewer sequences, which makes new StoreLayers)."""
+        if self.kv_source(i) != i:
+            return self.caches(self.kv_source(i), seq)
         if (i, seq) not in self.host_kv:
             self.host_kv[i, seq] = tuple(self.store.host_array(i, tid, self.kv_dtype, self.kv_shapes[i])
                                          for tid in kv_ids(seq))

@@ -302,7 +302,8 @@ class Kernels:
         each, of `expert_store` or else `store` (experts_stored 1), or the entries of the merged gate, up and
         down tensors in `store` (2); `expert_policy` and `expert_prefetch` as pebble_step_model has them."""
         from ..model.transformer import rope_table  # noqa: PLC0415 - the store sits below the model
-
+        if cfg.v_norm:  # Gemma 4 (model.gemma4.forward_decodes): its parts are not in pebble_decoder_step yet
+            raise InvalidArgumentError(f"decoder: a {cfg.arch} model's decode step runs through the forward pass")
         kv_type = _kv_type("decoder", caches[0][0][0], cfg.head_dim)
         step_layers = []
         for i, lw in enumerate(layers):
