@@ -59,7 +59,7 @@ ARCHS = ("llama", "qwen2", "phi3")
 TYPES = SUPPORTED_NAMES
 VOCAB_OF_ARCH = {"llama": "llama3", "qwen2": "chatml", "phi3": "spm", "qwen3": "qwen3", "gemma2": "gemma",
                  "gemma3": "gemma", "qwen2moe": "chatml", "qwen3moe": "qwen3",
-                 "gpt-oss": "chatml", "gemma4": "gemma"}
+                 "gpt-oss": "chatml", "gemma4": "gemma4"}
 
 TINY = dict(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, n_ctx=256, n_merges=200)
 # K-quants and IQ4_XS pack 256 values per block, so every row (n_embd, n_ff) must be a multiple of 256.

@@ -101,7 +101,7 @@ TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "
 MIX_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
 VOCAB_OF = {"llama": "llama3", "qwen2": "chatml", "phi3": "spm", "qwen3": "qwen3", "gemma3": "gemma",
             "gemma2": "gemma", "qwen3moe": "qwen3", "qwen2moe": "chatml", "gpt-oss": "chatml",
-            "gemma4": "gemma"}  # each arch's usual tokenizer
+            "gemma4": "gemma4"}  # each arch's usual tokenizer
 MOE_ARCHS = ("qwen3moe", "qwen2moe", "mixtral", "gpt-oss", "gemma4moe")  # each with a Q4_K_M-like mix
 FILE_ARCH = {"mixtral": "llama", "gemma4moe": "gemma4"}  # a llama file with experts; Gemma 4's 26B-A4B layout
 # What every file of an architecture carries beyond SHAPE: its own parts, exercised.
@@ -125,10 +125,10 @@ ARCH_SPEC = {"qwen3": {"key_length": 128}, "gemma3": {"sliding_window": 8, "rope
                         "gemma4": {"head_dim_swa": 64, "shared_kv_layers": 5, "n_embd_per_layer": 256,
                                    "double_wide": True}},
              # ... as 26B-A4B: 5 sliding layers then a full one, 2 KV heads sliding and 1 full with V its keys'
-             # projection, a dense FFN beside 16 experts of 4 (its 128 of 8, narrower)
+             # projection, a dense FFN beside 16 experts of 4 (its 128 of 8)
              "gemma4moe": {"n_layer": 6, "key_length": 128, "sliding_window": 8, "rope_theta": 1e6,
                            "swa_pattern": [i % 6 < 5 for i in range(6)], "n_expert": 16, "n_expert_used": 4,
-                           "n_ff_exp": 128, "gemma4": {"head_dim_swa": 64, "n_head_kv_full": 1, "k_eq_v": True}}}
+                           "n_ff_exp": 256, "gemma4": {"head_dim_swa": 64, "n_head_kv_full": 1, "k_eq_v": True}}}
 SHAPE = dict(n_layer=4, n_embd=256, n_head=4, n_head_kv=2, n_ff=512, n_ctx=512)
 N_PROMPT, N_GEN, N_CTX = 12, 16, 64
 
@@ -352,11 +352,14 @@ def compare_case(case: Case, workdir: Path) -> dict[str, Any]:
             return row
         row.update(llama_floor=rel_err(d_logits[0], l_logits[0]),
                    vs_dequantized=rel_err(judged[0], d_logits[0]))
-        if case.arch in MOE_ARCHS:  # every decode step against llama.cpp on the same (dequantized) values
-            same = next((i for i, (a, b) in enumerate(zip(d_tokens, p_tokens)) if a != b), N_GEN - 1)
-            row.update(dequantized_greedy_equal=d_tokens == p_tokens, dequantized_tokens=d_tokens,
-                       vs_dequantized_max_abs=float(np.abs(judged[0] - d_logits[0]).max()),
-                       vs_dequantized_decode=max(rel_err(judged[i], d_logits[i]) for i in range(same + 1)))
+        # every decode step against llama.cpp on the same (dequantized) values
+        same = next((i for i, (a, b) in enumerate(zip(d_tokens, p_tokens)) if a != b), N_GEN - 1)
+        row.update(dequantized_greedy_equal=d_tokens == p_tokens, dequantized_tokens=d_tokens,
+                   vs_dequantized_max_abs=float(np.abs(judged[0] - d_logits[0]).max()),
+                   vs_dequantized_decode=max(rel_err(judged[i], d_logits[i]) for i in range(same + 1)))
+        if d_tokens != p_tokens:  # parting from the copy where the two score alike within their distance there
+            L, P, a, b = d_logits[same], p_logits[same], d_tokens[same], p_tokens[same]
+            row["dequantized_near_tie"] = bool(L[a] - L[b] + P[b] - P[a] <= 2 * np.abs(P - L).max())
 
     ref, got = l_logits[0], p_logits[0]
     row["judged_rel_err"] = rel_err(judged[0], ref)
@@ -390,10 +393,16 @@ def compare_case(case: Case, workdir: Path) -> dict[str, Any]:
     # A mixture of experts routes by a discrete top-k: llama.cpp's own activation rounding (its floor) moves
     # a token to another expert where two score alike, and the logits part by more than any tolerance of
     # rounding. pebbling is then judged against llama.cpp on the F32 copy of the same values, every step.
-    moe_ok = case.arch in MOE_ARCHS and row.get("dequantized_greedy_equal") and \
-        row.get("vs_dequantized_decode", 1.0) <= tol_f32 and row.get("vs_dequantized", 1.0) <= tol_f32
-    if not ok_logits and moe_ok:
+    # Gemma 4's dense files too: over ten layers and their per-layer embeddings llama.cpp's own rounding of the
+    # activations moves it past the type's tolerance from its F32 copy (its floor, 5e-2 to 8e-2 here); pebbling is
+    # then judged against that copy at every step, as the experts are, tie-tolerantly where the two part.
+    same_values = row.get("vs_dequantized_decode", 1.0) <= tol_f32 and row.get("vs_dequantized", 1.0) <= tol_f32
+    if not ok_logits and same_values and row.get("dequantized_greedy_equal") and case.arch in MOE_ARCHS:
         row["status"] = "ok (experts moved by llama.cpp's rounding; equal to it on the dequantized weights)"
+    elif not ok_logits and same_values and case.arch == "gemma4" and (row.get("dequantized_greedy_equal")
+                                                                       or row.get("dequantized_near_tie")):
+        row["status"] = (f"ok (llama.cpp's own rounding {row['llama_floor']:.1e} from its F32 copy; equal to it on the "
+                         "dequantized weights" + (")" if row["dequantized_greedy_equal"] else ", to a near-tie)"))
     elif not ok_logits:
         row["status"] = "DISAGREE"
     elif first is None:
@@ -473,13 +482,14 @@ SPECIAL_TEXTS = {
     "gemma": "<start_of_turn>user\nHi there<end_of_turn>\n<start_of_turn>model\n",
     "harmony": "<|start|>user<|message|>Hi there<|end|><|start|>assistant<|channel|>analysis<|message|>Hmm. "
                "CamelCase and ALLCAPS words, ÉCOLE école<|end|>",
+    "gemma4": "<|turn>user\nHi  there\n\n\nyou<turn|>\n<|turn>model\n<|channel>thought\nHmm<channel|>Hello 🙂",
 }
 
 
 # flavour -> (arch, vocab): the arch only sets general.name, which llama.cpp reads for phi-3 quirks.
 TOKENIZER_FLAVOURS = {"llama3": ("llama", "llama3"), "chatml": ("qwen2", "chatml"),
                       "spm": ("llama", "spm"), "spm phi3": ("phi3", "spm"), "qwen3": ("qwen3", "qwen3"),
-                      "gemma": ("gemma3", "gemma"), "harmony": ("gpt-oss", "harmony")}
+                      "gemma": ("gemma3", "gemma"), "harmony": ("gpt-oss", "harmony"), "gemma4": ("gemma4", "gemma4")}
 
 
 def compare_tokenizers(workdir: Path) -> list[dict[str, Any]]:

@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="also write every figure to this file")
     args = ap.parse_args(argv)
     cmp.import_llama_cpp()
-    shape = {**shapes.SHAPES[args.shape], "n_layer": args.n_layer}
+    shape = shapes.with_layers(shapes.SHAPES[args.shape], args.n_layer)
     mix = shapes.q4_k_m(shape)
     case = cmp.Case(f"{args.shape} {args.n_layer}L Q4_K_M-like", shape["arch"], mix["weight_type"],
                     {**shape, "tensor_types": mix["tensor_types"]})

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 
-from lib.shapes import q4_k_m
+from lib.shapes import q4_k_m, with_layers
 from pyplugin.model.synth import SynthSpec, _add_hparams, _add_vocab, build_vocab
 from pyplugin.model.synth_quant import quantize
 from pyplugin.model.tokenizer import UNUSED
@@ -46,7 +46,7 @@ TYPES = {"Q4_K_M": q4_k_m_untied, "F16": lambda shape: dict(weight_type="F16")}
 
 
 def spec_for(shape: str, type_name: str, n_layer: int | None, n_ctx: int) -> SynthSpec:
-    base = {**SHAPES[shape], **({"n_layer": n_layer} if n_layer else {})}
+    base = with_layers(SHAPES[shape], n_layer)
     return SynthSpec(**base, **TYPES[type_name](base), n_ctx=n_ctx, n_merges=300,
                      name=f"pebbling bench {shape} {type_name} (random weights)")
 

@@ -33,6 +33,27 @@ SHAPES = {
     "gpt-oss-120b": dict(arch="gpt-oss", n_layer=36, n_embd=2880, n_head=64, n_head_kv=8, key_length=64, n_ff=2880,
                          n_ff_exp=2880, n_expert=128, n_expert_used=4, vocab="harmony", vocab_size=201088,
                          sliding_window=128, rope_yarn=(32.0, 4096), rope_theta=150000.0, random_blocks=True),
+    # Gemma 4, as its released configs have it: sliding layers of head 256 (window 512, or 1024 on the 26B and 31B)
+    # and full layers of head 512 turning a quarter of it (proportional RoPE), four or five sliding to a full one;
+    # E2B and E4B: per-layer embeddings of 256 (a second table of n_layer x 256 a token) and their last 20 or 18
+    # layers reading earlier layers' caches (E2B's FFNs there twice as wide); 26B-A4B: 128 experts of 704 (8 used)
+    # beside a dense FFN of 2112, full layers' V their keys' projection over 2 KV heads; 31B: dense, likewise over 4.
+    # Gemma's 262144 tokens; random valid blocks.
+    "gemma4-e2b": dict(arch="gemma4", n_layer=35, n_embd=1536, n_head=8, n_head_kv=1, key_length=512, n_ff=6144,
+                       vocab="gemma4", vocab_size=262144, sliding_window=512, swa_pattern=[i % 5 < 4 for i in range(35)],
+                       gemma4=dict(head_dim_swa=256, shared_kv_layers=20, n_embd_per_layer=256, double_wide=True),
+                       rope_theta=1e6, random_blocks=True),
+    "gemma4-e4b": dict(arch="gemma4", n_layer=42, n_embd=2560, n_head=8, n_head_kv=2, key_length=512, n_ff=10240,
+                       vocab="gemma4", vocab_size=262144, sliding_window=512, swa_pattern=[i % 6 < 5 for i in range(42)],
+                       gemma4=dict(head_dim_swa=256, shared_kv_layers=18, n_embd_per_layer=256),
+                       rope_theta=1e6, random_blocks=True),
+    "gemma4-26b-a4b": dict(arch="gemma4", n_layer=30, n_embd=2816, n_head=16, n_head_kv=8, key_length=512, n_ff=2112,
+                           n_ff_exp=704, n_expert=128, n_expert_used=8, vocab="gemma4", vocab_size=262144,
+                           sliding_window=1024, swa_pattern=[i % 6 < 5 for i in range(30)], rope_theta=1e6,
+                           gemma4=dict(head_dim_swa=256, n_head_kv_full=2, k_eq_v=True), random_blocks=True),
+    "gemma4-31b": dict(arch="gemma4", n_layer=60, n_embd=5376, n_head=32, n_head_kv=16, key_length=512, n_ff=21504,
+                       vocab="gemma4", vocab_size=262144, sliding_window=1024, swa_pattern=[i % 6 < 5 for i in range(60)],
+                       rope_theta=1e6, gemma4=dict(head_dim_swa=256, n_head_kv_full=4, k_eq_v=True), random_blocks=True),
     # Llama-3.2-3B: 3.2 billion weights, so random valid blocks as for the mixture of experts.
     "llama3.2-3b": dict(arch="llama", n_layer=28, n_embd=3072, n_head=24, n_head_kv=8, n_ff=8192, vocab="llama3",
                         tied_output=True, vocab_size=128256, rope_theta=500000.0, random_blocks=True),
@@ -49,12 +70,13 @@ def q4_k_m(shape: dict, k_type: str = "Q4_K") -> dict:
     down = "ffn_down_exps" if shape.get("n_expert") else "ffn_down"   # a mixture of experts: its experts' down
     ff_whole = shape.get("n_ff_exp" if shape.get("n_expert") else "n_ff", shape["n_ff"]) % 256 == 0
     q_whole = (shape["n_head"] * head) % 256 == 0
-    types[down] = k_type if ff_whole else base
+    ff_base, ff_high = (k_type, "Q6_K") if ff_whole else ("Q5_0" if k_type == "Q4_K" else "Q5_1", "Q8_0")
+    types[down] = ff_base
     if q_whole and not whole:
         types["attn_output"] = k_type
     for i in range(0, shape["n_layer"], 2):
         types[f"blk.{i}.attn_v"] = high
-        types[f"blk.{i}.{down}"] = "Q6_K" if ff_whole else high
+        types[f"blk.{i}.{down}"] = ff_high
     for i in range(1, shape["n_layer"], 2):
         types[f"blk.{i}.attn_v"] = base
     return dict(weight_type=base, tensor_types=types)
@@ -87,12 +109,28 @@ FILES = {
 }
 
 
+def with_layers(shape: dict, n_layer: int | None) -> dict:
+    """`shape` cut to `n_layer` layers (a quick run): a Gemma 4's sliding pattern kept, and its share of layers
+    reading earlier caches, so that the last layer keeping caches of its own is a full one (llama.cpp's rule)."""
+    if not n_layer:
+        return dict(shape)
+    out = dict(shape, n_layer=n_layer)
+    if isinstance(shape.get("swa_pattern"), list):
+        period = shape["swa_pattern"].index(False) + 1
+        out["swa_pattern"] = [i % period < period - 1 for i in range(n_layer)]
+        shared = shape["gemma4"].get("shared_kv_layers", 0)
+        if shared:
+            own = max(period, round(n_layer * (1 - shared / shape["n_layer"]) / period) * period)
+            out["gemma4"] = dict(shape["gemma4"], shared_kv_layers=max(0, n_layer - own))
+    return out
+
+
 def write_files(directory: Path, names: list[str], shape_name: str, n_layer: int | None) -> dict[str, Path]:
     """A file of `shape_name` (with `n_layer` layers where given) in each of FILES' `names`, into `directory`;
     a file already there is kept."""
     from pyplugin.model.synth import write_gguf  # noqa: PLC0415
 
-    shape = {**SHAPES[shape_name], **({"n_layer": n_layer} if n_layer else {})}
+    shape = with_layers(SHAPES[shape_name], n_layer)
     paths = {}
     directory.mkdir(parents=True, exist_ok=True)
     for name in names:
