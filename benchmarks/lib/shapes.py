@@ -72,6 +72,8 @@ def q4_k_m(shape: dict, k_type: str = "Q4_K") -> dict:
     q_whole = (shape["n_head"] * head) % 256 == 0
     ff_base, ff_high = (k_type, "Q6_K") if ff_whole else ("Q5_0" if k_type == "Q4_K" else "Q5_1", "Q8_0")
     types[down] = ff_base
+    if shape.get("n_expert") and shape["arch"] == "gemma4" and shape["n_ff"] % 256:  # its dense FFN beside them
+        types["ffn_down"] = "Q5_0" if k_type == "Q4_K" else "Q5_1"
     if q_whole and not whole:
         types["attn_output"] = k_type
     for i in range(0, shape["n_layer"], 2):

@@ -138,6 +138,9 @@ def _write_blocks(writer: GGUFWriter, spec: SynthSpec, n_vocab: int) -> None:
             continue
         shape, _ = array
         block, size = GGML_QUANT_SIZES[qtype]
+        if shape[-1] % block:
+            raise ValueError(f"{name}: {qtype.name} needs rows that are a multiple of {block} values; this tensor's "
+                             f"rows have {shape[-1]}")
         nbytes = int(np.prod(shape[:-1])) * (shape[-1] // block) * size
         writer.add_tensor_info(name, (*shape[:-1], nbytes // int(np.prod(shape[:-1]))), np.dtype(np.uint8),
                                nbytes, raw_dtype=qtype)

@@ -89,7 +89,9 @@ def layer_decode_seconds(pebbled: PebbledModel, n_ctx: int, context_pos: int,
     pos = min(context_pos, n_ctx - 1)  # the step writes row pos: it must lie inside the cache
     x = xp.asarray(np.random.default_rng(0).standard_normal((1, cfg.n_embd)), dtype=dtype)  # [1, n_embd]
     layer = cfg.for_layer(0)
-    return median_seconds(lambda: layer_forward(layer, x, weights, k, v, pos), pebbled.backend.synchronize, repeats)
+    per_layer = xp.zeros((1, cfg.n_embd_per_layer), dtype) if cfg.n_embd_per_layer else None  # Gemma 4's input
+    return median_seconds(lambda: layer_forward(layer, x, weights, k, v, pos, per_layer=per_layer),
+                          pebbled.backend.synchronize, repeats)
 
 
 @dataclass(frozen=True)

@@ -234,9 +234,12 @@ class PebbledModel:
         cfg, xp = self.model.config, self.xp
         weights = self.layer_weights(0)
         n = self.kernels.max_vec + 1  # a chunk past the fused kernels: expansion and GEMM load too
-        k, v = (xp.zeros(self.kv.shape(n + 1, cfg.n_head_kv, cfg.head_dim), self.kv.dtype) for _ in range(2))
-        x = layer_forward(cfg.for_layer(0), embed(self.outer, list(range(n)), xp), weights, k, v, 0)
-        x = layer_forward(cfg.for_layer(0), x[-1:], weights, k, v, n)
+        first = cfg.for_layer(0)  # its own head size and KV heads (a Gemma 4's differ by layer)
+        k, v = (xp.zeros(self.kv.shape(n + 1, first.n_head_kv, first.head_dim), self.kv.dtype) for _ in range(2))
+        x = embed(self.outer, list(range(n)), xp)
+        per_layer = (lambda t: xp.zeros((t, cfg.n_embd_per_layer), x.dtype) if cfg.n_embd_per_layer else None)  # noqa: E731
+        x = layer_forward(first, x, weights, k, v, 0, per_layer=per_layer(n))
+        x = layer_forward(first, x[-1:], weights, k, v, n, per_layer=per_layer(1))
         to_numpy(output_logits(cfg, self.outer, x[-1]))
         del weights, k, v, x
         self.kernels.release_workspace()
