@@ -313,6 +313,16 @@ struct pebble_layer_shape {
     int32_t expert_norm;     // 0 or 1
     float   expert_scale;    // 1: none
     int32_t expert_gating;   // 0: a softmax over every expert; 1: a softmax over the chosen experts' scores
+    // Gemma 4. kv_layer -1: the layer keeps caches of its own; else the index of an earlier layer (itself
+    // with kv_layer -1, not streamed, of the same n_head_kv, head_dim, ring and kv_rows) whose caches this
+    // layer attends over: it computes q only (wk, wv, bk, bv and k_norm NULL), writes no cache row (its
+    // source wrote the step's row before it), and its k_caches/v_caches entries are not read (NULL or the
+    // source's, either is accepted); streamed, it restores and writes back no cache entries (kv_ids are not
+    // read for it). v_norm 1: each head of V is RMS-normed without a weight (eps rms_eps) before it is cached;
+    // then wv may be NULL on a layer with caches of its own, V being K's projection itself (before k_norm
+    // and RoPE). A shape initialised to zero reads layer 0's caches: -1 must be set.
+    int32_t kv_layer;
+    int32_t v_norm;          // 0 or 1
 };
 
 struct pebble_tensor_ref {
@@ -320,7 +330,7 @@ struct pebble_tensor_ref {
     const void * data;   // NULL: absent (biases only)
 };
 
-#define PEBBLE_LAYER_WEIGHTS 30 // the fields of pebble_layer_weights
+#define PEBBLE_LAYER_WEIGHTS 39 // the fields of pebble_layer_weights
 
 struct pebble_layer_weights {
     struct pebble_tensor_ref attn_norm, wq, wk, wv, wo, ffn_norm, w_gate, w_up, w_down, bq, bk, bv;
@@ -337,6 +347,17 @@ struct pebble_layer_weights {
     // bias [n_expert]; the experts' gate and up biases [n_expert][n_ff_exp] and down biases
     // [n_expert][n_embd].
     struct pebble_tensor_ref attn_sinks, bo, ffn_gate_inp_b, ffn_gate_exps_b, ffn_up_exps_b, ffn_down_exps_b;
+    // Gemma 4, else NULL. After the feed-forward's residual, the per-layer embedding where per_layer_inp_gate
+    // [n_pl][n_embd], per_layer_proj [n_embd][n_pl] (matrices) and per_layer_post_norm [n_embd] are given
+    // (all three or none; n_pl = pebble_step_model.n_embd_per_layer): g = gelu_tanh(per_layer_inp_gate . x)
+    // * in (in: the token's per-layer input of this layer, pebble_decoder_step's x), x += rms_norm(
+    // per_layer_proj . g) * per_layer_post_norm; then x *= out_scale[0] where out_scale [1] is given.
+    // The 26B-A4B's layer of experts beside a dense FFN (ffn_gate_inp_s [n_embd], ffn_pre_norm_2,
+    // ffn_post_norm_1, ffn_post_norm_2 [n_embd], ffn_down_exps_s [n_expert]; pyplugin.model.transformer's
+    // ffn_block) is not computed by the step yet: a layer giving any of them is refused, by name. Vectors F32
+    // or F16.
+    struct pebble_tensor_ref per_layer_inp_gate, per_layer_proj, per_layer_post_norm, out_scale;
+    struct pebble_tensor_ref ffn_gate_inp_s, ffn_pre_norm_2, ffn_post_norm_1, ffn_post_norm_2, ffn_down_exps_s;
 };
 
 // The attention of one new query in each of n_seq sequences, each over a cache of its own: what a
@@ -471,6 +492,11 @@ struct pebble_step_model {
     // index gives way (it is restored again when it runs).
     int32_t expert_policy;
     int32_t expert_prefetch;
+    // Gemma 4's per-layer embeddings: the width of a layer's per-layer input (0: none, and no layer may give
+    // per_layer_inp_gate). Above 0, pebble_decoder_step's x holds after the n x n_embd hidden states the
+    // n x n_layer x n_embd_per_layer per-layer inputs (token b's of layer i at (b * n_layer + i) *
+    // n_embd_per_layer), read only.
+    int32_t n_embd_per_layer;
 };
 
 struct pebble_decoder_stats {
@@ -505,8 +531,10 @@ PEBBLE_API enum pebble_status pebble_decoder_create(const struct pebble_step_mod
                                                     void * const * k_caches, void * const * v_caches,
                                                     pebble_decoder_t * out);
 // Token b of the step is sequence seqs[b] at position pos[b]: x (n x n_embd float32) holds their embeddings
-// and comes out as their last hidden states, before the output norm; logits (n x n_vocab float32), where
-// not NULL, receives the output's logits (scaled and capped as the model says).
+// and comes out as their last hidden states, before the output norm (where the model's n_embd_per_layer is
+// above 0, x is followed by the tokens' per-layer inputs, which the step reads and leaves as they are);
+// logits (n x n_vocab float32), where not NULL, receives the output's logits (scaled and capped as the
+// model says).
 PEBBLE_API enum pebble_status pebble_decoder_step (pebble_decoder_t decoder, int32_t n, const int32_t * seqs,
                                                    const int64_t * pos, float * x, float * logits, void * stream);
 PEBBLE_API enum pebble_status pebble_decoder_stats(pebble_decoder_t decoder, struct pebble_decoder_stats * out);

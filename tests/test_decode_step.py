@@ -510,7 +510,7 @@ def test_the_portable_decode_step_equals_the_forward_pass_too():
         pytest.skip("the host library is not built here (make host)")
     env = {**os.environ, "PEBBLING_SIMD": "portable", "PEBBLING_TEST_BACKENDS": "host"}
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                           "host and (one_layer_equals or sliding_layer_keeps or long_context or eleven)"], env=env,
+                           "host and (one_layer_equals or sliding_layer_keeps or long_context or eleven or gemma4_decode_steps)"], env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
 
@@ -541,3 +541,106 @@ def test_the_plan_counts_the_decoders_scratch_as_the_library_allocates_it(backen
             assert gen.layers.shared.plan.memory.decoder_bytes == (held if on_device else 0)
     finally:
         pebbled.close()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Gemma 4 (test_gemma4.py's files): E2B's per-layer inputs, layers reading earlier layers' caches (rings and
+# whole caches), V normed and double-wide FFNs; 31B's V = K on its full layers, KV heads of their own there
+
+GEMMA4 = ("e2b", "31b")
+
+
+def forward_pass_logits(gen, token):
+    """The logits of `token` through the Python forward pass (every layer's layer_forward), not the decoder."""
+    from pyplugin.model import output_logits
+    from pyplugin.xp import to_numpy
+    return to_numpy(output_logits(gen.cfg, gen.outer, gen._through_layers([token])[-1]))
+
+
+def gemma4_tolerance(kernels) -> float:
+    """Of the logits' largest value. The stub's step is the forward pass itself (equal to the bit, seen); the host's
+    sums in other orders, its GELU and softmax are its own, and a vector entering a matrix is rounded to fp16 on
+    both sides, so a last-bit difference before it can flip a rounding, carried through ten layers and the
+    final soft cap: seen up to 5.1e-3 (E2B, host, 11-28), as far as the host's forward pass is from the stub's
+    on the same steps (5.9e-3). Twice step_tolerance with x in blocks."""
+    return 2 * step_tolerance(kernels, True)
+
+
+@pytest.mark.parametrize("case", GEMMA4)
+def test_gemma4_decode_steps_equal_the_forward_pass(kernels, case):
+    """Each decode step of a Gemma 4 model through the decoder (one call) against the forward pass over the same
+    prompt, past the sliding window of 5, so that the readers of a ring attend over rows their source rewrote."""
+    from test_gemma4 import path_of, prompt
+    from pyplugin.model import load_model
+    model = load_model(path_of(case), weights="quantized", progress=False)
+    options = Options(temperature=0, num_ctx=32, num_batch=4)
+    through, forward = (Generation(model, options, layers=ResidentLayers(model, 32, kernels)) for _ in range(2))
+    for gen in (through, forward):
+        gen.prefill(prompt())
+    for n, token in enumerate([5, 9, 77, 3, 41, 8, 19]):
+        got, want = host(through.decode_one(token)), forward_pass_logits(forward, token)
+        assert np.abs(got - want).max() <= gemma4_tolerance(kernels) * np.abs(want).max(), (case, n)
+    assert through.layers._decoder.calls == 8  # every step one native call (the prompt's last chunk of one too)
+
+
+@pytest.mark.parametrize("case", GEMMA4)
+@pytest.mark.parametrize("backend", store_backend_params(("host", "stub")))
+def test_gemma4_batched_steps_through_the_slots_equal_the_forward_pass(backend, case, monkeypatch):
+    """Three sequences in each step, at their own positions, with every layer resident and with every layer the
+    plan streams copied through the decoder's slots (a reader of another's caches restores and writes back none:
+    its source stays resident); each sequence's logits those of the forward pass alone."""
+    from test_gemma4 import path_of, prompt
+    from pyplugin.model import load_model
+    from pyplugin.runtime.batch import decode_batch
+    from pyplugin.runtime.store_layers import StoreLayers
+
+    monkeypatch.setattr(StoreLayers, "slots_everywhere", True)
+    model = load_model(path_of(case), weights="quantized", progress=False)
+    options = Options(temperature=0, num_ctx=32, num_batch=4, kv_type="f32")
+    prompts = [prompt(), prompt(6)[::-1], [3, 1, 4, 1, 5, 9, 2, 6, 5]]
+    pebbled = PebbledModel(model, backend=backend)
+    tolerance = gemma4_tolerance(backend_named(backend).kernels)
+    try:
+        for strategy in ("none", "minimal"):
+            pebbling = PebblingOptions.from_options({"pebbling_strategy": strategy})
+            source = StoreLayers(pebbled, pebbled.plan(options, pebbling, n_seqs=3), options, pebbling)
+            assert bool(source.streamed) == (strategy == "minimal")
+            gens = [Generation(model, options, layers=source.sequence(s)) for s in range(3)]
+            alone = [Generation(model, options, layers=ResidentLayers(model, 32, backend_named(backend).kernels, "f32"))
+                     for _ in prompts]
+            for gen, ref, p in zip(gens, alone, prompts):
+                gen.start(p)
+                ref.start(p)
+            for n in range(6):
+                tokens = [(11 * n + 7 * b) % 200 + 1 for b in range(3)]
+                for b, (got, token) in enumerate(zip(decode_batch(source, gens, tokens), tokens)):
+                    want = forward_pass_logits(alone[b], token)
+                    assert np.abs(got - want).max() <= tolerance * np.abs(want).max(), (strategy, n, b)
+            assert source.decoder().stats()["tokens"] == 3 * 6 + 2  # and the 13- and 9-token prompts' last chunk
+            source.release()
+    finally:
+        pebbled.close()
+
+
+def test_gemma4_refusals_name_what_was_wrong(kernels):
+    """A layer reading another's caches that gives K weights or reads a later layer; V = K without V's norm; the
+    per-layer embedding's weights without the model's width: refused at creation, by name."""
+    from dataclasses import replace
+    from test_gemma4 import path_of
+    from pyplugin.model import KVCache, load_model
+    model = load_model(path_of("e2b"), weights="quantized", progress=False)
+    cfg = model.config
+    layers = model.resident_layers(kernels)
+    kv = KVCache.allocate(cfg, 16, kernels.xp)
+    caches = [[pair] for pair in zip(kv.k, kv.v)]
+    outer = model.outer_weights(kernels)
+    reader = cfg.n_layer - 1
+
+    def refused(match, cfg=cfg, layers=layers):
+        with pytest.raises(InvalidArgumentError, match=match):
+            kernels.decoder(cfg, layers, caches, outer, 16)
+
+    refused("computes no K or V", layers=[*layers[:reader], replace(layers[reader], wk=layers[cfg.kv_source(reader)].wk)])
+    refused("V is K's projection", cfg=replace(cfg, v_norm=False), layers=[replace(layers[0], wv=None), *layers[1:]])
+    refused("n_embd_per_layer above 0", cfg=replace(cfg, n_embd_per_layer=0))
+    kernels.decoder(cfg, layers, caches, outer, 16).close()  # and the kernels stay usable

@@ -139,13 +139,16 @@ def test_refused_by_name():
 
 @pytest.mark.parametrize("backend", store_backend_params(("host", "stub")))
 def test_the_decoder_refuses_what_it_does_not_compute(backend):
-    """The native step lacks Gemma 4's parts: it says so rather than computing another model (decode steps run
-    through the forward pass: gemma4.forward_decodes)."""
+    """The native step lacks the 26B-A4B's dense FFN beside its experts: it says so rather than computing another
+    model (its decode steps run through the forward pass: gemma4.forward_decodes)."""
     from pyplugin.errors import InvalidArgumentError
+    from pyplugin.model.gemma4 import forward_decodes
     from pyplugin.store import select_backend
-    model = load_model(path_of("31b"), progress=False)
+    model = load_model(path_of("26b-a4b"), progress=False)
+    assert forward_decodes(model.config)
+    assert not any(forward_decodes(load_model(path_of(case), progress=False).config) for case in ("e2b", "31b"))
     kernels = select_backend(backend).host_kernels
     kv = KVCache.allocate(model.config, 16, kernels.xp)
-    with pytest.raises(InvalidArgumentError, match="runs through the forward pass"):
+    with pytest.raises(InvalidArgumentError, match="beside its experts.*run through the forward pass"):
         kernels.decoder(model.config, model.resident_layers(kernels), [[kv_pair] for kv_pair in zip(kv.k, kv.v)],
                         model.outer_weights(kernels), 16)

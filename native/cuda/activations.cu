@@ -1,7 +1,8 @@
 // cuda/activations.cu: element-wise operations of the decode step: the gated feed-forward's activation,
 // out = silu(gate) * up (SwiGLU), out = gelu(gate) * up with GELU's tanh approximation (GeGLU) or gpt-oss's
 // clamped SwiGLU, from
-// float32 into the step's activations; and the logits' scale and soft-cap (c * tanh(l / c)). The host
+// float32 into the step's activations; and the logits' scale and soft-cap (c * tanh(l / c)); a row copied into the
+// activations as it is, and a layer's slice of the per-layer inputs gathered (Gemma 4). The host
 // library's gate is its CPU's SIMD loop among its threads (cpu/activations.cc).
 
 #include "cuda/common.cuh"
@@ -53,6 +54,17 @@ __global__ void logits_kernel(float * __restrict__ y, int64_t n, float scale, fl
     }
 }
 
+// out[i] = x[i] into the step's activations (rounded to fp16 on the GPU)
+__global__ void to_act_kernel(const float * __restrict__ x, int64_t n, act_t * __restrict__ out) {
+    for (int64_t i = grid_thread(); i < n; i += grid_threads()) put(out, i, x[i]);
+}
+
+// dst[r][j] = src[r * stride + j] for n_rows rows of width
+__global__ void gather_rows_kernel(const float * __restrict__ src, int64_t stride, int64_t n_rows, int64_t width,
+                                   float * __restrict__ dst) {
+    for (int64_t i = grid_thread(); i < n_rows * width; i += grid_threads()) dst[i] = src[i / width * stride + i % width];
+}
+
 } // namespace
 
 // ---------------------------------------------------------------------------------------------------
@@ -78,6 +90,17 @@ pebble_status gate_times_up(int32_t activation, const float * gate, const float 
     }
     return launched();
 #endif
+}
+
+pebble_status to_act(const float * x, int64_t n, act_t * out, [[maybe_unused]] cudaStream_t stream) {
+    LAUNCH(to_act_kernel, grid_for(n, threads), threads, stream, x, n, out);
+    return launched();
+}
+
+pebble_status gather_rows(const float * src, int64_t stride, int64_t n_rows, int64_t width, float * dst,
+                          [[maybe_unused]] cudaStream_t stream) {
+    LAUNCH(gather_rows_kernel, grid_for(n_rows * width, threads), threads, stream, src, stride, n_rows, width, dst);
+    return launched();
 }
 
 pebble_status scale_logits(float * logits, int64_t n, float scale, float cap, [[maybe_unused]] cudaStream_t stream) {

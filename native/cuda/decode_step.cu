@@ -28,7 +28,8 @@ const char * const weight_names[PEBBLE_LAYER_WEIGHTS] = {
     "attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down", "bq", "bk", "bv", "q_norm",
     "k_norm", "post_attn_norm", "post_ffn_norm", "ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps",
     "ffn_gate_inp_shexp", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp", "attn_sinks", "bo", "ffn_gate_inp_b",
-    "ffn_gate_exps_b", "ffn_up_exps_b", "ffn_down_exps_b"};
+    "ffn_gate_exps_b", "ffn_up_exps_b", "ffn_down_exps_b", "per_layer_inp_gate", "per_layer_proj", "per_layer_post_norm",
+    "out_scale", "ffn_gate_inp_s", "ffn_pre_norm_2", "ffn_post_norm_1", "ffn_post_norm_2", "ffn_down_exps_s"};
 
 } // namespace pebble_internal
 
@@ -58,26 +59,30 @@ pebble_status step_layer(pebble_decoder & d, int32_t i, int32_t n, const int32_t
     float * k_new = at_offset<float>(d.scratch, d.at.kv_new), * v_new = k_new + int64_t(n) * kv;
     float * parts = switches().split ? at_offset<float>(d.scratch, d.at.parts) : nullptr;
 
-    // attention
+    // attention; a layer reading another's caches (Gemma 4's kv_layer) computes q alone and writes no row
+    const bool reader = s.kv_layer >= 0;
+    const int64_t kv_written = reader ? 0 : kv, src = reader ? s.kv_layer : i;
     TRY(norm_rows(x, n, e, w.attn_norm, s.rms_eps, h16, stream));
     const matvec_part qkv[3] = {{w.wq.ggml_type, w.wq.data, q, fq}, {w.wk.ggml_type, w.wk.data, kv, fk},
                                 {w.wv.ggml_type, w.wv.data, kv, fv}};
-    TRY(matvec_parts(qkv, 3, e, h16, n, stream));
+    TRY(matvec_parts(qkv, reader ? 1 : w.wv.data ? 3 : 2, e, h16, n, stream));
+    if (s.v_norm && !reader) TRY(v_norm(w.wv.data ? fv : fk, fv, n * s.n_head_kv, s.head_dim, s.rms_eps, stream));
     if (w.q_norm.data) TRY(head_norm(fq, n * s.n_head, s.head_dim, w.q_norm, s.rms_eps, stream));
     if (w.k_norm.data) TRY(head_norm(fk, n * s.n_head_kv, s.head_dim, w.k_norm, s.rms_eps, stream));
     void * k_of[PEBBLE_DECODER_MAX_BATCH], * v_of[PEBBLE_DECODER_MAX_BATCH];
     const int64_t * dev_pos = at_offset<int64_t>(d.scratch, d.at.pos); // the step's positions, on the device
     for (int32_t b = 0; b < n; b++) {
-        k_of[b] = d.k[size_t(i) * n_seq + seqs[b]];
-        v_of[b] = d.v[size_t(i) * n_seq + seqs[b]];
+        k_of[b] = d.k[size_t(src) * n_seq + seqs[b]];
+        v_of[b] = d.v[size_t(src) * n_seq + seqs[b]];
     }
     auto qkv_of = [&](int64_t b) {
         return qkv_args{fq + b * q, fk + b * kv, fv + b * kv, w.bq, w.bk, w.bv, static_cast<int32_t>(q),
-                        static_cast<int32_t>(kv), s.head_dim, s.rope_dims, s.rope_neox, L.rope_cos,
+                        static_cast<int32_t>(kv_written), s.head_dim, s.rope_dims, s.rope_neox, L.rope_cos,
                         L.rope_sin, dev_pos + b, q_rot + b * q, k_new + b * kv, v_new + b * kv};
     };
     auto kv_row_of = [&](int64_t b) {
-        return kv_row_args{k_new + b * kv, v_new + b * kv, k_of[b], v_of[b], kv_type, kv, dev_pos + b, L.kv_rows, s.ring};
+        return kv_row_args{k_new + b * kv, v_new + b * kv, k_of[b], v_of[b], kv_type, kv_written, dev_pos + b,
+                           L.kv_rows, s.ring};
     };
     qkv_args qkv_at[PEBBLE_DECODER_MAX_BATCH];
     kv_row_args kv_row_at[PEBBLE_DECODER_MAX_BATCH];
@@ -129,7 +134,20 @@ pebble_status step_layer(pebble_decoder & d, int32_t i, int32_t n, const int32_t
         TRY(gate_times_up(s.activation, gate, up, ff, h16, stream));
         TRY(matvec_many(w.w_down.ggml_type, w.w_down.data, e, s.n_ff, h16, n, o, stream));
     }
-    return residual(x, o, n, e, w.post_ffn_norm, s, stream);
+    TRY(residual(x, o, n, e, w.post_ffn_norm, s, stream));
+    if (w.per_layer_inp_gate.data) { // Gemma 4's per-layer embedding: its inputs follow the hidden states in x
+        const int64_t pl = d.model.n_embd_per_layer;
+        TRY(to_act(x, n * e, h16, stream));
+        TRY(matvec_many(w.per_layer_inp_gate.ggml_type, w.per_layer_inp_gate.data, pl, e, h16, n, gate, stream));
+        TRY(gather_rows(x + int64_t(n) * e + int64_t(i) * pl, int64_t(d.model.n_layer) * pl, n, pl, up, stream));
+        TRY(gate_times_up(1, gate, up, int64_t(n) * pl, h16, stream));
+        TRY(matvec_many(w.per_layer_proj.ggml_type, w.per_layer_proj.data, e, pl, h16, n, o, stream));
+        pebble_layer_shape unscaled = s; // its norm's add is not a block's residual: never scaled
+        unscaled.residual_scale = 1.0f;
+        TRY(residual(x, o, n, e, w.per_layer_post_norm, unscaled, stream));
+    }
+    if (w.out_scale.data) TRY(scale_by(x, int64_t(n) * e, w.out_scale, stream));
+    return PEBBLE_OK;
 }
 
 // The fields of pebble_layer_weights in their order (pebble_step_layer.weight_ids).
@@ -143,10 +161,16 @@ pebble_tensor_ref pebble_layer_weights::* const weight_fields[PEBBLE_LAYER_WEIGH
     &pebble_layer_weights::ffn_up_exps, &pebble_layer_weights::ffn_down_exps, &pebble_layer_weights::ffn_gate_inp_shexp,
     &pebble_layer_weights::ffn_gate_shexp, &pebble_layer_weights::ffn_up_shexp, &pebble_layer_weights::ffn_down_shexp,
     &pebble_layer_weights::attn_sinks, &pebble_layer_weights::bo, &pebble_layer_weights::ffn_gate_inp_b,
-    &pebble_layer_weights::ffn_gate_exps_b, &pebble_layer_weights::ffn_up_exps_b, &pebble_layer_weights::ffn_down_exps_b};
+    &pebble_layer_weights::ffn_gate_exps_b, &pebble_layer_weights::ffn_up_exps_b, &pebble_layer_weights::ffn_down_exps_b,
+    &pebble_layer_weights::per_layer_inp_gate, &pebble_layer_weights::per_layer_proj,
+    &pebble_layer_weights::per_layer_post_norm, &pebble_layer_weights::out_scale, &pebble_layer_weights::ffn_gate_inp_s,
+    &pebble_layer_weights::ffn_pre_norm_2, &pebble_layer_weights::ffn_post_norm_1, &pebble_layer_weights::ffn_post_norm_2,
+    &pebble_layer_weights::ffn_down_exps_s};
 
+// The bytes of one of layer i's caches (0 for a layer reading another's: it keeps none).
 uint64_t kv_cache_bytes(const pebble_decoder & d, int32_t i) {
     const pebble_step_layer & L = d.layers[size_t(i)];
+    if (L.shape.kv_layer >= 0) return 0;
     return uint64_t(L.kv_rows) * uint64_t(kv_bytes(d.model.kv_type, int64_t(L.shape.n_head_kv) * L.shape.head_dim));
 }
 
@@ -182,7 +206,7 @@ pebble_status restore_streamed(pebble_decoder & d, int32_t n, int32_t n_tok, con
         }
     }
     const uint64_t row_bytes = kv_cache_bytes(d, i) / uint64_t(L.kv_rows);
-    for (int32_t b = 0; b < n_tok; b++) {
+    for (int32_t b = 0; b < n_tok && row_bytes; b++) { // a reader of another's caches has none to restore
         const uint64_t held = uint64_t(std::min(pos[b], L.kv_rows)); // a ring holds its window at most
         for (int kv = 0; kv < 2 && held; kv++) {
             void * cache = (kv ? d.v : d.k)[size_t(i) * d.model.n_seq + seqs[b]];
@@ -219,7 +243,7 @@ pebble_status after_streamed(pebble_decoder & d, int32_t n, int32_t n_tok, const
     }
 #endif
     const uint64_t row_bytes = kv_cache_bytes(d, i) / uint64_t(L.kv_rows);
-    for (int32_t b = 0; b < n_tok; b++) {
+    for (int32_t b = 0; b < n_tok && row_bytes; b++) { // nor to write back
         const uint64_t row = uint64_t(L.shape.ring ? pos[b] % L.kv_rows : pos[b]);
         for (int kv = 0; kv < 2; kv++) {
             const uint8_t * cache = static_cast<const uint8_t *>((kv ? d.v : d.k)[size_t(i) * d.model.n_seq + seqs[b]]);
@@ -292,10 +316,13 @@ pebble_status describe_streamed(pebble_decoder & d, const char * fn, int32_t i) 
     const pebble_layer_shape & s = L.shape;
     const int64_t e = s.n_embd, q = int64_t(s.n_head) * s.head_dim, kv = int64_t(s.n_head_kv) * s.head_dim;
     const int64_t E = s.n_expert, fx = s.n_ff_exp, sh = s.n_ff_shexp;
+    const int64_t pl = m.n_embd_per_layer;
     const int64_t rows[PEBBLE_LAYER_WEIGHTS] = {1, q, kv, kv, e, 1, s.n_ff, s.n_ff, e, 1, 1, 1, 1, 1, 1, 1,
-                                                E, E * fx, E * fx, E * e, 1, sh, sh, e, 1, 1, 1, 1, 1, 1};
+                                                E, E * fx, E * fx, E * e, 1, sh, sh, e, 1, 1, 1, 1, 1, 1,
+                                                pl, e, 1, 1, 1, 1, 1, 1, 1};
     const int64_t cols[PEBBLE_LAYER_WEIGHTS] = {e, e, e, e, q, e, e, e, s.n_ff, q, kv, kv, s.head_dim, s.head_dim, e, e,
-                                                e, e, e, fx, e, e, e, sh, s.n_head, e, E, E * fx, E * fx, E * e};
+                                                e, e, e, fx, e, e, e, sh, s.n_head, e, E, E * fx, E * fx, E * e,
+                                                e, pl, e, 1, e, e, e, e, E};
     for (int f = 0; f < PEBBLE_LAYER_WEIGHTS; f++) {
         pebble_tensor_ref & ref = L.weights.*weight_fields[f];
         ref.data = nullptr;
@@ -317,7 +344,7 @@ pebble_status describe_streamed(pebble_decoder & d, const char * fn, int32_t i) 
         d.weight_bytes[size_t(i)][size_t(f)] = info.nbytes;
         ref.data = &d; // a stand-in until the slot is placed: never read
     }
-    for (int32_t seq = 0; seq < m.n_seq; seq++) {
+    for (int32_t seq = 0; seq < m.n_seq && s.kv_layer < 0; seq++) { // a reader of another's caches has no entries
         for (int kv_i = 0; kv_i < 2; kv_i++) {
             struct pebble_entry_info info{};
             const int32_t id = m.kv_ids[2 * seq + kv_i];
@@ -344,7 +371,7 @@ pebble_status place_streamed(pebble_decoder & d, const char * fn) {
             offsets[n].push_back(at);
             at += aligned(d.weight_bytes[size_t(i)][size_t(f)]);
         }
-        for (int32_t seq = 0; seq < 2 * n_seq; seq++) {
+        for (int32_t seq = 0; seq < 2 * n_seq; seq++) { // (none for a reader of another's caches)
             offsets[n].push_back(at);
             at += aligned(kv_cache_bytes(d, i));
         }
@@ -374,7 +401,7 @@ pebble_status place_streamed(pebble_decoder & d, const char * fn) {
             pebble_tensor_ref & ref = L.weights.*weight_fields[f];
             if (ref.data) ref.data = base + offsets[n][size_t(f)];
         }
-        for (int32_t seq = 0; seq < n_seq; seq++) {
+        for (int32_t seq = 0; seq < n_seq && L.shape.kv_layer < 0; seq++) {
             d.k[size_t(i) * n_seq + seq] = base + offsets[n][PEBBLE_LAYER_WEIGHTS + 2 * seq];
             d.v[size_t(i) * n_seq + seq] = base + offsets[n][PEBBLE_LAYER_WEIGHTS + 2 * seq + 1];
         }

@@ -88,6 +88,10 @@ pebble_status check_shape(const pebble_layer_shape * s, int64_t n_ctx) {
                     "residual_scale %g finite", static_cast<double>(s->attn_softcap),
                     static_cast<double>(s->residual_scale));
     }
+    if ((s->v_norm != 0 && s->v_norm != 1) || s->kv_layer < -1) {
+        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "v_norm is %d and kv_layer %d; v_norm 0 or 1, kv_layer -1 (caches of "
+                    "its own) or an earlier layer's index are accepted", s->v_norm, s->kv_layer);
+    }
     if (n_ctx > INT64_MAX / 4 / s->n_head) {
         return fail(PEBBLE_ERR_SIZE_MISMATCH, "n_ctx %" PRId64 " is too large", n_ctx);
     }
@@ -125,8 +129,46 @@ pebble_status check_weight(const char * what, const pebble_tensor_ref & t, int64
     return check_matrix("weight", what, t.ggml_type, rows, cols);
 }
 
+// Gemma 4's parts of layer i: a reader of another's caches gives no K or V weights; V = K only with V's norm;
+// the per-layer embedding's three weights together, of the model's width, and the output scale a vector of 1.
+pebble_status check_gemma4(const char * where, const pebble_layer_shape & s, const pebble_layer_weights & w,
+                           int32_t n_pl) {
+    const bool reader = s.kv_layer >= 0;
+    if (reader && (w.wk.data || w.wv.data || w.bk.data || w.bv.data || w.k_norm.data)) {
+        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: the layer reads layer %d's caches (kv_layer), so it computes no "
+                    "K or V: wk, wv, bk, bv and k_norm must be NULL", where, s.kv_layer);
+    }
+    if (!reader && !w.wv.data && (!s.v_norm || w.bv.data)) {
+        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: wv must not be NULL; V is K's projection (wv NULL) only where V "
+                    "is normed (v_norm 1) and has no bias", where);
+    }
+    const int given = !!w.per_layer_inp_gate.data + !!w.per_layer_proj.data + !!w.per_layer_post_norm.data;
+    if ((given != 0 && given != 3) || (given && n_pl < 1)) {
+        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: per_layer_inp_gate, per_layer_proj and per_layer_post_norm go "
+                    "together (%d of 3 given), with the model's n_embd_per_layer above 0 (it is %d)", where, given, n_pl);
+    }
+    pebble_status st = PEBBLE_OK;
+    if (given && ((st = check_weight("per_layer_inp_gate", w.per_layer_inp_gate, n_pl, s.n_embd)) != PEBBLE_OK ||
+                  (st = check_weight("per_layer_proj", w.per_layer_proj, s.n_embd, n_pl)) != PEBBLE_OK ||
+                  (st = check_vector("per_layer_post_norm", w.per_layer_post_norm, false)) != PEBBLE_OK)) {
+        return with_place(st, where);
+    }
+    if ((st = check_vector("out_scale", w.out_scale, true)) != PEBBLE_OK) return with_place(st, where);
+    const struct { const char * name; const pebble_tensor_ref & t; } moe_only[] = {
+        {"ffn_gate_inp_s", w.ffn_gate_inp_s}, {"ffn_pre_norm_2", w.ffn_pre_norm_2},
+        {"ffn_post_norm_1", w.ffn_post_norm_1}, {"ffn_post_norm_2", w.ffn_post_norm_2},
+        {"ffn_down_exps_s", w.ffn_down_exps_s}};
+    for (const auto & v : moe_only) {
+        if (v.t.data) {
+            return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: %s is given, but Gemma 4's layer of experts beside a dense FFN "
+                        "is not computed by the decode step (its steps run through the forward pass)", where, v.name);
+        }
+    }
+    return PEBBLE_OK;
+}
+
 pebble_status check_layer(const char * fn, int32_t i, const pebble_layer_shape & s, const pebble_layer_weights & w,
-                          int64_t kv_rows, bool experts_stored) {
+                          int64_t kv_rows, bool experts_stored, int32_t n_pl) {
     // Which layer failed is added to the message of the layer's own checks here.
     char where[64];
     snprintf(where, sizeof where, "%s: layer %d", fn, i);
@@ -142,13 +184,15 @@ pebble_status check_layer(const char * fn, int32_t i, const pebble_layer_shape &
             return with_place(st, where);
         }
     }
+    if ((st = check_gemma4(where, s, w, n_pl)) != PEBBLE_OK) return st;
     if ((w.q_norm.data || w.k_norm.data) && (w.bq.data || w.bk.data)) {
         return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: Q/K norms together with Q/K biases are not supported", where);
     }
     const int64_t E = s.n_expert, ff = s.n_expert ? s.n_ff_exp : s.n_ff, sh = s.n_ff_shexp;
     const bool moe = E > 0, shared = moe && sh > 0;
     const struct { const char * name; const pebble_tensor_ref & t; int64_t rows, cols; bool wanted; } matrices[] = {
-        {"wq", w.wq, q, e, true}, {"wk", w.wk, kv, e, true}, {"wv", w.wv, kv, e, true}, {"wo", w.wo, e, q, true},
+        {"wq", w.wq, q, e, true}, {"wk", w.wk, kv, e, s.kv_layer < 0}, {"wv", w.wv, kv, e, s.kv_layer < 0 && !!w.wv.data},
+        {"wo", w.wo, e, q, true},
         {"w_gate", w.w_gate, ff, e, !moe}, {"w_up", w.w_up, ff, e, !moe}, {"w_down", w.w_down, e, ff, !moe},
         {"ffn_gate_inp", w.ffn_gate_inp, E, e, moe}, {"ffn_gate_exps", w.ffn_gate_exps, E * ff, e, moe},
         {"ffn_up_exps", w.ffn_up_exps, E * ff, e, moe}, {"ffn_down_exps", w.ffn_down_exps, E * e, ff, moe},
@@ -261,6 +305,10 @@ extern "C" pebble_status pebble_decoder_create(const pebble_step_model * model, 
         return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: kv_type %d (%s); the caches must be 0 F32, 1 F16, 8 Q8_0 or 2 Q4_0",
                     fn, m.kv_type, ggml_type_name(m.kv_type));
     }
+    if (m.n_embd_per_layer < 0 || int64_t(m.n_embd_per_layer) * m.n_layer > (int64_t(1) << 40)) {
+        return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: n_embd_per_layer %d must be 0 (none) or more, and n_layer times "
+                    "it addressable", fn, m.n_embd_per_layer);
+    }
     if (!std::isfinite(m.logit_scale) || !(m.final_softcap >= 0.0f) || !std::isfinite(m.final_softcap)) {
         return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: logit_scale %g must be finite, final_softcap %g finite and at "
                     "least 0", fn, static_cast<double>(m.logit_scale), static_cast<double>(m.final_softcap));
@@ -281,7 +329,17 @@ extern "C" pebble_status pebble_decoder_create(const pebble_step_model * model, 
     }
     for (int32_t i = 0; i < m.n_layer; i++) {
         const pebble_step_layer & L = d->layers[size_t(i)];
-        TRY(check_layer(fn, i, L.shape, L.weights, L.kv_rows, L.experts_stored != 0));
+        TRY(check_layer(fn, i, L.shape, L.weights, L.kv_rows, L.experts_stored != 0, m.n_embd_per_layer));
+        const int32_t src = L.shape.kv_layer;
+        if (src >= 0) { // Gemma 4: attends over an earlier layer's caches, which that layer keeps resident
+            const pebble_step_layer * S = src < i ? &d->layers[size_t(src)] : nullptr;
+            if (!S || S->shape.kv_layer >= 0 || S->streamed || S->shape.n_head_kv != L.shape.n_head_kv ||
+                S->shape.head_dim != L.shape.head_dim || S->shape.ring != L.shape.ring || S->kv_rows != L.kv_rows) {
+                return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: layer %d reads layer %d's caches (kv_layer): that must be "
+                            "an earlier layer with caches of its own, not streamed, of the same n_head_kv, head_dim, "
+                            "ring and kv_rows", fn, i, src);
+            }
+        }
         if (L.shape.n_embd != m.n_embd) {
             return fail(PEBBLE_ERR_SIZE_MISMATCH, "%s: layer %d is %d wide; the model is %d", fn, i, L.shape.n_embd,
                         m.n_embd);
@@ -304,24 +362,25 @@ extern "C" pebble_status pebble_decoder_create(const pebble_step_model * model, 
             return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: layer %d: attn_scale %g must be finite", fn, i,
                         static_cast<double>(L.attn_scale));
         }
-        for (int32_t s = 0; s < m.n_seq && !L.streamed; s++) {
+        for (int32_t s = 0; s < m.n_seq && !L.streamed && L.shape.kv_layer < 0; s++) { // a reader's are not read
             if (!d->k[size_t(i) * m.n_seq + s] || !d->v[size_t(i) * m.n_seq + s]) {
                 return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: layer %d: sequence %d has a NULL cache", fn, i, s);
             }
         }
         const int64_t q = int64_t(L.shape.n_head) * L.shape.head_dim, kv = int64_t(L.shape.n_head_kv) * L.shape.head_dim;
-        d->widest = std::max<int64_t>({d->widest, L.shape.n_embd, q, L.shape.n_ff});
+        d->widest = std::max<int64_t>({d->widest, L.shape.n_embd, q, L.shape.n_ff, m.n_embd_per_layer});
         d->max_q = std::max(d->max_q, q);
         d->max_kv = std::max(d->max_kv, kv);
         d->max_ff = std::max<int64_t>({d->max_ff, L.shape.n_ff, L.shape.n_expert ? L.shape.n_ff_exp : 0,
-                                       L.shape.n_expert ? L.shape.n_ff_shexp : 0});
+                                       L.shape.n_expert ? L.shape.n_ff_shexp : 0, m.n_embd_per_layer});
         d->max_expert = std::max<int64_t>(d->max_expert, L.shape.n_expert);
         d->max_heads = std::max<int64_t>(d->max_heads, L.shape.n_head);
         d->max_rows = std::max(d->max_rows, L.kv_rows);
     }
 #ifndef PEBBLE_HOST_BUILD
     for (size_t c = 0; c < n_caches; c++) {
-        if (d->layers[c / size_t(m.n_seq)].streamed) continue; // a slot's, placed below
+        const pebble_step_layer & L = d->layers[c / size_t(m.n_seq)];
+        if (L.streamed || L.shape.kv_layer >= 0) continue; // a slot's, placed below; or not read (its source's)
         TRY(check_device_pointer(d->k[c], "a K cache", fn));
         TRY(check_device_pointer(d->v[c], "a V cache", fn));
     }
@@ -354,7 +413,8 @@ extern "C" pebble_status pebble_decoder_create(const pebble_step_model * model, 
         d->router_order.assign(size_t(d->max_expert), 0);
     }
 #ifndef PEBBLE_HOST_BUILD
-    l.x = take(4 * B * uint64_t(m.n_embd));       // x and the logits in and out of fixed addresses (a graph's)
+    // x (with the per-layer inputs after it) and the logits in and out of fixed addresses (a graph's)
+    l.x = take(4 * B * (uint64_t(m.n_embd) + uint64_t(m.n_layer) * uint64_t(m.n_embd_per_layer)));
     l.logits = take(4 * B * uint64_t(m.n_vocab));
 #endif
     l.bytes = at;

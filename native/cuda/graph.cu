@@ -133,11 +133,13 @@ pebble_status run_on_device(pebble_decoder & d, step_mode mode, int slot, const 
                             float * x, float * logits, cudaStream_t caller) {
     const int32_t n = key.n;
     const size_t x_bytes = sizeof(float) * size_t(n) * size_t(d.model.n_embd);
+    // the per-layer inputs after x go in (Gemma 4's), never out
+    const size_t in_bytes = x_bytes + sizeof(float) * size_t(n) * size_t(d.model.n_layer) * size_t(d.model.n_embd_per_layer);
     CUDA_TRY(cudaEventSynchronize(d.done), "waiting for the previous step"); // its graph may still read pos_host
     std::memcpy(d.pos_host, pos, sizeof(int64_t) * size_t(n));
     CUDA_TRY(cudaEventRecord(d.ready, caller), "ordering the step after its stream");
     CUDA_TRY(cudaStreamWaitEvent(d.own, d.ready, 0), "ordering the step after its stream");
-    CUDA_TRY(cudaMemcpyAsync(at_offset<float>(d.scratch, d.at.x), x, x_bytes, cudaMemcpyDefault, d.own),
+    CUDA_TRY(cudaMemcpyAsync(at_offset<float>(d.scratch, d.at.x), x, in_bytes, cudaMemcpyDefault, d.own),
              "copying x in");
     const pebble_status st = enqueue_or_capture(d, mode, slot, key, pos);
     if (st == PEBBLE_OK) {

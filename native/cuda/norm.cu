@@ -1,6 +1,7 @@
 // cuda/norm.cu: RMS norms of float32 rows, weights F32 or F16: of the hidden state into the decode step's
 // activations (out = x / rms(x) * w, a thread block a row on the GPU), of each head of q and k in place
-// (Q/K norms, a warp a head), and the residual adds they meet: x += o * scale, o normed first where the
+// (Q/K norms, a warp a head) and of V without a weight (Gemma 4), a scale read from a weight (Gemma 4's layer
+// output scale), and the residual adds they meet: x += o * scale, o normed first where the
 // layer has a post-norm (the Gemmas'), and the add fused with the norm that follows it. The kernels are
 // written once (pebble_device.h): in the host build a kernel is a plain function run as one thread, which
 // walks each row in order.
@@ -27,6 +28,27 @@ __global__ void head_norm_kernel(float * __restrict__ y, int32_t n_heads, int32_
         warp_sync();
         for (int64_t i = warp_lane(); i < head_dim; i += warp_lanes) yh[i] = yh[i] * scale * load_value(w, w_type, i);
     }
+}
+
+// One warp per head of src [n_heads][head_dim]: dst = src / sqrt(mean(src^2) + eps), no weight (Gemma 4's V;
+// src may be dst, or K's projection where V is K).
+__global__ void v_norm_kernel(const float * src, float * dst, int32_t n_heads, int32_t head_dim, float eps) {
+    for (int64_t h = grid_warp(); h < n_heads; h += grid_warps()) {
+        const float * sh = src + h * head_dim;
+        float * dh = dst + h * head_dim;
+        float sum = 0.0f;
+        for (int64_t i = warp_lane(); i < head_dim; i += warp_lanes) sum += sh[i] * sh[i];
+        sum = warp_sum(sum);
+        const float scale = 1.0f / sqrtf(sum / static_cast<float>(head_dim) + eps);
+        warp_sync();
+        for (int64_t i = warp_lane(); i < head_dim; i += warp_lanes) dh[i] = sh[i] * scale;
+    }
+}
+
+// x[i] *= w[0] for n elements (Gemma 4's layer output scale, read where the kernel runs so a graph replays).
+__global__ void scale_by_kernel(float * __restrict__ x, int64_t n, const void * w, int32_t w_type) {
+    const float c = load_value(w, w_type, 0);
+    for (int64_t i = grid_thread(); i < n; i += grid_threads()) x[i] = x[i] * c;
 }
 
 // The norms over a row of the hidden state run a thread block a row on the GPU (a decode step has one to
@@ -191,6 +213,18 @@ pebble_status head_norm(float * y, int32_t n_heads, int32_t head_dim, const pebb
                         [[maybe_unused]] cudaStream_t stream) {
     LAUNCH(head_norm_kernel, grid_for(n_heads, heads_per_block), dim3(warp_lanes, heads_per_block), stream, y, n_heads,
            head_dim, w.data, w.ggml_type, eps);
+    return launched();
+}
+
+pebble_status v_norm(const float * src, float * dst, int32_t n_heads, int32_t head_dim, float eps,
+                     [[maybe_unused]] cudaStream_t stream) {
+    LAUNCH(v_norm_kernel, grid_for(n_heads, heads_per_block), dim3(warp_lanes, heads_per_block), stream, src, dst,
+           n_heads, head_dim, eps);
+    return launched();
+}
+
+pebble_status scale_by(float * x, int64_t n, const pebble_tensor_ref & w, [[maybe_unused]] cudaStream_t stream) {
+    LAUNCH(scale_by_kernel, grid_for(n, threads), threads, stream, x, n, w.data, w.ggml_type);
     return launched();
 }
 

@@ -49,6 +49,10 @@ pebble_status residual(float * x, const float * o, int64_t n_rows, int64_t e, co
 // y [n_heads][head_dim], in place: each head y / sqrt(mean(y^2) + eps) * w (Q/K norms).
 pebble_status head_norm(float * y, int32_t n_heads, int32_t head_dim, const pebble_tensor_ref & w, float eps,
                         cudaStream_t stream);
+// dst [n_heads][head_dim] = each head of src / sqrt(mean(src^2) + eps), no weight (Gemma 4's V; src may be dst).
+pebble_status v_norm(const float * src, float * dst, int32_t n_heads, int32_t head_dim, float eps, cudaStream_t stream);
+// x *= w[0] for n elements (w a one-element F32 or F16 vector: Gemma 4's layer output scale).
+pebble_status scale_by(float * x, int64_t n, const pebble_tensor_ref & w, cudaStream_t stream);
 // x += y * scale for n elements.
 pebble_status add_scaled(float * x, const float * y, int64_t n, float scale, cudaStream_t stream);
 // y[r][i] += b[offset + i] for n_rows rows of `width` (a bias; b F32 or F16; gpt-oss's output, router and
@@ -131,6 +135,11 @@ template <typename F> pebble_status attention_in_groups(int32_t n, F && args, cu
 // approximation, 2 gpt-oss's clamped SwiGLU).
 pebble_status gate_times_up(int32_t activation, const float * gate, const float * up, int64_t n, act_t * out,
                             cudaStream_t stream);
+// out[i] = x[i] for n elements into the step's activations (fp16 on the GPU): a matrix's input without a norm.
+pebble_status to_act(const float * x, int64_t n, act_t * out, cudaStream_t stream);
+// dst[r][j] = src[r * stride + j] for n_rows rows of `width` (a layer's slice of each token's per-layer inputs).
+pebble_status gather_rows(const float * src, int64_t stride, int64_t n_rows, int64_t width, float * dst,
+                          cudaStream_t stream);
 // logits *= scale, then c * tanh(l / c) where cap > 0, for n logits.
 pebble_status scale_logits(float * logits, int64_t n, float scale, float cap, cudaStream_t stream);
 

@@ -222,6 +222,12 @@ def layer_forward(cfg: ModelConfig, x: Array, lw: LayerWeights, k_cache: Array, 
     per-layer embedding (`per_layer`: this layer's inputs [T, n_embd_per_layer], gemma4.per_layer_inputs) and
     output scale. `shared`: one dict for a whole pass through the layers where layers share caches (Gemma 4)."""
     x = ffn_block(cfg, attention_block(cfg, x, lw, k_cache, v_cache, pos, rope, attend, shared), lw, experts)
+    return layer_tail(cfg, x, lw, per_layer)
+
+
+def layer_tail(cfg: ModelConfig, x: Array, lw: LayerWeights, per_layer: Array | None) -> Array:
+    """What follows the FFN's residual in a Gemma 4 layer, where its weights have them: the per-layer embedding
+    (`per_layer`: this layer's inputs [T, n_embd_per_layer]) and the output scale; x itself elsewhere."""
     if lw.per_layer_inp_gate is not None:
         gated = gelu_tanh(linear(x, lw.per_layer_inp_gate)) * per_layer                # [T, n_embd_per_layer]
         x = x + rms_norm(linear(gated, lw.per_layer_proj), lw.per_layer_post_norm, cfg.rms_eps)

@@ -48,9 +48,10 @@ class LayerSource(Protocol):
     def done(self, i: int) -> None:
         """Layer i has computed (its new KV rows are written in the arrays `layer` gave)."""
 
-    def decode_step(self, positions: Sequence[int], x: Array) -> np.ndarray:
+    def decode_step(self, positions: Sequence[int], x: Array, per_layer: Array | None = None) -> np.ndarray:
         """One token of this source's sequence at each of `positions` (one) through every layer and the
-        output in one native call (x: float32 [1, n_embd], its embedding): float32 logits [1, n_vocab]."""
+        output in one native call (x: float32 [1, n_embd], its embedding; `per_layer`: Gemma 4's per-layer
+        inputs of it [1, n_layer, n_embd_per_layer]): float32 logits [1, n_vocab]."""
 
     def shift_context(self, n_keep: int, n_discard: int, n_past: int) -> None:
         """Every layer's caches of a context of n_past shifted (model.kv_shift.shift_caches)."""
@@ -90,11 +91,11 @@ class ResidentLayers:
         self.n_ctx = n_ctx
         self._decoder: Decoder | None = None
 
-    def decode_step(self, positions: Sequence[int], x: Array) -> np.ndarray:
+    def decode_step(self, positions: Sequence[int], x: Array, per_layer: Array | None = None) -> np.ndarray:
         if self._decoder is None:
             self._decoder = self.kernels.decoder(self.cfg, self.weights, [[kv] for kv in zip(self.kv.k, self.kv.v)],
                                                  self.outer, self.n_ctx)
-        return self._decoder.step([0], positions, x)
+        return self._decoder.step([0], positions, x, per_layer=per_layer)
 
     def begin(self, pos: int, n_tokens: int) -> None:
         pass
@@ -158,7 +159,8 @@ class Generation:
         if len(tokens) == 1 and not forward_decodes(self.cfg):
             # float32 from the table to the step (on the GPU one copy, not rounded through the compute type)
             x = self.xp.ascontiguousarray(embed(self.outer, tokens, self.xp, self.cfg.embd_scale, np.float32))
-            logits = self.layers.decode_step([self.pos], x)
+            per_layer = per_layer_inputs(self.cfg, self.outer, tokens, x)            # Gemma 4's, else None
+            logits = self.layers.decode_step([self.pos], x, per_layer)
             self.pos += 1
             return to_numpy(logits[0])
         x = self._through_layers(tokens)                                           # [T, n_embd]

@@ -308,7 +308,9 @@ class StoreLayers:
                 elif through_slots:  # the views give the types and shapes; the decoder places its own
                     slot_weights, slot_caches = self._slot_views(self.order[i] % len(self.slots), i, self.n_seqs)
                     weights.append(slot_weights)
-                    caches.append(slot_caches)
+                    # a Gemma 4 layer reading another's caches has none in the slot: its (resident) source's
+                    caches.append(slot_caches if self.kv_source(i) == i else
+                                  [self.caches(i, seq) for seq in range(self.n_seqs)])
                     streamed[i] = {t.name: t.tensor_id for t in self.pebbled.layouts[i]}
                 else:
                     weights.append(self._host_weights(i))
@@ -324,16 +326,16 @@ class StoreLayers:
                 expert_policy=self.pebbling.expert_policy, expert_prefetch=self.pebbling.expert_prefetch)
         return self._decoder
 
-    def decode_step(self, seqs: Sequence[int], positions: Sequence[int], x: Array):
-        """One token of each of `seqs` at `positions` through every layer and the output in one call: float32
-        logits [len(seqs), n_vocab]."""
+    def decode_step(self, seqs: Sequence[int], positions: Sequence[int], x: Array, per_layer: Array | None = None):
+        """One token of each of `seqs` at `positions` through every layer and the output in one call (`per_layer`:
+        Gemma 4's per-layer inputs of the tokens): float32 logits [len(seqs), n_vocab]."""
         decoder = self.decoder()
         self._slots_shared("native")
         self.pass_seqs = [(seq, pos, 1) for seq, pos in zip(seqs, positions)]
         stats = self.store.stats()
         self._pass_start = (stats.bytes_restored, stats.restores)
         before = decoder.stats()
-        logits = decoder.step(seqs, positions, x)
+        logits = decoder.step(seqs, positions, x, per_layer=per_layer)
         self._charge()
         experts.charge(self.costs, seqs, before, decoder.stats())
         return logits
@@ -384,8 +386,8 @@ class SequenceLayers:
     def done(self, i: int) -> None:
         self.shared.done(i)
 
-    def decode_step(self, positions: Sequence[int], x: Array):
-        return self.shared.decode_step([self.seq], positions, x)
+    def decode_step(self, positions: Sequence[int], x: Array, per_layer: Array | None = None):
+        return self.shared.decode_step([self.seq], positions, x, per_layer)
 
     def shift_context(self, n_keep: int, n_discard: int, n_past: int) -> None:
         shift_entries(self.shared, self.seq, n_keep, n_discard, n_past)

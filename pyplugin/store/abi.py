@@ -22,12 +22,14 @@ MATVEC_MAX_VEC = 8   # PEBBLE_MATVEC_MAX_VEC: the most vectors one matvec call t
 DECODER_MAX_BATCH = 64  # PEBBLE_DECODER_MAX_BATCH: the most sequences one decoder holds
 DECODER_GRAPHS = 8      # PEBBLE_DECODER_GRAPHS: the most CUDA graphs one decoder keeps
 DECODER_SPLIT_ROWS = 64  # PEBBLE_DECODER_SPLIT_ROWS: rows of V a decode step's attention sums a part
-LAYER_WEIGHTS = 30      # PEBBLE_LAYER_WEIGHTS: the fields of struct pebble_layer_weights
+LAYER_WEIGHTS = 39      # PEBBLE_LAYER_WEIGHTS: the fields of struct pebble_layer_weights
 # ... in their order (pebble_step_layer.weight_ids), named as pyplugin.model's LayerWeights fields
 DECODE_WEIGHTS = ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down", "bq", "bk", "bv",
                   "q_norm", "k_norm", "post_attn_norm", "post_ffn_norm", "ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps",
                   "ffn_down_exps", "ffn_gate_inp_shexp", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp", "attn_sinks",
-                  "bo", "ffn_gate_inp_b", "ffn_gate_exps_b", "ffn_up_exps_b", "ffn_down_exps_b")
+                  "bo", "ffn_gate_inp_b", "ffn_gate_exps_b", "ffn_up_exps_b", "ffn_down_exps_b", "per_layer_inp_gate",
+                  "per_layer_proj", "per_layer_post_norm", "out_scale", "ffn_gate_inp_s", "ffn_pre_norm_2",
+                  "ffn_post_norm_1", "ffn_post_norm_2", "ffn_down_exps_s")
 ACTIVATIONS = ("silu", "gelu", "swiglu_oai")  # pebble_layer_shape.activation's values, in order
 GATINGS = ("softmax", "softmax_chosen")        # ... and expert_gating's
 DEVICE_PAGE_BYTES = 2 << 20  # PEBBLE_DEVICE_PAGE_BYTES: the cuda device tier counts a copy of half or more in pages

@@ -28,12 +28,12 @@ class NativeDecoder:
             shape = layer.shape
             for name in ("n_embd", "n_head", "n_head_kv", "head_dim", "n_ff", "rope_dims", "rope_neox", "rms_eps",
                          "activation", "ring", "attn_softcap", "residual_scale", "n_expert", "n_expert_used",
-                         "n_ff_exp", "n_ff_shexp", "expert_norm", "expert_scale", "expert_gating"):
+                         "n_ff_exp", "n_ff_shexp", "expert_norm", "expert_scale", "expert_gating", "kv_layer", "v_norm"):
                 setattr(c.shape, name, getattr(shape, name))
             # Sizes follow from a shape the library takes; another it refuses by name, with its own message.
             valid = min(shape.n_embd, shape.n_head, shape.n_head_kv, shape.head_dim, shape.n_ff) >= 1 and \
                 shape.n_head % shape.n_head_kv == 0
-            sizes = decode_buffer_sizes(shape, kernels.type_block) if valid else {}
+            sizes = decode_buffer_sizes(shape, kernels.type_block, model.n_embd_per_layer) if valid else {}
             checked.append(valid)
             if layer.streamed is not None:  # types here; the entries' sizes are the library's to check
                 c.streamed = 1
@@ -72,8 +72,8 @@ class NativeDecoder:
             pointers = []
             for n, cache in enumerate(arrays):
                 i = n // model.n_seq
-                if layers[i].streamed is not None:  # in a slot of the decoder's
-                    pointers.append(ffi.NULL)
+                if layers[i].streamed is not None or layers[i].shape.kv_layer >= 0:  # in a slot of the decoder's, or
+                    pointers.append(ffi.NULL)                                   # its source's (Gemma 4): not read
                     continue
                 ptr, nbytes = self._pointer(cache, True, f"layer {i} {name}")
                 want = None if not checked[i] else \
@@ -83,7 +83,8 @@ class NativeDecoder:
                 pointers.append(ffi.cast("void *", ptr))
             caches.append(ffi.new("void *[]", pointers))
         c_model = ffi.new("struct pebble_step_model *")
-        for name in ("n_layer", "n_embd", "n_vocab", "n_seq", "kv_type", "rms_eps", "logit_scale", "final_softcap"):
+        for name in ("n_layer", "n_embd", "n_vocab", "n_seq", "kv_type", "rms_eps", "logit_scale", "final_softcap",
+                     "n_embd_per_layer"):
             setattr(c_model, name, getattr(model, name))
         c_model.graphs = 1 if model.graphs else 0
         c_model.expert_policy, c_model.expert_prefetch = model.expert_policy, int(model.expert_prefetch)
@@ -138,9 +139,10 @@ class NativeDecoder:
             raise SizeMismatchError(f"decoder step: {n} sequences but {len(positions)} positions")
         x_ptr, x_bytes = _pointer(x, self._backend, True, "x")
         model = self._keep[-1]
-        if 1 <= n <= model.n_seq and x_bytes != 4 * n * model.n_embd:  # another count: the library's refusal
+        width = model.n_embd + model.n_layer * model.n_embd_per_layer  # the per-layer inputs after x (Gemma 4's)
+        if 1 <= n <= model.n_seq and x_bytes != 4 * n * width:  # another count: the library's refusal
             raise SizeMismatchError(f"decoder step: x holds {x_bytes} bytes; {n} float32 rows of {model.n_embd} "
-                                    f"need {4 * n * model.n_embd}")
+                                    f"and their per-layer inputs need {4 * n * width}")
         out_ptr = ffi.NULL
         if logits is not None:
             out_ptr, out_bytes = _pointer(logits, self._backend, True, "logits")
@@ -167,7 +169,7 @@ class NativeDecoder:
 
 
 
-def decode_buffer_sizes(shape, type_block) -> dict:
+def decode_buffer_sizes(shape, type_block, n_embd_per_layer: int = 0) -> dict:
     """For each weight of a layer, a function of its GGUF type giving the bytes its buffer must hold."""
     q, kv = shape.n_head * shape.head_dim, shape.n_head_kv * shape.head_dim
     e, ff = shape.n_embd, shape.n_ff
@@ -193,4 +195,9 @@ def decode_buffer_sizes(shape, type_block) -> dict:
             "ffn_up_exps": matrix(E * fx, e), "ffn_down_exps": matrix(E * e, fx), "ffn_gate_inp_shexp": vector(e),
             "ffn_gate_shexp": matrix(sh, e), "ffn_up_shexp": matrix(sh, e), "ffn_down_shexp": matrix(e, sh),
             "attn_sinks": vector(shape.n_head), "bo": vector(e), "ffn_gate_inp_b": vector(E),
-            "ffn_gate_exps_b": vector(E * fx), "ffn_up_exps_b": vector(E * fx), "ffn_down_exps_b": vector(E * e)}
+            "ffn_gate_exps_b": vector(E * fx), "ffn_up_exps_b": vector(E * fx), "ffn_down_exps_b": vector(E * e),
+            **({"per_layer_inp_gate": matrix(n_embd_per_layer, e), "per_layer_proj": matrix(e, n_embd_per_layer)}
+               if n_embd_per_layer > 0 else {}),  # else the library refuses them, by name
+            "per_layer_post_norm": vector(e), "out_scale": vector(1), "ffn_gate_inp_s": vector(e),
+            "ffn_pre_norm_2": vector(e), "ffn_post_norm_1": vector(e), "ffn_post_norm_2": vector(e),
+            "ffn_down_exps_s": vector(E)}

@@ -11,7 +11,7 @@ from ..errors import ClosedError, InvalidArgumentError, SizeMismatchError
 from ..ggml_types import DENSE_TYPES
 from ..kv_types import KV_BY_GGML
 from ..model.transformer import (ROPE_NEOX, ROPE_NORMAL, LayerWeights, ModelConfig, OuterWeights, attention_block,
-                                 ffn_block, output_logits)
+                                 ffn_block, layer_tail, output_logits)
 from .abi import DECODER_MAX_BATCH
 from .decoder_scratch import scratch_bytes
 from .interface import host_buffer
@@ -51,7 +51,8 @@ class StubDecoder:
                                            f"of {model.n_seq} sequences; got {len(model.kv_ids)}")
         self.graphs = GraphPolicy(bool(model.graphs) and not any(layer.streamed is not None for layer in layers))
         self.stats_["scratch_bytes"] = scratch_bytes([layer.shape for layer in layers], [layer.kv_rows for layer in layers],
-                                                     model.n_seq, model.n_embd, model.n_vocab, on_device=False)
+                                                     model.n_seq, model.n_embd, model.n_vocab, on_device=False,
+                                                     n_embd_per_layer=model.n_embd_per_layer)
         for i, layer in enumerate(layers):
             where, s = f"{fn}: layer {i}", layer.shape
             kernels._check_shape(where, s, layer.kv_rows)
@@ -66,8 +67,9 @@ class StubDecoder:
             def build(w, where=where, s=s, e=e, q_rows=q_rows, kv_rows=kv_rows) -> LayerWeights:
                 vec = lambda *a, **k: kernels._vector(where, w, *a, **k)  # noqa: E731
                 mat = lambda *a: kernels._matrix(where, w, *a)  # noqa: E731
-                dense = not s.n_expert
+                dense, reader = not s.n_expert, s.kv_layer >= 0
                 mat_if = lambda wanted, name, *a: mat(name, *a) if _wanted(where, w, name, wanted) else None  # noqa: E731
+                gemma4 = _gemma4_weights(where, w, s, model.n_embd_per_layer, vec, mat)
                 E, fx, sh = s.n_expert, s.n_ff_exp, s.n_ff_shexp if s.n_expert else 0
                 merged = E and layer.experts is None  # else the experts are entries of the store
                 experts = dict(
@@ -78,8 +80,9 @@ class StubDecoder:
                     ffn_gate_shexp=mat_if(sh, "ffn_gate_shexp", sh, e), ffn_up_shexp=mat_if(sh, "ffn_up_shexp", sh, e),
                     ffn_down_shexp=mat_if(sh, "ffn_down_shexp", e, sh))
                 return LayerWeights(
-                    attn_norm=vec("attn_norm", e), wq=mat("wq", q_rows, e), wk=mat("wk", kv_rows, e),
-                    wv=mat("wv", kv_rows, e), wo=mat("wo", e, q_rows), ffn_norm=vec("ffn_norm", e),
+                    attn_norm=vec("attn_norm", e), wq=mat("wq", q_rows, e), wk=mat_if(not reader, "wk", kv_rows, e),
+                    wv=mat_if(not reader and _given(w, "wv"), "wv", kv_rows, e), wo=mat("wo", e, q_rows),
+                    ffn_norm=vec("ffn_norm", e), **gemma4,
                     w_gate=mat_if(dense, "w_gate", s.n_ff, e), w_up=mat_if(dense, "w_up", s.n_ff, e),
                     w_down=mat_if(dense, "w_down", e, s.n_ff), **experts,
                     bq=vec("bq", q_rows, optional=True), bk=vec("bk", kv_rows, optional=True),
@@ -100,7 +103,7 @@ class StubDecoder:
                                            f"which {kv.name.upper()} caches need")
             shape = kv.shape(layer.kv_rows, s.n_head_kv, s.head_dim)
             caches = []
-            for seq in range(model.n_seq):
+            for seq in range(model.n_seq if s.kv_layer < 0 else 0):
                 pair = []
                 if layer.streamed is not None:
                     for kind, tensor_id in zip("KV", model.kv_ids[seq]):
@@ -128,7 +131,10 @@ class StubDecoder:
                               attn_softcap=float(s.attn_softcap), residual_scale=float(s.residual_scale),
                               n_expert=s.n_expert, n_expert_used=s.n_expert_used, n_ff_exp=s.n_ff_exp,
                               n_ff_shexp=s.n_ff_shexp if s.n_expert else 0, expert_norm=bool(s.expert_norm),
-                              expert_scale=float(s.expert_scale), expert_gating=GATINGS[s.expert_gating])
+                              expert_scale=float(s.expert_scale), expert_gating=GATINGS[s.expert_gating],
+                              v_norm=bool(s.v_norm), kv_from=s.kv_layer)
+            if s.kv_layer >= 0:  # Gemma 4: attends over an earlier layer's caches (its own entries are not read)
+                caches = _source_caches(fn, i, layer, layers, self.layers)
             self.layers.append((cfg, lw, caches, (cos, sin), layer))
             if layer.experts is not None:
                 types = {name: layer.weights[name][0] for name in EXPERT_MATRICES if name in layer.weights}
@@ -157,10 +163,12 @@ class StubDecoder:
         if len(positions) != n:
             raise SizeMismatchError(f"decoder step: {n} sequences but {len(positions)} positions")
         xs = np.frombuffer(host_buffer(x, writable=True, what="decoder x"), np.float32)
-        if xs.size != n * model.n_embd:
+        pl = model.n_embd_per_layer
+        if xs.size != n * (model.n_embd + model.n_layer * pl):
             raise SizeMismatchError(f"decoder step: x holds {xs.nbytes} bytes; {n} float32 rows of {model.n_embd} "
-                                    f"need {4 * n * model.n_embd}")
-        xs = xs.reshape(n, model.n_embd)
+                                    f"and their per-layer inputs need {4 * n * (model.n_embd + model.n_layer * pl)}")
+        per_layer = xs[n * model.n_embd:].reshape(n, model.n_layer, pl)  # Gemma 4's, after the hidden states
+        xs = xs[:n * model.n_embd].reshape(n, model.n_embd)
         seen = set()
         for b, (seq, pos) in enumerate(zip(seqs, positions)):
             if not 0 <= seq < model.n_seq or seq in seen:
@@ -178,7 +186,7 @@ class StubDecoder:
                 store.restore(i, tensor_id, buffers[name])
             cfg, _, _, rope, layer = self.layers[i]
             self.layers[i] = (cfg, build(w), caches, rope, layer)
-            for seq, pos in zip(seqs, positions):
+            for seq, pos in zip(seqs, positions) if layer.shape.kv_layer < 0 else ():  # a reader has no entries
                 held = min(pos, rows)
                 for cache, tensor_id in zip(caches[seq], model.kv_ids[seq]):
                     if held:
@@ -195,9 +203,11 @@ class StubDecoder:
             else:
                 for b in range(n):
                     xs[b] = ffn_block(cfg, xs[b:b + 1], lw)[0]
+            for b in range(n):  # Gemma 4's per-layer embedding and output scale, where the layer has them
+                xs[b] = layer_tail(cfg, xs[b:b + 1], lw, per_layer[b:b + 1, i] if pl else None)[0]
         for i, (_, _, caches, _, _) in self.streamed.items():  # each new row back into its entry
             layer = self.layers[i][4]
-            for seq, pos in zip(seqs, positions):
+            for seq, pos in zip(seqs, positions) if layer.shape.kv_layer < 0 else ():
                 row = pos % layer.kv_rows if layer.shape.ring else pos
                 for cache, tensor_id in zip(caches[seq], model.kv_ids[seq]):
                     store.write(i, tensor_id, row * cache[0].nbytes, cache[row:row + 1])
@@ -239,6 +249,46 @@ def _gpt_oss_weights(where: str, w: dict, s, vec) -> dict:
                 ffn_gate_exps_b=vec("ffn_gate_exps_b", E * fx, optional=True),
                 ffn_up_exps_b=vec("ffn_up_exps_b", E * fx, optional=True),
                 ffn_down_exps_b=vec("ffn_down_exps_b", E * e, optional=True))
+
+
+def _gemma4_weights(where: str, w: dict, s, n_pl: int, vec, mat) -> dict:
+    """Gemma 4's per-layer embedding and output scale, refused as native/cuda/decoder.cu refuses them: a reader of
+    another's caches giving K or V weights, V = K without V's norm, the per-layer weights not all three or without
+    the model's width, or the parts of its layer of experts beside a dense FFN (not computed by the step)."""
+    if s.kv_layer >= 0 and any(_given(w, name) for name in ("wk", "wv", "bk", "bv", "k_norm")):
+        raise InvalidArgumentError(f"{where}: the layer reads layer {s.kv_layer}'s caches (kv_layer), so it computes no "
+                                   "K or V: wk, wv, bk, bv and k_norm must be NULL")
+    if s.kv_layer < 0 and not _given(w, "wv") and (not s.v_norm or _given(w, "bv")):
+        raise InvalidArgumentError(f"{where}: wv must not be NULL; V is K's projection (wv NULL) only where V is normed "
+                                   "(v_norm 1) and has no bias")
+    given = sum(_given(w, name) for name in ("per_layer_inp_gate", "per_layer_proj", "per_layer_post_norm"))
+    if given not in (0, 3) or (given and n_pl < 1):
+        raise InvalidArgumentError(f"{where}: per_layer_inp_gate, per_layer_proj and per_layer_post_norm go together "
+                                   f"({given} of 3 given), with the model's n_embd_per_layer above 0 (it is {n_pl})")
+    for name in ("ffn_gate_inp_s", "ffn_pre_norm_2", "ffn_post_norm_1", "ffn_post_norm_2", "ffn_down_exps_s"):
+        if _given(w, name):
+            raise InvalidArgumentError(f"{where}: {name} is given, but Gemma 4's layer of experts beside a dense FFN is "
+                                       "not computed by the decode step (its steps run through the forward pass)")
+    e = s.n_embd
+    out = dict(out_scale=vec("out_scale", 1, optional=True))
+    if given:
+        out.update(per_layer_inp_gate=mat("per_layer_inp_gate", n_pl, e), per_layer_proj=mat("per_layer_proj", e, n_pl),
+                   per_layer_post_norm=vec("per_layer_post_norm", e))
+    return out
+
+
+def _source_caches(fn: str, i: int, layer, layers, built: list) -> list:
+    """The caches of the earlier layer a Gemma 4 layer reads (shape.kv_layer), checked as native/cuda/decoder.cu
+    checks them: a layer with caches of its own, not streamed, of the same KV heads, head size, ring and rows."""
+    src, s = layer.shape.kv_layer, layer.shape
+    source = layers[src] if src < i else None
+    if source is None or source.shape.kv_layer >= 0 or source.streamed is not None or \
+            (source.shape.n_head_kv, source.shape.head_dim, source.shape.ring, source.kv_rows) != \
+            (s.n_head_kv, s.head_dim, s.ring, layer.kv_rows):
+        raise InvalidArgumentError(f"{fn}: layer {i} reads layer {src}'s caches (kv_layer): that must be an earlier "
+                                   "layer with caches of its own, not streamed, of the same n_head_kv, head_dim, ring "
+                                   "and kv_rows")
+    return built[src][2]
 
 
 def _given(weights: dict, name: str) -> bool:

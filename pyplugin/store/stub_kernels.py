@@ -181,6 +181,9 @@ class StubKernels:
                                        "experts, 2 (gpt-oss's clamped SwiGLU) are accepted")
         if s.ring not in (0, 1):
             raise InvalidArgumentError(f"{where}: ring is {s.ring}; 0 or 1 are accepted")
+        if s.v_norm not in (0, 1) or s.kv_layer < -1:
+            raise InvalidArgumentError(f"{where}: v_norm is {s.v_norm} and kv_layer {s.kv_layer}; v_norm 0 or 1, kv_layer "
+                                       "-1 (caches of its own) or an earlier layer's index are accepted")
         if not (math.isfinite(s.attn_softcap) and s.attn_softcap >= 0 and math.isfinite(s.residual_scale)):
             raise InvalidArgumentError(f"{where}: attn_softcap {s.attn_softcap:g} must be finite and at least 0, "
                                        f"residual_scale {s.residual_scale:g} finite")

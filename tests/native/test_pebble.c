@@ -208,6 +208,7 @@ int main(void) {
             {f32_ones, f32_zero, f32_zero, f32_eye, f32_eye, f32_ones, f32_zero, f32_zero, f32_zero,
              {0, NULL}, {0, NULL}, {0, NULL}, {0, NULL}, {0, NULL}, {0, NULL}, {0, NULL}},
             cos_, sin_, 3, 2, 0.5f};
+        layer.shape.kv_layer = -1; // caches of its own (0 would read layer 0's)
         struct pebble_step_model model = {1, E, E, 2, 0, 0.0f, 1.0f, 0.0f, f32_ones, f32_eye};
         void * ks[2] = {k0, k1}, * vs[2] = {v0, v1};
         pebble_decoder_t d = NULL;
@@ -352,6 +353,7 @@ int main(void) {
             {f32_ones, f32_zero, f32_zero, f32_eye, f32_eye, f32_ones, none, none, none, none, none, none, none, none,
              none, none, {0, router}, {0, gate}, {0, up}, {0, down}, none, none, none, none},
             cos_, sin_, 2, 2, 0.5f};
+        layer.shape.kv_layer = -1; // caches of its own
         struct pebble_step_model model = {1, E, E, 1, 0, 0.0f, 1.0f, 0.0f, f32_ones, f32_eye};
         float k0[2 * E] = {0}, v0[2 * E] = {0}, x[E], merged[E];
         void * ks[1] = {k0}, * vs[1] = {v0};
@@ -501,6 +503,7 @@ int main(void) {
             {f32_vec, f32_w, f32_w, f32_w, f32_w, f32_vec, f32_w, f32_w, f32_w,
              {0, NULL}, {0, NULL}, {0, NULL}, {0, NULL}, {0, NULL}, {0, NULL}, {0, NULL}},
             rope, rope, 1, INT64_MAX / 8, 1.0f};
+        layer.shape.kv_layer = -1; // caches of its own
         struct pebble_step_model model = {1, E, E, 64, 0, 0.0f, 1.0f, 0.0f, f32_vec, f32_w};
         void * ks[64], * vs[64];
         for (int i = 0; i < 64; i++) { ks[i] = k; vs[i] = v; }
