@@ -581,6 +581,7 @@ def test_gemma4_decode_steps_equal_the_forward_pass(kernels, case):
         got, want = host(through.decode_one(token)), forward_pass_logits(forward, token)
         assert np.abs(got - want).max() <= gemma4_tolerance(kernels) * np.abs(want).max(), (case, n)
     assert through.layers._decoder.calls == 8  # every step one native call (the prompt's last chunk of one too)
+    assert through.layers._decoder.stats()["scratch_bytes"] == model_scratch_bytes(model.config, 32, 1, False)
 
 
 @pytest.mark.parametrize("case", GEMMA4)

@@ -3,8 +3,9 @@ interface with three backends (the cuda and host builds of the native library, a
 stub), and the kernels that compute from quantized entries.
 
 Modules, bottom up: `abi` (the C ABI's facts, a leaf), `strategy`, `interface` (the Store contract),
-`kernels`, `native` (cffi over native/pebble.h), `stub`, `stub_kernels` and `stub_decoder` (the reference semantics),
-`gpu` (NVML), and `backend` (backends as objects, and which one to use).
+`step_model` (the decode step's structs and its making), `kernels`, `native` (cffi over native/pebble.h), `stub`,
+`stub_kernels` and `stub_decoder` (the reference semantics), `gpu` (NVML), and `backend` (backends as objects, and
+which one to use).
 """
 
 from .abi import TIER_AUTO, TIER_DEVICE, TIER_HOST
