@@ -18,6 +18,8 @@ import pytest
 from helpers import store_backend_params
 from pyplugin.runtime.generation import Generation
 from pyplugin.store import BACKENDS
+from server_patch import create_app
+from server_patch.local import serving
 
 # The demo model is written into pebbling's cache: a directory of this session's, never the user's
 # (set here, before any test, so that the servers and commands the tests start find it too).
@@ -121,3 +123,10 @@ def pytest_terminal_summary(terminalreporter) -> None:
     terminalreporter.section(f"{sum(reasons.values())} skipped, by reason")
     for reason, count in sorted(reasons.items(), key=lambda item: (-item[1], item[0])):
         terminalreporter.write_line(f"{count:6d}  {reason}")
+
+
+@pytest.fixture(scope="module")
+def url(models):
+    """A server over the test module's `models` folder (a fixture of its own), started once for the module."""
+    with serving(create_app(models_dir=models)) as url:
+        yield url

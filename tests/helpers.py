@@ -6,6 +6,7 @@ import it as ``from helpers import ...``. Files and loaded models are cached for
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -15,9 +16,10 @@ import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import numpy as np
+import requests
 import pytest
 import requests
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
@@ -290,3 +292,23 @@ def prompt_of(models, model: str, **request) -> str:
         return load_model(models / f"{model}.gguf", progress=False).tokenizer.decode(job.tokens, special=True)
     finally:
         engine.close()
+
+
+QUESTION = [{"role": "user", "content": "What is 2 + 2?"}]
+
+
+def api_chat(url: str, model: str, stream: bool = False, **body) -> Any:
+    """POST /api/chat (QUESTION, 100 tokens, unless `body` says otherwise): the reply, or each streamed line's."""
+    body = {"model": model, "messages": QUESTION, "stream": stream, "options": {"num_predict": 100}, **body}
+    r = requests.post(f"{url}/api/chat", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return [json.loads(line) for line in r.text.splitlines()] if stream else r.json()
+
+
+def openai_chat(url: str, model: str, stream: bool = False, **body) -> Any:
+    """POST /v1/chat/completions (QUESTION, 100 tokens, unless `body` says otherwise): the reply, or each streamed
+    chunk."""
+    body = {"model": model, "messages": QUESTION, "stream": stream, "max_tokens": 100, **body}
+    r = requests.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")] if stream else r.json()

@@ -21,8 +21,6 @@ import pyplugin
 from pyplugin.cli import main
 from pyplugin.commands import fetch_demo
 from pyplugin.errors import PebblingError
-from server_patch import create_app
-from server_patch.local import serving
 
 ROOT = Path(pyplugin.__file__).resolve().parents[1]
 
@@ -75,12 +73,6 @@ def models() -> Path:
     except PebblingError as exc:
         pytest.skip(f"SmolLM2 could not be fetched here: {exc}")
     return root
-
-
-@pytest.fixture(scope="module")
-def url(models):
-    with serving(create_app(models_dir=models)) as url:
-        yield url
 
 
 def chat(url: str, content: str, **fields) -> dict:

@@ -16,13 +16,12 @@ import jsonschema
 import pytest
 import requests
 
-from helpers import prompt_of, script_replies, tiny_spec
+from helpers import QUESTION, api_chat, openai_chat, prompt_of, script_replies, tiny_spec
 from pyplugin.model.synth import write_gguf
 from pyplugin.model.synth_vocab import build_vocab
 from pyplugin.model.tokenizer import Tokenizer
 from pyplugin.serving.harmony import HarmonyParser
 from pyplugin.serving.tool_calls import ToolCall
-from server_patch import create_app
 from server_patch.local import serving
 
 THOUGHT = "<|channel|>analysis<|message|>The user adds. 2 + 2 is 4.<|start|>assistant"
@@ -101,33 +100,18 @@ def models(tmp_path_factory):
     return root
 
 
-@pytest.fixture(scope="module")
-def url(models):
-    with serving(create_app(models_dir=models)) as url:
-        yield url
-
-
 @pytest.fixture
 def scripted(monkeypatch, models):
     write = script_replies(monkeypatch, models)
     return lambda text: write("oss", text)
 
 
-QUESTION = [{"role": "user", "content": "What is 2 + 2?"}]
-
-
 def chat(url, stream=False, **body):
-    body = {"model": "oss", "messages": QUESTION, "stream": stream, "options": {"num_predict": 100}, **body}
-    r = requests.post(f"{url}/api/chat", json=body, timeout=60)
-    assert r.status_code == 200, r.text
-    return [json.loads(line) for line in r.text.splitlines()] if stream else r.json()
+    return api_chat(url, "oss", stream, **body)
 
 
 def openai(url, stream=False, **body):
-    body = {"model": "oss", "messages": QUESTION, "stream": stream, "max_tokens": 100, **body}
-    r = requests.post(f"{url}/v1/chat/completions", json=body, timeout=60)
-    assert r.status_code == 200, r.text
-    return [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")] if stream else r.json()
+    return openai_chat(url, "oss", stream, **body)
 
 
 @pytest.mark.parametrize("think", [None, True, "high"])

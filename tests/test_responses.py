@@ -14,8 +14,6 @@ import pytest
 from chat_templates import QWEN3_THINKING
 from helpers import script_replies, tiny_path, tiny_spec
 from pyplugin.model.synth import write_gguf
-from server_patch import create_app
-from server_patch.local import serving
 
 MODEL = "tiny-qwen2"  # ChatML, whose template takes tools
 WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather in a city",
@@ -29,12 +27,6 @@ def models(tmp_path_factory):
     shutil.copy(tiny_path("qwen2", n_ctx=1024), root / f"{MODEL}.gguf")
     write_gguf(root / "thinker.gguf", tiny_spec("qwen2", n_layer=1, n_ctx=1024, chat_template=QWEN3_THINKING))
     return root
-
-
-@pytest.fixture(scope="module")
-def url(models):
-    with serving(create_app(models_dir=models)) as url:
-        yield url
 
 
 @pytest.fixture

@@ -16,7 +16,6 @@ from pyplugin.model import load_model
 from pyplugin.model.synth import write_gguf
 from pyplugin.serving import Engine, GenerationRequest
 from pyplugin.serving.reply import ThinkingParser
-from server_patch import create_app
 from server_patch.local import serving
 
 TEMPLATES = {"qwen3": QWEN3_THINKING, "opens": OPENS_THINKING, "drops": DROPS_THINKING}
@@ -70,12 +69,6 @@ def models(tmp_path_factory):
         write_gguf(root / f"{name}.gguf", tiny_spec("qwen2", n_layer=1, n_ctx=1024, chat_template=template))
     write_gguf(root / "plain.gguf", tiny_spec("qwen2", n_layer=1, n_ctx=1024))
     return root
-
-
-@pytest.fixture(scope="module")
-def url(models):
-    with serving(create_app(models_dir=models)) as url:
-        yield url
 
 
 @pytest.fixture

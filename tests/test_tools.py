@@ -17,7 +17,6 @@ from pyplugin.model import load_model
 from pyplugin.model.synth import CHATML_TEMPLATE, LLAMA3_TEMPLATE, PHI3_TEMPLATE, write_gguf
 from pyplugin.serving.tool_calls import (GENERIC, LLAMA3, QWEN, ToolCall, ToolCallParser, call_grammar,
                                          forced_tools, tool_format)
-from server_patch import create_app
 from server_patch.local import serving
 
 WEATHER = {"type": "function", "function": {
@@ -124,12 +123,6 @@ def models(tmp_path_factory):
         write_gguf(root / f"{name}.gguf", tiny_spec(arch, n_layer=1, n_ctx=1024, chat_template=template))
     write_gguf(root / "plain.gguf", tiny_spec("phi3", n_layer=1, n_ctx=1024))  # Phi-3's template: no tools
     return root
-
-
-@pytest.fixture(scope="module")
-def url(models):
-    with serving(create_app(models_dir=models)) as url:
-        yield url
 
 
 @pytest.fixture
