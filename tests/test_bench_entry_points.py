@@ -22,7 +22,7 @@ ENTRY_POINTS = sorted(BENCHMARKS.glob("*.py"))
 MOST = 8
 # lib modules that no subcommand names: what the subcommands share, and gpu_check.py's own
 SHARED = {"__init__", "cli", "shapes", "serve", "gpu_model", "gpu_peers", "gpu_acceptance", "check", "wheels",
-          "scale_out_ray"}
+          "scale_out_ray", "hf_compare"}
 
 
 def commands(entry: Path) -> dict[str, tuple[str, str]]:

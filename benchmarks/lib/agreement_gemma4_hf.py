@@ -80,12 +80,10 @@ from pathlib import Path
 
 import numpy as np
 
+from lib.hf_compare import N_GEN, hf_greedy, hf_logits, pebbling_greedy, pebbling_logits, tie_tolerant
 from pyplugin.model import load_model
 from pyplugin.model.gguf_file import GGUFFile
 from pyplugin.model.synth import SynthSpec, write_gguf
-from pyplugin.model.transformer import output_logits
-from pyplugin.runtime import Generation
-from pyplugin.runtime.options import Options
 
 BASE = dict(arch="gemma4", vocab="gemma4", n_embd=256, n_head=4, n_ff=512, n_ctx=256, key_length=128,
             sliding_window=8, rope_theta=1e6, weight_type="F32", seed=13)
@@ -104,7 +102,7 @@ VARIANTS = {
             dict(n_layer=6, n_head_kv=2, swa_pattern=[i % 6 < 5 for i in range(6)],
                  gemma4={"head_dim_swa": 64, "n_head_kv_full": 1, "k_eq_v": True})),
 }
-N_PROMPT, N_TEACHER, N_GEN, TIE, TOLERANCE = 12, 28, 16, 1e-4, 1e-4
+N_PROMPT, N_TEACHER, TOLERANCE = 12, 28, 1e-4
 COMPUTED_BUFFERS = ("rotary_emb.", "embed_scale")  # what transformers computes itself, never loaded
 
 
@@ -232,9 +230,6 @@ def gguf_reader_misses(model, cfg, t: dict[str, np.ndarray]) -> list[str]:
     return kinds
 
 
-def hf_logits(model, torch, tokens: list[int]) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor([tokens]), use_cache=False).logits[0].double().numpy()
 
 
 def rel_err(a: np.ndarray, b: np.ndarray) -> float:
@@ -242,39 +237,12 @@ def rel_err(a: np.ndarray, b: np.ndarray) -> float:
     return float((np.linalg.norm(a - b, axis=-1) / np.linalg.norm(b, axis=-1)).max())
 
 
-def hf_greedy(model, torch, prompt: list[int]) -> tuple[list[int], list[np.ndarray]]:
-    tokens, logits = list(prompt), []
-    for _ in range(N_GEN):
-        row = hf_logits(model, torch, tokens)[-1]
-        logits.append(row)
-        tokens.append(int(np.argmax(row)))
-    return tokens[len(prompt):], logits
 
 
-def pebbling_logits(model, tokens: list[int]) -> np.ndarray:
-    gen = Generation(model, Options(num_ctx=256, temperature=0.0, kv_type="f32"))
-    x = gen._through_layers(tokens)
-    return np.array([output_logits(model.config, gen.outer, x[i]) for i in range(len(tokens))], dtype=np.float64)
 
 
-def pebbling_greedy(model, prompt: list[int]) -> list[int]:
-    gen = Generation(model, Options(num_ctx=256, temperature=0.0, kv_type="f32", num_predict=N_GEN, top_k=1,
-                                    repeat_penalty=1.0))
-    logits, out = gen.prefill(prompt), []
-    for _ in range(N_GEN):
-        token = int(np.argmax(logits))
-        out.append(token)
-        logits = gen.decode_one(token)
-    return out
 
 
-def tie_tolerant(ours: list[int], theirs: list[int], their_logits: list[np.ndarray]) -> tuple[bool, int | None, float]:
-    """Equal up to the first step where transformers' top two are within TIE (then either is right)."""
-    for j, (a, b) in enumerate(zip(ours, theirs)):
-        if a != b:
-            top = np.sort(their_logits[j])[-2:]
-            return bool(top[1] - top[0] <= TIE), j, float(top[1] - top[0])
-    return True, None, 0.0
 
 
 def run_variant(name: str, tmp: Path) -> dict:

@@ -32,17 +32,15 @@ from pathlib import Path
 
 import numpy as np
 
+from lib.hf_compare import hf_greedy, hf_logits, pebbling_greedy, pebbling_logits, tie_tolerant
 from pyplugin.model import load_model
 from pyplugin.model.gguf_file import GGUFFile
 from pyplugin.model.synth import write_gguf
-from pyplugin.model.transformer import output_logits
-from pyplugin.runtime import Generation
-from pyplugin.runtime.options import Options
 
 SPEC = dict(arch="gpt-oss", vocab="harmony", n_layer=4, n_embd=256, n_head=8, n_head_kv=2, key_length=64,
             n_ff=256, n_ff_exp=256, n_expert=16, n_expert_used=4, sliding_window=8, rope_yarn=(32.0, 16),
             rope_theta=150000.0, n_ctx=256, weight_type="F32", seed=11)
-N_PROMPT, N_TEACHER, N_GEN, TIE = 12, 28, 16, 1e-4
+N_PROMPT, N_TEACHER = 12, 28
 
 
 def hf_model(path: Path, cfg, truncate: bool):
@@ -93,44 +91,14 @@ def hf_model(path: Path, cfg, truncate: bool):
     return model, torch
 
 
-def hf_logits(model, torch, tokens: list[int]) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor([tokens])).logits[0].double().numpy()
 
 
-def hf_greedy(model, torch, prompt: list[int]) -> tuple[list[int], list[np.ndarray]]:
-    tokens, logits = list(prompt), []
-    for _ in range(N_GEN):
-        row = hf_logits(model, torch, tokens)[-1]
-        logits.append(row)
-        tokens.append(int(np.argmax(row)))
-    return tokens[len(prompt):], logits
 
 
-def pebbling_logits(model, tokens: list[int]) -> np.ndarray:
-    gen = Generation(model, Options(num_ctx=256, temperature=0.0, kv_type="f32"))
-    x = gen._through_layers(tokens)
-    return np.array([output_logits(model.config, gen.outer, x[i]) for i in range(len(tokens))], dtype=np.float64)
 
 
-def pebbling_greedy(model, prompt: list[int]) -> list[int]:
-    gen = Generation(model, Options(num_ctx=256, temperature=0.0, kv_type="f32", num_predict=N_GEN, top_k=1,
-                                    repeat_penalty=1.0))
-    logits, out = gen.prefill(prompt), []
-    for _ in range(N_GEN):
-        token = int(np.argmax(logits))
-        out.append(token)
-        logits = gen.decode_one(token)
-    return out
 
 
-def tie_tolerant(ours: list[int], theirs: list[int], their_logits: list[np.ndarray]) -> tuple[bool, int | None, float]:
-    """Equal up to the first step where transformers' top two are within TIE (then either is right)."""
-    for j, (a, b) in enumerate(zip(ours, theirs)):
-        if a != b:
-            top = np.sort(their_logits[j])[-2:]
-            return bool(top[1] - top[0] <= TIE), j, float(top[1] - top[0])
-    return True, None, 0.0
 
 
 def main(argv: list[str] | None = None) -> int:
