@@ -3,7 +3,7 @@
     python benchmarks/agreement.py chat [--json FILE]
 
 For a synthetic gpt-oss file with a harmony template (pyplugin.model.synth_vocab's, written short after
-gpt-oss's) and for a Qwen3 file (its thinking template), a few conversations go through pebbling's engine as a
+gpt-oss's), a Qwen3 file (its thinking template) and a Gemma 4 file (its turns, thought channel and calls), a few conversations go through pebbling's engine as a
 client sends them on each API: Ollama's /api/chat body (messages, tools, `think` with its levels) and OpenAI's
 /v1/chat/completions body (calls with JSON-string arguments and ids, results by tool_call_id, thinking as
 reasoning_content, the level as reasoning_effort), each turned into the engine's request by the route's own
@@ -55,10 +55,20 @@ CONVERSATIONS = [
      [QUESTION, {"role": "assistant", "content": "", "tool_calls": [{"type": "function", **CALL}]},
       {"role": "tool", "content": "4", "name": "add", "tool_name": "add"}, {"role": "assistant", "content": "It is 4."},
       {"role": "user", "content": "Thanks."}], [ADD], None),
+    # think on/off where a template reads enable_thinking (Qwen3's, Gemma 4's; harmony's levels above)
+    ("think on", [QUESTION], [QUESTION], None, True),
+    ("think off, a call and its result",
+     [QUESTION, {"role": "assistant", "content": "", "tool_calls": [CALL]}, {"role": "tool", "content": "4", "tool_name": "add"}],
+     [QUESTION, {"role": "assistant", "content": "", "tool_calls": [{"type": "function", **CALL}]},
+      {"role": "tool", "content": "4", "name": "add", "tool_name": "add"}], [ADD], False),
 ]
 FILES = {"gpt-oss": dict(arch="gpt-oss", vocab="harmony", n_expert=4, n_expert_used=2, key_length=16, n_ff_exp=32,
                          sliding_window=8),
-         "qwen3": dict(arch="qwen3", vocab="qwen3")}
+         "qwen3": dict(arch="qwen3", vocab="qwen3"),
+         # Gemma 4's turns, thought channel and calls (synth_vocab's template, written after Gemma 4's): a sliding
+         # layer and a full one, as llama.cpp needs one of each
+         "gemma4": dict(arch="gemma4", vocab="gemma4", n_layer=2, key_length=32, sliding_window=8,
+                        swa_pattern=[True, False], gemma4={"head_dim_swa": 16})}
 
 
 def as_openai(messages: list[dict]) -> list[dict]:
@@ -133,9 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         models = Path(tmp)
         for name, spec in FILES.items():
-            write_gguf(models / f"{name}.gguf", n_layer=1, n_embd=64, n_head=4, n_head_kv=2, n_ff=64, n_ctx=1024,
-                       **spec)
-            cases = [c for c in CONVERSATIONS if name == "gpt-oss" or not isinstance(c[4], str)]
+            write_gguf(models / f"{name}.gguf", **{"n_layer": 1, "n_embd": 64, "n_head": 4, "n_head_kv": 2, "n_ff": 64,
+                                                   "n_ctx": 1024, **spec})
+            cases = [c for c in CONVERSATIONS if not isinstance(c[4], bool if name == "gpt-oss" else str)]
             refs = in_llama_process(_render_job, models / f"{name}.gguf", [(c[2], c[3], c[4]) for c in cases])
             for (label, client, _, tools, think), ref in zip(cases, refs):
                 for route in ("ollama", "openai"):
