@@ -31,11 +31,13 @@ def test_the_amounts_and_the_moment_are_llama_cpp_servers():
 
 
 @pytest.mark.parametrize("name", ["f32", "f16", "q8_0", "q4_0"])
-@pytest.mark.parametrize("arch", ["llama", "phi3"])  # GGML's normal pairs, and NeoX's halves
-def test_a_moved_key_is_the_key_rotated_for_its_new_position(arch, name):
+@pytest.mark.parametrize("arch, extra", [("llama", {}), ("phi3", {}),  # GGML's normal pairs, and NeoX's halves
+                                         ("llama", {"rope_yarn": (8.0, 16)})])  # YaRN: its magnitude applied once
+def test_a_moved_key_is_the_key_rotated_for_its_new_position(arch, extra, name):
     """R(-d) R(p) k = R(p - d) k: each kept key, once shifted, is what rotating its unrotated key for its new
-    position gives, within the cache type's own rounding (float32's, or one more rounding to the type)."""
-    cfg = tiny_model(arch, n_embd=128, n_head=4, n_head_kv=2).config
+    position gives, within the cache type's own rounding (float32's, or one more rounding to the type). With
+    YaRN, whose tables scale cos and sin by 1 + 0.1 ln(factor), the shift rotates without scaling again."""
+    cfg = tiny_model(arch, n_embd=128, n_head=4, n_head_kv=2, **extra).config
     t, n_past, keep, drop = KV_TYPES[name], 24, 4, 10
     raw = np.random.default_rng(2).standard_normal((n_past, cfg.n_head_kv, cfg.head_dim)).astype(np.float32)
     cos, sin = rope_table(cfg, n_past, np, np.float32)
