@@ -152,3 +152,22 @@ def test_the_decoder_refuses_what_it_does_not_compute(backend):
     with pytest.raises(InvalidArgumentError, match="beside its experts.*run through the forward pass"):
         kernels.decoder(model.config, model.resident_layers(kernels), [[kv_pair] for kv_pair in zip(kv.k, kv.v)],
                         model.outer_weights(kernels), 16)
+
+
+@pytest.mark.parametrize("backend", store_backend_params(("host", "stub")))
+def test_experts_as_pebbles_give_the_tokens_of_none(backend):
+    """The 26B-A4B's experts out of their layers (pebbling_expert_cache), under a streaming strategy too: the
+    tokens of every expert kept with its layer."""
+    model = load_model(path_of("26b-a4b"), progress=False)
+    options = Options(temperature=0, num_predict=8, num_ctx=32, num_batch=4)
+    pm = PebbledModel(model, backend=backend)
+    try:
+        def run(**extra):
+            gen = pm.generation(options, PebblingOptions.from_options(extra), PROMPT_LEN)
+            return list(gen.tokens(prompt()))
+        expected = run()
+        for strategy in ("none", "minimal"):
+            for cache in (0, 2, 8):
+                assert run(pebbling_strategy=strategy, pebbling_expert_cache=cache) == expected, (strategy, cache)
+    finally:
+        pm.close()
