@@ -2,7 +2,8 @@
 
     python benchmarks/agreement.py moe-shape --shape qwen3-30b-a3b --n-layer 2 [--json FILE] [--dir DIR]
 
-The shape is shapes.SHAPES[--shape] with --n-layer layers, written as `speed.py cpu` writes it
+A dense shape runs too (Gemma 4's E4B: its greedy tokens judged on the copy where llama.cpp's own rounding
+parts them; no router). The shape is shapes.SHAPES[--shape] with --n-layer layers, written as `speed.py cpu` writes it
 (synth's random valid blocks in its Q4_K_M-like mix), and agreement_llamacpp.compare_case runs it: the last
 prompt position's logits and 16 greedy tokens of llama.cpp on the quantized file against pebbling's (weights
 expanded to float32), and the control, llama.cpp on an F32 copy holding the values pebbling dequantizes. Where
@@ -68,8 +69,7 @@ def router_margins(calls: list[np.ndarray], n_layer: int, k: int) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shape", default="qwen3-30b-a3b",
-                    choices=sorted(k for k, v in shapes.SHAPES.items() if v.get("n_expert")))
+    ap.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(shapes.SHAPES))  # a dense one: no router
     ap.add_argument("--n-layer", type=int, default=2)
     ap.add_argument("--dir", default=None, help="where the two files are written (default: a temporary one)")
     ap.add_argument("--json", help="also write every figure to this file")
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="pebbling-vs-llamacpp-", dir=args.dir) as tmp, \
             router_logits() as calls:
         row = cmp.compare_case(case, Path(tmp))
-    margins = router_margins(calls, args.n_layer, shape["n_expert_used"])
+    margins = router_margins(calls, args.n_layer, shape["n_expert_used"]) if shape.get("n_expert") else []
     cmp.print_model_table([row])
     if "pebbling_tokens" in row:
         print(f"\nllama.cpp (quantized)  {row['llama_tokens']}\nllama.cpp (F32 copy)   "
@@ -90,9 +90,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pebbling vs llama.cpp on the F32 copy: rel err {row['vs_dequantized']:.2e} (last prompt position, "
               f"max |diff| {row['vs_dequantized_max_abs']:.2e}), worst over the decode steps "
               f"{row['vs_dequantized_decode']:.2e}, greedy tokens equal: {row['dequantized_greedy_equal']}")
-    k = shape["n_expert_used"]
-    print(f"\npebbling's router over the prompt (step 0): the gap between the {k}th and {k + 1}th logit at the last "
-          "position, the least over the positions, and the std of the last position's logits")
+    k = shape.get("n_expert_used", 0)
+    if margins:
+        print(f"\npebbling's router over the prompt (step 0): the gap between the {k}th and {k + 1}th logit at the last "
+              "position, the least over the positions, and the std of the last position's logits")
     for m in margins:
         print(f"  layer {m['layer']:2d}: last {m['last_gap']:.2e}, least {m['least_gap']:.2e} (position "
               f"{m['least_position']}), std {m['spread']:.2f}")
