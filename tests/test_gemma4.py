@@ -171,3 +171,16 @@ def test_experts_as_pebbles_give_the_tokens_of_none(backend):
                 assert run(pebbling_strategy=strategy, pebbling_expert_cache=cache) == expected, (strategy, cache)
     finally:
         pm.close()
+
+
+def test_the_estimate_counts_the_caches_each_layer_keeps():
+    """The memory model's KV bytes are those the caches take when made: each layer's own head shape and window,
+    none for a layer reading another's (the estimate and the report print this figure)."""
+    model = load_model(path_of("e2b"), progress=False)
+    pm = PebbledModel(model, backend="stub")
+    try:
+        for n_ctx in (4, 32):  # within the window of 5, and past it
+            memory = pm.memory_model(Options(num_ctx=n_ctx, kv_type="f16"))
+            assert memory.kv_cache_bytes(n_ctx) == KVCache.allocate(model.config, n_ctx, kv="f16").nbytes
+    finally:
+        pm.close()

@@ -113,7 +113,9 @@ def render(r: dict[str, Any]) -> str:
             f"; {r['sliding_layers']} of {r['n_layers']} layers attend over a window of {r['sliding_window']} "
             f"positions and keep only that, saving "
             f"{format_bytes(r['kv_cache_bytes_without_windows'] - r['kv_cache_bytes'])}"
-            if r["sliding_layers"] else ""),
+            if r["sliding_layers"] else "") + (
+            f"; {r['kv_reading_layers']} layers attend over an earlier layer's caches and keep none"
+            if r.get("kv_reading_layers") else ""),
         *_kv_block_note(r),
         *_expert_lines(r["experts"], r["experts_as_pebbles"]),
         f"measured in this run (median of {m['repeats']}):",

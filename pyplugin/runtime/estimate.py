@@ -101,17 +101,17 @@ def estimate(pebbled: PebbledModel, options: Options, limit: int | None, context
         "smallest_footprint_bytes": smallest_footprint(memory),
         "smallest_footprint_for": memory.request,
         "restores": pebbled.backend.arrays_on_device,  # False: streamed layers are computed in place
-        "kv_cache_bytes": sum(memory.kv_rows(i, options.num_ctx) for i in range(memory.n_layers))
-        * memory.kv_bytes_per_token,
-        "kv_cache_bytes_without_windows": memory.n_layers * options.num_ctx * memory.kv_bytes_per_token,
+        "kv_cache_bytes": memory.kv_cache_bytes(options.num_ctx),
+        "kv_cache_bytes_without_windows": options.num_ctx * sum(
+            memory.layer_kv_token_bytes or [memory.kv_bytes_per_token] * memory.n_layers),
         "kv_type": options.kv_type,
         # n_layer x positions (a sliding layer's window) x n_head_kv x head_dim x bytes a value, K and V
-        "kv_cache_bytes_by_type": {t: sum(m.kv_rows(i, options.num_ctx) for i in range(m.n_layers))
-                                   * m.kv_bytes_per_token for t, m in by_type.items()},
+        "kv_cache_bytes_by_type": {t: m.kv_cache_bytes(options.num_ctx) for t, m in by_type.items()},
         # what each type saves: f16's bytes over the type's (a block type's scale included: 64/34, 64/18)
         "kv_cache_f16_over_type": {t: by_type["f16"].kv_bytes_per_token / m.kv_bytes_per_token
                                    for t, m in by_type.items()},
         "sliding_layers": sum(1 for w in memory.kv_windows if w),
+        "kv_reading_layers": sum(1 for t in memory.layer_kv_token_bytes if not t),  # Gemma 4's: no caches of their own
         "sliding_window": max(memory.kv_windows, default=0),
         "experts": _experts(pebbled, memory if memory.experts else pebbled.memory_model(
             options, prompt_tokens, parallel, PebblingOptions(expert_cache=0))),

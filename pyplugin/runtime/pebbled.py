@@ -182,7 +182,8 @@ class PebbledModel:
             weight_page_bytes=tuple(sum(pages(t.nbytes) for t in layout if held(t)) for layout in self.layouts),
             page_bytes=self.backend.device_page_bytes, decoder_bytes=model_scratch_bytes(cfg, options.num_ctx, n_seqs)
             if self.backend.arrays_on_device else 0,
-            kv_bytes_per_token=kv_token, fixed_bytes=fixed, workspace_bytes=workspace,
+            kv_bytes_per_token=kv_token, layer_kv_token_bytes=tuple(kv_tokens), fixed_bytes=fixed,
+            workspace_bytes=workspace,
             kv_windows=tuple(cfg.sliding_window if cfg.is_sliding(i) else 0 for i in range(cfg.n_layer)),
             overhead_bytes=self._overhead_bytes(), margin_bytes=MEASURED_MARGIN_BYTES if self.backend.measures_memory else 0,
             n_seqs=n_seqs, n_ctx=options.num_ctx,

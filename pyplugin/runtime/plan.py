@@ -42,7 +42,7 @@ class MemoryModel:
     layer_weight_bytes: tuple[int, ...]  # per layer, as held on the device
     layer_kv_bytes: int | tuple[int, ...]  # K and V of one layer at num_ctx, for one sequence (per layer: a
                                            # sliding layer's cache holds its window only)
-    kv_bytes_per_token: int              # K and V rows of one layer for one token
+    kv_bytes_per_token: int              # K and V rows of one layer for one token (the model's own head shape)
     fixed_bytes: int                     # output norm and output matrix
     workspace_bytes: int                 # activations of one prefill chunk or batched decode step
     overhead_bytes: int = 0              # the backend's own fixed cost
@@ -59,6 +59,8 @@ class MemoryModel:
     kv_page_bytes: tuple[int, ...] = ()
     page_bytes: int = 0
     decoder_bytes: int = 0               # the native decoder's scratch where it is device memory of its own
+    layer_kv_token_bytes: tuple[int, ...] = ()  # per layer, K and V of one token in its own caches (Gemma 4: its
+                                         # head shape, 0 where it reads another's); (): kv_bytes_per_token each
     pinned: tuple[int, ...] = ()         # layers resident under every strategy: those whose caches later layers
                                          # read (Gemma 4), which must be in place when those layers compute
 
@@ -81,6 +83,15 @@ class MemoryModel:
     def footprint(self, nbytes: int) -> int:
         """One allocation of `nbytes` as the device holds it (pebble.h, PEBBLE_DEVICE_PAGE_BYTES)."""
         return paged(nbytes, self.page_bytes)
+
+    def kv_bytes_at(self, i: int, context_tokens: int) -> int:
+        """Layer i's K and V bytes with `context_tokens` in one sequence's cache (at most its window's)."""
+        token = self.layer_kv_token_bytes[i] if self.layer_kv_token_bytes else self.kv_bytes_per_token
+        return self.kv_rows(i, context_tokens) * token
+
+    def kv_cache_bytes(self, context_tokens: int) -> int:
+        """Every layer's K and V bytes with `context_tokens` in one sequence's cache."""
+        return sum(self.kv_bytes_at(i, context_tokens) for i in range(self.n_layers))
 
     def kv_rows(self, i: int, context_tokens: int) -> int:
         """KV rows layer i holds with `context_tokens` in the cache: at most its window."""
@@ -126,8 +137,7 @@ class Plan:
         sequence's cache (an estimate): a full batch shares each streamed layer's weights, while every
         sequence reads its own KV rows."""
         m = self.memory
-        return sum(m.layer_weight_bytes[i] // m.n_seqs + m.kv_rows(i, context_tokens) * m.kv_bytes_per_token
-                   for i in self.streamed)
+        return sum(m.layer_weight_bytes[i] // m.n_seqs + m.kv_bytes_at(i, context_tokens) for i in self.streamed)
 
 
 def workspace_bytes(cfg: ModelConfig, n_tokens: int, n_ctx: int, itemsize: int) -> int:

@@ -48,8 +48,7 @@ def pebbling_report(layers: Any, stats: Any, seq: int = 0) -> dict[str, Any]:
         "weights": layers.pebbled.weights,
         "kv_type": layers.kv.name,
         **({"kv_type_fallback": layers.kv_fallback} if layers.kv_fallback else {}),
-        "kv_cache_bytes": sum(memory.kv_rows(i, layers.n_ctx) for i in range(memory.n_layers))
-        * memory.kv_bytes_per_token,
+        "kv_cache_bytes": memory.kv_cache_bytes(layers.n_ctx),
         "decode_step": "python" if layers.backend.name == "stub" else "native",
         "backend": layers.backend.name,
         "resident_layers": len(plan.resident),
