@@ -184,3 +184,21 @@ def test_the_estimate_counts_the_caches_each_layer_keeps():
             assert memory.kv_cache_bytes(n_ctx) == KVCache.allocate(model.config, n_ctx, kv="f16").nbytes
     finally:
         pm.close()
+
+
+@pytest.mark.parametrize("backend", store_backend_params(("host", "stub")))
+@pytest.mark.parametrize("kv_type", ["q8_0", "q4_0"])
+def test_block_kv_types_give_the_tokens_of_full_residency(kv_type, backend):
+    """Quantized caches (the shared ones read by later layers too), streamed: the tokens of every layer resident
+    with the same cache type."""
+    model = load_model(path_of("e2b"), progress=False)
+    options = Options(temperature=0, num_predict=8, num_ctx=32, num_batch=4, kv_type=kv_type)
+    pm = PebbledModel(model, backend=backend)
+    try:
+        run = lambda strategy: list(pm.generation(  # noqa: E731
+            options, PebblingOptions.from_options({"pebbling_strategy": strategy}), PROMPT_LEN).tokens(prompt()))
+        reference = run("none")
+        for strategy in ("minimal", "every:3"):
+            assert run(strategy) == reference, strategy
+    finally:
+        pm.close()
