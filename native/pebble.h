@@ -301,10 +301,11 @@ struct pebble_layer_shape {
     int32_t ring;            // 1: the caches are rings of the last n_ctx positions (a sliding window)
     float   attn_softcap;    // above 0: each score s becomes c * tanh(s / c) (gemma2); 0: none
     float   residual_scale;  // multiplies each block's output before it joins x (1: none; Granite's)
-    // A mixture of experts in place of the FFN where n_expert > 0 (w_gate, w_up, w_down then NULL): the
+    // A mixture of experts in place of the FFN where n_expert > 0 (w_gate, w_up, w_down then NULL, except
+    // beside Gemma 4's: pebble_layer_weights): the
     // router's softmax over n_expert scores, the n_expert_used most probable (ties to the lower index),
     // their probabilities renormalised to sum to 1 where expert_norm is 1, times expert_scale; each chosen
-    // expert a SwiGLU FFN of n_ff_exp, summed by those weights in increasing expert order; plus, where
+    // expert a SwiGLU (or, activation 1, GELU-gated: Gemma 4's) FFN of n_ff_exp, summed by those weights in increasing expert order; plus, where
     // n_ff_shexp > 0, a shared SwiGLU FFN of n_ff_shexp times sigmoid(ffn_gate_inp_shexp . h) (qwen2moe).
     // With expert_gating 1 (gpt-oss) the n_expert_used highest scores (the router's bias added where given)
     // are chosen and their weights are a softmax over those scores alone (expert_norm must be 0); the
@@ -352,10 +353,14 @@ struct pebble_layer_weights {
     // (all three or none; n_pl = pebble_step_model.n_embd_per_layer): g = gelu_tanh(per_layer_inp_gate . x)
     // * in (in: the token's per-layer input of this layer, pebble_decoder_step's x), x += rms_norm(
     // per_layer_proj . g) * per_layer_post_norm; then x *= out_scale[0] where out_scale [1] is given.
-    // The 26B-A4B's layer of experts beside a dense FFN (ffn_gate_inp_s [n_embd], ffn_pre_norm_2,
-    // ffn_post_norm_1, ffn_post_norm_2 [n_embd], ffn_down_exps_s [n_expert]; pyplugin.model.transformer's
-    // ffn_block) is not computed by the step yet: a layer giving any of them is refused, by name. Vectors F32
-    // or F16.
+    // The 26B-A4B's layer of experts beside a dense FFN (n_expert > 0 with w_gate, w_up, w_down of n_ff given;
+    // pyplugin.model.transformer's ffn_block) needs ffn_gate_inp_s, ffn_pre_norm_2, ffn_post_norm_1 and
+    // ffn_post_norm_2 [n_embd], and takes ffn_down_exps_s [n_expert] where given (any of them elsewhere is
+    // refused, by name). With x the stream after attention: dense = rms_norm(the gated FFN of rms_norm(x) *
+    // ffn_norm) * ffn_post_norm_1; the router scores rms_norm(x) (no weight) * ffn_gate_inp_s / sqrt(n_embd);
+    // the chosen experts (gated as shape.activation says) run on rms_norm(x) * ffn_pre_norm_2, each one's
+    // output times its weight and its ffn_down_exps_s; their sum moe; the FFN's output is dense +
+    // rms_norm(moe) * ffn_post_norm_2, then post_ffn_norm and the residual as any layer's. Vectors F32 or F16.
     struct pebble_tensor_ref per_layer_inp_gate, per_layer_proj, per_layer_post_norm, out_scale;
     struct pebble_tensor_ref ffn_gate_inp_s, ffn_pre_norm_2, ffn_post_norm_1, ffn_post_norm_2, ffn_down_exps_s;
 };
@@ -482,7 +487,8 @@ struct pebble_step_model {
     // An empty slot is always taken first, and an expert the step has still to run only where every cached
     // one is.
     // expert_prefetch 1: before each such layer computes, its router is applied to the hidden state entering
-    // it (RMS-normed with the layer's ffn_norm): the n_expert_used experts with the highest probability
+    // it (RMS-normed with the layer's ffn_norm; a layer with ffn_gate_inp_s as its router input is made of
+    // the stream after attention: normed without a weight, times ffn_gate_inp_s / sqrt(n_embd)): the n_expert_used experts with the highest probability
     // summed over the step's tokens are the guesses, and each one its cache lacks is restored into a staging
     // slot then, while the layer's attention computes. A guessed expert the layer then runs is a hit (with a
     // cache it takes the victim's slot, the victim's buffer becoming a staging slot); the staging slots are

@@ -545,9 +545,11 @@ def test_the_plan_counts_the_decoders_scratch_as_the_library_allocates_it(backen
 
 # ---------------------------------------------------------------------------------------------------
 # Gemma 4 (test_gemma4.py's files): E2B's per-layer inputs, layers reading earlier layers' caches (rings and
-# whole caches), V normed and double-wide FFNs; 31B's V = K on its full layers, KV heads of their own there
+# whole caches), V normed and double-wide FFNs; 26B-A4B's dense FFN beside GELU experts (the router's own input,
+# a scale per expert; its gate and up merged in the file, or split); 31B's V = K on its full layers, KV heads of
+# their own there
 
-GEMMA4 = ("e2b", "31b")
+GEMMA4 = ("e2b", "26b-a4b", "26b-a4b split", "31b")
 
 
 def forward_pass_logits(gen, token):
@@ -589,7 +591,8 @@ def test_gemma4_decode_steps_equal_the_forward_pass(kernels, case):
 def test_gemma4_batched_steps_through_the_slots_equal_the_forward_pass(backend, case, monkeypatch):
     """Three sequences in each step, at their own positions, with every layer resident and with every layer the
     plan streams copied through the decoder's slots (a reader of another's caches restores and writes back none:
-    its source stays resident); each sequence's logits those of the forward pass alone."""
+    its source stays resident), the 26B-A4B's experts with their layers and as pebbles (a cache of 2 a layer,
+    prefetched); each sequence's logits those of the forward pass alone."""
     from test_gemma4 import path_of, prompt
     from pyplugin.model import load_model
     from pyplugin.runtime.batch import decode_batch
@@ -601,9 +604,10 @@ def test_gemma4_batched_steps_through_the_slots_equal_the_forward_pass(backend, 
     prompts = [prompt(), prompt(6)[::-1], [3, 1, 4, 1, 5, 9, 2, 6, 5]]
     pebbled = PebbledModel(model, backend=backend)
     tolerance = gemma4_tolerance(backend_named(backend).kernels)
+    experts = [{}, {"pebbling_expert_cache": 2, "pebbling_expert_prefetch": True}] if model.config.n_expert else [{}]
     try:
-        for strategy in ("none", "minimal"):
-            pebbling = PebblingOptions.from_options({"pebbling_strategy": strategy})
+        for strategy, extra in [(strategy, extra) for strategy in ("none", "minimal") for extra in experts]:
+            pebbling = PebblingOptions.from_options({"pebbling_strategy": strategy, **extra})
             source = StoreLayers(pebbled, pebbled.plan(options, pebbling, n_seqs=3), options, pebbling)
             assert bool(source.streamed) == (strategy == "minimal")
             gens = [Generation(model, options, layers=source.sequence(s)) for s in range(3)]
@@ -617,10 +621,124 @@ def test_gemma4_batched_steps_through_the_slots_equal_the_forward_pass(backend, 
                 for b, (got, token) in enumerate(zip(decode_batch(source, gens, tokens), tokens)):
                     want = forward_pass_logits(alone[b], token)
                     assert np.abs(got - want).max() <= tolerance * np.abs(want).max(), (strategy, n, b)
-            assert source.decoder().stats()["tokens"] == 3 * 6 + 2  # and the 13- and 9-token prompts' last chunk
+            stats = source.decoder().stats()
+            assert stats["tokens"] == 3 * 6 + 2  # and the 13- and 9-token prompts' last chunk
+            if extra:  # every expert a token ran came from the layer's cache or was restored for it
+                ran = stats["expert_hits"] + stats["expert_misses"]
+                assert ran > 0 and stats["expert_guesses"] > 0 and stats["expert_misses"] > 0, stats
             source.release()
     finally:
         pebbled.close()
+
+
+GEMMA4_MOE = ("26b-a4b", "26b-a4b split")
+FIRST_EXPERT, MERGED = 300, (400, 401, 402)  # the entry of expert 0 (an entry each); the merged stacks' entries
+
+
+def gemma4_moe_steps(kernels, model, **decoder_args):
+    """Logits [steps, 3, n_vocab] of five decode steps of three sequences (positions 0..4, each its own tokens)
+    through a decoder over every layer of `model`, and the decoder's stats."""
+    from pyplugin.model import KVCache, embed
+    cfg, n_ctx = model.config, 16
+    kvs = [KVCache.allocate(cfg, n_ctx, kernels.xp) for _ in range(3)]
+    caches = [[(kv.k[i], kv.v[i]) for kv in kvs] for i in range(cfg.n_layer)]
+    decoder = kernels.decoder(cfg, model.resident_layers(kernels), caches, model.outer_weights(kernels), n_ctx,
+                              **decoder_args)
+    steps = []
+    for t in range(5):
+        x = np.ascontiguousarray(embed(model.outer, [(29 * t + 13 * b + 3) % 250 + 1 for b in range(3)], np,
+                                       cfg.embd_scale, np.float32))
+        steps.append(host(decoder.step([0, 1, 2], [t] * 3, kernels.xp.asarray(x))).copy())
+    stats = decoder.stats()
+    decoder.close()
+    return np.stack(steps), stats
+
+
+def gemma4_expert_store(backend, model, merged: bool):
+    """A store of `backend` with each layer's experts in its host tier: an entry per expert (its gate, up and down
+    rows; at FIRST_EXPERT + j), or the layer's merged gate, up and down stacks (at MERGED)."""
+    from pyplugin.model.moe import expert_rows
+    cfg = model.config
+    store = backend.open_store(0, cfg.n_layer, "minimal")
+    parts = (("ffn_gate_exps", cfg.n_ff_exp), ("ffn_up_exps", cfg.n_ff_exp), ("ffn_down_exps", cfg.n_embd))
+    for i, lw in enumerate(model.layers):
+        rows = [[expert_rows(getattr(lw, name), j, n).data.ravel() for name, n in parts] for j in range(cfg.n_expert)]
+        if merged:
+            for k, tid in enumerate(MERGED):
+                store.save(i, tid, np.ascontiguousarray(np.concatenate([r[k] for r in rows])), tier="host")
+        else:
+            for j, r in enumerate(rows):
+                store.save(i, FIRST_EXPERT + j, np.ascontiguousarray(np.concatenate(r)), tier="host")
+    return store
+
+
+@pytest.mark.parametrize("case", GEMMA4_MOE)
+@pytest.mark.parametrize("backend", store_backend_params(("host", "stub")))
+def test_gemma4_experts_as_pebbles_decode_what_its_merged_experts_decode(backend, case):
+    """The 26B-A4B's experts out of the store (an entry each, or read out of the merged stacks' entries), through
+    caches of none, some and every expert, least recently or least often used, with and without prefetch: the
+    logits of the experts kept in their layers, to the bit; every expert a token ran a hit or a miss, the same
+    count whatever the cache, and a prefetch guessing as many experts as a token runs per layer."""
+    from pyplugin.store import backend_named
+    from test_gemma4 import path_of
+    from pyplugin.model import load_model
+    be = backend_named(backend)
+    model = load_model(path_of(case), weights="quantized", progress=False)
+    cfg = model.config
+    want, stats = gemma4_moe_steps(be.kernels, model)
+    assert stats["expert_hits"] == stats["expert_misses"] == 0
+    ran = None
+    for merged in (False, True):
+        store = gemma4_expert_store(be, model, merged)
+        first = MERGED if merged else FIRST_EXPERT
+        try:
+            for cache, policy, prefetch in [(0, "lru", False), (2, "lru", False), (2, "lfu", True),
+                                            (cfg.n_expert, "lru", True), (0, "lru", True)]:
+                got, stats = gemma4_moe_steps(be.kernels, model, store=store, expert_policy=policy,
+                                              expert_prefetch=prefetch,
+                                              experts={i: (first, cache) for i in range(cfg.n_layer)})
+                np.testing.assert_array_equal(got, want, err_msg=f"{merged} {cache} {policy} {prefetch}")
+                used = stats["expert_hits"] + stats["expert_misses"]
+                assert ran is None or used == ran
+                ran = used
+                assert cfg.n_layer * 5 * cfg.n_expert_used <= used <= cfg.n_layer * 5 * 3 * cfg.n_expert_used
+                assert stats["expert_guesses"] == (cfg.n_layer * 5 * cfg.n_expert_used if prefetch else 0)
+                assert stats["expert_guesses_right"] <= stats["expert_guesses"]
+                if cache == cfg.n_expert:  # each expert restored once at most
+                    assert stats["expert_misses"] <= cfg.n_layer * cfg.n_expert
+        finally:
+            store.close()
+
+
+def test_gemma4_prefetch_guesses_from_the_router_s_own_input():
+    """The 26B-A4B's prefetch scores the router on its own input (x normed without a weight, times ffn_gate_inp_s
+    over sqrt(n_embd)), not on x normed by ffn_norm: the stub's guesses are the best summed probabilities of that
+    input's scores (the native step's are held to the stub's by the tests above: the same hits and misses)."""
+    from pyplugin.model import load_model
+    from pyplugin.model.moe import router_probabilities
+    from pyplugin.model.transformer import rms_norm, router_input
+    from pyplugin.store import backend_named
+    from pyplugin.store.kernels import DECODER_STATS
+    from pyplugin.store.stub_experts import ExpertSlots
+    from test_gemma4 import path_of
+    be = backend_named("stub")
+    model = load_model(path_of("26b-a4b"), progress=False)
+    cfg, lw = model.config.for_layer(0), model.resident_layers(be.kernels)[0]
+    x = np.random.default_rng(3).standard_normal((3, cfg.n_embd)).astype(np.float32)
+    own = rms_norm(x, None, cfg.rms_eps) * (lw.ffn_gate_inp_s / np.float32(np.sqrt(cfg.n_embd)))
+    np.testing.assert_array_equal(router_input(cfg, x, lw), own)
+    store = gemma4_expert_store(be, model, merged=False)
+    try:
+        types = {name: getattr(lw, name).qtype for name in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")}
+        slots = ExpertSlots(be.kernels, store, {0: (LayerShape.of(cfg), types, FIRST_EXPERT, 0)}, 0, True,
+                            dict.fromkeys(DECODER_STATS, 0))
+        slots.prefetch(0, cfg, lw, x, 0)
+    finally:
+        store.close()
+    score = router_probabilities(cfg, own, lw.ffn_gate_inp).sum(0)
+    assert slots.guessed == sorted(np.argsort(-score, kind="stable")[:cfg.n_expert_used].tolist())
+    by_ffn_norm = router_probabilities(cfg, rms_norm(x, lw.ffn_norm, cfg.rms_eps), lw.ffn_gate_inp).sum(0)
+    assert not np.allclose(score, by_ffn_norm)  # the two inputs are told apart
 
 
 def test_gemma4_refusals_name_what_was_wrong(kernels):
@@ -644,4 +762,17 @@ def test_gemma4_refusals_name_what_was_wrong(kernels):
     refused("computes no K or V", layers=[*layers[:reader], replace(layers[reader], wk=layers[cfg.kv_source(reader)].wk)])
     refused("V is K's projection", cfg=replace(cfg, v_norm=False), layers=[replace(layers[0], wv=None), *layers[1:]])
     refused("n_embd_per_layer above 0", cfg=replace(cfg, n_embd_per_layer=0))
+    # the 26B-A4B's layer: the parts of a dense FFN beside experts missing there, or given to a layer without it
+    moe = load_model(path_of("26b-a4b"), weights="quantized", progress=False)
+    moe_layers = moe.resident_layers(kernels)
+    moe_kv = KVCache.allocate(moe.config, 16, kernels.xp)
+    moe_caches = [[pair] for pair in zip(moe_kv.k, moe_kv.v)]
+    moe_outer = moe.outer_weights(kernels)
+    with pytest.raises(InvalidArgumentError, match="layer 2: ffn_post_norm_2 must not be NULL: a dense FFN beside "
+                                                   "experts"):
+        kernels.decoder(moe.config, [*moe_layers[:2], replace(moe_layers[2], ffn_post_norm_2=None), *moe_layers[3:]],
+                        moe_caches, moe_outer, 16)
+    refused("layer 0: ffn_gate_inp_s is given, but the layer has no dense FFN beside experts",
+            layers=[replace(layers[0], ffn_gate_inp_s=layers[0].ffn_norm), *layers[1:]])
     kernels.decoder(cfg, layers, caches, outer, 16).close()  # and the kernels stay usable
+    kernels.decoder(moe.config, moe_layers, moe_caches, moe_outer, 16).close()

@@ -108,9 +108,14 @@ def test_a_layer_reading_another_s_caches_keeps_none():
 @pytest.mark.parametrize("case", ["e2b", "26b-a4b"])
 @pytest.mark.parametrize("backend", store_backend_params())
 def test_every_strategy_gives_the_tokens_of_full_residency(case, backend):
+    """Full residency on the backend's own kernels is the reference: the 26B-A4B's sixth token is a near-tie (its
+    two best logits 3.4e-3 apart on the host's kernels, swapped by the stub's, which round otherwise)."""
+    from pyplugin.runtime.generation import ResidentLayers
+    from pyplugin.store import backend_named
     model = load_model(path_of(case), progress=False)
     options = Options(temperature=0, num_predict=8, num_ctx=32, num_batch=4)
-    reference = list(Generation(model, options).tokens(prompt()))
+    resident = ResidentLayers(model, options.num_ctx, backend_named(backend).kernels, options.kv_type)
+    reference = list(Generation(model, options, layers=resident).tokens(prompt()))
     pm = PebbledModel(model, backend=backend)
     try:
         for strategy in ("none", "sqrt", "minimal", "every:3", "adaptive"):
@@ -135,23 +140,6 @@ def test_refused_by_name():
         load_model(path_of("31b", metadata={"gemma4.attention.key_length_swa": 0}), progress=False)
     with pytest.raises(ModelError, match="may change what the model computes"):
         load_model(path_of("31b", metadata={"gemma4.attention.k_eq_v_frobnicate": 1}), progress=False)
-
-
-@pytest.mark.parametrize("backend", store_backend_params(("host", "stub")))
-def test_the_decoder_refuses_what_it_does_not_compute(backend):
-    """The native step lacks the 26B-A4B's dense FFN beside its experts: it says so rather than computing another
-    model (its decode steps run through the forward pass: gemma4.forward_decodes)."""
-    from pyplugin.errors import InvalidArgumentError
-    from pyplugin.model.gemma4 import forward_decodes
-    from pyplugin.store import select_backend
-    model = load_model(path_of("26b-a4b"), progress=False)
-    assert forward_decodes(model.config)
-    assert not any(forward_decodes(load_model(path_of(case), progress=False).config) for case in ("e2b", "31b"))
-    kernels = select_backend(backend).host_kernels
-    kv = KVCache.allocate(model.config, 16, kernels.xp)
-    with pytest.raises(InvalidArgumentError, match="beside its experts.*run through the forward pass"):
-        kernels.decoder(model.config, model.resident_layers(kernels), [[kv_pair] for kv_pair in zip(kv.k, kv.v)],
-                        model.outer_weights(kernels), 16)
 
 
 @pytest.mark.parametrize("backend", store_backend_params(("host", "stub")))

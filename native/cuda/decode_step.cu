@@ -3,8 +3,9 @@
 // launching it; here the whole layer is enqueued from C: RMS norm, Q/K/V projections, biases, per-head Q/K
 // norms where given, RoPE with the new K/V rows written into the caches (a ring's row pos % n_ctx),
 // attention (soft-capped where asked), the output projection, its norm where given and the residual, RMS
-// norm, the SwiGLU or GELU-tanh gated feed-forward (or a layer of experts: cuda/experts.cu), its norm where
-// given and its residual; then the output norm and the logits. Each operation is a launcher of cuda/ops.cuh.
+// norm, the SwiGLU or GELU-tanh gated feed-forward (or a layer of experts: cuda/experts.cu; or both, Gemma 4's
+// 26B-A4B, each half normed and added), its norm where given and its residual; then the output norm and the
+// logits. Each operation is a launcher of cuda/ops.cuh.
 // A streamed layer's weights and caches come from the store into one of two slots, the next one's restore
 // overlapping this one's compute, its new K/V rows written back after. The arithmetic, and its order, is
 // pyplugin.model's forward pass on the CPU path with quantized weights: float32 throughout, the vectors
@@ -124,15 +125,28 @@ pebble_status step_layer(pebble_decoder & d, int32_t i, int32_t n, const int32_t
     } else {
         TRY(add_norm_rows(x, o, n, e, s.residual_scale, w.ffn_norm, s.rms_eps, h16, stream));
     }
-    if (s.n_expert) {
-        TRY(experts_ffn(d, i, n, h16, o, stream));
-    } else {
+    auto dense_ffn = [&](float * into) { // the gated FFN of h16 (which it overwrites) into `into`
         const matvec_part gate_up[2] = {{w.w_gate.ggml_type, w.w_gate.data, s.n_ff, gate},
                                         {w.w_up.ggml_type, w.w_up.data, s.n_ff, up}};
         TRY(matvec_parts(gate_up, 2, e, h16, n, stream));
         const int64_t ff = int64_t(n) * s.n_ff;
         TRY(gate_times_up(s.activation, gate, up, ff, h16, stream));
-        TRY(matvec_many(w.w_down.ggml_type, w.w_down.data, e, s.n_ff, h16, n, o, stream));
+        return matvec_many(w.w_down.ggml_type, w.w_down.data, e, s.n_ff, h16, n, into, stream);
+    };
+    if (s.n_expert && w.w_gate.data) {
+        // Gemma 4's 26B-A4B: the experts on x normed by ffn_pre_norm_2 (routed by router_input) into o, then the
+        // dense FFN on x normed by ffn_norm into the experts' y (free again), then o = rms_norm(dense) *
+        // ffn_post_norm_1 + rms_norm(experts) * ffn_post_norm_2; the post_ffn_norm and residual below.
+        float * dense = at_offset<float>(d.scratch, d.at.y);
+        TRY(norm_rows(x, n, e, w.ffn_pre_norm_2, s.rms_eps, h16, stream));
+        TRY(experts_ffn(d, i, n, h16, x, o, stream));
+        TRY(norm_rows(x, n, e, w.ffn_norm, s.rms_eps, h16, stream));
+        TRY(dense_ffn(dense));
+        TRY(two_norms_add(o, dense, n, e, w.ffn_post_norm_2, w.ffn_post_norm_1, s.rms_eps, stream));
+    } else if (s.n_expert) {
+        TRY(experts_ffn(d, i, n, h16, x, o, stream));
+    } else {
+        TRY(dense_ffn(o));
     }
     TRY(residual(x, o, n, e, w.post_ffn_norm, s, stream));
     if (w.per_layer_inp_gate.data) { // Gemma 4's per-layer embedding: its inputs follow the hidden states in x

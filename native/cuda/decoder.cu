@@ -99,12 +99,12 @@ pebble_status check_shape(const pebble_layer_shape * s, int64_t n_ctx) {
         (s->n_expert > 0 && (s->n_expert_used < 1 || s->n_expert_used > std::min(s->n_expert, max_experts_used) ||
                              s->n_ff_exp < 1 ||
                              (s->expert_norm != 0 && s->expert_norm != 1) || !std::isfinite(s->expert_scale) ||
-                             s->activation == 1 || (s->expert_gating != 0 && s->expert_gating != 1) ||
+                             (s->expert_gating != 0 && s->expert_gating != 1) ||
                              (s->expert_gating == 1 && s->expert_norm))) ||
         (s->n_expert == 0 && s->expert_gating != 0)) {
         return fail(PEBBLE_ERR_INVALID_ARGUMENT, "experts: n_expert %d must be within 0..%d and, above 0, "
                     "n_expert_used %d within 1..n_expert (and %d), n_ff_exp %d at least 1, expert_norm %d 0 or 1, "
-                    "expert_scale %g finite, activation %d 0 or 2 (experts are SwiGLU), expert_gating %d 0 or 1 (1 with "
+                    "expert_scale %g finite, activation %d 0, 1 or 2, expert_gating %d 0 or 1 (1 with "
                     "expert_norm 0; 0 without experts); n_ff_shexp %d at least 0", s->n_expert, max_experts,
                     s->n_expert_used, max_experts_used, s->n_ff_exp, s->expert_norm,
                     static_cast<double>(s->expert_scale), s->activation, s->expert_gating, s->n_ff_shexp);
@@ -154,15 +154,25 @@ pebble_status check_gemma4(const char * where, const pebble_layer_shape & s, con
         return with_place(st, where);
     }
     if ((st = check_vector("out_scale", w.out_scale, true)) != PEBBLE_OK) return with_place(st, where);
-    const struct { const char * name; const pebble_tensor_ref & t; } moe_only[] = {
-        {"ffn_gate_inp_s", w.ffn_gate_inp_s}, {"ffn_pre_norm_2", w.ffn_pre_norm_2},
-        {"ffn_post_norm_1", w.ffn_post_norm_1}, {"ffn_post_norm_2", w.ffn_post_norm_2},
-        {"ffn_down_exps_s", w.ffn_down_exps_s}};
+    // The 26B-A4B's layer: experts beside a dense FFN (w_gate given with n_expert > 0) take the router's scale and
+    // the three norms, the experts' scales optional; any of them elsewhere is refused.
+    const bool beside = s.n_expert > 0 && w.w_gate.data;
+    const struct { const char * name; const pebble_tensor_ref & t; bool optional; } moe_only[] = {
+        {"ffn_gate_inp_s", w.ffn_gate_inp_s, false}, {"ffn_pre_norm_2", w.ffn_pre_norm_2, false},
+        {"ffn_post_norm_1", w.ffn_post_norm_1, false}, {"ffn_post_norm_2", w.ffn_post_norm_2, false},
+        {"ffn_down_exps_s", w.ffn_down_exps_s, true}};
     for (const auto & v : moe_only) {
-        if (v.t.data) {
-            return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: %s is given, but Gemma 4's layer of experts beside a dense FFN "
-                        "is not computed by the decode step (its steps run through the forward pass)", where, v.name);
+        if (!beside && v.t.data) {
+            return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: %s is given, but the layer has no dense FFN beside experts "
+                        "(w_gate with n_expert above 0; it has n_expert %d), the only layer that reads it", where,
+                        v.name, s.n_expert);
         }
+        if (beside && !v.optional && !v.t.data) {
+            return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: %s must not be NULL: a dense FFN beside experts (Gemma 4's) "
+                        "needs ffn_gate_inp_s, ffn_pre_norm_2, ffn_post_norm_1 and ffn_post_norm_2 (ffn_down_exps_s "
+                        "optional)", where, v.name);
+        }
+        if (beside && (st = check_vector(v.name, v.t, true)) != PEBBLE_OK) return with_place(st, where);
     }
     return PEBBLE_OK;
 }
@@ -188,12 +198,13 @@ pebble_status check_layer(const char * fn, int32_t i, const pebble_layer_shape &
     if ((w.q_norm.data || w.k_norm.data) && (w.bq.data || w.bk.data)) {
         return fail(PEBBLE_ERR_INVALID_ARGUMENT, "%s: Q/K norms together with Q/K biases are not supported", where);
     }
-    const int64_t E = s.n_expert, ff = s.n_expert ? s.n_ff_exp : s.n_ff, sh = s.n_ff_shexp;
+    const int64_t E = s.n_expert, ff = s.n_expert ? s.n_ff_exp : s.n_ff, sh = s.n_ff_shexp, nf = s.n_ff;
     const bool moe = E > 0, shared = moe && sh > 0;
+    const bool dense = !moe || w.w_gate.data;  // Gemma 4's layer of experts has a dense FFN beside them
     const struct { const char * name; const pebble_tensor_ref & t; int64_t rows, cols; bool wanted; } matrices[] = {
         {"wq", w.wq, q, e, true}, {"wk", w.wk, kv, e, s.kv_layer < 0}, {"wv", w.wv, kv, e, s.kv_layer < 0 && !!w.wv.data},
         {"wo", w.wo, e, q, true},
-        {"w_gate", w.w_gate, ff, e, !moe}, {"w_up", w.w_up, ff, e, !moe}, {"w_down", w.w_down, e, ff, !moe},
+        {"w_gate", w.w_gate, nf, e, dense}, {"w_up", w.w_up, nf, e, dense}, {"w_down", w.w_down, e, nf, dense},
         {"ffn_gate_inp", w.ffn_gate_inp, E, e, moe}, {"ffn_gate_exps", w.ffn_gate_exps, E * ff, e, moe},
         {"ffn_up_exps", w.ffn_up_exps, E * ff, e, moe}, {"ffn_down_exps", w.ffn_down_exps, E * e, ff, moe},
         {"ffn_gate_shexp", w.ffn_gate_shexp, sh, e, shared}, {"ffn_up_shexp", w.ffn_up_shexp, sh, e, shared},
@@ -409,6 +420,7 @@ extern "C" pebble_status pebble_decoder_create(const pebble_step_model * model, 
         l.act = take(sizeof(act_t) * B * uint64_t(d->max_ff));
         l.y = take(4 * B * uint64_t(m.n_embd));
         d->router_host.assign(size_t(B) * size_t(d->max_expert), 0.0f);
+        d->exps_scale_host.assign(size_t(d->max_expert), 0.0f);
         d->router_p.assign(size_t(d->max_expert), 0.0f);
         d->router_order.assign(size_t(d->max_expert), 0);
     }

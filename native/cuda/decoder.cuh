@@ -85,6 +85,7 @@ struct pebble_decoder {
     int64_t widest = 0, max_q = 0, max_kv = 0, max_ff = 0, max_heads = 0, max_rows = 0, max_expert = 0;
     int64_t parts_per_seq = 0; // floats of a sequence's attention parts (attention_args.parts)
     std::vector<float> router_host;    // the router's scores of a step, read back
+    std::vector<float> exps_scale_host; // a layer's ffn_down_exps_s (its F32 or F16 bytes), read back with them
     std::vector<float> router_p;       // one token's expert probabilities, and the experts by them (kept, so
     std::vector<int32_t> router_order; // that a step allocates nothing)
     // experts as pebbles (pebble_step_model's expert_policy): slots of one expert each in one buffer; per
@@ -157,7 +158,7 @@ extern const char * const weight_names[PEBBLE_LAYER_WEIGHTS];
 // routed FFN of a layer of experts.
 pebble_status place_experts(pebble_decoder & d, const char * fn);
 pebble_status prefetch_experts(pebble_decoder & d, int32_t i, int32_t n, const float * x, cudaStream_t stream);
-pebble_status experts_ffn(pebble_decoder & d, int32_t layer, int32_t n, const act_t * h, float * out,
+pebble_status experts_ffn(pebble_decoder & d, int32_t layer, int32_t n, const act_t * h, const float * x, float * out,
                           cudaStream_t stream);
 
 // cuda/graph.cu

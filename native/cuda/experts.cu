@@ -1,10 +1,10 @@
-// cuda/experts.cu: a decode step's layers of experts (qwen2moe, qwen3moe, mixtral-style, gpt-oss): the
-// router's scores (its bias added where given) read back to the host, which chooses each token's
-// n_expert_used experts (a softmax over all, the most probable, weights normalised where asked; or
-// gpt-oss's highest scores and a softmax over them); then expert by expert the tokens routed to it gathered
-// and run through its gate, up and down matrices (SwiGLU or gpt-oss's clamped form, its biases where given;
-// its rows read once for them all) and added,
-// weighted, to their tokens' output; the shared expert after, gated by a sigmoid where the layer has one.
+// cuda/experts.cu: a decode step's layers of experts (qwen2moe, qwen3moe, mixtral-style, gpt-oss, Gemma 4's
+// 26B-A4B): the router's scores (its bias added where given; Gemma 4's of an input of its own) read back to the
+// host, which chooses each token's n_expert_used experts (a softmax over all, the most probable, weights
+// normalised where asked; or gpt-oss's highest scores and a softmax over them); then expert by expert the
+// tokens routed to it gathered and run through its gate, up and down matrices (SwiGLU, GELU or gpt-oss's clamped form, its biases where
+// given; its rows read once for them all) and added, weighted (times a scale of its own where given), to their
+// tokens' output; the shared expert after, gated by a sigmoid where the layer has one.
 // An expert's matrices come from the layer's merged tensors, or from a store as pebbles, through a per-layer
 // cache of slots (least recently or least often used) and staging slots, guessed and restored early where
 // asked (prefetch_experts: those restores are on the step's stream, so on the GPU they do not yet overlap
@@ -163,12 +163,25 @@ pebble_status cached_expert(pebble_decoder & d, int32_t i, int32_t j, cudaStream
     return PEBBLE_OK;
 }
 
+// What layer L's router scores for the n rows of x [n][n_embd], into out: x RMS-normed with the layer's ffn_norm;
+// or, where the layer has a dense FFN beside its experts (Gemma 4's, ffn_gate_inp_s given), x normed without a
+// weight, times ffn_gate_inp_s over sqrt(n_embd).
+pebble_status router_input(const pebble_step_layer & L, const float * x, int32_t n, act_t * out, cudaStream_t stream) {
+    const pebble_layer_shape & s = L.shape;
+    if (L.weights.ffn_gate_inp_s.data) {
+        return scaled_norm_rows(x, n, s.n_embd, L.weights.ffn_gate_inp_s, sqrtf(static_cast<float>(s.n_embd)), s.rms_eps,
+                                out, stream);
+    }
+    return norm_rows(x, n, s.n_embd, L.weights.ffn_norm, s.rms_eps, out, stream);
+}
+
 } // namespace
 
 namespace pebble_internal {
 
 // Prefetch for layer i (pebble_step_model.expert_prefetch): its router applied to x [n][n_embd], the hidden
-// state entering it, RMS-normed with its ffn_norm; the n_expert_used experts of the highest probability
+// state entering it, as router_input prepares it (before the layer's attention has added to it: a guess); the
+// n_expert_used experts of the highest probability
 // summed over the n tokens guessed, and each one the layer's cache lacks restored into a staging slot.
 pebble_status prefetch_experts(pebble_decoder & d, int32_t i, int32_t n, const float * x, cudaStream_t stream) {
     const pebble_step_layer & L = d.layers[size_t(i)];
@@ -176,7 +189,7 @@ pebble_status prefetch_experts(pebble_decoder & d, int32_t i, int32_t n, const f
     const int64_t e = s.n_embd, E = s.n_expert;
     act_t * h16 = at_offset<act_t>(d.scratch, d.at.h16);
     float * router = at_offset<float>(d.scratch, d.at.router);
-    TRY(norm_rows(x, n, e, L.weights.ffn_norm, s.rms_eps, h16, stream));
+    TRY(router_input(L, x, n, h16, stream));
     TRY(matvec_many(L.weights.ffn_gate_inp.ggml_type, L.weights.ffn_gate_inp.data, E, e, h16, n, router, stream));
     if (L.weights.ffn_gate_inp_b.data) TRY(add_bias(router, n, E, L.weights.ffn_gate_inp_b, 0, stream));
     CUDA_CHECK(cudaMemcpyAsync(d.router_host.data(), router, sizeof(float) * size_t(n) * size_t(E), cudaMemcpyDefault,
@@ -215,10 +228,11 @@ pebble_status prefetch_experts(pebble_decoder & d, int32_t i, int32_t n, const f
 }
 
 // The routed FFN of the n rows of h (normed) into out [n][n_embd] float32 (pebble_layer_shape's experts):
-// the router's scores are read back, each token's experts chosen on the host, then expert by expert in
-// increasing order the rows routed to it are gathered, run through its gate, up and down (its rows read
-// once for all of them) and added, weighted, to their tokens' out; the shared expert after, where given.
-pebble_status experts_ffn(pebble_decoder & d, int32_t layer, int32_t n, const act_t * h, float * out,
+// the router's scores (of h, or where the layer has ffn_gate_inp_s of router_input(x), x the hidden state) are
+// read back, each token's experts chosen on the host, then expert by expert in increasing order the rows routed
+// to it are gathered, run through its gate, up and down (its rows read once for all of them) and added,
+// weighted (times its ffn_down_exps_s where given), to their tokens' out; the shared expert after, where given.
+pebble_status experts_ffn(pebble_decoder & d, int32_t layer, int32_t n, const act_t * h, const float * x, float * out,
                           cudaStream_t stream) {
     const pebble_step_layer & L = d.layers[size_t(layer)];
     const pebble_layer_shape & s = L.shape;
@@ -228,10 +242,20 @@ pebble_status experts_ffn(pebble_decoder & d, int32_t layer, int32_t n, const ac
     float * router = at_offset<float>(d.scratch, d.at.router), * y = at_offset<float>(d.scratch, d.at.y);
     float * gate = at_offset<float>(d.scratch, d.at.gate), * up = at_offset<float>(d.scratch, d.at.up);
     act_t * rows = at_offset<act_t>(d.scratch, d.at.rows), * act = at_offset<act_t>(d.scratch, d.at.act);
-    TRY(matvec_many(w.ffn_gate_inp.ggml_type, w.ffn_gate_inp.data, E, e, h, n, router, stream));
+    const act_t * scored = h;
+    if (w.ffn_gate_inp_s.data) {  // Gemma 4: the router's own input, in `rows` until the experts gather theirs
+        TRY(router_input(L, x, n, rows, stream));
+        scored = rows;
+    }
+    TRY(matvec_many(w.ffn_gate_inp.ggml_type, w.ffn_gate_inp.data, E, e, scored, n, router, stream));
     if (w.ffn_gate_inp_b.data) TRY(add_bias(router, n, E, w.ffn_gate_inp_b, 0, stream));
     CUDA_CHECK(cudaMemcpyAsync(d.router_host.data(), router, sizeof(float) * size_t(n) * size_t(E), cudaMemcpyDefault,
                                stream));
+    const pebble_tensor_ref & exps_s = w.ffn_down_exps_s;  // Gemma 4's scale of each expert's output, or NULL
+    if (exps_s.data) {  // read back with the scores (F32 or F16; a streamed layer's lies in its slot)
+        CUDA_CHECK(cudaMemcpyAsync(d.exps_scale_host.data(), exps_s.data,
+                                   size_t(E) * (exps_s.ggml_type == f32_type ? 4 : 2), cudaMemcpyDefault, stream));
+    }
     CUDA_CHECK(cudaStreamSynchronize(stream));
     // per token: its experts (a softmax over all, the k most probable, ties to the lower index) and weights;
     // with expert_gating 1, the k highest scores and a softmax over them alone (gpt-oss)
@@ -271,6 +295,9 @@ pebble_status experts_ffn(pebble_decoder & d, int32_t layer, int32_t n, const ac
             if (s.expert_norm) wr = wr / sum;
             weight[b][r] = s.expert_scale == 1.0f ? wr : wr * s.expert_scale;
         }
+    }
+    for (int32_t b = 0; b < n && exps_s.data; b++) {  // Gemma 4: each expert's output times its own scale
+        for (int32_t r = 0; r < k; r++) weight[b][r] *= load_value(d.exps_scale_host.data(), exps_s.ggml_type, chosen[b][r]);
     }
     if (L.experts_stored) {  // what the step has to run, and how many of the layer's guesses it runs
         std::fill(d.to_run.begin(), d.to_run.begin() + E, uint8_t(0));

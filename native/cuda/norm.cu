@@ -1,7 +1,7 @@
 // cuda/norm.cu: RMS norms of float32 rows, weights F32 or F16: of the hidden state into the decode step's
 // activations (out = x / rms(x) * w, a thread block a row on the GPU), of each head of q and k in place
-// (Q/K norms, a warp a head) and of V without a weight (Gemma 4), a scale read from a weight (Gemma 4's layer
-// output scale), and the residual adds they meet: x += o * scale, o normed first where the
+// (Q/K norms, a warp a head) and of V without a weight (Gemma 4), Gemma 4's router input and the sum of its two
+// FFN halves each normed, a scale read from a weight (Gemma 4's layer output scale), and the residual adds they meet: x += o * scale, o normed first where the
 // layer has a post-norm (the Gemmas'), and the add fused with the norm that follows it. The kernels are
 // written once (pebble_device.h): in the host build a kernel is a plain function run as one thread, which
 // walks each row in order.
@@ -176,6 +176,62 @@ __global__ void add_rms_rows_kernel(float * __restrict__ x, const float * __rest
 #endif
 }
 
+// out[r] = x[r] / rms(x[r]) * (w / divisor) for each of n_rows rows of n: Gemma 4's router input (x normed
+// without a weight, times ffn_gate_inp_s over sqrt(n_embd)), each factor rounded as the forward pass rounds it.
+__global__ void scaled_rms_rows_kernel(const float * __restrict__ x, int64_t n_rows, int64_t n, const void * w,
+                                       int32_t w_type, float divisor, float eps, act_t * __restrict__ out) {
+#ifdef PEBBLE_HOST_BUILD
+    for (int64_t r = 0; r < n_rows; r++) {
+        const float * xr = x + r * n;
+        float sum = 0.0f;
+        for (int64_t i = 0; i < n; i++) sum += xr[i] * xr[i];
+        const float scale = 1.0f / sqrtf(sum / static_cast<float>(n) + eps);
+        for (int64_t i = 0; i < n; i++) put(out, r * n + i, (xr[i] * scale) * (load_value(w, w_type, i) / divisor));
+    }
+#else
+    __shared__ float partial[norm_threads / 32];
+    const int t = static_cast<int>(threadIdx.x);
+    for (int64_t r = blockIdx.x; r < n_rows; r += gridDim.x) {
+        const float * xr = x + r * n;
+        const float scale = 1.0f / sqrtf(block_sum_squares(xr, n, partial) / static_cast<float>(n) + eps);
+        for (int64_t i = t; i < n; i += norm_threads) {
+            put(out, r * n + i, (xr[i] * scale) * (load_value(w, w_type, i) / divisor));
+        }
+    }
+#endif
+}
+
+// a[r] = rms_norm(b[r]) * wb + rms_norm(a[r]) * wa for each of n_rows rows of n (Gemma 4: the dense FFN's
+// output b and the experts' a, each normed after, then added).
+__global__ void two_norms_add_kernel(float * __restrict__ a, const float * __restrict__ b, int64_t n_rows, int64_t n,
+                                     const void * wa, int32_t wa_type, const void * wb, int32_t wb_type, float eps) {
+#ifdef PEBBLE_HOST_BUILD
+    for (int64_t r = 0; r < n_rows; r++) {
+        float * ar = a + r * n;
+        const float * br = b + r * n;
+        float sa = 0.0f, sb = 0.0f;
+        for (int64_t i = 0; i < n; i++) sa += ar[i] * ar[i];
+        for (int64_t i = 0; i < n; i++) sb += br[i] * br[i];
+        const float na = 1.0f / sqrtf(sa / static_cast<float>(n) + eps), nb = 1.0f / sqrtf(sb / static_cast<float>(n) + eps);
+        for (int64_t i = 0; i < n; i++) {
+            ar[i] = br[i] * nb * load_value(wb, wb_type, i) + ar[i] * na * load_value(wa, wa_type, i);
+        }
+    }
+#else
+    __shared__ float partial[norm_threads / 32];
+    const int t = static_cast<int>(threadIdx.x);
+    for (int64_t r = blockIdx.x; r < n_rows; r += gridDim.x) {
+        float * ar = a + r * n;
+        const float * br = b + r * n;
+        const float na = 1.0f / sqrtf(block_sum_squares(ar, n, partial) / static_cast<float>(n) + eps);
+        const float nb = 1.0f / sqrtf(block_sum_squares(br, n, partial) / static_cast<float>(n) + eps);
+        for (int64_t i = t; i < n; i += norm_threads) {
+            ar[i] = br[i] * nb * load_value(wb, wb_type, i) + ar[i] * na * load_value(wa, wa_type, i);
+        }
+    }
+#endif
+}
+
 } // namespace
 
 // ---------------------------------------------------------------------------------------------------
@@ -187,6 +243,20 @@ namespace pebble_internal {
 pebble_status norm_rows(const float * x, int64_t n, int64_t e, const pebble_tensor_ref & w, float eps, act_t * out,
                         [[maybe_unused]] cudaStream_t stream) {
     LAUNCH(rms_rows_kernel, grid_for(n, 1), norm_threads, stream, x, n, e, w.data, w.ggml_type, eps, out);
+    return launched();
+}
+
+pebble_status scaled_norm_rows(const float * x, int64_t n, int64_t e, const pebble_tensor_ref & w, float divisor,
+                               float eps, act_t * out, [[maybe_unused]] cudaStream_t stream) {
+    LAUNCH(scaled_rms_rows_kernel, grid_for(n, 1), norm_threads, stream, x, n, e, w.data, w.ggml_type, divisor, eps,
+           out);
+    return launched();
+}
+
+pebble_status two_norms_add(float * a, const float * b, int64_t n, int64_t e, const pebble_tensor_ref & wa,
+                            const pebble_tensor_ref & wb, float eps, [[maybe_unused]] cudaStream_t stream) {
+    LAUNCH(two_norms_add_kernel, grid_for(n, 1), norm_threads, stream, a, b, n, e, wa.data, wa.ggml_type, wb.data,
+           wb.ggml_type, eps);
     return launched();
 }
 

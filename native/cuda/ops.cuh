@@ -40,6 +40,14 @@ pebble_status matvec_parts(const matvec_part * parts, int n_parts, int64_t n_col
 // out[r] = x[r] / rms(x[r]) * w for each of n rows of e values: one launch.
 pebble_status norm_rows(const float * x, int64_t n, int64_t e, const pebble_tensor_ref & w, float eps, act_t * out,
                         cudaStream_t stream);
+// out[r] = x[r] / rms(x[r]) * (w / divisor) for n rows of e values (Gemma 4's router input, w its ffn_gate_inp_s
+// and divisor sqrt(n_embd)): one launch.
+pebble_status scaled_norm_rows(const float * x, int64_t n, int64_t e, const pebble_tensor_ref & w, float divisor,
+                               float eps, act_t * out, cudaStream_t stream);
+// a[r] = b[r] / rms(b[r]) * wb + a[r] / rms(a[r]) * wa for n rows of e values (Gemma 4's dense FFN b and experts
+// a, each normed after, added): one launch.
+pebble_status two_norms_add(float * a, const float * b, int64_t n, int64_t e, const pebble_tensor_ref & wa,
+                            const pebble_tensor_ref & wb, float eps, cudaStream_t stream);
 // x[r] += o[r] * add_scale (a residual), then out[r] = x[r] / rms(x[r]) * w, for n rows of e values: one launch.
 pebble_status add_norm_rows(float * x, const float * o, int64_t n, int64_t e, float add_scale,
                             const pebble_tensor_ref & w, float eps, act_t * out, cudaStream_t stream);

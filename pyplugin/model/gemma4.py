@@ -190,9 +190,3 @@ def per_layer_inputs(cfg: Any, outer: Any, tokens: Any, x: Array) -> Array | Non
     proj = rms_norm(proj.reshape(T, cfg.n_layer, n), outer.per_layer_proj_norm, cfg.rms_eps)
     return ((proj + rows) * np.float32(1.0 / math.sqrt(2.0))).astype(x.dtype, copy=False)
 
-
-def forward_decodes(cfg: Any) -> bool:
-    """Whether a decode step of a model of `cfg` runs through the forward pass (every layer's layer_forward on one
-    token) rather than the decoder (pebble_decoder_step): a gemma4 model with experts (the 26B-A4B), whose dense FFN
-    beside them the decoder does not compute yet. The tokens are the same either way."""
-    return cfg.arch == "gemma4" and cfg.n_expert > 0

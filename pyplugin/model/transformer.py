@@ -326,8 +326,8 @@ def ffn_block(cfg: ModelConfig, x: Array, lw: LayerWeights, experts: Any = None,
     act = gelu_tanh if cfg.activation == "gelu" else silu
     if lw.ffn_gate_inp is not None and lw.w_gate is not None:                   # Gemma 4: dense FFN and experts
         dense = rms_norm(_gated(h, lw, act), lw.ffn_post_norm_1, cfg.rms_eps)
-        routed = rms_norm(x, None, cfg.rms_eps) * (lw.ffn_gate_inp_s / np.float32(math.sqrt(cfg.n_embd)))
-        moe = moe_ffn(cfg, rms_norm(x, lw.ffn_pre_norm_2, cfg.rms_eps), lw, experts, max_rows, act, routed)
+        moe = moe_ffn(cfg, rms_norm(x, lw.ffn_pre_norm_2, cfg.rms_eps), lw, experts, max_rows, act,
+                      router_input(cfg, x, lw))
         out = dense + rms_norm(moe.astype(x.dtype, copy=False), lw.ffn_post_norm_2, cfg.rms_eps)
     elif lw.ffn_gate_inp is not None:                                           # experts
         out = moe_ffn(cfg, h, lw, experts, max_rows).astype(x.dtype, copy=False)  # [T, n_embd]
@@ -336,6 +336,14 @@ def ffn_block(cfg: ModelConfig, x: Array, lw: LayerWeights, experts: Any = None,
     if lw.post_ffn_norm is not None:
         out = rms_norm(out, lw.post_ffn_norm, cfg.rms_eps)
     return x + (out if cfg.residual_scale == 1.0 else out * cfg.residual_scale)
+
+
+def router_input(cfg: ModelConfig, x: Array, lw: LayerWeights) -> Array:
+    """What a layer's router scores for x [T, n_embd]: x normed by ffn_norm; where the layer has its own router
+    scale (Gemma 4's ffn_gate_inp_s), x normed without a weight, over sqrt(n_embd), times that scale."""
+    if lw.ffn_gate_inp_s is None:
+        return rms_norm(x, lw.ffn_norm, cfg.rms_eps)
+    return rms_norm(x, None, cfg.rms_eps) * (lw.ffn_gate_inp_s / np.float32(math.sqrt(cfg.n_embd)))
 
 
 def _gated(h: Array, lw: LayerWeights, act: Callable[[Array], Array]) -> Array:

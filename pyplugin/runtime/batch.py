@@ -19,7 +19,7 @@ import numpy as np
 from ..kv_types import cache_kv_type, decode, encode
 from ..model import QuantWeight, embed, output_logits
 from ..model.qweight import needs_expansion
-from ..model.gemma4 import forward_decodes, per_layer_inputs
+from ..model.gemma4 import per_layer_inputs
 from ..model.transformer import Attend, ModelConfig, LayerWeights, apply_rope, attention, rms_norm, rope_table, silu
 from ..xp import get_array_module, to_numpy
 from .generation import Generation, attend_through
@@ -120,8 +120,6 @@ def decode_batch(source: StoreLayers, generations: Sequence[Generation], tokens:
     position) in one call of the plan's decoder; float32 logits of each, in order. Advances each
     generation's position."""
     first, xp, outer = generations[0], source.xp, source.outer
-    if forward_decodes(first.cfg):  # a model the decoder does not compute (Gemma 4's MoE): each through the layers
-        return [g.forward([t]) for g, t in zip(generations, tokens)]
     x = xp.ascontiguousarray(embed(outer, list(tokens), xp, first.cfg.embd_scale, np.float32))  # [B, n_embd]
     logits = source.decode_step([g.layers.seq for g in generations], [g.pos for g in generations], x,
                                 per_layer_inputs(first.cfg, outer, list(tokens), x))  # Gemma 4's, else None

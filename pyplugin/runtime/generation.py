@@ -17,7 +17,7 @@ import numpy as np
 
 from ..errors import OptionsError
 from ..model import KVCache, LayerWeights, Model, OuterWeights, embed, layer_forward, output_logits
-from ..model.gemma4 import forward_decodes, per_layer_inputs
+from ..model.gemma4 import per_layer_inputs
 from ..model.kv_shift import plan_shift, shift_caches, shift_due
 from ..model.transformer import Attend, rms_norm, rope_table
 from ..store import Decoder, Kernels, select_backend
@@ -156,7 +156,7 @@ class Generation:
     def forward(self, tokens: Sequence[int]) -> np.ndarray:
         """Run tokens through every layer at the current position; float32 logits of the last one. A single
         token (a decode step) is one call of the source's decoder."""
-        if len(tokens) == 1 and not forward_decodes(self.cfg):
+        if len(tokens) == 1:
             # float32 from the table to the step (on the GPU one copy, not rounded through the compute type)
             x = self.xp.ascontiguousarray(embed(self.outer, tokens, self.xp, self.cfg.embd_scale, np.float32))
             per_layer = per_layer_inputs(self.cfg, self.outer, tokens, x)            # Gemma 4's, else None

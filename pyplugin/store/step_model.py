@@ -203,11 +203,6 @@ def make_decoder(kernels, cfg, layers, caches, outer, n_ctx: int, *, streamed=No
     each, of `expert_store` or else `store` (experts_stored 1), or the entries of the merged gate, up and
     down tensors in `store` (2); `expert_policy` and `expert_prefetch` as pebble_step_model has them."""
     from ..model.transformer import rope_table  # noqa: PLC0415 - the store sits below the model
-    for i, lw in enumerate(layers):  # Gemma 4's 26B-A4B (model.gemma4.forward_decodes): not in the step yet
-        if lw.w_gate is not None and lw.ffn_gate_inp is not None:
-            raise InvalidArgumentError(f"decoder: layer {i} of the {cfg.arch} model runs a dense FFN beside its "
-                                       "experts, which the decode step does not compute: its decode steps run through "
-                                       "the forward pass")
     kv_type = _kv_type("decoder", caches[0][0][0], cfg.for_layer(0).head_dim)
     step_layers = []
     for i, lw in enumerate(layers):

@@ -67,7 +67,7 @@ class StubDecoder:
             def build(w, where=where, s=s, e=e, q_rows=q_rows, kv_rows=kv_rows) -> LayerWeights:
                 vec = lambda *a, **k: kernels._vector(where, w, *a, **k)  # noqa: E731
                 mat = lambda *a: kernels._matrix(where, w, *a)  # noqa: E731
-                dense, reader = not s.n_expert, s.kv_layer >= 0
+                dense, reader = not s.n_expert or _given(w, "w_gate"), s.kv_layer >= 0  # (Gemma 4's: both)
                 mat_if = lambda wanted, name, *a: mat(name, *a) if _wanted(where, w, name, wanted) else None  # noqa: E731
                 gemma4 = _gemma4_weights(where, w, s, model.n_embd_per_layer, vec, mat)
                 E, fx, sh = s.n_expert, s.n_ff_exp, s.n_ff_shexp if s.n_expert else 0
@@ -254,7 +254,8 @@ def _gpt_oss_weights(where: str, w: dict, s, vec) -> dict:
 def _gemma4_weights(where: str, w: dict, s, n_pl: int, vec, mat) -> dict:
     """Gemma 4's per-layer embedding and output scale, refused as native/cuda/decoder.cu refuses them: a reader of
     another's caches giving K or V weights, V = K without V's norm, the per-layer weights not all three or without
-    the model's width, or the parts of its layer of experts beside a dense FFN (not computed by the step)."""
+    the model's width, or the parts of its layer of experts beside a dense FFN (the router's scale, the three norms
+    and the experts' scales) missing there or given elsewhere."""
     if s.kv_layer >= 0 and any(_given(w, name) for name in ("wk", "wv", "bk", "bv", "k_norm")):
         raise InvalidArgumentError(f"{where}: the layer reads layer {s.kv_layer}'s caches (kv_layer), so it computes no "
                                    "K or V: wk, wv, bk, bv and k_norm must be NULL")
@@ -265,12 +266,21 @@ def _gemma4_weights(where: str, w: dict, s, n_pl: int, vec, mat) -> dict:
     if given not in (0, 3) or (given and n_pl < 1):
         raise InvalidArgumentError(f"{where}: per_layer_inp_gate, per_layer_proj and per_layer_post_norm go together "
                                    f"({given} of 3 given), with the model's n_embd_per_layer above 0 (it is {n_pl})")
-    for name in ("ffn_gate_inp_s", "ffn_pre_norm_2", "ffn_post_norm_1", "ffn_post_norm_2", "ffn_down_exps_s"):
-        if _given(w, name):
-            raise InvalidArgumentError(f"{where}: {name} is given, but Gemma 4's layer of experts beside a dense FFN is "
-                                       "not computed by the decode step (its steps run through the forward pass)")
+    beside = bool(s.n_expert) and _given(w, "w_gate")  # the 26B-A4B's layer: a dense FFN beside the experts
     e = s.n_embd
     out = dict(out_scale=vec("out_scale", 1, optional=True))
+    for name, optional in (("ffn_gate_inp_s", False), ("ffn_pre_norm_2", False), ("ffn_post_norm_1", False),
+                           ("ffn_post_norm_2", False), ("ffn_down_exps_s", True)):
+        if not beside and _given(w, name):
+            raise InvalidArgumentError(f"{where}: {name} is given, but the layer has no dense FFN beside experts "
+                                       f"(w_gate with n_expert above 0; it has n_expert {s.n_expert}), the only layer "
+                                       "that reads it")
+        if beside and not optional and not _given(w, name):
+            raise InvalidArgumentError(f"{where}: {name} must not be NULL: a dense FFN beside experts (Gemma 4's) needs "
+                                       "ffn_gate_inp_s, ffn_pre_norm_2, ffn_post_norm_1 and ffn_post_norm_2 "
+                                       "(ffn_down_exps_s optional)")
+        if beside:
+            out[name] = vec(name, s.n_expert if name == "ffn_down_exps_s" else e, optional=optional)
     if given:
         out.update(per_layer_inp_gate=mat("per_layer_inp_gate", n_pl, e), per_layer_proj=mat("per_layer_proj", e, n_pl),
                    per_layer_post_norm=vec("per_layer_post_norm", e))

@@ -10,7 +10,7 @@ import numpy as np
 from ..errors import InvalidArgumentError, SizeMismatchError
 from ..ggml_types import row_bytes
 from ..model.moe import router_probabilities
-from ..model.transformer import rms_norm
+from ..model.transformer import router_input
 from .abi import aligned
 
 
@@ -135,10 +135,11 @@ class ExpertSlots:
     # -- prefetch
 
     def prefetch(self, i: int, cfg, lw, x: np.ndarray, max_rows: int) -> None:
-        """prefetch_experts: layer i's router on x [n, n_embd], the hidden state entering it, normed with its
-        ffn_norm; the n_expert_used experts of the highest probability summed over the tokens restored into
-        staging slots where the layer's cache lacks them."""
-        p = router_probabilities(cfg, rms_norm(x, lw.ffn_norm, cfg.rms_eps), lw.ffn_gate_inp, max_rows, lw.ffn_gate_inp_b)
+        """prefetch_experts: layer i's router on x [n, n_embd], the hidden state entering it, made its input as the
+        layer makes it (transformer.router_input: normed with its ffn_norm, or Gemma 4's own); the n_expert_used
+        experts of the highest probability summed over the tokens restored into staging slots where the layer's
+        cache lacks them."""
+        p = router_probabilities(cfg, router_input(cfg, x, lw), lw.ffn_gate_inp, max_rows, lw.ffn_gate_inp_b)
         score = np.zeros(p.shape[1], np.float32)
         for row in p:  # token by token, as the native step sums them
             score += row

@@ -189,12 +189,12 @@ class StubKernels:
                                        f"residual_scale {s.residual_scale:g} finite")
         if not 0 <= s.n_expert <= 1 << 12 or s.n_ff_shexp < 0 or (s.n_expert and (
                 not 1 <= s.n_expert_used <= min(s.n_expert, 16) or s.n_ff_exp < 1 or s.expert_norm not in (0, 1)
-                or not math.isfinite(s.expert_scale) or s.activation == 1 or s.expert_gating not in (0, 1)
+                or not math.isfinite(s.expert_scale) or s.expert_gating not in (0, 1)
                 or (s.expert_gating == 1 and s.expert_norm))) or (not s.n_expert and s.expert_gating):
             raise InvalidArgumentError(f"{where}: experts: n_expert {s.n_expert} must be within 0..4096 and, above 0, "
                                        f"n_expert_used {s.n_expert_used} within 1..n_expert (and 16), n_ff_exp "
                                        f"{s.n_ff_exp} at least 1, expert_norm {s.expert_norm} 0 or 1, expert_scale "
-                                       f"{s.expert_scale:g} finite, activation {s.activation} 0 or 2, expert_gating "
+                                       f"{s.expert_scale:g} finite, activation {s.activation} 0, 1 or 2, expert_gating "
                                        f"{s.expert_gating} 0 or 1 (1 with expert_norm 0; 0 without experts); n_ff_shexp "
                                        f"{s.n_ff_shexp} at least 0")
 

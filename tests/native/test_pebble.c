@@ -429,7 +429,7 @@ int main(void) {
                strstr(pebble_last_error(), "n_expert_used") != NULL);
         layer.shape.n_expert_used = 1, layer.weights.w_gate = f32_eye; // a dense FFN beside the experts
         EXPECT(pebble_decoder_create(&model, &layer, ks, vs, &d) == PEBBLE_ERR_INVALID_ARGUMENT &&
-               strstr(pebble_last_error(), "w_gate") != NULL);
+               strstr(pebble_last_error(), "ffn_gate_inp_s must not be NULL: a dense FFN beside experts") != NULL);
         EXPECT(pebble_free(st) == PEBBLE_OK);
     }
 
