@@ -301,15 +301,14 @@ struct pebble_layer_shape {
     int32_t ring;            // 1: the caches are rings of the last n_ctx positions (a sliding window)
     float   attn_softcap;    // above 0: each score s becomes c * tanh(s / c) (gemma2); 0: none
     float   residual_scale;  // multiplies each block's output before it joins x (1: none; Granite's)
-    // A mixture of experts in place of the FFN where n_expert > 0 (w_gate, w_up, w_down then NULL, except
-    // beside Gemma 4's: pebble_layer_weights): the
-    // router's softmax over n_expert scores, the n_expert_used most probable (ties to the lower index),
-    // their probabilities renormalised to sum to 1 where expert_norm is 1, times expert_scale; each chosen
-    // expert a SwiGLU (or, activation 1, GELU-gated: Gemma 4's) FFN of n_ff_exp, summed by those weights in increasing expert order; plus, where
-    // n_ff_shexp > 0, a shared SwiGLU FFN of n_ff_shexp times sigmoid(ffn_gate_inp_shexp . h) (qwen2moe).
-    // With expert_gating 1 (gpt-oss) the n_expert_used highest scores (the router's bias added where given)
-    // are chosen and their weights are a softmax over those scores alone (expert_norm must be 0); the
-    // experts' biases, where given, join their gate, up and down products.
+    // A mixture of experts in place of the FFN where n_expert > 0 (w_gate, w_up, w_down then NULL, except in
+    // Gemma 4's layer of both: pebble_layer_weights): the router's softmax over n_expert scores, the n_expert_used
+    // most probable (ties to the lower index), their probabilities renormalised to sum to 1 where expert_norm is 1,
+    // times expert_scale; each chosen expert a SwiGLU (or, activation 1, GELU-gated: Gemma 4's) FFN of n_ff_exp, summed by those weights in
+    // increasing expert order; plus, where n_ff_shexp > 0, a shared SwiGLU FFN of n_ff_shexp times
+    // sigmoid(ffn_gate_inp_shexp . h) (qwen2moe). With expert_gating 1 (gpt-oss) the n_expert_used highest scores (the
+    // router's bias added where given) are chosen and their weights are a softmax over those scores alone (expert_norm
+    // must be 0); the experts' biases, where given, join their gate, up and down products.
     int32_t n_expert, n_expert_used, n_ff_exp, n_ff_shexp;
     int32_t expert_norm;     // 0 or 1
     float   expert_scale;    // 1: none
@@ -486,16 +485,15 @@ struct pebble_step_model {
     // the step ran each expert of the layer since the decoder was made; ties to the least recently used).
     // An empty slot is always taken first, and an expert the step has still to run only where every cached
     // one is.
-    // expert_prefetch 1: before each such layer computes, its router is applied to the hidden state entering
-    // it (RMS-normed with the layer's ffn_norm; a layer with ffn_gate_inp_s as its router input is made of
-    // the stream after attention: normed without a weight, times ffn_gate_inp_s / sqrt(n_embd)): the n_expert_used experts with the highest probability
-    // summed over the step's tokens are the guesses, and each one its cache lacks is restored into a staging
-    // slot then, while the layer's attention computes. A guessed expert the layer then runs is a hit (with a
-    // cache it takes the victim's slot, the victim's buffer becoming a staging slot); the staging slots are
-    // free again once the layer has run. A wrong guess costs its restore, never a result: the layer's
-    // experts are chosen from its own router as without prefetch. Where a layer without a cache must
-    // restore a miss and every staging slot holds a guess still to run, the one of the highest expert
-    // index gives way (it is restored again when it runs).
+    // expert_prefetch 1: before each such layer computes, its router is applied to the hidden state entering it
+    // (RMS-normed with the layer's ffn_norm; where the layer has ffn_gate_inp_s, made as its router's own input is:
+    // normed without a weight, times ffn_gate_inp_s / sqrt(n_embd)): the n_expert_used experts with the highest
+    // probability summed over the step's tokens are the guesses, and each one its cache lacks is restored into a
+    // staging slot then, while the layer's attention computes. A guessed expert the layer then runs is a hit (with a
+    // cache it takes the victim's slot, the victim's buffer becoming a staging slot); the staging slots are free again
+    // once the layer has run. A wrong guess costs its restore, never a result: the layer's experts are chosen from its
+    // own router as without prefetch. Where a layer without a cache must restore a miss and every staging slot holds a
+    // guess still to run, the one of the highest expert index gives way (it is restored again when it runs).
     int32_t expert_policy;
     int32_t expert_prefetch;
     // Gemma 4's per-layer embeddings: the width of a layer's per-layer input (0: none, and no layer may give

@@ -2,9 +2,10 @@
 // 26B-A4B): the router's scores (its bias added where given; Gemma 4's of an input of its own) read back to the
 // host, which chooses each token's n_expert_used experts (a softmax over all, the most probable, weights
 // normalised where asked; or gpt-oss's highest scores and a softmax over them); then expert by expert the
-// tokens routed to it gathered and run through its gate, up and down matrices (SwiGLU, GELU or gpt-oss's clamped form, its biases where
-// given; its rows read once for them all) and added, weighted (times a scale of its own where given), to their
-// tokens' output; the shared expert after, gated by a sigmoid where the layer has one.
+// tokens routed to it gathered and run through its gate, up and down matrices (SwiGLU, GELU or gpt-oss's
+// clamped form, its biases where given; its rows read once for them all) and added, weighted (times a scale of
+// its own where given), to their tokens' output; the shared expert after, gated by a sigmoid where the layer
+// has one.
 // An expert's matrices come from the layer's merged tensors, or from a store as pebbles, through a per-layer
 // cache of slots (least recently or least often used) and staging slots, guessed and restored early where
 // asked (prefetch_experts: those restores are on the step's stream, so on the GPU they do not yet overlap
@@ -169,8 +170,8 @@ pebble_status cached_expert(pebble_decoder & d, int32_t i, int32_t j, cudaStream
 pebble_status router_input(const pebble_step_layer & L, const float * x, int32_t n, act_t * out, cudaStream_t stream) {
     const pebble_layer_shape & s = L.shape;
     if (L.weights.ffn_gate_inp_s.data) {
-        return scaled_norm_rows(x, n, s.n_embd, L.weights.ffn_gate_inp_s, sqrtf(static_cast<float>(s.n_embd)), s.rms_eps,
-                                out, stream);
+        const float sqrt_e = sqrtf(static_cast<float>(s.n_embd));
+        return scaled_norm_rows(x, n, s.n_embd, L.weights.ffn_gate_inp_s, sqrt_e, s.rms_eps, out, stream);
     }
     return norm_rows(x, n, s.n_embd, L.weights.ffn_norm, s.rms_eps, out, stream);
 }
@@ -181,8 +182,8 @@ namespace pebble_internal {
 
 // Prefetch for layer i (pebble_step_model.expert_prefetch): its router applied to x [n][n_embd], the hidden
 // state entering it, as router_input prepares it (before the layer's attention has added to it: a guess); the
-// n_expert_used experts of the highest probability
-// summed over the n tokens guessed, and each one the layer's cache lacks restored into a staging slot.
+// n_expert_used experts of the highest probability summed over the n tokens guessed, and each one the layer's
+// cache lacks restored into a staging slot.
 pebble_status prefetch_experts(pebble_decoder & d, int32_t i, int32_t n, const float * x, cudaStream_t stream) {
     const pebble_step_layer & L = d.layers[size_t(i)];
     const pebble_layer_shape & s = L.shape;
@@ -297,7 +298,9 @@ pebble_status experts_ffn(pebble_decoder & d, int32_t layer, int32_t n, const ac
         }
     }
     for (int32_t b = 0; b < n && exps_s.data; b++) {  // Gemma 4: each expert's output times its own scale
-        for (int32_t r = 0; r < k; r++) weight[b][r] *= load_value(d.exps_scale_host.data(), exps_s.ggml_type, chosen[b][r]);
+        for (int32_t r = 0; r < k; r++) {
+            weight[b][r] *= load_value(d.exps_scale_host.data(), exps_s.ggml_type, chosen[b][r]);
+        }
     }
     if (L.experts_stored) {  // what the step has to run, and how many of the layer's guesses it runs
         std::fill(d.to_run.begin(), d.to_run.begin() + E, uint8_t(0));

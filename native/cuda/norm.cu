@@ -1,10 +1,10 @@
-// cuda/norm.cu: RMS norms of float32 rows, weights F32 or F16: of the hidden state into the decode step's
-// activations (out = x / rms(x) * w, a thread block a row on the GPU), of each head of q and k in place
-// (Q/K norms, a warp a head) and of V without a weight (Gemma 4), Gemma 4's router input and the sum of its two
-// FFN halves each normed, a scale read from a weight (Gemma 4's layer output scale), and the residual adds they meet: x += o * scale, o normed first where the
-// layer has a post-norm (the Gemmas'), and the add fused with the norm that follows it. The kernels are
-// written once (pebble_device.h): in the host build a kernel is a plain function run as one thread, which
-// walks each row in order.
+// cuda/norm.cu: RMS norms of float32 rows, weights F32 or F16: of the hidden state into the decode step's activations
+// (out = x / rms(x) * w, a thread block a row on the GPU), of each head of q and k in place (Q/K norms, a warp a head)
+// and of V without a weight (Gemma 4), Gemma 4's router input and the sum of its two FFN halves each normed, a scale
+// read from a weight (Gemma 4's layer output scale), and the residual adds they meet: x += o * scale, o normed first
+// where the layer has a post-norm (the Gemmas'), and the add fused with the norm that follows it. The kernels are
+// written once (pebble_device.h): in the host build a kernel is a plain function run as one thread, which walks each
+// row in order.
 
 #include "cuda/common.cuh"
 #include "cuda/ops.cuh"
