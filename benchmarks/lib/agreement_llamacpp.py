@@ -79,6 +79,7 @@ from pyplugin.runtime import Generation
 from pyplugin.model import load_model
 from pyplugin.model.gguf_file import dequantize_bytes
 from pyplugin.runtime.options import Options
+from pyplugin.xp import to_numpy
 from pyplugin.model.synth import SynthSpec, write_gguf
 from pyplugin.model.synth_mix import MIXES, quantize_mix
 
@@ -442,18 +443,23 @@ def weights_as_dequantized_f32():
 
 @contextmanager
 def gelu_as_ggml():
-    """pebbling's GELU with its input and output rounded to fp16, as ggml's table-driven CPU GELU has them."""
-    original = transformer.gelu_tanh
+    """pebbling's GELU with its input and output rounded to fp16, as ggml's table-driven CPU GELU has them. The
+    native decode step computes its own GELU, so meanwhile a decode step runs through the forward pass (the same
+    math, tested so: tests/test_decode_step.py), where the rounded GELU is the one computed."""
+    original, decode_one = transformer.gelu_tanh, Generation.decode_one
 
     def gelu(x):
         y = original(x.astype(np.float16).astype(np.float32))   # numpy or CuPy, as the backend has it
         return y.astype(np.float16).astype(x.dtype)
 
-    transformer.gelu_tanh = gelu
+    def through_layers(gen, token):
+        return to_numpy(transformer.output_logits(gen.cfg, gen.outer, gen._through_layers([token])[-1]))
+
+    transformer.gelu_tanh, Generation.decode_one = gelu, through_layers
     try:
         yield
     finally:
-        transformer.gelu_tanh = original
+        transformer.gelu_tanh, Generation.decode_one = original, decode_one
 
 
 def rel_err(got: np.ndarray, ref: np.ndarray) -> float:
