@@ -80,7 +80,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lib.hf_compare import N_GEN, hf_greedy, hf_logits, pebbling_greedy, pebbling_logits, tie_tolerant
+from lib.hf_compare import N_GEN, hf_greedy, hf_logits, pebbling_greedy, pebbling_logits, teacher_tokens, tie_tolerant
 from pyplugin.model import load_model
 from pyplugin.model.gguf_file import GGUFFile
 from pyplugin.model.synth import SynthSpec, write_gguf
@@ -250,9 +250,7 @@ def run_variant(name: str, tmp: Path) -> dict:
     path = write_gguf(tmp / f"gemma4-{name}.gguf", SynthSpec(**{**BASE, **spec}))
     model = load_model(path, weights="f16", progress=False)
     cfg = model.config
-    rng = np.random.default_rng(5)
-    normal = [i for i, ty in enumerate(model.tokenizer.types) if ty == 1]
-    teacher = [int(x) for x in rng.choice(normal, N_TEACHER)]
+    teacher = teacher_tokens(model, N_TEACHER)
     ours = pebbling_logits(model, teacher)
     greedy = pebbling_greedy(model, teacher[:N_PROMPT])
     hf, torch, misses = hf_model(path, cfg)

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lib.hf_compare import hf_greedy, hf_logits, pebbling_greedy, pebbling_logits, tie_tolerant
+from lib.hf_compare import hf_greedy, hf_logits, pebbling_greedy, pebbling_logits, teacher_tokens, tie_tolerant
 from pyplugin.model import load_model
 from pyplugin.model.gguf_file import GGUFFile
 from pyplugin.model.synth import write_gguf
@@ -111,9 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         path = write_gguf(Path(tmp) / "gpt-oss.gguf", **{**SPEC, "n_layer": args.n_layer})
         model = load_model(path, weights="f16", progress=False)
         cfg = model.config
-        rng = np.random.default_rng(5)
-        normal = [i for i, ty in enumerate(model.tokenizer.types) if ty == 1]
-        teacher = [int(x) for x in rng.choice(normal, N_TEACHER)]
+        teacher = teacher_tokens(model, N_TEACHER)
         ours = pebbling_logits(model, teacher)
         greedy = pebbling_greedy(model, teacher[:N_PROMPT])
         for truncate in (True, False):

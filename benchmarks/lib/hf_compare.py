@@ -12,6 +12,12 @@ from pyplugin.runtime.options import Options
 N_GEN, TIE = 16, 1e-4   # greedy tokens compared; where transformers' top two are this close, either is right
 
 
+def teacher_tokens(model, n: int, seed: int = 5) -> list[int]:
+    """n token ids drawn from the model's normal tokens: a teacher-forced prompt both sides read."""
+    normal = [i for i, ty in enumerate(model.tokenizer.types) if ty == 1]
+    return [int(x) for x in np.random.default_rng(seed).choice(normal, n)]
+
+
 def hf_logits(model, torch, tokens: list[int]) -> np.ndarray:
     with torch.no_grad():
         return model(torch.tensor([tokens]), use_cache=False).logits[0].double().numpy()
