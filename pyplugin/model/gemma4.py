@@ -22,6 +22,7 @@ import numpy as np
 
 from ..errors import ModelError
 from ..xp import get_array_module
+from .gguf_file import drop_file_pages
 from .qweight import QuantWeight
 from .transformer import linear, rms_norm
 
@@ -138,12 +139,15 @@ def layer_tensors(f: Any, cfg: Any, i: int, get: Callable[[str], Any], optional:
 
 
 def split_gate_up(a: Any, n_expert: int, n_ff: int) -> tuple[Any, Any]:
-    """A merged [n_expert, 2 n_ff, n_embd] gate-and-up stack as two [n_expert * n_ff, n_embd] stacks (copies)."""
+    """A merged [n_expert, 2 n_ff, n_embd] gate-and-up stack as two [n_expert * n_ff, n_embd] stacks (copies; the
+    file's pages of the merged one dropped after, so that its bytes are held once)."""
     rows = np.arange(n_expert * 2 * n_ff).reshape(n_expert, 2, n_ff)
     gate, up = rows[:, 0].ravel(), rows[:, 1].ravel()
     if isinstance(a, QuantWeight):
-        return (QuantWeight(a.qtype, (gate.size, a.shape[1]), np.ascontiguousarray(a.data[gate])),
-                QuantWeight(a.qtype, (up.size, a.shape[1]), np.ascontiguousarray(a.data[up])))
+        split = (QuantWeight(a.qtype, (gate.size, a.shape[1]), np.ascontiguousarray(a.data[gate])),
+                 QuantWeight(a.qtype, (up.size, a.shape[1]), np.ascontiguousarray(a.data[up])))
+        drop_file_pages(a.data)  # the file's pages of the merged tensor, read once here: not held twice
+        return split
     return np.ascontiguousarray(a[gate]), np.ascontiguousarray(a[up])
 
 
