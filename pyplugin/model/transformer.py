@@ -31,7 +31,7 @@ import numpy as np
 from ..kv_types import KVType, cache_kv_type, decode, default_kv_type, encode, kv_type
 from ..xp import compute_dtype, get_array_module
 from .attention import attention, by_rows, softcap
-from .config import ModelConfig  # noqa: F401 - where the model's modules have always found it
+from .config import ModelConfig
 from .rope import ROPE_NEOX, ROPE_NORMAL, apply_rope, rope_inv_freq, rope_table, yarn_corr_dims  # noqa: F401
 from .moe import moe_ffn
 from .qweight import QuantWeight

@@ -25,7 +25,7 @@ from ..xp import to_numpy
 from .constraint import Constraint
 from .logprobs import TokenLogprob, token_logprob
 from .options import Options
-from .stop_text import StopText  # noqa: F401 - the serving loop's, found here
+from .stop_text import StopText
 from .sampling import Sampler
 
 Array = Any

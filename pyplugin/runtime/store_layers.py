@@ -60,7 +60,6 @@ class StoreLayers:
         self.kv_fallback = options.kv_fallback  # why that is f16 and not the server's type, for the report
         self.kv_dtype = self.kv.dtype
         self.kv_shapes = [pebbled.kv_shape(self.n_ctx, i, self.kv) for i in range(len(pebbled.layouts))]
-        self.kv_row_bytes = int(np.prod(self.kv_shapes[0][1:])) * self.kv_dtype.itemsize
         self.row_bytes = [int(np.prod(shape[1:])) * self.kv_dtype.itemsize for shape in self.kv_shapes]  # per layer
         # Gemma 4: a layer reading another's caches (kv_source) computes over that layer's, resident (the plan
         # pins it), and keeps, restores and writes back none of its own
@@ -369,10 +368,6 @@ class SequenceLayers:
     @property
     def plan(self) -> Plan:
         return self.shared.plan
-
-    @property
-    def kv_row_bytes(self) -> int:
-        return self.shared.kv_row_bytes
 
     def begin(self, pos: int, n_tokens: int) -> None:
         self.shared.begin_pass([(self.seq, pos, n_tokens)])

@@ -33,7 +33,8 @@ from typing import Any, Callable
 
 from ..errors import OptionsError, PebblingError
 from ..runtime.batch import decode_batch, prefill_batch, prefills_together
-from ..runtime.generation import Generation, StopText
+from ..runtime.generation import Generation
+from ..runtime.stop_text import StopText
 from ..runtime.store_layers import StoreLayers
 from .jobs import Final, Job, Piece, json_ready, since
 
