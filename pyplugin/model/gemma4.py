@@ -24,7 +24,7 @@ from ..errors import ModelError
 from ..xp import get_array_module
 from .gguf_file import drop_file_pages
 from .qweight import QuantWeight
-from .transformer import linear, rms_norm
+from .transformer import linear, rms_norm, table_rows
 
 Array = Any
 
@@ -184,12 +184,7 @@ def per_layer_inputs(cfg: Any, outer: Any, tokens: Any, x: Array) -> Array | Non
     if outer.per_layer_token_embd is None:
         return None
     xp, T, n = get_array_module(x), x.shape[0], cfg.n_embd_per_layer
-    table = outer.per_layer_token_embd
-    if isinstance(table, QuantWeight):
-        rows = table.take_rows(tokens)
-    else:
-        rows = table[get_array_module(table).asarray(tokens, dtype=np.int64)]
-    rows = xp.asarray(rows, dtype=x.dtype).reshape(T, cfg.n_layer, n) * np.float32(math.sqrt(n))
+    rows = table_rows(outer.per_layer_token_embd, tokens, xp, math.sqrt(n), x.dtype).reshape(T, cfg.n_layer, n)
     proj = linear(x, outer.per_layer_model_proj) * np.float32(1.0 / math.sqrt(cfg.n_embd))
     proj = rms_norm(proj.reshape(T, cfg.n_layer, n), outer.per_layer_proj_norm, cfg.rms_eps)
     return ((proj + rows) * np.float32(1.0 / math.sqrt(2.0))).astype(x.dtype, copy=False)

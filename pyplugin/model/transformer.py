@@ -191,7 +191,12 @@ def embed(outer: OuterWeights, tokens: Any, xp: Any = np, scale: float = 1.0, dt
     """Token ids -> x [T, n_embd] in `dtype` (default xp's compute type), times `scale` (the config's
     embd_scale). Rows are gathered where token_embd lives, so a host-side table sends only T rows to the
     device."""
-    table = outer.token_embd
+    return table_rows(outer.token_embd, tokens, xp, scale, dtype)
+
+
+def table_rows(table: Array | QuantWeight, tokens: Any, xp: Any = np, scale: float = 1.0, dtype: Any = None) -> Array:
+    """The rows of `tokens` of a table (a token embedding; Gemma 4's per-layer one), gathered where it lives,
+    times `scale`, as xp's `dtype` (default its compute type)."""
     if isinstance(table, QuantWeight):  # only the rows asked for are decoded
         rows = table.take_rows(tokens)
     else:
