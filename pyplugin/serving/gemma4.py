@@ -147,8 +147,8 @@ def _value(text: str, at: int) -> tuple[Any, int]:
         return text[at + len(QUOTE):end], end + len(QUOTE)
     if text.startswith("{", at):
         out: dict[str, Any] = {}
-        at = _skip(text, at + 1)
-        while not text.startswith("}", at):
+
+        def entry(at: int) -> int:
             colon = text.find(":", at)
             key = text[at:colon] if colon >= 0 else ""
             if not key or "}" in key or "," in key:
@@ -156,24 +156,16 @@ def _value(text: str, at: int) -> tuple[Any, int]:
             if key.startswith(QUOTE) and key.endswith(QUOTE) and len(key) >= 2 * len(QUOTE):
                 key = key[len(QUOTE):-len(QUOTE)]
             out[key.strip()], at = _value(text, colon + 1)
-            at = _skip(text, at)
-            if text.startswith(",", at):
-                at = _skip(text, at + 1)
-            elif not text.startswith("}", at):
-                raise ValueError(f"expected ',' or '}}' at {at}")
-        return out, at + 1
+            return at
+        return out, _items(text, at, "}", entry)
     if text.startswith("[", at):
         items: list[Any] = []
-        at = _skip(text, at + 1)
-        while not text.startswith("]", at):
-            item, at = _value(text, at)
-            items.append(item)
-            at = _skip(text, at)
-            if text.startswith(",", at):
-                at = _skip(text, at + 1)
-            elif not text.startswith("]", at):
-                raise ValueError(f"expected ',' or ']' at {at}")
-        return items, at + 1
+
+        def item(at: int) -> int:
+            value, at = _value(text, at)
+            items.append(value)
+            return at
+        return items, _items(text, at, "]", item)
     number = _NUMBER.match(text, at)
     if number:
         digits = number.group()
@@ -182,6 +174,19 @@ def _value(text: str, at: int) -> tuple[Any, int]:
         if text.startswith(word, at):
             return value, at + len(word)
     raise ValueError(f"no value at {at}")
+
+
+def _items(text: str, at: int, close: str, read) -> int:
+    """Reads the comma-separated items of an object or a list opening at `at` (each by `read`, which returns where
+    it ends) up to `close`; where the text goes on after it."""
+    at = _skip(text, at + 1)
+    while not text.startswith(close, at):
+        at = _skip(text, read(at))
+        if text.startswith(",", at):
+            at = _skip(text, at + 1)
+        elif not text.startswith(close, at):
+            raise ValueError(f"expected ',' or '{close}' at {at}")
+    return at + 1
 
 
 def _skip(text: str, at: int) -> int:
