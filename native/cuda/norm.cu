@@ -16,23 +16,10 @@ using namespace pebble_internal;
 
 namespace {
 
-// One warp per head of y [n_heads][head_dim], in place: y = y / sqrt(mean(y^2) + eps) * w (float32).
-__global__ void head_norm_kernel(float * __restrict__ y, int32_t n_heads, int32_t head_dim, const void * w,
+// One warp per head of src [n_heads][head_dim]: dst = src / sqrt(mean(src^2) + eps) * w (float32), w NULL: no
+// weight (Gemma 4's V). src may be dst (the Q/K norms in place; V normed where it is, or from K's projection).
+__global__ void head_norm_kernel(const float * src, float * dst, int32_t n_heads, int32_t head_dim, const void * w,
                                  int32_t w_type, float eps) {
-    for (int64_t h = grid_warp(); h < n_heads; h += grid_warps()) {
-        float * yh = y + h * head_dim;
-        float sum = 0.0f;
-        for (int64_t i = warp_lane(); i < head_dim; i += warp_lanes) sum += yh[i] * yh[i];
-        sum = warp_sum(sum);
-        const float scale = 1.0f / sqrtf(sum / static_cast<float>(head_dim) + eps);
-        warp_sync();
-        for (int64_t i = warp_lane(); i < head_dim; i += warp_lanes) yh[i] = yh[i] * scale * load_value(w, w_type, i);
-    }
-}
-
-// One warp per head of src [n_heads][head_dim]: dst = src / sqrt(mean(src^2) + eps), no weight (Gemma 4's V;
-// src may be dst, or K's projection where V is K).
-__global__ void v_norm_kernel(const float * src, float * dst, int32_t n_heads, int32_t head_dim, float eps) {
     for (int64_t h = grid_warp(); h < n_heads; h += grid_warps()) {
         const float * sh = src + h * head_dim;
         float * dh = dst + h * head_dim;
@@ -41,7 +28,9 @@ __global__ void v_norm_kernel(const float * src, float * dst, int32_t n_heads, i
         sum = warp_sum(sum);
         const float scale = 1.0f / sqrtf(sum / static_cast<float>(head_dim) + eps);
         warp_sync();
-        for (int64_t i = warp_lane(); i < head_dim; i += warp_lanes) dh[i] = sh[i] * scale;
+        for (int64_t i = warp_lane(); i < head_dim; i += warp_lanes) {
+            dh[i] = w ? sh[i] * scale * load_value(w, w_type, i) : sh[i] * scale;
+        }
     }
 }
 
@@ -281,15 +270,15 @@ pebble_status residual(float * x, const float * o, int64_t n_rows, int64_t e, co
 
 pebble_status head_norm(float * y, int32_t n_heads, int32_t head_dim, const pebble_tensor_ref & w, float eps,
                         [[maybe_unused]] cudaStream_t stream) {
-    LAUNCH(head_norm_kernel, grid_for(n_heads, heads_per_block), dim3(warp_lanes, heads_per_block), stream, y, n_heads,
+    LAUNCH(head_norm_kernel, grid_for(n_heads, heads_per_block), dim3(warp_lanes, heads_per_block), stream, y, y, n_heads,
            head_dim, w.data, w.ggml_type, eps);
     return launched();
 }
 
 pebble_status v_norm(const float * src, float * dst, int32_t n_heads, int32_t head_dim, float eps,
                      [[maybe_unused]] cudaStream_t stream) {
-    LAUNCH(v_norm_kernel, grid_for(n_heads, heads_per_block), dim3(warp_lanes, heads_per_block), stream, src, dst,
-           n_heads, head_dim, eps);
+    LAUNCH(head_norm_kernel, grid_for(n_heads, heads_per_block), dim3(warp_lanes, heads_per_block), stream, src, dst,
+           n_heads, head_dim, nullptr, 0, eps);
     return launched();
 }
 
